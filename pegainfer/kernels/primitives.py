@@ -1,0 +1,264 @@
+"""The few hardware primitives that differ between a real GPU and Numba's CUDA simulator.
+
+Every other kernel module imports its building blocks from here and never checks which world it runs in.
+
+Conventions every kernel in ``pegainfer/kernels`` follows
+---------------------------------------------------------
+* **bf16 is raw bits.**  A bf16 tensor is a ``uint16`` device array.  ``bf16_to_f32`` widens one value,
+  ``f32_to_bf16`` rounds to nearest-even (NaN stays NaN).  Arithmetic happens in f32; results are rounded back to
+  bf16 exactly where Hugging Face's bf16 forward rounds them, so logits line up with the reference.
+* **Wide loads.**  ``load_u32x4(a, i)`` reads ``a[i:i+4]`` of a ``uint32`` array as one 16-byte load (8 bf16
+  values); ``i`` is an *element* index and must be a multiple of 4 (the address 16-byte aligned).
+* **1-D blocks whose size is a multiple of 32**, and grid-/block-stride loops, so the same kernel runs with any
+  geometry.  Launch wrappers pick small geometries in the simulator via ``threads(gpu=..)`` and ``grid(...)``.
+* **Warp reductions** (``warp_sum``, ``warp_max``, ``warp_argmax``) are butterfly reductions: every lane gets the
+  result.  In the simulator they are emulated with block-shared scratch and the block barrier, so *every thread of
+  the block must call them the same number of times* (keep loop trip counts uniform across the block and guard the
+  work inside the loop, not the reduction).
+* ``block_sum`` / ``block_max`` reduce over the whole block (same rule: every thread calls them).
+* Kernels are declared with ``@kernel`` (``cuda.jit`` with on-disk caching on the GPU) and device functions with
+  ``@device_fn``.  They are launched only through ``pegainfer.kernels.launch.launch`` (one place for the stream,
+  CUDA-graph capture and tracing).
+"""
+from __future__ import annotations
+
+import math  # noqa: F401  (re-exported for kernels: math.exp etc. work in both worlds)
+
+import numpy as np
+
+from pegainfer.device import SIMULATOR
+from numba import cuda  # noqa: E402
+
+float32, int32, uint16, uint32 = np.float32, np.int32, np.uint16, np.uint32
+
+WARP = 32
+FULL_MASK = 0xFFFFFFFF
+
+if SIMULATOR:
+    kernel = cuda.jit
+    device_fn = cuda.jit(device=True)
+else:
+    kernel = cuda.jit(cache=True)
+    device_fn = cuda.jit(device=True, forceinline=True)
+
+
+def threads(gpu: int = 256, sim: int = 32) -> int:
+    """Block size for a launch: ``gpu`` on hardware, ``sim`` (default one warp) in the simulator."""
+    return sim if SIMULATOR else gpu
+
+
+def grid(n: int, per_block: int = 1, sim_cap: int = 64) -> int:
+    """Number of blocks to cover ``n`` work items at ``per_block`` each (capped in the simulator, where kernels
+    must then use grid-stride loops)."""
+    blocks = max(1, -(-n // per_block))
+    return min(blocks, sim_cap) if SIMULATOR else blocks
+
+
+if SIMULATOR:
+    # ---------------------------------------------------------------- simulator: plain Python with numpy scalars
+    @device_fn
+    def bf16_to_f32(bits):
+        return np.uint32(int(bits) << 16).view(np.float32)
+
+    @device_fn
+    def f32_to_bf16(x):
+        x = np.float32(x)
+        if x != x:
+            return np.uint16(0x7FC0)
+        u = int(x.view(np.uint32))
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFFFFFF
+        return np.uint16(u >> 16)
+
+    @device_fn
+    def f32_bits(x):
+        return np.uint32(np.float32(x).view(np.uint32))
+
+    @device_fn
+    def bits_f32(u):
+        return np.uint32(u).view(np.float32)
+
+    @device_fn
+    def load_u32x4(a, i):
+        return a[i], a[i + 1], a[i + 2], a[i + 3]
+
+    def _lanes():
+        t = int(cuda.threadIdx.x)
+        n = int(cuda.blockDim.x)
+        base = t - t % WARP
+        return t, base, min(base + WARP, n)
+
+    @device_fn
+    def warp_sum(v):
+        buf = cuda.shared.array(1024, np.float64)
+        t, lo, hi = _lanes()
+        buf[t] = v
+        cuda.syncthreads()
+        s = np.float32(np.sum(buf[lo:hi].astype(np.float32), dtype=np.float32))
+        cuda.syncthreads()
+        return type(v)(s) if isinstance(v, (np.floating, float)) else s
+
+    @device_fn
+    def warp_max(v):
+        buf = cuda.shared.array(1024, np.float64)
+        t, lo, hi = _lanes()
+        buf[t] = v
+        cuda.syncthreads()
+        m = buf[lo:hi].max()
+        cuda.syncthreads()
+        return type(v)(m) if isinstance(v, (np.floating, float)) else np.float32(m)
+
+    @device_fn
+    def warp_argmax(v, i):
+        """(max value, its index) over the warp; ties go to the smaller index."""
+        vals = cuda.shared.array(1024, np.float64)
+        idxs = cuda.shared.array(1025, np.int64)  # different size only so the two allocations are distinct
+        t, lo, hi = _lanes()
+        vals[t] = v
+        idxs[t] = i
+        cuda.syncthreads()
+        best_v, best_i = vals[lo], idxs[lo]
+        for j in range(lo + 1, hi):
+            if vals[j] > best_v or (vals[j] == best_v and idxs[j] < best_i):
+                best_v, best_i = vals[j], idxs[j]
+        cuda.syncthreads()
+        return np.float32(best_v), np.int32(best_i)
+
+else:
+    # ---------------------------------------------------------------- GPU
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+    from numba.cuda import libdevice
+
+    @device_fn
+    def bf16_to_f32(bits):
+        return libdevice.int_as_float(int32(uint32(bits) << uint32(16)))
+
+    @device_fn
+    def f32_bits(x):
+        return uint32(libdevice.float_as_int(float32(x)))
+
+    @device_fn
+    def bits_f32(u):
+        return libdevice.int_as_float(int32(u))
+
+    @device_fn
+    def f32_to_bf16(x):
+        xf = float32(x)
+        if xf != xf:
+            return uint16(0x7FC0)
+        u = uint32(libdevice.float_as_int(xf))
+        u = u + uint32(0x7FFF) + ((u >> uint32(16)) & uint32(1))
+        return uint16(u >> uint32(16))
+
+    @intrinsic
+    def _ld_global_nc_v4_u32(typingctx, arr, idx):
+        """``ld.global.nc.v4.u32``: one 16-byte read-only load of a[idx:idx+4] (idx a multiple of 4)."""
+        if not (isinstance(arr, types.Array) and arr.dtype == types.uint32 and arr.ndim == 1):
+            return None
+        sig = types.UniTuple(types.uint32, 4)(arr, idx)
+
+        def codegen(context, builder, sig, args):
+            arrty, idxty = sig.args
+            ary = context.make_array(arrty)(context, builder, value=args[0])
+            index = context.cast(builder, args[1], idxty, types.intp)
+            ptr = cgutils.get_item_pointer(context, builder, arrty, ary, [index], wraparound=False)
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.LiteralStructType([i32, i32, i32, i32]), [ptr.type])
+            asm = ir.InlineAsm(fnty, "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
+            res = builder.call(asm, [ptr])
+            elems = [builder.extract_value(res, k) for k in range(4)]
+            return context.make_tuple(builder, sig.return_type, elems)
+
+        return sig, codegen
+
+    @device_fn
+    def load_u32x4(a, i):
+        return _ld_global_nc_v4_u32(a, i)
+
+    @device_fn
+    def warp_sum(v):
+        for off in (16, 8, 4, 2, 1):
+            v += cuda.shfl_xor_sync(FULL_MASK, v, off)
+        return v
+
+    @device_fn
+    def warp_max(v):
+        for off in (16, 8, 4, 2, 1):
+            v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, off))
+        return v
+
+    @device_fn
+    def warp_argmax(v, i):
+        """(max value, its index) over the warp; ties go to the smaller index."""
+        for off in (16, 8, 4, 2, 1):
+            ov = cuda.shfl_xor_sync(FULL_MASK, v, off)
+            oi = cuda.shfl_xor_sync(FULL_MASK, i, off)
+            if ov > v or (ov == v and oi < i):
+                v = ov
+                i = oi
+        return v, i
+
+
+@device_fn
+def block_sum(v):
+    """Sum of ``v`` over every thread of the (1-D, multiple-of-32) block; every thread gets the total."""
+    partial = cuda.shared.array(32, float32)
+    lane = cuda.threadIdx.x % WARP
+    wid = cuda.threadIdx.x // WARP
+    nwarps = (cuda.blockDim.x + WARP - 1) // WARP
+    s = warp_sum(float32(v))
+    cuda.syncthreads()
+    if lane == 0:
+        partial[wid] = s
+    cuda.syncthreads()
+    t = partial[lane] if lane < nwarps else float32(0.0)
+    t = warp_sum(t)
+    return t
+
+
+@device_fn
+def block_max(v):
+    """Max of ``v`` over every thread of the block; every thread gets it."""
+    partial = cuda.shared.array(32, float32)
+    lane = cuda.threadIdx.x % WARP
+    wid = cuda.threadIdx.x // WARP
+    nwarps = (cuda.blockDim.x + WARP - 1) // WARP
+    m = warp_max(float32(v))
+    cuda.syncthreads()
+    if lane == 0:
+        partial[wid] = m
+    cuda.syncthreads()
+    t = partial[lane] if lane < nwarps else float32(-math.inf)
+    t = warp_max(t)
+    return t
+
+
+@device_fn
+def bf16x2_lo(word):
+    """f32 value of the low bf16 of a packed pair (``uint32`` holding two bf16, lower index in the low half)."""
+    return bits_f32(uint32(word) << uint32(16))
+
+
+@device_fn
+def bf16x2_hi(word):
+    """f32 value of the high bf16 of a packed pair."""
+    return bits_f32(uint32(word) & uint32(0xFFFF0000))
+
+
+# ------------------------------------------------------------------------------------------------ host helpers
+def to_bf16_bits(a) -> np.ndarray:
+    """Host array (any float dtype, incl. ml_dtypes.bfloat16) → uint16 bf16 bits, round-to-nearest-even."""
+    import ml_dtypes
+
+    a = np.asarray(a)
+    if a.dtype == np.uint16:
+        return a
+    return np.ascontiguousarray(a.astype(ml_dtypes.bfloat16)).view(np.uint16)
+
+
+def from_bf16_bits(bits) -> np.ndarray:
+    """uint16 bf16 bits (host) → float32."""
+    bits = np.asarray(bits, dtype=np.uint16)
+    return (bits.astype(np.uint32) << 16).view(np.float32)

@@ -1,26 +1,10 @@
-"""Shared test fixtures. Importing pegainfer first decides GPU vs simulator before numba loads."""
-import os
-
+"""Shared fixtures. Importing pegainfer first decides GPU vs simulator before numba loads."""
 import numpy as np
 import pytest
 
-import pegainfer  # noqa: F401  (must come before numba)
-from pegainfer.kernels.primitives import from_bf16_bits, to_bf16_bits
+import pegainfer
 
 SIMULATOR = pegainfer.SIMULATOR
-
-
-def rel_l2(a, b) -> float:
-    """Relative L2 error ||a - b|| / ||b|| in float64."""
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def bf16_randn(shape, rng, scale=1.0):
-    """Random bf16 values: returns (uint16 bits, the same values as float64)."""
-    bits = to_bf16_bits((rng.standard_normal(shape) * scale).astype(np.float32))
-    return bits, from_bf16_bits(bits).astype(np.float64)
 
 
 @pytest.fixture
@@ -29,6 +13,7 @@ def rng():
 
 
 def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip cleanly in the simulator (CI); on a GPU they run."""
     if not SIMULATOR:
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (running in the simulator)")

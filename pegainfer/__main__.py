@@ -1,0 +1,162 @@
+"""Command line: ``python -m pegainfer {generate,serve,bench}``. Run with ``--help`` for everything."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import pegainfer
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-path", default=None,
+                   help="Hugging Face model folder (config.json, *.safetensors, tokenizer.json). "
+                        "Default: a built-in tiny demo Qwen3 with RANDOM weights (gibberish output), made on first use")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (prompt + output) to reserve KV cache for; default: the model's limit, "
+                        "halved until it fits in GPU memory")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
+                   help="capture the decode step in a CUDA graph (default on; --no-cuda-graph launches kernels "
+                        "one by one, for debugging — same tokens)")
+    p.add_argument("--trace-output-path", default=None,
+                   help="write a Chrome trace (open in https://ui.perfetto.dev) of per-kernel GPU times and "
+                        "per-request spans into this folder")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy; default: the model folder's generation_config.json, else 1.0")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p × the top probability")
+    p.add_argument("--seed", type=int, default=None, help="random seed: the same seed gives the same tokens")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m pegainfer",
+        description="pegainfer: Qwen3 / Qwen3.5 inference with readable Numba-CUDA kernels. Without a GPU every "
+                    "kernel runs in Numba's CUDA simulator (slow: only the tiny demo model is practical).")
+    parser.add_argument("--version", action="version", version=f"pegainfer {pegainfer.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{generate,serve,bench}")
+
+    g = sub.add_parser("generate", help="stream a completion of one prompt to stdout",
+                       description="Stream a completion of --prompt to stdout, then print one summary line "
+                                   "(prompt tokens, generated tokens, TTFT ms, TPOT ms, tok/s) on stderr.")
+    _add_model_args(g)
+    g.add_argument("--prompt", default="Hello, my name is", help="the prompt text (raw, no chat template)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as one user message with the chat template")
+    _add_sampling_args(g)
+
+    try:
+        from pegainfer.server import add_serve_arguments
+    except ImportError:  # pragma: no cover - server package missing
+        add_serve_arguments = None
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    _add_model_args(s)
+    if add_serve_arguments is not None:
+        add_serve_arguments(s)
+
+    b = sub.add_parser("bench", help="measure TTFT / TPOT percentiles and the memory-bandwidth floor")
+    _add_model_args(b)
+    from pegainfer.bench import add_bench_arguments
+    add_bench_arguments(b)
+    return parser
+
+
+def _sampling_params(args, engine):
+    from pegainfer.engine.types import SamplingParams
+    d = engine.generation_defaults
+    pick = lambda v, dv, fallback: v if v is not None else (dv if dv is not None else fallback)  # noqa: E731
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=pick(args.temperature, getattr(d, "temperature", None), 1.0),
+        top_p=pick(args.top_p, getattr(d, "top_p", None), 1.0),
+        top_k=pick(args.top_k, getattr(d, "top_k", None), 0),
+        min_p=pick(args.min_p, getattr(d, "min_p", None), 0.0),
+        seed=args.seed, ignore_eos=args.ignore_eos)
+
+
+def cmd_generate(args) -> int:
+    from pegainfer.engine.engine import Engine
+    from pegainfer.errors import PegainferError
+
+    print(f"[pegainfer] {pegainfer.device.describe()}", file=sys.stderr)
+    if args.max_tokens < 1:
+        raise PegainferError("--max-tokens must be at least 1")
+    t0 = time.perf_counter()
+    engine = Engine.from_folder(args.model_path, args.max_model_len, max_batch=1,
+                                use_cuda_graph=args.cuda_graph, verbose=True)
+    if engine.is_demo:
+        print("[pegainfer] using the built-in demo model (tiny Qwen3 with RANDOM weights: the text is gibberish); "
+              "pass --model-path DIR for a real model", file=sys.stderr)
+    print(f"[pegainfer] loaded {engine.model_name} in {time.perf_counter() - t0:.1f} s "
+          f"(max model len {engine.max_model_len})", file=sys.stderr)
+    params = _sampling_params(args, engine)
+    prompt = args.prompt
+    if args.chat:
+        if engine.chat_template is None:
+            raise PegainferError("--chat: this model folder has no chat template")
+        prompt = engine.chat_template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    ids = engine.tokenizer.encode(prompt)
+    if not ids:
+        raise PegainferError("the prompt is empty after tokenization: pass some text with --prompt")
+    from pegainfer.trace import maybe_trace
+    with maybe_trace(args.trace_output_path, engine) as tracer:
+        t_start = time.perf_counter()
+        engine.add_request("cli", ids, params)
+        t_first = None
+        n_out = 0
+        reason = None
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.new_token_ids and t_first is None:
+                    t_first = time.perf_counter()
+                n_out = out.completion_tokens or n_out
+                if out.delta_text:
+                    sys.stdout.write(out.delta_text)
+                    sys.stdout.flush()
+                if out.finished:
+                    reason = out.finish_reason
+        t_end = time.perf_counter()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    ttft = ((t_first or t_end) - t_start) * 1e3
+    tpot = (t_end - t_first) * 1e3 / (n_out - 1) if n_out > 1 and t_first else float("nan")
+    tps = (n_out - 1) / (t_end - t_first) if n_out > 1 and t_first else float("nan")
+    print(f"[pegainfer] prompt tokens {len(ids)}, generated tokens {n_out} ({reason}), TTFT {ttft:.1f} ms, "
+          f"TPOT {tpot:.2f} ms, {tps:.1f} tok/s", file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    import logging
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    from pegainfer.errors import PegainferError
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "serve":
+            from pegainfer.server import run_server
+            return run_server(args) or 0
+        if args.command == "bench":
+            from pegainfer.bench import run_bench
+            return run_bench(args) or 0
+    except PegainferError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Engine: sequences, paged KV bookkeeping, scheduler, model runner (eager or CUDA-graph replay)."""

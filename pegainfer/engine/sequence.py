@@ -1,0 +1,45 @@
+"""One request's life inside the engine: its tokens, its slot and pages, its text stream and stop rules."""
+from __future__ import annotations
+
+import enum
+import random
+import time
+from typing import Optional
+
+from pegainfer.engine.types import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, detokenizer, stop_matcher):
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        self.seed = params.seed if params.seed is not None else random.getrandbits(63)
+        self.status = Status.WAITING
+        self.slot: Optional[int] = None
+        self.num_cached = 0                  # tokens whose K/V are in the cache
+        self.detokenizer = detokenizer
+        self.stop_matcher = stop_matcher
+        self.finish_reason: Optional[str] = None
+        self.arrival = time.perf_counter()
+        self.scheduled_time: Optional[float] = None
+        self.first_token_time: Optional[float] = None
+        self.aborted = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_cached >= len(self.prompt_ids)
+
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]

@@ -1,0 +1,44 @@
+"""Plain data passed between the server / CLI and the engine. No GPU state lives here."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop, per request (OpenAI / vLLM meanings)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0      # 0 → greedy
+    top_p: float = 1.0            # 1 → off
+    top_k: int = 0                # 0 or -1 → off
+    min_p: float = 0.0            # 0 → off
+    seed: Optional[int] = None    # None → a fresh random seed per request
+    stop: list[str] = field(default_factory=list)          # stop strings (never sent to the client)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0           # EOS / stop ids / stop strings are ignored before this many tokens
+    logprobs: Optional[int] = None  # None → off; N ≥ 0 → the chosen token's logprob plus the top N
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob) of the top-N tokens, most likely first
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    delta_text: str                       # safe to send: whole UTF-8 characters, stop strings held back / removed
+    logprobs: Optional[list[TokenLogprob]]  # one per new token when requested
+    finished: bool = False
+    finish_reason: Optional[str] = None   # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: Optional[str] = None           # set with finish_reason "error"

@@ -1,0 +1,171 @@
+"""Qwen3 (dense, GQA) forward pass as a sequence of kernel launches over preallocated buffers.
+
+One forward call processes a flat batch of T tokens (vLLM style): a prefill chunk of one sequence, or one decode
+token for each of B sequences. Token t has id ``ids[t]``, position ``positions[t]`` and belongs to slot
+``token_slots[t]``; the KV cache is paged (see ``engine/kv_cache.py``). Per decoder layer::
+
+    normed   = rms_norm(residual)                       (fused with the residual add of the previous layer)
+    qkv      = normed @ W_qkv^T                          [T, (nq + 2 nkv) D]   (q, k, v projections fused)
+    q, K, V  = rope(rms_norm_head(q)), rope(rms_norm_head(k)), v → K/V written into the paged cache
+    attn     = softmax(q K^T / sqrt(D)) V                [T, nq, D]    (causal via positions, GQA)
+    residual = residual + attn @ W_o^T ; normed = rms_norm(residual)
+    residual = residual + (silu(normed W_gate^T) * (normed W_up^T)) @ W_down^T
+
+and finally ``logits = rms_norm(residual)[logit_rows] @ W_lm^T``. Every intermediate is bf16 (uint16 bits), rounded
+where Hugging Face's bf16 forward rounds, so logits line up with ``transformers``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda
+
+from pegainfer.kernels import activation, attention, embedding, linear, norm, rope
+from pegainfer.kernels.launch import current_stream
+
+BF16 = np.uint16
+
+
+@dataclass
+class StepBuffers:
+    """Device inputs of one forward step, sized for ``max_tokens``; the runner fills the first T / B entries."""
+
+    ids: object          # [max_tokens] int32
+    positions: object    # [max_tokens] int32
+    token_slots: object  # [max_tokens] int32
+    logit_rows: object   # [max_rows] int32: which of the T rows produce logits (last token of each sequence)
+
+    @classmethod
+    def allocate(cls, max_tokens: int, max_rows: int) -> "StepBuffers":
+        z = lambda n: cuda.to_device(np.zeros(n, dtype=np.int32))  # noqa: E731
+        return cls(z(max_tokens), z(max_tokens), z(max_tokens), z(max_rows))
+
+
+class Qwen3Model:
+    """Qwen3ForCausalLM: weights, KV cache and activation buffers on the device, and the forward pass."""
+
+    arch = "qwen3"
+
+    def __init__(self, cfg, max_model_len: int, max_tokens: int, max_rows: int):
+        self.cfg = cfg
+        self.max_model_len = max_model_len
+        self.max_tokens = max_tokens          # most tokens in one step (prefill chunk)
+        self.max_rows = max_rows              # most logits rows in one step (sequences in a decode batch)
+        self.nq = cfg.num_attention_heads
+        self.nkv = cfg.num_key_value_heads
+        self.D = cfg.head_dim
+        self.H = cfg.hidden_size
+        self.I = cfg.intermediate_size
+        self.V = cfg.vocab_size
+        self.L = cfg.num_hidden_layers
+        self.qkv_rows = (self.nq + 2 * self.nkv) * self.D
+        self.rotary_dim = self.D
+
+    # ------------------------------------------------------------------------------------------------ sizes
+    def weight_bytes(self) -> int:
+        """Bytes of bf16 weights on the device (what a decode step must read)."""
+        H, I, V, D = self.H, self.I, self.V, self.D
+        per_layer = self.qkv_rows * H + H * self.nq * D + 2 * I * H + H * I + 2 * H + 2 * D
+        lm = 0 if self.cfg.tie_word_embeddings else V * H
+        return 2 * (V * H + self.L * per_layer + H + lm)
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.L * 2 * self.nkv * self.D
+
+    def scratch_bytes(self) -> int:
+        T, H = self.max_tokens, self.H
+        elems = T * (3 * H + self.qkv_rows + 2 * self.nq * self.D + 2 * self.I) + self.max_rows * (H + self.V)
+        return 2 * elems + 4 * attention.attention_workspace_size(T, self.nq, self.D, self.max_model_len, 16)
+
+    # ------------------------------------------------------------------------------------------------ weights
+    def load_weights(self, reader, progress=None) -> None:
+        cfg, H, D = self.cfg, self.H, self.D
+        p = reader.prefix_for("model.embed_tokens.weight")
+        self.embed = reader.upload(f"{p}embed_tokens.weight", (self.V, H))
+        self.final_norm = reader.upload(f"{p}norm.weight", (H,))
+        if cfg.tie_word_embeddings or not reader.has("lm_head.weight"):
+            self.lm_head = self.embed
+        else:
+            self.lm_head = reader.upload("lm_head.weight", (self.V, H))
+        self.layers = []
+        for i in range(self.L):
+            a = f"{p}layers.{i}."
+            lw = {}
+            lw["input_ln"] = reader.upload(a + "input_layernorm.weight", (H,))
+            lw["post_ln"] = reader.upload(a + "post_attention_layernorm.weight", (H,))
+            qkv = cuda.device_array((self.qkv_rows, H), dtype=BF16)
+            q_rows, kv_rows = self.nq * D, self.nkv * D
+            reader.upload(a + "self_attn.q_proj.weight", (q_rows, H), dest=qkv[:q_rows])
+            reader.upload(a + "self_attn.k_proj.weight", (kv_rows, H), dest=qkv[q_rows:q_rows + kv_rows])
+            reader.upload(a + "self_attn.v_proj.weight", (kv_rows, H), dest=qkv[q_rows + kv_rows:])
+            lw["qkv"] = qkv
+            lw["q_norm"] = reader.upload(a + "self_attn.q_norm.weight", (D,))
+            lw["k_norm"] = reader.upload(a + "self_attn.k_norm.weight", (D,))
+            lw["o"] = reader.upload(a + "self_attn.o_proj.weight", (H, self.nq * D))
+            gate_up = cuda.device_array((2 * self.I, H), dtype=BF16)
+            reader.upload(a + "mlp.gate_proj.weight", (self.I, H), dest=gate_up[:self.I])
+            reader.upload(a + "mlp.up_proj.weight", (self.I, H), dest=gate_up[self.I:])
+            lw["gate_up"] = gate_up
+            lw["down"] = reader.upload(a + "mlp.down_proj.weight", (H, self.I))
+            self.layers.append(lw)
+        cos, sin = rope.rope_tables(self.max_model_len, self.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rope_cos = cuda.to_device(cos)
+        self.rope_sin = cuda.to_device(sin)
+
+    # ------------------------------------------------------------------------------------------------ buffers
+    def allocate(self, num_pages: int, page_size: int) -> None:
+        """KV cache pages and activation scratch; called once after the memory check."""
+        self.page_size = page_size
+        shape = (num_pages, page_size, self.nkv, self.D)
+        self.k_cache = [cuda.device_array(shape, dtype=BF16) for _ in range(self.L)]
+        self.v_cache = [cuda.device_array(shape, dtype=BF16) for _ in range(self.L)]
+        T, H = self.max_tokens, self.H
+        e = lambda *s: cuda.device_array(s, dtype=BF16)  # noqa: E731
+        self.residual, self.normed, self.delta = e(T, H), e(T, H), e(T, H)
+        self.qkv = e(T, self.qkv_rows)
+        self.q = e(T, self.nq, self.D)
+        self.attn = e(T, self.nq, self.D)
+        self.act = e(T, self.I)
+        self.last_hidden = e(self.max_rows, H)
+        self.logits = e(self.max_rows, self.V)
+        ws = attention.attention_workspace_size(T, self.nq, self.D, self.max_model_len, page_size)
+        self.attn_workspace = cuda.device_array(max(int(ws), 1), dtype=np.float32)
+
+    def reset_slot(self, slot: int) -> None:
+        """A new sequence takes ``slot`` (no per-slot state besides KV pages for Qwen3)."""
+
+    # ------------------------------------------------------------------------------------------------ forward
+    def forward(self, step: StepBuffers, block_tables, T: int, B: int):
+        """Run T tokens through the model; return the device logits view ``[B, V]`` for ``step.logit_rows[:B]``."""
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        ids, pos, slots = step.ids[:T], step.positions[:T], step.token_slots[:T]
+        residual, normed, delta = self.residual[:T], self.normed[:T], self.delta[:T]
+        qkv, q, attn, act = self.qkv[:T], self.q[:T], self.attn[:T], self.act[:T]
+        attn_flat = self.attn.reshape(self.max_tokens, self.nq * self.D)[:T]
+        scale = 1.0 / math.sqrt(self.D)
+
+        embedding.embedding(ids, self.embed, residual)
+        for i, lw in enumerate(self.layers):
+            if i == 0:
+                norm.rms_norm(residual, lw["input_ln"], normed, eps)
+            else:
+                norm.add_rms_norm(residual, delta, lw["input_ln"], normed, eps)
+            linear.linear(normed, lw["qkv"], qkv)
+            rope.qk_norm_rope_store(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, pos, slots,
+                                    block_tables, self.k_cache[i], self.v_cache[i], q, eps, self.rotary_dim,
+                                    q_head_stride=self.D)
+            attention.paged_attention(q, self.k_cache[i], self.v_cache[i], block_tables, slots, pos, attn, scale,
+                                      self.attn_workspace)
+            linear.linear(attn_flat, lw["o"], delta)
+            norm.add_rms_norm(residual, delta, lw["post_ln"], normed, eps)
+            linear.linear_silu_mul(normed, lw["gate_up"], act)
+            linear.linear(act, lw["down"], delta)
+        norm.add_rms_norm(residual, delta, self.final_norm, normed, eps)
+        last = self.last_hidden[:B]
+        embedding.embedding(step.logit_rows[:B], normed, last)   # gather the rows that need logits
+        logits = self.logits[:B]
+        linear.linear(last, self.lm_head, logits)
+        return logits

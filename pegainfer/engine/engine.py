@@ -20,6 +20,7 @@ from pegainfer.kernels.launch import traced
 log = logging.getLogger("pegainfer.engine")
 
 PAGE_SIZE = 16
+SCORE_ROWS = 16   # logits rows per step: ≥ the decode batch, and the chunk size of score()
 
 
 def _free_gpu_bytes() -> int:
@@ -82,7 +83,7 @@ class Engine:
         Model = model_class(cfg.arch)
 
         def plan(mml: int):
-            m = Model(cfg, mml, max_tokens=min(max_prefill_tokens, mml), max_rows=max(max_batch, 1))
+            m = Model(cfg, mml, max_tokens=min(max_prefill_tokens, mml), max_rows=max(max_batch, SCORE_ROWS))
             pages = max_batch * -(-mml // PAGE_SIZE)
             need = m.weight_bytes() + m.scratch_bytes() + pages * PAGE_SIZE * m.kv_bytes_per_token()
             need += getattr(m, "state_bytes", lambda n: 0)(max_batch)
@@ -149,6 +150,28 @@ class Engine:
                 "kv_pages_used": self.pool.pages_used, "kv_pages_total": self.pool.num_pages,
                 "slots_used": self.pool.slots_used}
 
+    def score(self, token_ids: list[int]):
+        """Logits ``[T, V]`` (float32, host) at every position of ``token_ids`` (teacher forcing), computed through
+        the normal prefill path in chunks of up to SCORE_ROWS tokens. Used by the Hugging Face oracle tests."""
+        import numpy as np
+        if self.has_unfinished():
+            raise RuntimeError("score() needs an idle engine")
+        from pegainfer.engine.sequence import Sequence
+        seq = Sequence("__score__", token_ids, SamplingParams(temperature=0.0), None, None)
+        self.pool.ensure_capacity(slot := self.pool.acquire_slot(), len(token_ids))
+        seq.slot = slot
+        self.model.reset_slot(slot)
+        rows = []
+        try:
+            step = min(self.model.max_rows, self.model.max_tokens)
+            for start in range(0, len(token_ids), step):
+                n = min(step, len(token_ids) - start)
+                self.runner.prefill(seq, start, n, want_logits=True)
+                rows.append(self.runner.logits_host(n))
+        finally:
+            self.pool.release(slot)
+        return np.concatenate(rows, axis=0)
+
     # ------------------------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
@@ -169,6 +192,8 @@ class Engine:
                 seq = sched.seqs[0]
                 if seq.scheduled_time is None:
                     seq.scheduled_time = t_step
+                if sched.start == 0:
+                    self.model.reset_slot(seq.slot)   # e.g. zero Qwen3.5's recurrent state for a new sequence
                 token, _ = self.runner.prefill(seq, sched.start, sched.length)
                 if token is not None:
                     outputs.append(self._append(seq, token, 0))

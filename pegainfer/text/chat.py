@@ -1,0 +1,132 @@
+"""Chat templates: a model folder's Jinja template turning ``messages`` into the prompt text the model was trained on.
+
+The template runs the way Hugging Face's ``apply_chat_template`` runs it, so a folder renders here exactly as in
+transformers:
+
+* a sandboxed, immutable Jinja environment (templates come from the internet) with ``trim_blocks`` and
+  ``lstrip_blocks`` and the ``loopcontrols`` extension (``{% break %}``);
+* HF's extras: ``raise_exception(msg)``, a ``tojson`` filter that does not HTML-escape (``ensure_ascii=False``,
+  optional ``indent``), ``strftime_now(fmt)``;
+* the variables ``messages``, ``tools``, ``documents``, ``add_generation_prompt``, the tokenizer's special-token
+  strings (``bos_token``, ``eos_token``, ...), and any extra keyword the caller passes (``enable_thinking=False``
+  for Qwen3 arrives this way, from the request's ``chat_template_kwargs``).
+
+Where the template lives, first found wins: ``chat_template.jinja``, ``chat_template.json`` (``{"chat_template":
+...}``), then ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of ``{"name", "template"}`` from
+which ``"default"`` is taken).
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from pegainfer.errors import ModelFolderError, RequestError
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt):
+    return datetime.now().strftime(fmt)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _pick_template(value, where: str) -> Optional[str]:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):  # [{"name": "default", "template": "..."}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        chosen = named.get("default", next(iter(named.values()), None))
+        if isinstance(chosen, str):
+            return chosen
+    raise ModelFolderError(f"chat_template in {where} must be a string or a list of {{name, template}} objects: "
+                           f"fix or re-download the file")
+
+
+def read_chat_template_source(folder: Union[str, Path], tokenizer_config: Optional[dict] = None) -> Optional[str]:
+    """The chat template text of a model folder, or None when it has none."""
+    folder = Path(folder)
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        try:
+            return jinja_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelFolderError(f"cannot read {jinja_file} ({e}): check the file") from None
+    json_file = folder / "chat_template.json"
+    if json_file.is_file():
+        try:
+            data = json.loads(json_file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelFolderError(f"cannot read {json_file} ({e}): fix or re-download the file") from None
+        if isinstance(data, dict) and "chat_template" in data:
+            return _pick_template(data["chat_template"], str(json_file))
+    if tokenizer_config is None:
+        cfg_file = folder / "tokenizer_config.json"
+        if not cfg_file.is_file():
+            return None
+        from pegainfer.text.tokenizer import _read_json
+        tokenizer_config = _read_json(cfg_file, "tokenizer config")
+    return _pick_template(tokenizer_config.get("chat_template"), str(folder / "tokenizer_config.json"))
+
+
+class ChatTemplate:
+    """A compiled chat template.  ``render`` is safe to call from many threads (Jinja templates are reentrant)."""
+
+    def __init__(self, source: str, special_tokens: Optional[dict[str, str]] = None):
+        self.source = source
+        self.special_tokens = dict(special_tokens or {})
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ModelFolderError(f"the chat template does not compile (line {e.lineno}: {e.message}): "
+                                   f"fix chat_template in the model folder") from None
+
+    @classmethod
+    def from_folder(cls, folder: Union[str, Path]) -> Optional["ChatTemplate"]:
+        """The folder's template with its special-token strings, or None when the folder has no template."""
+        from pegainfer.text.tokenizer import _SPECIAL_TOKEN_KEYS, _read_json, _token_content
+
+        folder = Path(folder)
+        cfg_file = folder / "tokenizer_config.json"
+        config = _read_json(cfg_file, "tokenizer config") if cfg_file.is_file() else {}
+        source = read_chat_template_source(folder, config)
+        if source is None:
+            return None
+        special = {k: _token_content(config.get(k)) for k in _SPECIAL_TOKEN_KEYS}
+        return cls(source, {k: v for k, v in special.items() if v is not None})
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: Optional[list] = None, documents: Optional[list] = None, **template_kwargs) -> str:
+        """The prompt text for ``messages``.  A template that rejects them raises ``RequestError`` (HTTP 400)."""
+        variables = {**self.special_tokens, **template_kwargs}
+        try:
+            return self._template.render(messages=messages, tools=tools, documents=documents,
+                                         add_generation_prompt=add_generation_prompt, **variables)
+        except jinja2.exceptions.SecurityError as e:
+            raise RequestError(f"the chat template refused an unsafe operation: {e}") from None
+        except jinja2.exceptions.TemplateError as e:
+            raise RequestError(f"the chat template rejected these messages: {e}") from None
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
+            raise RequestError(f"the chat template failed on these messages ({type(e).__name__}: {e}): "
+                               f"check the roles and contents") from None

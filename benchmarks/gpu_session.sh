@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One device call that checks and times everything on the GPU host. Usage (through the device tool, carrying .whl):
+#   source .whl/prelude.sh; bash benchmarks/gpu_session.sh STAGE...    (stages: kernels accuracy bench micro start)
+# Logs and JSON land in $OUT (or ./gpu_out).
+set -uo pipefail
+OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
+export NUMBA_CACHE_DIR="${NUMBA_CACHE_DIR:-/tmp/numba_cache}"
+export PEGAINFER_GPU_MODELS="${PEGAINFER_GPU_MODELS:-/tmp/models}"
+export PEGAINFER_GPU_RESULTS="$OUT/gpu_results.jsonl"
+export PYTHONUNBUFFERED=1
+mkdir -p "$PEGAINFER_GPU_MODELS"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$OUT/gpu.txt"
+python3 - <<'PY' > "$OUT/models.log" 2>&1
+import os, sys; sys.path.insert(0, os.getcwd())
+from pathlib import Path
+from tests.gpu.test_qwen3_gpu import SHAPES, make_random_qwen3
+root = Path(os.environ["PEGAINFER_GPU_MODELS"])
+for stage in os.environ.get("MODELS", "qwen3-4b").split(","):
+    if stage: print(make_random_qwen3(root / stage, SHAPES[stage]))
+PY
+for stage in "$@"; do
+  echo "=== stage $stage $(date +%T)"
+  case "$stage" in
+    kernels)  timeout 300 python3 -m pytest tests/kernels -q -x -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/kernels.log" ;;
+    accuracy) timeout 400 python3 -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/accuracy.log" ;;
+    bench)    for m in ${BENCH_MODELS:-qwen3-4b}; do
+                timeout 300 python3 -m pegainfer bench --model-path "$PEGAINFER_GPU_MODELS/$m" --max-model-len 4096 \
+                  --prompt-len 16 --output-len 128 --runs 5 ${BENCH_HF:---hf} --json "$OUT/bench_$m.json" 2>&1 | tail -25 | tee "$OUT/bench_$m.log"
+              done ;;
+    micro)    for b in benchmarks/bench_gemv.py benchmarks/bench_attention.py benchmarks/bench_sampling.py; do
+                [ -f "$b" ] && timeout 200 python3 "$b" --json "$OUT/$(basename "$b" .py).json" 2>&1 | tail -30 | tee "$OUT/$(basename "$b" .py).log"
+              done ;;
+    start)    for kind in cold warm; do
+                [ "$kind" = cold ] && rm -rf "$NUMBA_CACHE_DIR"
+                s=$(date +%s.%N)
+                timeout 300 python3 -m pegainfer generate --model-path "$PEGAINFER_GPU_MODELS/qwen3-4b" --max-model-len 4096 \
+                  --prompt "Hello" --max-tokens 16 --temperature 0 2>&1 | tail -3
+                echo "$kind start (process start to exit, 16 tokens): $(echo "$(date +%s.%N) - $s" | bc) s" | tee -a "$OUT/start.log"
+              done ;;
+  esac
+done
+echo "=== done $(date +%T)"

@@ -1,0 +1,285 @@
+"""Rotary position embedding: the host-side cos/sin tables and the fused post-QKV kernel.
+
+After the fused QKV projection each token row holds its query heads, then its key heads, then its value heads.
+``qk_norm_rope_store`` does everything that happens between that GEMM and attention, in one launch:
+
+* query heads: per-head RMSNorm (``q_norm``), RoPE, written to ``q_out``;
+* key heads: per-head RMSNorm (``k_norm``), RoPE, written into the paged KV cache;
+* value heads: copied into the paged KV cache.
+
+RoPE here is Hugging Face's "rotate half" form on the first ``rotary_dim`` dims of a head (``half = rotary_dim/2``)::
+
+    out[i]        = x[i]        · cos[i] − x[i + half] · sin[i]      for i < half
+    out[i + half] = x[i + half] · cos[i] + x[i]        · sin[i]
+    out[j]        = x[j]                                             for j ≥ rotary_dim (partial rotary, Qwen3.5)
+
+with HF's bf16 rounding: each product is rounded to bf16, then their sum (``q*cos + rotate_half(q)*sin`` on bf16
+tensors), and ``cos``/``sin`` are themselves bf16 (HF casts them to the activation dtype).
+"""
+from __future__ import annotations
+
+import math as pymath
+
+import numpy as np
+
+from pegainfer.kernels.launch import launch
+from pegainfer.kernels.norm import normalize_element
+from pegainfer.kernels.primitives import (WARP, bf16_to_f32, cuda, device_fn, f32_to_bf16, float32, grid, int32,
+                                          kernel, math, threads, to_bf16_bits, warp_sum)
+
+
+# ------------------------------------------------------------------------------------------------ host: tables
+def _inverse_frequencies(rotary_dim: int, theta: float, rope_scaling: dict | None) -> tuple[np.ndarray, float]:
+    """float32 ``inv_freq`` ``[rotary_dim // 2]`` and the cos/sin scale, as transformers' ``modeling_rope_utils``
+    computes them (float32 arithmetic at the same steps; pow in float64 then rounded, i.e. correctly rounded)."""
+    f32 = np.float32
+    exponents = (np.arange(0, rotary_dim, 2, dtype=np.int64).astype(f32) / f32(rotary_dim)).astype(f32)
+    # base ** exponent, a float32 tensor in torch: computed here correctly rounded to float32.
+    pos_freqs = np.power(np.float64(theta), exponents.astype(np.float64)).astype(f32)
+    inv_freq = (f32(1.0) / pos_freqs).astype(f32)
+
+    rope_type = None if rope_scaling is None else (rope_scaling.get("rope_type") or rope_scaling.get("type"))
+    if rope_type in (None, "default"):
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        factor = float(rope_scaling["factor"])
+        return (inv_freq / f32(factor)).astype(f32), 1.0
+    if rope_type == "yarn":
+        return _yarn_inverse_frequencies(rotary_dim, theta, pos_freqs, rope_scaling)
+    raise ValueError(f"unsupported rope type {rope_type!r} (supported: default, linear, yarn)")
+
+
+def _yarn_inverse_frequencies(dim: int, base: float, pos_freqs: np.ndarray, params: dict) -> tuple[np.ndarray, float]:
+    """YaRN (https://arxiv.org/abs/2309.00071) as in transformers' ``_compute_yarn_parameters``: low-frequency dims
+    are interpolated (divided by ``factor``), high-frequency dims extrapolated, with a linear ramp between."""
+    f32 = np.float32
+    original_max = params["original_max_position_embeddings"]
+    factor = params.get("factor")
+    if factor is None:
+        factor = params["max_position_embeddings"] / original_max
+    factor = float(factor)
+
+    def get_mscale(scale, mscale=1.0):
+        return 1.0 if scale <= 1 else 0.1 * mscale * pymath.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(num_rotations):
+        return (dim * pymath.log(original_max / (num_rotations * 2 * pymath.pi))) / (2 * pymath.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = pymath.floor(low), pymath.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # HF: prevent a zero-width ramp
+
+    ramp = ((np.arange(dim // 2, dtype=f32) - f32(low)) / f32(high - low)).astype(f32)
+    extrapolation_weight = (f32(1.0) - np.clip(ramp, f32(0.0), f32(1.0))).astype(f32)
+    inv_freq_extrapolation = (f32(1.0) / pos_freqs).astype(f32)
+    inv_freq_interpolation = (f32(1.0) / (f32(factor) * pos_freqs).astype(f32)).astype(f32)
+    inv_freq = (inv_freq_interpolation * (f32(1.0) - extrapolation_weight)
+                + inv_freq_extrapolation * extrapolation_weight).astype(f32)
+    return inv_freq, float(attention_factor)
+
+
+def rope_tables(max_len: int, rotary_dim: int, theta: float, rope_scaling: dict | None = None):
+    """cos and sin tables for positions ``0 .. max_len-1``: two ``[max_len, rotary_dim // 2]`` uint16 arrays (bf16
+    bits, host).  Row ``p``, column ``i`` holds ``cos(p · inv_freq[i]) · attention_scaling`` (dims ``i`` and
+    ``i + rotary_dim/2`` share it).  Matches HF's Qwen3/Qwen3.5 rotary embedding bit for bit up to the last-ulp
+    differences between libm and torch's float32 ``pow``/``cos``: ``freqs = float32(pos) * inv_freq`` in float32,
+    cos/sin of that float32 value, times ``attention_scaling`` in float32, rounded to bf16.
+
+    ``rope_scaling``: ``None`` / ``{"rope_type": "default"}``, ``"linear"`` (``factor``) or ``"yarn"`` (``factor``,
+    ``original_max_position_embeddings``, optional ``beta_fast``, ``beta_slow``, ``attention_factor``, ``mscale``,
+    ``mscale_all_dim``, ``truncate``); any other type raises ``ValueError``.
+    """
+    assert rotary_dim > 0 and rotary_dim % 2 == 0, rotary_dim
+    inv_freq, attention_scaling = _inverse_frequencies(rotary_dim, theta, rope_scaling)
+    positions = np.arange(max_len, dtype=np.float32)
+    freqs = (positions[:, None] * inv_freq[None, :]).astype(np.float32)   # float32 product, as in torch
+    # cos/sin of the float32 angle, evaluated in float64 and rounded once to float32 (torch's float32 cos is
+    # accurate to ~1 ulp; the bf16 rounding below hides that almost always)
+    cos = np.cos(freqs.astype(np.float64)).astype(np.float32)
+    sin = np.sin(freqs.astype(np.float64)).astype(np.float32)
+    scale = np.float32(attention_scaling)
+    if scale != np.float32(1.0):
+        cos = (cos * scale).astype(np.float32)
+        sin = (sin * scale).astype(np.float32)
+    return to_bf16_bits(cos), to_bf16_bits(sin)
+
+
+# ------------------------------------------------------------------------------------------------ device
+@device_fn
+def rope_rotate_pair(lo, hi, cos_bits, sin_bits):
+    """HF-rounded rotation of the pair ``(x[i], x[i + half])`` (f32 values of bf16s) by bf16 ``cos``/``sin``:
+    returns the bf16 bits of ``out[i]`` and ``out[i + half]``."""
+    c = bf16_to_f32(cos_bits)
+    s = bf16_to_f32(sin_bits)
+    lo_c = bf16_to_f32(f32_to_bf16(lo * c))
+    hi_c = bf16_to_f32(f32_to_bf16(hi * c))
+    neg_hi_s = bf16_to_f32(f32_to_bf16(-hi * s))
+    lo_s = bf16_to_f32(f32_to_bf16(lo * s))
+    return f32_to_bf16(lo_c + neg_hi_s), f32_to_bf16(hi_c + lo_s)
+
+
+@kernel
+def qk_norm_rope_store_kernel(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables,
+                              k_cache, v_cache, q_out, q_head_stride, rotary_dim, eps, weight_offset,
+                              round_before_weight):
+    """Per-head q/k RMSNorm + RoPE, q to ``q_out``, k and v into the paged KV cache.
+
+    qkv          ``[tokens, row]`` bf16 bits: q head ``h`` at columns ``h·q_head_stride .. +D`` (``q_head_stride``
+                 is ``D``, or ``2·D`` when a gate follows each q head as in Qwen3.5), then ``nkv`` k heads of ``D``
+                 from column ``num_q_heads·q_head_stride``, then ``nkv`` v heads of ``D``
+    q_norm_w, k_norm_w ``[D]`` bf16 bits; cos, sin ``[max_len, rotary_dim/2]`` bf16 bits (``rope_tables``)
+    positions    ``[tokens]`` int32: the token's position in its sequence (row of cos/sin, place in the cache)
+    token_slots  ``[tokens]`` int32: the token's sequence slot (row of ``block_tables``); a negative slot marks a
+                 padding token: its q is still written, its k/v are not stored
+    block_tables ``[num_slots, max_pages_per_seq]`` int32: page ids of each slot's KV cache
+    k_cache, v_cache ``[num_pages, page_size, nkv, D]`` bf16 bits; q_out ``[tokens, num_q_heads, D]`` bf16 bits
+
+    Math per head (``r = 1/sqrt(mean(x²) + eps)``): q, k: ``n = normalize_element(x, r, w)`` (norm.py's rounding,
+    chosen by ``weight_offset``/``round_before_weight``), then RoPE on ``n`` (module docstring); v: copied.
+    Destination of k/v for token t: page ``block_tables[token_slots[t], positions[t] // page_size]``, offset
+    ``positions[t] % page_size``.
+
+    Geometry: **one warp per (token, head)**, heads numbered q, then k, then v (``num_q_heads + 2·nkv`` per token);
+    a block holds ``blockDim.x / 32`` warps and the grid strides over all (token, head) items.  Each lane sums the
+    squares of dims ``lane, lane+32, ..`` and ``warp_sum`` gives the head's total; then lane ``p`` rotates the pairs
+    ``(p, p + half)`` for ``p = lane, lane+32, ..`` re-reading the inputs (L1 hits), so no lane exchanges data and
+    any ``rotary_dim`` works.  Every lane of the block runs the same number of items and calls ``warp_sum`` once per
+    item (v heads and idle tail warps too), as the simulator's emulated shuffles require.
+    """
+    num_q_heads = q_out.shape[1]
+    head_dim = q_out.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    page_size = k_cache.shape[1]
+    heads_per_token = num_q_heads + 2 * num_kv_heads
+    total = qkv.shape[0] * heads_per_token
+    half = rotary_dim // 2
+    eps = float32(eps)
+    weight_offset = float32(weight_offset)
+    lane = cuda.threadIdx.x % WARP
+    warps_per_block = cuda.blockDim.x // WARP
+    k_col0 = num_q_heads * q_head_stride
+    v_col0 = k_col0 + num_kv_heads * head_dim
+
+    for first in range(cuda.blockIdx.x * warps_per_block, total, cuda.gridDim.x * warps_per_block):
+        item = first + cuda.threadIdx.x // WARP
+        active = item < total
+        t = item // heads_per_token
+        h = item % heads_per_token
+        is_q = active and h < num_q_heads
+        is_k = active and h >= num_q_heads and h < num_q_heads + num_kv_heads
+        is_v = active and h >= num_q_heads + num_kv_heads
+        if is_q:
+            src = h * q_head_stride
+        elif is_k:
+            src = k_col0 + (h - num_q_heads) * head_dim
+        else:
+            src = v_col0 + (h - num_q_heads - num_kv_heads) * head_dim
+
+        # 1. sum of squares of the head (q and k only), reduced across the warp
+        ss = float32(0.0)
+        if is_q or is_k:
+            for i in range(lane, head_dim, WARP):
+                v = bf16_to_f32(qkv[t, src + i])
+                ss += v * v
+        ss = warp_sum(ss)
+        if not active:
+            continue
+
+        # 2. where this head goes
+        page = int32(0)
+        offset = int32(0)
+        kv_head = int32(0)
+        pos = int32(positions[t])
+        if not is_q:
+            slot = int32(token_slots[t])
+            if slot < 0:
+                continue  # padding token: nothing to store
+            page = int32(block_tables[slot, pos // page_size])
+            offset = pos % page_size
+            kv_head = h - num_q_heads if is_k else h - num_q_heads - num_kv_heads
+
+        if is_v:
+            for i in range(lane, head_dim, WARP):
+                v_cache[page, offset, kv_head, i] = qkv[t, src + i]
+            continue
+
+        # 3. q/k: normalize + rotate the first rotary_dim dims, normalize the rest
+        inv_rms = float32(1.0) / math.sqrt(ss / float32(head_dim) + eps)
+        for p in range(lane, half, WARP):
+            if is_q:
+                w_lo = q_norm_w[p]
+                w_hi = q_norm_w[p + half]
+            else:
+                w_lo = k_norm_w[p]
+                w_hi = k_norm_w[p + half]
+            lo = bf16_to_f32(normalize_element(bf16_to_f32(qkv[t, src + p]), inv_rms, w_lo, weight_offset,
+                                               round_before_weight))
+            hi = bf16_to_f32(normalize_element(bf16_to_f32(qkv[t, src + p + half]), inv_rms, w_hi, weight_offset,
+                                               round_before_weight))
+            out_lo, out_hi = rope_rotate_pair(lo, hi, cos[pos, p], sin[pos, p])
+            if is_q:
+                q_out[t, h, p] = out_lo
+                q_out[t, h, p + half] = out_hi
+            else:
+                k_cache[page, offset, kv_head, p] = out_lo
+                k_cache[page, offset, kv_head, p + half] = out_hi
+        for i in range(rotary_dim + lane, head_dim, WARP):
+            if is_q:
+                q_out[t, h, i] = normalize_element(bf16_to_f32(qkv[t, src + i]), inv_rms, q_norm_w[i],
+                                                   weight_offset, round_before_weight)
+            else:
+                k_cache[page, offset, kv_head, i] = normalize_element(bf16_to_f32(qkv[t, src + i]), inv_rms,
+                                                                      k_norm_w[i], weight_offset, round_before_weight)
+
+
+def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables, k_cache, v_cache,
+                       q_out, eps: float, rotary_dim: int, q_head_stride: int | None = None,
+                       weight_offset: float = 0.0, round_before_weight: bool = True) -> None:
+    """Fused q/k norm + RoPE + paged KV store (see ``qk_norm_rope_store_kernel``).
+
+    Shapes: qkv ``[T, row]``, q_norm_w/k_norm_w ``[D]``, cos/sin ``[max_len, rotary_dim/2]``, positions/token_slots
+    ``[T]`` int32, block_tables ``[slots, pages_per_seq]`` int32, k_cache/v_cache ``[pages, page_size, nkv, D]``,
+    q_out ``[T, nq, D]``; bf16 tensors are uint16 device arrays.  ``q_head_stride`` defaults to ``D``.
+    Qwen3: defaults; Qwen3.5: ``q_head_stride=2*D, weight_offset=1.0, round_before_weight=False``.
+    """
+    num_tokens, num_q_heads, head_dim = q_out.shape
+    num_kv_heads = k_cache.shape[2]
+    if q_head_stride is None:
+        q_head_stride = head_dim
+    for name, a in (("qkv", qkv), ("q_norm_w", q_norm_w), ("k_norm_w", k_norm_w), ("cos", cos), ("sin", sin),
+                    ("k_cache", k_cache), ("v_cache", v_cache), ("q_out", q_out)):
+        assert a.dtype == np.uint16, (name, a.dtype)
+    for name, a in (("positions", positions), ("token_slots", token_slots), ("block_tables", block_tables)):
+        assert a.dtype == np.int32, (name, a.dtype)
+    assert qkv.ndim == 2 and qkv.shape[0] == num_tokens, (qkv.shape, q_out.shape)
+    assert q_head_stride >= head_dim
+    assert qkv.shape[1] == num_q_heads * q_head_stride + 2 * num_kv_heads * head_dim, (qkv.shape, q_head_stride)
+    assert q_norm_w.shape == (head_dim,) and k_norm_w.shape == (head_dim,), (q_norm_w.shape, k_norm_w.shape)
+    assert 0 < rotary_dim <= head_dim and rotary_dim % 2 == 0, (rotary_dim, head_dim)
+    assert cos.ndim == 2 and cos.shape[1] == rotary_dim // 2 and sin.shape == cos.shape, (cos.shape, sin.shape)
+    assert positions.shape == (num_tokens,) and token_slots.shape == (num_tokens,)
+    assert block_tables.ndim == 2
+    assert k_cache.ndim == 4 and k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape, \
+        (k_cache.shape, v_cache.shape)
+    if num_tokens == 0:
+        return
+    block = threads(gpu=128, sim=32)
+    warps_per_block = block // WARP
+    items = num_tokens * (num_q_heads + 2 * num_kv_heads)
+    launch(qk_norm_rope_store_kernel, grid(items, per_block=warps_per_block, sim_cap=8), block,
+           qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables, k_cache, v_cache, q_out,
+           np.int32(q_head_stride), np.int32(rotary_dim), np.float32(eps),
+           np.float32(weight_offset), bool(round_before_weight))

@@ -1,0 +1,82 @@
+"""RMSNorm and fused add+RMSNorm in both roundings (Qwen3: two roundings; Qwen3.5: 1+w, one rounding)."""
+import numpy as np
+import pytest
+
+from tests.util import bf16_randn, from_bf16_bits, rel_l2
+from numba import cuda
+
+from pegainfer.kernels.norm import add_rms_norm, rms_norm
+
+EPS = 1e-6
+QWEN3 = dict(weight_offset=0.0, round_before_weight=True)
+QWEN3_5 = dict(weight_offset=1.0, round_before_weight=False)
+
+
+def bf16_round(x):
+    """Round float64 values to the nearest bf16 (ties to even), returned as float64."""
+    m, e = np.frexp(np.asarray(x, dtype=np.float64))
+    return np.ldexp(np.round(np.ldexp(m, 8)), e - 8)
+
+
+def reference_rms_norm(x, w, eps, weight_offset, round_before_weight):
+    """float64 RMSNorm rounding to bf16 where HF does (x, w: float64 values of bf16s, rows = tokens)."""
+    n = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    if round_before_weight:
+        n = bf16_round(n)
+    return bf16_round(n * (weight_offset + w))
+
+
+def assert_close_to_reference(got_bits, expected):
+    got = from_bf16_bits(got_bits).astype(np.float64)
+    assert rel_l2(got, expected) < 1e-2, rel_l2(got, expected)
+    # f32 (kernel) vs f64 (reference) may flip a rounding now and then; nearly every value must be bit-exact
+    assert np.mean(got == expected) > 0.97, np.mean(got == expected)
+
+
+@pytest.mark.parametrize("form", [QWEN3, QWEN3_5], ids=["qwen3", "qwen3.5"])
+def test_rms_norm(rng, form):
+    tokens, hidden = 3, 72  # hidden not a multiple of the block: exercises the tail
+    x_bits, x = bf16_randn((tokens, hidden), rng, scale=4.0)
+    w_bits, w = bf16_randn((hidden,), rng, scale=0.5)
+    out = cuda.to_device(np.zeros((tokens, hidden), np.uint16))
+    rms_norm(cuda.to_device(x_bits), cuda.to_device(w_bits), out, EPS, **form)
+    assert_close_to_reference(out.copy_to_host(), reference_rms_norm(x, w, EPS, **form))
+
+
+@pytest.mark.parametrize("form", [QWEN3, QWEN3_5], ids=["qwen3", "qwen3.5"])
+def test_add_rms_norm_updates_residual_and_normalizes_rounded_sum(rng, form):
+    tokens, hidden = 3, 72
+    r_bits, r = bf16_randn((tokens, hidden), rng, scale=4.0)
+    d_bits, d = bf16_randn((tokens, hidden), rng, scale=1.0)
+    w_bits, w = bf16_randn((hidden,), rng, scale=0.5)
+    residual = cuda.to_device(r_bits)
+    out = cuda.to_device(np.zeros((tokens, hidden), np.uint16))
+    add_rms_norm(residual, cuda.to_device(d_bits), cuda.to_device(w_bits), out, EPS, **form)
+
+    # one rounding of r + d (exact in f32 for these values, whose exponents differ by < 16): bit-exact
+    s = bf16_round(r + d)
+    np.testing.assert_array_equal(from_bf16_bits(residual.copy_to_host()).astype(np.float64), s)
+    assert_close_to_reference(out.copy_to_host(), reference_rms_norm(s, w, EPS, **form))
+
+
+def test_norm_matches_hf_modules(rng):
+    """Bit-compare with transformers' own Qwen3RMSNorm / Qwen3_5RMSNorm on CPU bf16."""
+    torch = pytest.importorskip("torch")
+    qwen3 = pytest.importorskip("transformers.models.qwen3.modeling_qwen3")
+    qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    tokens, hidden = 2, 64
+    x_bits, _ = bf16_randn((tokens, hidden), rng, scale=4.0)
+    w_bits, _ = bf16_randn((hidden,), rng, scale=0.5)
+    as_torch = lambda bits: torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16)  # noqa: E731
+    modules = ((qwen3.Qwen3RMSNorm(hidden, eps=EPS), QWEN3), (qwen3_5.Qwen3_5RMSNorm(hidden, eps=EPS), QWEN3_5))
+    for module, form in modules:
+        with torch.no_grad():
+            module.weight.copy_(as_torch(w_bits).float())
+            module.to(torch.bfloat16)
+            expected = module(as_torch(x_bits)).view(torch.int16).numpy().view(np.uint16)
+        out = cuda.to_device(np.zeros((tokens, hidden), np.uint16))
+        rms_norm(cuda.to_device(x_bits), cuda.to_device(w_bits), out, EPS, **form)
+        got = out.copy_to_host()
+        # last-ulp rsqrt/summation-order differences may flip a rare rounding: allow one bf16 ulp on ≤ 2% of values
+        diff = np.abs(got.astype(np.int32) - expected.astype(np.int32))
+        assert diff.max() <= 1 and np.mean(diff != 0) <= 0.02, (type(module).__name__, diff.max(), np.mean(diff != 0))

@@ -1,0 +1,764 @@
+"""Matrix products with bf16 weights: ``out = x @ W.T`` (the projections of every layer and the LM head).
+
+Shapes: ``x [tokens, K]``, ``W [N, K]`` (row-major as in Hugging Face checkpoints, K the input dimension),
+``out [tokens, N]``, all bf16 bits (``uint16``), products summed in f32 and rounded to bf16 once.
+
+Three implementations, picked by ``linear(..., impl=None)`` from the number of tokens T:
+
+* **GEMV** (``T <= GEMV_MAX_TOKENS`` = 8: decode).  Memory-bound: every weight byte is read exactly once, so the
+  kernel is built to stream W at the GPU's read bandwidth.  Each warp owns ``rows_per_warp`` weight rows; a lane
+  reads 16 bytes (8 bf16) of each of them per step with ``load_u32x4``, all rows' loads issued before any is used,
+  and the next step's loads issued before the current step's arithmetic (software pipelining).  The tokens' x
+  rows are staged once per block in shared memory as f32 and reused by every row of the block; each weight row
+  is dotted with all T tokens while it is in registers (T > 1 costs arithmetic, not bandwidth).  A warp's partial
+  dot products are summed with ``warp_sum``; when rows are few (short-and-wide matrices such as ``o_proj`` and
+  ``down_proj``: 2560 rows), ``k_split`` warps share a row group, each taking every ``k_split``-th 256-wide slice
+  of K, and their partial sums meet in shared memory — this keeps all SMs busy.  ``gemv_geometry`` picks these
+  parameters per shape.  Above 8 tokens the register tile (8 accumulators per row) and the shared-memory x
+  traffic make the multiply-adds, not the weight stream, the bottleneck: the GEMM takes over.
+* **GEMM with tensor cores** (``"gemm_mma"``, the default for T > 8 on a GPU): block tiles of x and W staged in
+  shared memory (register double buffering: the next K tile's global loads are in flight while the current tile
+  is multiplied), each warp issuing ``mma.sync.m16n8k16`` bf16 → f32 through an inline-PTX ``@intrinsic``.
+* **GEMM with FMA tiles** (``"gemm_fma"``): the same tiling with plain f32 multiply-adds on a register micro-tile.
+  Portable: it is what runs in the simulator (where inline PTX cannot run) and the reference the mma path is
+  checked against.
+
+``linear_silu_mul`` fuses the MLP's gate/up projection with SwiGLU.  ``w_gate_up [2I, K]`` holds the gate rows then
+the up rows (as the loader concatenates ``gate_proj`` and ``up_proj``).  Every kernel here sees it as 2I *logical
+columns interleaved in pairs*: logical column ``2j`` is gate row ``j`` and ``2j + 1`` is up row ``I + j``
+(``_weight_row``).  A pair always lands in one thread (GEMV epilogue, FMA micro-tile, and the mma accumulator
+fragment, whose two adjacent columns ``2t, 2t+1`` live in the same lane), which writes
+``out[t, j] = bf16(bf16(silu(bf16(g))) · bf16(u))`` — Hugging Face rounds after each op.
+
+Requirements: K a multiple of 8 (16-byte loads of whole rows); N arbitrary; x, W, out contiguous.  No kernel
+allocates and none takes a per-step value, so every launch can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from pegainfer.device import SIMULATOR
+from numba import types as nbtypes  # noqa: E402  (after pegainfer.device: it picks GPU or simulator)
+from pegainfer.kernels.activation import silu
+from pegainfer.kernels.launch import launch
+from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, cuda, device_fn, f32_to_bf16,
+                                          float32, grid, kernel, load_u32x4, uint16, uint32, warp_sum)
+
+int64 = np.int64
+
+GEMV_MAX_TOKENS = 8
+"""Largest token count the GEMV path takes by default (``linear(..., impl=None)``); above it, the GEMM."""
+
+SMEM_BYTES = 48 * 1024
+"""Shared memory a block may use without opting in to more (the GEMV stages x within this budget)."""
+
+IMPLS = ("gemv", "gemm_fma", "gemm_mma")
+
+
+# ================================================================================================ shared helpers
+@device_fn
+def _weight_row(col, n_out, gated):
+    """Weight row of logical output column ``col``: itself, or for the gated (gate/up) layout the interleaved pair
+    mapping ``2j -> j`` (gate), ``2j + 1 -> n_out + j`` (up), with ``n_out = I``."""
+    if gated:
+        return (col >> 1) + (col & 1) * n_out
+    return col
+
+
+@device_fn
+def _silu_mul_bf16(g, u):
+    """``bf16(bf16(silu(bf16(g))) · bf16(u))`` from the f32 sums ``g`` (gate) and ``u`` (up)."""
+    gb = bf16_to_f32(f32_to_bf16(g))
+    ub = bf16_to_f32(f32_to_bf16(u))
+    act = bf16_to_f32(f32_to_bf16(silu(gb)))
+    return f32_to_bf16(act * ub)
+
+
+@device_fn
+def _pack_bf16x2(v0, v1):
+    """Two f32 values rounded to bf16 and packed in one word (``v0`` in the low half)."""
+    return uint32(f32_to_bf16(v0)) | (uint32(f32_to_bf16(v1)) << uint32(16))
+
+
+@device_fn
+def _store_packed_pair(out, t, col, word, gated):
+    """Write logical columns ``col, col + 1`` (``col`` even) of token ``t`` from their packed bf16 values: two
+    outputs, or for the gated layout one SwiGLU output ``out[t, col / 2]``.  Columns past the end are dropped."""
+    n_out = out.shape[1]
+    if gated:
+        if col < 2 * n_out:
+            out[t, col >> 1] = _silu_mul_bf16(bf16x2_lo(word), bf16x2_hi(word))
+    else:
+        if col < n_out:
+            out[t, col] = uint16(word & uint32(0xFFFF))
+        if col + 1 < n_out:
+            out[t, col + 1] = uint16(word >> uint32(16))
+
+
+# ================================================================================================ GEMV (decode)
+# ``warp_sums_to_shared`` belongs with the warp reductions in ``primitives`` (it is here only because that module
+# has another owner): it reduces n values per lane at once.  On a GPU it is n shuffle reductions; in the simulator,
+# where every emulated ``warp_sum`` costs two block barriers (~10 ms each), one exchange through shared memory.
+if SIMULATOR:
+    # Blocks run one after another in the simulator, so one host array can serve as the block's exchange buffer
+    # (a ``cuda.shared.array`` here would walk the Python stack on every call to find its allocation).
+    _sim_exchange = np.zeros(1 << 16, np.float32)
+
+    @device_fn
+    def warp_sums_to_shared(vals, n, dst, base):
+        """``dst[base + i] = Σ_lanes vals[i]`` for ``i < n``, written by lane 0 of the calling warp; ``dst`` is
+        shared memory, visible to the block after the caller's next ``syncthreads``.  Every thread of the block
+        must call it (same n)."""
+        tid = int(cuda.threadIdx.x)
+        _sim_exchange[tid * n:(tid + 1) * n] = vals[:n]
+        cuda.syncthreads()
+        if tid % WARP == 0:
+            hi = min(tid + WARP, int(cuda.blockDim.x))
+            for i in range(n):
+                dst[base + i] = np.sum(_sim_exchange[tid * n + i:hi * n:n], dtype=np.float32)
+else:
+    @device_fn
+    def warp_sums_to_shared(vals, n, dst, base):
+        """``dst[base + i] = Σ_lanes vals[i]`` for ``i < n``, written by lane 0 of the calling warp; ``dst`` is
+        shared memory, visible to the block after the caller's next ``syncthreads``.  Every thread of the block
+        must call it (same n)."""
+        for i in range(n):
+            s = warp_sum(vals[i])
+            if cuda.threadIdx.x % WARP == 0:
+                dst[base + i] = s
+
+
+@functools.cache
+def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool):
+    """Build the GEMV kernel for a register tile of ``rows_per_warp`` weight rows × ``max_tokens`` tokens (compile-
+    time constants: they size the per-lane register arrays and their loops unroll)."""
+    R = rows_per_warp
+    TT = max_tokens
+    RT = R * TT                                    # (array sizes must be closure constants, not expressions)
+    R4, R8 = 4 * R, 8 * R
+
+    @kernel
+    def gemv(x32, w32, out, k, k_split, k_chunk):
+        """``out[t, n] = bf16(Σ_k x[t, k] · W[row(n), k])`` for ``t < T <= max_tokens`` (or SwiGLU of column pairs
+        when gated, see the module docstring).
+
+        x32 ``[T · K/2]`` and w32 ``[rows · K/2]``: the bf16 tensors ``[T, K]`` / ``[rows, K]`` seen as flat uint32
+        (two bf16 per word); out ``[T, n_out]`` bf16 bits; ``k`` = K; ``k_split`` warps share each row group;
+        ``k_chunk`` (a multiple of 256) is how much of K is staged in shared memory at a time.
+
+        Geometry: 1-D blocks of ``warps`` warps (a multiple of ``k_split``).  A block owns
+        ``warps / k_split · rows_per_warp`` consecutive logical columns (a *tile*); blocks grid-stride over tiles.
+        Dynamic shared memory: ``4 · (max_tokens · k_chunk + warps · rows_per_warp · max_tokens)`` bytes — x staged
+        as f32 in the layout ``[token][j = 0..7][slice]`` (element ``8·slice + j`` of a chunk), so that lanes reading
+        consecutive 16-byte slices read consecutive words (no bank conflicts), then the per-warp partial sums.
+        """
+        T = out.shape[0]
+        n_out = out.shape[1]
+        n_cols = 2 * n_out if gated else n_out
+        k_words = k // 2
+        slices = k_chunk // 8                      # 16-byte slices per staged chunk: the stride of the x layout
+        smem = cuda.shared.array(0, nbtypes.float32)  # dynamic; a numba type (the simulator needs its itemsize)
+        red_base = TT * k_chunk
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        nthreads = cuda.blockDim.x
+        part = warp % k_split                      # which K slices this warp takes within its row group
+        group = warp // k_split
+        groups = (nthreads // WARP) // k_split
+        cols_per_block = groups * R
+        n_tiles = (n_cols + cols_per_block - 1) // cols_per_block
+        step = WARP * k_split
+
+        acc = cuda.local.array(RT, float32)        # acc[r · TT + t]: lane's partial dot of row r with token t
+        wrow = cuda.local.array(R, int64)          # word offset of each of the warp's rows
+        w_cur = cuda.local.array(R4, uint32)    # 16 bytes per row: the slice being multiplied
+        w_next = cuda.local.array(R4, uint32)   # ... and the next slice, already in flight
+        wf = cuda.local.array(R8, float32)
+        xv = cuda.local.array(8, float32)
+        staged = -1
+        for tile in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
+            col0 = tile * cols_per_block + group * R
+            for r in range(R):
+                # rows past the end re-read the last row (keeps loads in bounds); their sums are never stored
+                wrow[r] = _weight_row(min(col0 + r, n_cols - 1), n_out, gated) * k_words
+            for i in range(RT):
+                acc[i] = float32(0.0)
+            for k0 in range(0, k, k_chunk):
+                n_slices = min(k_chunk, k - k0) // 8
+                c = part * WARP + lane
+                # Issue the first weight loads before staging x: their latency overlaps the staging.
+                if c < n_slices:
+                    for r in range(R):
+                        q0, q1, q2, q3 = load_u32x4(w32, wrow[r] + k0 // 2 + 4 * c)
+                        w_cur[4 * r] = q0
+                        w_cur[4 * r + 1] = q1
+                        w_cur[4 * r + 2] = q2
+                        w_cur[4 * r + 3] = q3
+                if k0 != staged:                   # the block-uniform test: every thread reaches the barriers
+                    cuda.syncthreads()
+                    for idx in range(tid, TT * slices, nthreads):
+                        t = idx // slices
+                        s = idx - t * slices
+                        kk = k0 + 8 * s
+                        if t < T and kk < k:
+                            v0, v1, v2, v3 = load_u32x4(x32, t * k_words + kk // 2)
+                        else:
+                            v0 = v1 = v2 = v3 = uint32(0)
+                        base = t * 8 * slices + s
+                        smem[base] = bf16x2_lo(v0)
+                        smem[base + slices] = bf16x2_hi(v0)
+                        smem[base + 2 * slices] = bf16x2_lo(v1)
+                        smem[base + 3 * slices] = bf16x2_hi(v1)
+                        smem[base + 4 * slices] = bf16x2_lo(v2)
+                        smem[base + 5 * slices] = bf16x2_hi(v2)
+                        smem[base + 6 * slices] = bf16x2_lo(v3)
+                        smem[base + 7 * slices] = bf16x2_hi(v3)
+                    cuda.syncthreads()
+                    staged = k0
+                while c < n_slices:
+                    c_next = c + step
+                    if c_next < n_slices:
+                        for r in range(R):
+                            q0, q1, q2, q3 = load_u32x4(w32, wrow[r] + k0 // 2 + 4 * c_next)
+                            w_next[4 * r] = q0
+                            w_next[4 * r + 1] = q1
+                            w_next[4 * r + 2] = q2
+                            w_next[4 * r + 3] = q3
+                    for i in range(4 * R):         # unpack: word q holds elements 2q (low half) and 2q + 1
+                        wf[2 * i] = bf16x2_lo(w_cur[i])
+                        wf[2 * i + 1] = bf16x2_hi(w_cur[i])
+                    for t in range(TT):
+                        if t < T:
+                            base = t * 8 * slices + c
+                            for j in range(8):
+                                xv[j] = smem[base + j * slices]
+                            for r in range(R):
+                                a = acc[r * TT + t]
+                                for j in range(8):
+                                    a += wf[8 * r + j] * xv[j]
+                                acc[r * TT + t] = a
+                    for i in range(4 * R):
+                        w_cur[i] = w_next[i]
+                    c = c_next
+            # Reduce: lanes within each warp, then the k_split warps of a row group through shared memory.
+            warp_sums_to_shared(acc, RT, smem, red_base + warp * RT)
+            cuda.syncthreads()
+            per_out = 2 if gated else 1            # logical columns per output value
+            outs_per_group = (R // per_out) * TT
+            for item in range(tid, groups * outs_per_group, nthreads):
+                g_ = item // outs_per_group
+                rem = item - g_ * outs_per_group
+                r = (rem // TT) * per_out
+                t = rem % TT
+                col = tile * cols_per_block + g_ * R + r
+                if t < T and col < n_cols:
+                    v0 = float32(0.0)
+                    v1 = float32(0.0)
+                    for p in range(k_split):
+                        w_ = (g_ * k_split + p) * RT
+                        v0 += smem[red_base + w_ + r * TT + t]
+                        if gated:
+                            v1 += smem[red_base + w_ + (r + 1) * TT + t]
+                    if gated:
+                        out[t, col >> 1] = _silu_mul_bf16(v0, v1)
+                    else:
+                        out[t, col] = f32_to_bf16(v0)
+            cuda.syncthreads()                     # partial sums read before the next tile overwrites them
+
+    return gemv
+
+
+@dataclass(frozen=True)
+class GemvGeometry:
+    """Launch parameters of the GEMV.
+
+    rows_per_warp: weight rows a warp streams together (loads in flight per lane; x reuse).  Even when gated.
+    warps: warps per block (a multiple of ``k_split``).
+    k_split: warps that share one row group, each taking every ``k_split``-th 256-wide slice of K.
+    max_tokens: tokens per pass (1, 2, 4 or 8; a compile-time register tile).
+    k_chunk: elements of K staged in shared memory at a time (a multiple of 256); None: as many as fit.
+    """
+    rows_per_warp: int
+    warps: int
+    k_split: int
+    max_tokens: int
+    k_chunk: int | None = None
+
+
+@functools.cache
+def _sm_count() -> int:
+    return 4 if SIMULATOR else int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+
+
+def _token_tile(n_tokens: int) -> int:
+    for tt in (1, 2, 4):
+        if n_tokens <= tt:
+            return tt
+    return GEMV_MAX_TOKENS
+
+
+def gemv_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False) -> GemvGeometry:
+    """Pick the GEMV split for a ``[n_cols, k]`` weight (n_cols logical columns: 2I when gated).
+
+    Aim: about 32 warps per SM (half the H200's 64 slots; shared memory for x allows ~5 blocks of 8 warps), each
+    with rows_per_warp × 16 bytes per lane in flight, two steps deep.  Tall matrices (lm_head, gate_up) get 4 rows
+    per warp; shorter ones 2 rows per warp and then ``k_split`` doubles (while every warp keeps at least 4 slices
+    of 256 per pass over K) until there are enough warps.  Qwen3-4B on 132 SMs: qkv 6144×2560 → (2 rows, k_split
+    2), o 2560×4096 and down 2560×9728 → (2, 4), gate_up 19456×2560 and lm_head → (4, 1).
+    """
+    tt = _token_tile(n_tokens)
+    if SIMULATOR:                                  # small blocks: one Python thread per CUDA thread
+        return GemvGeometry(rows_per_warp=8, warps=1, k_split=1, max_tokens=tt)
+    target_warps = 32 * _sm_count()
+    rows = 4 if n_cols >= 4 * target_warps else 2
+    k_split = 1
+    while (n_cols // rows) * k_split < target_warps and k_split < 8 and k >= 2048 * k_split:
+        k_split *= 2
+    return GemvGeometry(rows_per_warp=rows, warps=8, k_split=k_split, max_tokens=tt)
+
+
+def _gemv_k_chunk(k: int, geo: GemvGeometry) -> int:
+    """Largest multiple of 256 elements of K whose x (f32, ``max_tokens`` rows) fits in shared memory beside the
+    partial sums; never more than K rounded up to 256."""
+    if geo.k_chunk is not None:
+        assert geo.k_chunk % 256 == 0, "k_chunk must be a multiple of 256"
+        return geo.k_chunk
+    red = geo.warps * geo.rows_per_warp * geo.max_tokens
+    fit = (SMEM_BYTES // 4 - red) // geo.max_tokens // 256 * 256
+    return max(256, min(fit, -(-k // 256) * 256))
+
+
+def _as_u32(a):
+    """A contiguous bf16 tensor seen as a flat uint32 array (two bf16 per word; works for host and device arrays)."""
+    return a.reshape(-1).view(np.uint32)
+
+
+def _is_contiguous(a) -> bool:
+    f = getattr(a, "is_c_contiguous", None)
+    return bool(f()) if callable(f) else bool(a.flags["C_CONTIGUOUS"])
+
+
+def gemv(x, w, out, *, gated: bool = False, geometry: GemvGeometry | None = None) -> None:
+    """GEMV path of ``linear`` / ``linear_silu_mul`` (any T: passes of at most 8 tokens, each reading W once).
+    ``geometry`` overrides ``gemv_geometry`` (benchmarks and tests use it to try splits)."""
+    T, k = x.shape
+    n_cols = w.shape[0]
+    for t0 in range(0, T, GEMV_MAX_TOKENS):
+        t1 = min(T, t0 + GEMV_MAX_TOKENS)
+        geo = geometry or gemv_geometry(n_cols, k, t1 - t0, gated)
+        assert geo.max_tokens >= t1 - t0 and geo.warps % geo.k_split == 0, geo
+        assert not gated or geo.rows_per_warp % 2 == 0, "gated GEMV needs an even rows_per_warp"
+        k_chunk = _gemv_k_chunk(k, geo)
+        cols_per_block = geo.warps // geo.k_split * geo.rows_per_warp
+        shared = 4 * (geo.max_tokens * k_chunk + geo.warps * geo.rows_per_warp * geo.max_tokens)
+        kern = _gemv_kernel(geo.rows_per_warp, geo.max_tokens, gated)
+        launch(kern, grid(n_cols, cols_per_block, sim_cap=8), geo.warps * WARP,
+               _as_u32(x[t0:t1]), _as_u32(w), out[t0:t1], k, geo.k_split, k_chunk, shared=shared, name="gemv")
+
+
+# ================================================================================================ GEMM, FMA tiles
+@device_fn
+def _stage_transposed(src32, word, valid, dst, j, kbase):
+    """Load 8 bf16 (``src32[word:word+4]``, or zeros when not ``valid``) into ``dst[kbase:kbase+8, j]`` as f32."""
+    if valid:
+        v0, v1, v2, v3 = load_u32x4(src32, word)
+    else:
+        v0 = v1 = v2 = v3 = uint32(0)
+    dst[kbase, j] = bf16x2_lo(v0)
+    dst[kbase + 1, j] = bf16x2_hi(v0)
+    dst[kbase + 2, j] = bf16x2_lo(v1)
+    dst[kbase + 3, j] = bf16x2_hi(v1)
+    dst[kbase + 4, j] = bf16x2_lo(v2)
+    dst[kbase + 5, j] = bf16x2_hi(v2)
+    dst[kbase + 6, j] = bf16x2_lo(v3)
+    dst[kbase + 7, j] = bf16x2_hi(v3)
+
+
+@functools.cache
+def _gemm_fma_kernel(bm: int, bn: int, bk: int, tm: int, tn: int, gated: bool):
+    """Build the FMA-tiled GEMM for a ``bm × bn`` block tile, ``bk`` K per step, ``tm × tn`` outputs per thread."""
+    assert bm % tm == 0 and bn % tn == 0 and bk % 8 == 0 and tn % 2 == 0
+    threads_n = bn // tn
+    slices_per_row = bk // 8
+    tmn = tm * tn
+
+    @kernel
+    def gemm_fma(x32, w32, out, k):
+        """``out = x @ W.T`` (or SwiGLU of column pairs when gated) with f32 multiply-adds.
+
+        x32 ``[T · K/2]``, w32 ``[rows · K/2]`` (flat uint32 views of the bf16 tensors), out ``[T, n_out]``.
+
+        Geometry: 1-D blocks of exactly ``(bm / tm) · (bn / tn)`` threads; blocks grid-stride over the
+        ``ceil(T / bm) · ceil(n_cols / bn)`` tiles, token tiles fastest (neighbouring blocks share a weight tile, so
+        W is read from DRAM about once).  Per K step the block stages x ``[bm, bk]`` and W ``[bn, bk]`` transposed
+        as f32 in shared memory; thread (ty, tx) accumulates tokens ``ty·tm ..`` × columns ``tx·tn ..``.
+        """
+        a_s = cuda.shared.array((bk, bm), float32)
+        b_s = cuda.shared.array((bk, bn), float32)
+        acc = cuda.local.array(tmn, float32)
+        a_r = cuda.local.array(tm, float32)
+        b_r = cuda.local.array(tn, float32)
+        T = out.shape[0]
+        n_out = out.shape[1]
+        n_cols = 2 * n_out if gated else n_out
+        k_words = k // 2
+        tid = cuda.threadIdx.x
+        nthreads = cuda.blockDim.x
+        tx = tid % threads_n
+        ty = tid // threads_n
+        tiles_m = (T + bm - 1) // bm
+        tiles_n = (n_cols + bn - 1) // bn
+        for tile in range(cuda.blockIdx.x, tiles_m * tiles_n, cuda.gridDim.x):
+            m0 = (tile % tiles_m) * bm
+            n0 = (tile // tiles_m) * bn
+            for i in range(tm * tn):
+                acc[i] = float32(0.0)
+            for k0 in range(0, k, bk):
+                cuda.syncthreads()                 # previous step's tiles fully read
+                for idx in range(tid, (bm + bn) * slices_per_row, nthreads):
+                    row = idx // slices_per_row
+                    s = idx - row * slices_per_row
+                    kk = k0 + 8 * s
+                    if row < bm:
+                        tok = m0 + row
+                        _stage_transposed(x32, tok * k_words + kk // 2, tok < T and kk < k, a_s, row, 8 * s)
+                    else:
+                        col = n0 + row - bm
+                        wr = _weight_row(min(col, n_cols - 1), n_out, gated)
+                        _stage_transposed(w32, wr * k_words + kk // 2, col < n_cols and kk < k, b_s, row - bm, 8 * s)
+                cuda.syncthreads()
+                for kk in range(bk):
+                    for i in range(tm):
+                        a_r[i] = a_s[kk, ty * tm + i]
+                    for j in range(tn):
+                        b_r[j] = b_s[kk, tx * tn + j]
+                    for i in range(tm):
+                        for j in range(tn):
+                            acc[i * tn + j] += a_r[i] * b_r[j]
+            for i in range(tm):
+                tok = m0 + ty * tm + i
+                if tok < T:
+                    for j in range(0, tn, 2):
+                        _store_packed_pair(out, tok, n0 + tx * tn + j, _pack_bf16x2(acc[i * tn + j], acc[i * tn + j + 1]),
+                                           gated)
+
+    return gemm_fma
+
+
+# Block tiles (bm, bn, bk, tm, tn): 256 threads of 4×4 outputs on a GPU; 64 threads of 2×2 in the simulator.
+_FMA_TILE = (16, 16, 16, 2, 2) if SIMULATOR else (64, 64, 16, 4, 4)
+
+
+def gemm_fma(x, w, out, *, gated: bool = False) -> None:
+    """FMA-tiled GEMM path of ``linear`` / ``linear_silu_mul``."""
+    bm, bn, bk, tm, tn = _FMA_TILE
+    T, k = x.shape
+    tiles = -(-T // bm) * -(-w.shape[0] // bn)
+    launch(_gemm_fma_kernel(bm, bn, bk, tm, tn, gated), grid(tiles, sim_cap=16), (bm // tm) * (bn // tn),
+           _as_u32(x), _as_u32(w), out, k, name="gemm_fma")
+
+
+# ================================================================================================ GEMM, tensor cores
+if not SIMULATOR:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def mma_bf16_m16n8k16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32``: one warp computes D[16×8] = A[16×16]·B[16×8] + C
+        (f32).  Per lane (g = lane >> 2, t = lane & 3), each uint32 holding two bf16, lower index in the low half:
+        a0 = A[g, 2t:2t+2], a1 = A[g+8, 2t:2t+2], a2 = A[g, 2t+8:2t+10], a3 = A[g+8, 2t+8:2t+10];
+        b0 = B[2t:2t+2, g], b1 = B[2t+8:2t+10, g]; c/d0,1 = C[g, 2t:2t+2], c/d2,3 = C[g+8, 2t:2t+2].
+        Returns (d0, d1, d2, d3)."""
+        sig = types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+        def codegen(context, builder, sig, args):
+            i32, f32 = ir.IntType(32), ir.FloatType()
+            ins = [context.cast(builder, v, ty, types.uint32) for v, ty in zip(args[:6], sig.args[:6])]
+            ins += [context.cast(builder, v, ty, types.float32) for v, ty in zip(args[6:], sig.args[6:])]
+            fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
+            asm = ir.InlineAsm(fnty,
+                               "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                               "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+                               "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+            res = builder.call(asm, ins)
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(4)])
+
+        return sig, codegen
+
+else:
+    # The simulator cannot run inline PTX.  This emulation follows the PTX ISA's fragment layout (the one measured
+    # on the H200, as in the docstring above), so the tensor-core kernel's indexing can be tested without a GPU.
+    # Lane 0 of each warp gathers the warp's fragments, multiplies, and hands each lane its four results.
+    _sim_mma_in = np.zeros((1024, 10), np.float64)     # per thread: a0..a3, b0, b1 (exact as float64), c0..c3
+    _sim_mma_out = np.zeros((1024, 4), np.float32)
+
+    @device_fn
+    def mma_bf16_m16n8k16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """Emulated ``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`` (every lane of the block must call
+        it, like the warp reductions)."""
+        tid = int(cuda.threadIdx.x)
+        _sim_mma_in[tid] = (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+        cuda.syncthreads()
+        if tid % WARP == 0:
+            lanes = _sim_mma_in[tid:tid + WARP]
+            words = lanes[:, :6].astype(np.uint32)
+            lo = (words << np.uint32(16)).view(np.float32)
+            hi = (words & np.uint32(0xFFFF0000)).view(np.float32)
+            g = np.arange(WARP) >> 2
+            t2 = 2 * (np.arange(WARP) & 3)
+            a = np.zeros((16, 16), np.float32)
+            b = np.zeros((16, 8), np.float32)
+            c = np.zeros((16, 8), np.float32)
+            for reg, (dr, dk) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+                a[g + dr, t2 + dk], a[g + dr, t2 + dk + 1] = lo[:, reg], hi[:, reg]
+            for reg, dk in ((4, 0), (5, 8)):
+                b[t2 + dk, g], b[t2 + dk + 1, g] = lo[:, reg], hi[:, reg]
+            c[g, t2], c[g, t2 + 1], c[g + 8, t2], c[g + 8, t2 + 1] = (lanes[:, 6 + i].astype(np.float32)
+                                                                        for i in range(4))
+            d = (a.astype(np.float64) @ b.astype(np.float64) + c).astype(np.float32)
+            _sim_mma_out[tid:tid + WARP] = np.stack([d[g, t2], d[g, t2 + 1], d[g + 8, t2], d[g + 8, t2 + 1]], 1)
+        cuda.syncthreads()
+        r = _sim_mma_out[tid]
+        return r[0], r[1], r[2], r[3]
+
+MMA_BK = 32                  # K per shared-memory stage: two m16n8k16 steps
+MMA_ROW_WORDS = MMA_BK // 2 + 4
+"""Shared-memory row stride in uint32 words: 16 words of data + 4 of padding, so that the 8 rows × 4 words a
+fragment load touches fall in 32 different banks."""
+
+
+@device_fn
+def _fetch_x_slices(x32, regs, per_thread, tid, nthreads, n_slices, m0, T, k_words, k0, k):
+    """Registers ← this thread's 16-byte slices of the x tile ``[bm, 32]`` at (m0, k0) (zeros outside x)."""
+    for p in range(per_thread):
+        idx = tid + p * nthreads
+        row = idx >> 2
+        kk = k0 + 8 * (idx & 3)
+        if idx < n_slices and m0 + row < T and kk < k:
+            v0, v1, v2, v3 = load_u32x4(x32, (m0 + row) * k_words + kk // 2)
+        else:
+            v0 = v1 = v2 = v3 = uint32(0)
+        regs[4 * p] = v0
+        regs[4 * p + 1] = v1
+        regs[4 * p + 2] = v2
+        regs[4 * p + 3] = v3
+
+
+@device_fn
+def _fetch_w_slices(w32, regs, per_thread, tid, nthreads, n_slices, n0, n_cols, n_out, gated, k_words, k0, k):
+    """Registers ← this thread's 16-byte slices of the weight tile ``[bn logical columns, 32]`` at (n0, k0)."""
+    for p in range(per_thread):
+        idx = tid + p * nthreads
+        col = n0 + (idx >> 2)
+        kk = k0 + 8 * (idx & 3)
+        if idx < n_slices and col < n_cols and kk < k:
+            v0, v1, v2, v3 = load_u32x4(w32, _weight_row(col, n_out, gated) * k_words + kk // 2)
+        else:
+            v0 = v1 = v2 = v3 = uint32(0)
+        regs[4 * p] = v0
+        regs[4 * p + 1] = v1
+        regs[4 * p + 2] = v2
+        regs[4 * p + 3] = v3
+
+
+@device_fn
+def _store_slices(regs, per_thread, tid, nthreads, n_slices, dst, base):
+    """Shared ``dst[base + row · MMA_ROW_WORDS + 4·s ..]`` ← the slices fetched by ``_fetch_*_slices``."""
+    for p in range(per_thread):
+        idx = tid + p * nthreads
+        if idx < n_slices:
+            off = base + (idx >> 2) * MMA_ROW_WORDS + 4 * (idx & 3)
+            dst[off] = regs[4 * p]
+            dst[off + 1] = regs[4 * p + 1]
+            dst[off + 2] = regs[4 * p + 2]
+            dst[off + 3] = regs[4 * p + 3]
+
+
+@functools.cache
+def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, gated: bool):
+    """Build the tensor-core GEMM: ``warps_m × warps_n`` warps, each owning ``mt × nt`` m16n8 accumulator tiles, so
+    the block tile is ``bm = 16·warps_m·mt`` tokens × ``bn = 8·warps_n·nt`` logical columns."""
+    bm, bn = 16 * warps_m * mt, 8 * warps_n * nt
+    nthreads_c = 32 * warps_m * warps_n
+    a_slices, b_slices = 4 * bm, 4 * bn                 # 16-byte slices per 32-wide K stage
+    a_pt, b_pt = -(-a_slices // nthreads_c), -(-b_slices // nthreads_c)
+    a_stage, b_stage = bm * MMA_ROW_WORDS, bn * MMA_ROW_WORDS
+    a_smem, b_smem = 2 * a_stage, 2 * b_stage
+    a_regs, b_regs, n_acc, a_frag, b_frag, n_packed = 4 * a_pt, 4 * b_pt, 4 * mt * nt, 4 * mt, 2 * nt, 2 * mt * nt
+
+    @kernel
+    def gemm_mma(x32, w32, out, k):
+        """``out = x @ W.T`` (or SwiGLU of column pairs when gated) on tensor cores, f32 accumulation.
+
+        x32 ``[T · K/2]``, w32 ``[rows · K/2]`` (flat uint32 views of the bf16 tensors), out ``[T, n_out]``.
+
+        Geometry: 1-D blocks of exactly ``32 · warps_m · warps_n`` threads; blocks grid-stride over the
+        ``ceil(T / bm) · ceil(n_cols / bn)`` tiles, token tiles fastest.  Shared memory (static): two stages of
+        x ``[bm, 32]`` and W ``[bn, 32]`` as uint32 pairs with rows padded to ``MMA_ROW_WORDS``.  K loop: the next
+        stage's global loads go to registers, the current stage feeds ``mma.sync`` (fragments read straight from
+        shared memory in the PTX fragment layout), then the registers are stored into the other stage; one barrier
+        per stage.  Warp (wm, wn) owns tokens ``wm·16·mt ..`` × columns ``wn·8·nt ..`` of the tile.
+        """
+        a_s = cuda.shared.array(a_smem, uint32)
+        b_s = cuda.shared.array(b_smem, uint32)
+        ra = cuda.local.array(a_regs, uint32)
+        rb = cuda.local.array(b_regs, uint32)
+        acc = cuda.local.array(n_acc, float32)
+        af = cuda.local.array(a_frag, uint32)
+        bf = cuda.local.array(b_frag, uint32)
+        packed = cuda.local.array(n_packed, uint32)
+        T = out.shape[0]
+        n_out = out.shape[1]
+        n_cols = 2 * n_out if gated else n_out
+        k_words = k // 2
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        g = lane >> 2
+        t4 = lane & 3
+        wm = warp % warps_m
+        wn = warp // warps_m
+        tiles_m = (T + bm - 1) // bm
+        tiles_n = (n_cols + bn - 1) // bn
+        n_kt = (k + MMA_BK - 1) // MMA_BK
+        for tile in range(cuda.blockIdx.x, tiles_m * tiles_n, cuda.gridDim.x):
+            m0 = (tile % tiles_m) * bm
+            n0 = (tile // tiles_m) * bn
+            for i in range(4 * mt * nt):
+                acc[i] = float32(0.0)
+            _fetch_x_slices(x32, ra, a_pt, tid, nthreads_c, a_slices, m0, T, k_words, 0, k)
+            _fetch_w_slices(w32, rb, b_pt, tid, nthreads_c, b_slices, n0, n_cols, n_out, gated, k_words, 0, k)
+            _store_slices(ra, a_pt, tid, nthreads_c, a_slices, a_s, 0)
+            _store_slices(rb, b_pt, tid, nthreads_c, b_slices, b_s, 0)
+            cuda.syncthreads()
+            for kt in range(n_kt):
+                stage = kt & 1
+                more = kt + 1 < n_kt
+                if more:
+                    k_next = (kt + 1) * MMA_BK
+                    _fetch_x_slices(x32, ra, a_pt, tid, nthreads_c, a_slices, m0, T, k_words, k_next, k)
+                    _fetch_w_slices(w32, rb, b_pt, tid, nthreads_c, b_slices, n0, n_cols, n_out, gated, k_words,
+                                    k_next, k)
+                a_base = stage * a_stage
+                b_base = stage * b_stage
+                for ks in range(MMA_BK // 16):
+                    kw = ks * 8 + t4               # word of k = 16·ks + 2·t4 within a row
+                    for i in range(mt):
+                        r0 = a_base + (wm * mt * 16 + i * 16 + g) * MMA_ROW_WORDS + kw
+                        af[4 * i] = a_s[r0]
+                        af[4 * i + 1] = a_s[r0 + 8 * MMA_ROW_WORDS]
+                        af[4 * i + 2] = a_s[r0 + 4]
+                        af[4 * i + 3] = a_s[r0 + 8 * MMA_ROW_WORDS + 4]
+                    for j in range(nt):
+                        c0 = b_base + (wn * nt * 8 + j * 8 + g) * MMA_ROW_WORDS + kw
+                        bf[2 * j] = b_s[c0]
+                        bf[2 * j + 1] = b_s[c0 + 4]
+                    for i in range(mt):
+                        for j in range(nt):
+                            o = 4 * (i * nt + j)
+                            d0, d1, d2, d3 = mma_bf16_m16n8k16(af[4 * i], af[4 * i + 1], af[4 * i + 2],
+                                                               af[4 * i + 3], bf[2 * j], bf[2 * j + 1],
+                                                               acc[o], acc[o + 1], acc[o + 2], acc[o + 3])
+                            acc[o] = d0
+                            acc[o + 1] = d1
+                            acc[o + 2] = d2
+                            acc[o + 3] = d3
+                if more:
+                    _store_slices(ra, a_pt, tid, nthreads_c, a_slices, a_s, (1 - stage) * a_stage)
+                    _store_slices(rb, b_pt, tid, nthreads_c, b_slices, b_s, (1 - stage) * b_stage)
+                cuda.syncthreads()
+            # Epilogue in two loops: the first (small body, fully unrolled, so acc stays in registers) rounds the
+            # accumulators to bf16 pairs; the second writes them.
+            for i in range(mt * nt):
+                packed[2 * i] = _pack_bf16x2(acc[4 * i], acc[4 * i + 1])
+                packed[2 * i + 1] = _pack_bf16x2(acc[4 * i + 2], acc[4 * i + 3])
+            for i in range(mt):
+                tok = m0 + wm * mt * 16 + i * 16 + g
+                for j in range(nt):
+                    col = n0 + wn * nt * 8 + j * 8 + 2 * t4
+                    if tok < T:
+                        _store_packed_pair(out, tok, col, packed[2 * (i * nt + j)], gated)
+                    if tok + 8 < T:
+                        _store_packed_pair(out, tok + 8, col, packed[2 * (i * nt + j) + 1], gated)
+
+    return gemm_mma
+
+
+def mma_tile(n_tokens: int) -> tuple[int, int, int, int]:
+    """(warps_m, warps_n, mt, nt) for T tokens: 128×128 tiles of 8 warps (64×32 per warp) for prefill; for few
+    tokens one warp row of ``ceil(T/16)`` m16 tiles (up to 64 tokens) and 64-column tiles, so that short batches
+    still spread the weight over many blocks."""
+    if n_tokens > 64:
+        return (2, 4, 4, 4)
+    return (1, 4, -(-n_tokens // 16), 2)
+
+
+def gemm_mma(x, w, out, *, gated: bool = False, tile: tuple[int, int, int, int] | None = None) -> None:
+    """Tensor-core GEMM path of ``linear`` / ``linear_silu_mul``.  In the simulator ``mma.sync`` is emulated (slow;
+    for testing the kernel's indexing: ``linear(impl=None)`` uses the FMA tiles there)."""
+    warps_m, warps_n, mt, nt = tile or mma_tile(x.shape[0])
+    T, k = x.shape
+    tiles = -(-T // (16 * warps_m * mt)) * -(-w.shape[0] // (8 * warps_n * nt))
+    launch(_gemm_mma_kernel(warps_m, warps_n, mt, nt, gated), grid(tiles, sim_cap=16), 32 * warps_m * warps_n,
+           _as_u32(x), _as_u32(w), out, k, name="gemm_mma")
+
+
+# ================================================================================================ public API
+def _check(x, w, out, gated: bool, impl):
+    for name, a in (("x", x), ("w", w), ("out", out)):
+        if a.ndim != 2 or a.dtype != np.uint16:
+            raise ValueError(f"{name} must be a 2-D uint16 (bf16 bits) array, got shape {a.shape} dtype {a.dtype}")
+        if not _is_contiguous(a):
+            raise ValueError(f"{name} must be C-contiguous (shape {a.shape})")
+    T, k = x.shape
+    if k % 8 != 0:
+        raise ValueError(f"K = {k} must be a multiple of 8 (the kernels read 16-byte runs of 8 bf16)")
+    if w.shape[1] != k:
+        raise ValueError(f"weight {w.shape} does not match x {x.shape}: both need K = {k} columns")
+    n_out = w.shape[0] // 2 if gated else w.shape[0]
+    if gated and w.shape[0] % 2:
+        raise ValueError(f"w_gate_up {w.shape} must have an even number of rows (gate rows then up rows)")
+    if out.shape != (T, n_out):
+        raise ValueError(f"out {out.shape} must be {(T, n_out)} for x {x.shape} and weight {w.shape}")
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
+
+
+def _run(x, w, out, gated: bool, impl) -> None:
+    _check(x, w, out, gated, impl)
+    if x.shape[0] == 0 or out.shape[1] == 0:
+        return
+    if impl is None:
+        impl = "gemv" if x.shape[0] <= GEMV_MAX_TOKENS else ("gemm_fma" if SIMULATOR else "gemm_mma")
+    if impl == "gemv":
+        gemv(x, w, out, gated=gated)
+    elif impl == "gemm_fma":
+        gemm_fma(x, w, out, gated=gated)
+    else:
+        gemm_mma(x, w, out, gated=gated)
+
+
+def linear(x, w, out, impl: str | None = None) -> None:
+    """``out = bf16(x @ w.T)`` with f32 accumulation.
+
+    x ``[T, K]``, w ``[N, K]``, out ``[T, N]``: contiguous uint16 bf16 bits; K a multiple of 8.
+    ``impl``: ``None`` picks the GEMV for ``T <= GEMV_MAX_TOKENS`` and the GEMM above (tensor cores on a GPU, FMA
+    tiles in the simulator); ``"gemv"``, ``"gemm_fma"``, ``"gemm_mma"`` force a path (tests compare them all).
+    """
+    _run(x, w, out, False, impl)
+
+
+def linear_silu_mul(x, w_gate_up, out, impl: str | None = None) -> None:
+    """The MLP's fused gate/up projection + SwiGLU: ``out = bf16(bf16(silu(g)) · u)`` with ``g = bf16(x @ Wg.T)``,
+    ``u = bf16(x @ Wu.T)``.
+
+    x ``[T, K]``, w_gate_up ``[2I, K]`` (gate rows ``[0, I)`` then up rows ``[I, 2I)``), out ``[T, I]``; ``impl`` as
+    in ``linear``.  Neither g nor u is ever written to memory.
+    """
+    _run(x, w_gate_up, out, True, impl)

@@ -1,0 +1,160 @@
+"""linear / linear_silu_mul: every implementation against float64 NumPy.
+
+In the simulator (CI) the shapes are tiny and the tensor-core kernel runs with an emulated ``mma.sync`` (inline PTX
+cannot run there); the GPU tests at the bottom run every path, the real mma included, on the Qwen3-4B shapes.
+"""
+import numpy as np
+import pytest
+
+from tests.util import bf16_randn, from_bf16_bits, rel_l2
+from numba import cuda
+
+from pegainfer.kernels import linear as lin
+from pegainfer.kernels.linear import GemvGeometry, gemv, linear, linear_silu_mul
+
+
+def bf16_round(x):
+    """Round float64 values to the nearest bf16 (ties to even), returned as float64."""
+    m, e = np.frexp(np.asarray(x, dtype=np.float64))
+    return np.ldexp(np.round(np.ldexp(m, 8)), e - 8)
+
+
+def silu_mul_reference(x, w_gate_up):
+    """HF's bf16 MLP activation: g, u rounded, silu(g) rounded, the product rounded."""
+    inter = w_gate_up.shape[0] // 2
+    g = bf16_round(x @ w_gate_up[:inter].T)
+    u = bf16_round(x @ w_gate_up[inter:].T)
+    return bf16_round(bf16_round(g / (1.0 + np.exp(-g))) * u)
+
+
+def run(fn, xb, wb, n_out, **kw):
+    out = cuda.to_device(np.zeros((xb.shape[0], n_out), np.uint16))
+    fn(cuda.to_device(xb), cuda.to_device(wb), out, **kw)
+    return from_bf16_bits(out.copy_to_host()).astype(np.float64)
+
+
+SIM_IMPLS = ["gemv", "gemm_fma"]
+
+
+@pytest.mark.parametrize("impl", SIM_IMPLS)
+@pytest.mark.parametrize("T,N,K", [(1, 40, 64), (3, 41, 128), (17, 50, 72)])
+def test_linear_matches_numpy(impl, T, N, K, rng):
+    """N with a tail (41, 50 are not multiples of any tile), K = 72 not a multiple of the 16/32-wide K tiles,
+    T = 17 spans several GEMV passes and two GEMM token tiles."""
+    xb, x = bf16_randn((T, K), rng)
+    wb, w = bf16_randn((N, K), rng, scale=0.1)
+    got = run(linear, xb, wb, N, impl=impl)
+    assert rel_l2(got, x @ w.T) < 1e-2
+    assert np.array_equal(got, bf16_round(got)), "outputs must be bf16 values"
+
+
+@pytest.mark.parametrize("impl", SIM_IMPLS)
+@pytest.mark.parametrize("T", [1, 3, 17])
+def test_linear_silu_mul_matches_hf_rounding(impl, T, rng):
+    K, inter = 64, 36
+    xb, x = bf16_randn((T, K), rng)
+    wb, w = bf16_randn((2 * inter, K), rng, scale=0.3)
+    got = run(linear_silu_mul, xb, wb, inter, impl=impl)
+    expected = silu_mul_reference(x, w)
+    assert rel_l2(got, expected) < 1e-2
+    # the f32 sums differ from float64 only in the last bits: nearly every rounded output is the same bf16
+    assert np.mean(got == expected) > 0.9, np.mean(got == expected)
+
+
+@pytest.mark.parametrize("geometry", [
+    GemvGeometry(rows_per_warp=2, warps=2, k_split=2, max_tokens=2),             # warps share K; smem reduction
+    GemvGeometry(rows_per_warp=4, warps=1, k_split=1, max_tokens=4, k_chunk=256),  # x staged in 256-wide chunks
+    GemvGeometry(rows_per_warp=1, warps=2, k_split=1, max_tokens=1),
+])
+def test_gemv_geometries(geometry, rng):
+    """The splits the GPU geometry picker uses (k_split > 1, K staged in several chunks) in small form."""
+    T = geometry.max_tokens
+    K = 520 if geometry.k_chunk else 128           # 520: three chunks of 256, the last one partial
+    xb, x = bf16_randn((T, K), rng)
+    wb, w = bf16_randn((9, K), rng, scale=0.1)
+    got = run(gemv, xb, wb, 9, geometry=geometry)
+    assert rel_l2(got, x @ w.T) < 1e-2
+
+
+def test_gemv_gated_k_split(rng):
+    xb, x = bf16_randn((2, 128), rng)
+    wb, w = bf16_randn((2 * 10, 128), rng, scale=0.3)
+    got = run(gemv, xb, wb, 10, gated=True, geometry=GemvGeometry(rows_per_warp=2, warps=2, k_split=2, max_tokens=2))
+    assert rel_l2(got, silu_mul_reference(x, w)) < 1e-2
+
+
+@pytest.mark.parametrize("T", [2, 9])
+def test_default_dispatch(T, rng):
+    """impl=None: the GEMV for T <= 8, the GEMM above, with the default geometries."""
+    xb, x = bf16_randn((T, 64), rng)
+    wb, w = bf16_randn((33, 64), rng, scale=0.1)
+    assert rel_l2(run(linear, xb, wb, 33), x @ w.T) < 1e-2
+
+
+def test_rejects_bad_shapes():
+    x = np.zeros((2, 12), np.uint16)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        linear(x, np.zeros((4, 12), np.uint16), np.zeros((2, 4), np.uint16))
+    x = np.zeros((2, 16), np.uint16)
+    with pytest.raises(ValueError, match="does not match"):
+        linear(x, np.zeros((4, 8), np.uint16), np.zeros((2, 4), np.uint16))
+    with pytest.raises(ValueError, match="out"):
+        linear_silu_mul(x, np.zeros((8, 16), np.uint16), np.zeros((2, 8), np.uint16))
+    with pytest.raises(ValueError, match="uint16"):
+        linear(x.astype(np.float32), np.zeros((4, 16), np.uint16), np.zeros((2, 4), np.uint16))
+    with pytest.raises(ValueError, match="impl"):
+        linear(x, np.zeros((4, 16), np.uint16), np.zeros((2, 4), np.uint16), impl="cublas")
+
+
+@pytest.mark.parametrize("T,N,K,tile,gated", [
+    (20, 40, 72, (2, 2, 1, 1), False),   # two warp rows; T, N and K (3 stages of 32, the last partial) all ragged
+    (3, 24, 40, (1, 1, 2, 2), False),    # several m16 / n8 tiles per warp
+    (5, 40, 64, (1, 2, 1, 2), True),     # SwiGLU epilogue from the accumulator fragment's column pairs
+])
+def test_gemm_mma_kernel(T, N, K, tile, gated, rng):
+    """The tensor-core kernel's staging, fragment indexing and epilogue.  In the simulator ``mma.sync`` is
+    emulated from the PTX fragment layout; on a GPU this runs the real instruction."""
+    xb, x = bf16_randn((T, K), rng)
+    wb, w = bf16_randn((N, K), rng, scale=0.3)
+    got = run(lin.gemm_mma, xb, wb, N // 2 if gated else N, gated=gated, tile=tile)
+    expected = silu_mul_reference(x, w) if gated else x @ w.T
+    assert rel_l2(got, expected) < 1e-2
+
+
+# ------------------------------------------------------------------------------------------------ GPU only
+QWEN3_4B = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728),
+            "lm_head": (151936, 2560)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(QWEN3_4B))
+def test_qwen3_4b_shapes_every_path(name):
+    """Every implementation at decode (1, 5, 8 tokens), small-batch (16) and prefill (130) sizes; one weight per
+    shape, uploaded once."""
+    rng = np.random.default_rng(7)
+    N, K = QWEN3_4B[name]
+    gated = name == "gate_up"
+    wb, w = bf16_randn((N, K), rng, scale=K ** -0.5)
+    w_dev = cuda.to_device(wb)
+    failures = []
+    for T in (1, 5, 8, 16, 130):
+        xb, x = bf16_randn((T, K), rng)
+        expected = silu_mul_reference(x, w) if gated else x @ w.T
+        x_dev = cuda.to_device(xb)
+        for impl in ("gemv", "gemm_fma", "gemm_mma"):
+            out = cuda.to_device(np.zeros((T, N // 2 if gated else N), np.uint16))
+            (linear_silu_mul if gated else linear)(x_dev, w_dev, out, impl=impl)
+            err = rel_l2(from_bf16_bits(out.copy_to_host()), expected)
+            if not err < 1e-2:
+                failures.append((impl, T, err))
+    assert not failures, f"{name}: (impl, T, rel L2) over 1e-2: {failures}"
+
+
+@pytest.mark.gpu
+def test_gemv_geometry_covers_all_sms():
+    """The picker gives the short-and-wide matrices enough warps to occupy every SM."""
+    sms = lin._sm_count()
+    for N, K in [(2560, 4096), (2560, 9728), (6144, 2560)]:
+        geo = lin.gemv_geometry(N, K, 1)
+        warps = -(-N // geo.rows_per_warp) * geo.k_split
+        assert warps >= 16 * sms, (N, K, geo)

@@ -1,0 +1,666 @@
+"""Gated DeltaNet: the linear-attention token mixer of Qwen3.5's hybrid layers (three of every four layers).
+
+One layer, for a token with hidden state ``x`` (HF ``Qwen3_5GatedDeltaNet.forward``; weights are GEMVs elsewhere)::
+
+    mixed = in_proj_qkv(x)                 # [conv_dim] = [q (Hk·Dk) | k (Hk·Dk) | v (Hv·Dv)], bf16
+    mixed = silu(causal_conv1d(mixed))     # depthwise, kernel K=4, over this sequence's last K inputs
+    q, k  = l2norm(q), l2norm(k)           # per key head, f32; q also scaled by 1/sqrt(Dk)
+    g     = -exp(A_log) · softplus(a + dt_bias)     # log decay per value head, a = in_proj_a(x)
+    beta  = sigmoid(b)                              # write strength per value head, b = in_proj_b(x)
+    o     = gated delta rule(q, k, v, g, beta; state S)
+    y     = out_proj(RMSNormGated(o, z = in_proj_z(x)))
+
+**The gated delta rule.**  Each value head ``h`` keeps a state ``S[h]`` of shape ``[Dk, Dv]`` (f32) and uses key
+head ``h // (Hv / Hk)`` (grouped like GQA, HF's ``repeat_interleave``).  Per token::
+
+    S      = S · exp(g)                    # forget
+    kv_mem = Sᵀ k                          # what the state currently returns for key k   [Dv]
+    delta  = (v − kv_mem) · beta           # correction towards v                          [Dv]
+    S      = S + k ⊗ delta                 # write it
+    o      = Sᵀ q                          # read                                          [Dv]
+
+``gated_delta_recurrent`` runs exactly this, token after token (decode).  ``gated_delta_chunked`` gets the same
+result for a prompt in chunks of C tokens (the "WY / UT-transform" form of flash-linear-attention): inside a chunk,
+with ``G_i`` the cumulative log decay from the chunk start, ``S`` the state before the chunk, ``k, q`` normalised::
+
+    L[i,m]     = beta_i · exp(G_i − G_m) · (k_i·k_m)      m < i      (strictly lower triangular)
+    Tinv       = (I + L)⁻¹                                            (unit lower triangular)
+    intra[i,m] = exp(G_i − G_m) · (q_i·k_m)               m ≤ i
+    R_i        = beta_i · (v_i − exp(G_i) · Sᵀ k_i)                   the delta rule's targets against the old state
+    U          = Tinv · R                                             the deltas actually written, all tokens at once
+    o_i        = exp(G_i) · Sᵀ q_i + Σ_m intra[i,m] · U_m
+    S_next     = exp(G_C) · S + Σ_i exp(G_C − G_i) · k_i ⊗ U_i
+
+(Unrolling the recurrence inside a chunk gives ``U_i = R_i − Σ_{m<i} L[i,m] U_m``, i.e. ``(I + L) U = R``.)  The
+parts that do not depend on the state (``Tinv``, ``intra``, ``G``, ``beta``, norms) are computed for every chunk in
+parallel by one kernel; a second kernel walks the chunks of each sequence in order, carrying ``S``.
+
+**Sequences and state slots.**  Every kernel takes a batch of sequences laid out as in vLLM/FLA: ``token_offsets
+[B+1]`` int32 (sequence ``b`` owns tokens ``token_offsets[b] : token_offsets[b+1]`` of the token-major inputs) and
+``slot_ids [B]`` int32 (the row of the per-sequence state buffers it reads and updates).  A decode step is B
+sequences of one token each (``token_offsets = arange(B+1)``); a prefill is one (or more) sequences of many tokens.
+Both come from device arrays, so a decode step can be captured in a CUDA graph and replayed.  State buffers::
+
+    conv_state [slots, conv_dim, K-1]  bf16   the last K-1 inputs of the conv, oldest first (HF keeps K; the oldest
+                                              of those is never used again)
+    ssm_state  [slots, Hv, Dk, Dv]     f32    S per value head, HF's layout (``recurrent_states``)
+
+A new sequence's slot must start from zeros (``clear_state_slots``), as HF starts without a cache.
+
+**bf16 rounding** follows HF's bf16 forward: conv output rounded, then SiLU rounded; ``beta = bf16(sigmoid(b))``;
+``g`` in f32 from bf16 ``a``; the rule runs in f32 and its output is rounded to bf16; the gated norm rounds
+``bf16(x·r)``, then ``bf16(w · that)``, then ``bf16(that · silu(z))``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pegainfer.kernels.launch import launch
+from pegainfer.kernels.primitives import (WARP, bf16_to_f32, block_sum, cuda, device_fn, f32_to_bf16,
+                                          float32, grid, kernel, math, threads, warp_sum)
+
+L2NORM_EPS = 1e-6  # HF ``l2norm(x, eps=1e-6)``: x · rsqrt(Σx² + eps)
+MAX_KEY_DIM = 128  # largest key head dim Dk the shared-memory tiles hold (Qwen3.5: 128)
+MAX_CHUNK = 64  # largest chunk length C of the chunked form (HF and FLA use 64)
+COL_TILE = WARP  # value columns per block in the rule kernels: one per lane
+MAX_WARPS = 32  # 1024 threads
+
+__all__ = ["causal_conv1d_silu", "gated_delta_recurrent", "gated_delta_chunked", "gated_rms_norm",
+           "clear_state_slots", "ChunkScratch", "allocate_chunk_scratch", "MAX_KEY_DIM", "MAX_CHUNK"]
+
+
+# ------------------------------------------------------------------------------------------------ scalar helpers
+@device_fn
+def silu(x):
+    """x · sigmoid(x) in f32."""
+    x = float32(x)
+    return x / (float32(1.0) + float32(math.exp(-x)))
+
+
+@device_fn
+def softplus(x):
+    """torch ``F.softplus`` (beta 1, threshold 20): log(1 + eˣ), or x itself above 20."""
+    x = float32(x)
+    if x > float32(20.0):
+        return x
+    return float32(math.log1p(math.exp(x)))
+
+
+@device_fn
+def log_decay(a_bits, a_log, dt_bias):
+    """``g = −exp(A_log) · softplus(a + dt_bias)`` in f32 (a as bf16 bits; A_log and dt_bias f32)."""
+    return -float32(math.exp(float32(a_log))) * softplus(bf16_to_f32(a_bits) + float32(dt_bias))
+
+
+@device_fn
+def write_strength(b_bits):
+    """``beta = sigmoid(b)`` rounded to bf16, as HF's bf16 ``b.sigmoid()`` does; returned as f32."""
+    s = float32(1.0) / (float32(1.0) + float32(math.exp(-bf16_to_f32(b_bits))))
+    return bf16_to_f32(f32_to_bf16(s))
+
+
+@device_fn
+def inverse_l2_norm(sum_squares):
+    """HF ``l2norm``'s factor ``1 / sqrt(Σx² + 1e-6)`` in f32."""
+    return float32(1.0) / float32(math.sqrt(float32(sum_squares) + float32(L2NORM_EPS)))
+
+
+# ------------------------------------------------------------------------------------------------ conv1d + SiLU
+@kernel
+def causal_conv1d_silu_kernel(x, weight, conv_state, slot_ids, token_offsets, out, tokens_per_thread, max_pieces):
+    """Causal depthwise conv1d over each sequence's tokens, then SiLU; reads and updates the slot's conv state.
+
+    x ``[tokens, channels]`` bf16 (in_proj_qkv output), weight ``[channels, K]`` bf16 (HF ``conv1d.weight`` with
+    its middle axis dropped), conv_state ``[slots, channels, K-1]`` bf16, slot_ids ``[B]`` / token_offsets
+    ``[B+1]`` int32, out ``[tokens, channels]`` bf16 (must not alias x).  For token ``t`` of a sequence (``t``
+    counted from the sequence start) and channel ``c``::
+
+        out[t, c] = bf16(silu(bf16(Σ_k weight[c, k] · input[t − (K−1) + k, c])))
+
+    where ``input[s]`` is ``x`` for ``s ≥ 0`` and the slot's old state ``conv_state[slot, c, K−1+s]`` before the
+    sequence (``s < 0``).  Afterwards ``conv_state`` holds the last ``K−1`` inputs (older state entries shift in
+    when the sequence has fewer than ``K−1`` tokens).
+
+    Geometry: one work item per (sequence, channel, piece of ``tokens_per_thread`` consecutive tokens), flattened
+    channel-fastest (coalesced) and grid-strided; ``max_pieces`` bounds the pieces per sequence.  Only the thread
+    of piece 0 touches ``conv_state`` (it reads it, then overwrites it), so there is no race: the other pieces
+    start at least ``K−1`` tokens in (``tokens_per_thread ≥ K−1``) and see only ``x``.
+    """
+    channels = x.shape[1]
+    taps = weight.shape[1]
+    hist = taps - 1
+    items = slot_ids.shape[0] * max_pieces * channels
+    for item in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, items,
+                      cuda.gridDim.x * cuda.blockDim.x):
+        c = item % channels
+        piece = (item // channels) % max_pieces
+        seq = item // (channels * max_pieces)
+        start = token_offsets[seq]
+        n = token_offsets[seq + 1] - start
+        first = piece * tokens_per_thread
+        if first >= n:
+            continue
+        slot = slot_ids[seq]
+        for t in range(first, min(first + tokens_per_thread, n)):
+            acc = float32(0.0)
+            for k in range(taps):
+                s = t - hist + k
+                if s >= 0:
+                    v = bf16_to_f32(x[start + s, c])
+                else:
+                    v = bf16_to_f32(conv_state[slot, c, hist + s])
+                acc += bf16_to_f32(weight[c, k]) * v
+            out[start + t, c] = f32_to_bf16(silu(bf16_to_f32(f32_to_bf16(acc))))
+        if piece == 0:
+            # New state = inputs n-(K-1) .. n-1.  Ascending k reads old entry n+k > k before it is overwritten.
+            for k in range(hist):
+                s = n - hist + k
+                if s >= 0:
+                    conv_state[slot, c, k] = x[start + s, c]
+                else:
+                    conv_state[slot, c, k] = conv_state[slot, c, hist + s]
+
+
+def causal_conv1d_silu(x, weight, conv_state, slot_ids, token_offsets, out, max_seq_tokens: int | None = None,
+                       tokens_per_thread: int = 8) -> None:
+    """``out = silu(causal_conv1d(x))`` per sequence, continuing from and updating ``conv_state[slot_ids]``.
+
+    x, out ``[T, C]`` bf16 bits; weight ``[C, K]`` bf16; conv_state ``[slots, C, K-1]`` bf16; slot_ids ``[B]``,
+    token_offsets ``[B+1]`` int32.  ``max_seq_tokens`` is an upper bound on any sequence's token count (sizes the
+    grid only; pass 1 for decode; defaults to T, always safe)."""
+    _check_bf16(x, 2)
+    _check_bf16(weight, 2)
+    _check_bf16(conv_state, 3)
+    _check_bf16(out, 2)
+    channels, taps = weight.shape
+    assert x.shape[1] == channels and out.shape == x.shape, (x.shape, out.shape, weight.shape)
+    assert conv_state.shape[1:] == (channels, taps - 1), (conv_state.shape, weight.shape)
+    _check_sequences(slot_ids, token_offsets)
+    assert tokens_per_thread >= taps - 1, "pieces after the first must not need the old state"
+    if x.shape[0] == 0 or slot_ids.shape[0] == 0:
+        return
+    max_tokens = x.shape[0] if max_seq_tokens is None else max_seq_tokens
+    max_pieces = max(1, -(-max_tokens // tokens_per_thread))
+    block = threads(gpu=256, sim=32)
+    items = slot_ids.shape[0] * max_pieces * channels
+    launch(causal_conv1d_silu_kernel, grid(items, per_block=block, sim_cap=2), block, x, weight, conv_state,
+           slot_ids, token_offsets, out, np.int32(tokens_per_thread), np.int32(max_pieces))
+
+
+# ------------------------------------------------------------------------------------------------ recurrent form
+@kernel
+def gated_delta_recurrent_kernel(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids, token_offsets, out):
+    """Gated delta rule, one token after another (decode; also the reference for the chunked form).
+
+    qkv ``[tokens, 2·Hk·Dk + Hv·Dv]`` bf16 (conv output: q | k | v), a, b ``[tokens, Hv]`` bf16 (in_proj_a/b
+    outputs), a_log, dt_bias ``[Hv]`` f32, ssm_state ``[slots, Hv, Dk, Dv]`` f32 (updated in place), slot_ids
+    ``[B]``, token_offsets ``[B+1]`` int32, out ``[tokens, Hv·Dv]`` bf16.  Fused per token: l2norm of q and k (q
+    also · 1/sqrt(Dk)), ``g`` and ``beta`` (module docstring), then the rule::
+
+        S = S·exp(g);  delta = (v − Sᵀk)·beta;  S += k ⊗ delta;  out = bf16(Sᵀq)
+
+    Geometry: one block per (sequence, value head, tile of 32 value columns), grid-strided.  Lane ``l`` owns
+    column ``tile·32 + l``; warp ``w`` of ``W`` owns key rows ``w, w+W, …`` (so a warp reads whole 128-byte rows of
+    S).  Each warp computes the l2 norms itself (a warp reduction, no barrier) and reads the q, k entries of its
+    rows straight from ``qkv``.  The column sums over rows (``Sᵀk``, ``Sᵀq``) are per-thread partial sums combined
+    across warps in shared memory: two barriers per token.  S is read twice per token (the second read hits cache)
+    and written once.
+    """
+    num_v_heads = ssm_state.shape[1]
+    key_dim = ssm_state.shape[2]
+    value_dim = ssm_state.shape[3]
+    num_k_heads = (qkv.shape[1] - num_v_heads * value_dim) // (2 * key_dim)
+    heads_per_key = num_v_heads // num_k_heads
+    k_base = num_k_heads * key_dim
+    v_base = 2 * k_base
+    tiles = (value_dim + COL_TILE - 1) // COL_TILE
+    q_scale = float32(1.0) / float32(math.sqrt(float32(key_dim)))
+
+    # separate buffers for the two sums, so that each needs one barrier (see the end of the token loop)
+    partial_kv = cuda.shared.array((MAX_WARPS, COL_TILE), float32)
+    partial_out = cuda.shared.array((MAX_WARPS, COL_TILE), float32)
+
+    lane = cuda.threadIdx.x % WARP
+    warp = cuda.threadIdx.x // WARP
+    num_warps = cuda.blockDim.x // WARP
+    for item in range(cuda.blockIdx.x, slot_ids.shape[0] * num_v_heads * tiles, cuda.gridDim.x):
+        tile = item % tiles
+        h = (item // tiles) % num_v_heads
+        seq = item // (tiles * num_v_heads)
+        q_off = (h // heads_per_key) * key_dim  # columns of this value head's key head: q here, k at k_base + q_off
+        k_off = k_base + q_off
+        slot = slot_ids[seq]
+        j = tile * COL_TILE + lane
+        has_col = j < value_dim
+        for t in range(token_offsets[seq], token_offsets[seq + 1]):
+            ssq = float32(0.0)
+            ssk = float32(0.0)
+            for d in range(lane, key_dim, WARP):
+                qv = bf16_to_f32(qkv[t, q_off + d])
+                kv = bf16_to_f32(qkv[t, k_off + d])
+                ssq += qv * qv
+                ssk += kv * kv
+            q_mul = inverse_l2_norm(warp_sum(ssq)) * q_scale
+            k_mul = inverse_l2_norm(warp_sum(ssk))
+            decay = float32(math.exp(log_decay(a[t, h], a_log[h], dt_bias[h])))
+            beta = write_strength(b[t, h])
+
+            # pass 1: kv_mem = (S·decay)ᵀ k
+            acc = float32(0.0)
+            if has_col:
+                for d in range(warp, key_dim, num_warps):
+                    acc += ssm_state[slot, h, d, j] * decay * (bf16_to_f32(qkv[t, k_off + d]) * k_mul)
+            partial_kv[warp, lane] = acc
+            cuda.syncthreads()
+            kv_mem = float32(0.0)
+            for w in range(num_warps):
+                kv_mem += partial_kv[w, lane]
+            delta = float32(0.0)
+            if has_col:
+                delta = (bf16_to_f32(qkv[t, v_base + h * value_dim + j]) - kv_mem) * beta
+
+            # pass 2: S = S·decay + k ⊗ delta, and out = Sᵀ q from the new S
+            acc = float32(0.0)
+            if has_col:
+                for d in range(warp, key_dim, num_warps):
+                    s = ssm_state[slot, h, d, j] * decay + (bf16_to_f32(qkv[t, k_off + d]) * k_mul) * delta
+                    ssm_state[slot, h, d, j] = s
+                    acc += s * (bf16_to_f32(qkv[t, q_off + d]) * q_mul)
+            partial_out[warp, lane] = acc
+            cuda.syncthreads()
+            # No third barrier: a thread writes partial_kv again (next token) only after the barrier above, which
+            # every thread reaches after reading partial_kv; likewise partial_out after the next token's first one.
+            if warp == 0 and has_col:
+                o = float32(0.0)
+                for w in range(num_warps):
+                    o += partial_out[w, lane]
+                out[t, h * value_dim + j] = f32_to_bf16(o)
+
+
+def gated_delta_recurrent(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids, token_offsets, out) -> None:
+    """Gated delta rule token by token (decode: B sequences of one token).  Shapes as in
+    ``gated_delta_recurrent_kernel``; updates ``ssm_state[slot_ids]`` in place and writes ``out [T, Hv·Dv]``."""
+    _check_rule_args(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids, token_offsets, out)
+    if qkv.shape[0] == 0 or slot_ids.shape[0] == 0:
+        return
+    items = slot_ids.shape[0] * ssm_state.shape[1] * (-(-ssm_state.shape[3] // COL_TILE))
+    launch(gated_delta_recurrent_kernel, grid(items, sim_cap=8), threads(gpu=256, sim=32), qkv, a, b, a_log,
+           dt_bias, ssm_state, slot_ids, token_offsets, out)
+
+
+# ------------------------------------------------------------------------------------------------ chunked form
+@dataclass
+class ChunkScratch:
+    """Per-token intermediates of the chunked form (device arrays, f32), sized for ``max_tokens`` tokens.
+
+    tinv, intra ``[tokens, Hv, C]``: row ``i`` of the token's chunk matrices ``(I+L)⁻¹`` and ``intra``;
+    gcum, beta ``[tokens, Hv]``: cumulative log decay from the chunk start, write strength;
+    qk_inv ``[tokens, Hk, 2]``: l2norm factors of q (times 1/sqrt(Dk)) and k.
+    """
+    tinv: object
+    intra: object
+    gcum: object
+    beta: object
+    qk_inv: object
+    chunk_size: int
+
+    @property
+    def max_tokens(self) -> int:
+        return self.tinv.shape[0]
+
+
+def allocate_chunk_scratch(max_tokens: int, num_k_heads: int, num_v_heads: int,
+                           chunk_size: int = MAX_CHUNK) -> ChunkScratch:
+    """Device scratch for ``gated_delta_chunked`` over at most ``max_tokens`` tokens per call (allocate once)."""
+    assert 1 <= chunk_size <= MAX_CHUNK, chunk_size
+    n = max(1, max_tokens)
+    f32 = np.float32
+    return ChunkScratch(tinv=cuda.device_array((n, num_v_heads, chunk_size), f32),
+                        intra=cuda.device_array((n, num_v_heads, chunk_size), f32),
+                        gcum=cuda.device_array((n, num_v_heads), f32),
+                        beta=cuda.device_array((n, num_v_heads), f32),
+                        qk_inv=cuda.device_array((n, num_k_heads, 2), f32),
+                        chunk_size=chunk_size)
+
+
+@kernel
+def gated_delta_chunk_prepare_kernel(qkv, a, b, a_log, dt_bias, token_offsets, key_dim, chunk_size, max_chunks,
+                                     tinv, intra, gcum, beta, qk_inv):
+    """The state-independent half of the chunked form, for every chunk of every sequence in parallel.
+
+    Inputs as in ``gated_delta_recurrent_kernel`` (``Hv`` from ``a.shape[1]``, ``Hk`` from ``qk_inv``, ``Dk`` an
+    argument).  For chunk ``[t0, t0+n)`` (``n ≤ chunk_size``) of a sequence and value head ``h``
+    it writes, for ``i, m < n`` (module docstring)::
+
+        qk_inv[t0+i, hk] = (1/sqrt(Σq²+eps) / sqrt(Dk),  1/sqrt(Σk²+eps))
+        beta[t0+i, h]    = bf16(sigmoid(b));     gcum[t0+i, h] = G_i = Σ_{s≤i} g_s
+        tinv[t0+i, h, m] = ((I + L)⁻¹)[i, m]     (0 above the diagonal)
+        intra[t0+i, h, m] = exp(G_i − G_m)·(q_i·k_m) for m ≤ i, else 0
+
+    Geometry: one block per (sequence, chunk, value head), grid-strided; ``max_chunks`` bounds chunks per
+    sequence.  Threads stride over tokens for the per-token scalars, over (i, m) pairs for the dot products, and
+    over columns ``m`` of ``(I+L)⁻¹`` for the triangular solve (column ``m`` solves ``(I+L) x = e_m`` by forward
+    substitution alone); the cumulative sum of g is one thread's loop.
+    """
+    num_v_heads = a.shape[1]
+    num_k_heads = qk_inv.shape[1]
+    k_base = num_k_heads * key_dim
+    heads_per_key = num_v_heads // num_k_heads
+    q_scale = float32(1.0) / float32(math.sqrt(float32(key_dim)))
+
+    g_s = cuda.shared.array(MAX_CHUNK, float32)
+    beta_s = cuda.shared.array(MAX_CHUNK, float32)
+    qinv_s = cuda.shared.array(MAX_CHUNK, float32)
+    kinv_s = cuda.shared.array(MAX_CHUNK, float32)
+    l_s = cuda.shared.array((MAX_CHUNK, MAX_CHUNK), float32)
+    t_s = cuda.shared.array((MAX_CHUNK, MAX_CHUNK), float32)
+
+    tid = cuda.threadIdx.x
+    for item in range(cuda.blockIdx.x, (token_offsets.shape[0] - 1) * max_chunks * num_v_heads, cuda.gridDim.x):
+        h = item % num_v_heads
+        chunk = (item // num_v_heads) % max_chunks
+        seq = item // (num_v_heads * max_chunks)
+        t0 = token_offsets[seq] + chunk * chunk_size
+        n = min(chunk_size, token_offsets[seq + 1] - t0)
+        if n <= 0:
+            continue  # uniform across the block: the whole block skips
+        hk = h // heads_per_key
+
+        # per-token scalars
+        for i in range(tid, n, cuda.blockDim.x):
+            t = t0 + i
+            ssq = float32(0.0)
+            ssk = float32(0.0)
+            for d in range(key_dim):
+                qv = bf16_to_f32(qkv[t, hk * key_dim + d])
+                kv = bf16_to_f32(qkv[t, k_base + hk * key_dim + d])
+                ssq += qv * qv
+                ssk += kv * kv
+            qinv_s[i] = inverse_l2_norm(ssq) * q_scale
+            kinv_s[i] = inverse_l2_norm(ssk)
+            g_s[i] = log_decay(a[t, h], a_log[h], dt_bias[h])
+            beta_s[i] = write_strength(b[t, h])
+            beta[t, h] = beta_s[i]
+            if h % heads_per_key == 0:  # one of the value heads sharing this key head writes its norms
+                qk_inv[t, hk, 0] = qinv_s[i]
+                qk_inv[t, hk, 1] = kinv_s[i]
+        cuda.syncthreads()
+        if tid == 0:
+            run = float32(0.0)
+            for i in range(n):
+                run += g_s[i]
+                g_s[i] = run
+                gcum[t0 + i, h] = run
+        cuda.syncthreads()
+
+        # L (strictly lower, into shared) and intra (lower with diagonal, to global)
+        for p in range(tid, n * n, cuda.blockDim.x):
+            i = p // n
+            m = p % n
+            kk = float32(0.0)
+            qk = float32(0.0)
+            if m <= i:
+                for d in range(key_dim):
+                    km = bf16_to_f32(qkv[t0 + m, k_base + hk * key_dim + d])
+                    kk += bf16_to_f32(qkv[t0 + i, k_base + hk * key_dim + d]) * km
+                    qk += bf16_to_f32(qkv[t0 + i, hk * key_dim + d]) * km
+            pair_decay = float32(math.exp(g_s[i] - g_s[m])) if m <= i else float32(0.0)
+            l_s[i, m] = beta_s[i] * pair_decay * (kk * kinv_s[i] * kinv_s[m]) if m < i else float32(0.0)
+            intra[t0 + i, h, m] = pair_decay * (qk * qinv_s[i] * kinv_s[m])
+        cuda.syncthreads()
+
+        # (I + L)⁻¹ column by column: x_m = 1, x_i = −Σ_{m≤p<i} L[i,p]·x_p
+        for m in range(tid, n, cuda.blockDim.x):
+            for i in range(n):
+                if i < m:
+                    x = float32(0.0)
+                elif i == m:
+                    x = float32(1.0)
+                else:
+                    x = float32(0.0)
+                    for p in range(m, i):
+                        x -= l_s[i, p] * t_s[p, m]
+                t_s[i, m] = x
+                tinv[t0 + i, h, m] = x
+        cuda.syncthreads()  # l_s, t_s and the scalars are reused by the block's next item
+
+
+@kernel
+def gated_delta_chunk_scan_kernel(qkv, ssm_state, slot_ids, token_offsets, chunk_size, tinv, intra, gcum, beta,
+                                  qk_inv, out):
+    """The state-carrying half of the chunked form: walks each sequence's chunks in order.
+
+    qkv ``[tokens, 2·Hk·Dk + Hv·Dv]`` bf16, ssm_state ``[slots, Hv, Dk, Dv]`` f32 (updated in place), the
+    ``ChunkScratch`` arrays written by ``gated_delta_chunk_prepare_kernel``, out ``[tokens, Hv·Dv]`` bf16.  Per
+    chunk ``[t0, t0+n)``, with ``S`` this block's ``[Dk, 32]`` column tile of the state (module docstring)::
+
+        R_i   = beta_i · (v_i − exp(G_i)·Sᵀk_i)            step 1
+        U     = (I+L)⁻¹ · R                                 step 2
+        out_i = bf16(exp(G_i)·Sᵀq_i + Σ_{m≤i} intra[i,m]·U_m)      step 3
+        S     = exp(G_{n−1})·S + Σ_i exp(G_{n−1} − G_i)·k_i ⊗ U_i   step 4
+
+    Geometry: one block per (sequence, value head, tile of 32 value columns), grid-strided; the tile of S lives in
+    shared memory for the whole sequence.  Lane ``l`` owns column ``l`` of the tile; warps stride over tokens
+    (steps 1-3) or key rows (step 4); a barrier separates the steps.
+    """
+    num_v_heads = ssm_state.shape[1]
+    key_dim = ssm_state.shape[2]
+    value_dim = ssm_state.shape[3]
+    num_k_heads = qk_inv.shape[1]
+    heads_per_key = num_v_heads // num_k_heads
+    k_base = num_k_heads * key_dim
+    v_base = 2 * k_base
+    tiles = (value_dim + COL_TILE - 1) // COL_TILE
+
+    s_tile = cuda.shared.array((MAX_KEY_DIM, COL_TILE), float32)
+    r_s = cuda.shared.array((MAX_CHUNK, COL_TILE), float32)
+    u_s = cuda.shared.array((MAX_CHUNK, COL_TILE), float32)
+    k_weight = cuda.shared.array(MAX_CHUNK, float32)  # exp(G_{n-1} − G_i) · |k_i|⁻¹ for step 4
+
+    lane = cuda.threadIdx.x % WARP
+    warp = cuda.threadIdx.x // WARP
+    num_warps = cuda.blockDim.x // WARP
+    for item in range(cuda.blockIdx.x, slot_ids.shape[0] * num_v_heads * tiles, cuda.gridDim.x):
+        tile = item % tiles
+        h = (item // tiles) % num_v_heads
+        seq = item // (tiles * num_v_heads)
+        hk = h // heads_per_key
+        slot = slot_ids[seq]
+        j = tile * COL_TILE + lane
+        has_col = j < value_dim
+        for d in range(warp, key_dim, num_warps):
+            s_tile[d, lane] = ssm_state[slot, h, d, j] if has_col else float32(0.0)
+        cuda.syncthreads()
+        seq_start = token_offsets[seq]
+        seq_len = token_offsets[seq + 1] - seq_start
+        for t0 in range(seq_start, seq_start + seq_len, chunk_size):
+            n = min(chunk_size, seq_start + seq_len - t0)
+            g_last = gcum[t0 + n - 1, h]
+            for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+                k_weight[i] = float32(math.exp(g_last - gcum[t0 + i, h])) * qk_inv[t0 + i, hk, 1]
+            # step 1: targets against the state before the chunk
+            for i in range(warp, n, num_warps):
+                t = t0 + i
+                sk = float32(0.0)
+                for d in range(key_dim):
+                    sk += bf16_to_f32(qkv[t, k_base + hk * key_dim + d]) * s_tile[d, lane]
+                v = bf16_to_f32(qkv[t, v_base + h * value_dim + j]) if has_col else float32(0.0)
+                g_i = gcum[t, h]
+                r_s[i, lane] = beta[t, h] * (v - float32(math.exp(g_i)) * (sk * qk_inv[t, hk, 1]))
+            cuda.syncthreads()
+            # step 2: the deltas actually written, U = (I+L)⁻¹ R
+            for i in range(warp, n, num_warps):
+                u = float32(0.0)
+                for m in range(i + 1):
+                    u += tinv[t0 + i, h, m] * r_s[m, lane]
+                u_s[i, lane] = u
+            cuda.syncthreads()
+            # step 3: outputs = read of the old state + attention inside the chunk
+            for i in range(warp, n, num_warps):
+                t = t0 + i
+                sq = float32(0.0)
+                for d in range(key_dim):
+                    sq += bf16_to_f32(qkv[t, hk * key_dim + d]) * s_tile[d, lane]
+                o = float32(math.exp(gcum[t, h])) * (sq * qk_inv[t, hk, 0])
+                for m in range(i + 1):
+                    o += intra[t, h, m] * u_s[m, lane]
+                if has_col:
+                    out[t, h * value_dim + j] = f32_to_bf16(o)
+            cuda.syncthreads()
+            # step 4: carry the state to the end of the chunk
+            chunk_decay = float32(math.exp(g_last))
+            for d in range(warp, key_dim, num_warps):
+                acc = float32(0.0)
+                for i in range(n):
+                    acc += bf16_to_f32(qkv[t0 + i, k_base + hk * key_dim + d]) * k_weight[i] * u_s[i, lane]
+                s_tile[d, lane] = s_tile[d, lane] * chunk_decay + acc
+            cuda.syncthreads()  # s_tile, r_s, u_s and k_weight are rewritten by the next chunk
+        if has_col:
+            for d in range(warp, key_dim, num_warps):
+                ssm_state[slot, h, d, j] = s_tile[d, lane]
+        cuda.syncthreads()  # s_tile is reloaded by the block's next item
+
+
+def gated_delta_chunked(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids, token_offsets, out, scratch: ChunkScratch,
+                        max_seq_tokens: int | None = None) -> None:
+    """Gated delta rule for prompts, chunk by chunk (same result as ``gated_delta_recurrent``).  Shapes as in
+    ``gated_delta_recurrent``; ``scratch`` from ``allocate_chunk_scratch`` (its chunk size is used);
+    ``max_seq_tokens`` bounds any sequence's length (grid sizing only; defaults to T)."""
+    _check_rule_args(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids, token_offsets, out)
+    num_tokens = qkv.shape[0]
+    if num_tokens == 0 or slot_ids.shape[0] == 0:
+        return
+    num_v_heads, key_dim, value_dim = ssm_state.shape[1:]
+    assert scratch.max_tokens >= num_tokens, (scratch.max_tokens, num_tokens)
+    assert scratch.tinv.shape[1] == num_v_heads and scratch.qk_inv.shape[1] == _num_k_heads(qkv, ssm_state)
+    chunk = scratch.chunk_size
+    max_tokens = num_tokens if max_seq_tokens is None else max_seq_tokens
+    max_chunks = max(1, -(-max_tokens // chunk))
+    s = scratch
+    launch(gated_delta_chunk_prepare_kernel, grid(slot_ids.shape[0] * max_chunks * num_v_heads, sim_cap=16),
+           threads(gpu=128, sim=32), qkv, a, b, a_log, dt_bias, token_offsets, np.int32(key_dim), np.int32(chunk),
+           np.int32(max_chunks), s.tinv, s.intra, s.gcum, s.beta, s.qk_inv)
+    items = slot_ids.shape[0] * num_v_heads * (-(-value_dim // COL_TILE))
+    launch(gated_delta_chunk_scan_kernel, grid(items, sim_cap=8), threads(gpu=256, sim=64), qkv, ssm_state,
+           slot_ids, token_offsets, np.int32(chunk), s.tinv, s.intra, s.gcum, s.beta, s.qk_inv, out)
+
+
+# ------------------------------------------------------------------------------------------------ gated RMSNorm
+@kernel
+def gated_rms_norm_kernel(x, z, weight, out, eps):
+    """HF ``Qwen3_5RMSNormGated`` over each head's ``Dv`` values, gated by SiLU of ``z``.
+
+    x, z, out ``[tokens, Hv·Dv]`` bf16 (x: the rule's output, z: in_proj_z output), weight ``[Dv]`` bf16 (a
+    plain weight, initialised to ones: *not* the ``1 + w`` form of the other Qwen3.5 norms).  Per (token, head)
+    group, ``r = 1/sqrt(mean(x²) + eps)`` in f32 and, rounding as HF's bf16 forward does::
+
+        out = bf16( bf16(w · bf16(x·r)) · silu(z) )
+
+    Geometry: one block per (token, head) group, grid-strided; threads stride over ``Dv`` and reduce with
+    ``block_sum``.  Each thread reads back only its own columns, so ``out`` may alias ``x``.
+    """
+    group = weight.shape[0]
+    heads = x.shape[1] // group
+    eps = float32(eps)
+    for row in range(cuda.blockIdx.x, x.shape[0] * heads, cuda.gridDim.x):
+        t = row // heads
+        base = (row % heads) * group
+        ss = float32(0.0)
+        for i in range(cuda.threadIdx.x, group, cuda.blockDim.x):
+            v = bf16_to_f32(x[t, base + i])
+            ss += v * v
+        inv_rms = float32(1.0) / float32(math.sqrt(block_sum(ss) / float32(group) + eps))
+        for i in range(cuda.threadIdx.x, group, cuda.blockDim.x):
+            normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[t, base + i]) * inv_rms))
+            weighted = bf16_to_f32(f32_to_bf16(bf16_to_f32(weight[i]) * normed))
+            out[t, base + i] = f32_to_bf16(weighted * silu(bf16_to_f32(z[t, base + i])))
+
+
+def gated_rms_norm(x, z, weight, out, eps: float) -> None:
+    """``out = RMSNormGated(x, gate=z)`` per head of ``Dv = weight.shape[0]`` values; x, z, out ``[T, Hv·Dv]``,
+    weight ``[Dv]`` bf16 bits (out may be x)."""
+    _check_bf16(x, 2)
+    _check_bf16(z, 2)
+    _check_bf16(weight, 1)
+    _check_bf16(out, 2)
+    assert z.shape == x.shape and out.shape == x.shape, (x.shape, z.shape, out.shape)
+    assert x.shape[1] % weight.shape[0] == 0, (x.shape, weight.shape)
+    rows = x.shape[0] * (x.shape[1] // weight.shape[0])
+    if rows == 0:
+        return
+    launch(gated_rms_norm_kernel, grid(rows, sim_cap=4), threads(gpu=128, sim=32), x, z, weight, out,
+           np.float32(eps))
+
+
+# ------------------------------------------------------------------------------------------------ state slots
+@kernel
+def clear_state_slots_kernel(conv_state, ssm_state, slot_ids):
+    """Zero ``conv_state[s]`` ``[slots, conv_dim, K-1]`` (bf16) and ``ssm_state[s]`` ``[slots, Hv, Dk, Dv]`` (f32)
+    for every ``s`` in ``slot_ids [B]``: a new sequence starts from an empty state.  Geometry: grid-stride over
+    every element of the cleared slots (flattened per slot)."""
+    conv_per_slot = conv_state.shape[1] * conv_state.shape[2]
+    ssm_per_slot = ssm_state.shape[1] * ssm_state.shape[2] * ssm_state.shape[3]
+    per_slot = conv_per_slot + ssm_per_slot
+    plane = ssm_state.shape[2] * ssm_state.shape[3]
+    for idx in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, slot_ids.shape[0] * per_slot,
+                     cuda.gridDim.x * cuda.blockDim.x):
+        slot = slot_ids[idx // per_slot]
+        r = idx % per_slot
+        if r < conv_per_slot:
+            conv_state[slot, r // conv_state.shape[2], r % conv_state.shape[2]] = 0
+        else:
+            r -= conv_per_slot
+            ssm_state[slot, r // plane, (r % plane) // ssm_state.shape[3], r % ssm_state.shape[3]] = float32(0.0)
+
+
+def clear_state_slots(conv_state, ssm_state, slot_ids) -> None:
+    """Reset the recurrent state of the slots in ``slot_ids`` (``[B]`` int32 device array) to zeros."""
+    _check_bf16(conv_state, 3)
+    assert ssm_state.ndim == 4 and ssm_state.dtype == np.float32, (ssm_state.shape, ssm_state.dtype)
+    assert conv_state.shape[0] == ssm_state.shape[0], (conv_state.shape, ssm_state.shape)
+    assert slot_ids.ndim == 1 and slot_ids.dtype == np.int32, (slot_ids.shape, slot_ids.dtype)
+    per_slot = conv_state.shape[1] * conv_state.shape[2] + int(np.prod(ssm_state.shape[1:]))
+    total = slot_ids.shape[0] * per_slot
+    if total == 0:
+        return
+    block = threads(gpu=256, sim=32)
+    launch(clear_state_slots_kernel, grid(total, per_block=block * 4, sim_cap=4), block, conv_state, ssm_state,
+           slot_ids)
+
+
+# ------------------------------------------------------------------------------------------------ argument checks
+def _check_bf16(arr, ndim):
+    assert arr.ndim == ndim and arr.dtype == np.uint16, (arr.shape, arr.dtype, "expected bf16 bits", ndim)
+
+
+def _check_sequences(slot_ids, token_offsets):
+    assert slot_ids.ndim == 1 and slot_ids.dtype == np.int32, (slot_ids.shape, slot_ids.dtype)
+    assert token_offsets.ndim == 1 and token_offsets.dtype == np.int32, (token_offsets.shape, token_offsets.dtype)
+    assert token_offsets.shape[0] == slot_ids.shape[0] + 1, (token_offsets.shape, slot_ids.shape)
+
+
+def _num_k_heads(qkv, ssm_state):
+    num_v_heads, key_dim, value_dim = ssm_state.shape[1:]
+    return (qkv.shape[1] - num_v_heads * value_dim) // (2 * key_dim)
+
+
+def _check_rule_args(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids, token_offsets, out):
+    _check_bf16(qkv, 2)
+    _check_bf16(a, 2)
+    _check_bf16(b, 2)
+    _check_bf16(out, 2)
+    assert ssm_state.ndim == 4 and ssm_state.dtype == np.float32, (ssm_state.shape, ssm_state.dtype)
+    num_v_heads, key_dim, value_dim = ssm_state.shape[1:]
+    num_k_heads = _num_k_heads(qkv, ssm_state)
+    assert num_k_heads >= 1 and qkv.shape[1] == 2 * num_k_heads * key_dim + num_v_heads * value_dim, \
+        (qkv.shape, ssm_state.shape)
+    assert num_v_heads % num_k_heads == 0, (num_v_heads, num_k_heads)
+    assert key_dim <= MAX_KEY_DIM, f"key head dim {key_dim} > MAX_KEY_DIM {MAX_KEY_DIM}"
+    num_tokens = qkv.shape[0]
+    assert a.shape == (num_tokens, num_v_heads) and b.shape == a.shape, (a.shape, b.shape, num_tokens)
+    for p in (a_log, dt_bias):
+        assert p.shape == (num_v_heads,) and p.dtype == np.float32, (p.shape, p.dtype)
+    assert out.shape == (num_tokens, num_v_heads * value_dim), (out.shape, num_tokens)
+    _check_sequences(slot_ids, token_offsets)

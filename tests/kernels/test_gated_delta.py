@@ -1,0 +1,353 @@
+"""Gated DeltaNet kernels (Qwen3.5 linear attention) against float64 NumPy, against each other (chunked vs
+recurrent), and against transformers' own torch reference functions."""
+import numpy as np
+import pytest
+
+from tests.util import bf16_randn, from_bf16_bits, rel_l2, to_bf16_bits
+from numba import cuda
+
+from pegainfer.kernels.gated_delta import (allocate_chunk_scratch, causal_conv1d_silu, clear_state_slots,
+                                           gated_delta_chunked, gated_delta_recurrent, gated_rms_norm)
+
+EPS = 1e-6
+
+
+# ------------------------------------------------------------------------------------------------ float64 references
+def bf16_round(x):
+    """Round float64 values to the nearest bf16 (ties to even), returned as float64."""
+    m, e = np.frexp(np.asarray(x, dtype=np.float64))
+    return np.ldexp(np.round(np.ldexp(m, 8)), e - 8)
+
+
+def silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def reference_conv(x, w, state):
+    """x [T, C], w [C, K], state [C, K-1] (float64 of bf16s) → (out [T, C] with HF's two roundings, new state)."""
+    taps = w.shape[1]
+    full = np.concatenate([state.T, x], axis=0)  # [K-1+T, C]
+    out = np.stack([(full[t:t + taps] * w.T).sum(0) for t in range(x.shape[0])])
+    return bf16_round(silu(bf16_round(out))), full[-(taps - 1):].T.copy()
+
+
+def reference_gates(a, b, a_log, dt_bias):
+    """g = −exp(A_log)·softplus(a + dt_bias) (f64), beta = bf16(sigmoid(b))."""
+    z = a + dt_bias
+    softplus = np.where(z > 20, z, np.log1p(np.exp(np.minimum(z, 20))))
+    return -np.exp(a_log) * softplus, bf16_round(1.0 / (1.0 + np.exp(-b)))
+
+
+def reference_rule(qkv, g, beta, state, num_k_heads, key_dim):
+    """Token-by-token gated delta rule in float64 (HF torch_recurrent_gated_delta_rule).
+    qkv [T, 2·Hk·Dk + Hv·Dv], g/beta [T, Hv], state [Hv, Dk, Dv] → (out [T, Hv·Dv] unrounded, final state)."""
+    num_v_heads, _, value_dim = state.shape
+    s = state.copy()
+    q = qkv[:, :num_k_heads * key_dim].reshape(-1, num_k_heads, key_dim)
+    k = qkv[:, num_k_heads * key_dim:2 * num_k_heads * key_dim].reshape(-1, num_k_heads, key_dim)
+    v = qkv[:, 2 * num_k_heads * key_dim:].reshape(-1, num_v_heads, value_dim)
+    q = q / np.sqrt((q * q).sum(-1, keepdims=True) + EPS) / np.sqrt(key_dim)
+    k = k / np.sqrt((k * k).sum(-1, keepdims=True) + EPS)
+    group = num_v_heads // num_k_heads
+    out = np.zeros((qkv.shape[0], num_v_heads, value_dim))
+    for t in range(qkv.shape[0]):
+        for h in range(num_v_heads):
+            qt, kt = q[t, h // group], k[t, h // group]
+            s[h] *= np.exp(g[t, h])
+            delta = (v[t, h] - s[h].T @ kt) * beta[t, h]
+            s[h] += np.outer(kt, delta)
+            out[t, h] = s[h].T @ qt
+    return out.reshape(qkv.shape[0], -1), s
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def sequences(lengths, slots):
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return cuda.to_device(np.asarray(slots, np.int32)), cuda.to_device(offsets), offsets
+
+
+def make_layer(rng, num_k_heads=2, num_v_heads=4, key_dim=16, value_dim=8):
+    """Random inputs of one Gated DeltaNet layer's rule (qkv as if from the conv: values in a SiLU-like range)."""
+    return dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, key_dim=key_dim, value_dim=value_dim,
+                a_log=np.log(rng.uniform(0.05, 2.0, num_v_heads)).astype(np.float32),
+                dt_bias=rng.uniform(-1.0, 1.0, num_v_heads).astype(np.float32))
+
+
+def make_tokens(rng, layer, num_tokens):
+    width = 2 * layer["num_k_heads"] * layer["key_dim"] + layer["num_v_heads"] * layer["value_dim"]
+    qkv_bits, qkv = bf16_randn((num_tokens, width), rng)
+    a_bits, a = bf16_randn((num_tokens, layer["num_v_heads"]), rng)
+    b_bits, b = bf16_randn((num_tokens, layer["num_v_heads"]), rng, scale=2.0)
+    return qkv_bits, qkv, a_bits, a, b_bits, b
+
+
+def run_rule(form, layer, qkv_bits, a_bits, b_bits, state, slots, lengths, chunk=4):
+    """Run the recurrent or chunked kernel; returns (out as float64, final state array)."""
+    slot_ids, token_offsets, _ = sequences(lengths, slots)
+    d_state = cuda.to_device(state.astype(np.float32))
+    out = cuda.to_device(np.zeros((qkv_bits.shape[0], layer["num_v_heads"] * layer["value_dim"]), np.uint16))
+    args = (cuda.to_device(qkv_bits), cuda.to_device(a_bits), cuda.to_device(b_bits),
+            cuda.to_device(layer["a_log"]), cuda.to_device(layer["dt_bias"]), d_state, slot_ids, token_offsets, out)
+    if form == "recurrent":
+        gated_delta_recurrent(*args)
+    else:
+        scratch = allocate_chunk_scratch(qkv_bits.shape[0], layer["num_k_heads"], layer["num_v_heads"], chunk)
+        gated_delta_chunked(*args, scratch, max_seq_tokens=max(lengths))
+    return from_bf16_bits(out.copy_to_host()).astype(np.float64), d_state.copy_to_host()
+
+
+def reference_batch(layer, qkv, a, b, state, slots, lengths):
+    """float64 reference over a batch of sequences: (out [T, Hv·Dv], final state array)."""
+    g, beta = reference_gates(a, b, layer["a_log"].astype(np.float64), layer["dt_bias"].astype(np.float64))
+    out = np.zeros((qkv.shape[0], layer["num_v_heads"] * layer["value_dim"]))
+    final = state.astype(np.float64).copy()
+    start = 0
+    for slot, n in zip(slots, lengths):
+        sl = slice(start, start + n)
+        out[sl], final[slot] = reference_rule(qkv[sl], g[sl], beta[sl], final[slot], layer["num_k_heads"],
+                                              layer["key_dim"])
+        start += n
+    return out, final
+
+
+# ------------------------------------------------------------------------------------------------ conv1d
+def test_conv1d_batch_of_sequences_matches_reference(rng):
+    """Varlen batch: lengths 1 and 2 (< K-1: old state shifts into the new one), 5 and 11 (several pieces per
+    channel with tokens_per_thread=3); each sequence continues from its own slot's state."""
+    channels, taps, slots = 40, 4, 5
+    lengths, slot_list = [1, 5, 2, 11], [3, 0, 4, 1]
+    x_bits, x = bf16_randn((sum(lengths), channels), rng)
+    w_bits, w = bf16_randn((channels, taps), rng, scale=0.5)
+    st_bits, st = bf16_randn((slots, channels, taps - 1), rng)
+    slot_ids, token_offsets, offsets = sequences(lengths, slot_list)
+    d_state = cuda.to_device(st_bits)
+    out = cuda.to_device(np.zeros_like(x_bits))
+    causal_conv1d_silu(cuda.to_device(x_bits), cuda.to_device(w_bits), d_state, slot_ids, token_offsets, out,
+                       max_seq_tokens=max(lengths), tokens_per_thread=3)
+    got = from_bf16_bits(out.copy_to_host()).astype(np.float64)
+    got_state = from_bf16_bits(d_state.copy_to_host()).astype(np.float64)
+    expected_state = st.copy()
+    for b, (slot, n) in enumerate(zip(slot_list, lengths)):
+        sl = slice(offsets[b], offsets[b + 1])
+        ref, expected_state[slot] = reference_conv(x[sl], w, st[slot])
+        assert rel_l2(got[sl], ref) < 1e-2, (b, rel_l2(got[sl], ref))
+        assert np.mean(got[sl] == ref) > 0.95, (b, np.mean(got[sl] == ref))
+    np.testing.assert_array_equal(got_state, expected_state)  # untouched slot 2 included
+
+
+def test_conv1d_prefill_then_decode_equals_one_pass(rng):
+    """Prefill 6 tokens, then 3 single-token decode steps (two sequences in each step) equal one conv over all."""
+    channels, taps = 24, 4
+    x_bits, x = bf16_randn((9, 2, channels), rng)  # [token, sequence, channel]
+    w_bits, w = bf16_randn((channels, taps), rng, scale=0.5)
+    d_w = cuda.to_device(w_bits)
+    d_state = cuda.to_device(np.zeros((3, channels, taps - 1), np.uint16))
+    outs = np.zeros((9, 2, channels), np.uint16)
+    for s, slot in enumerate((2, 0)):  # prefill each sequence on its own
+        slot_ids, token_offsets, _ = sequences([6], [slot])
+        out = cuda.to_device(np.zeros((6, channels), np.uint16))
+        causal_conv1d_silu(cuda.to_device(np.ascontiguousarray(x_bits[:6, s])), d_w, d_state, slot_ids,
+                           token_offsets, out)
+        outs[:6, s] = out.copy_to_host()
+    slot_ids, token_offsets, _ = sequences([1, 1], [2, 0])
+    for t in range(6, 9):  # decode: B=2 sequences of one token
+        out = cuda.to_device(np.zeros((2, channels), np.uint16))
+        causal_conv1d_silu(cuda.to_device(np.ascontiguousarray(x_bits[t])), d_w, d_state, slot_ids, token_offsets,
+                           out, max_seq_tokens=1)
+        outs[t] = out.copy_to_host()
+    for s in range(2):
+        ref, _ = reference_conv(x[:, s], w, np.zeros((channels, taps - 1)))
+        got = from_bf16_bits(outs[:, s]).astype(np.float64)
+        assert rel_l2(got, ref) < 1e-2 and np.mean(got == ref) > 0.95, (s, rel_l2(got, ref))
+
+
+def test_conv1d_matches_hf_torch(rng):
+    """Against transformers' causal_conv1d_fn (prefill) and causal_conv1d_update (decode) on CPU bf16."""
+    torch = pytest.importorskip("torch")
+    hf = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    channels, taps, num_tokens = 32, 4, 7
+    x_bits, _ = bf16_randn((num_tokens + 1, channels), rng)
+    w_bits, _ = bf16_randn((channels, taps), rng, scale=0.5)
+    as_torch = lambda bits: torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16)  # noqa: E731
+    xt, wt = as_torch(x_bits), as_torch(w_bits)
+    with torch.no_grad():
+        expected = hf.causal_conv1d_fn(xt[:num_tokens].T[None], wt, None, activation="silu")[0].T
+        hf_state = torch.nn.functional.pad(xt[:num_tokens].T[None], (taps - num_tokens, 0))[..., -taps:].clone()
+        expected_step = hf.causal_conv1d_update(xt[num_tokens:].T[None], hf_state, wt, None, "silu")[0].T
+    d_state = cuda.to_device(np.zeros((1, channels, taps - 1), np.uint16))
+    d_w = cuda.to_device(w_bits)
+    slot_ids, token_offsets, _ = sequences([num_tokens], [0])
+    out = cuda.to_device(np.zeros((num_tokens, channels), np.uint16))
+    causal_conv1d_silu(cuda.to_device(x_bits[:num_tokens].copy()), d_w, d_state, slot_ids, token_offsets, out)
+    slot_ids, token_offsets, _ = sequences([1], [0])
+    out_step = cuda.to_device(np.zeros((1, channels), np.uint16))
+    causal_conv1d_silu(cuda.to_device(x_bits[num_tokens:].copy()), d_w, d_state, slot_ids, token_offsets, out_step,
+                       max_seq_tokens=1)
+    for got, exp in ((out, expected), (out_step, expected_step)):
+        exp = exp.float().numpy().astype(np.float64)
+        got = from_bf16_bits(got.copy_to_host()).astype(np.float64)
+        assert rel_l2(got, exp) < 1e-2 and np.mean(got == exp) > 0.95, (rel_l2(got, exp), np.mean(got == exp))
+
+
+# ------------------------------------------------------------------------------------------------ the rule
+def test_recurrent_matches_float64(rng):
+    layer = make_layer(rng)
+    lengths, slots = [3, 5], [2, 0]
+    qkv_bits, qkv, a_bits, a, b_bits, b = make_tokens(rng, layer, sum(lengths))
+    state = rng.standard_normal((3, layer["num_v_heads"], layer["key_dim"], layer["value_dim"])) * 0.3
+    got, got_state = run_rule("recurrent", layer, qkv_bits, a_bits, b_bits, state, slots, lengths)
+    ref, ref_state = reference_batch(layer, qkv, a, b, state.astype(np.float32), slots, lengths)
+    assert rel_l2(got, ref) < 1e-2, rel_l2(got, ref)
+    assert rel_l2(got_state, ref_state) < 1e-4, rel_l2(got_state, ref_state)
+    np.testing.assert_array_equal(got_state[1], state[1].astype(np.float32))  # slot not in the batch: untouched
+
+
+def test_chunked_equals_recurrent(rng):
+    """Prompts of 3, 8 and 13 tokens in one varlen batch, each continuing from a non-zero state, with chunks of 4
+    and 8 (shorter than, equal to, longer than a chunk; exact multiples and a partial last chunk): the chunked form
+    must give the token-by-token result."""
+    layer = make_layer(rng)
+    lengths, slots = [3, 8, 13], [1, 3, 0]
+    qkv_bits, qkv, a_bits, a, b_bits, b = make_tokens(rng, layer, sum(lengths))
+    state = rng.standard_normal((4, layer["num_v_heads"], layer["key_dim"], layer["value_dim"])) * 0.3
+    rec, rec_state = run_rule("recurrent", layer, qkv_bits, a_bits, b_bits, state, slots, lengths)
+    ref, ref_state = reference_batch(layer, qkv, a, b, state.astype(np.float32), slots, lengths)
+    assert rel_l2(rec, ref) < 1e-2 and rel_l2(rec_state, ref_state) < 1e-4
+    for chunk in (4, 8):
+        chk, chk_state = run_rule("chunked", layer, qkv_bits, a_bits, b_bits, state, slots, lengths, chunk=chunk)
+        assert rel_l2(chk_state, rec_state) < 1e-5, (chunk, rel_l2(chk_state, rec_state))
+        assert rel_l2(chk, rec) < 1e-2, (chunk, rel_l2(chk, rec))
+        assert np.mean(chk == rec) > 0.95, (chunk, np.mean(chk == rec))  # bf16 outputs: nearly all bit-equal
+        assert rel_l2(chk, ref) < 1e-2, (chunk, rel_l2(chk, ref))
+        assert rel_l2(chk_state, ref_state) < 1e-4, (chunk, rel_l2(chk_state, ref_state))
+
+
+def test_rule_matches_hf_torch(rng):
+    """Against transformers' torch_chunk_gated_delta_rule and torch_recurrent_gated_delta_rule (f32 on CPU)."""
+    torch = pytest.importorskip("torch")
+    hf = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    layer = make_layer(rng, key_dim=8, value_dim=16)
+    num_tokens = 6
+    qkv_bits, qkv, a_bits, a, b_bits, b = make_tokens(rng, layer, num_tokens)
+    state = rng.standard_normal((1, layer["num_v_heads"], layer["key_dim"], layer["value_dim"])) * 0.3
+    hk, dk, hv, dv = layer["num_k_heads"], layer["key_dim"], layer["num_v_heads"], layer["value_dim"]
+    t = lambda x: torch.tensor(x, dtype=torch.float32)[None]  # noqa: E731
+    g, beta = reference_gates(a, b, layer["a_log"].astype(np.float64), layer["dt_bias"].astype(np.float64))
+    q, k, v = (qkv[:, :hk * dk].reshape(-1, hk, dk), qkv[:, hk * dk:2 * hk * dk].reshape(-1, hk, dk),
+               qkv[:, 2 * hk * dk:].reshape(-1, hv, dv))
+    with torch.no_grad():
+        hf_chunk, hf_chunk_state = hf.torch_chunk_gated_delta_rule(
+            t(q), t(k), t(v), g=t(g), beta=t(beta), chunk_size=4, initial_state=torch.tensor(state, dtype=torch.float32),
+            output_final_state=True, use_qk_l2norm_in_kernel=True)
+        hf_rec, hf_rec_state = hf.torch_recurrent_gated_delta_rule(
+            t(q), t(k), t(v), g=t(g), beta=t(beta), initial_state=torch.tensor(state, dtype=torch.float32),
+            output_final_state=True, use_qk_l2norm_in_kernel=True)
+    for form in ("recurrent", "chunked"):
+        got, got_state = run_rule(form, layer, qkv_bits, a_bits, b_bits, state, [0], [num_tokens])
+        for hf_out, hf_state in ((hf_chunk, hf_chunk_state), (hf_rec, hf_rec_state)):
+            assert rel_l2(got, hf_out[0].reshape(num_tokens, -1).double().numpy()) < 1e-2, form
+            assert rel_l2(got_state[0], hf_state[0].double().numpy()) < 1e-4, form
+
+
+# ------------------------------------------------------------------------------------------------ gated norm
+def test_gated_rms_norm_matches_reference_and_hf(rng):
+    tokens, heads, dim = 3, 4, 24
+    x_bits, x = bf16_randn((tokens, heads * dim), rng, scale=2.0)
+    z_bits, z = bf16_randn((tokens, heads * dim), rng, scale=2.0)
+    w = bf16_round(1.0 + 0.5 * rng.standard_normal(dim))  # HF initialises this weight to ones
+    w_bits = to_bf16_bits(w)
+    out = cuda.to_device(np.zeros_like(x_bits))
+    gated_rms_norm(cuda.to_device(x_bits), cuda.to_device(z_bits), cuda.to_device(w_bits), out, EPS)
+    got = from_bf16_bits(out.copy_to_host()).astype(np.float64)
+    xr = x.reshape(tokens, heads, dim)
+    n = bf16_round(xr / np.sqrt((xr * xr).mean(-1, keepdims=True) + EPS))
+    ref = bf16_round(bf16_round(w * n) * silu(z.reshape(tokens, heads, dim))).reshape(tokens, -1)
+    assert rel_l2(got, ref) < 1e-2 and np.mean(got == ref) > 0.95, (rel_l2(got, ref), np.mean(got == ref))
+
+    torch = pytest.importorskip("torch")
+    hf = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    as_torch = lambda bits: torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16)  # noqa: E731
+    module = hf.Qwen3_5RMSNormGated(dim, eps=EPS)
+    with torch.no_grad():
+        module.weight.copy_(as_torch(w_bits).float())
+        module.to(torch.bfloat16)
+        expected = module(as_torch(x_bits).reshape(-1, dim), as_torch(z_bits).reshape(-1, dim))
+    expected = expected.float().numpy().astype(np.float64).reshape(tokens, -1)
+    assert np.mean(got == expected) > 0.97, np.mean(got == expected)
+    assert rel_l2(got, expected) < 1e-2
+
+
+# ------------------------------------------------------------------------------------------------ state slots
+def test_clear_state_slots(rng):
+    conv_bits, _ = bf16_randn((4, 6, 3), rng)
+    ssm = rng.standard_normal((4, 2, 4, 5)).astype(np.float32)
+    d_conv, d_ssm = cuda.to_device(conv_bits), cuda.to_device(ssm)
+    clear_state_slots(d_conv, d_ssm, cuda.to_device(np.array([3, 1], np.int32)))
+    conv_after, ssm_after = d_conv.copy_to_host(), d_ssm.copy_to_host()
+    for s in (1, 3):
+        assert not conv_after[s].any() and not ssm_after[s].any()
+    for s in (0, 2):
+        np.testing.assert_array_equal(conv_after[s], conv_bits[s])
+        np.testing.assert_array_equal(ssm_after[s], ssm[s])
+
+
+# ------------------------------------------------------------------------------------------------ GPU, real shapes
+QWEN35_4B = dict(num_k_heads=16, num_v_heads=32, key_dim=128, value_dim=128)
+
+
+@pytest.mark.gpu
+def test_gpu_conv1d_qwen35_shapes(rng):
+    channels, taps, lengths, slots = 2 * 16 * 128 + 32 * 128, 4, [77, 1, 2], [5, 0, 3]
+    x_bits, x = bf16_randn((sum(lengths), channels), rng)
+    w_bits, w = bf16_randn((channels, taps), rng, scale=0.5)
+    st_bits, st = bf16_randn((8, channels, taps - 1), rng)
+    slot_ids, token_offsets, offsets = sequences(lengths, slots)
+    d_state, out = cuda.to_device(st_bits), cuda.to_device(np.zeros_like(x_bits))
+    causal_conv1d_silu(cuda.to_device(x_bits), cuda.to_device(w_bits), d_state, slot_ids, token_offsets, out)
+    got = from_bf16_bits(out.copy_to_host()).astype(np.float64)
+    expected_state = st.copy()
+    for b, (slot, n) in enumerate(zip(slots, lengths)):
+        sl = slice(offsets[b], offsets[b + 1])
+        ref, expected_state[slot] = reference_conv(x[sl], w, st[slot])
+        assert rel_l2(got[sl], ref) < 1e-2
+    np.testing.assert_array_equal(from_bf16_bits(d_state.copy_to_host()).astype(np.float64), expected_state)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_step_qwen35_shapes(rng):
+    layer = make_layer(rng, **QWEN35_4B)
+    slots = [3, 0, 6, 1]
+    qkv_bits, qkv, a_bits, a, b_bits, b = make_tokens(rng, layer, len(slots))
+    state = rng.standard_normal((8, 32, 128, 128)) * 0.05
+    got, got_state = run_rule("recurrent", layer, qkv_bits, a_bits, b_bits, state, slots, [1] * len(slots))
+    ref, ref_state = reference_batch(layer, qkv, a, b, state.astype(np.float32), slots, [1] * len(slots))
+    assert rel_l2(got, ref) < 1e-2 and rel_l2(got_state, ref_state) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [64, 16])
+def test_gpu_chunked_prompt_qwen35_shapes(rng, chunk):
+    layer = make_layer(rng, **QWEN35_4B)
+    lengths, slots = [150, 64, 5], [2, 0, 1]
+    qkv_bits, qkv, a_bits, a, b_bits, b = make_tokens(rng, layer, sum(lengths))
+    state = rng.standard_normal((3, 32, 128, 128)) * 0.05
+    rec, rec_state = run_rule("recurrent", layer, qkv_bits, a_bits, b_bits, state, slots, lengths)
+    chk, chk_state = run_rule("chunked", layer, qkv_bits, a_bits, b_bits, state, slots, lengths, chunk=chunk)
+    assert rel_l2(chk_state, rec_state) < 1e-4 and rel_l2(chk, rec) < 1e-2
+    ref, ref_state = reference_batch(layer, qkv, a, b, state.astype(np.float32), slots, lengths)
+    assert rel_l2(chk, ref) < 1e-2 and rel_l2(chk_state, ref_state) < 1e-4
+
+
+@pytest.mark.gpu
+def test_gpu_gated_rms_norm_qwen35_shapes(rng):
+    tokens, heads, dim = 33, 32, 128
+    x_bits, x = bf16_randn((tokens, heads * dim), rng, scale=2.0)
+    z_bits, z = bf16_randn((tokens, heads * dim), rng, scale=2.0)
+    w = bf16_round(1.0 + 0.1 * rng.standard_normal(dim))
+    out = cuda.to_device(np.zeros_like(x_bits))
+    gated_rms_norm(cuda.to_device(x_bits), cuda.to_device(z_bits), cuda.to_device(to_bf16_bits(w)), out, EPS)
+    got = from_bf16_bits(out.copy_to_host()).astype(np.float64)
+    xr = x.reshape(tokens, heads, dim)
+    n = bf16_round(xr / np.sqrt((xr * xr).mean(-1, keepdims=True) + EPS))
+    ref = bf16_round(bf16_round(w * n) * silu(z.reshape(tokens, heads, dim))).reshape(tokens, -1)
+    assert rel_l2(got, ref) < 1e-2 and np.mean(got == ref) > 0.97

@@ -49,7 +49,7 @@ class Engine:
         self.runner = ModelRunner(model, self.pool, max_batch, use_cuda_graph)
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[str] = []
-        self.is_demo = bool(getattr(cfg, "is_demo", False))
+        self.is_demo = bool(cfg.raw.get("pegainfer_demo", False))
         self.tracer = None                     # a pegainfer.trace.ChromeTracer while tracing
         self._kernel_traced: set[str] = set()  # step kinds already traced kernel by kernel
 
@@ -62,7 +62,7 @@ class Engine:
         from pegainfer.models import model_class
         from pegainfer.text.chat import ChatTemplate
         from pegainfer.text.tokenizer import Tokenizer
-        from pegainfer.weights import WeightReader, check_gpu_memory
+        from pegainfer.weights import Progress, WeightReader, check_gpu_memory
 
         if model_path is None:
             from pegainfer.demo import ensure_demo_model
@@ -98,8 +98,10 @@ class Engine:
                 model, pages, need = plan(mml)
         check_gpu_memory(need, f"{folder.name} (weights, KV cache for {max_batch} × {mml} tokens, buffers)")
 
-        reader = WeightReader(folder, verbose=verbose)
-        model.load_weights(reader)
+        progress = Progress(total_bytes=model.weight_bytes(), verbose=verbose)
+        with WeightReader(folder, progress=progress) as reader:
+            model.load_weights(reader)
+        progress.finish()
         model.allocate(pages, PAGE_SIZE)
         eng = cls(folder, model, cfg, gen, tokenizer, chat_template, mml, max_batch, min(max_prefill_tokens, mml),
                   pages, use_cuda_graph)

@@ -82,7 +82,7 @@ class Qwen3Model:
     # ------------------------------------------------------------------------------------------------ weights
     def load_weights(self, reader, progress=None) -> None:
         cfg, H, D = self.cfg, self.H, self.D
-        p = reader.prefix_for("model.embed_tokens.weight")
+        p = reader.prefix
         self.embed = reader.upload(f"{p}embed_tokens.weight", (self.V, H))
         self.final_norm = reader.upload(f"{p}norm.weight", (H,))
         if cfg.tie_word_embeddings or not reader.has("lm_head.weight"):

@@ -68,7 +68,8 @@ COL_TILE = WARP  # value columns per block in the rule kernels: one per lane
 MAX_WARPS = 32  # 1024 threads
 
 __all__ = ["causal_conv1d_silu", "gated_delta_recurrent", "gated_delta_chunked", "gated_rms_norm",
-           "clear_state_slots", "ChunkScratch", "allocate_chunk_scratch", "MAX_KEY_DIM", "MAX_CHUNK"]
+           "clear_state_slots", "sequence_table", "ChunkScratch", "allocate_chunk_scratch", "MAX_KEY_DIM",
+           "MAX_CHUNK"]
 
 
 # ------------------------------------------------------------------------------------------------ scalar helpers
@@ -467,14 +468,16 @@ def gated_delta_chunk_scan_kernel(qkv, ssm_state, slot_ids, token_offsets, chunk
         h = (item // tiles) % num_v_heads
         seq = item // (tiles * num_v_heads)
         hk = h // heads_per_key
+        seq_start = token_offsets[seq]
+        seq_len = token_offsets[seq + 1] - seq_start
+        if seq_len <= 0:
+            continue  # an empty sequence leaves its slot alone (uniform across the block)
         slot = slot_ids[seq]
         j = tile * COL_TILE + lane
         has_col = j < value_dim
         for d in range(warp, key_dim, num_warps):
             s_tile[d, lane] = ssm_state[slot, h, d, j] if has_col else float32(0.0)
         cuda.syncthreads()
-        seq_start = token_offsets[seq]
-        seq_len = token_offsets[seq + 1] - seq_start
         for t0 in range(seq_start, seq_start + seq_len, chunk_size):
             n = min(chunk_size, seq_start + seq_len - t0)
             g_last = gcum[t0 + n - 1, h]
@@ -628,6 +631,45 @@ def clear_state_slots(conv_state, ssm_state, slot_ids) -> None:
     block = threads(gpu=256, sim=32)
     launch(clear_state_slots_kernel, grid(total, per_block=block * 4, sim_cap=4), block, conv_state, ssm_state,
            slot_ids)
+
+
+@kernel
+def sequence_table_kernel(token_slots, seq_slots, seq_offsets):
+    """The per-sequence table the kernels above take, built from the runner's per-token slots.
+
+    A step's tokens come in runs, one per sequence: a sequence's tokens are consecutive and no two sequences of a
+    step share a slot.  So run ``r`` (a maximal stretch of equal ``token_slots``) is sequence ``r``.
+    token_slots ``[T]``; seq_slots ``[S]``, seq_offsets ``[S+1]`` int32 with ``S`` ≥ the number of runs:
+    ``seq_offsets[r]`` = first token of run ``r``, ``seq_slots[r]`` = its slot; entries after the last run are
+    empty sequences (offset ``T``, slot 0), which every kernel above skips.
+
+    Geometry: one block (the barrier orders the fill before the writes), block-stride over tokens; a run's first
+    token finds its run index by counting the run starts before it (O(T) each: T is one step's tokens).
+    """
+    num_tokens = token_slots.shape[0]
+    for r in range(cuda.threadIdx.x, seq_slots.shape[0] + 1, cuda.blockDim.x):
+        seq_offsets[r] = num_tokens
+        if r < seq_slots.shape[0]:
+            seq_slots[r] = 0
+    cuda.syncthreads()
+    for t in range(cuda.threadIdx.x, num_tokens, cuda.blockDim.x):
+        if t == 0 or token_slots[t] != token_slots[t - 1]:
+            run = 0
+            for u in range(1, t + 1):
+                if token_slots[u] != token_slots[u - 1]:
+                    run += 1
+            if run < seq_slots.shape[0]:
+                seq_offsets[run] = t
+                seq_slots[run] = token_slots[t]
+
+
+def sequence_table(token_slots, seq_slots, seq_offsets) -> None:
+    """Fill ``seq_slots [S]`` / ``seq_offsets [S+1]`` (int32 device arrays) from ``token_slots [T]``: one sequence
+    per run of equal slots, padded with empty sequences.  ``S`` must be ≥ the number of sequences in the step."""
+    for arr in (token_slots, seq_slots, seq_offsets):
+        assert arr.ndim == 1 and arr.dtype == np.int32, (arr.shape, arr.dtype)
+    assert seq_offsets.shape[0] == seq_slots.shape[0] + 1, (seq_slots.shape, seq_offsets.shape)
+    launch(sequence_table_kernel, 1, threads(gpu=256, sim=32), token_slots, seq_slots, seq_offsets)
 
 
 # ------------------------------------------------------------------------------------------------ argument checks

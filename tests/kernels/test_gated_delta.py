@@ -7,7 +7,8 @@ from tests.util import bf16_randn, from_bf16_bits, rel_l2, to_bf16_bits
 from numba import cuda
 
 from pegainfer.kernels.gated_delta import (allocate_chunk_scratch, causal_conv1d_silu, clear_state_slots,
-                                           gated_delta_chunked, gated_delta_recurrent, gated_rms_norm)
+                                           gated_delta_chunked, gated_delta_recurrent, gated_rms_norm,
+                                           sequence_table)
 
 EPS = 1e-6
 
@@ -289,6 +290,38 @@ def test_clear_state_slots(rng):
     for s in (0, 2):
         np.testing.assert_array_equal(conv_after[s], conv_bits[s])
         np.testing.assert_array_equal(ssm_after[s], ssm[s])
+
+
+def test_sequence_table_from_token_slots():
+    """Runs of equal slots are sequences; the table is padded with empty sequences (offset T, slot 0)."""
+    seq_slots = cuda.to_device(np.full(6, -1, np.int32))
+    seq_offsets = cuda.to_device(np.full(7, -1, np.int32))
+    sequence_table(cuda.to_device(np.array([3, 3, 3, 1, 1, 4, 0], np.int32)), seq_slots, seq_offsets)
+    np.testing.assert_array_equal(seq_offsets.copy_to_host(), [0, 3, 5, 6, 7, 7, 7])
+    np.testing.assert_array_equal(seq_slots.copy_to_host(), [3, 1, 4, 0, 0, 0])
+    sequence_table(cuda.to_device(np.array([2, 2, 2, 2], np.int32)), seq_slots, seq_offsets)  # one prefill
+    np.testing.assert_array_equal(seq_offsets.copy_to_host(), [0, 4, 4, 4, 4, 4, 4])
+
+
+def test_empty_sequences_leave_state_alone(rng):
+    """Padding entries of the table (empty sequences, slot 0) must not touch slot 0, which a real sequence of the
+    same batch updates: every kernel skips them."""
+    layer = make_layer(rng, key_dim=8, value_dim=8)
+    qkv_bits, qkv, a_bits, a, b_bits, b = make_tokens(rng, layer, 3)
+    state = rng.standard_normal((2, layer["num_v_heads"], 8, 8)) * 0.3
+    ref, ref_state = reference_batch(layer, qkv, a, b, state.astype(np.float32), [0], [3])
+    for form in ("recurrent", "chunked"):
+        got, got_state = run_rule(form, layer, qkv_bits, a_bits, b_bits, state, [0, 0, 0], [3, 0, 0])
+        assert rel_l2(got, ref) < 1e-2 and rel_l2(got_state, ref_state) < 1e-4, form
+    x_bits, x = bf16_randn((3, 8), rng)
+    w_bits, w = bf16_randn((8, 4), rng)
+    st_bits, st = bf16_randn((2, 8, 3), rng)
+    slot_ids, token_offsets, _ = sequences([3, 0, 0], [0, 0, 0])
+    d_state, out = cuda.to_device(st_bits), cuda.to_device(np.zeros_like(x_bits))
+    causal_conv1d_silu(cuda.to_device(x_bits), cuda.to_device(w_bits), d_state, slot_ids, token_offsets, out)
+    ref_out, ref_conv_state = reference_conv(x, w, st[0])
+    np.testing.assert_array_equal(from_bf16_bits(d_state.copy_to_host()[0]).astype(np.float64), ref_conv_state)
+    assert rel_l2(from_bf16_bits(out.copy_to_host()).astype(np.float64), ref_out) < 1e-2
 
 
 # ------------------------------------------------------------------------------------------------ GPU, real shapes

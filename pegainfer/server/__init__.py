@@ -1,0 +1,97 @@
+"""OpenAI-compatible HTTP server: ``python -m pegainfer serve``.
+
+``run_server(args)`` starts the engine thread (which loads and warms up the model) and uvicorn at once, so
+``GET /health`` answers 503 while the model loads and 200 once it is ready; if loading fails, the server stops and
+the error is raised to the CLI.  ``build_app`` (in ``app.py``) is the Starlette app on its own, for tests and for
+embedding in other ASGI servers.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import threading
+from typing import Callable, Optional
+
+from pegainfer.server.app import DEFAULT_MAX_BODY_BYTES, build_app
+
+__all__ = ["add_serve_arguments", "build_app", "run_server"]
+
+log = logging.getLogger("pegainfer.server")
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The serve-only flags (the CLI adds --model-path, --max-model-len, --cuda-graph itself)."""
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--api-key", default=os.environ.get("PEGAINFER_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PEGAINFER_API_KEY, else none)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send and see (default: the model folder's name)")
+    p.add_argument("--max-waiting", type=int, default=64,
+                   help="requests allowed to wait for the engine; beyond that new ones get 503 + Retry-After "
+                        "(default 64)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="most requests decoded together in one step (default 8); each reserves KV cache for "
+                        "--max-model-len tokens")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"largest request body accepted, in bytes (default {DEFAULT_MAX_BODY_BYTES}); bigger → 413")
+
+
+def run_server(args: argparse.Namespace, engine_factory: Optional[Callable[[], object]] = None,
+               sock: Optional[socket.socket] = None) -> int:
+    """Serve until interrupted.  ``engine_factory`` (tests) replaces loading ``args.model_path``; ``sock`` is an
+    already-bound listening socket to serve on instead of ``--host``/``--port``."""
+    import uvicorn
+
+    import pegainfer
+    from pegainfer.engine.async_engine import AsyncEngine
+    from pegainfer.errors import PegainferError
+
+    if args.max_waiting is not None and args.max_waiting < 0:
+        raise PegainferError("--max-waiting must be >= 0")
+    if getattr(args, "max_batch", 1) < 1:
+        raise PegainferError("--max-batch must be at least 1")
+    if engine_factory is None:
+        def engine_factory():
+            from pegainfer.engine.engine import Engine
+            return Engine.from_folder(args.model_path, args.max_model_len, max_batch=getattr(args, "max_batch", 1),
+                                      use_cuda_graph=getattr(args, "cuda_graph", True))
+
+    async_engine = AsyncEngine(engine_factory=engine_factory, max_waiting=args.max_waiting)
+    app = build_app(async_engine, args.served_model_name, api_key=args.api_key,
+                    max_body_bytes=getattr(args, "max_body_bytes", DEFAULT_MAX_BODY_BYTES))
+    config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, log_level="info",
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+
+    def report_when_loaded():
+        if async_engine.wait_ready():
+            eng = async_engine.engine
+            name = args.served_model_name or getattr(eng, "model_name", "?")
+            log.info("model ready: serving '%s' (max model len %s)%s", name, getattr(eng, "max_model_len", "?"),
+                     " — the built-in demo model: RANDOM weights, gibberish text" if getattr(eng, "is_demo", False)
+                     else "")
+        elif async_engine.state == "failed":
+            server.should_exit = True  # /health said 503 while loading; now give up
+
+    where = f"{sock.getsockname()[0]}:{sock.getsockname()[1]}" if sock is not None else f"{args.host}:{args.port}"
+    log.info("%s", pegainfer.device.describe())
+    log.info("listening on http://%s (loading %s; GET /health answers 200 when ready)", where,
+             getattr(args, "model_path", None) or "the built-in demo model")
+    async_engine.start()
+    threading.Thread(target=report_when_loaded, name="pegainfer-load-watch", daemon=True).start()
+    try:
+        server.run(sockets=[sock] if sock is not None else None)
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: a normal way to stop
+        pass
+    finally:
+        async_engine.shutdown()
+        log.info("server stopped")
+    if async_engine.load_error is not None:
+        if isinstance(async_engine.load_error, PegainferError):
+            raise async_engine.load_error
+        raise RuntimeError(f"the engine failed: {async_engine.load_error!r}") from async_engine.load_error
+    return 0

@@ -1,0 +1,533 @@
+"""The Starlette app: OpenAI-compatible routes over an ``AsyncEngine``.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (and ``/v1/models/{id}``),
+``GET /health`` (200 once the model is loaded and warmed up, 503 before), ``GET /version``.
+
+A request's way through a handler: API key → body (size limit, JSON) → ``protocol.parse_*`` → prompt text → token
+ids (chat template and tokenizer run in a worker thread, so a long prompt never blocks the event loop) → context
+checks and ``SamplingParams`` → ``AsyncEngine.add`` (the engine accepts or refuses it before any response byte is
+sent, so refusals are proper HTTP errors) → the answer, whole or as server-sent events.
+
+A client that goes away cancels its request at once: streamed responses watch for ``http.disconnect`` next to
+the output stream, non-streamed ones race the generation against it; either way the engine's ``abort`` frees the
+request's pages and slot at the next step.  One log line per request goes to the ``pegainfer.server`` logger.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from contextlib import suppress
+from typing import AsyncIterator, Callable, Optional
+
+import anyio
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import pegainfer
+from pegainfer.engine.async_engine import AsyncEngine, EngineNotReadyError, EngineStepError, QueueFullError
+from pegainfer.engine.types import RequestOutput, SamplingParams
+from pegainfer.errors import PegainferError, RequestError
+from pegainfer.server import protocol as P
+from pegainfer.server.protocol import APIError
+
+log = logging.getLogger("pegainfer.server")
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20   # 8 MiB: ~2M characters of prompt, far beyond any context
+RETRY_AFTER_S = "1"
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the answer was ready."""
+
+
+class EventStreamResponse(Response):
+    """Server-sent events from an async iterator of ``data: ...\\n\\n`` strings.
+
+    It listens for ``http.disconnect`` while streaming (whatever ASGI spec version the server speaks) and, on a
+    disconnect, cancels the iteration; the iterator is always closed, which aborts an unfinished request."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str], headers: Optional[dict] = None,
+                 on_close: Optional[Callable[[], None]] = None):
+        self.events = events
+        self.on_close = on_close
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})})
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def watch_disconnect(scope_to_cancel: anyio.CancelScope) -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    scope_to_cancel.cancel()
+                    return
+
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch_disconnect, tg.cancel_scope)
+            try:
+                async for event in self.events:
+                    await send({"type": "http.response.body", "body": event.encode("utf-8"), "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self.events.aclose()
+                if self.on_close is not None:
+                    self.on_close()
+            tg.cancel_scope.cancel()
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class _RequestLog:
+    """Times one request and writes its single log line."""
+
+    def __init__(self, request_id: str, route: str):
+        self.request_id = request_id
+        self.route = route
+        self.t0 = time.perf_counter()
+        self.t_first: Optional[float] = None
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.finish: Optional[str] = None
+
+    def saw(self, out: RequestOutput) -> None:
+        if self.t_first is None and out.new_token_ids:
+            self.t_first = time.perf_counter()
+        self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
+        self.completion_tokens = out.completion_tokens or self.completion_tokens
+
+    def write(self, finish: Optional[str] = None) -> None:
+        finish = finish or self.finish or "cancelled"
+        ttft = f"{(self.t_first - self.t0) * 1e3:.1f}ms" if self.t_first is not None else "-"
+        log.info("%s %s prompt_tokens=%d completion_tokens=%d ttft=%s total=%.1fms finish=%s", self.request_id,
+                 self.route, self.prompt_tokens, self.completion_tokens, ttft, (time.perf_counter() - self.t0) * 1e3,
+                 finish)
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _api_error(e: BaseException) -> APIError:
+    """Map an exception from validation or the engine to an HTTP error."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, QueueFullError):
+        return APIError(503, str(e), None, "queue_full", headers={"Retry-After": RETRY_AFTER_S})
+    if isinstance(e, EngineNotReadyError):
+        return APIError(503, str(e), None, "model_not_ready", headers={"Retry-After": RETRY_AFTER_S})
+    if isinstance(e, RequestError):
+        return APIError(400, str(e), None, "invalid_request")
+    if isinstance(e, EngineStepError):
+        return APIError(500, str(e), None, "engine_error")
+    if isinstance(e, PegainferError):
+        return APIError(500, str(e), None, "server_error")
+    return APIError(500, f"internal server error ({type(e).__name__}): see the server log", None, "server_error")
+
+
+class OpenAIServer:
+    """The route handlers and the state they share."""
+
+    def __init__(self, async_engine: AsyncEngine, served_model_name: Optional[str] = None,
+                 api_key: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        self.async_engine = async_engine
+        self.served_model_name = served_model_name
+        self.api_key = api_key or None
+        self.max_body_bytes = int(max_body_bytes)
+        self.created = P.now()
+
+    # ------------------------------------------------------------------------------------------------ helpers
+    @property
+    def engine(self):
+        if not self.async_engine.ready:
+            raise EngineNotReadyError(self.async_engine._not_ready_message())
+        return self.async_engine.engine
+
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        engine = self.async_engine.engine if self.async_engine.ready else None
+        return getattr(engine, "model_name", None) or "pegainfer"
+
+    def check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "missing or wrong API key: send the key given to --api-key as "
+                                "'Authorization: Bearer <key>'", None, "invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    def check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.model_name():
+            raise APIError(404, f"The model '{model}' does not exist: this server serves '{self.model_name()}' "
+                                f"(or omit 'model')", "model", "model_not_found")
+
+    async def read_json(self, request: Request) -> dict:
+        limit = self.max_body_bytes
+        too_big = APIError(413, f"the request body is larger than the limit of {limit} bytes", None,
+                           "request_too_large")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        if not raw.strip():
+            raise P.bad("the request body is empty: send a JSON object", None, "invalid_json")
+        try:
+            body = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise P.bad("the request body is not UTF-8 text", None, "invalid_json") from None
+        except json.JSONDecodeError as e:
+            raise P.bad(f"the request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})", None,
+                        "invalid_json") from None
+        if not isinstance(body, dict):
+            raise P.bad(f"the request body must be a JSON object, got {P._type_name(body)}", None, "invalid_json")
+        return body
+
+    def sampling_params(self, s: P.Sampling, n_prompt: int, default_max_tokens: Optional[int],
+                        prompt_param: str) -> SamplingParams:
+        engine = self.engine
+        limit = int(engine.max_model_len)
+        if n_prompt >= limit:
+            raise P.bad(f"This model's maximum context length is {limit} tokens, but the prompt has {n_prompt} "
+                        f"tokens: shorten it (the context must also hold at least one generated token)",
+                        prompt_param, "context_length_exceeded")
+        room = limit - n_prompt
+        if s.max_tokens is None:
+            max_tokens = min(default_max_tokens or room, room)
+        elif s.max_tokens > room:
+            raise P.bad(f"This model's maximum context length is {limit} tokens. However, you requested "
+                        f"{n_prompt + s.max_tokens} tokens ({n_prompt} in the prompt, {s.max_tokens} for the "
+                        f"completion): ask for at most {room} tokens or shorten the prompt", "max_tokens",
+                        "context_length_exceeded")
+        else:
+            max_tokens = s.max_tokens
+        if s.min_tokens > max_tokens:
+            raise P.bad(f"'min_tokens' ({s.min_tokens}) exceeds the {max_tokens} tokens this request may generate",
+                        "min_tokens")
+        vocab = int(getattr(engine, "vocab_size", 0) or engine.tokenizer.vocab_size)
+        bad_ids = [t for t in s.stop_token_ids if t >= vocab]
+        if bad_ids:
+            raise P.bad(f"'stop_token_ids' holds ids outside the vocabulary [0, {vocab}): {bad_ids[:5]}",
+                        "stop_token_ids")
+        d = getattr(engine, "generation_defaults", None)
+        pick = lambda v, name, fallback: v if v is not None else getattr(d, name, fallback)  # noqa: E731
+        return SamplingParams(max_tokens=max_tokens, temperature=pick(s.temperature, "temperature", 1.0),
+                              top_p=pick(s.top_p, "top_p", 1.0), top_k=pick(s.top_k, "top_k", 0),
+                              min_p=pick(s.min_p, "min_p", 0.0), seed=s.seed, stop=list(s.stop),
+                              stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+                              min_tokens=s.min_tokens, logprobs=s.logprobs)
+
+    async def until_disconnect(self, request: Request, coro):
+        """Run ``coro``; if the client disconnects first, cancel it (which aborts its request)."""
+        task = asyncio.ensure_future(coro)
+
+        async def watch():
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    return
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            watcher.cancel()
+            raise
+        watcher.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with suppress(asyncio.CancelledError):
+            await task
+        raise ClientDisconnected()
+
+    # ------------------------------------------------------------------------------------------------ routes
+    async def health(self, request: Request) -> Response:
+        ae = self.async_engine
+        if ae.ready:
+            return JSONResponse({"status": "ok"})
+        body = {"status": ae.state if ae.state != "created" else "loading"}
+        if ae.load_error is not None:
+            body["error"] = str(ae.load_error)
+        return JSONResponse(body, status_code=503, headers={"Retry-After": RETRY_AFTER_S})
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": pegainfer.__version__})
+
+    def _model_card(self) -> dict:
+        card = {"id": self.model_name(), "object": "model", "created": self.created, "owned_by": "pegainfer"}
+        if self.async_engine.ready:
+            card["max_model_len"] = int(self.async_engine.engine.max_model_len)
+        return card
+
+    async def models(self, request: Request) -> Response:
+        self.check_auth(request)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        self.check_auth(request)
+        self.check_model(request.path_params["model"])
+        return JSONResponse(self._model_card())
+
+    async def completions(self, request: Request) -> Response:
+        self.check_auth(request)
+        req = P.parse_completion_request(await self.read_json(request))
+        engine = self.engine
+        self.check_model(req.model)
+        tok = engine.tokenizer
+        if req.prompt_ids is not None:
+            ids = req.prompt_ids
+        else:
+            ids = await run_in_threadpool(tok.encode, req.prompt_text, True)
+        if not ids:
+            raise P.bad("the prompt is empty after tokenization", "prompt", "empty_prompt")
+        params = self.sampling_params(req.sampling, len(ids), DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
+        echo_text = ""
+        if req.echo:
+            echo_text = req.prompt_text if req.prompt_text is not None else \
+                await run_in_threadpool(tok.decode, ids, False)
+        rid = P.new_id("cmpl")
+        rlog = _RequestLog(rid, "completions")
+        rlog.prompt_tokens = len(ids)
+        name = self.model_name()
+        lp = P.CompletionLogprobs(tok, len(echo_text)) if params.logprobs is not None else None
+        stream = await self._add(request, rid, ids, params, rlog)
+
+        def choice(text, logprobs, finish):
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+        if not req.stream:
+            async def collect():
+                async with stream:
+                    text = [echo_text]
+                    async for out in stream:
+                        rlog.saw(out)
+                        text.append(out.delta_text)
+                        if lp is not None:
+                            lp.add(out.logprobs)
+                        if out.finished:
+                            return "".join(text), self._finish_reason(out)
+                raise APIError(500, "the request ended without a result", None, "engine_error")
+
+            text, finish = await self._run_logged(request, collect(), stream, rlog)
+            body = {"id": rid, "object": "text_completion", "created": P.now(), "model": name,
+                    "choices": [choice(text, lp.to_json() if lp else None, finish)],
+                    "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens), "system_fingerprint": None}
+            return JSONResponse(body, headers={"x-request-id": rid})
+
+        created = P.now()
+
+        def chunk(text, logprobs, finish):
+            c = {"id": rid, "object": "text_completion", "created": created, "model": name,
+                 "choices": [choice(text, logprobs, finish)]}
+            if req.include_usage:
+                c["usage"] = None
+            return c
+
+        async def events():
+            async with stream:
+                try:
+                    if echo_text:
+                        yield sse(chunk(echo_text, None, None))
+                    async for out in stream:
+                        rlog.saw(out)
+                        part = lp.add(out.logprobs) if lp is not None else None
+                        finish = self._finish_reason(out) if out.finished else None
+                        if out.delta_text or part or finish:
+                            yield sse(chunk(out.delta_text, part, finish))
+                        if out.finished:
+                            rlog.finish = finish
+                    if req.include_usage:
+                        yield sse({"id": rid, "object": "text_completion", "created": created, "model": name,
+                                   "choices": [], "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens)})
+                except Exception as e:  # noqa: BLE001 - reported in the stream: the status line is already sent
+                    err = _api_error(e)
+                    rlog.finish = f"error:{err.status}"
+                    yield sse(err.body())
+                yield SSE_DONE
+
+        return self._event_stream(events(), stream, rlog)
+
+    async def chat_completions(self, request: Request) -> Response:
+        self.check_auth(request)
+        req = P.parse_chat_request(await self.read_json(request))
+        engine = self.engine
+        self.check_model(req.model)
+        if engine.chat_template is None:
+            raise P.bad("this model folder has no chat template (tokenizer_config.json chat_template or "
+                        "chat_template.jinja): use /v1/completions", "messages", "no_chat_template")
+        tok = engine.tokenizer
+
+        def render_and_encode():
+            text = engine.chat_template.render(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                               **req.template_kwargs)
+            return tok.encode(text, False)
+
+        ids = await run_in_threadpool(render_and_encode)
+        if not ids:
+            raise P.bad("the chat template rendered these messages as an empty prompt", "messages", "empty_prompt")
+        params = self.sampling_params(req.sampling, len(ids), None, "messages")
+        top_n = params.logprobs or 0
+        rid = P.new_id("chatcmpl")
+        rlog = _RequestLog(rid, "chat")
+        rlog.prompt_tokens = len(ids)
+        name = self.model_name()
+        stream = await self._add(request, rid, ids, params, rlog)
+
+        if not req.stream:
+            async def collect():
+                async with stream:
+                    text, content_lp = [], []
+                    async for out in stream:
+                        rlog.saw(out)
+                        text.append(out.delta_text)
+                        if params.logprobs is not None:
+                            content_lp += P.chat_logprobs(tok, out.logprobs, top_n)
+                        if out.finished:
+                            return "".join(text), content_lp, self._finish_reason(out)
+                raise APIError(500, "the request ended without a result", None, "engine_error")
+
+            text, content_lp, finish = await self._run_logged(request, collect(), stream, rlog)
+            logprobs = {"content": content_lp, "refusal": None} if params.logprobs is not None else None
+            body = {"id": rid, "object": "chat.completion", "created": P.now(), "model": name,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                 "logprobs": logprobs, "finish_reason": finish}],
+                    "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens), "system_fingerprint": None}
+            return JSONResponse(body, headers={"x-request-id": rid})
+
+        created = P.now()
+
+        def chunk(delta, logprobs, finish):
+            c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
+                 "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+            if req.include_usage:
+                c["usage"] = None
+            return c
+
+        async def events():
+            async with stream:
+                try:
+                    yield sse(chunk({"role": "assistant", "content": ""}, None, None))
+                    async for out in stream:
+                        rlog.saw(out)
+                        lps = None
+                        if params.logprobs is not None and out.logprobs:
+                            lps = {"content": P.chat_logprobs(tok, out.logprobs, top_n), "refusal": None}
+                        finish = self._finish_reason(out) if out.finished else None
+                        if out.delta_text or lps:
+                            yield sse(chunk({"content": out.delta_text}, lps, None))
+                        if finish:
+                            rlog.finish = finish
+                            yield sse(chunk({}, None, finish))
+                    if req.include_usage:
+                        yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
+                                   "choices": [], "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens)})
+                except Exception as e:  # noqa: BLE001 - reported in the stream: the status line is already sent
+                    err = _api_error(e)
+                    rlog.finish = f"error:{err.status}"
+                    yield sse(err.body())
+                yield SSE_DONE
+
+        return self._event_stream(events(), stream, rlog)
+
+    # ------------------------------------------------------------------------------------------------ plumbing
+    @staticmethod
+    def _finish_reason(out: RequestOutput) -> str:
+        if out.finish_reason in ("stop", "length"):
+            return out.finish_reason
+        if out.finish_reason == "error":
+            raise APIError(500, f"generation failed: {out.error or 'engine error'}", None, "engine_error")
+        raise APIError(503, "the request was aborted by the server (shutting down?): retry", None, "aborted",
+                       headers={"Retry-After": RETRY_AFTER_S})
+
+    async def _add(self, request: Request, rid: str, ids: list[int], params: SamplingParams, rlog: _RequestLog):
+        try:
+            return await self.until_disconnect(request, self.async_engine.add(rid, ids, params))
+        except ClientDisconnected:
+            rlog.write("cancelled")
+            raise
+
+    async def _run_logged(self, request: Request, coro, stream, rlog: _RequestLog):
+        """Collect a non-streamed answer, racing the client's disconnect; log the request either way."""
+        try:
+            result = await self.until_disconnect(request, coro)
+        except Exception as e:
+            rlog.write("cancelled" if isinstance(e, ClientDisconnected) else f"error:{_api_error(e).status}")
+            raise
+        finally:
+            stream.cancel()  # a no-op when it finished; frees it when the collector never ran to the end
+        rlog.write(result[-1])
+        return result
+
+    @staticmethod
+    def _event_stream(events: AsyncIterator[str], stream, rlog: _RequestLog) -> EventStreamResponse:
+        def on_close():
+            stream.cancel()  # a no-op when the request finished; aborts it when the client left early
+            rlog.write()     # finish reason, or "cancelled" when the stream was cut short
+        return EventStreamResponse(events, headers={"x-request-id": rlog.request_id}, on_close=on_close)
+
+
+def build_app(async_engine: AsyncEngine, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+    """The ASGI app.  ``served_model_name`` None → the engine's ``model_name``; ``api_key`` guards ``/v1/*``."""
+    server = OpenAIServer(async_engine, served_model_name, api_key, max_body_bytes)
+
+    def endpoint(handler):
+        async def run(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except ClientDisconnected:
+                return Response(status_code=499)  # nobody is listening any more
+            except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI error body; the server keeps going
+                err = _api_error(e)
+                if err.status >= 500 and not isinstance(e, (APIError, PegainferError)):
+                    log.exception("unexpected error on %s %s", request.method, request.url.path)
+                else:
+                    log.info("%s %s -> %d %s", request.method, request.url.path, err.status, err.message)
+                return _error_response(err)
+        return run
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        messages = {404: f"no route {request.method} {request.url.path}: see /v1/completions, "
+                         f"/v1/chat/completions, /v1/models, /health, /version",
+                    405: f"method {request.method} is not allowed on {request.url.path}"}
+        err = APIError(exc.status_code, messages.get(exc.status_code, str(exc.detail)), None,
+                       {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code),
+                       headers=dict(exc.headers or {}))
+        return _error_response(err)
+
+    routes = [
+        Route("/v1/completions", endpoint(server.completions), methods=["POST"]),
+        Route("/v1/chat/completions", endpoint(server.chat_completions), methods=["POST"]),
+        Route("/v1/models", endpoint(server.models), methods=["GET"]),
+        Route("/v1/models/{model:path}", endpoint(server.model), methods=["GET"]),
+        Route("/health", endpoint(server.health), methods=["GET"]),
+        Route("/version", endpoint(server.version), methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    app.state.server = server
+    return app

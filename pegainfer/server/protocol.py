@@ -1,0 +1,462 @@
+"""The OpenAI wire format: request validation into plain Python values, and the JSON shapes of responses,
+stream chunks and errors.  No HTTP and no engine here: ``app.py`` does the plumbing.
+
+Validation is written out by hand rather than generated from a schema so every message can say exactly what is
+wrong and how to fix it, with the OpenAI error shape ``{"error": {"message", "type", "param", "code"}}``:
+
+* 400 — malformed JSON, wrong types, values out of range, an empty or too-long prompt;
+* 401 — a missing or wrong API key;  404 — an unknown model name (or route);  413 — a body over the size limit;
+* 422 — a well-formed field with a value pegainfer cannot honour yet (``n > 1``, penalties, tools, images, ...):
+  the message names the field;
+* 503 (+ ``Retry-After``) — the waiting queue is full or the model is still loading.
+
+Fields pegainfer does not know at all are ignored, as vLLM does (clients such as LangChain send extras).
+"""
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+MAX_LOGPROBS = 20
+NEG_INF_LOGPROB = -9999.0  # JSON has no -inf; OpenAI and vLLM clamp the same way
+
+
+class APIError(Exception):
+    """An error answered with the OpenAI error shape."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 type: Optional[str] = None, headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: Optional[str] = None,
+               code: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad(message: str, param: Optional[str] = None, code: Optional[str] = "invalid_value") -> APIError:
+    return APIError(400, message, param, code)
+
+
+def unsupported(param: str, message: str) -> APIError:
+    return APIError(422, f"'{param}': {message}", param, "unsupported_parameter")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# ------------------------------------------------------------------------------------------------ field readers
+def _type_name(v: Any) -> str:
+    if v is None:
+        return "null"
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
+            dict: "object"}.get(type(v), type(v).__name__)
+
+
+class Fields:
+    """Typed access to a JSON object's fields; each reader raises a 400 naming the field on a wrong type.
+    ``null`` counts as absent everywhere, as in OpenAI's API."""
+
+    def __init__(self, body: dict):
+        self.body = body
+
+    def has(self, name: str) -> bool:
+        return self.body.get(name) is not None
+
+    def _wrong(self, name: str, want: str) -> APIError:
+        return bad(f"'{name}' must be {want}, got {_type_name(self.body[name])}", name, "invalid_type")
+
+    def int(self, name: str, default=None, lo: Optional[int] = None, hi: Optional[int] = None):
+        v = self.body.get(name)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+            raise self._wrong(name, "an integer")
+        v = int(v)
+        if lo is not None and v < lo:
+            raise bad(f"'{name}' must be at least {lo}, got {v}", name)
+        if hi is not None and v > hi:
+            raise bad(f"'{name}' must be at most {hi}, got {v}", name)
+        return v
+
+    def number(self, name: str, default=None) -> Optional[float]:
+        v = self.body.get(name)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise self._wrong(name, "a number")
+        if not math.isfinite(v):
+            raise bad(f"'{name}' must be a finite number", name)
+        return float(v)
+
+    def bool(self, name: str, default: bool = False) -> bool:
+        v = self.body.get(name)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise self._wrong(name, "a boolean")
+        return v
+
+    def str(self, name: str, default=None) -> Optional[str]:
+        v = self.body.get(name)
+        if v is None:
+            return default
+        if not isinstance(v, str):
+            raise self._wrong(name, "a string")
+        return v
+
+    def dict(self, name: str) -> Optional[dict]:
+        v = self.body.get(name)
+        if v is None:
+            return None
+        if not isinstance(v, dict):
+            raise self._wrong(name, "an object")
+        return v
+
+    def int_list(self, name: str) -> list[int]:
+        v = self.body.get(name)
+        if v is None:
+            return []
+        if not isinstance(v, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in v):
+            raise self._wrong(name, "an array of integers")
+        if any(x < 0 for x in v):
+            raise bad(f"'{name}' holds a negative token id", name)
+        return list(v)
+
+
+# ------------------------------------------------------------------------------------------------ requests
+@dataclass
+class Sampling:
+    """The sampling fields shared by both endpoints, before defaults are filled in (None = not set)."""
+
+    max_tokens: Optional[int]
+    temperature: Optional[float]
+    top_p: Optional[float]
+    top_k: Optional[int]
+    min_p: Optional[float]
+    seed: Optional[int]
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    min_tokens: int
+    logprobs: Optional[int]          # None → off; N → chosen token + top N
+
+
+@dataclass
+class CompletionRequest:
+    model: Optional[str]
+    prompt_text: Optional[str]       # the prompt as text, or None when given as token ids
+    prompt_ids: Optional[list[int]]
+    sampling: Sampling
+    echo: bool
+    stream: bool
+    include_usage: bool
+
+
+@dataclass
+class ChatRequest:
+    model: Optional[str]
+    messages: list[dict]
+    sampling: Sampling
+    stream: bool
+    include_usage: bool
+    add_generation_prompt: bool
+    template_kwargs: dict = field(default_factory=dict)
+
+
+# value-neutral settings of fields pegainfer does not implement: anything else is a 422 naming the field
+def _neutral_zero(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0
+
+
+_UNSUPPORTED_COMMON = {
+    "presence_penalty": (_neutral_zero, "penalties are not implemented; leave it 0"),
+    "frequency_penalty": (_neutral_zero, "penalties are not implemented; leave it 0"),
+    "repetition_penalty": (lambda v: v == 1, "penalties are not implemented; leave it 1"),
+    "length_penalty": (lambda v: v == 1, "beam search is not implemented; leave it 1"),
+    "logit_bias": (lambda v: v == {}, "logit_bias is not implemented"),
+    "use_beam_search": (lambda v: v is False, "beam search is not implemented"),
+    "response_format": (lambda v: isinstance(v, dict) and v.get("type") == "text",
+                        "structured output (JSON mode / schemas) is not implemented; only {\"type\": \"text\"}"),
+    "guided_json": (lambda v: False, "structured output is not implemented"),
+    "guided_regex": (lambda v: False, "structured output is not implemented"),
+    "guided_choice": (lambda v: False, "structured output is not implemented"),
+    "guided_grammar": (lambda v: False, "structured output is not implemented"),
+    "prompt_logprobs": (lambda v: False, "prompt logprobs are not computed by pegainfer"),
+    "allowed_token_ids": (lambda v: False, "allowed_token_ids is not implemented"),
+    "bad_words": (lambda v: v == [], "bad_words is not implemented"),
+}
+_UNSUPPORTED_COMPLETION = {
+    "suffix": (lambda v: v == "", "insertion (suffix) is not supported by these models"),
+}
+_UNSUPPORTED_CHAT = {
+    "tools": (lambda v: v == [], "tool calling is not implemented yet (the tool-call parser is missing)"),
+    "tool_choice": (lambda v: v in ("none", "auto"), "tool calling is not implemented yet"),
+    "functions": (lambda v: v == [], "function calling is not implemented"),
+    "function_call": (lambda v: v in ("none", "auto"), "function calling is not implemented"),
+    "audio": (lambda v: False, "audio output is not supported"),
+    "modalities": (lambda v: v == ["text"], "only text output is supported"),
+    "prediction": (lambda v: False, "predicted outputs are not supported"),
+    "web_search_options": (lambda v: False, "web search is not supported"),
+    "reasoning_effort": (lambda v: False, "reasoning_effort is not supported; for Qwen3 use "
+                                          "chat_template_kwargs {\"enable_thinking\": false}"),
+    "continue_final_message": (lambda v: v is False, "continue_final_message is not implemented"),
+    "echo": (lambda v: v is False, "echo is not supported for chat completions"),
+}
+
+
+def _check_unsupported(body: dict, table: dict) -> None:
+    for name, (neutral, why) in table.items():
+        v = body.get(name)
+        if v is not None and not neutral(v):
+            raise unsupported(name, why)
+
+
+def _parse_n(f: Fields) -> None:
+    n = f.int("n", 1, lo=1)
+    if n != 1:
+        raise unsupported("n", f"n={n}: one choice per request is supported (n=1); send {n} requests instead")
+    best_of = f.int("best_of", 1, lo=1)
+    if best_of != 1:
+        raise unsupported("best_of", "best_of > 1 is not implemented")
+
+
+def _parse_stop(f: Fields) -> list[str]:
+    v = f.body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise bad(f"'stop' must be a string or an array of strings, got {_type_name(f.body['stop'])}", "stop",
+                  "invalid_type")
+    return [s for s in v if s]
+
+
+def _parse_stream(f: Fields) -> tuple[bool, bool]:
+    stream = f.bool("stream")
+    opts = f.dict("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not stream:
+            raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        o = Fields(opts)
+        include_usage = o.bool("include_usage")
+        if "continuous_usage_stats" in opts:
+            o.bool("continuous_usage_stats")
+    return stream, include_usage
+
+
+def _parse_sampling(f: Fields, max_tokens: Optional[int], logprobs: Optional[int]) -> Sampling:
+    temperature = f.number("temperature")
+    if temperature is not None and temperature < 0:
+        raise bad(f"'temperature' must be >= 0 (0 means greedy), got {temperature:g}", "temperature")
+    top_p = f.number("top_p")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise bad(f"'top_p' must be in (0, 1], got {top_p:g}", "top_p")
+    top_k = f.int("top_k", lo=-1)
+    min_p = f.number("min_p")
+    if min_p is not None and not 0 <= min_p <= 1:
+        raise bad(f"'min_p' must be in [0, 1], got {min_p:g}", "min_p")
+    seed = f.int("seed", lo=-(1 << 63), hi=(1 << 64) - 1)
+    min_tokens = f.int("min_tokens", 0, lo=0)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad(f"'min_tokens' ({min_tokens}) must not exceed 'max_tokens' ({max_tokens})", "min_tokens")
+    return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                    seed=seed, stop=_parse_stop(f), stop_token_ids=f.int_list("stop_token_ids"),
+                    ignore_eos=f.bool("ignore_eos"), min_tokens=min_tokens, logprobs=logprobs)
+
+
+def parse_completion_request(body: dict) -> CompletionRequest:
+    f = Fields(body)
+    model = f.str("model")
+    _parse_n(f)
+    _check_unsupported(body, _UNSUPPORTED_COMMON)
+    _check_unsupported(body, _UNSUPPORTED_COMPLETION)
+    if "prompt" not in body or body["prompt"] is None:
+        raise bad("'prompt' is required", "prompt", "missing_required_parameter")
+    prompt_text, prompt_ids = _parse_prompt(body["prompt"])
+    max_tokens = f.int("max_tokens", lo=1)
+    if isinstance(body.get("logprobs"), bool):
+        raise bad("'logprobs' must be an integer (the number of top tokens, 0-20) for /v1/completions",
+                  "logprobs", "invalid_type")
+    logprobs = f.int("logprobs", lo=0, hi=MAX_LOGPROBS)
+    echo = f.bool("echo")
+    if echo and logprobs is not None:
+        raise unsupported("echo", "echo together with logprobs needs prompt logprobs, which pegainfer does not "
+                                  "compute; drop one of them")
+    stream, include_usage = _parse_stream(f)
+    f.str("user")
+    return CompletionRequest(model, prompt_text, prompt_ids, _parse_sampling(f, max_tokens, logprobs), echo,
+                             stream, include_usage)
+
+
+def _is_id_list(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+
+
+def _parse_prompt(p) -> tuple[Optional[str], Optional[list[int]]]:
+    if isinstance(p, str):
+        if p == "":
+            raise bad("'prompt' is empty: send some text or token ids", "prompt", "empty_prompt")
+        return p, None
+    if not isinstance(p, list):
+        raise bad(f"'prompt' must be a string, an array of one string, or an array of token ids; "
+                  f"got {_type_name(p)}", "prompt", "invalid_type")
+    if len(p) == 0:
+        raise bad("'prompt' is empty: send some text or token ids", "prompt", "empty_prompt")
+    if _is_id_list(p):
+        if any(x < 0 for x in p):
+            raise bad("'prompt' holds a negative token id", "prompt")
+        return None, list(p)
+    if all(isinstance(x, str) for x in p) or all(_is_id_list(x) for x in p):
+        if len(p) > 1:
+            raise unsupported("prompt", f"{len(p)} prompts in one request: batched prompts are not supported; "
+                                        f"send one prompt per request")
+        return _parse_prompt(p[0])
+    raise bad("'prompt' must be a string, an array of one string, or an array of token ids", "prompt",
+              "invalid_type")
+
+
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def _message_text(content, i: int) -> Optional[str]:
+    """OpenAI content: a string, null, or an array of parts; text parts are joined with newlines."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"messages[{i}].content must be a string or an array of content parts, got "
+                  f"{_type_name(content)}", f"messages[{i}].content", "invalid_type")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("text", "input_text") and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif isinstance(kind, str) and kind not in ("text", "input_text"):
+            raise unsupported(f"messages[{i}].content[{j}]",
+                              f"'{kind}' content is not supported: pegainfer serves text-only models")
+        else:
+            raise bad(f"messages[{i}].content[{j}] must be {{\"type\": \"text\", \"text\": \"...\"}}",
+                      f"messages[{i}].content[{j}]", "invalid_type")
+    return "\n".join(texts)
+
+
+def _parse_messages(v) -> list[dict]:
+    if v is None:
+        raise bad("'messages' is required", "messages", "missing_required_parameter")
+    if not isinstance(v, list):
+        raise bad(f"'messages' must be an array of messages, got {_type_name(v)}", "messages", "invalid_type")
+    if not v:
+        raise bad("'messages' is empty: send at least one message", "messages", "empty_prompt")
+    out = []
+    for i, m in enumerate(v):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object, got {_type_name(m)}", f"messages[{i}]", "invalid_type")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
+            raise bad(f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}", f"messages[{i}].role")
+        content = _message_text(m.get("content"), i)
+        if content is None and not (role == "assistant" and m.get("tool_calls")):
+            raise bad(f"messages[{i}].content is required for a {role} message", f"messages[{i}].content",
+                      "missing_required_parameter")
+        msg = {k: val for k, val in m.items() if val is not None}
+        msg["role"] = "system" if role == "developer" else role
+        msg["content"] = content if content is not None else ""
+        out.append(msg)
+    return out
+
+
+def parse_chat_request(body: dict) -> ChatRequest:
+    f = Fields(body)
+    model = f.str("model")
+    _parse_n(f)
+    _check_unsupported(body, _UNSUPPORTED_COMMON)
+    _check_unsupported(body, _UNSUPPORTED_CHAT)
+    messages = _parse_messages(body.get("messages"))
+    max_tokens = f.int("max_completion_tokens", lo=1)
+    if max_tokens is None:
+        max_tokens = f.int("max_tokens", lo=1)
+    want_logprobs = f.bool("logprobs")
+    top = f.int("top_logprobs", lo=0, hi=MAX_LOGPROBS)
+    if top is not None and top > 0 and not want_logprobs:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    logprobs = (top or 0) if want_logprobs else None
+    stream, include_usage = _parse_stream(f)
+    kwargs = f.dict("chat_template_kwargs") or {}
+    reserved = {"messages", "tools", "documents", "add_generation_prompt"} & set(kwargs)
+    if reserved:
+        raise bad(f"'chat_template_kwargs' must not set {sorted(reserved)}: use the request fields",
+                  "chat_template_kwargs")
+    f.str("user")
+    return ChatRequest(model, messages, _parse_sampling(f, max_tokens, logprobs), stream, include_usage,
+                       f.bool("add_generation_prompt", True), dict(kwargs))
+
+
+# ------------------------------------------------------------------------------------------------ responses
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _lp(x: float) -> float:
+    return max(float(x), NEG_INF_LOGPROB) if x == x else NEG_INF_LOGPROB
+
+
+class CompletionLogprobs:
+    """The legacy completions ``logprobs`` object: tokens, token_logprobs, top_logprobs, text_offset."""
+
+    def __init__(self, tokenizer, text_offset: int = 0):
+        self.tokenizer = tokenizer
+        self.offset = text_offset
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float] = []
+        self.top_logprobs: list[dict] = []
+        self.text_offset: list[int] = []
+
+    def add(self, entries) -> dict:
+        """Append TokenLogprob entries; return the object for just these (for a stream chunk)."""
+        part = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries or ():
+            s = self.tokenizer.token_str(e.token_id)
+            top = {s: _lp(e.logprob)}
+            for tid, lp in e.top:
+                top.setdefault(self.tokenizer.token_str(tid), _lp(lp))
+            for key, val in (("tokens", s), ("token_logprobs", _lp(e.logprob)), ("top_logprobs", top),
+                             ("text_offset", self.offset)):
+                part[key].append(val)
+                getattr(self, key).append(val)
+            self.offset += len(s)
+        return part
+
+    def to_json(self) -> dict:
+        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,
+                "text_offset": self.text_offset}
+
+
+def chat_logprobs(tokenizer, entries, top_n: int) -> list[dict]:
+    """Chat ``logprobs.content`` entries: token, logprob, bytes, top_logprobs."""
+    out = []
+    for e in entries or ():
+        top = [{"token": tokenizer.token_str(t), "logprob": _lp(lp), "bytes": list(tokenizer.token_bytes(t))}
+               for t, lp in e.top[:top_n]]
+        out.append({"token": tokenizer.token_str(e.token_id), "logprob": _lp(e.logprob),
+                    "bytes": list(tokenizer.token_bytes(e.token_id)), "top_logprobs": top})
+    return out
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,160 @@
+"""A stand-in for ``pegainfer.engine.engine.Engine`` with the same interface and the same text handling (the real
+tokenizer, IncrementalDetokenizer and StopStringMatcher over a tiny Qwen3-like folder), whose "model" replies with
+scripted text.  It keeps the same accounting as the real engine (waiting / running / kv pages / slots), so server
+tests can assert that cancelled requests give their resources back, and it can be paused or made to fail on
+purpose.  Tests that need the real kernels use the demo model instead (slow in the simulator)."""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from pegainfer.engine.types import RequestOutput, SamplingParams, TokenLogprob
+from pegainfer.errors import RequestError
+from pegainfer.text.chat import ChatTemplate
+from pegainfer.text.detokenizer import IncrementalDetokenizer
+from pegainfer.text.stop import StopStringMatcher
+from pegainfer.text.tokenizer import Tokenizer
+
+DEFAULT_REPLY = "Hello world! The quick brown fox jumps over the lazy dog. 你好 🦊 done"  # 🦊: 4 byte tokens
+
+
+@dataclass
+class _Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    script: list[int]
+    detok: IncrementalDetokenizer
+    stop: Optional[StopStringMatcher]
+    out_ids: list[int] = field(default_factory=list)
+    pages: int = 0
+
+
+class FakeEngine:
+    def __init__(self, folder, reply: Callable[[str], str] | str = DEFAULT_REPLY, max_model_len: int = 256,
+                 max_batch: int = 2, page_size: int = 4, step_delay: float = 0.0):
+        self.tokenizer = Tokenizer.from_folder(folder)
+        self.chat_template = ChatTemplate.from_folder(folder)
+        self.model_name = "fake-model"
+        self.max_model_len = max_model_len
+        self.eos_token_ids = [self.tokenizer.eos_token_id]
+        self.generation_defaults = None
+        self.is_demo = False
+        self.reply = reply
+        self.max_batch = max_batch
+        self.page_size = page_size
+        self.step_delay = step_delay
+        self.gate = threading.Event()       # clear it to pause the engine inside its next step
+        self.gate.set()
+        self.in_step = threading.Event()    # set while a step waits at the gate
+        self.fail_next_step = False
+        self._reqs: dict[str, _Req] = {}
+        self._waiting: deque[_Req] = deque()
+        self._running: list[_Req] = []
+        self._to_abort: list[str] = []
+        # what happened, for assertions
+        self.prompts: dict[str, list[int]] = {}
+        self.params: dict[str, SamplingParams] = {}
+        self.aborted: list[str] = []
+        self.finished: dict[str, str] = {}
+        self.generated: dict[str, int] = {}  # tokens generated per request
+        self.max_running_seen = 0
+
+    # ------------------------------------------------------------------------------------------------ interface
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty: send at least one token")
+        if n >= self.max_model_len:
+            raise RequestError(f"the prompt has {n} tokens but the context holds {self.max_model_len}")
+        if request_id in self._reqs:
+            raise RequestError(f"request id {request_id!r} is already running")
+        prompt_text = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
+        reply = self.reply(prompt_text) if callable(self.reply) else self.reply
+        req = _Req(request_id, list(prompt_token_ids), params, self.tokenizer.encode(reply),
+                   IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
+                   StopStringMatcher(params.stop) if params.stop else None)
+        self._reqs[request_id] = req
+        self._waiting.append(req)
+        self.prompts[request_id] = list(prompt_token_ids)
+        self.params[request_id] = params
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self._reqs:
+            self._to_abort.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._reqs)
+
+    def stats(self) -> dict:
+        return {"waiting": len(self._waiting), "running": len(self._running),
+                "kv_pages_used": sum(r.pages for r in self._running), "slots_used": len(self._running)}
+
+    def step(self) -> list[RequestOutput]:
+        self.in_step.set()
+        self.gate.wait()
+        self.in_step.clear()
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("injected step failure")
+        outputs = []
+        for rid in self._to_abort:
+            if rid in self._reqs:
+                self.aborted.append(rid)
+                outputs.append(self._finish(self._reqs[rid], "abort", ""))
+        self._to_abort.clear()
+        while self._waiting and len(self._running) < self.max_batch:
+            self._running.append(self._waiting.popleft())
+        self.max_running_seen = max(self.max_running_seen, len(self._running))
+        for req in list(self._running):
+            req.pages = -(-(len(req.prompt_ids) + len(req.out_ids) + 1) // self.page_size)
+            i = len(req.out_ids)
+            token = req.script[i] if i < len(req.script) else self.tokenizer.eos_token_id
+            outputs.append(self._append(req, token))
+        return outputs
+
+    # ------------------------------------------------------------------------------------------------ internals
+    def _append(self, req: _Req, token: int) -> RequestOutput:
+        """The same stop / detokenization rules as ``Engine._append``."""
+        req.out_ids.append(token)
+        self.generated[req.rid] = len(req.out_ids)
+        p = req.params
+        n_out = len(req.out_ids)
+        logprobs = None
+        if p.logprobs is not None:
+            top = [((token + k) % self.tokenizer.vocab_size, -0.25 - k) for k in range(p.logprobs)]
+            logprobs = [TokenLogprob(token, -0.25, top)]
+        is_stop_token = n_out >= p.min_tokens and (
+            (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids)
+        text = req.detok.flush() if is_stop_token else req.detok.push(token)
+        reason = "stop" if is_stop_token else None
+        if reason is None and (n_out >= p.max_tokens or len(req.prompt_ids) + n_out >= self.max_model_len):
+            reason = "length"
+            text += req.detok.flush()
+        if req.stop is not None:
+            text, matched = req.stop.push(text)
+            if matched:
+                reason = "stop"
+            elif reason is not None:
+                text += req.stop.flush()
+        if reason is not None:
+            out = self._finish(req, reason, text)
+            out.new_token_ids = [token]
+            out.logprobs = logprobs
+            return out
+        return RequestOutput(req.rid, [token], text, logprobs, False, None, len(req.prompt_ids), n_out)
+
+    def _finish(self, req: _Req, reason: str, text: str) -> RequestOutput:
+        self._reqs.pop(req.rid, None)
+        if req in self._running:
+            self._running.remove(req)
+        if req in self._waiting:
+            self._waiting.remove(req)
+        req.pages = 0
+        self.finished[req.rid] = reason
+        return RequestOutput(req.rid, [], text, None, True, reason, len(req.prompt_ids), len(req.out_ids))

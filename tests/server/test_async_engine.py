@@ -1,0 +1,129 @@
+"""AsyncEngine on its own: outputs arrive in order, closing a stream aborts, admission control, shutdown,
+and an engine whose steps keep failing is taken out of service instead of spinning."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pegainfer.engine.async_engine import AsyncEngine, EngineNotReadyError, EngineStepError, QueueFullError
+from pegainfer.engine.types import SamplingParams
+from pegainfer.errors import RequestError
+from tests.server.conftest import idle, wait_until
+from tests.server.fake_engine import DEFAULT_REPLY, FakeEngine
+
+
+@pytest.fixture
+def engine(model_folder):
+    return FakeEngine(model_folder, max_batch=1)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_generate_streams_every_output_in_order(engine):
+    ae = AsyncEngine(engine).start()
+    try:
+        async def main():
+            outs = [o async for o in ae.generate("r1", engine.tokenizer.encode("Hi"), SamplingParams(max_tokens=100))]
+            return outs
+        outs = run(main())
+        assert "".join(o.delta_text for o in outs) == DEFAULT_REPLY
+        assert outs[-1].finished and outs[-1].finish_reason == "stop"
+        assert [o.completion_tokens for o in outs] == list(range(1, len(outs) + 1))
+        wait_until(lambda: idle(ae))
+    finally:
+        ae.shutdown()
+
+
+def test_closing_a_stream_aborts_and_refusals_raise(engine):
+    ae = AsyncEngine(engine, max_waiting=1).start()
+    try:
+        async def main():
+            long = SamplingParams(max_tokens=200, ignore_eos=True)
+            a = await ae.add("a", [5, 6], long)
+            first = await a.__anext__()
+            assert first.new_token_ids
+            with pytest.raises(RequestError, match="already in use"):
+                await ae.add("a", [5], long)
+            with pytest.raises(RequestError, match="empty"):  # refused by the engine itself
+                await ae.add("empty", [], long)
+            engine.gate.clear()                         # hold the engine so "b" stays queued
+            wait_until(engine.in_step.is_set)
+            b_task = asyncio.ensure_future(ae.add("b", [7], long))
+            await asyncio.sleep(0)
+            with pytest.raises(QueueFullError, match="max-waiting 1"):
+                await ae.add("c", [8], long)
+            engine.gate.set()
+            b = await b_task
+            await a.aclose()                            # client went away
+            async with b:                               # leaving the block early aborts too
+                await b.__anext__()
+        run(main())
+        wait_until(lambda: idle(ae), what="both aborted requests to be freed")
+        assert sorted(engine.aborted) == ["a", "b"] and "c" not in engine.prompts
+    finally:
+        engine.gate.set()
+        ae.shutdown()
+
+
+def test_cancel_before_the_engine_accepted(engine):
+    ae = AsyncEngine(engine).start()
+    try:
+        engine.gate.clear()
+
+        async def main():
+            blocker = await ae.add("blocker", [1], SamplingParams(max_tokens=50, ignore_eos=True))
+            wait_until(engine.in_step.is_set)
+            task = asyncio.ensure_future(ae.add("late", [2], SamplingParams(max_tokens=5)))
+            await asyncio.sleep(0.01)
+            task.cancel()  # e.g. the HTTP client disconnected while the request was still queued
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await blocker.aclose()
+        run(main())
+        engine.gate.set()
+        wait_until(lambda: idle(ae))
+        assert "late" not in engine.prompts  # it never reached the engine
+    finally:
+        engine.gate.set()
+        ae.shutdown()
+
+
+def test_not_ready_and_shutdown(model_folder):
+    ae = AsyncEngine(engine_factory=lambda: FakeEngine(model_folder, step_delay=0.01))
+
+    async def too_early():
+        await ae.add("x", [1], SamplingParams())
+    with pytest.raises(EngineNotReadyError, match="still loading"):
+        run(too_early())
+    ae.start()
+    assert ae.wait_ready(10)
+
+    async def cut_off():
+        s = await ae.add("x", [1], SamplingParams(max_tokens=200, ignore_eos=True))
+        await s.__anext__()
+        await asyncio.get_running_loop().run_in_executor(None, ae.shutdown)
+        with pytest.raises(EngineNotReadyError, match="shut down"):
+            async for _ in s:
+                pass
+    run(cut_off())
+    assert ae.state == "stopped"
+
+
+def test_repeatedly_failing_steps_take_the_engine_out_of_service(engine):
+    ae = AsyncEngine(engine).start()
+    try:
+        engine.step = lambda: (_ for _ in ()).throw(RuntimeError("GPU fell off the bus"))
+
+        async def main():
+            s = await ae.add("x", [1], SamplingParams(max_tokens=5))
+            with pytest.raises(EngineStepError, match="GPU fell off the bus"):
+                await s.__anext__()
+        run(main())
+        wait_until(lambda: ae.state == "failed")
+        with pytest.raises(EngineNotReadyError, match="GPU fell off the bus"):
+            run(ae.add("y", [1], SamplingParams()))
+    finally:
+        ae.shutdown()

@@ -1,0 +1,72 @@
+"""run_server as the CLI runs it, in a child process: binds 127.0.0.1, answers /health 503 while loading and 200
+after, serves, logs one line per request, stops cleanly on SIGINT; a model that fails to load ends the process
+with the error."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+from tests.server.conftest import wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(*args) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "tests.server.serve_fake", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_serve_lifecycle_and_request_log(model_folder):
+    port = free_port()
+    proc = start(str(model_folder), "--port", str(port), "--served-model-name", "tiny", "--api-key", "k",
+                 "--load-seconds", "1.5")
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def health():
+            try:
+                return httpx.get(f"{url}/health", timeout=2).status_code
+            except httpx.TransportError:
+                return None
+        assert wait_until(health, timeout=30, what="the server to listen") == 503  # listening, still loading
+        wait_until(lambda: health() == 200, timeout=30, what="the model to load")
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+        r = client.completions.create(model="tiny", prompt="Hello", max_tokens=3)
+        assert r.usage.completion_tokens == 3 and r.model == "tiny"
+        chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=2, stream=True))
+        assert chunks[-1].choices[0].finish_reason == "length"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert f"listening on http://127.0.0.1:{port}" in out
+    assert "model ready: serving 'tiny'" in out
+    request_lines = [line for line in out.splitlines() if "prompt_tokens=" in line]
+    assert len(request_lines) == 2, out
+    assert "completions prompt_tokens=1 completion_tokens=3 ttft=" in request_lines[0]
+    assert "finish=length" in request_lines[0] and "total=" in request_lines[0]
+    assert request_lines[0].split()[2].startswith("cmpl-") and request_lines[1].split()[2].startswith("chatcmpl-")
+
+
+def test_a_model_that_fails_to_load_stops_the_server():
+    port = free_port()
+    proc = start("broken", "--port", str(port), "--load-seconds", "0.2")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2, out
+    assert "error: /nowhere has no config.json: download the model into it" in out

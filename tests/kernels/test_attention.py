@@ -1,0 +1,157 @@
+"""Paged attention (split-K and tiled prefill paths) against a float64 NumPy reference."""
+import math
+
+import numpy as np
+import pytest
+
+import pegainfer  # noqa: F401  (before numba)
+from numba import cuda
+
+from pegainfer.kernels.attention import attention_workspace_size, paged_attention
+from tests.util import bf16_randn, rel_l2
+
+PAGE = 4
+
+
+def make_cache(rng, num_pages, page_size, nkv, head_dim, num_slots, max_pages):
+    """Random K/V cache and a block table whose pages are a shuffled, non-contiguous subset of the pool."""
+    k_bits, k = bf16_randn((num_pages, page_size, nkv, head_dim), rng)
+    v_bits, v = bf16_randn((num_pages, page_size, nkv, head_dim), rng)
+    perm = rng.permutation(num_pages).astype(np.int32)
+    tables = perm[: num_slots * max_pages].reshape(num_slots, max_pages).copy()
+    return k_bits, k, v_bits, v, tables
+
+
+def reference(q, k, v, tables, slots, positions, scale, page_size):
+    """float64 attention of every query token over keys 0..positions[t] of its slot."""
+    T, nq, D = q.shape
+    nkv = k.shape[2]
+    group = nq // nkv
+    out = np.zeros((T, nq, D))
+    for t in range(T):
+        n = positions[t] + 1
+        p = np.arange(n)
+        pages = tables[slots[t], p // page_size]
+        keys = k[pages, p % page_size]          # [n, nkv, D]
+        vals = v[pages, p % page_size]
+        for h in range(nq):
+            s = keys[:, h // group] @ q[t, h] * scale
+            w = np.exp(s - s.max())
+            out[t, h] = (w / w.sum()) @ vals[:, h // group]
+    return out
+
+
+def run_attention(rng, nq, nkv, head_dim, slots, positions, num_slots=2, max_pages=5, num_pages=13, page_size=PAGE,
+                  **kwargs):
+    k_bits, k, v_bits, v, tables = make_cache(rng, num_pages, page_size, nkv, head_dim, num_slots, max_pages)
+    T = len(slots)
+    q_bits, q = bf16_randn((T, nq, head_dim), rng)
+    slots = np.asarray(slots, np.int32)
+    positions = np.asarray(positions, np.int32)
+    scale = 1.0 / math.sqrt(head_dim)
+    ws_size = attention_workspace_size(T, nq, head_dim, max_pages * page_size, page_size,
+                                       num_splits=kwargs.get("num_splits"))
+    d_out = cuda.device_array((T, nq, head_dim), np.uint16)
+    paged_attention(cuda.to_device(q_bits), cuda.to_device(k_bits), cuda.to_device(v_bits), cuda.to_device(tables),
+                    cuda.to_device(slots), cuda.to_device(positions), d_out, scale,
+                    cuda.device_array(ws_size, np.float32), **kwargs)
+    got = (d_out.copy_to_host().astype(np.uint32) << 16).view(np.float32)
+    want = reference(q, k, v, tables, slots, positions, scale, page_size)
+    return got, want
+
+
+METHODS = ["split", "prefill"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_decode_two_slots(rng, head_dim, method):
+    """T=2 tokens of two slots: one at length 10 (crosses two page boundaries), one at length 1."""
+    got, want = run_attention(rng, 4, 2, head_dim, slots=[1, 0], positions=[9, 0], method=method)
+    assert rel_l2(got, want) <= 1e-2
+    for t in range(2):
+        assert rel_l2(got[t], want[t]) <= 1e-2, t
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_prefill_causal(rng, method):
+    """T=7 tokens of one slot at positions 0..6: each attends only to keys up to its own position."""
+    got, want = run_attention(rng, 4, 2, 32, slots=[0] * 7, positions=list(range(7)), method=method)
+    assert rel_l2(got, want) <= 1e-2
+    for t in range(7):
+        assert rel_l2(got[t], want[t]) <= 1e-2, t
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_prefix_plus_chunk(rng, method):
+    """A chunk at positions 5..9 whose prefix (keys 0..4) was written by an earlier step."""
+    got, want = run_attention(rng, 4, 2, 16, slots=[1] * 5, positions=list(range(5, 10)), method=method)
+    assert rel_l2(got, want) <= 1e-2
+
+
+def test_prefill_mixed_tile(rng):
+    """The tiled kernel with a tile holding runs of two slots and a decode token (runs 2 + 1 + 5 tokens, then a
+    second, partial tile): rows of one run must ignore the other runs' keys."""
+    slots = [0, 0, 1, 0, 0, 0, 0, 0, 1, 1]
+    positions = [3, 4, 17, 0, 1, 2, 3, 4, 18, 19]
+    got, want = run_attention(rng, 4, 2, 16, slots=slots, positions=positions, method="prefill")
+    for t in range(len(slots)):
+        assert rel_l2(got[t], want[t]) <= 1e-2, t
+
+
+LONG_CHUNK = dict(slots=[1] * 11, positions=list(range(16, 27)), max_pages=7, num_pages=15)
+"""11 tokens after a 16-token prefix: in the simulator's tiled geometry (8 tokens x 2 heads per tile, 16-key tiles)
+the first token tile has a fully visible key tile (no mask) and a causal one, the second is partial."""
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_long_chunk(rng, method):
+    got, want = run_attention(rng, 4, 2, 32, method=method, **LONG_CHUNK)
+    assert rel_l2(got, want) <= 1e-2
+
+
+def test_prefill_q_from_memory(rng, monkeypatch):
+    """The tiled kernel's D=256 variant (Q fragments re-read from memory per tile instead of held in registers)."""
+    from pegainfer.kernels import attention
+
+    warps, block_keys, _ = attention._prefill_geometry(32)
+    monkeypatch.setattr(attention, "_prefill_geometry", lambda head_dim: (warps, block_keys, False))
+    got, want = run_attention(rng, 4, 2, 32, method="prefill", **LONG_CHUNK)
+    assert rel_l2(got, want) <= 1e-2
+
+
+@pytest.mark.parametrize("head_dim,num_splits", [(16, 3), (32, 4)])
+def test_split_k_forced(rng, head_dim, num_splits):
+    """Split-K with several one-page splits: lengths 10 (3 active splits), 1 (the rest empty) and 7."""
+    got, want = run_attention(rng, 4, 2, head_dim, slots=[1, 0, 0], positions=[9, 0, 6],
+                              num_splits=num_splits, min_split_tokens=PAGE, method="split")
+    assert rel_l2(got, want) <= 1e-2
+    for t in range(3):
+        assert rel_l2(got[t], want[t]) <= 1e-2, t
+
+
+# ------------------------------------------------------------------------------------------------ GPU shapes
+@pytest.mark.gpu
+@pytest.mark.parametrize("nq,nkv,head_dim", [(32, 8, 128), (16, 4, 256)])
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_gpu_decode_long_context(nq, nkv, head_dim, num_tokens):
+    """Qwen3-4B (32/8/128) and Qwen3.5 full-attention (16/4/256) shapes, contexts around 4096."""
+    rng = np.random.default_rng(7)
+    page_size, max_pages = 16, 260
+    positions = [4095, 1000, 4159][:num_tokens]
+    slots = [0, 1, 2][:num_tokens]
+    got, want = run_attention(rng, nq, nkv, head_dim, slots=slots, positions=positions, num_slots=3,
+                              max_pages=max_pages, num_pages=3 * max_pages + 7, page_size=page_size)
+    assert rel_l2(got, want) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nq,nkv,head_dim", [(32, 8, 128), (16, 4, 256)])
+def test_gpu_prefill(nq, nkv, head_dim):
+    """A 300-token chunk after a 100-token prefix, one slot, real shapes."""
+    rng = np.random.default_rng(8)
+    page_size, max_pages = 16, 32
+    positions = list(range(100, 400))
+    got, want = run_attention(rng, nq, nkv, head_dim, slots=[1] * len(positions), positions=positions,
+                              num_slots=2, max_pages=max_pages, num_pages=2 * max_pages + 3, page_size=page_size)
+    assert rel_l2(got, want) <= 1e-2

@@ -8,6 +8,7 @@ embedding in other ASGI servers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import socket
@@ -60,6 +61,17 @@ def run_server(args: argparse.Namespace, engine_factory: Optional[Callable[[], o
             return Engine.from_folder(args.model_path, args.max_model_len, max_batch=getattr(args, "max_batch", 1),
                                       use_cuda_graph=getattr(args, "cuda_graph", True))
 
+    tracing = contextlib.ExitStack()
+    trace_folder = getattr(args, "trace_output_path", None)
+    if trace_folder:
+        load_engine = engine_factory
+
+        def engine_factory():  # trace every step of the server's life; written when the server stops
+            from pegainfer.trace import maybe_trace
+            engine = load_engine()
+            tracing.enter_context(maybe_trace(trace_folder, engine))
+            return engine
+
     async_engine = AsyncEngine(engine_factory=engine_factory, max_waiting=args.max_waiting)
     app = build_app(async_engine, args.served_model_name, api_key=args.api_key,
                     max_body_bytes=getattr(args, "max_body_bytes", DEFAULT_MAX_BODY_BYTES))
@@ -89,6 +101,7 @@ def run_server(args: argparse.Namespace, engine_factory: Optional[Callable[[], o
         pass
     finally:
         async_engine.shutdown()
+        tracing.close()
         log.info("server stopped")
     if async_engine.load_error is not None:
         if isinstance(async_engine.load_error, PegainferError):

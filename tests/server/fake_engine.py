@@ -35,15 +35,17 @@ class _Req:
 
 class FakeEngine:
     def __init__(self, folder, reply: Callable[[str], str] | str = DEFAULT_REPLY, max_model_len: int = 256,
-                 max_batch: int = 2, page_size: int = 4, step_delay: float = 0.0):
+                 max_batch: int = 2, page_size: int = 4, step_delay: float = 0.0, script_prefix=()):
         self.tokenizer = Tokenizer.from_folder(folder)
         self.chat_template = ChatTemplate.from_folder(folder)
         self.model_name = "fake-model"
         self.max_model_len = max_model_len
         self.eos_token_ids = [self.tokenizer.eos_token_id]
+        self.vocab_size = self.tokenizer.vocab_size + 32  # like Qwen3: the embedding has more rows than the tokenizer
         self.generation_defaults = None
         self.is_demo = False
         self.reply = reply
+        self.script_prefix = list(script_prefix)  # raw ids emitted before the reply (e.g. ids the tokenizer lacks)
         self.max_batch = max_batch
         self.page_size = page_size
         self.step_delay = step_delay
@@ -72,9 +74,11 @@ class FakeEngine:
             raise RequestError(f"the prompt has {n} tokens but the context holds {self.max_model_len}")
         if request_id in self._reqs:
             raise RequestError(f"request id {request_id!r} is already running")
+        if any(t < 0 or t >= self.vocab_size for t in prompt_token_ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         prompt_text = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
         reply = self.reply(prompt_text) if callable(self.reply) else self.reply
-        req = _Req(request_id, list(prompt_token_ids), params, self.tokenizer.encode(reply),
+        req = _Req(request_id, list(prompt_token_ids), params, self.script_prefix + self.tokenizer.encode(reply),
                    IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
                    StopStringMatcher(params.stop) if params.stop else None)
         self._reqs[request_id] = req

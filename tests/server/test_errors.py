@@ -87,6 +87,7 @@ COMPLETION_CASES = [
     ({"prompt": [5, -1]}, 400, "prompt", None, "negative"),
     ({"prompt": "word " * 300}, 400, "prompt", "context_length_exceeded", "maximum context length is 256"),
     ({"prompt": [1] * 256}, 400, "prompt", "context_length_exceeded", None),
+    ({"prompt": [1, 10**6]}, 400, None, "invalid_request", "prompt token ids must be integers in [0, 434)"),
     # well-formed, but not something pegainfer can honour: 422 naming the field
     ({"n": 2}, 422, "n", "unsupported_parameter", "n=2"),
     ({"n": 0}, 400, "n", None, None),

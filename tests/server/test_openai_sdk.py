@@ -209,3 +209,20 @@ def test_models_health_version(client):
     v = httpx.get(f"{client.url}/version").json()
     import pegainfer
     assert v == {"version": pegainfer.__version__}
+
+
+def test_ids_beyond_the_tokenizer_decode_to_nothing(model_folder):
+    """Like Qwen3, the fake model's embedding is larger than its tokenizer: such ids add tokens but no text."""
+    from tests.server.conftest import serve_engine
+    from tests.server.fake_engine import FakeEngine
+
+    engine = FakeEngine(model_folder, script_prefix=[420, 433])
+    assert engine.tokenizer.vocab_size <= 420 < engine.vocab_size
+    with serve_engine(engine) as (url, ae):
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        r = c.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "Hi"}],
+                                      max_tokens=100, logprobs=True)
+        assert r.choices[0].message.content == DEFAULT_REPLY
+        assert r.usage.completion_tokens == len(engine.tokenizer.encode(DEFAULT_REPLY)) + 3  # 2 unknown + EOS
+        unknown = r.choices[0].logprobs.content[:2]
+        assert [(t.token, t.bytes) for t in unknown] == [("", []), ("", [])]

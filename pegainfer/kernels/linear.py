@@ -47,7 +47,7 @@ from pegainfer.kernels.launch import launch
 from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, cuda, device_fn, f32_to_bf16,
                                           float32, grid, kernel, load_u32x4, uint16, uint32, warp_sum)
 
-int64 = np.int64
+int64, uint64 = np.int64, np.uint64
 
 GEMV_MAX_TOKENS = 8
 """Largest token count the GEMV path takes by default (``linear(..., impl=None)``); above it, the GEMM."""
@@ -59,6 +59,20 @@ IMPLS = ("gemv", "gemm_fma", "gemm_mma")
 
 
 # ================================================================================================ shared helpers
+WARPS_PER_SM = 16
+"""Occupancy the GEMV and the mma GEMM are compiled for: launch bounds ask ptxas to fit 16 warps per SM, i.e. at
+most 128 registers per thread (left alone, ptxas takes 130-190 for the GEMV and leaves one block per SM)."""
+
+
+def _bounded_kernel(threads_per_block: int):
+    """``@kernel`` for blocks of exactly ``threads_per_block`` threads, compiled for ``WARPS_PER_SM`` resident
+    warps per SM (``launch_bounds`` is a GPU-only option: the simulator's ``cuda.jit`` rejects it)."""
+    if SIMULATOR:
+        return kernel
+    min_blocks = max(1, WARPS_PER_SM * WARP // threads_per_block)
+    return cuda.jit(cache=True, launch_bounds=(threads_per_block, min_blocks))
+
+
 @device_fn
 def _weight_row(col, n_out, gated):
     """Weight row of logical output column ``col``: itself, or for the gated (gate/up) layout the interleaved pair
@@ -98,6 +112,124 @@ def _store_packed_pair(out, t, col, word, gated):
             out[t, col + 1] = uint16(word >> uint32(16))
 
 
+# ================================================================================================ hot-loop helpers
+# The innermost loops of the GEMV and of the FMA GEMM are device functions with a NumPy twin for the simulator.  The
+# simulator runs kernels as Python, where every device-function call costs tens of µs: element-by-element loops
+# would make a tiny model's decode step take minutes.  Each twin computes the same f32 math on whole slices.
+if SIMULATOR:
+    def _load_row_slices(w32, row_words, off, dst, rows):
+        """``dst[4r:4r+4] = w32[row_words[r] + off : +4]`` for ``r < rows`` (16 bytes of each row)."""
+        idx = (np.asarray(row_words[:rows]) + off)[:, None] + np.arange(4)
+        dst[:4 * rows] = w32[idx].ravel()
+
+    def _dot_row_slices(acc, w, xs, x_base, x_stride, n_tok, rows, toks):
+        """``acc[r·toks + t] += Σ_j W_r[j] · xs[x_base + t·x_stride + 32·j]`` for ``r < rows``, ``t < n_tok``, where
+        ``W_r[2q], W_r[2q+1]`` are the low / high bf16 of ``w[4r + q]``."""
+        words = np.asarray(w[:4 * rows], dtype=np.uint32)
+        wf = np.empty(8 * rows, np.float32)
+        wf[0::2] = (words << np.uint32(16)).view(np.float32)
+        wf[1::2] = (words & np.uint32(0xFFFF0000)).view(np.float32)
+        nt = min(int(n_tok), toks)
+        xv = xs[x_base + x_stride * np.arange(nt)[:, None] + 32 * np.arange(8)]
+        acc.reshape(rows, toks)[:, :nt] += wf.reshape(rows, 8) @ xv.T
+
+    def _fma_tile(acc, a_s, b_s, i0, j0, tm, tn, bk):
+        """``acc[i·tn + j] += Σ_kk a_s[kk, i0 + i] · b_s[kk, j0 + j]`` (one K step of a thread's micro-tile)."""
+        acc[:tm * tn] += (a_s[:bk, i0:i0 + tm].T @ b_s[:bk, j0:j0 + tn]).ravel()
+
+    def _unpack8(src32, word):
+        words = np.asarray(src32[word:word + 4], dtype=np.uint32)
+        out = np.empty(8, np.float32)
+        out[0::2] = (words << np.uint32(16)).view(np.float32)
+        out[1::2] = (words & np.uint32(0xFFFF0000)).view(np.float32)
+        return out
+
+    def _stage_x_slice(x32, word, xs, base):
+        """The 8 bf16 of ``x32[word:word+4]`` as f32 into ``xs[base + 32·j]``, j = 0..7 (the GEMV's x layout)."""
+        xs[base:base + 256:32] = _unpack8(x32, word)
+
+    def _stage_transposed(src32, word, valid, dst, j, kbase):
+        """The 8 bf16 of ``src32[word:word+4]`` (zeros when not ``valid``) as f32 into ``dst[kbase:kbase+8, j]``."""
+        dst[kbase:kbase + 8, j] = _unpack8(src32, word) if valid else np.float32(0.0)
+else:
+    @device_fn
+    def _load_row_slices(w32, row_words, off, dst, rows):
+        """``dst[4r:4r+4] = w32[row_words[r] + off : +4]`` for ``r < rows`` (16 bytes of each row), all loads issued
+        before any is used."""
+        for r in range(rows):
+            q0, q1, q2, q3 = load_u32x4(w32, row_words[r] + off)
+            dst[4 * r] = q0
+            dst[4 * r + 1] = q1
+            dst[4 * r + 2] = q2
+            dst[4 * r + 3] = q3
+
+    @device_fn
+    def _dot_row_slices(acc, w, xs, x_base, x_stride, n_tok, rows, toks):
+        """``acc[r·toks + t] += Σ_j W_r[j] · xs[x_base + t·x_stride + 32·j]`` for ``r < rows``, ``t < n_tok``, where
+        ``W_r[2q], W_r[2q+1]`` are the low / high bf16 of ``w[4r + q]``.  (Unsigned shared-memory indices: no
+        negative-index wraparound code.)"""
+        for t in range(toks):
+            if t < n_tok:
+                xb = x_base + t * x_stride
+                x0 = xs[uint64(xb)]
+                x1 = xs[uint64(xb + 32)]
+                x2 = xs[uint64(xb + 64)]
+                x3 = xs[uint64(xb + 96)]
+                x4 = xs[uint64(xb + 128)]
+                x5 = xs[uint64(xb + 160)]
+                x6 = xs[uint64(xb + 192)]
+                x7 = xs[uint64(xb + 224)]
+                for r in range(rows):
+                    a = acc[r * toks + t]
+                    a += bf16x2_lo(w[4 * r]) * x0
+                    a += bf16x2_hi(w[4 * r]) * x1
+                    a += bf16x2_lo(w[4 * r + 1]) * x2
+                    a += bf16x2_hi(w[4 * r + 1]) * x3
+                    a += bf16x2_lo(w[4 * r + 2]) * x4
+                    a += bf16x2_hi(w[4 * r + 2]) * x5
+                    a += bf16x2_lo(w[4 * r + 3]) * x6
+                    a += bf16x2_hi(w[4 * r + 3]) * x7
+                    acc[r * toks + t] = a
+
+    @device_fn
+    def _fma_tile(acc, a_s, b_s, i0, j0, tm, tn, bk):
+        """``acc[i·tn + j] += Σ_kk a_s[kk, i0 + i] · b_s[kk, j0 + j]`` (one K step of a thread's micro-tile)."""
+        for kk in range(bk):
+            for i in range(tm):
+                a = a_s[kk, i0 + i]
+                for j in range(tn):
+                    acc[i * tn + j] += a * b_s[kk, j0 + j]
+
+    @device_fn
+    def _stage_x_slice(x32, word, xs, base):
+        """The 8 bf16 of ``x32[word:word+4]`` as f32 into ``xs[base + 32·j]``, j = 0..7 (the GEMV's x layout)."""
+        v0, v1, v2, v3 = load_u32x4(x32, word)
+        xs[uint64(base)] = bf16x2_lo(v0)
+        xs[uint64(base + 32)] = bf16x2_hi(v0)
+        xs[uint64(base + 64)] = bf16x2_lo(v1)
+        xs[uint64(base + 96)] = bf16x2_hi(v1)
+        xs[uint64(base + 128)] = bf16x2_lo(v2)
+        xs[uint64(base + 160)] = bf16x2_hi(v2)
+        xs[uint64(base + 192)] = bf16x2_lo(v3)
+        xs[uint64(base + 224)] = bf16x2_hi(v3)
+
+    @device_fn
+    def _stage_transposed(src32, word, valid, dst, j, kbase):
+        """The 8 bf16 of ``src32[word:word+4]`` (zeros when not ``valid``) as f32 into ``dst[kbase:kbase+8, j]``."""
+        if valid:
+            v0, v1, v2, v3 = load_u32x4(src32, word)
+        else:
+            v0 = v1 = v2 = v3 = uint32(0)
+        dst[kbase, j] = bf16x2_lo(v0)
+        dst[kbase + 1, j] = bf16x2_hi(v0)
+        dst[kbase + 2, j] = bf16x2_lo(v1)
+        dst[kbase + 3, j] = bf16x2_hi(v1)
+        dst[kbase + 4, j] = bf16x2_lo(v2)
+        dst[kbase + 5, j] = bf16x2_hi(v2)
+        dst[kbase + 6, j] = bf16x2_lo(v3)
+        dst[kbase + 7, j] = bf16x2_hi(v3)
+
+
 # ================================================================================================ GEMV (decode)
 # ``warp_sums_to_shared`` belongs with the warp reductions in ``primitives`` (it is here only because that module
 # has another owner): it reduces n values per lane at once.  On a GPU it is n shuffle reductions; in the simulator,
@@ -132,15 +264,17 @@ else:
 
 
 @functools.cache
-def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool):
-    """Build the GEMV kernel for a register tile of ``rows_per_warp`` weight rows × ``max_tokens`` tokens (compile-
-    time constants: they size the per-lane register arrays and their loops unroll)."""
+def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int):
+    """Build the GEMV kernel for a register tile of ``rows_per_warp`` weight rows × ``max_tokens`` tokens and
+    blocks of ``warps`` warps (compile-time constants: they size the per-lane register arrays, their loops unroll,
+    and the block size sets the launch bounds)."""
     R = rows_per_warp
     TT = max_tokens
     RT = R * TT                                    # (array sizes must be closure constants, not expressions)
-    R4, R8 = 4 * R, 8 * R
+    R4 = 4 * R
+    nthreads = warps * WARP
 
-    @kernel
+    @_bounded_kernel(nthreads)
     def gemv(x32, w32, out, k, k_split, k_chunk):
         """``out[t, n] = bf16(Σ_k x[t, k] · W[row(n), k])`` for ``t < T <= max_tokens`` (or SwiGLU of column pairs
         when gated, see the module docstring).
@@ -151,34 +285,32 @@ def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool):
 
         Geometry: 1-D blocks of ``warps`` warps (a multiple of ``k_split``).  A block owns
         ``warps / k_split · rows_per_warp`` consecutive logical columns (a *tile*); blocks grid-stride over tiles.
-        Dynamic shared memory: ``4 · (max_tokens · k_chunk + warps · rows_per_warp · max_tokens)`` bytes — x staged
-        as f32 in the layout ``[token][j = 0..7][slice]`` (element ``8·slice + j`` of a chunk), so that lanes reading
-        consecutive 16-byte slices read consecutive words (no bank conflicts), then the per-warp partial sums.
+        Lane l of a warp reads the 16-byte slices ``c ≡ l (mod 32)`` of each row (8 elements each): a warp covers 256
+        contiguous elements per step.  Dynamic shared memory: ``4 · (max_tokens · k_chunk + warps · rows_per_warp ·
+        max_tokens)`` bytes: x staged as f32, then the per-warp partial sums.  Within a token's chunk, element
+        ``8c + j`` sits at ``256·(c // 32) + 32·j + c % 32``: the 32 lanes of a step read 32 consecutive words
+        (no bank conflicts), and the 8 elements of a lane's slice are a constant 32 words apart.
         """
         T = out.shape[0]
         n_out = out.shape[1]
         n_cols = 2 * n_out if gated else n_out
         k_words = k // 2
-        slices = k_chunk // 8                      # 16-byte slices per staged chunk: the stride of the x layout
         smem = cuda.shared.array(0, nbtypes.float32)  # dynamic; a numba type (the simulator needs its itemsize)
         red_base = TT * k_chunk
         tid = cuda.threadIdx.x
         lane = tid % WARP
         warp = tid // WARP
-        nthreads = cuda.blockDim.x
         part = warp % k_split                      # which K slices this warp takes within its row group
         group = warp // k_split
-        groups = (nthreads // WARP) // k_split
+        groups = warps // k_split
         cols_per_block = groups * R
         n_tiles = (n_cols + cols_per_block - 1) // cols_per_block
         step = WARP * k_split
 
         acc = cuda.local.array(RT, float32)        # acc[r · TT + t]: lane's partial dot of row r with token t
         wrow = cuda.local.array(R, int64)          # word offset of each of the warp's rows
-        w_cur = cuda.local.array(R4, uint32)    # 16 bytes per row: the slice being multiplied
-        w_next = cuda.local.array(R4, uint32)   # ... and the next slice, already in flight
-        wf = cuda.local.array(R8, float32)
-        xv = cuda.local.array(8, float32)
+        w_cur = cuda.local.array(R4, uint32)       # 16 bytes per row: the slice being multiplied
+        w_next = cuda.local.array(R4, uint32)      # ... and the next slice, already in flight
         staged = -1
         for tile in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
             col0 = tile * cols_per_block + group * R
@@ -189,59 +321,27 @@ def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool):
                 acc[i] = float32(0.0)
             for k0 in range(0, k, k_chunk):
                 n_slices = min(k_chunk, k - k0) // 8
+                w_off = k0 // 2
                 c = part * WARP + lane
                 # Issue the first weight loads before staging x: their latency overlaps the staging.
                 if c < n_slices:
-                    for r in range(R):
-                        q0, q1, q2, q3 = load_u32x4(w32, wrow[r] + k0 // 2 + 4 * c)
-                        w_cur[4 * r] = q0
-                        w_cur[4 * r + 1] = q1
-                        w_cur[4 * r + 2] = q2
-                        w_cur[4 * r + 3] = q3
+                    _load_row_slices(w32, wrow, w_off + 4 * c, w_cur, R)
                 if k0 != staged:                   # the block-uniform test: every thread reaches the barriers
                     cuda.syncthreads()
-                    for idx in range(tid, TT * slices, nthreads):
-                        t = idx // slices
-                        s = idx - t * slices
-                        kk = k0 + 8 * s
-                        if t < T and kk < k:
-                            v0, v1, v2, v3 = load_u32x4(x32, t * k_words + kk // 2)
-                        else:
-                            v0 = v1 = v2 = v3 = uint32(0)
-                        base = t * 8 * slices + s
-                        smem[base] = bf16x2_lo(v0)
-                        smem[base + slices] = bf16x2_hi(v0)
-                        smem[base + 2 * slices] = bf16x2_lo(v1)
-                        smem[base + 3 * slices] = bf16x2_hi(v1)
-                        smem[base + 4 * slices] = bf16x2_lo(v2)
-                        smem[base + 5 * slices] = bf16x2_hi(v2)
-                        smem[base + 6 * slices] = bf16x2_lo(v3)
-                        smem[base + 7 * slices] = bf16x2_hi(v3)
+                    for idx in range(tid, T * n_slices, nthreads):
+                        t = idx // n_slices
+                        sl = idx - t * n_slices
+                        _stage_x_slice(x32, t * k_words + w_off + 4 * sl, smem,
+                                       t * k_chunk + 256 * (sl >> 5) + (sl & 31))
                     cuda.syncthreads()
                     staged = k0
                 while c < n_slices:
                     c_next = c + step
-                    if c_next < n_slices:
-                        for r in range(R):
-                            q0, q1, q2, q3 = load_u32x4(w32, wrow[r] + k0 // 2 + 4 * c_next)
-                            w_next[4 * r] = q0
-                            w_next[4 * r + 1] = q1
-                            w_next[4 * r + 2] = q2
-                            w_next[4 * r + 3] = q3
-                    for i in range(4 * R):         # unpack: word q holds elements 2q (low half) and 2q + 1
-                        wf[2 * i] = bf16x2_lo(w_cur[i])
-                        wf[2 * i + 1] = bf16x2_hi(w_cur[i])
-                    for t in range(TT):
-                        if t < T:
-                            base = t * 8 * slices + c
-                            for j in range(8):
-                                xv[j] = smem[base + j * slices]
-                            for r in range(R):
-                                a = acc[r * TT + t]
-                                for j in range(8):
-                                    a += wf[8 * r + j] * xv[j]
-                                acc[r * TT + t] = a
-                    for i in range(4 * R):
+                    if c_next < n_slices:          # the next step's loads go out before this step's arithmetic
+                        _load_row_slices(w32, wrow, w_off + 4 * c_next, w_next, R)
+                    # lane's x: 256·(c // 32) + c % 32 = 8c - 7·lane, as c ≡ lane (mod 32)
+                    _dot_row_slices(acc, w_cur, smem, 8 * c - 7 * lane, k_chunk, T, R, TT)
+                    for i in range(R4):
                         w_cur[i] = w_next[i]
                     c = c_next
             # Reduce: lanes within each warp, then the k_split warps of a row group through shared memory.
@@ -289,6 +389,11 @@ class GemvGeometry:
     k_chunk: int | None = None
 
 
+GEMV_TUNED: dict[tuple[int, int, int, bool], GemvGeometry] = {}
+"""Measured best geometries, ``(n_cols, K, max_tokens, gated) -> GemvGeometry``, overriding the heuristic in
+``gemv_geometry`` (``benchmarks/bench_gemv.py --sweep`` prints entries in this form)."""
+
+
 @functools.cache
 def _sm_count() -> int:
     return 4 if SIMULATOR else int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
@@ -304,19 +409,22 @@ def _token_tile(n_tokens: int) -> int:
 def gemv_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False) -> GemvGeometry:
     """Pick the GEMV split for a ``[n_cols, k]`` weight (n_cols logical columns: 2I when gated).
 
-    Aim: about 32 warps per SM (half the H200's 64 slots; shared memory for x allows ~5 blocks of 8 warps), each
-    with rows_per_warp × 16 bytes per lane in flight, two steps deep.  Tall matrices (lm_head, gate_up) get 4 rows
-    per warp; shorter ones 2 rows per warp and then ``k_split`` doubles (while every warp keeps at least 4 slices
-    of 256 per pass over K) until there are enough warps.  Qwen3-4B on 132 SMs: qkv 6144×2560 → (2 rows, k_split
-    2), o 2560×4096 and down 2560×9728 → (2, 4), gate_up 19456×2560 and lm_head → (4, 1).
+    Blocks of 8 warps, compiled for ``WARPS_PER_SM`` = 16 resident warps per SM.  Each warp streams 4 rows (2 when
+    the 8-token register tile would not fit in 128 registers), i.e. 4 × 16 bytes per lane in flight, two steps
+    deep.  Then ``k_split`` doubles (while every warp keeps at least 4 steps of 256 elements) until there are
+    enough warps to fill every SM once: tall matrices (gate_up, lm_head) need no split; on 132 SMs the Qwen3-4B
+    qkv (6144×2560) gets k_split 2, o (2560×4096) and down (2560×9728) get 4.  A starting point: the benchmark's
+    ``--sweep`` measures the alternatives.
     """
     tt = _token_tile(n_tokens)
     if SIMULATOR:                                  # small blocks: one Python thread per CUDA thread
-        return GemvGeometry(rows_per_warp=8, warps=1, k_split=1, max_tokens=tt)
-    target_warps = 32 * _sm_count()
-    rows = 4 if n_cols >= 4 * target_warps else 2
+        return GemvGeometry(rows_per_warp=16, warps=1, k_split=1, max_tokens=tt)
+    if (n_cols, k, tt, gated) in GEMV_TUNED:
+        return GEMV_TUNED[n_cols, k, tt, gated]
+    rows = 4 if tt <= 2 else 2
+    slots = WARPS_PER_SM * _sm_count()
     k_split = 1
-    while (n_cols // rows) * k_split < target_warps and k_split < 8 and k >= 2048 * k_split:
+    while (n_cols // rows) * k_split < slots and k_split < 8 and k >= 2048 * k_split:
         k_split *= 2
     return GemvGeometry(rows_per_warp=rows, warps=8, k_split=k_split, max_tokens=tt)
 
@@ -355,29 +463,12 @@ def gemv(x, w, out, *, gated: bool = False, geometry: GemvGeometry | None = None
         k_chunk = _gemv_k_chunk(k, geo)
         cols_per_block = geo.warps // geo.k_split * geo.rows_per_warp
         shared = 4 * (geo.max_tokens * k_chunk + geo.warps * geo.rows_per_warp * geo.max_tokens)
-        kern = _gemv_kernel(geo.rows_per_warp, geo.max_tokens, gated)
+        kern = _gemv_kernel(geo.rows_per_warp, geo.max_tokens, gated, geo.warps)
         launch(kern, grid(n_cols, cols_per_block, sim_cap=8), geo.warps * WARP,
                _as_u32(x[t0:t1]), _as_u32(w), out[t0:t1], k, geo.k_split, k_chunk, shared=shared, name="gemv")
 
 
 # ================================================================================================ GEMM, FMA tiles
-@device_fn
-def _stage_transposed(src32, word, valid, dst, j, kbase):
-    """Load 8 bf16 (``src32[word:word+4]``, or zeros when not ``valid``) into ``dst[kbase:kbase+8, j]`` as f32."""
-    if valid:
-        v0, v1, v2, v3 = load_u32x4(src32, word)
-    else:
-        v0 = v1 = v2 = v3 = uint32(0)
-    dst[kbase, j] = bf16x2_lo(v0)
-    dst[kbase + 1, j] = bf16x2_hi(v0)
-    dst[kbase + 2, j] = bf16x2_lo(v1)
-    dst[kbase + 3, j] = bf16x2_hi(v1)
-    dst[kbase + 4, j] = bf16x2_lo(v2)
-    dst[kbase + 5, j] = bf16x2_hi(v2)
-    dst[kbase + 6, j] = bf16x2_lo(v3)
-    dst[kbase + 7, j] = bf16x2_hi(v3)
-
-
 @functools.cache
 def _gemm_fma_kernel(bm: int, bn: int, bk: int, tm: int, tn: int, gated: bool):
     """Build the FMA-tiled GEMM for a ``bm × bn`` block tile, ``bk`` K per step, ``tm × tn`` outputs per thread."""
@@ -400,8 +491,6 @@ def _gemm_fma_kernel(bm: int, bn: int, bk: int, tm: int, tn: int, gated: bool):
         a_s = cuda.shared.array((bk, bm), float32)
         b_s = cuda.shared.array((bk, bn), float32)
         acc = cuda.local.array(tmn, float32)
-        a_r = cuda.local.array(tm, float32)
-        b_r = cuda.local.array(tn, float32)
         T = out.shape[0]
         n_out = out.shape[1]
         n_cols = 2 * n_out if gated else n_out
@@ -431,14 +520,7 @@ def _gemm_fma_kernel(bm: int, bn: int, bk: int, tm: int, tn: int, gated: bool):
                         wr = _weight_row(min(col, n_cols - 1), n_out, gated)
                         _stage_transposed(w32, wr * k_words + kk // 2, col < n_cols and kk < k, b_s, row - bm, 8 * s)
                 cuda.syncthreads()
-                for kk in range(bk):
-                    for i in range(tm):
-                        a_r[i] = a_s[kk, ty * tm + i]
-                    for j in range(tn):
-                        b_r[j] = b_s[kk, tx * tn + j]
-                    for i in range(tm):
-                        for j in range(tn):
-                            acc[i * tn + j] += a_r[i] * b_r[j]
+                _fma_tile(acc, a_s, b_s, ty * tm, tx * tn, tm, tn, bk)
             for i in range(tm):
                 tok = m0 + ty * tm + i
                 if tok < T:
@@ -449,8 +531,8 @@ def _gemm_fma_kernel(bm: int, bn: int, bk: int, tm: int, tn: int, gated: bool):
     return gemm_fma
 
 
-# Block tiles (bm, bn, bk, tm, tn): 256 threads of 4×4 outputs on a GPU; 64 threads of 2×2 in the simulator.
-_FMA_TILE = (16, 16, 16, 2, 2) if SIMULATOR else (64, 64, 16, 4, 4)
+# Block tiles (bm, bn, bk, tm, tn): 256 threads of 4×4 outputs on a GPU; one warp of 4×4 in the simulator.
+_FMA_TILE = (16, 32, 32, 4, 4) if SIMULATOR else (64, 64, 16, 4, 4)
 
 
 def gemm_fma(x, w, out, *, gated: bool = False) -> None:
@@ -585,14 +667,14 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, gated: bool):
     """Build the tensor-core GEMM: ``warps_m × warps_n`` warps, each owning ``mt × nt`` m16n8 accumulator tiles, so
     the block tile is ``bm = 16·warps_m·mt`` tokens × ``bn = 8·warps_n·nt`` logical columns."""
     bm, bn = 16 * warps_m * mt, 8 * warps_n * nt
-    nthreads_c = 32 * warps_m * warps_n
+    nthreads_c = WARP * warps_m * warps_n
     a_slices, b_slices = 4 * bm, 4 * bn                 # 16-byte slices per 32-wide K stage
     a_pt, b_pt = -(-a_slices // nthreads_c), -(-b_slices // nthreads_c)
     a_stage, b_stage = bm * MMA_ROW_WORDS, bn * MMA_ROW_WORDS
     a_smem, b_smem = 2 * a_stage, 2 * b_stage
     a_regs, b_regs, n_acc, a_frag, b_frag, n_packed = 4 * a_pt, 4 * b_pt, 4 * mt * nt, 4 * mt, 2 * nt, 2 * mt * nt
 
-    @kernel
+    @_bounded_kernel(nthreads_c)
     def gemm_mma(x32, w32, out, k):
         """``out = x @ W.T`` (or SwiGLU of column pairs when gated) on tensor cores, f32 accumulation.
 
@@ -691,11 +773,11 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, gated: bool):
 
 
 def mma_tile(n_tokens: int) -> tuple[int, int, int, int]:
-    """(warps_m, warps_n, mt, nt) for T tokens: 128×128 tiles of 8 warps (64×32 per warp) for prefill; for few
-    tokens one warp row of ``ceil(T/16)`` m16 tiles (up to 64 tokens) and 64-column tiles, so that short batches
-    still spread the weight over many blocks."""
+    """(warps_m, warps_n, mt, nt) for T tokens: 64×128 tiles of 8 warps (32×32 per warp, which fits the 128
+    registers of ``WARPS_PER_SM``) for prefill; for few tokens one warp row of ``ceil(T/16)`` m16 tiles (up to 64
+    tokens) and 64-column tiles, so that short batches still spread the weight over many blocks."""
     if n_tokens > 64:
-        return (2, 4, 4, 4)
+        return (2, 4, 2, 4)
     return (1, 4, -(-n_tokens // 16), 2)
 
 

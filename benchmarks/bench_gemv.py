@@ -1,0 +1,283 @@
+"""How close do pegainfer's matrix products come to the H200?
+
+* GEMV (decode): for each Qwen3-4B projection, the time of one launch and the bandwidth it achieves reading the
+  weight, against the bandwidth a bare 16-byte-load read kernel reaches over 2 GB (``kernels.memory``).  Times come
+  from replaying a CUDA graph of ``--launches`` launches (one launch of a 10 µs kernel costs ~20 µs of host time,
+  so eager timing would measure Python, not the GPU).
+* GEMM (prefill): TFLOP/s of the tensor-core path (and optionally the FMA tiles, and cuBLAS through torch as a
+  yardstick) for T = 16, 128, 2048 tokens.
+* ``--sweep``: every GEMV geometry (rows per warp × warps × k_split) per shape, to retune ``gemv_geometry``,
+  and a few tensor-core tile shapes at T = 2048, to retune ``mma_tile``.
+
+Usage (on the GPU host):  python benchmarks/bench_gemv.py [--json out.json] [--sweep] [--fma] [--torch]
+Without a GPU it runs as a smoke test in the simulator (shapes divided by 256, wall-clock times, no graphs).
+Takes well under 2 minutes on an H200 without --sweep.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import pegainfer
+from pegainfer.kernels import linear as lin
+from pegainfer.kernels.launch import on_stream
+from numba import cuda
+
+SIM = pegainfer.SIMULATOR
+SHRINK = 256 if SIM else 1
+
+# (name, N rows, K, gated) — Qwen3-4B: hidden 2560, q 32×128, kv 8×128, intermediate 9728, vocab 151936
+SHAPES = [
+    ("qkv", 6144, 2560, False),
+    ("o", 2560, 4096, False),
+    ("gate_up+silu", 19456, 2560, True),
+    ("down", 2560, 9728, False),
+    ("lm_head", 151936, 2560, False),
+]
+LAYERS = 36
+
+
+def _check(result):
+    from cuda.bindings import driver as drv
+    err = result[0] if isinstance(result, tuple) else result
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"CUDA driver call failed: {err}")
+    return result[1] if isinstance(result, tuple) and len(result) == 2 else None
+
+
+def time_per_launch(fn, launches: int, reps: int = 5) -> float:
+    """Seconds per call of ``fn`` (which launches kernels through ``pegainfer.kernels.launch``): median over
+    ``reps`` replays of a CUDA graph holding ``launches`` calls."""
+    if SIM:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    from cuda.bindings import driver as drv
+    stream = cuda.stream()
+    with on_stream(stream):
+        fn()                                       # compile and warm up outside the capture
+    stream.synchronize()
+    cs = drv.CUstream(int(stream.handle))
+    with cuda.defer_cleanup(), on_stream(stream):
+        _check(drv.cuStreamBeginCapture(cs, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
+        try:
+            for _ in range(launches):
+                fn()
+        finally:
+            graph = _check(drv.cuStreamEndCapture(cs))
+    exe = _check(drv.cuGraphInstantiate(graph, 0))
+    try:
+        _check(drv.cuGraphLaunch(exe, cs))
+        stream.synchronize()
+        times = []
+        for _ in range(reps):
+            start, end = cuda.event(), cuda.event()
+            start.record(stream)
+            _check(drv.cuGraphLaunch(exe, cs))
+            end.record(stream)
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3 / launches)
+        return statistics.median(times)
+    finally:
+        _check(drv.cuGraphExecDestroy(exe))
+        _check(drv.cuGraphDestroy(graph))
+
+
+def launches_for(fn, target_s: float, cap: int) -> int:
+    """Enough launches that one graph replay lasts about ``target_s`` (at least 3, at most ``cap``)."""
+    if SIM:
+        return 1
+    fn()
+    cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    cuda.synchronize()
+    return int(max(3, min(cap, target_s / max(time.perf_counter() - t0, 1e-6))))
+
+
+def random_bf16(shape, rng) -> object:
+    """Device array of bf16 bits with values in ±[2^-7, 1) (the timing does not depend on them)."""
+    bits = rng.integers(0x3C00, 0x3F80, size=shape, dtype=np.uint16)
+    bits |= (rng.integers(0, 2, size=shape, dtype=np.uint16) << np.uint16(15))
+    return cuda.to_device(bits)
+
+
+def read_bandwidth() -> float:
+    if SIM:
+        return float("nan")
+    from pegainfer.kernels.memory import measure_read_bandwidth
+    return measure_read_bandwidth(2 << 30)
+
+
+def bench_gemv(weights, rng, read_bw, launches, rows) -> list[dict]:
+    for name, (w, n, k, gated) in weights.items():
+        n_out = n // 2 if gated else n
+        for T in (1, 8):
+            x = random_bf16((T, k), rng)
+            out = cuda.device_array((T, n_out), np.uint16)
+            fn = (lambda x=x, w=w, out=out, gated=gated: lin.gemv(x, w, out, gated=gated))
+            sec = time_per_launch(fn, launches)
+            nbytes = n * k * 2 + T * (k + n_out) * 2
+            geo = lin.gemv_geometry(n, k, T, gated)
+            rows.append(dict(kind="gemv", name=name, N=n, K=k, T=T, us=sec * 1e6, GBps=nbytes / sec / 1e9,
+                             pct_of_read=100 * nbytes / sec / read_bw if read_bw == read_bw else None,
+                             geometry=dict(rows_per_warp=geo.rows_per_warp, warps=geo.warps, k_split=geo.k_split,
+                                           max_tokens=geo.max_tokens, k_chunk=lin._gemv_k_chunk(k, geo))))
+    return rows
+
+
+def bench_gemm(weights, rng, impls, use_torch, rows) -> list[dict]:
+    torch = None
+    if use_torch and not SIM:
+        import torch  # noqa: F811  (only as a yardstick: cuBLAS through torch)
+    for name, (w, n, k, gated) in weights.items():
+        n_out = n // 2 if gated else n
+        for T in (16, 128, 2048):
+            T = max(1, T // SHRINK) if SIM else T
+            x = random_bf16((T, k), rng)
+            out = cuda.device_array((T, n_out), np.uint16)
+            flops = 2.0 * T * n * k
+            for impl in impls:
+                op = lin.linear_silu_mul if gated else lin.linear
+                fn = (lambda x=x, w=w, out=out, op=op, impl=impl: op(x, w, out, impl=impl))
+                sec = time_per_launch(fn, launches_for(fn, 0.05, 50))
+                rows.append(dict(kind="gemm", name=name, N=n, K=k, T=T, impl=impl, us=sec * 1e6,
+                                 TFLOPs=flops / sec / 1e12))
+            if torch is not None:
+                tx = torch.randn(T, k, device="cuda", dtype=torch.bfloat16)
+                tw = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+                torch.matmul(tx, tw.T)
+                torch.cuda.synchronize()
+                reps = 20
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                for _ in range(reps):
+                    torch.matmul(tx, tw.T)
+                e.record()
+                e.synchronize()
+                sec = s.elapsed_time(e) * 1e-3 / reps
+                rows.append(dict(kind="gemm", name=name, N=n, K=k, T=T, impl="torch_cublas", us=sec * 1e6,
+                                 TFLOPs=flops / sec / 1e12))
+                del tx, tw
+    return rows
+
+
+def sweep_gemv(weights, rng, rows) -> list[dict]:
+    """Every GEMV geometry per shape at T = 1; prints the best of each shape as a ``GemvGeometry`` to paste."""
+    for name, (w, n, k, gated) in weights.items():
+        x = random_bf16((1, k), rng)
+        out = cuda.device_array((1, n // 2 if gated else n), np.uint16)
+        results = []
+        for r in (1, 2, 4, 8):
+            if gated and r % 2:
+                continue
+            for warps in (4, 8, 16):
+                for k_split in (1, 2, 4, 8):
+                    if warps % k_split or k // k_split < 512:
+                        continue
+                    geo = lin.GemvGeometry(rows_per_warp=r, warps=warps, k_split=k_split, max_tokens=1)
+                    fn = (lambda x=x, w=w, out=out, gated=gated, geo=geo:
+                          lin.gemv(x, w, out, gated=gated, geometry=geo))
+                    sec = time_per_launch(fn, 30, reps=3)
+                    results.append((sec, geo))
+                    rows.append(dict(kind="gemv_sweep", name=name, N=n, K=k, T=1, us=sec * 1e6,
+                                     GBps=n * k * 2 / sec / 1e9, rows_per_warp=r, warps=warps, k_split=k_split))
+        best_sec, best = min(results, key=lambda p: p[0])
+        default = lin.gemv_geometry(n, k, 1, gated)
+        default_sec = next((sec for sec, g in results if g == default), float("nan"))
+        print(f"  {name:13s} best {best_sec * 1e6:7.1f} us {n * k * 2 / best_sec / 1e9:6.0f} GB/s   default "
+              f"{default_sec * 1e6:7.1f} us   ({n}, {k}, 1, {gated}): GemvGeometry(rows_per_warp="
+              f"{best.rows_per_warp}, warps={best.warps}, k_split={best.k_split}, max_tokens=1)", flush=True)
+    return rows
+
+
+MMA_TILES = [(2, 4, 2, 4), (2, 4, 4, 4), (2, 2, 2, 4), (1, 4, 2, 4), (4, 2, 2, 2), (2, 2, 4, 4)]
+
+
+def sweep_mma(weights, rng, rows) -> list[dict]:
+    """The tensor-core GEMM's tile shapes (warps_m, warps_n, mt, nt) at T = 2048 on every shape."""
+    for name, (w, n, k, gated) in weights.items():
+        T = 2048 // SHRINK
+        x = random_bf16((T, k), rng)
+        out = cuda.device_array((T, n // 2 if gated else n), np.uint16)
+        line = []
+        for tile in MMA_TILES:
+            fn = (lambda x=x, w=w, out=out, gated=gated, tile=tile: lin.gemm_mma(x, w, out, gated=gated, tile=tile))
+            sec = time_per_launch(fn, launches_for(fn, 0.05, 20), reps=3)
+            tflops = 2.0 * T * n * k / sec / 1e12
+            rows.append(dict(kind="mma_sweep", name=name, N=n, K=k, T=T, tile=tile, us=sec * 1e6, TFLOPs=tflops))
+            line.append(f"{tile}: {tflops:5.1f}")
+        print(f"  {name:13s} TFLOP/s  " + "  ".join(line), flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--launches", type=int, default=100, help="GEMV launches per CUDA graph (default 100)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time every GEMV geometry and several mma tiles (a few minutes)")
+    ap.add_argument("--fma", action="store_true", help="also time the FMA-tiled GEMM")
+    ap.add_argument("--torch", action="store_true", help="also time torch.matmul (cuBLAS) as a yardstick")
+    args = ap.parse_args(argv)
+
+    t_start = time.perf_counter()
+    print(pegainfer.device.describe(), flush=True)
+    if SIM:
+        print(f"smoke run: shapes divided by {SHRINK}, wall-clock times (meaningless), no CUDA graphs", flush=True)
+    rng = np.random.default_rng(0)
+    weights = {}
+    for name, n, k, gated in SHAPES:
+        n, k = max(16, n // SHRINK), max(64, k // SHRINK // 8 * 8)
+        weights[name] = (random_bf16((n, k), rng), n, k, gated)
+
+    read_bw = read_bandwidth()
+    print(f"read bandwidth (16-byte loads over 2 GB): {read_bw / 1e9:.0f} GB/s", flush=True)
+
+    rows: list[dict] = []
+    bench_gemv(weights, rng, read_bw, args.launches, rows)
+    print(f"\nGEMV (CUDA graph of {args.launches} launches; bytes = weight + x + out)")
+    print(f"{'shape':14s} {'N':>7s} {'K':>6s} {'T':>2s} {'us':>9s} {'GB/s':>8s} {'% read':>7s}  geometry")
+    for r in rows:
+        g = r["geometry"]
+        pct = f"{r['pct_of_read']:6.1f}%" if r["pct_of_read"] is not None else "     - "
+        print(f"{r['name']:14s} {r['N']:7d} {r['K']:6d} {r['T']:2d} {r['us']:9.1f} {r['GBps']:8.0f} {pct}  "
+              f"rows={g['rows_per_warp']} warps={g['warps']} k_split={g['k_split']} k_chunk={g['k_chunk']}")
+    per_layer = sum(r["us"] for r in rows if r["T"] == 1 and r["name"] != "lm_head")
+    head = sum(r["us"] for r in rows if r["T"] == 1 and r["name"] == "lm_head")
+    decode_ms = (LAYERS * per_layer + head) / 1e3
+    print(f"batch-1 decode, projections only: {per_layer:.1f} us/layer × {LAYERS} + lm_head {head:.1f} us "
+          f"= {decode_ms:.2f} ms/token", flush=True)
+
+    impls = ["gemm_mma"] + (["gemm_fma"] if args.fma else [])
+    gemm_rows = bench_gemm(weights, rng, impls, args.torch, [])
+    print("\nGEMM (prefill)")
+    print(f"{'shape':14s} {'N':>7s} {'K':>6s} {'T':>5s} {'impl':>13s} {'us':>10s} {'TFLOP/s':>8s}")
+    for r in gemm_rows:
+        print(f"{r['name']:14s} {r['N']:7d} {r['K']:6d} {r['T']:5d} {r['impl']:>13s} {r['us']:10.1f} "
+              f"{r['TFLOPs']:8.1f}")
+    rows += gemm_rows
+
+    if args.sweep:
+        print("\nGEMV geometry sweep (T = 1)", flush=True)
+        rows += sweep_gemv(weights, rng, [])
+        print(f"\nmma tile sweep (T = {2048 // SHRINK}; (warps_m, warps_n, mt, nt))", flush=True)
+        rows += sweep_mma(weights, rng, [])
+
+    result = dict(device=pegainfer.device.describe(), read_bw_GBps=read_bw / 1e9,
+                  decode_projection_ms_per_token=decode_ms, rows=rows, seconds=time.perf_counter() - t_start)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"\nwrote {args.json}")
+    print(f"done in {result['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,12 +1,10 @@
 """Token selection: argmax, seeded top-k / top-p / min-p sampling, log-sum-exp — against float64 NumPy.
 
-The sampler's kept set is checked exactly (``workspace.kept`` and ``threshold`` against the NumPy set) and every
+The sampler's kept set is checked exactly (``kept`` and ``threshold`` of ``workspace_views``, against NumPy) and every
 drawn token must lie in it; filter parameters are picked midway between two neighbouring cumulative masses /
-probabilities so that f32 vs float64 rounding cannot move the boundary.  Simulator runs are slow (~0.1 s per row),
-so one launch mixes many rows, each with its own logits, parameters and seed.
+probabilities so that f32 vs float64 rounding cannot move the boundary.  Simulator runs cost ~30 ms per row, so
+one launch mixes many rows, each with its own logits, parameters and seed.
 """
-import sys
-
 import numpy as np
 import pytest
 
@@ -16,16 +14,6 @@ from numba import cuda
 from pegainfer.kernels.primitives import to_bf16_bits
 from pegainfer.kernels.sampling import (CANDIDATE_CAPACITY, SamplingBuffers, _row_words, argmax, logsumexp, sample,
                                         sample_workspace_size, top_logprobs, workspace_views)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _fast_simulator_threads():
-    """The simulator runs every CUDA thread as a Python thread and polls them; a shorter GIL switch interval than
-    the default 5 ms makes its barriers ~2x cheaper.  Restored after this module."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-3)
-    yield
-    sys.setswitchinterval(old)
 
 
 # ------------------------------------------------------------------------------------------ NumPy references

@@ -97,6 +97,34 @@ if SIMULATOR:
 
         _simk.BlockManager.run = run
 
+        # Shared arrays are keyed by call site. Upstream finds the site with traceback.extract_stack (slow: it
+        # reads source lines) and without a lock (two threads can each create "the" array). Same keys, locked.
+        import sys as _sys
+        import threading as _threading
+
+        from numba.core import types as _types
+        from numba.np import numpy_support as _npsup
+        from numba.cuda.simulator import kernelapi as _kapi
+
+        _lock = _threading.Lock()
+        _orig_array = _kapi.FakeCUDAShared.array
+
+        def shared_array(self, shape, dtype, alignment=None):
+            if shape == 0 or alignment is not None:
+                return _orig_array(self, shape, dtype, alignment)
+            f = _sys._getframe(1)
+            caller = (f.f_code.co_filename, f.f_lineno)
+            with _lock:
+                res = self._allocations.get(caller)
+                if res is None:
+                    if isinstance(dtype, _types.Type):
+                        dtype = _npsup.as_dtype(dtype)
+                    res = np.empty(shape, dtype)
+                    self._allocations[caller] = res
+            return res
+
+        _kapi.FakeCUDAShared.array = shared_array
+
     _patch_simulator_block_manager()
 
     @device_fn

@@ -32,6 +32,11 @@ fragment, whose two adjacent columns ``2t, 2t+1`` live in the same lane), which 
 
 Requirements: K a multiple of 8 (16-byte loads of whole rows); N arbitrary; x, W, out contiguous.  No kernel
 allocates and none takes a per-step value, so every launch can be captured in a CUDA graph.
+
+The GEMV and the mma GEMM are compiled with launch bounds for 16 resident warps per SM (at most 128 registers per
+thread; ``WARPS_PER_SM``).  In the simulator: the innermost loops are device functions with NumPy twins (a device
+function call costs tens of µs there), ``mma.sync`` is emulated from the PTX fragment layout so the tensor-core
+kernel's indexing is tested too, and ``linear(impl=None)`` takes the FMA tiles for T > 8.
 """
 from __future__ import annotations
 
@@ -230,7 +235,6 @@ else:
         dst[kbase + 7, j] = bf16x2_hi(v3)
 
 
-# ================================================================================================ GEMV (decode)
 # ``warp_sums_to_shared`` belongs with the warp reductions in ``primitives`` (it is here only because that module
 # has another owner): it reduces n values per lane at once.  On a GPU it is n shuffle reductions; in the simulator,
 # where every emulated ``warp_sum`` costs two block barriers (~10 ms each), one exchange through shared memory.
@@ -263,6 +267,7 @@ else:
                 dst[base + i] = s
 
 
+# ================================================================================================ GEMV (decode)
 @functools.cache
 def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int):
     """Build the GEMV kernel for a register tile of ``rows_per_warp`` weight rows × ``max_tokens`` tokens and
@@ -451,21 +456,24 @@ def _is_contiguous(a) -> bool:
 
 
 def gemv(x, w, out, *, gated: bool = False, geometry: GemvGeometry | None = None) -> None:
-    """GEMV path of ``linear`` / ``linear_silu_mul`` (any T: passes of at most 8 tokens, each reading W once).
-    ``geometry`` overrides ``gemv_geometry`` (benchmarks and tests use it to try splits)."""
+    """GEMV path of ``linear`` / ``linear_silu_mul``.  Any T: passes of at most 8 tokens (``geometry.max_tokens``
+    when given), each reading W once.  ``geometry`` overrides ``gemv_geometry`` (benchmarks and tests try splits)."""
     T, k = x.shape
     n_cols = w.shape[0]
-    for t0 in range(0, T, GEMV_MAX_TOKENS):
-        t1 = min(T, t0 + GEMV_MAX_TOKENS)
+    w32 = _as_u32(w)
+    per_pass = geometry.max_tokens if geometry else GEMV_MAX_TOKENS
+    for t0 in range(0, T, per_pass):
+        t1 = min(T, t0 + per_pass)
+        xp, outp = (x, out) if t1 - t0 == T else (x[t0:t1], out[t0:t1])
         geo = geometry or gemv_geometry(n_cols, k, t1 - t0, gated)
-        assert geo.max_tokens >= t1 - t0 and geo.warps % geo.k_split == 0, geo
-        assert not gated or geo.rows_per_warp % 2 == 0, "gated GEMV needs an even rows_per_warp"
+        assert geo.warps % geo.k_split == 0, f"warps must be a multiple of k_split: {geo}"
+        assert not gated or geo.rows_per_warp % 2 == 0, f"the gated GEMV needs an even rows_per_warp: {geo}"
         k_chunk = _gemv_k_chunk(k, geo)
         cols_per_block = geo.warps // geo.k_split * geo.rows_per_warp
         shared = 4 * (geo.max_tokens * k_chunk + geo.warps * geo.rows_per_warp * geo.max_tokens)
         kern = _gemv_kernel(geo.rows_per_warp, geo.max_tokens, gated, geo.warps)
         launch(kern, grid(n_cols, cols_per_block, sim_cap=8), geo.warps * WARP,
-               _as_u32(x[t0:t1]), _as_u32(w), out[t0:t1], k, geo.k_split, k_chunk, shared=shared, name="gemv")
+               _as_u32(xp), w32, outp, k, geo.k_split, k_chunk, shared=shared, name="gemv")
 
 
 # ================================================================================================ GEMM, FMA tiles
@@ -525,8 +533,8 @@ def _gemm_fma_kernel(bm: int, bn: int, bk: int, tm: int, tn: int, gated: bool):
                 tok = m0 + ty * tm + i
                 if tok < T:
                     for j in range(0, tn, 2):
-                        _store_packed_pair(out, tok, n0 + tx * tn + j, _pack_bf16x2(acc[i * tn + j], acc[i * tn + j + 1]),
-                                           gated)
+                        word = _pack_bf16x2(acc[i * tn + j], acc[i * tn + j + 1])
+                        _store_packed_pair(out, tok, n0 + tx * tn + j, word, gated)
 
     return gemm_fma
 

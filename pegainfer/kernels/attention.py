@@ -107,7 +107,8 @@ if SIMULATOR:
     # Where each element of the m16n8k16 operands lives: A[r, k] in lane (r % 8) * 4 + (k % 8) // 2, register
     # a0..a3 = (k >= 8) * 2 + (r >= 8), half k % 2; B[k, n] in lane n * 4 + (k % 8) // 2, register b0/b1 = k >= 8.
     _R, _K = np.meshgrid(np.arange(16), np.arange(16), indexing="ij")
-    _A_LANE, _A_REG, _A_SHIFT = (_R % 8) * 4 + (_K % 8) // 2, (_K >= 8) * 2 + (_R >= 8), (16 * (_K % 2)).astype(np.uint32)
+    _A_LANE, _A_REG = (_R % 8) * 4 + (_K % 8) // 2, (_K >= 8) * 2 + (_R >= 8)
+    _A_SHIFT = (16 * (_K % 2)).astype(np.uint32)
     _KB, _N = np.meshgrid(np.arange(16), np.arange(8), indexing="ij")
     _B_LANE, _B_REG, _B_SHIFT = _N * 4 + (_KB % 8) // 2, 4 + (_KB >= 8), (16 * (_KB % 2)).astype(np.uint32)
 
@@ -216,10 +217,11 @@ def rescale_factor2(m_part, m_total):
 
 # ------------------------------------------------------------------------------------------------ split-K kernel
 @functools.lru_cache(maxsize=None)
-def _split_kernel(head_dim: int, group: int, elems_per_lane: int, block_threads: int, unroll: int):
+def _split_kernel(head_dim: int, group: int, elems_per_lane: int, block_threads: int, unroll: int, prefetch: bool):
     """Build the split-K kernel for one shape.  The closure constants become compile-time constants, so the
     per-lane arrays below have fixed sizes, their loops unroll and they live in registers."""
     D, G, E, NT, U = head_dim, group, elems_per_lane, block_threads, unroll
+    LAG = 1 if prefetch else 0  # steps the loads run ahead of the arithmetic
     L = D // E                # lanes that share one key (each holds E of its D elements)
     CPL = E // 8              # 16-byte chunks per lane: lane owns chunks lane, lane + L, lane + 2L, ...
     NGROUPS = NT // L         # keys in flight per block (one per lane group) per unrolled step
@@ -241,7 +243,8 @@ def _split_kernel(head_dim: int, group: int, elems_per_lane: int, block_threads:
         Geometry: grid-stride over ``T * nkv * num_splits`` work items, ``NT`` threads.  Lanes form groups of
         ``L = D / E``; a group owns one key at a time (its lanes hold interleaved 16-byte chunks of the row), keeps
         its own online-softmax state for the ``G`` heads, and walks keys ``k_lo + group, + NGROUPS, ...``
-        (``U`` keys per step, all loads issued before use).  At the end the block merges its groups through
+        (``U`` keys per step, all loads issued before use; with ``prefetch`` the next step's loads are issued
+        before the current step's arithmetic).  At the end the block merges its groups through
         shared memory.  Split ``s`` covers keys ``[s * chunk, (s+1) * chunk)`` of ``n = positions[t] + 1`` with
         ``chunk = max(min_chunk, ceil(n / num_splits) rounded up to a page)``: a split past the end writes an
         empty partial (m = -inf, l = 0).  With ``num_splits == 1`` the normalised bf16 output is written directly.
@@ -258,8 +261,10 @@ def _split_kernel(head_dim: int, group: int, elems_per_lane: int, block_threads:
         m = cuda.local.array(G, float32)
         l = cuda.local.array(G, float32)
         s = cuda.local.array(SCORES, float32)         # scores of the U keys in flight
-        kw = cuda.local.array(RAW_WORDS, uint32)   # raw K words of the U keys
+        kw = cuda.local.array(RAW_WORDS, uint32)   # raw K words of the U keys being computed
         vw = cuda.local.array(RAW_WORDS, uint32)   # raw V words
+        kn = cuda.local.array(RAW_WORDS, uint32)   # ... and of the U keys being loaded
+        vn = cuda.local.array(RAW_WORDS, uint32)
         vf = cuda.local.array(E, float32)
         sm_m = cuda.shared.array(GROUP_STATE, float32)
         sm_l = cuda.shared.array(GROUP_STATE, float32)
@@ -297,53 +302,64 @@ def _split_kernel(head_dim: int, group: int, elems_per_lane: int, block_threads:
 
             step = NGROUPS * U
             n_steps = (max(k_hi - k_lo, 0) + step - 1) // step
-            for it in range(n_steps):
-                # issue every load of the U keys first (memory-level parallelism), then compute
-                for u in range(U):
-                    kp = k_lo + it * step + u * NGROUPS + grp
-                    if kp < k_hi:
-                        page = block_tables[slot, kp >> page_shift]
-                        row = (((page << page_shift) + (kp & page_mask)) * num_kv_heads + kvh) * ROW_WORDS
-                        for j in range(CPL):
-                            c = row + (lane + L * j) * 4
-                            o = (u * CPL + j) * 4
-                            kw[o], kw[o + 1], kw[o + 2], kw[o + 3] = load_u32x4(k32, c)
-                            vw[o], vw[o + 1], vw[o + 2], vw[o + 3] = load_u32x4(v32, c)
-                    else:
-                        for i in range(CPL * 4):
-                            kw[u * CPL * 4 + i] = uint32(0)
-                            vw[u * CPL * 4 + i] = uint32(0)
-                # scores: partial dot over this lane's E elements, then a sum over the L lanes of the group
-                for u in range(U):
-                    for h in range(G):
-                        part = float32(0.0)
-                        for i in range(CPL * 4):
-                            word = kw[u * CPL * 4 + i]
-                            part += qreg[h * E + 2 * i] * bf16x2_lo(word)
-                            part += qreg[h * E + 2 * i + 1] * bf16x2_hi(word)
-                        if L > 1:
-                            part = lane_group_sum(part, L)
-                        s[u * G + h] = part
-                # online softmax update (rescale only when the running max grows)
-                for u in range(U):
-                    kp = k_lo + it * step + u * NGROUPS + grp
-                    if kp < k_hi:
-                        for i in range(CPL * 4):
-                            word = vw[u * CPL * 4 + i]
-                            vf[2 * i] = bf16x2_lo(word)
-                            vf[2 * i + 1] = bf16x2_hi(word)
+            for it in range(n_steps + LAG):
+                # issue every load of step `it` (U keys) into kn / vn before any arithmetic: memory-level parallelism
+                if it < n_steps:
+                    for u in range(U):
+                        kp = k_lo + it * step + u * NGROUPS + grp
+                        if kp < k_hi:
+                            page = block_tables[slot, kp >> page_shift]
+                            row = (((page << page_shift) + (kp & page_mask)) * num_kv_heads + kvh) * ROW_WORDS
+                            for j in range(CPL):
+                                c = row + (lane + L * j) * 4
+                                o = (u * CPL + j) * 4
+                                kn[o], kn[o + 1], kn[o + 2], kn[o + 3] = load_u32x4(k32, c)
+                                vn[o], vn[o + 1], vn[o + 2], vn[o + 3] = load_u32x4(v32, c)
+                        else:
+                            for i in range(CPL * 4):
+                                kn[u * CPL * 4 + i] = uint32(0)
+                                vn[u * CPL * 4 + i] = uint32(0)
+                if LAG == 0:
+                    for i in range(RAW_WORDS):
+                        kw[i] = kn[i]
+                        vw[i] = vn[i]
+                if it >= LAG:
+                    cur = it - LAG     # with prefetch, step `it`'s loads are in flight while step it-1 is computed
+                    # scores: partial dot over this lane's E elements, then a sum over the L lanes of the group
+                    for u in range(U):
                         for h in range(G):
-                            sc = s[u * G + h]
-                            if sc > m[h]:
-                                alpha = rescale_factor(m[h], sc)
-                                l[h] *= alpha
+                            part = float32(0.0)
+                            for i in range(CPL * 4):
+                                word = kw[u * CPL * 4 + i]
+                                part += qreg[h * E + 2 * i] * bf16x2_lo(word)
+                                part += qreg[h * E + 2 * i + 1] * bf16x2_hi(word)
+                            if L > 1:
+                                part = lane_group_sum(part, L)
+                            s[u * G + h] = part
+                    # online softmax update (rescale only when the running max grows)
+                    for u in range(U):
+                        kp = k_lo + cur * step + u * NGROUPS + grp
+                        if kp < k_hi:
+                            for i in range(CPL * 4):
+                                word = vw[u * CPL * 4 + i]
+                                vf[2 * i] = bf16x2_lo(word)
+                                vf[2 * i + 1] = bf16x2_hi(word)
+                            for h in range(G):
+                                sc = s[u * G + h]
+                                if sc > m[h]:
+                                    alpha = rescale_factor(m[h], sc)
+                                    l[h] *= alpha
+                                    for i in range(E):
+                                        acc[h * E + i] *= alpha
+                                    m[h] = sc
+                                p = float32(math.exp(sc - m[h]))
+                                l[h] += p
                                 for i in range(E):
-                                    acc[h * E + i] *= alpha
-                                m[h] = sc
-                            p = float32(math.exp(sc - m[h]))
-                            l[h] += p
-                            for i in range(E):
-                                acc[h * E + i] += p * vf[i]
+                                    acc[h * E + i] += p * vf[i]
+                if LAG == 1:
+                    for i in range(RAW_WORDS):
+                        kw[i] = kn[i]
+                        vw[i] = vn[i]
 
             # ---- merge the NGROUPS partial states of the block
             if lane == 0:
@@ -786,8 +802,8 @@ def _prefill_supported(group: int) -> bool:
 
 
 def _paged_attention_prefill(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale,
-                             T, nkv, D, group, page_size):
-    warps, block_keys, q_in_regs = _prefill_geometry(D)
+                             T, nkv, D, group, page_size, geometry=None):
+    warps, block_keys, q_in_regs = geometry or _prefill_geometry(D)
     if (16 * warps) % group:
         raise ValueError(f"the tiled prefill kernel needs nq/nkv = {group} to divide {16 * warps}")
     rows_tokens = 16 * warps // group
@@ -798,14 +814,17 @@ def _paged_attention_prefill(q, k_cache, v_cache, block_tables, token_slots, pos
            name="paged_attention_prefill")
 
 
-def _split_geometry(head_dim: int, group: int) -> tuple[int, int, int]:
-    """(elements per lane, threads per block, keys per group per step) of the split-K kernel."""
-    elems = min(head_dim, 16 if group <= 4 else 8)
-    return elems, threads(gpu=128, sim=32), 2
+def _split_geometry(head_dim: int, group: int) -> tuple[int, int, int, bool]:
+    """(elements per lane, threads per block, keys per lane group per step, prefetch) of the split-K kernel.
+    8 elements per lane = one 16-byte load of K and one of V per key; 2 keys per step, software-pipelined, keep up to
+    8 such loads in flight per lane.  Per lane the kernel holds 2 * G * E floats of q and accumulators plus the
+    loaded words: ~200 registers at G = 4 (E = 16 would need ~250).  ``benchmarks/bench_attention.py --sweep``
+    times the alternatives."""
+    return min(head_dim, 8), threads(gpu=128, sim=32), (2 if group <= 4 else 1), True
 
 
 def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, workspace,
-                           T, nq, nkv, D, group, page_size, num_splits, min_split_tokens):
+                           T, nq, nkv, D, group, page_size, num_splits, min_split_tokens, geometry=None):
     capacity = block_tables.shape[1] * page_size
     if num_splits is None:
         num_splits = attention_num_splits(T, nq, capacity, page_size)
@@ -821,8 +840,8 @@ def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, posit
         ws_acc, ws_m, ws_l = ws[:n_acc], ws[n_acc:n_acc + n_m], ws[n_acc + n_m:n_acc + 2 * n_m]
     else:  # the kernel never touches the workspace with one split: pass any f32 array
         ws_acc = ws_m = ws_l = _flat(workspace) if workspace is not None else _dummy_f32()
-    elems, nthreads, unroll = _split_geometry(D, group)
-    kern = _split_kernel(D, group, elems, nthreads, unroll)
+    elems, nthreads, unroll, prefetch = geometry or _split_geometry(D, group)
+    kern = _split_kernel(D, group, elems, nthreads, unroll, prefetch)
     out_flat = _flat(out)
     launch(kern, grid(T * nkv * num_splits, sim_cap=64), nthreads,
            _flat_u32(q), _flat_u32(k_cache), _flat_u32(v_cache), block_tables, token_slots, positions,
@@ -830,7 +849,8 @@ def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, posit
            np.int32(num_splits), np.int32(min_chunk), name="paged_attention_split")
     if num_splits > 1:
         launch(paged_attention_combine_kernel, grid(T * nq, sim_cap=64), COMBINE_THREADS,
-               ws_acc.view(np.uint32), ws_m, ws_l, out_flat, np.int32(num_splits), np.int32(D), name="paged_attention_combine")
+               ws_acc.view(np.uint32), ws_m, ws_l, out_flat, np.int32(num_splits), np.int32(D),
+               name="paged_attention_combine")
 
 
 @functools.lru_cache(maxsize=None)

@@ -29,8 +29,13 @@ for stage in "$@"; do
                   --prompt-len 16 --output-len 128 --runs 5 ${BENCH_HF:---hf} --json "$OUT/bench_$m.json" 2>&1 | tail -25 | tee "$OUT/bench_$m.log"
               done ;;
     micro)    for b in benchmarks/bench_gemv.py benchmarks/bench_attention.py benchmarks/bench_sampling.py; do
-                [ -f "$b" ] && timeout 200 python3 "$b" --json "$OUT/$(basename "$b" .py).json" 2>&1 | tail -30 | tee "$OUT/$(basename "$b" .py).log"
+                [ -f "$b" ] && timeout ${MICRO_TIMEOUT:-200} python3 "$b" --json "$OUT/$(basename "$b" .py).json" 2>&1 | tail -30 | tee "$OUT/$(basename "$b" .py).log"
               done ;;
+    trace)    timeout ${TRACE_TIMEOUT:-200} python3 -m pegainfer generate --model-path "$PEGAINFER_GPU_MODELS/qwen3-4b" --max-model-len 4096 \
+                --prompt "Hello there" --max-tokens 32 --temperature 0 --trace-output-path "$OUT/trace" 2>&1 | tail -4
+              python3 benchmarks/trace_summary.py "$OUT"/trace/*.json 2>&1 | tee "$OUT/trace_summary.log" ;;
+    floor)    timeout ${FLOOR_TIMEOUT:-240} python3 benchmarks/accuracy_floor.py --model-path "$PEGAINFER_GPU_MODELS/qwen3-4b" \
+                --json "$OUT/floor.json" 2>&1 | grep -v Warning | tail -12 | tee "$OUT/floor.log" ;;
     start)    for kind in cold warm; do
                 [ "$kind" = cold ] && rm -rf "$NUMBA_CACHE_DIR"
                 s=$(date +%s.%N)

@@ -47,7 +47,7 @@ class ChromeTracer:
         end.record(s)
         self._pending.append((name, start, end, time.perf_counter()))
 
-    def flush_kernels(self) -> None:
+    def flush_kernels(self, step: str = "") -> None:
         """Resolve the CUDA events of the last traced step into back-to-back kernel spans."""
         if not self._pending:
             return
@@ -55,7 +55,8 @@ class ChromeTracer:
         t = self._pending[0][3]
         for name, start, end, _ in self._pending:
             ms = start.elapsed_time(end)
-            self.span(name, t, t + ms * 1e-3, "GPU kernels (eager step, CUDA events)", gpu_us=round(ms * 1e3, 2))
+            self.span(name, t, t + ms * 1e-3, "GPU kernels (eager step, CUDA events)", gpu_us=round(ms * 1e3, 2),
+                      step=step)
             t += ms * 1e-3
         self._pending.clear()
 

@@ -205,7 +205,7 @@ class Engine:
                     outputs.append(self._append(seq, token, row))
         if tracer is not None:
             if trace_kernels:
-                tracer.flush_kernels()
+                tracer.flush_kernels(sched.kind)
                 self._kernel_traced.add(sched.kind)
             label = (f"prefill {sched.seqs[0].request_id} ({sched.length} tokens)" if sched.kind == "prefill"
                      else f"decode batch {len(sched.seqs)}")

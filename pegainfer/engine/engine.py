@@ -109,11 +109,16 @@ class Engine:
         return eng
 
     def warmup(self) -> None:
-        """Compile every kernel (and capture decode graphs) before the first request."""
-        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        self.add_request("__warmup__", [0, 1], params)
-        while self.has_unfinished():
-            self.step()
+        """Compile every kernel variant a request can hit (GEMV and GEMM projections, decode and tiled-prefill
+        attention, the sampler) and capture the decode graphs, so the first real request pays no compile time.
+        In the simulator nothing compiles: one tiny request checks the path end to end."""
+        from pegainfer.device import SIMULATOR
+        lengths = [2] if SIMULATOR else sorted({2, 16, min(160, self.max_model_len - 4)})
+        for i, n in enumerate(lengths):
+            params = SamplingParams(max_tokens=2, temperature=0.0 if i % 2 == 0 else 0.7, ignore_eos=True)
+            self.add_request(f"__warmup{i}__", [i % 2] * n, params)
+            while self.has_unfinished():
+                self.step()
         if self.runner.graphs is not None:
             self.runner.graphs.capture_all()
 

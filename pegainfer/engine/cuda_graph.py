@@ -1,14 +1,29 @@
-"""CUDA-graph capture and replay of the decode step.
+"""CUDA-graph capture and replay of whole engine steps.
 
-A numba launch costs ~20 µs of host time and a Qwen3-4B decode step has hundreds of kernels, so launching them one
-by one would cost more than the GPU work. Instead, the whole step (forward pass + sampler) for a batch of B
-sequences is captured once into a CUDA graph per B and replayed each token. Everything that changes per step —
-token ids, positions, slots, block tables, sampling parameters — lives in device buffers that the runner refreshes
-with asynchronous copies on the same stream before ``cuGraphLaunch``, so the captured graph never changes.
+A numba launch costs ~20 µs of host time and a Qwen3-4B step has hundreds of kernels, so launching them one by
+one would cost more than the GPU work. Instead, each step shape is captured once into a CUDA graph and replayed:
+
+* decode steps of B sequences (B = 1 .. max_batch): T = B tokens, B logits rows;
+* prefill chunks padded up to a bucket of T tokens (16, 32, ... up to ``PREFILL_GRAPH_MAX``), one logits row.
+  Padding tokens carry slot -1: their K/V are not written and their attention output is ignored.
+
+Everything that changes per step — token ids, positions, slots, block tables, sampling parameters — lives in
+device buffers that the runner refreshes with asynchronous copies on the same stream before ``cuGraphLaunch``, so
+a captured graph never changes.
 """
 from __future__ import annotations
 
 from pegainfer.kernels.launch import on_stream
+
+PREFILL_GRAPH_MAX = 512
+
+
+def prefill_buckets(max_tokens: int) -> list[int]:
+    out, t = [], 16
+    while t <= min(PREFILL_GRAPH_MAX, max_tokens):
+        out.append(t)
+        t *= 2
+    return out
 
 
 def _check(result):
@@ -19,22 +34,30 @@ def _check(result):
     return result[1] if isinstance(result, tuple) and len(result) == 2 else result
 
 
-class DecodeGraphs:
-    """One instantiated graph per decode batch size 1..max_batch."""
+class StepGraphs:
+    """Instantiated graphs keyed by (tokens T, logits rows B)."""
 
     def __init__(self, runner):
         self.runner = runner
-        self.execs: dict[int, object] = {}
+        self.execs: dict[tuple[int, int], object] = {}
         self._graphs: list = []
+        self.prefill_buckets = prefill_buckets(runner.model.max_tokens)
 
-    def can_run(self, B: int) -> bool:
-        return B in self.execs
+    def has(self, T: int, B: int) -> bool:
+        return (T, B) in self.execs
+
+    def prefill_bucket(self, length: int):
+        """The smallest captured prefill size that holds ``length`` tokens, or None."""
+        for t in self.prefill_buckets:
+            if length <= t and (t, 1) in self.execs:
+                return t
+        return None
 
     def _cu_stream(self):
         from cuda.bindings import driver as drv
         return drv.CUstream(int(self.runner.stream.handle))
 
-    def capture(self, B: int) -> None:
+    def capture(self, T: int, B: int) -> None:
         from cuda.bindings import driver as drv
         from numba import cuda
 
@@ -42,18 +65,21 @@ class DecodeGraphs:
         with cuda.defer_cleanup(), on_stream(self.runner.stream):
             _check(drv.cuStreamBeginCapture(s, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
             try:
-                self.runner.forward_and_sample(B, B)
+                self.runner.forward_and_sample(T, B)
             finally:
                 graph = _check(drv.cuStreamEndCapture(s))
         self._graphs.append(graph)
-        self.execs[B] = _check(drv.cuGraphInstantiate(graph, 0))
+        self.execs[(T, B)] = _check(drv.cuGraphInstantiate(graph, 0))
 
     def capture_all(self) -> None:
         for B in range(1, self.runner.max_batch + 1):
-            if B not in self.execs:
-                self.capture(B)
+            if not self.has(B, B):
+                self.capture(B, B)
+        for T in self.prefill_buckets:
+            if not self.has(T, 1):
+                self.capture(T, 1)
         self.runner.stream.synchronize()
 
-    def replay(self, B: int) -> None:
+    def replay(self, T: int, B: int) -> None:
         from cuda.bindings import driver as drv
-        _check(drv.cuGraphLaunch(self.execs[B], self._cu_stream()))
+        _check(drv.cuGraphLaunch(self.execs[(T, B)], self._cu_stream()))

@@ -201,7 +201,7 @@ class Engine:
                     seq.scheduled_time = t_step
                 if sched.start == 0:
                     self.model.reset_slot(seq.slot)   # e.g. zero Qwen3.5's recurrent state for a new sequence
-                token, _ = self.runner.prefill(seq, sched.start, sched.length)
+                token, _ = self.runner.prefill(seq, sched.start, sched.length, force_eager=trace_kernels)
                 if token is not None:
                     outputs.append(self._append(seq, token, 0))
             else:

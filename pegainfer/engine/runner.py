@@ -34,8 +34,8 @@ class ModelRunner:
         self.sample_workspace = cuda.device_array(max(1, sampling.sample_workspace_size(R, model.V)), np.float32)
         self.graphs = None
         if use_cuda_graph and not SIMULATOR:
-            from pegainfer.engine.cuda_graph import DecodeGraphs
-            self.graphs = DecodeGraphs(self)
+            from pegainfer.engine.cuda_graph import StepGraphs
+            self.graphs = StepGraphs(self)
 
     # -------------------------------------------------------------------------------------------- inputs
     def _upload(self, T: int, B: int) -> None:
@@ -64,14 +64,18 @@ class ModelRunner:
         return np.array(self.h_out[:B])
 
     # -------------------------------------------------------------------------------------------- steps
-    def prefill(self, seq, start: int, length: int, want_logits: bool = False):
+    def prefill(self, seq, start: int, length: int, want_logits: bool = False, force_eager: bool = False):
         """Run prompt tokens [start, start+length) of one sequence. Returns the sampled next token when this chunk
-        ends the prompt (else None), and the logits rows if ``want_logits`` (all rows of the chunk)."""
+        ends the prompt (else None), and the logits rows if ``want_logits`` (all rows of the chunk).
+
+        Without ``want_logits`` the chunk is padded to a captured graph bucket when one fits (padding tokens have
+        slot -1: no K/V written, output ignored) and replayed from the graph."""
         T = length
         ids = seq.prompt_ids[start:start + length]
         self.h_ids[:T] = ids
         self.h_pos[:T] = np.arange(start, start + length, dtype=np.int32)
         self.h_slots[:T] = seq.slot
+        bucket = None
         if want_logits:
             assert T <= self.model.max_rows, "want_logits prefill needs max_rows >= chunk length"
             B = T
@@ -82,9 +86,20 @@ class ModelRunner:
             B = 1
             self.h_rows[0] = T - 1
             self._set_sampling(0, seq)
+            if self.graphs is not None and not force_eager:
+                bucket = self.graphs.prefill_bucket(T)
+                if bucket is not None:
+                    self.h_ids[T:bucket] = 0
+                    self.h_pos[T:bucket] = 0
+                    self.h_slots[T:bucket] = -1
         with on_stream(self.stream):
-            self._upload(T, B)
-            logits = self.forward_and_sample(T, B)
+            if bucket is not None:
+                self._upload(bucket, B)
+                self.graphs.replay(bucket, B)
+                logits = self.model.logits[:B]
+            else:
+                self._upload(T, B)
+                logits = self.forward_and_sample(T, B)
         out = self._finish(B)
         seq.num_cached = start + length
         last = seq.num_cached >= len(seq.prompt_ids)
@@ -102,8 +117,8 @@ class ModelRunner:
             self._set_sampling(r, seq)
         with on_stream(self.stream):
             self._upload(B, B)
-            if self.graphs is not None and not force_eager and self.graphs.can_run(B):
-                self.graphs.replay(B)
+            if self.graphs is not None and not force_eager and self.graphs.has(B, B):
+                self.graphs.replay(B, B)
             else:
                 self.forward_and_sample(B, B)
         out = self._finish(B)

@@ -57,10 +57,27 @@ def _record(entry):
             f.write(json.dumps(entry) + "\n")
 
 
-@pytest.mark.parametrize("name", list(SHAPES))
-def test_qwen3_matches_hf_bf16_on_gpu(name, tmp_path_factory):
+def hf_logits(folder, ids, attn: str):
+    """Hugging Face bf16 logits for one sequence (teacher forcing), float32 numpy [T, V]."""
     import torch
     import transformers
+    ref = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
+                                                        attn_implementation=attn).cuda().eval()
+    with torch.inference_mode():
+        out = ref(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
+    del ref
+    torch.cuda.empty_cache()
+    return out
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_qwen3_matches_hf_bf16_on_gpu(name, tmp_path_factory):
+    """Logits at every position of a 128-token prompt and over 64 greedy decode steps, against Hugging Face bf16
+    (sdpa attention, its default on GPU).
+
+    Random-weight 36-layer models are close to chaotic: two *valid* bf16 implementations — Hugging Face with sdpa
+    and with eager attention — already differ by ~4% relative L2 (measured, see benchmarks/RESULTS.md). So the
+    bound is 2e-2 or, when larger, 1.1x that measured HF-vs-HF distance; the same goes for greedy agreement."""
     from pegainfer.engine.engine import Engine
     from pegainfer.engine.types import SamplingParams
 
@@ -69,17 +86,10 @@ def test_qwen3_matches_hf_bf16_on_gpu(name, tmp_path_factory):
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 150000, size=PROMPT_LEN).tolist()
 
-    # Hugging Face bf16 reference first (then freed), so both fit comfortably.
-    ref = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
-    with torch.inference_mode():
-        hf_prompt_logits = ref(torch.tensor([prompt], device="cuda")).logits[0].float().cpu().numpy()
-
     t0 = time.perf_counter()
     engine = Engine.from_folder(str(folder), max_model_len=4096, use_cuda_graph=True)
     load_s = time.perf_counter() - t0
     ours_prompt = engine.score(prompt)
-    prompt_errs = [rel_l2(ours_prompt[t], hf_prompt_logits[t]) for t in range(PROMPT_LEN)]
-
     engine.add_request("gpu", prompt, SamplingParams(max_tokens=DECODE_STEPS, temperature=0.0, ignore_eos=True))
     tokens, step_logits = [], []
     while engine.has_unfinished():
@@ -87,17 +97,33 @@ def test_qwen3_matches_hf_bf16_on_gpu(name, tmp_path_factory):
             if out.new_token_ids:
                 tokens.extend(out.new_token_ids)
                 step_logits.append(engine.runner.logits_host(1)[0].copy())
-    with torch.inference_mode():
-        full = torch.tensor([prompt + tokens[:-1]], device="cuda")
-        hf = ref(full).logits[0, PROMPT_LEN - 1:].float().cpu().numpy()
-    decode_errs = [rel_l2(step_logits[i], hf[i]) for i in range(DECODE_STEPS)]
-    agree = float(np.mean([int(np.argmax(hf[i])) == tokens[i] for i in range(DECODE_STEPS)]))
-    _record({"test": "qwen3_accuracy", "model": name, "load_s": round(load_s, 1),
-             "prompt_rel_l2_max": max(prompt_errs), "prompt_rel_l2_mean": float(np.mean(prompt_errs)),
-             "decode_rel_l2_max": max(decode_errs), "decode_rel_l2_mean": float(np.mean(decode_errs)),
-             "greedy_agreement": agree})
-    del ref
-    torch.cuda.empty_cache()
-    assert max(prompt_errs) < 2e-2
-    assert max(decode_errs) < 2e-2
-    assert agree >= 0.95
+    ours = np.concatenate([ours_prompt, np.stack(step_logits[1:])])   # positions 0 .. PROMPT_LEN + 62
+    del engine
+    full = prompt + tokens[:-1]
+    sdpa = hf_logits(folder, full, "sdpa")
+    eager = hf_logits(folder, full, "eager")
+
+    def errs(a, b, rows):
+        return [rel_l2(a[t], b[t]) for t in rows]
+
+    p_rows, d_rows = range(PROMPT_LEN), range(PROMPT_LEN - 1, PROMPT_LEN - 1 + DECODE_STEPS)
+    ours_d = np.stack(step_logits)
+    e = {
+        "prompt_ours_vs_sdpa": errs(ours, sdpa, p_rows),
+        "prompt_eager_vs_sdpa": errs(eager, sdpa, p_rows),
+        "decode_ours_vs_sdpa": [rel_l2(ours_d[i], sdpa[PROMPT_LEN - 1 + i]) for i in range(DECODE_STEPS)],
+        "decode_eager_vs_sdpa": errs(eager, sdpa, d_rows),
+    }
+    agree = float(np.mean([int(np.argmax(sdpa[PROMPT_LEN - 1 + i])) == tokens[i] for i in range(DECODE_STEPS)]))
+    agree_hf = float(np.mean([np.argmax(eager[r]) == np.argmax(sdpa[r]) for r in d_rows]))
+    entry = {"test": "qwen3_accuracy", "model": name, "load_s": round(load_s, 1), "greedy_agreement": agree,
+             "hf_eager_vs_sdpa_greedy_agreement": agree_hf}
+    for k, v in e.items():
+        entry[k + "_mean"] = float(np.mean(v))
+        entry[k + "_max"] = float(np.max(v))
+    _record(entry)
+    for part in ("prompt", "decode"):
+        bound = max(2e-2, 1.1 * float(np.mean(e[f"{part}_eager_vs_sdpa"])))
+        assert float(np.mean(e[f"{part}_ours_vs_sdpa"])) < bound, (part, entry)
+        assert float(np.max(e[f"{part}_ours_vs_sdpa"])) < 2 * bound, (part, entry)
+    assert agree >= min(0.95, agree_hf - 0.05), entry

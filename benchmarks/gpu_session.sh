@@ -36,6 +36,8 @@ for stage in "$@"; do
               python3 benchmarks/trace_summary.py "$OUT"/trace/*.json 2>&1 | tee "$OUT/trace_summary.log" ;;
     floor)    timeout ${FLOOR_TIMEOUT:-240} python3 benchmarks/accuracy_floor.py --model-path "$PEGAINFER_GPU_MODELS/qwen3-4b" \
                 --json "$OUT/floor.json" 2>&1 | grep -v Warning | tail -12 | tee "$OUT/floor.log" ;;
+    server)   timeout ${SERVER_TIMEOUT:-300} python3 benchmarks/bench_server.py --model-path "$PEGAINFER_GPU_MODELS/qwen3-4b" \
+                --json "$OUT/server.json" 2>&1 | tail -8 | tee "$OUT/server.log" ;;
     start)    for kind in cold warm; do
                 [ "$kind" = cold ] && rm -rf "$NUMBA_CACHE_DIR"
                 s=$(date +%s.%N)

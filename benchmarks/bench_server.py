@@ -1,0 +1,121 @@
+"""HTTP overhead of the OpenAI server: TTFT and TPOT through `POST /v1/completions` (streaming) at concurrency 1,
+against the same numbers measured in-process (`python -m pegainfer bench`) on the same model folder.
+
+    python benchmarks/bench_server.py --model-path DIR [--prompt-len 16] [--output-len 128] [--runs 5] [--json OUT]
+
+TTFT = request sent → first SSE chunk carrying a token; TPOT = (last token chunk − first) / (completion tokens − 1),
+with the token count from the final usage chunk. Uses only the standard library as the client.
+"""
+import argparse
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stream_once(port, prompt_ids, output_len):
+    body = json.dumps({"prompt": prompt_ids, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+                       "stream": True, "stream_options": {"include_usage": True}})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    first = last = None
+    usage = None
+    buf = b""
+    while True:
+        chunk = resp.read1(65536)
+        if not chunk:
+            break
+        buf += chunk
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            data = event.decode().removeprefix("data: ").strip()
+            if data == "[DONE]":
+                continue
+            obj = json.loads(data)
+            now = time.perf_counter()
+            if obj.get("choices"):
+                if first is None:
+                    first = now
+                last = now
+            if obj.get("usage"):
+                usage = obj["usage"]
+    conn.close()
+    n = usage["completion_tokens"]
+    return first - t0, (last - first) / max(n - 1, 1), n
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    py = sys.executable
+
+    # 1. in-process numbers (separate process, so the two never share the GPU)
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        subprocess.run([py, "-m", "pegainfer", "bench", "--model-path", args.model_path, "--max-model-len",
+                        str(args.max_model_len), "--prompt-len", str(args.prompt_len), "--output-len",
+                        str(args.output_len), "--runs", str(args.runs), "--json", f.name], check=True,
+                       stdout=subprocess.DEVNULL)
+        inproc = json.load(open(f.name))
+
+    # 2. the same through HTTP
+    port = free_port()
+    server = subprocess.Popen([py, "-m", "pegainfer", "serve", "--model-path", args.model_path, "--port", str(port),
+                               "--max-model-len", str(args.max_model_len), "--max-batch", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+                c.request("GET", "/health")
+                if c.getresponse().status == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise SystemExit("server did not become healthy")
+        rng = np.random.default_rng(0)
+        ttfts, tpots = [], []
+        for run in range(args.runs + 1):
+            prompt = rng.integers(0, 400, size=args.prompt_len).tolist()
+            ttft, tpot, n = stream_once(port, prompt, args.output_len)
+            if run > 0:
+                ttfts.append(ttft)
+                tpots.append(tpot)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    res = {"in_process_ttft_ms_p50": inproc["ttft_ms"]["p50"], "in_process_tpot_ms_p50": inproc["tpot_ms"]["p50"],
+           "http_ttft_ms_p50": 1e3 * float(np.median(ttfts)), "http_tpot_ms_p50": 1e3 * float(np.median(tpots))}
+    res["ttft_overhead_ms"] = res["http_ttft_ms_p50"] - res["in_process_ttft_ms_p50"]
+    res["tpot_overhead_pct"] = 100 * (res["http_tpot_ms_p50"] / res["in_process_tpot_ms_p50"] - 1)
+    for k, v in res.items():
+        print(f"{k:<28}{v:>10.3f}")
+    if args.json:
+        json.dump(res, open(args.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -394,7 +394,24 @@ class GemvGeometry:
     k_chunk: int | None = None
 
 
-GEMV_TUNED: dict[tuple[int, int, int, bool], GemvGeometry] = {}
+def _tuned_t1(rows_per_warp: int, warps: int, k_split: int) -> GemvGeometry:
+    return GemvGeometry(rows_per_warp=rows_per_warp, warps=warps, k_split=k_split, max_tokens=1)
+
+
+GEMV_TUNED: dict[tuple[int, int, int, bool], GemvGeometry] = {
+    # Qwen3-4B, measured on the H200 (``bench_gemv.py --sweep``, T = 1; µs = best / heuristic default)
+    (6144, 2560, 1, False): _tuned_t1(4, 8, 1),      # qkv       8.1 / 11.2 µs
+    (2560, 4096, 1, False): _tuned_t1(4, 8, 2),      # o         7.1 /  9.4 µs
+    (19456, 2560, 1, True): _tuned_t1(4, 4, 1),      # gate_up  34.8 / 35.0 µs
+    (2560, 9728, 1, False): _tuned_t1(4, 16, 2),     # down     17.7 / 22.6 µs
+    (151936, 2560, 1, False): _tuned_t1(4, 4, 1),    # lm_head 209.7 / 210.8 µs
+    # Qwen3-8B (hidden 4096, q 4096, kv 1024, intermediate 12288): by analogy with the 4B shapes (not measured)
+    (6144, 4096, 1, False): _tuned_t1(4, 8, 1),      # qkv
+    (4096, 4096, 1, False): _tuned_t1(4, 8, 2),      # o
+    (24576, 4096, 1, True): _tuned_t1(4, 4, 1),      # gate_up
+    (4096, 12288, 1, False): _tuned_t1(4, 16, 2),    # down
+    (151936, 4096, 1, False): _tuned_t1(4, 4, 1),    # lm_head
+}
 """Measured best geometries, ``(n_cols, K, max_tokens, gated) -> GemvGeometry``, overriding the heuristic in
 ``gemv_geometry`` (``benchmarks/bench_gemv.py --sweep`` prints entries in this form)."""
 
@@ -780,19 +797,21 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, gated: bool):
     return gemm_mma
 
 
-def mma_tile(n_tokens: int) -> tuple[int, int, int, int]:
-    """(warps_m, warps_n, mt, nt) for T tokens: 64×128 tiles of 8 warps (32×32 per warp, which fits the 128
-    registers of ``WARPS_PER_SM``) for prefill; for few tokens one warp row of ``ceil(T/16)`` m16 tiles (up to 64
-    tokens) and 64-column tiles, so that short batches still spread the weight over many blocks."""
+def mma_tile(n_tokens: int, n_cols: int = 0) -> tuple[int, int, int, int]:
+    """(warps_m, warps_n, mt, nt) for T tokens and ``n_cols`` logical columns.  Prefill: 128×128 tiles of 8 warps
+    (64×32 per warp) for wide weights (n_cols >= 6144: measured 90-98 TFLOP/s on the H200 at T = 2048 against
+    73-85 for 64×128, although ptxas spills ~120 bytes at 128 registers), 64×128 tiles (32×32 per warp, no spill)
+    for the short ones.  For few tokens one warp row of ``ceil(T/16)`` m16 tiles (up to 64 tokens) and 64-column
+    tiles, so that short batches still spread the weight over many blocks."""
     if n_tokens > 64:
-        return (2, 4, 2, 4)
+        return (2, 4, 4, 4) if n_cols >= 6144 and n_tokens >= 128 else (2, 4, 2, 4)
     return (1, 4, -(-n_tokens // 16), 2)
 
 
 def gemm_mma(x, w, out, *, gated: bool = False, tile: tuple[int, int, int, int] | None = None) -> None:
     """Tensor-core GEMM path of ``linear`` / ``linear_silu_mul``.  In the simulator ``mma.sync`` is emulated (slow;
     for testing the kernel's indexing: ``linear(impl=None)`` uses the FMA tiles there)."""
-    warps_m, warps_n, mt, nt = tile or mma_tile(x.shape[0])
+    warps_m, warps_n, mt, nt = tile or mma_tile(x.shape[0], w.shape[0])
     T, k = x.shape
     tiles = -(-T // (16 * warps_m * mt)) * -(-w.shape[0] // (8 * warps_n * nt))
     launch(_gemm_mma_kernel(warps_m, warps_n, mt, nt, gated), grid(tiles, sim_cap=16), 32 * warps_m * warps_n,

@@ -50,7 +50,8 @@ from numba import types as nbtypes  # noqa: E402  (after pegainfer.device: it pi
 from pegainfer.kernels.activation import silu
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, cuda, device_fn, f32_to_bf16,
-                                          float32, grid, kernel, load_u32x4, uint16, uint32, warp_sum)
+                                          float32, grid, kernel, load_u32x4, mma_bf16_m16n8k16, pack_bf16x2, uint16,
+                                          uint32, warp_sum)
 
 int64, uint64 = np.int64, np.uint64
 
@@ -60,7 +61,7 @@ GEMV_MAX_TOKENS = 8
 SMEM_BYTES = 48 * 1024
 """Shared memory a block may use without opting in to more (the GEMV stages x within this budget)."""
 
-IMPLS = ("gemv", "gemm_fma", "gemm_mma")
+IMPLS = ("gemv", "skinny", "gemm_fma", "gemm_mma")
 
 
 # ================================================================================================ shared helpers
@@ -69,12 +70,13 @@ WARPS_PER_SM = 16
 most 128 registers per thread (left alone, ptxas takes 130-190 for the GEMV and leaves one block per SM)."""
 
 
-def _bounded_kernel(threads_per_block: int):
-    """``@kernel`` for blocks of exactly ``threads_per_block`` threads, compiled for ``WARPS_PER_SM`` resident
-    warps per SM (``launch_bounds`` is a GPU-only option: the simulator's ``cuda.jit`` rejects it)."""
+def _bounded_kernel(threads_per_block: int, warps_per_sm: int = WARPS_PER_SM):
+    """``@kernel`` for blocks of exactly ``threads_per_block`` threads, compiled for ``warps_per_sm`` resident
+    warps per SM, i.e. at most 65536 / (32 · warps_per_sm) registers per thread (``launch_bounds`` is a GPU-only
+    option: the simulator's ``cuda.jit`` rejects it)."""
     if SIMULATOR:
         return kernel
-    min_blocks = max(1, WARPS_PER_SM * WARP // threads_per_block)
+    min_blocks = max(1, warps_per_sm * WARP // threads_per_block)
     return cuda.jit(cache=True, launch_bounds=(threads_per_block, min_blocks))
 
 
@@ -94,12 +96,6 @@ def _silu_mul_bf16(g, u):
     ub = bf16_to_f32(f32_to_bf16(u))
     act = bf16_to_f32(f32_to_bf16(silu(gb)))
     return f32_to_bf16(act * ub)
-
-
-@device_fn
-def _pack_bf16x2(v0, v1):
-    """Two f32 values rounded to bf16 and packed in one word (``v0`` in the low half)."""
-    return uint32(f32_to_bf16(v0)) | (uint32(f32_to_bf16(v1)) << uint32(16))
 
 
 @device_fn
@@ -550,7 +546,7 @@ def _gemm_fma_kernel(bm: int, bn: int, bk: int, tm: int, tn: int, gated: bool):
                 tok = m0 + ty * tm + i
                 if tok < T:
                     for j in range(0, tn, 2):
-                        word = _pack_bf16x2(acc[i * tn + j], acc[i * tn + j + 1])
+                        word = pack_bf16x2(acc[i * tn + j], acc[i * tn + j + 1])
                         _store_packed_pair(out, tok, n0 + tx * tn + j, word, gated)
 
     return gemm_fma
@@ -570,69 +566,9 @@ def gemm_fma(x, w, out, *, gated: bool = False) -> None:
 
 
 # ================================================================================================ GEMM, tensor cores
-if not SIMULATOR:
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def mma_bf16_m16n8k16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        """``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32``: one warp computes D[16×8] = A[16×16]·B[16×8] + C
-        (f32).  Per lane (g = lane >> 2, t = lane & 3), each uint32 holding two bf16, lower index in the low half:
-        a0 = A[g, 2t:2t+2], a1 = A[g+8, 2t:2t+2], a2 = A[g, 2t+8:2t+10], a3 = A[g+8, 2t+8:2t+10];
-        b0 = B[2t:2t+2, g], b1 = B[2t+8:2t+10, g]; c/d0,1 = C[g, 2t:2t+2], c/d2,3 = C[g+8, 2t:2t+2].
-        Returns (d0, d1, d2, d3)."""
-        sig = types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
-
-        def codegen(context, builder, sig, args):
-            i32, f32 = ir.IntType(32), ir.FloatType()
-            ins = [context.cast(builder, v, ty, types.uint32) for v, ty in zip(args[:6], sig.args[:6])]
-            ins += [context.cast(builder, v, ty, types.float32) for v, ty in zip(args[6:], sig.args[6:])]
-            fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
-            asm = ir.InlineAsm(fnty,
-                               "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                               "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-                               "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
-            res = builder.call(asm, ins)
-            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(4)])
-
-        return sig, codegen
-
-else:
-    # The simulator cannot run inline PTX.  This emulation follows the PTX ISA's fragment layout (the one measured
-    # on the H200, as in the docstring above), so the tensor-core kernel's indexing can be tested without a GPU.
-    # Lane 0 of each warp gathers the warp's fragments, multiplies, and hands each lane its four results.
-    _sim_mma_in = np.zeros((1024, 10), np.float64)     # per thread: a0..a3, b0, b1 (exact as float64), c0..c3
-    _sim_mma_out = np.zeros((1024, 4), np.float32)
-
-    @device_fn
-    def mma_bf16_m16n8k16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        """Emulated ``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`` (every lane of the block must call
-        it, like the warp reductions)."""
-        tid = int(cuda.threadIdx.x)
-        _sim_mma_in[tid] = (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
-        cuda.syncthreads()
-        if tid % WARP == 0:
-            lanes = _sim_mma_in[tid:tid + WARP]
-            words = lanes[:, :6].astype(np.uint32)
-            lo = (words << np.uint32(16)).view(np.float32)
-            hi = (words & np.uint32(0xFFFF0000)).view(np.float32)
-            g = np.arange(WARP) >> 2
-            t2 = 2 * (np.arange(WARP) & 3)
-            a = np.zeros((16, 16), np.float32)
-            b = np.zeros((16, 8), np.float32)
-            c = np.zeros((16, 8), np.float32)
-            for reg, (dr, dk) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
-                a[g + dr, t2 + dk], a[g + dr, t2 + dk + 1] = lo[:, reg], hi[:, reg]
-            for reg, dk in ((4, 0), (5, 8)):
-                b[t2 + dk, g], b[t2 + dk + 1, g] = lo[:, reg], hi[:, reg]
-            c[g, t2], c[g, t2 + 1], c[g + 8, t2], c[g + 8, t2 + 1] = (lanes[:, 6 + i].astype(np.float32)
-                                                                        for i in range(4))
-            d = (a.astype(np.float64) @ b.astype(np.float64) + c).astype(np.float32)
-            _sim_mma_out[tid:tid + WARP] = np.stack([d[g, t2], d[g, t2 + 1], d[g + 8, t2], d[g + 8, t2 + 1]], 1)
-        cuda.syncthreads()
-        r = _sim_mma_out[tid]
-        return r[0], r[1], r[2], r[3]
+# ``mma_bf16_m16n8k16`` (one warp-wide ``mma.sync.m16n8k16``, bf16 in, f32 accumulate) and ``pack_bf16x2`` come from
+# ``primitives``, which documents the fragment layout; in the simulator the mma is emulated from that layout, so the
+# tensor-core kernels' indexing is tested without a GPU.
 
 MMA_BK = 32                  # K per shared-memory stage: two m16n8k16 steps
 MMA_ROW_WORDS = MMA_BK // 2 + 4
@@ -783,8 +719,8 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, gated: bool):
             # Epilogue in two loops: the first (small body, fully unrolled, so acc stays in registers) rounds the
             # accumulators to bf16 pairs; the second writes them.
             for i in range(mt * nt):
-                packed[2 * i] = _pack_bf16x2(acc[4 * i], acc[4 * i + 1])
-                packed[2 * i + 1] = _pack_bf16x2(acc[4 * i + 2], acc[4 * i + 3])
+                packed[2 * i] = pack_bf16x2(acc[4 * i], acc[4 * i + 1])
+                packed[2 * i + 1] = pack_bf16x2(acc[4 * i + 2], acc[4 * i + 3])
             for i in range(mt):
                 tok = m0 + wm * mt * 16 + i * 16 + g
                 for j in range(nt):
@@ -818,6 +754,207 @@ def gemm_mma(x, w, out, *, gated: bool = False, tile: tuple[int, int, int, int] 
            _as_u32(x), _as_u32(w), out, k, name="gemm_mma")
 
 
+# ================================================================================================ skinny tensor-core path
+@dataclass(frozen=True)
+class SkinnyGeometry:
+    """Launch parameters of the skinny tensor-core kernel (few tokens, weights streamed into mma fragments).
+
+    n_tiles: n8 tiles (8 logical columns each) per warp: weight rows a warp streams together.
+    unroll: 32-wide K chunks whose loads a lane issues before the first mma (16 bytes per row per chunk).
+    warps: warps per block (a multiple of ``k_split``).
+    k_split: warps that share one row group, each taking every ``k_split``-th run of ``unroll`` chunks of K; their
+      accumulators meet in shared memory.
+    warps_per_sm: occupancy the kernel is compiled for (launch bounds: 65536 / (32 · warps_per_sm) registers).
+    """
+    n_tiles: int
+    unroll: int
+    warps: int
+    k_split: int
+    warps_per_sm: int = 16
+
+
+SKINNY_MAX_TOKENS = 64
+"""Largest token count of the skinny path (four m16 tiles of tokens per warp)."""
+
+SKINNY_TUNED: dict[tuple[int, int, int, bool], SkinnyGeometry] = {}
+"""Measured best skinny geometries, ``(n_cols, K, m16 tiles, gated) -> SkinnyGeometry``, overriding the heuristic
+in ``skinny_geometry`` (``benchmarks/bench_gemv.py --sweep`` prints entries in this form)."""
+
+
+@functools.cache
+def _skinny_kernel(m_tiles: int, n_tiles: int, unroll: int, warps: int, gated: bool, warps_per_sm: int):
+    """Build the skinny kernel for ``m_tiles`` m16 token tiles × ``n_tiles`` n8 column tiles per warp, ``unroll``
+    K chunks in flight, blocks of ``warps`` warps (all compile-time: they size register arrays and unroll loops)."""
+    MT, NT, U = m_tiles, n_tiles, unroll
+    XW = 8 * MT * U          # x words per lane per iteration: MT tiles × 2 token rows × 4 words × U chunks
+    WW = 4 * NT * U          # weight words per lane per iteration: NT rows × 4 words × U chunks
+    NACC = 4 * MT * NT       # accumulator fragment values per lane
+    NPK = 2 * MT * NT
+    nthreads = warps * WARP
+
+    @_bounded_kernel(nthreads, warps_per_sm)
+    def linear_skinny(x32, w32, out, k, k_split):
+        """``out = x @ W.T`` (or SwiGLU of column pairs when gated) for T <= 16·m_tiles tokens on tensor cores,
+        reading every weight byte once, straight from global memory into ``mma.sync.m16n8k16`` B fragments.
+
+        x32 ``[T · K/2]``, w32 ``[rows · K/2]`` (flat uint32 views of the bf16 tensors), out ``[T, n_out]``;
+        ``k`` = K; ``k_split`` warps share a row group.
+
+        The sum over k does not care in which order k is visited, so the fragments use a permuted K: within a
+        32-wide chunk, lane (g = lane >> 2, t = lane & 3) loads 16 bytes (elements 8t .. 8t+8) of weight row g of
+        each n8 tile and the same 16 bytes of x for tokens g and g + 8 of each m16 tile.  Words 0, 1 are the
+        (k 2t.., k 2t+8..) halves of the first m16n8k16 step, words 2, 3 those of the second, for A and B alike.
+        So every load is 16 bytes (the 4 lanes of a row cover 64 contiguous bytes; ``unroll`` chunks make runs of
+        64·unroll bytes), no shared memory stages the weights and no barrier stalls the stream.  x (at most
+        64 × K bf16) is read through the L1 cache by every warp.
+
+        Geometry: 1-D blocks of ``warps`` warps.  A block owns ``warps / k_split · 8 · n_tiles`` consecutive
+        logical columns (a tile); blocks grid-stride over tiles.  Warp ``group · k_split + part`` takes chunk runs
+        ``part, part + k_split, ...``; every warp runs the same number of iterations (chunks past K load zeros), so
+        the simulator's emulated mma sees every thread equally often.  Dynamic shared memory (``k_split`` > 1):
+        ``4 · warps · 4 · m_tiles · n_tiles · 32`` bytes of partial accumulators, summed by the group's part-0 warp,
+        which writes the outputs from its accumulator fragments (columns 2t, 2t + 1 of a fragment are one gate/up
+        pair when gated).
+        """
+        red = cuda.shared.array(0, nbtypes.float32)   # dynamic: [warps, NACC, 32] partial accumulators
+        xr = cuda.local.array(XW, uint32)
+        wr = cuda.local.array(WW, uint32)
+        acc = cuda.local.array(NACC, float32)
+        packed = cuda.local.array(NPK, uint32)
+        wrow = cuda.local.array(NT, int64)
+        T = out.shape[0]
+        n_out = out.shape[1]
+        n_cols = 2 * n_out if gated else n_out
+        k_words = k // 2
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        g = lane >> 2
+        t4 = lane & 3
+        part = warp % k_split
+        group = warp // k_split
+        cols_per_block = (warps // k_split) * 8 * NT
+        n_tiles_total = (n_cols + cols_per_block - 1) // cols_per_block
+        n_chunks = (k + 31) // 32
+        per_iter = k_split * U
+        n_iter = (n_chunks + per_iter - 1) // per_iter
+        for tile in range(cuda.blockIdx.x, n_tiles_total, cuda.gridDim.x):
+            col0 = tile * cols_per_block + group * 8 * NT
+            for j in range(NT):
+                # rows past the end re-read the last row (loads stay in bounds); their sums are never stored
+                wrow[j] = _weight_row(min(col0 + 8 * j + g, n_cols - 1), n_out, gated) * k_words
+            for i in range(NACC):
+                acc[i] = float32(0.0)
+            for it in range(n_iter):
+                c_first = (it * k_split + part) * U
+                for u in range(U):                 # all loads of the iteration before any mma
+                    e = (c_first + u) * 32 + 8 * t4
+                    word = e // 2
+                    for j in range(NT):
+                        if e < k:
+                            v0, v1, v2, v3 = load_u32x4(w32, wrow[j] + word)
+                        else:
+                            v0 = v1 = v2 = v3 = uint32(0)
+                        o = 4 * (u * NT + j)
+                        wr[o] = v0
+                        wr[o + 1] = v1
+                        wr[o + 2] = v2
+                        wr[o + 3] = v3
+                    for i in range(MT):
+                        for h in range(2):         # token rows g and g + 8 of m16 tile i
+                            m = 16 * i + 8 * h + g
+                            if e < k and m < T:
+                                v0, v1, v2, v3 = load_u32x4(x32, m * k_words + word)
+                            else:
+                                v0 = v1 = v2 = v3 = uint32(0)
+                            o = 8 * (u * MT + i) + 4 * h
+                            xr[o] = v0
+                            xr[o + 1] = v1
+                            xr[o + 2] = v2
+                            xr[o + 3] = v3
+                for u in range(U):
+                    for i in range(MT):
+                        xo = 8 * (u * MT + i)
+                        for j in range(NT):
+                            wo = 4 * (u * NT + j)
+                            o = 4 * (i * NT + j)
+                            d0, d1, d2, d3 = mma_bf16_m16n8k16(xr[xo], xr[xo + 4], xr[xo + 1], xr[xo + 5],
+                                                               wr[wo], wr[wo + 1],
+                                                               acc[o], acc[o + 1], acc[o + 2], acc[o + 3])
+                            d0, d1, d2, d3 = mma_bf16_m16n8k16(xr[xo + 2], xr[xo + 6], xr[xo + 3], xr[xo + 7],
+                                                               wr[wo + 2], wr[wo + 3], d0, d1, d2, d3)
+                            acc[o] = d0
+                            acc[o + 1] = d1
+                            acc[o + 2] = d2
+                            acc[o + 3] = d3
+            if k_split > 1:                        # block-uniform: every thread reaches the barriers
+                for i in range(NACC):
+                    red[(warp * NACC + i) * WARP + lane] = acc[i]
+                cuda.syncthreads()
+                if part == 0:
+                    for p in range(1, k_split):
+                        for i in range(NACC):
+                            acc[i] += red[((warp + p) * NACC + i) * WARP + lane]
+                cuda.syncthreads()                 # partials read before the next tile overwrites them
+            if part == 0:
+                # two loops: the first (small, unrolled) keeps acc in registers, the second stores
+                for i in range(MT * NT):
+                    packed[2 * i] = pack_bf16x2(acc[4 * i], acc[4 * i + 1])
+                    packed[2 * i + 1] = pack_bf16x2(acc[4 * i + 2], acc[4 * i + 3])
+                for i in range(MT):
+                    tok = 16 * i + g
+                    for j in range(NT):
+                        col = col0 + 8 * j + 2 * t4
+                        if tok < T:
+                            _store_packed_pair(out, tok, col, packed[2 * (i * NT + j)], gated)
+                        if tok + 8 < T:
+                            _store_packed_pair(out, tok + 8, col, packed[2 * (i * NT + j) + 1], gated)
+
+    return linear_skinny
+
+
+def skinny_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False) -> SkinnyGeometry:
+    """Pick the skinny kernel's split for a ``[n_cols, k]`` weight (logical columns: 2I when gated) and T tokens.
+
+    Aim: every SM holds ~16 warps each with ~64 bytes of weight loads in flight per lane (2 n8 tiles × 2 chunks
+    for one m16 tile of tokens; for more token tiles x's registers and accumulators grow, so 1 chunk at a time),
+    with the grid's warps >= 2 waves of 16 per SM: ``k_split`` doubles (up to 8, while each warp keeps >= 8 chunk
+    runs of K) until the row groups × k_split fill that.  A starting point: ``bench_gemv.py --sweep`` measures the
+    alternatives and ``SKINNY_TUNED`` overrides it.
+    """
+    mt = -(-n_tokens // 16)
+    if SIMULATOR:
+        return SkinnyGeometry(n_tiles=2, unroll=1, warps=2, k_split=2 if k >= 128 else 1)
+    if (n_cols, k, mt, gated) in SKINNY_TUNED:
+        return SKINNY_TUNED[n_cols, k, mt, gated]
+    nt = 2
+    unroll = 2 if mt == 1 else 1
+    target = 2 * 16 * _sm_count()
+    k_split = 1
+    groups = -(-n_cols // (8 * nt))
+    while groups * k_split < target and k_split < 8 and k >= 2 * 32 * unroll * 8 * k_split:
+        k_split *= 2
+    return SkinnyGeometry(n_tiles=nt, unroll=unroll, warps=8, k_split=k_split)
+
+
+def linear_skinny(x, w, out, *, gated: bool = False, geometry: SkinnyGeometry | None = None) -> None:
+    """Skinny tensor-core path of ``linear`` / ``linear_silu_mul`` for 1 <= T <= 64 (``SKINNY_MAX_TOKENS``): every
+    weight byte read once, as in the GEMV, with the arithmetic on tensor cores.  In the simulator ``mma.sync`` is
+    emulated (slow: tests use tiny shapes)."""
+    T, k = x.shape
+    if T > SKINNY_MAX_TOKENS:
+        raise ValueError(f"the skinny path takes at most {SKINNY_MAX_TOKENS} tokens, got {T}")
+    n_cols = w.shape[0]
+    geo = geometry or skinny_geometry(n_cols, k, T, gated)
+    assert geo.warps % geo.k_split == 0, f"warps must be a multiple of k_split: {geo}"
+    mt = -(-T // 16)
+    cols_per_block = geo.warps // geo.k_split * 8 * geo.n_tiles
+    shared = 4 * geo.warps * 4 * mt * geo.n_tiles * WARP if geo.k_split > 1 else 0
+    kern = _skinny_kernel(mt, geo.n_tiles, geo.unroll, geo.warps, gated, geo.warps_per_sm)
+    launch(kern, grid(n_cols, cols_per_block, sim_cap=8), geo.warps * WARP,
+           _as_u32(x), _as_u32(w), out, k, geo.k_split, shared=shared, name="linear_skinny")
+
+
 # ================================================================================================ public API
 def _check(x, w, out, gated: bool, impl):
     for name, a in (("x", x), ("w", w), ("out", out)):
@@ -839,14 +976,27 @@ def _check(x, w, out, gated: bool, impl):
         raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
 
 
+def default_impl(n_tokens: int) -> str:
+    """The path ``linear(impl=None)`` takes for T tokens.  GPU: the GEMV for T = 1, the skinny tensor-core kernel
+    for 2 <= T <= 64 (both stream the weight once), the tiled tensor-core GEMM above.  Simulator: the GEMV up to
+    ``GEMV_MAX_TOKENS``, the FMA tiles above (cheap to emulate; the tensor-core kernels have their own tests)."""
+    if SIMULATOR:
+        return "gemv" if n_tokens <= GEMV_MAX_TOKENS else "gemm_fma"
+    if n_tokens <= 1:
+        return "gemv"
+    return "skinny" if n_tokens <= SKINNY_MAX_TOKENS else "gemm_mma"
+
+
 def _run(x, w, out, gated: bool, impl) -> None:
     _check(x, w, out, gated, impl)
     if x.shape[0] == 0 or out.shape[1] == 0:
         return
     if impl is None:
-        impl = "gemv" if x.shape[0] <= GEMV_MAX_TOKENS else ("gemm_fma" if SIMULATOR else "gemm_mma")
+        impl = default_impl(x.shape[0])
     if impl == "gemv":
         gemv(x, w, out, gated=gated)
+    elif impl == "skinny":
+        linear_skinny(x, w, out, gated=gated)
     elif impl == "gemm_fma":
         gemm_fma(x, w, out, gated=gated)
     else:

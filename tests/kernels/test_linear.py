@@ -6,7 +6,7 @@ cannot run there); the GPU tests at the bottom run every path, the real mma incl
 import numpy as np
 import pytest
 
-from tests.util import bf16_randn, from_bf16_bits, rel_l2
+from tests.util import SIMULATOR, bf16_randn, from_bf16_bits, rel_l2
 from numba import cuda
 
 from pegainfer.kernels import linear as lin
@@ -121,6 +121,36 @@ def test_gemm_mma_kernel(T, N, K, tile, gated, rng):
     assert rel_l2(got, expected) < 1e-2
 
 
+@pytest.mark.parametrize("T,N,K,geometry,gated", [
+    (1, 24, 64, lin.SkinnyGeometry(n_tiles=1, unroll=1, warps=1, k_split=1), False),   # decode, several tiles
+    (5, 41, 72, lin.SkinnyGeometry(n_tiles=2, unroll=2, warps=2, k_split=2), False),   # ragged N and K, split-K
+    (11, 20, 96, lin.SkinnyGeometry(n_tiles=1, unroll=1, warps=2, k_split=1), True),   # tokens g+8, SwiGLU pairs
+    (20, 17, 40, lin.SkinnyGeometry(n_tiles=1, unroll=2, warps=2, k_split=2), False),  # two m16 token tiles
+])
+def test_linear_skinny(T, N, K, geometry, gated, rng):
+    """The skinny tensor-core kernel (weights straight into mma B fragments, permuted K, split-K through shared
+    memory, fused SwiGLU) with the emulated ``mma.sync``."""
+    xb, x = bf16_randn((T, K), rng)
+    wb, w = bf16_randn((N, K), rng, scale=0.3)
+    got = run(lin.linear_skinny, xb, wb, N // 2 if gated else N, gated=gated, geometry=geometry)
+    expected = silu_mul_reference(x, w) if gated else x @ w.T
+    assert rel_l2(got, expected) < 1e-2
+    assert np.array_equal(got, bf16_round(got)), "outputs must be bf16 values"
+
+
+def test_linear_skinny_default_geometry(rng):
+    xb, x = bf16_randn((3, 128), rng)
+    wb, w = bf16_randn((20, 128), rng, scale=0.1)
+    assert rel_l2(run(lin.linear_skinny, xb, wb, 20), x @ w.T) < 1e-2
+
+
+def test_default_impl():
+    if SIMULATOR:
+        assert [lin.default_impl(t) for t in (1, 8, 9)] == ["gemv", "gemv", "gemm_fma"]
+    else:
+        assert [lin.default_impl(t) for t in (1, 2, 64, 65)] == ["gemv", "skinny", "skinny", "gemm_mma"]
+
+
 # ------------------------------------------------------------------------------------------------ GPU only
 QWEN3_4B = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728),
             "lm_head": (151936, 2560)}
@@ -141,7 +171,7 @@ def test_qwen3_4b_shapes_every_path(name):
         xb, x = bf16_randn((T, K), rng)
         expected = silu_mul_reference(x, w) if gated else x @ w.T
         x_dev = cuda.to_device(xb)
-        for impl in ("gemv", "gemm_fma", "gemm_mma"):
+        for impl in ("gemv", "skinny", "gemm_fma", "gemm_mma") if T <= 64 else ("gemv", "gemm_fma", "gemm_mma"):
             out = cuda.to_device(np.zeros((T, N // 2 if gated else N), np.uint16))
             (linear_silu_mul if gated else linear)(x_dev, w_dev, out, impl=impl)
             err = rel_l2(from_bf16_bits(out.copy_to_host()), expected)

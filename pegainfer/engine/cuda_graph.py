@@ -26,6 +26,14 @@ def prefill_buckets(max_tokens: int) -> list[int]:
     return out
 
 
+def prefill_bucket(length: int, max_tokens: int):
+    """The padded size of a prefill chunk of ``length`` tokens, or None when it is run unpadded (too long)."""
+    for t in prefill_buckets(max_tokens):
+        if length <= t:
+            return t
+    return None
+
+
 def _check(result):
     from cuda.bindings import driver as drv
     err = result[0] if isinstance(result, tuple) else result
@@ -45,13 +53,6 @@ class StepGraphs:
 
     def has(self, T: int, B: int) -> bool:
         return (T, B) in self.execs
-
-    def prefill_bucket(self, length: int):
-        """The smallest captured prefill size that holds ``length`` tokens, or None."""
-        for t in self.prefill_buckets:
-            if length <= t and (t, 1) in self.execs:
-                return t
-        return None
 
     def _cu_stream(self):
         from cuda.bindings import driver as drv

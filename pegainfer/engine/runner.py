@@ -11,6 +11,7 @@ import numpy as np
 from numba import cuda
 
 from pegainfer.device import SIMULATOR
+from pegainfer.engine.cuda_graph import prefill_bucket
 from pegainfer.kernels import sampling
 from pegainfer.kernels.launch import on_stream
 from pegainfer.models.qwen3 import StepBuffers
@@ -68,8 +69,8 @@ class ModelRunner:
         """Run prompt tokens [start, start+length) of one sequence. Returns the sampled next token when this chunk
         ends the prompt (else None), and the logits rows if ``want_logits`` (all rows of the chunk).
 
-        Without ``want_logits`` the chunk is padded to a captured graph bucket when one fits (padding tokens have
-        slot -1: no K/V written, output ignored) and replayed from the graph."""
+        Without ``want_logits`` a chunk of at most PREFILL_GRAPH_MAX tokens is padded to its bucket (padding tokens
+        have slot -1: no K/V written, output ignored) and replayed from the bucket's CUDA graph when captured."""
         T = length
         ids = seq.prompt_ids[start:start + length]
         self.h_ids[:T] = ids
@@ -86,17 +87,20 @@ class ModelRunner:
             B = 1
             self.h_rows[0] = T - 1
             self._set_sampling(0, seq)
-            if self.graphs is not None and not force_eager:
-                bucket = self.graphs.prefill_bucket(T)
-                if bucket is not None:
-                    self.h_ids[T:bucket] = 0
-                    self.h_pos[T:bucket] = 0
-                    self.h_slots[T:bucket] = -1
+            # Pad to a fixed bucket whether or not graphs are on, so both paths run the very same kernels.
+            bucket = None if SIMULATOR else prefill_bucket(T, self.model.max_tokens)
+            if bucket is not None:
+                self.h_ids[T:bucket] = 0
+                self.h_pos[T:bucket] = 0
+                self.h_slots[T:bucket] = -1
         with on_stream(self.stream):
             if bucket is not None:
                 self._upload(bucket, B)
-                self.graphs.replay(bucket, B)
-                logits = self.model.logits[:B]
+                if self.graphs is not None and not force_eager and self.graphs.has(bucket, B):
+                    self.graphs.replay(bucket, B)
+                    logits = self.model.logits[:B]
+                else:
+                    logits = self.forward_and_sample(bucket, B)
             else:
                 self._upload(T, B)
                 logits = self.forward_and_sample(T, B)

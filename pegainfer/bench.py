@@ -98,7 +98,7 @@ def run_bench(args) -> int:
     res = {
         "model": engine.model_name, "simulator": SIMULATOR, "prompt_len": args.prompt_len,
         "output_len": args.output_len, "runs": args.runs, "cuda_graph": bool(args.cuda_graph),
-        "load_s": load_s,
+        "load_s": load_s, "weights_load_s": engine.weights_load_s, "warmup_s": engine.warmup_s,
         "ttft_ms": {f"p{q}": 1e3 * _pct(ttfts, q) for q in (50, 90, 99)},
         "tpot_ms": {f"p{q}": 1e3 * _pct(tpots, q) for q in (50, 90, 99)},
         "weight_bytes": engine.model.weight_bytes(),

@@ -99,13 +99,18 @@ class Engine:
         check_gpu_memory(need, f"{folder.name} (weights, KV cache for {max_batch} × {mml} tokens, buffers)")
 
         progress = Progress(total_bytes=model.weight_bytes(), verbose=verbose)
+        t_load = time.perf_counter()
         with WeightReader(folder, progress=progress) as reader:
             model.load_weights(reader)
         progress.finish()
+        weights_s = time.perf_counter() - t_load
         model.allocate(pages, PAGE_SIZE)
         eng = cls(folder, model, cfg, gen, tokenizer, chat_template, mml, max_batch, min(max_prefill_tokens, mml),
                   pages, use_cuda_graph)
+        eng.weights_load_s = weights_s
+        t_warm = time.perf_counter()
         eng.warmup()
+        eng.warmup_s = time.perf_counter() - t_warm
         return eng
 
     def warmup(self) -> None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 
 import numpy as np
 from numba import cuda
@@ -63,6 +64,8 @@ from pegainfer.kernels.primitives import (
     kernel,
     load_u32x4,
     threads,
+    int32,
+    uint16,
     uint32,
 )
 
@@ -216,249 +219,253 @@ def rescale_factor2(m_part, m_total):
 
 
 # ------------------------------------------------------------------------------------------------ split-K kernel
+MAX_SPLITS = 256
+DECODE_STEP_KEYS = 16   # keys one warp handles per step (two n8 tiles of S, one k16 step of P V)
+
+
+@device_fn
+def _load_words(src, base, n, dst, dst_off, ok):
+    """``dst[dst_off : dst_off + n] = src[base : base + n]`` (uint32 words; 16-byte loads when ``n % 4 == 0``, in
+    which case ``base`` must be a multiple of 4), or zeros when ``not ok``."""
+    if ok:
+        if n % 4 == 0:
+            for c in range(n // 4):
+                (dst[dst_off + 4 * c], dst[dst_off + 4 * c + 1],
+                 dst[dst_off + 4 * c + 2], dst[dst_off + 4 * c + 3]) = load_u32x4(src, base + 4 * c)
+        else:
+            for i in range(n):
+                dst[dst_off + i] = src[base + i]
+    else:
+        for i in range(n):
+            dst[dst_off + i] = uint32(0)
+
+
+@device_fn
+def _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, row_words):
+    """Word offset of the K/V row of ``key`` (a position of ``slot``), kv head ``kvh``, in the flat cache."""
+    page = block_tables[slot, key >> page_shift]
+    return (((page << page_shift) + (key & ((1 << page_shift) - 1))) * num_kv_heads + kvh) * row_words
+
+
+@device_fn
+def _split_range(n_keys, split, num_splits, min_chunk):
+    """(first key, end key, number of splits with work) of ``split`` for a token with ``n_keys`` keys: splits of
+    ``chunk = ceil(n_keys / num_splits)`` keys rounded up to a multiple of ``min_chunk``; splits past the end are
+    empty."""
+    chunk = (n_keys + num_splits - 1) // num_splits
+    chunk = (chunk + min_chunk - 1) // min_chunk * min_chunk
+    k_lo = split * chunk
+    return k_lo, min(k_lo + chunk, n_keys), (n_keys + chunk - 1) // chunk
+
+
 @functools.lru_cache(maxsize=None)
-def _split_kernel(head_dim: int, group: int, elems_per_lane: int, block_threads: int, unroll: int, prefetch: bool):
-    """Build the split-K kernel for one shape.  The closure constants become compile-time constants, so the
-    per-lane arrays below have fixed sizes, their loops unroll and they live in registers."""
-    D, G, E, NT, U = head_dim, group, elems_per_lane, block_threads, unroll
-    LAG = 1 if prefetch else 0  # steps the loads run ahead of the arithmetic
-    L = D // E                # lanes that share one key (each holds E of its D elements)
-    CPL = E // 8              # 16-byte chunks per lane: lane owns chunks lane, lane + L, lane + 2L, ...
-    NGROUPS = NT // L         # keys in flight per block (one per lane group) per unrolled step
-    ROW_WORDS = D // 2        # a K/V row in uint32 words
-    assert D % E == 0 and E % 8 == 0 and NT % 32 == 0 and 32 % L == 0
-    # array sizes must be plain constants for numba's typing
-    HEAD_SLICE, SCORES, RAW_WORDS, GROUP_STATE, GROUP_ROWS = G * E, U * G, U * CPL * 4, NGROUPS * G, NGROUPS * D
+def _split_kernel(head_dim: int, group: int, warps: int):
+    """Build the split-K kernel for one shape (closure constants size the register fragments)."""
+    D, G, W = head_dim, group, warps
+    NT = 32 * W
+    ROW_WORDS = D // 2
+    KW = D // 8          # words of a q / K row per lane: lane t (= lane & 3) holds dims [t D/4, (t+1) D/4)
+    VW = D // 16         # words of a V row per lane: lane g (= lane >> 2) holds dims [g D/8, (g+1) D/8)
+    QK_STEPS = D // 16   # k16 steps of S = Q K^T
+    O_TILES = D // 8     # n8 tiles of O = P V
+    ROWS = G * D
+    assert G <= 8 and D % 16 == 0
+    KW2, VW4, O_REGS, SM_O, SM_W, SM_ROWS = 2 * KW, 4 * VW, 2 * O_TILES, W * G * D, G * MAX_SPLITS, W * 8
 
     @kernel
     def paged_attention_split_kernel(q32, k32, v32, block_tables, token_slots, positions, out, ws_acc, ws_m, ws_l,
-                                     scale, num_kv_heads, page_shift, num_splits, min_chunk):
-        """Partial attention of one (token, kv head, split) per block, for all ``G`` q heads of that kv head.
+                                     counters, scale_log2, num_kv_heads, page_shift, num_splits, min_chunk):
+        """Attention of one (token, kv head, split) per block for the ``G`` q heads of that kv head, on tensor
+        cores; the last block of a (token, kv head) to finish merges the splits (no second launch).
 
-        q32 ``[T * nq * D/2]`` uint32 (bf16 pairs of q ``[T, nq, D]``); k32, v32 the caches as flat uint32
-        ``[num_pages * page_size * nkv * D/2]``; out ``[T * nq * D]`` uint16; ws_acc ``[T * nq * num_splits * D]``,
-        ws_m, ws_l ``[T * nq * num_splits]`` f32; ``page_shift = log2(page_size)`` (pages are powers of two, so the
-        page of a key is a shift, not a division).
+        q32 ``[T * nq * D/2]`` uint32 (bf16 pairs of q ``[T, nq, D]``); k32, v32 the caches as flat uint32; out
+        ``[T * nq * D]`` uint16; ws_acc ``[T * nq * num_splits * D]``, ws_m, ws_l ``[T * nq * num_splits]`` f32;
+        counters int32, zero at rest (entry ``-1 - (t * nkv + kvh)``, counted from the end); ``scale_log2`` =
+        scale * log2(e) (scores are kept in base-2 units); ``page_shift = log2(page_size)``.
 
-        Geometry: grid-stride over ``T * nkv * num_splits`` work items, ``NT`` threads.  Lanes form groups of
-        ``L = D / E``; a group owns one key at a time (its lanes hold interleaved 16-byte chunks of the row), keeps
-        its own online-softmax state for the ``G`` heads, and walks keys ``k_lo + group, + NGROUPS, ...``
-        (``U`` keys per step, all loads issued before use; with ``prefetch`` the next step's loads are issued
-        before the current step's arithmetic).  At the end the block merges its groups through
-        shared memory.  Split ``s`` covers keys ``[s * chunk, (s+1) * chunk)`` of ``n = positions[t] + 1`` with
-        ``chunk = max(min_chunk, ceil(n / num_splits) rounded up to a page)``: a split past the end writes an
-        empty partial (m = -inf, l = 0).  With ``num_splits == 1`` the normalised bf16 output is written directly.
+        Geometry: grid-stride over ``num_splits * T * nkv`` work items (split slowest, so the splits that have work
+        come first), ``32 * W`` threads.  Split ``s`` covers keys ``[s * chunk, (s+1) * chunk)`` of the token's
+        ``n = positions[t] + 1`` (``_split_range``: only as many splits as the length needs do work, decided on
+        the device).  Within a split, warp ``w`` takes 16-key steps ``w, w + W, ...``; one step is
+        ``S[16 x 16] = Q K^T`` as two ``m16n8k16`` tiles (rows = the G q heads, zero-padded to 16; keys as columns;
+        the K row a lane loads is its B fragment directly: lane (g, t) owns dims ``[t D/4, (t+1) D/4)`` of key g
+        and q uses the same dim order, so no data movement), an online-softmax update, and ``O += bf16(P) V`` as
+        ``D/8`` ``m16n8k16`` tiles (rows = heads, columns = head dims; lane (g, t) loads dims ``[g D/8, (g+1) D/8)``
+        of keys ``2t, 2t+1, 2t+8, 2t+9`` and pairs them up into B fragments).  The block then merges its warps in
+        shared memory.  If one split covers the whole token the block writes the bf16 output; otherwise it writes
+        its partial ``(acc, m, l)``, and the last block to bump the (token, kv head) counter merges all partials
+        into the output and resets the counter to 0 (so the launch can be replayed from a CUDA graph).
+        A token with ``token_slots[t] < 0`` (padding) reads nothing and gets zeros.
         """
+        sm_m = cuda.shared.array(SM_ROWS, float32)    # per warp and head row: running max
+        sm_l = cuda.shared.array(SM_ROWS, float32)    # ... and sum
+        sm_o = cuda.shared.array(SM_O, float32)      # ... and accumulator [W, G, D]
+        sm_w = cuda.shared.array(SM_W, float32)      # merge weights [G, warps or splits]
+        sm_tot = cuda.shared.array(8, float32)       # merged sum per head
+        sm_last = cuda.shared.array(1, int32)
+        qa = cuda.local.array(KW, uint32)            # q fragments (rows g < G)
+        kw = cuda.local.array(KW2, uint32)           # K words of keys k0 + g, k0 + 8 + g
+        vw = cuda.local.array(VW4, uint32)           # V words of keys k0 + 2t, 2t + 1, 2t + 8, 2t + 9
+        of = cuda.local.array(O_REGS, float32)       # O[head g, dims 2t D/8 + jd, (2t+1) D/8 + jd]
         tid = cuda.threadIdx.x
-        grp = tid // L
-        lane = tid % L
+        lane = tid % 32
+        warp = tid // 32
+        g = lane >> 2
+        tq = lane & 3
         nq = num_kv_heads * G
         n_tokens = positions.shape[0]
-        page_mask = (1 << page_shift) - 1
+        zero = uint32(0)
+        fzero = float32(0.0)
 
-        qreg = cuda.local.array(HEAD_SLICE, float32)  # this lane's slice of the G (scaled) query rows
-        acc = cuda.local.array(HEAD_SLICE, float32)   # this lane's slice of the G accumulators
-        m = cuda.local.array(G, float32)
-        l = cuda.local.array(G, float32)
-        s = cuda.local.array(SCORES, float32)         # scores of the U keys in flight
-        kw = cuda.local.array(RAW_WORDS, uint32)   # raw K words of the U keys being computed
-        vw = cuda.local.array(RAW_WORDS, uint32)   # raw V words
-        kn = cuda.local.array(RAW_WORDS, uint32)   # ... and of the U keys being loaded
-        vn = cuda.local.array(RAW_WORDS, uint32)
-        vf = cuda.local.array(E, float32)
-        sm_m = cuda.shared.array(GROUP_STATE, float32)
-        sm_l = cuda.shared.array(GROUP_STATE, float32)
-        sm_acc = cuda.shared.array(GROUP_ROWS, float32)
-
-        for work in range(cuda.blockIdx.x, n_tokens * num_kv_heads * num_splits, cuda.gridDim.x):
-            split = work % num_splits
-            kvh = (work // num_splits) % num_kv_heads
-            t = work // (num_splits * num_kv_heads)
-            slot = token_slots[t]
-            n_keys = positions[t] + 1
-            chunk = (n_keys + num_splits - 1) // num_splits
-            chunk = max(min_chunk, ((chunk + page_mask) >> page_shift) << page_shift)
-            k_lo = split * chunk
-            k_hi = min(k_lo + chunk, n_keys)
+        for work in range(cuda.blockIdx.x, num_splits * n_tokens * num_kv_heads, cuda.gridDim.x):
+            tk = work % (n_tokens * num_kv_heads)
+            split = work // (n_tokens * num_kv_heads)
+            t = tk // num_kv_heads
+            kvh = tk % num_kv_heads
             head0 = kvh * G
+            out0 = (t * nq + head0) * D
+            slot = token_slots[t]
+            if slot < 0:                                  # padding token
+                if split == 0:
+                    for i in range(tid, ROWS, NT):
+                        out[out0 + i] = uint16(0)
+                continue
+            k_lo, k_hi, n_active = _split_range(positions[t] + 1, split, num_splits, min_chunk)
+            if split >= n_active:
+                continue
 
-            for h in range(G):
-                qbase = (t * nq + head0 + h) * ROW_WORDS
-                for j in range(CPL):
-                    w0, w1, w2, w3 = load_u32x4(q32, qbase + (lane + L * j) * 4)
-                    o = h * E + j * 8
-                    qreg[o + 0] = bf16x2_lo(w0) * scale
-                    qreg[o + 1] = bf16x2_hi(w0) * scale
-                    qreg[o + 2] = bf16x2_lo(w1) * scale
-                    qreg[o + 3] = bf16x2_hi(w1) * scale
-                    qreg[o + 4] = bf16x2_lo(w2) * scale
-                    qreg[o + 5] = bf16x2_hi(w2) * scale
-                    qreg[o + 6] = bf16x2_lo(w3) * scale
-                    qreg[o + 7] = bf16x2_hi(w3) * scale
-                m[h] = NEG_INF
-                l[h] = float32(0.0)
-                for i in range(E):
-                    acc[h * E + i] = float32(0.0)
+            _load_words(q32, (t * nq + head0 + g) * ROW_WORDS + tq * KW, KW, qa, 0, g < G)
+            for i in range(O_REGS):
+                of[i] = fzero
+            m = NEG_INF
+            l = fzero                                     # this lane's share of its row's sum
+            n_steps = (k_hi - k_lo + DECODE_STEP_KEYS - 1) // DECODE_STEP_KEYS
+            for st0 in range(0, n_steps, W):              # same trip count in every warp (simulator reductions)
+                k0 = k_lo + (st0 + warp) * DECODE_STEP_KEYS
+                for j in range(2):
+                    key = k0 + 8 * j + g
+                    row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS) if key < k_hi else 0
+                    _load_words(k32, row + tq * KW, KW, kw, j * KW, key < k_hi)
+                for j in range(4):
+                    key = k0 + 2 * tq + (j & 1) + 8 * (j >> 1)
+                    row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS) if key < k_hi else 0
+                    _load_words(v32, row + g * VW, VW, vw, j * VW, key < k_hi)
 
-            step = NGROUPS * U
-            n_steps = (max(k_hi - k_lo, 0) + step - 1) // step
-            for it in range(n_steps + LAG):
-                # issue every load of step `it` (U keys) into kn / vn before any arithmetic: memory-level parallelism
-                if it < n_steps:
-                    for u in range(U):
-                        kp = k_lo + it * step + u * NGROUPS + grp
-                        if kp < k_hi:
-                            page = block_tables[slot, kp >> page_shift]
-                            row = (((page << page_shift) + (kp & page_mask)) * num_kv_heads + kvh) * ROW_WORDS
-                            for j in range(CPL):
-                                c = row + (lane + L * j) * 4
-                                o = (u * CPL + j) * 4
-                                kn[o], kn[o + 1], kn[o + 2], kn[o + 3] = load_u32x4(k32, c)
-                                vn[o], vn[o + 1], vn[o + 2], vn[o + 3] = load_u32x4(v32, c)
-                        else:
-                            for i in range(CPL * 4):
-                                kn[u * CPL * 4 + i] = uint32(0)
-                                vn[u * CPL * 4 + i] = uint32(0)
-                if LAG == 0:
-                    for i in range(RAW_WORDS):
-                        kw[i] = kn[i]
-                        vw[i] = vn[i]
-                if it >= LAG:
-                    cur = it - LAG     # with prefetch, step `it`'s loads are in flight while step it-1 is computed
-                    # scores: partial dot over this lane's E elements, then a sum over the L lanes of the group
-                    for u in range(U):
-                        for h in range(G):
-                            part = float32(0.0)
-                            for i in range(CPL * 4):
-                                word = kw[u * CPL * 4 + i]
-                                part += qreg[h * E + 2 * i] * bf16x2_lo(word)
-                                part += qreg[h * E + 2 * i + 1] * bf16x2_hi(word)
-                            if L > 1:
-                                part = lane_group_sum(part, L)
-                            s[u * G + h] = part
-                    # online softmax update (rescale only when the running max grows)
-                    for u in range(U):
-                        kp = k_lo + cur * step + u * NGROUPS + grp
-                        if kp < k_hi:
-                            for i in range(CPL * 4):
-                                word = vw[u * CPL * 4 + i]
-                                vf[2 * i] = bf16x2_lo(word)
-                                vf[2 * i + 1] = bf16x2_hi(word)
-                            for h in range(G):
-                                sc = s[u * G + h]
-                                if sc > m[h]:
-                                    alpha = rescale_factor(m[h], sc)
-                                    l[h] *= alpha
-                                    for i in range(E):
-                                        acc[h * E + i] *= alpha
-                                    m[h] = sc
-                                p = float32(math.exp(sc - m[h]))
-                                l[h] += p
-                                for i in range(E):
-                                    acc[h * E + i] += p * vf[i]
-                if LAG == 1:
-                    for i in range(RAW_WORDS):
-                        kw[i] = kn[i]
-                        vw[i] = vn[i]
+                # S = Q K^T (head g, keys k0 + 8j + 2t, +1), base-2 units, masked past k_hi
+                s0 = s1 = s2 = s3 = fzero
+                for ks in range(QK_STEPS):
+                    s0, s1, _, _ = mma_bf16_m16n8k16(qa[2 * ks], zero, qa[2 * ks + 1], zero,
+                                                     kw[2 * ks], kw[2 * ks + 1], s0, s1, fzero, fzero)
+                    s2, s3, _, _ = mma_bf16_m16n8k16(qa[2 * ks], zero, qa[2 * ks + 1], zero,
+                                                     kw[KW + 2 * ks], kw[KW + 2 * ks + 1], s2, s3, fzero, fzero)
+                key = k0 + 2 * tq
+                s0 = s0 * scale_log2 if key < k_hi else NEG_INF
+                s1 = s1 * scale_log2 if key + 1 < k_hi else NEG_INF
+                s2 = s2 * scale_log2 if key + 8 < k_hi else NEG_INF
+                s3 = s3 * scale_log2 if key + 9 < k_hi else NEG_INF
 
-            # ---- merge the NGROUPS partial states of the block
-            if lane == 0:
-                for h in range(G):
-                    sm_m[grp * G + h] = m[h]
-                    sm_l[grp * G + h] = l[h]
-            cuda.syncthreads()
-            for h in range(G):
-                m_blk = NEG_INF
-                for g2 in range(NGROUPS):
-                    m_blk = max(m_blk, sm_m[g2 * G + h])
-                l_blk = float32(0.0)
-                for g2 in range(NGROUPS):
-                    l_blk += sm_l[g2 * G + h] * rescale_factor(sm_m[g2 * G + h], m_blk)
-                mine = rescale_factor(m[h], m_blk)
-                for j in range(CPL):
-                    for e in range(8):
-                        sm_acc[grp * D + (lane + L * j) * 8 + e] = acc[h * E + j * 8 + e] * mine
-                cuda.syncthreads()
-                row_q = t * nq + head0 + h
-                for d in range(tid, D, NT):
-                    total = float32(0.0)
-                    for g2 in range(NGROUPS):
-                        total += sm_acc[g2 * D + d]
-                    if num_splits == 1:
-                        out[row_q * D + d] = f32_to_bf16(total / l_blk)
+                # online softmax over the row (the 4 lanes of a row hold its 16 keys)
+                mx = max(m, lane_group_max(max(max(s0, s1), max(s2, s3)), 4))
+                alpha = rescale_factor2(m, mx)
+                m = mx
+                base = m if m != NEG_INF else fzero
+                p0 = math.exp2(s0 - base)
+                p1 = math.exp2(s1 - base)
+                p2 = math.exp2(s2 - base)
+                p3 = math.exp2(s3 - base)
+                l = l * alpha + ((p0 + p1) + (p2 + p3))
+                a0 = pack_bf16x2(p0, p1)                  # P[g, keys 2t, 2t+1]: the A fragment of the P V step
+                a2 = pack_bf16x2(p2, p3)                  # P[g, keys 2t+8, 2t+9]
+
+                # O += P V: B[k = key, n = dim] with key pairs packed into one word
+                for jd in range(O_TILES):
+                    w = jd // 2
+                    x0, x1, y0, y1 = vw[w], vw[VW + w], vw[2 * VW + w], vw[3 * VW + w]
+                    if jd % 2 == 0:
+                        b0 = (x0 & uint32(0xFFFF)) | (x1 << uint32(16))
+                        b1 = (y0 & uint32(0xFFFF)) | (y1 << uint32(16))
                     else:
-                        ws_acc[(row_q * num_splits + split) * D + d] = total
-                if tid == 0 and num_splits > 1:
-                    ws_m[row_q * num_splits + split] = m_blk
-                    ws_l[row_q * num_splits + split] = l_blk
+                        b0 = (x0 >> uint32(16)) | (x1 & uint32(0xFFFF0000))
+                        b1 = (y0 >> uint32(16)) | (y1 & uint32(0xFFFF0000))
+                    of[2 * jd], of[2 * jd + 1], _, _ = mma_bf16_m16n8k16(
+                        a0, zero, a2, zero, b0, b1, of[2 * jd] * alpha, of[2 * jd + 1] * alpha, fzero, fzero)
+
+            # ---- merge the W warps of the block
+            l = lane_group_sum(l, 4)
+            if g < G:
+                if tq == 0:
+                    sm_m[warp * 8 + g] = m
+                    sm_l[warp * 8 + g] = l
+                ob = (warp * G + g) * D
+                for jd in range(O_TILES):
+                    sm_o[ob + 2 * tq * O_TILES + jd] = of[2 * jd]
+                    sm_o[ob + (2 * tq + 1) * O_TILES + jd] = of[2 * jd + 1]
+            cuda.syncthreads()
+            if tid < G:
+                m_blk = NEG_INF
+                for w in range(W):
+                    m_blk = max(m_blk, sm_m[w * 8 + tid])
+                l_blk = fzero
+                for w in range(W):
+                    f = rescale_factor2(sm_m[w * 8 + tid], m_blk)
+                    sm_w[tid * W + w] = f
+                    l_blk += f * sm_l[w * 8 + tid]
+                sm_tot[tid] = l_blk
+                if n_active > 1:
+                    ws_m[(t * nq + head0 + tid) * num_splits + split] = m_blk
+                    ws_l[(t * nq + head0 + tid) * num_splits + split] = l_blk
+            cuda.syncthreads()
+            for i in range(tid, ROWS, NT):
+                h = i // D
+                total = fzero
+                for w in range(W):
+                    total += sm_w[h * W + w] * sm_o[(w * G + h) * D + i % D]
+                if n_active == 1:
+                    lt = sm_tot[h]
+                    out[out0 + i] = f32_to_bf16(total / lt if lt > fzero else fzero)
+                else:
+                    ws_acc[((t * nq + head0 + h) * num_splits + split) * D + i % D] = total
+
+            # ---- several splits: the last block of this (token, kv head) merges them
+            if n_active > 1:
+                cuda.threadfence()                        # publish this block's partial before counting it
                 cuda.syncthreads()
+                if tid == 0:
+                    c = counters.shape[0] - 1 - tk
+                    done = cuda.atomic.add(counters, c, 1)
+                    sm_last[0] = 1 if done == n_active - 1 else 0
+                    if done == n_active - 1:
+                        counters[c] = 0                   # reset for the next launch
+                cuda.syncthreads()
+                if sm_last[0] == 1:
+                    cuda.threadfence()
+                    for h0 in range(0, G, W):             # one warp per head
+                        h = h0 + warp
+                        hrow = (t * nq + head0 + min(h, G - 1)) * num_splits
+                        mm = NEG_INF
+                        for sp in range(lane, n_active, 32):
+                            mm = max(mm, ws_m[hrow + sp])
+                        mm = lane_group_max(mm, 32)
+                        ll = fzero
+                        for sp in range(lane, n_active, 32):
+                            f = rescale_factor2(ws_m[hrow + sp], mm)
+                            if h < G:
+                                sm_w[h * MAX_SPLITS + sp] = f
+                            ll += f * ws_l[hrow + sp]
+                        ll = lane_group_sum(ll, 32)
+                        if lane == 0 and h < G:
+                            sm_tot[h] = ll
+                    cuda.syncthreads()
+                    for i in range(tid, ROWS, NT):
+                        h = i // D
+                        src = (t * nq + head0 + h) * num_splits * D + i % D
+                        total = fzero
+                        for sp in range(n_active):
+                            total += sm_w[h * MAX_SPLITS + sp] * ws_acc[src + sp * D]
+                        out[out0 + i] = f32_to_bf16(total / sm_tot[h])
+            cuda.syncthreads()                            # shared scratch is reused by the next work item
 
     return paged_attention_split_kernel
-
-
-COMBINE_THREADS = threads(gpu=256, sim=32)
-COMBINE_SCRATCH = COMBINE_THREADS * 4
-MAX_SPLITS = 256
-
-
-@kernel
-def paged_attention_combine_kernel(ws_acc32, ws_m, ws_l, out, num_splits, head_dim):
-    """Merge the ``num_splits`` partial ``(m, l, acc)`` of every (token, q head) row into bf16 output.
-
-    ws_acc32 ``[rows * num_splits * D]`` (f32 bits as uint32, for 16-byte loads), ws_m / ws_l ``[rows * num_splits]``
-    f32 (rows = ``T * nq``; an empty split has l = 0, m = -inf); out ``[rows * D]`` uint16::
-
-        out = sum_s w_s acc_s,   w_s = e^(m_s - M) / sum_s' e^(m_s' - M) l_s',   M = max_s m_s
-
-    Geometry: grid-stride over rows, ``COMBINE_THREADS`` threads.  Phase 1 spreads the splits over the threads
-    (block max / block sum) and leaves the weights in shared memory; phase 2 gives each thread 4 adjacent columns
-    (one 16-byte load per split) and ``COMBINE_THREADS / (D/4)`` splits in parallel, reduced through shared memory.
-    """
-    sm_w = cuda.shared.array(MAX_SPLITS, float32)
-    sm_part = cuda.shared.array(COMBINE_SCRATCH, float32)
-    tid = cuda.threadIdx.x
-    quads = head_dim // 4                 # threads per split row
-    lanes_s = COMBINE_THREADS // quads    # splits reduced in parallel
-    col = (tid % quads) * 4
-    s_lane = tid // quads
-    n_rows = out.shape[0] // head_dim
-    for r in range(cuda.blockIdx.x, n_rows, cuda.gridDim.x):
-        base = r * num_splits
-        m_mine = NEG_INF
-        for sp in range(tid, num_splits, COMBINE_THREADS):
-            m_mine = max(m_mine, ws_m[base + sp])
-        m_all = block_max(m_mine)
-        l_mine = float32(0.0)
-        for sp in range(tid, num_splits, COMBINE_THREADS):
-            w = rescale_factor(ws_m[base + sp], m_all)
-            sm_w[sp] = w
-            l_mine += w * ws_l[base + sp]
-        l_all = block_sum(l_mine)        # (its barriers also publish sm_w)
-        a0 = float32(0.0)
-        a1 = float32(0.0)
-        a2 = float32(0.0)
-        a3 = float32(0.0)
-        for sp in range(s_lane, num_splits, lanes_s):
-            w = sm_w[sp]
-            if w > float32(0.0):
-                x0, x1, x2, x3 = load_u32x4(ws_acc32, (base + sp) * head_dim + col)
-                a0 += w * bits_f32(x0)
-                a1 += w * bits_f32(x1)
-                a2 += w * bits_f32(x2)
-                a3 += w * bits_f32(x3)
-        sm_part[tid * 4 + 0] = a0
-        sm_part[tid * 4 + 1] = a1
-        sm_part[tid * 4 + 2] = a2
-        sm_part[tid * 4 + 3] = a3
-        cuda.syncthreads()
-        inv_l = float32(1.0) / l_all
-        for c in range(tid, head_dim, COMBINE_THREADS):
-            total = float32(0.0)
-            for k in range(lanes_s):
-                total += sm_part[(k * quads + c // 4) * 4 + c % 4]
-            out[r * head_dim + c] = f32_to_bf16(total * inv_l)
-        cuda.syncthreads()
-
 
 # ------------------------------------------------------------------------------------------------ tiled prefill kernel
 LOG2E = 1.4426950408889634
@@ -565,7 +572,8 @@ def _prefill_kernel(head_dim: int, group: int, warps: int, block_keys: int, q_in
                 pos_hi = positions[tok_hi] if run_start <= tok_hi and tok_hi < run_end else -1
                 whole_tile = run_start == t0 and run_end == t0 + BQ   # every row of the block is in this run
 
-                for kt in range((max_pos + BK) // BK):
+                n_key_tiles = (max_pos + BK) // BK if slot >= 0 else 0     # padding tokens (slot < 0) read nothing
+                for kt in range(n_key_tiles):
                     k0 = kt * BK
                     cuda.syncthreads()       # the previous tile's readers are done with k_s / vt_s
                     for it in range(tid, K_ITEMS, NTHREADS):
@@ -699,16 +707,17 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _min_chunk(page_size: int, min_split_tokens: int | None = None) -> int:
-    tokens = MIN_SPLIT_TOKENS if min_split_tokens is None else min_split_tokens
-    return max(page_size, _ceil_div(tokens, page_size) * page_size)
+def _min_chunk(min_split_tokens: int | None = None) -> int:
+    """Fewest keys a split covers: ``MIN_SPLIT_TOKENS`` (or the forced value), at least one key."""
+    return max(1, MIN_SPLIT_TOKENS if min_split_tokens is None else min_split_tokens)
 
 
-def attention_num_splits(num_tokens: int, nq: int, max_model_len: int, page_size: int) -> int:
-    """Splits per (token, kv head) for the split-K path: enough (token, head, split) rows to fill the GPU
-    (``SPLIT_TARGET_ROWS``), but no more than a ``MIN_SPLIT_TOKENS``-key split per ``max_model_len``.  Depends only on
-    shapes fixed before CUDA-graph capture."""
-    max_splits = max(1, _ceil_div(max_model_len, _min_chunk(page_size)))
+def attention_num_splits(num_tokens: int, nq: int, max_model_len: int, page_size: int = 16) -> int:
+    """Splits per (token, kv head) the split-K launch provides: enough (token, head, split) rows to fill the GPU
+    (``SPLIT_TARGET_ROWS``), but no more than one ``MIN_SPLIT_TOKENS``-key split per ``max_model_len``.  Depends only
+    on shapes fixed before CUDA-graph capture; how many of them do work is decided on the device from each token's
+    length (``_split_range``), so short contexts use few blocks.  (``page_size`` is accepted for compatibility.)"""
+    max_splits = max(1, _ceil_div(max_model_len, _min_chunk()))
     want = _ceil_div(SPLIT_TARGET_ROWS, max(1, num_tokens * nq))
     return max(1, min(want, max_splits, MAX_SPLITS))
 
@@ -724,13 +733,45 @@ def _workspace_parts(num_tokens: int, nq: int, head_dim: int, num_splits: int) -
 def attention_workspace_size(max_tokens: int, nq: int, head_dim: int, max_model_len: int, page_size: int,
                              num_splits: int | None = None) -> int:
     """f32 elements of the workspace ``paged_attention`` needs for any ``T <= max_tokens`` (``num_splits``: the
-    forced value if the caller forces one).  At least 1, so it can always be allocated."""
-    need = 1
+    forced value if the caller forces one): the split partials at the front, and at the very end ``max_tokens * nq``
+    int32 counters (zeroed by ``paged_attention`` the first time it sees the workspace, then kept at zero by the
+    kernel)."""
+    need = 0
     for t in range(1, max_tokens + 1):
         s = num_splits if num_splits is not None else attention_num_splits(t, nq, max_model_len, page_size)
         a, mm = _workspace_parts(t, nq, head_dim, s)
         need = max(need, a + 2 * mm)
-    return need
+    return need + max_tokens * nq
+
+
+@kernel
+def _fill_i32_kernel(a, value):
+    """``a[:] = value`` (int32), grid-stride."""
+    for i in range(cuda.grid(1), a.shape[0], cuda.gridsize(1)):
+        a[i] = value
+
+
+_zeroed_counters: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _split_counters(workspace, count: int):
+    """The int32 view of ``workspace`` whose last ``count`` entries are the split-merge counters; zeroes them the
+    first time this workspace object is seen (or when a call needs more of them).  The kernel leaves them at zero,
+    so afterwards nothing is launched here (and nothing is captured into a CUDA graph)."""
+    ws32 = _flat(workspace).view(np.int32)
+    try:
+        done = _zeroed_counters.get(workspace, 0)
+    except TypeError:   # not weak-referenceable: zero every time (correct, one extra launch)
+        done = 0
+    if done < count:
+        tail = ws32[ws32.shape[0] - count:]
+        launch(_fill_i32_kernel, grid(count, 256, sim_cap=4), threads(gpu=256, sim=32), tail, np.int32(0),
+               name="attention_zero_counters")
+        try:
+            _zeroed_counters[workspace] = count
+        except TypeError:
+            pass
+    return ws32
 
 
 def _flat_u32(a):
@@ -814,43 +855,40 @@ def _paged_attention_prefill(q, k_cache, v_cache, block_tables, token_slots, pos
            name="paged_attention_prefill")
 
 
-def _split_geometry(head_dim: int, group: int) -> tuple[int, int, int, bool]:
-    """(elements per lane, threads per block, keys per lane group per step, prefetch) of the split-K kernel.
-    8 elements per lane = one 16-byte load of K and one of V per key; 2 keys per step, software-pipelined, keep up to
-    8 such loads in flight per lane.  Per lane the kernel holds 2 * G * E floats of q and accumulators plus the
-    loaded words: ~200 registers at G = 4 (E = 16 would need ~250).  ``benchmarks/bench_attention.py --sweep``
-    times the alternatives."""
-    return min(head_dim, 8), threads(gpu=128, sim=32), (2 if group <= 4 else 1), True
+def _split_geometry(head_dim: int, group: int) -> int:
+    """Warps per block of the split-K kernel: 4 (one 16-key step each per 64 keys; ~16 warps per SM fit), one in
+    the simulator.  ``benchmarks/bench_attention.py --sweep`` times the alternatives."""
+    return threads(gpu=4, sim=1)
 
 
 def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, workspace,
                            T, nq, nkv, D, group, page_size, num_splits, min_split_tokens, geometry=None):
+    if group > 8:
+        raise ValueError(f"the split-K kernel serves at most 8 q heads per kv head, got {group}")
     capacity = block_tables.shape[1] * page_size
     if num_splits is None:
         num_splits = attention_num_splits(T, nq, capacity, page_size)
-    min_chunk = _min_chunk(page_size, min_split_tokens)
-    n_acc, n_m = _workspace_parts(T, nq, D, num_splits)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits {num_splits} outside 1..{MAX_SPLITS}")
+    n_acc, n_m = _workspace_parts(T, nq, D, num_splits)
     if num_splits > 1:
-        if workspace is None or workspace.dtype != np.float32 or workspace.size < n_acc + 2 * n_m:
-            raise ValueError(f"workspace must be f32 with >= {n_acc + 2 * n_m} elements "
+        need = n_acc + 2 * n_m + T * nq
+        if workspace is None or workspace.dtype != np.float32 or workspace.size < need:
+            raise ValueError(f"workspace must be f32 with >= {need} elements "
                              f"(attention_workspace_size); got {None if workspace is None else workspace.size}")
         ws = _flat(workspace)
         ws_acc, ws_m, ws_l = ws[:n_acc], ws[n_acc:n_acc + n_m], ws[n_acc + n_m:n_acc + 2 * n_m]
-    else:  # the kernel never touches the workspace with one split: pass any f32 array
+        counters = _split_counters(workspace, T * nkv)
+    else:  # one split: the kernel never touches the workspace or the counters
         ws_acc = ws_m = ws_l = _flat(workspace) if workspace is not None else _dummy_f32()
-    elems, nthreads, unroll, prefetch = geometry or _split_geometry(D, group)
-    kern = _split_kernel(D, group, elems, nthreads, unroll, prefetch)
-    out_flat = _flat(out)
-    launch(kern, grid(T * nkv * num_splits, sim_cap=64), nthreads,
+        counters = ws_acc.view(np.int32)
+    warps = geometry or _split_geometry(D, group)
+    kern = _split_kernel(D, group, warps)
+    launch(kern, grid(num_splits * T * nkv, sim_cap=64), 32 * warps,
            _flat_u32(q), _flat_u32(k_cache), _flat_u32(v_cache), block_tables, token_slots, positions,
-           out_flat, ws_acc, ws_m, ws_l, np.float32(scale), np.int32(nkv), np.int32(page_size.bit_length() - 1),
-           np.int32(num_splits), np.int32(min_chunk), name="paged_attention_split")
-    if num_splits > 1:
-        launch(paged_attention_combine_kernel, grid(T * nq, sim_cap=64), COMBINE_THREADS,
-               ws_acc.view(np.uint32), ws_m, ws_l, out_flat, np.int32(num_splits), np.int32(D),
-               name="paged_attention_combine")
+           _flat(out), ws_acc, ws_m, ws_l, counters, np.float32(scale * LOG2E), np.int32(nkv),
+           np.int32(page_size.bit_length() - 1), np.int32(num_splits), np.int32(_min_chunk(min_split_tokens)),
+           name="paged_attention_split")
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,17 +1,19 @@
 """How close do pegainfer's matrix products come to the H200?
 
-* GEMV (decode): for each Qwen3-4B projection, the time of one launch and the bandwidth it achieves reading the
-  weight, against the bandwidth a bare 16-byte-load read kernel reaches over 2 GB (``kernels.memory``).  Times come
-  from replaying a CUDA graph of ``--launches`` launches (one launch of a 10 µs kernel costs ~20 µs of host time,
-  so eager timing would measure Python, not the GPU).
-* GEMM (prefill): TFLOP/s of the tensor-core path (and optionally the FMA tiles, and cuBLAS through torch as a
-  yardstick) for T = 16, 128, 2048 tokens.
-* ``--sweep``: every GEMV geometry (rows per warp × warps × k_split) per shape, to retune ``gemv_geometry``,
-  and a few tensor-core tile shapes at T = 2048, to retune ``mma_tile``.
+* Weight streaming (decode and short prompts): for each Qwen3-4B projection at T = 1 (batch-1 decode) and T = 16
+  (a 16-token prompt or batch), the time of one launch of every implementation that reads the weight once (the
+  GEMV, the skinny tensor-core kernel; at T = 16 also the tiled mma GEMM), with ``*`` on what ``linear(impl=None)``
+  picks, the bandwidth achieved against a bare 16-byte-load read kernel over 2 GB (``kernels.memory``), and the
+  sum over one forward step (36 layers + lm_head).  Times come from replaying a CUDA graph of ``--launches``
+  launches (one launch of a 10 µs kernel costs ~20 µs of host time: eager timing would measure Python).
+* GEMM (prefill): TFLOP/s of the tensor-core path (optionally the FMA tiles, and cuBLAS through torch as a
+  yardstick) at T = 128 and 2048.
+* ``--sweep`` (a few minutes): every GEMV geometry (rows per warp × warps × k_split) at T = 1, every skinny
+  geometry (n_tiles × unroll × warps × k_split) at T = 1 and 16, and tensor-core tile shapes at T = 2048; prints
+  the best per shape in the form of ``GEMV_TUNED`` / ``SKINNY_TUNED`` entries.
 
 Usage (on the GPU host):  python benchmarks/bench_gemv.py [--json out.json] [--sweep] [--fma] [--torch]
 Without a GPU it runs as a smoke test in the simulator (shapes divided by 256, wall-clock times, no graphs).
-Takes well under 2 minutes on an H200 without --sweep.
 """
 from __future__ import annotations
 
@@ -114,21 +116,74 @@ def read_bandwidth() -> float:
     return measure_read_bandwidth(2 << 30)
 
 
-def bench_gemv(weights, rng, read_bw, launches, rows) -> list[dict]:
-    for name, (w, n, k, gated) in weights.items():
-        n_out = n // 2 if gated else n
-        for T in (1, 8):
+def geometry_text(impl: str, n: int, k: int, T: int, gated: bool) -> str:
+    if impl == "gemv":
+        g = lin.gemv_geometry(n, k, min(T, lin.GEMV_MAX_TOKENS), gated)
+        return (f"rows={g.rows_per_warp} warps={g.warps} k_split={g.k_split} tt={g.max_tokens} "
+                f"k_chunk={lin._gemv_k_chunk(k, g)}" + (f" ({-(-T // g.max_tokens)} passes)" if T > g.max_tokens else ""))
+    if impl == "skinny":
+        g = lin.skinny_geometry(n, k, T, gated)
+        return f"n_tiles={g.n_tiles} unroll={g.unroll} warps={g.warps} k_split={g.k_split} wps={g.warps_per_sm}"
+    if impl == "gemm_mma":
+        return f"tile={lin.mma_tile(T, n)}"
+    return ""
+
+
+def op_fn(x, w, out, gated, impl, geometry=None):
+    """A no-argument function running one projection (``linear`` / ``linear_silu_mul`` or a forced geometry)."""
+    if geometry is not None:
+        if impl == "gemv":
+            return lambda: lin.gemv(x, w, out, gated=gated, geometry=geometry)
+        return lambda: lin.linear_skinny(x, w, out, gated=gated, geometry=geometry)
+    op = lin.linear_silu_mul if gated else lin.linear
+    return lambda: op(x, w, out, impl=impl)
+
+
+DECODE_IMPLS = {1: ("gemv", "skinny"), 16: ("skinny", "gemv", "gemm_mma")}
+
+
+def bench_decode(weights, rng, read_bw, launches, rows) -> list[dict]:
+    """T = 1 (batch-1 decode) and T = 16 (a 16-token prompt / batched decode): every shape with every
+    weight-streaming implementation; ``default`` marks what ``linear(impl=None)`` takes."""
+    for T, impls in DECODE_IMPLS.items():
+        for name, (w, n, k, gated) in weights.items():
+            n_out = n // 2 if gated else n
             x = random_bf16((T, k), rng)
             out = cuda.device_array((T, n_out), np.uint16)
-            fn = (lambda x=x, w=w, out=out, gated=gated: lin.gemv(x, w, out, gated=gated))
-            sec = time_per_launch(fn, launches)
-            nbytes = n * k * 2 + T * (k + n_out) * 2
-            geo = lin.gemv_geometry(n, k, T, gated)
-            rows.append(dict(kind="gemv", name=name, N=n, K=k, T=T, us=sec * 1e6, GBps=nbytes / sec / 1e9,
-                             pct_of_read=100 * nbytes / sec / read_bw if read_bw == read_bw else None,
-                             geometry=dict(rows_per_warp=geo.rows_per_warp, warps=geo.warps, k_split=geo.k_split,
-                                           max_tokens=geo.max_tokens, k_chunk=lin._gemv_k_chunk(k, geo))))
+            default = lin.default_impl(T)
+            for impl in impls + ((default,) if default not in impls else ()):
+                sec = time_per_launch(op_fn(x, w, out, gated, impl), launches)
+                nbytes = n * k * 2 + T * (k + n_out) * 2
+                rows.append(dict(kind="decode", name=name, N=n, K=k, T=T, impl=impl, default=impl == default,
+                                 us=sec * 1e6, GBps=nbytes / sec / 1e9,
+                                 pct_of_read=100 * nbytes / sec / read_bw if read_bw == read_bw else None,
+                                 geometry=geometry_text(impl, n, k, T, gated)))
     return rows
+
+
+def print_decode(rows, launches) -> dict:
+    print(f"\nWeight-streaming projections (CUDA graph of {launches} launches; bytes = weight + x + out; "
+          f"* = linear(impl=None))")
+    print(f"{'shape':14s} {'N':>7s} {'K':>6s} {'T':>3s} {'impl':>9s} {'us':>9s} {'GB/s':>7s} {'% read':>7s}  geometry")
+    for r in rows:
+        pct = f"{r['pct_of_read']:6.1f}%" if r["pct_of_read"] is not None else "     - "
+        mark = "*" if r["default"] else " "
+        print(f"{r['name']:14s} {r['N']:7d} {r['K']:6d} {r['T']:3d} {mark}{r['impl']:>8s} {r['us']:9.1f} "
+              f"{r['GBps']:7.0f} {pct}  {r['geometry']}")
+    sums = {}
+    print(f"\nprojections per forward step (Qwen3-4B: {LAYERS} layers × (qkv + o + gate_up + down) + lm_head)")
+    for T, impls in DECODE_IMPLS.items():
+        for impl in ("default",) + impls:
+            if not any(r["T"] == T and r["impl"] == impl for r in rows) and impl != "default":
+                continue
+            sel = [r for r in rows if r["T"] == T and (r["default"] if impl == "default" else r["impl"] == impl)]
+            layer = sum(r["us"] for r in sel if r["name"] != "lm_head")
+            head = sum(r["us"] for r in sel if r["name"] == "lm_head")
+            ms = (LAYERS * layer + head) / 1e3
+            sums[f"T{T}_{impl}"] = ms
+            print(f"  T={T:2d} {impl:9s}: {layer:7.1f} us/layer × {LAYERS} + lm_head {head:6.1f} us = {ms:6.2f} ms "
+                  f"per step ({ms / T:6.3f} ms/token)")
+    return sums
 
 
 def bench_gemm(weights, rng, impls, use_torch, rows) -> list[dict]:
@@ -137,7 +192,7 @@ def bench_gemm(weights, rng, impls, use_torch, rows) -> list[dict]:
         import torch  # noqa: F811  (only as a yardstick: cuBLAS through torch)
     for name, (w, n, k, gated) in weights.items():
         n_out = n // 2 if gated else n
-        for T in (16, 128, 2048):
+        for T in (128, 2048):
             T = max(1, T // SHRINK) if SIM else T
             x = random_bf16((T, k), rng)
             out = cuda.device_array((T, n_out), np.uint16)
@@ -196,6 +251,38 @@ def sweep_gemv(weights, rng, rows) -> list[dict]:
     return rows
 
 
+SKINNY_SWEEP = [(1, 4), (2, 2), (2, 4), (4, 1), (4, 2)]
+"""(n_tiles, unroll) pairs the skinny sweep tries, each with 4 and 8 warps per block and k_split 1..8."""
+
+
+def sweep_skinny(weights, rng, rows) -> list[dict]:
+    """Skinny-kernel geometries per shape at T = 1 and T = 16; prints the best as a ``SKINNY_TUNED`` entry."""
+    for T in (1, 16):
+        for name, (w, n, k, gated) in weights.items():
+            x = random_bf16((T, k), rng)
+            out = cuda.device_array((T, n // 2 if gated else n), np.uint16)
+            results = []
+            for nt, unroll in SKINNY_SWEEP:
+                for warps in (4, 8):
+                    for k_split in (1, 2, 4, 8):
+                        if warps % k_split or k // k_split < 32 * unroll * 4:
+                            continue
+                        geo = lin.SkinnyGeometry(n_tiles=nt, unroll=unroll, warps=warps, k_split=k_split)
+                        sec = time_per_launch(op_fn(x, w, out, gated, "skinny", geo), 30, reps=3)
+                        results.append((sec, geo))
+                        rows.append(dict(kind="skinny_sweep", name=name, N=n, K=k, T=T, us=sec * 1e6,
+                                         GBps=n * k * 2 / sec / 1e9, n_tiles=nt, unroll=unroll, warps=warps,
+                                         k_split=k_split))
+            best_sec, best = min(results, key=lambda p: p[0])
+            default = lin.skinny_geometry(n, k, T, gated)
+            default_sec = next((sec for sec, g in results if g == default), float("nan"))
+            print(f"  T={T:2d} {name:13s} best {best_sec * 1e6:7.1f} us {n * k * 2 / best_sec / 1e9:6.0f} GB/s   "
+                  f"default {default_sec * 1e6:7.1f} us   ({n}, {k}, {-(-T // 16)}, {gated}): SkinnyGeometry("
+                  f"n_tiles={best.n_tiles}, unroll={best.unroll}, warps={best.warps}, k_split={best.k_split})",
+                  flush=True)
+    return rows
+
+
 MMA_TILES = [(2, 4, 2, 4), (2, 4, 4, 4), (2, 2, 2, 4), (1, 4, 2, 4), (4, 2, 2, 2), (2, 2, 4, 4)]
 
 
@@ -219,7 +306,7 @@ def sweep_mma(weights, rng, rows) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--launches", type=int, default=100, help="GEMV launches per CUDA graph (default 100)")
+    ap.add_argument("--launches", type=int, default=50, help="launches per CUDA graph for T = 1 / 16 (default 50)")
     ap.add_argument("--sweep", action="store_true",
                     help="also time every GEMV geometry and several mma tiles (a few minutes)")
     ap.add_argument("--fma", action="store_true", help="also time the FMA-tiled GEMM")
@@ -239,22 +326,12 @@ def main(argv=None) -> int:
     read_bw = read_bandwidth()
     print(f"read bandwidth (16-byte loads over 2 GB): {read_bw / 1e9:.0f} GB/s", flush=True)
 
-    rows: list[dict] = []
-    bench_gemv(weights, rng, read_bw, args.launches, rows)
-    print(f"\nGEMV (CUDA graph of {args.launches} launches; bytes = weight + x + out)")
-    print(f"{'shape':14s} {'N':>7s} {'K':>6s} {'T':>2s} {'us':>9s} {'GB/s':>8s} {'% read':>7s}  geometry")
-    for r in rows:
-        g = r["geometry"]
-        pct = f"{r['pct_of_read']:6.1f}%" if r["pct_of_read"] is not None else "     - "
-        print(f"{r['name']:14s} {r['N']:7d} {r['K']:6d} {r['T']:2d} {r['us']:9.1f} {r['GBps']:8.0f} {pct}  "
-              f"rows={g['rows_per_warp']} warps={g['warps']} k_split={g['k_split']} k_chunk={g['k_chunk']}")
-    per_layer = sum(r["us"] for r in rows if r["T"] == 1 and r["name"] != "lm_head")
-    head = sum(r["us"] for r in rows if r["T"] == 1 and r["name"] == "lm_head")
-    decode_ms = (LAYERS * per_layer + head) / 1e3
-    print(f"batch-1 decode, projections only: {per_layer:.1f} us/layer × {LAYERS} + lm_head {head:.1f} us "
-          f"= {decode_ms:.2f} ms/token", flush=True)
+    rows: list[dict] = bench_decode(weights, rng, read_bw, args.launches, [])
+    sums = print_decode(rows, args.launches)
+    decode_ms = sums["T1_default"]
 
     impls = ["gemm_mma"] + (["gemm_fma"] if args.fma else [])
+    print("\nGEMM (prefill) ...", flush=True)
     gemm_rows = bench_gemm(weights, rng, impls, args.torch, [])
     print("\nGEMM (prefill)")
     print(f"{'shape':14s} {'N':>7s} {'K':>6s} {'T':>5s} {'impl':>13s} {'us':>10s} {'TFLOP/s':>8s}")
@@ -266,11 +343,13 @@ def main(argv=None) -> int:
     if args.sweep:
         print("\nGEMV geometry sweep (T = 1)", flush=True)
         rows += sweep_gemv(weights, rng, [])
+        print("\nskinny tensor-core geometry sweep (T = 1, 16)", flush=True)
+        rows += sweep_skinny(weights, rng, [])
         print(f"\nmma tile sweep (T = {2048 // SHRINK}; (warps_m, warps_n, mt, nt))", flush=True)
         rows += sweep_mma(weights, rng, [])
 
     result = dict(device=pegainfer.device.describe(), read_bw_GBps=read_bw / 1e9,
-                  decode_projection_ms_per_token=decode_ms, rows=rows, seconds=time.perf_counter() - t_start)
+                  decode_projection_ms_per_token=decode_ms, step_ms=sums, rows=rows, seconds=time.perf_counter() - t_start)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -782,10 +782,13 @@ in ``skinny_geometry`` (``benchmarks/bench_gemv.py --sweep`` prints entries in t
 
 
 @functools.cache
-def _skinny_kernel(m_tiles: int, n_tiles: int, unroll: int, warps: int, gated: bool, warps_per_sm: int):
+def _skinny_kernel(m_tiles: int, n_tiles: int, unroll: int, warps: int, gated: bool, warps_per_sm: int,
+                   upper_rows: bool = True):
     """Build the skinny kernel for ``m_tiles`` m16 token tiles × ``n_tiles`` n8 column tiles per warp, ``unroll``
-    K chunks in flight, blocks of ``warps`` warps (all compile-time: they size register arrays and unroll loops)."""
+    K chunks in flight, blocks of ``warps`` warps (all compile-time: they size register arrays and unroll loops).
+    ``upper_rows=False`` (T <= 8, one tile): token rows g + 8 of the A fragment are known zeros, never loaded."""
     MT, NT, U = m_tiles, n_tiles, unroll
+    HALVES = 2 if upper_rows else 1
     XW = 8 * MT * U          # x words per lane per iteration: MT tiles × 2 token rows × 4 words × U chunks
     WW = 4 * NT * U          # weight words per lane per iteration: NT rows × 4 words × U chunks
     NACC = 4 * MT * NT       # accumulator fragment values per lane
@@ -863,7 +866,7 @@ def _skinny_kernel(m_tiles: int, n_tiles: int, unroll: int, warps: int, gated: b
                     for i in range(MT):
                         for h in range(2):         # token rows g and g + 8 of m16 tile i
                             m = 16 * i + 8 * h + g
-                            if e < k and m < T:
+                            if h < HALVES and e < k and m < T:
                                 v0, v1, v2, v3 = load_u32x4(x32, m * k_words + word)
                             else:
                                 v0 = v1 = v2 = v3 = uint32(0)
@@ -927,7 +930,9 @@ def skinny_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False) -> 
         return SkinnyGeometry(n_tiles=2, unroll=1, warps=2, k_split=2 if k >= 128 else 1)
     if (n_cols, k, mt, gated) in SKINNY_TUNED:
         return SKINNY_TUNED[n_cols, k, mt, gated]
-    nt = 2
+    # register use (ptxas, sm_90, launch bounds of 16 warps/SM = 128 registers): (mt 1, nt 2, unroll 2) and
+    # (mt 2, nt 2, unroll 1) fit without spills; mt 3-4 with nt 2 spill ~150 bytes, with nt 1 only 4-24 bytes
+    nt = 2 if mt <= 2 else 1
     unroll = 2 if mt == 1 else 1
     target = 2 * 16 * _sm_count()
     k_split = 1
@@ -950,7 +955,7 @@ def linear_skinny(x, w, out, *, gated: bool = False, geometry: SkinnyGeometry | 
     mt = -(-T // 16)
     cols_per_block = geo.warps // geo.k_split * 8 * geo.n_tiles
     shared = 4 * geo.warps * 4 * mt * geo.n_tiles * WARP if geo.k_split > 1 else 0
-    kern = _skinny_kernel(mt, geo.n_tiles, geo.unroll, geo.warps, gated, geo.warps_per_sm)
+    kern = _skinny_kernel(mt, geo.n_tiles, geo.unroll, geo.warps, gated, geo.warps_per_sm, T > 8)
     launch(kern, grid(n_cols, cols_per_block, sim_cap=8), geo.warps * WARP,
            _as_u32(x), _as_u32(w), out, k, geo.k_split, shared=shared, name="linear_skinny")
 

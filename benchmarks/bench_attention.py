@@ -1,14 +1,14 @@
 """How fast is pegainfer's paged attention on the H200?
 
-* Decode (batch 1, the split-K path + combine): time per call and the bandwidth it achieves reading the K/V of the
+* Decode (batch 1, the split-K path: one launch, the last block of each kv head merges the splits): time per call and the bandwidth it achieves reading the K/V of the
   context, for contexts 512, 4096 and 32768, with Qwen3-4B shapes (32 q / 8 kv heads x 128) and Qwen3.5's
   full-attention shapes (16 / 4 x 256), page size 16, pages shuffled, ``max_model_len`` 32768 (which, with T, fixes
   the number of splits).  Each "layer" has its own cache, and a CUDA graph replays calls round-robin over enough
   layers (>= 256 MB of K/V) that the K/V comes from HBM, not from the 50 MB L2 — as in a real decode step.
 * Prefill: one 2048-token prompt (positions 0..2047, one slot), tiled tensor-core kernel and, for reference, the
   split-K kernel; causal TFLOP/s, and the relative L2 difference between the two paths' outputs as a sanity check.
-* ``--sweep`` (several minutes: each geometry is a compile): decode kernel geometries (elements per lane x threads x
-  keys per step x prefetch), split counts and minimum split sizes, prefill tile shapes, and the split-vs-tiled
+* ``--sweep`` (a few minutes: each geometry is a compile): decode warps per block, split counts and minimum split
+  sizes, prefill tile shapes, and the split-vs-tiled
   crossover for chunks of T tokens after a 4096-token prefix -- the numbers needed to retune
   ``attention._split_geometry``, ``SPLIT_TARGET_ROWS`` / ``MIN_SPLIT_TOKENS``, ``_prefill_geometry`` and
   ``PREFILL_MIN_TOKENS``.
@@ -142,9 +142,11 @@ def bench_decode(rng, read_bw, rows, geometry=None, num_splits=None, min_split_t
             sec = time_calls(calls)
             kv_bytes = 2 * ctx * nkv * D * 2
             splits = num_splits or att.attention_num_splits(1, nq, MAX_MODEL_LEN, PAGE)
+            min_chunk = att._min_chunk(min_split_tokens)
+            chunk = -(-(-(-ctx // splits)) // min_chunk) * min_chunk
             row = dict(kind=label, model=model, nq=nq, nkv=nkv, D=D, ctx=ctx, splits=splits,
-                       min_split_tokens=min_split_tokens or att.MIN_SPLIT_TOKENS,
-                       geometry=list(geometry or att._split_geometry(D, nq // nkv)), layers=L.n, us=sec * 1e6,
+                       active_splits=-(-ctx // chunk), min_split_tokens=min_chunk,
+                       warps=geometry or att._split_geometry(D, nq // nkv), layers=L.n, us=sec * 1e6,
                        GBps=kv_bytes / sec / 1e9, pct_of_read=100 * kv_bytes / sec / read_bw if read_bw else None)
             rows.append(row)
             if not quiet:
@@ -155,8 +157,8 @@ def bench_decode(rng, read_bw, rows, geometry=None, num_splits=None, min_split_t
 
 def print_decode_row(r):
     pct = f"{r['pct_of_read']:5.1f}%" if r["pct_of_read"] else "    - "
-    print(f"  {r['kind']:7s} {r['model']:13s} ctx {r['ctx']:6d}  splits {r['splits']:3d} "
-          f"(min {r['min_split_tokens']:3d})  geom {tuple(r['geometry'])}  {r['us']:9.2f} us  {r['GBps']:7.0f} GB/s  "
+    print(f"  {r['kind']:7s} {r['model']:13s} ctx {r['ctx']:6d}  splits {r['active_splits']:3d}/{r['splits']:3d} "
+          f"(min {r['min_split_tokens']:3d} keys)  warps {r['warps']}  {r['us']:9.2f} us  {r['GBps']:7.0f} GB/s  "
           f"{pct}", flush=True)
 
 
@@ -218,17 +220,12 @@ def print_prefill_row(r):
 def sweep(rng, read_bw, rows):
     q3 = {"qwen3-4b": MODELS["qwen3-4b"]} if not SIM else MODELS
     nq, nkv, D = next(iter(q3.values()))
-    ctxs = CONTEXTS[1:] if not SIM else CONTEXTS
-    print("\ndecode geometry sweep (elements per lane, threads, keys per step, prefetch)", flush=True)
-    geometries = [(8, nt, u, p) for nt in (128, 256) for u, p in ((2, False), (4, False), (1, True), (2, True))]
-    geometries += [(16, 128, 1, False), (16, 128, 1, True)]       # larger E: ~250 registers
-    if SIM:
-        geometries = [(8, 32, 2, False), (8, 32, 1, True)]
-    for geometry in geometries:
-        bench_decode(rng, read_bw, rows, geometry=geometry, models=q3, contexts=ctxs, label="sweep-g")
-    print("\ndecode split sweep (default geometry)", flush=True)
-    for splits in ((8, 16, 32, 64, 128, 256) if not SIM else (2, 4)):
-        for min_tokens in ((32, 64, 128, 256) if not SIM else (4,)):
+    print("\ndecode warps-per-block sweep (min split = 16 keys per warp)", flush=True)
+    for warps in ((2, 8) if not SIM else (2,)):
+        bench_decode(rng, read_bw, rows, geometry=warps, min_split_tokens=16 * warps, models=MODELS, label="sweep-g")
+    print("\ndecode split sweep (default warps)", flush=True)
+    for splits in ((16, 32, 64, 128, 256) if not SIM else (2, 4)):
+        for min_tokens in ((32, 64, 128) if not SIM else (4,)):
             bench_decode(rng, read_bw, rows, num_splits=splits, min_split_tokens=min_tokens, models=q3,
                          contexts=CONTEXTS, label="sweep-s", quiet=True)
     best = {}
@@ -265,7 +262,7 @@ def main(argv=None) -> int:
         print(f"read bandwidth (16-byte loads over 2 GB): {read_bw / 1e9:.0f} GB/s", flush=True)
     rng = np.random.default_rng(0)
     rows: list[dict] = []
-    print(f"\ndecode, batch 1 (split-K + combine; bytes = K + V of the context; page {PAGE}, "
+    print(f"\ndecode, batch 1 (split-K, combine fused; bytes = K + V of the context; page {PAGE}, "
           f"max_model_len {MAX_MODEL_LEN})", flush=True)
     bench_decode(rng, read_bw, rows)
     print(f"\nprefill, one {PREFILL_T}-token prompt (causal TFLOP/s)", flush=True)

@@ -130,6 +130,70 @@ def test_split_k_forced(rng, head_dim, num_splits):
         assert rel_l2(got[t], want[t]) <= 1e-2, t
 
 
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_split_k_many_splits_repeated(rng, head_dim):
+    """Several splits of 4 keys merged by the last block, twice on the same workspace (its counters must be back at
+    zero after each call), then a different length on the same workspace."""
+    from pegainfer.kernels import attention
+
+    nq, nkv, page, max_pages = 4, 2, PAGE, 6
+    k_bits, k, v_bits, v, tables = make_cache(rng, 14, page, nkv, head_dim, 2, max_pages)
+    q_bits, q = bf16_randn((2, nq, head_dim), rng)
+    scale = 1.0 / math.sqrt(head_dim)
+    ws = cuda.device_array(attention_workspace_size(2, nq, head_dim, max_pages * page, page, num_splits=6),
+                           np.float32)
+    dev = [cuda.to_device(a) for a in (q_bits, k_bits, v_bits, tables)]
+    out = cuda.device_array((2, nq, head_dim), np.uint16)
+    for slots, positions in (([0, 1], [22, 13]), ([0, 1], [22, 13]), ([1, 0], [5, 23])):
+        slots, positions = np.array(slots, np.int32), np.array(positions, np.int32)
+        paged_attention(*dev, cuda.to_device(slots), cuda.to_device(positions), out, scale, ws,
+                        num_splits=6, min_split_tokens=4, method="split")
+        got = (out.copy_to_host().astype(np.uint32) << 16).view(np.float32)
+        want = reference(q, k, v, tables, slots, positions, scale, page)
+        for t in range(2):
+            assert rel_l2(got[t], want[t]) <= 1e-2, (positions, t)
+        counters = ws.copy_to_host().view(np.int32)[-2 * nkv:]
+        assert not counters.any(), counters
+    assert attention._split_geometry(head_dim, nq // nkv) >= 1
+
+
+def test_split_k_two_warps(rng, monkeypatch):
+    """Two warps per block (the block merges its warps' partial states in shared memory), with and without
+    several splits."""
+    from pegainfer.kernels import attention
+
+    monkeypatch.setattr(attention, "_split_geometry", lambda head_dim, group: 2)
+    for kwargs in (dict(), dict(num_splits=2, min_split_tokens=16)):
+        got, want = run_attention(rng, 4, 2, 16, slots=[1, 0], positions=[19, 35], max_pages=10, num_pages=21,
+                                  method="split", **kwargs)
+        for t in range(2):
+            assert rel_l2(got[t], want[t]) <= 1e-2, (kwargs, t)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_padding_tokens(rng, method):
+    """Tokens with ``token_slots[t] < 0`` (padding of a fixed-size batch) get zeros and read no block table row;
+    the real tokens around them are unaffected.  The padding rows of ``out`` start as garbage."""
+    nq, nkv, D = 4, 2, 16
+    k_bits, k, v_bits, v, tables = make_cache(rng, 13, PAGE, nkv, D, 2, 5)
+    slots = np.array([0, 0, -1, 1, -1, -1], np.int32)
+    positions = np.array([3, 4, 0, 9, 0, 0], np.int32)
+    positions[4] = 10 ** 6   # nonsense position of a padding token: must not be used
+    q_bits, q = bf16_randn((6, nq, D), rng)
+    scale = 1.0 / math.sqrt(D)
+    out = cuda.to_device(np.full((6, nq, D), 0x3F80, np.uint16))   # 1.0 everywhere
+    ws = cuda.device_array(attention_workspace_size(6, nq, D, 5 * PAGE, PAGE, num_splits=3), np.float32)
+    paged_attention(cuda.to_device(q_bits), cuda.to_device(k_bits), cuda.to_device(v_bits), cuda.to_device(tables),
+                    cuda.to_device(slots), cuda.to_device(positions), out, scale, ws, method=method,
+                    **(dict(num_splits=3, min_split_tokens=4) if method == "split" else {}))
+    got = (out.copy_to_host().astype(np.uint32) << 16).view(np.float32)
+    real = [0, 1, 3]
+    want = reference(q[real], k, v, tables, slots[real], positions[real], scale, PAGE)
+    for i, t in enumerate(real):
+        assert rel_l2(got[t], want[i]) <= 1e-2, t
+    assert not got[[2, 4, 5]].any()
+
+
 # ------------------------------------------------------------------------------------------------ GPU shapes
 @pytest.mark.gpu
 @pytest.mark.parametrize("nq,nkv,head_dim", [(32, 8, 128), (16, 4, 256)])

@@ -919,25 +919,23 @@ def _skinny_kernel(m_tiles: int, n_tiles: int, unroll: int, warps: int, gated: b
 def skinny_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False) -> SkinnyGeometry:
     """Pick the skinny kernel's split for a ``[n_cols, k]`` weight (logical columns: 2I when gated) and T tokens.
 
-    Aim: every SM holds ~16 warps each with ~64 bytes of weight loads in flight per lane (2 n8 tiles × 2 chunks
-    for one m16 tile of tokens; for more token tiles x's registers and accumulators grow, so 1 chunk at a time),
-    with the grid's warps >= 2 waves of 16 per SM: ``k_split`` doubles (up to 8, while each warp keeps >= 8 chunk
-    runs of K) until the row groups × k_split fill that.  A starting point: ``bench_gemv.py --sweep`` measures the
-    alternatives and ``SKINNY_TUNED`` overrides it.
+    Per lane, as many 16-byte weight loads in flight as fit in the 128 registers of 16 warps/SM without spills
+    (ptxas, sm_90): 2 n8 tiles × 4 chunks for one m16 tile of tokens (T <= 16); with more token tiles x's
+    registers and the accumulators grow: 2 × 1 for two tiles, 1 × 1 for three or four (those spill 4-24 bytes).
+    Then ``k_split`` doubles (up to 8, while every warp keeps >= 4 iterations of K) until the grid has a warp for
+    each of the 16 slots of every SM: the short matrices (o, down: 2560 rows = 160 row groups) need k_split 8.
+    A starting point: ``bench_gemv.py --sweep`` measures the alternatives and ``SKINNY_TUNED`` overrides it.
     """
     mt = -(-n_tokens // 16)
     if SIMULATOR:
         return SkinnyGeometry(n_tiles=2, unroll=1, warps=2, k_split=2 if k >= 128 else 1)
     if (n_cols, k, mt, gated) in SKINNY_TUNED:
         return SKINNY_TUNED[n_cols, k, mt, gated]
-    # register use (ptxas, sm_90, launch bounds of 16 warps/SM = 128 registers): (mt 1, nt 2, unroll 2) and
-    # (mt 2, nt 2, unroll 1) fit without spills; mt 3-4 with nt 2 spill ~150 bytes, with nt 1 only 4-24 bytes
-    nt = 2 if mt <= 2 else 1
-    unroll = 2 if mt == 1 else 1
-    target = 2 * 16 * _sm_count()
-    k_split = 1
+    nt, unroll = (2, 4) if mt == 1 else ((2, 1) if mt == 2 else (1, 1))
+    target = 16 * _sm_count()
     groups = -(-n_cols // (8 * nt))
-    while groups * k_split < target and k_split < 8 and k >= 2 * 32 * unroll * 8 * k_split:
+    k_split = 1
+    while groups * k_split < target and k_split < 8 and k // (32 * unroll * 2 * k_split) >= 4:
         k_split *= 2
     return SkinnyGeometry(n_tiles=nt, unroll=unroll, warps=8, k_split=k_split)
 

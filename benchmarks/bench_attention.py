@@ -115,10 +115,18 @@ class Layers:
         self.n = n
 
 
+_LAYERS: dict = {}
+
+
 def layers_for(ctx, nkv, D, rng, cap=128):
-    kv_bytes = 2 * ctx * nkv * D * 2
-    n = 1 if SIM else int(min(cap, max(2, math.ceil(HBM_SET_BYTES / kv_bytes))))
-    return Layers(n, ctx, nkv, D, rng)
+    """The K/V caches of one (context, shape), built once and reused by every decode measurement (random data for
+    256 MB takes seconds on the host)."""
+    key = (ctx, nkv, D)
+    if key not in _LAYERS:
+        kv_bytes = 2 * ctx * nkv * D * 2
+        n = 1 if SIM else int(min(cap, max(2, math.ceil(HBM_SET_BYTES / kv_bytes))))
+        _LAYERS[key] = Layers(n, ctx, nkv, D, rng)
+    return _LAYERS[key]
 
 
 def bench_decode(rng, read_bw, rows, geometry=None, num_splits=None, min_split_tokens=None, models=None,
@@ -151,7 +159,6 @@ def bench_decode(rng, read_bw, rows, geometry=None, num_splits=None, min_split_t
             rows.append(row)
             if not quiet:
                 print_decode_row(row)
-            del L
     return rows
 
 

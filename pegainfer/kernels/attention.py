@@ -21,23 +21,28 @@ exactly: ``M = max(m1, m2)``, ``l = l1 e^(m1-M) + l2 e^(m2-M)``, ``acc = acc1 e^
 
 Two paths:
 
-* **Split-K ("flash-decoding")**: ``paged_attention_split_kernel``.  One block per (token, kv head, split); the block
-  serves all ``G = nq // nkv`` query heads of its kv head, so each K/V row is read from memory once for ``G`` heads.
-  A token's keys are cut into ``num_splits`` page-aligned ranges; block ``split`` covers one of them and writes a
-  partial ``(m, l, acc)`` into the workspace, then ``paged_attention_combine_kernel`` merges the splits.  With
-  ``num_splits == 1`` the split kernel writes the normalised output itself and no combine runs.  ``num_splits`` is
-  chosen from shapes known before capture (``T``, ``nq``, the block table's capacity), never from the runtime
-  lengths: the range a split covers is computed *on the device* from ``positions[t]``, so the launch is identical for
-  every step and can live in a CUDA graph.  This path serves every ``T`` (decode batches, short chunks).
+* **Split-K ("flash-decoding")**: ``paged_attention_split_kernel``, on tensor cores.  One block per (token, kv
+  head, split); the block serves all ``G = nq // nkv`` query heads of its kv head (the rows of an ``m16n8k16`` tile,
+  so each K/V row is read from memory once for ``G`` heads), and each warp computes ``S = Q K^T`` and ``O += P V``
+  for 16 keys per step with K/V fragments loaded straight from the cache into registers (no shared-memory
+  staging).  The launch provides ``num_splits`` splits per (token, kv head), chosen from shapes known before
+  capture (``T``, ``nq``, the block table's capacity); how many of them do work is computed *on the device* from
+  ``positions[t]`` (splits of a multiple of ``MIN_SPLIT_TOKENS`` keys), so a short context uses few blocks and a
+  long one fills the GPU, and the launch is identical for every step (CUDA graphs).  One split with work writes the
+  output directly; otherwise every split writes a partial ``(m, l, acc)`` to the workspace and the *last* block of
+  the (token, kv head) to finish -- an atomic counter in the workspace, reset to 0 by that block -- merges them.
+  One launch, no combine kernel.  This path serves every ``T`` (decode batches, short chunks).
 * **Tiled prefill**: ``paged_attention_prefill_kernel`` (FlashAttention-2 style, on tensor cores): one block per
   (tile of ``BQ`` consecutive query tokens, kv head); the tile's ``BQ * G`` query rows share every K/V tile staged in
   shared memory, ``S = Q K^T`` and ``O += P V`` are ``mma.sync.m16n8k16`` (bf16 in, f32 accumulate) and the
   softmax lives in the accumulator registers.  ``method="auto"`` takes it from ``PREFILL_MIN_TOKENS`` tokens up.
-  In the simulator the warp-wide mma is emulated (``mma_bf16_m16n8k16`` below), so the same kernel is tested there.
+  In the simulator the warp-wide mma is emulated (``primitives.mma_bf16_m16n8k16``), so the same kernel is tested
+  there.
 
 Public API: ``paged_attention``, ``attention_workspace_size``, ``attention_num_splits``.
-Nothing allocates per call (the split-K partials live in the caller's ``workspace``), and every per-step value comes
-from device arrays, so both paths can be captured in a CUDA graph.
+Nothing allocates per call (the split-K partials and counters live in the caller's ``workspace``), and every
+per-step value comes from device arrays, so both paths can be captured in a CUDA graph.  A token with
+``token_slots[t] < 0`` (padding of a fixed-size batch) reads nothing and gets zeros, on both paths.
 """
 from __future__ import annotations
 
@@ -52,17 +57,14 @@ from pegainfer.device import SIMULATOR
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.primitives import (
     FULL_MASK,
-    bf16x2_hi,
-    bits_f32,
-    block_max,
-    block_sum,
-    bf16x2_lo,
     device_fn,
     f32_to_bf16,
     float32,
     grid,
     kernel,
     load_u32x4,
+    mma_bf16_m16n8k16,
+    pack_bf16x2,
     threads,
     int32,
     uint16,
@@ -74,12 +76,12 @@ uint64 = np.uint64
 
 # Split-K policy (see ``attention_num_splits``).
 SPLIT_TARGET_ROWS = 2048   # aim for ~this many (token, q head, split) rows per launch: ~512 blocks at G = 4
-MIN_SPLIT_TOKENS = 64      # a split covers at least this many keys (rounded up to whole pages)
+MIN_SPLIT_TOKENS = 64      # split lengths are multiples of this many keys (one 16-key step per warp of 4)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 PREFILL_MIN_TOKENS = 128   # "auto" takes the tiled prefill kernel from this many query tokens up
 
 
-# ------------------------------------------------------------------------- lane-group reductions, tensor-core helpers
+# ------------------------------------------------------------------------- lane-group reductions
 if SIMULATOR:
     @device_fn
     def lane_group_sum(v, width):
@@ -106,46 +108,7 @@ if SIMULATOR:
         s = np.float32(buf[lo:lo + int(width)].max())
         cuda.syncthreads()
         return s
-
-    # Where each element of the m16n8k16 operands lives: A[r, k] in lane (r % 8) * 4 + (k % 8) // 2, register
-    # a0..a3 = (k >= 8) * 2 + (r >= 8), half k % 2; B[k, n] in lane n * 4 + (k % 8) // 2, register b0/b1 = k >= 8.
-    _R, _K = np.meshgrid(np.arange(16), np.arange(16), indexing="ij")
-    _A_LANE, _A_REG = (_R % 8) * 4 + (_K % 8) // 2, (_K >= 8) * 2 + (_R >= 8)
-    _A_SHIFT = (16 * (_K % 2)).astype(np.uint32)
-    _KB, _N = np.meshgrid(np.arange(16), np.arange(8), indexing="ij")
-    _B_LANE, _B_REG, _B_SHIFT = _N * 4 + (_KB % 8) // 2, 4 + (_KB >= 8), (16 * (_KB % 2)).astype(np.uint32)
-
-    def _bf16_halves(words, shift):
-        return ((((words >> shift) & np.uint32(0xFFFF)) << np.uint32(16)).astype(np.uint32)
-                .view(np.float32).astype(np.float64))
-
-    @device_fn
-    def mma_bf16_m16n8k16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        """Simulator emulation of the warp-wide ``mma.sync.m16n8k16`` (see the GPU version for the layout): the
-        warp's fragments meet in block-shared scratch; every thread of the block must call it equally often."""
-        regs = cuda.shared.array((1024, 6), np.uint32)
-        t = int(cuda.threadIdx.x)
-        for i, r in enumerate((a0, a1, a2, a3, b0, b1)):
-            regs[t, i] = r
-        cuda.syncthreads()
-        w = regs[t - t % 32:t - t % 32 + 32].copy()
-        cuda.syncthreads()
-        a = _bf16_halves(w[_A_LANE, _A_REG], _A_SHIFT)
-        b = _bf16_halves(w[_B_LANE, _B_REG], _B_SHIFT)
-        d = a @ b
-        g, q = (t % 32) >> 2, t & 3
-        return (np.float32(c0 + d[g, 2 * q]), np.float32(c1 + d[g, 2 * q + 1]),
-                np.float32(c2 + d[g + 8, 2 * q]), np.float32(c3 + d[g + 8, 2 * q + 1]))
-
-    @device_fn
-    def pack_bf16x2(lo, hi):
-        """Two f32 -> one uint32 of two bf16 (round to nearest even), ``lo`` in the low half."""
-        return np.uint32(int(f32_to_bf16(lo)) | (int(f32_to_bf16(hi)) << 16))
 else:
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
     @device_fn
     def lane_group_sum(v, width):
         """Sum of ``v`` over aligned groups of ``width`` lanes (a power of two <= 32): an xor butterfly that stays
@@ -164,50 +127,6 @@ else:
             v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, off))
             off >>= 1
         return v
-
-    @intrinsic
-    def mma_bf16_m16n8k16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        """``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32``: one warp computes D[16x8] = A[16x16] B[16x8] + C
-        in f32.  Per lane (g = lane >> 2, t = lane & 3), each uint32 holding two bf16, lower index in the low half:
-        a0 = A[g, 2t:2t+2], a1 = A[g+8, 2t:2t+2], a2 = A[g, 2t+8:2t+10], a3 = A[g+8, 2t+8:2t+10];
-        b0 = B[2t:2t+2, g], b1 = B[2t+8:2t+10, g]; c/d0,1 = C[g, 2t:2t+2], c/d2,3 = C[g+8, 2t:2t+2].
-        Returns (d0, d1, d2, d3).  (The same intrinsic as ``linear.py``'s; candidates for ``primitives``.)"""
-        sig = types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
-
-        def codegen(context, builder, sig, args):
-            i32, f32 = ir.IntType(32), ir.FloatType()
-            ins = [context.cast(builder, v, ty, types.uint32) for v, ty in zip(args[:6], sig.args[:6])]
-            ins += [context.cast(builder, v, ty, types.float32) for v, ty in zip(args[6:], sig.args[6:])]
-            fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
-            asm = ir.InlineAsm(fnty,
-                               "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                               "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-                               "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
-            res = builder.call(asm, ins)
-            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(4)])
-
-        return sig, codegen
-
-    @intrinsic
-    def pack_bf16x2(typingctx, lo, hi):
-        """``cvt.rn.bf16x2.f32``: two f32 -> one uint32 of two bf16 (round to nearest even), ``lo`` in the low half."""
-        sig = types.uint32(lo, hi)
-
-        def codegen(context, builder, sig, args):
-            f32 = ir.FloatType()
-            vals = [context.cast(builder, v, ty, types.float32) for v, ty in zip(args, sig.args)]
-            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [f32, f32]), "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f")
-            return builder.call(asm, vals)
-
-        return sig, codegen
-
-
-@device_fn
-def rescale_factor(m_part, m_total):
-    """``exp(m_part - m_total)``, and 0 for an empty partial (``m_part == -inf``)."""
-    if m_part == NEG_INF:
-        return float32(0.0)
-    return float32(math.exp(m_part - m_total))
 
 
 @device_fn

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pegainfer.kernels.launch import launch
-from pegainfer.kernels.primitives import (WARP, bf16_to_f32, block_sum, cuda, device_fn, f32_to_bf16,
+from pegainfer.kernels.primitives import (WARP, bf16_to_f32, cuda, device_fn, f32_to_bf16,
                                           float32, grid, kernel, math, threads, warp_sum)
 
 L2NORM_EPS = 1e-6  # HF ``l2norm(x, eps=1e-6)``: x · rsqrt(Σx² + eps)
@@ -546,7 +546,7 @@ def gated_delta_chunked(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids, token_of
            threads(gpu=128, sim=32), qkv, a, b, a_log, dt_bias, token_offsets, np.int32(key_dim), np.int32(chunk),
            np.int32(max_chunks), s.tinv, s.intra, s.gcum, s.beta, s.qk_inv)
     items = slot_ids.shape[0] * num_v_heads * (-(-value_dim // COL_TILE))
-    launch(gated_delta_chunk_scan_kernel, grid(items, sim_cap=8), threads(gpu=256, sim=64), qkv, ssm_state,
+    launch(gated_delta_chunk_scan_kernel, grid(items, sim_cap=8), threads(gpu=256, sim=32), qkv, ssm_state,
            slot_ids, token_offsets, np.int32(chunk), s.tinv, s.intra, s.gcum, s.beta, s.qk_inv, out)
 
 
@@ -557,28 +557,36 @@ def gated_rms_norm_kernel(x, z, weight, out, eps):
 
     x, z, out ``[tokens, Hv·Dv]`` bf16 (x: the rule's output, z: in_proj_z output), weight ``[Dv]`` bf16 (a
     plain weight, initialised to ones: *not* the ``1 + w`` form of the other Qwen3.5 norms).  Per (token, head)
-    group, ``r = 1/sqrt(mean(x²) + eps)`` in f32 and, rounding as HF's bf16 forward does::
+    row, ``r = 1/sqrt(mean(x²) + eps)`` in f32 and, rounding as HF's bf16 forward does::
 
         out = bf16( bf16(w · bf16(x·r)) · silu(z) )
 
-    Geometry: one block per (token, head) group, grid-strided; threads stride over ``Dv`` and reduce with
-    ``block_sum``.  Each thread reads back only its own columns, so ``out`` may alias ``x``.
+    Geometry: one warp per (token, head) row (``Dv`` is small: 128 in Qwen3.5), ``W`` rows per block, grid-strided
+    with a trip count uniform across the block (the warp reduction needs every thread); lanes stride over ``Dv``.
+    Each lane reads back only its own columns, so ``out`` may alias ``x``.
     """
     group = weight.shape[0]
     heads = x.shape[1] // group
+    rows = x.shape[0] * heads
     eps = float32(eps)
-    for row in range(cuda.blockIdx.x, x.shape[0] * heads, cuda.gridDim.x):
+    lane = cuda.threadIdx.x % WARP
+    warps = cuda.blockDim.x // WARP
+    for first in range(cuda.blockIdx.x * warps, rows, cuda.gridDim.x * warps):
+        row = first + cuda.threadIdx.x // WARP
+        active = row < rows
         t = row // heads
         base = (row % heads) * group
         ss = float32(0.0)
-        for i in range(cuda.threadIdx.x, group, cuda.blockDim.x):
-            v = bf16_to_f32(x[t, base + i])
-            ss += v * v
-        inv_rms = float32(1.0) / float32(math.sqrt(block_sum(ss) / float32(group) + eps))
-        for i in range(cuda.threadIdx.x, group, cuda.blockDim.x):
-            normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[t, base + i]) * inv_rms))
-            weighted = bf16_to_f32(f32_to_bf16(bf16_to_f32(weight[i]) * normed))
-            out[t, base + i] = f32_to_bf16(weighted * silu(bf16_to_f32(z[t, base + i])))
+        if active:
+            for i in range(lane, group, WARP):
+                v = bf16_to_f32(x[t, base + i])
+                ss += v * v
+        inv_rms = float32(1.0) / float32(math.sqrt(warp_sum(ss) / float32(group) + eps))
+        if active:
+            for i in range(lane, group, WARP):
+                normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[t, base + i]) * inv_rms))
+                weighted = bf16_to_f32(f32_to_bf16(bf16_to_f32(weight[i]) * normed))
+                out[t, base + i] = f32_to_bf16(weighted * silu(bf16_to_f32(z[t, base + i])))
 
 
 def gated_rms_norm(x, z, weight, out, eps: float) -> None:
@@ -593,7 +601,8 @@ def gated_rms_norm(x, z, weight, out, eps: float) -> None:
     rows = x.shape[0] * (x.shape[1] // weight.shape[0])
     if rows == 0:
         return
-    launch(gated_rms_norm_kernel, grid(rows, sim_cap=4), threads(gpu=128, sim=32), x, z, weight, out,
+    block = threads(gpu=128, sim=64)
+    launch(gated_rms_norm_kernel, grid(rows, per_block=block // WARP, sim_cap=2), block, x, z, weight, out,
            np.float32(eps))
 
 

@@ -1,0 +1,296 @@
+"""Qwen3.5 (hybrid: Gated DeltaNet linear attention + gated full attention) forward pass over preallocated buffers.
+
+Same shape as ``qwen3.py`` (the engine drives either through ``load_weights`` / ``allocate`` / ``reset_slot`` /
+``forward``): one forward call processes a flat batch of T tokens — a prefill chunk of one sequence, or one decode
+token for each of B sequences — with ``ids``, ``positions`` and ``token_slots`` per token in device buffers.
+
+Three of every four layers (``cfg.layer_types``) are **linear attention** (HF ``Qwen3_5GatedDeltaNet``)::
+
+    proj   = normed @ [W_qkv; W_z; W_b; W_a]^T         one fused projection  [T, conv_dim + Hv·Dv + 2·Hv]
+    mixed  = silu(causal_conv1d(proj.qkv))            conv state per slot   (gated_delta.causal_conv1d_silu)
+    core   = gated delta rule(mixed, a, b)            recurrent state per slot: token by token for decode,
+                                                      chunked for prompts   (gated_delta.gated_delta_*)
+    core   = RMSNormGated(core, silu(proj.z))         per value head
+    delta  = core @ W_out^T
+
+the others are **full attention** (HF ``Qwen3_5Attention``) with a sigmoid output gate and partial RoPE::
+
+    qkv    = normed @ [W_q (q and gate interleaved per head); W_k; W_v]^T
+    q, K, V= rope(rms_norm_head(q)), rope(rms_norm_head(k)), v → paged KV cache (rope.qk_norm_rope_store)
+    attn   = softmax(q K^T / sqrt(D)) V · sigmoid(gate)                  (attention, gating.sigmoid_gate_mul)
+    delta  = attn @ W_o^T
+
+and every layer ends with the SwiGLU MLP.  All RMSNorms except the gated one are Qwen3.5's ``x·r·(1 + w)`` form.
+
+**Recurrent state.**  Each linear-attention layer keeps, per engine slot, the conv window ``[conv_dim, K-1]``
+(bf16) and the delta-rule state ``[Hv, Dk, Dv]`` (f32).  ``reset_slot`` zeroes a slot for a new sequence; a prompt
+prefilled in several chunks continues from the state the previous chunk left.
+
+**Sequences in a step.**  The Gated DeltaNet kernels take a per-sequence table (``seq_slots``, ``seq_offsets``),
+built on the device from ``token_slots`` (``gated_delta.sequence_table``: one sequence per run of equal slots).  The
+number of sequences is at most B (every sequence of a step asks for at least one logits row).  When ``T == B``
+(decode, or a prompt scored row by row) each sequence is short and the token-by-token form runs; when ``T > B``
+(a prompt chunk) the chunked form runs.  Both are exact for any table, this choice is only about speed.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda
+
+from pegainfer.kernels import attention, embedding, gated_delta, gating, linear, norm, rope
+from pegainfer.kernels.primitives import from_bf16_bits
+
+BF16 = np.uint16
+QWEN35_NORM = dict(weight_offset=1.0, round_before_weight=False)  # HF Qwen3_5RMSNorm: bf16(x·r·(1 + w))
+PREFILL_CONV_TOKENS_PER_THREAD = 8
+
+
+class Qwen35Model:
+    """Qwen3_5ForCausalLM / the language model of Qwen3_5ForConditionalGeneration: weights, KV cache, recurrent
+    state slots and activation buffers on the device, and the forward pass."""
+
+    arch = "qwen3_5"
+    chunk_size = gated_delta.MAX_CHUNK  # tokens per chunk of the chunked delta rule (tests may lower it)
+
+    def __init__(self, cfg, max_model_len: int, max_tokens: int, max_rows: int):
+        self.cfg = cfg
+        self.max_model_len = max_model_len
+        self.max_tokens = max_tokens          # most tokens in one step (prefill chunk)
+        self.max_rows = max_rows              # most logits rows in one step (sequences in a decode batch)
+        self.nq = cfg.num_attention_heads
+        self.nkv = cfg.num_key_value_heads
+        self.D = cfg.head_dim
+        self.H = cfg.hidden_size
+        self.I = cfg.intermediate_size
+        self.V = cfg.vocab_size
+        self.L = cfg.num_hidden_layers
+        self.rotary_dim = cfg.rotary_dim
+        self.full_layers = list(cfg.full_attention_layers)
+        self.linear_layers = list(cfg.linear_attention_layers)
+        # full attention: q_proj yields q and gate (2·D per head), then k and v
+        self.qkv_rows = (2 * self.nq + 2 * self.nkv) * self.D
+        # linear attention
+        self.Hk = cfg.linear_num_key_heads
+        self.Hv = cfg.linear_num_value_heads
+        self.Dk = cfg.linear_key_head_dim
+        self.Dv = cfg.linear_value_head_dim
+        self.conv_kernel = cfg.linear_conv_kernel_dim
+        self.key_dim = self.Hk * self.Dk
+        self.value_dim = self.Hv * self.Dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.proj_rows = self.conv_dim + self.value_dim + 2 * self.Hv   # qkv | z | b | a
+        if self.Dk > gated_delta.MAX_KEY_DIM:
+            raise ValueError(f"linear_key_head_dim {self.Dk} > {gated_delta.MAX_KEY_DIM} (gated_delta.MAX_KEY_DIM)")
+
+    # ------------------------------------------------------------------------------------------------ sizes
+    def weight_bytes(self) -> int:
+        """Bytes of weights on the device (what a decode step must read)."""
+        H, I, V, D = self.H, self.I, self.V, self.D
+        mlp_norms = 3 * I * H + 2 * H
+        full = self.qkv_rows * H + H * self.nq * D + 2 * D
+        lin = self.proj_rows * H + self.conv_dim * self.conv_kernel + self.Dv + H * self.value_dim
+        lin_f32 = 2 * self.Hv  # A_log, dt_bias (f32: 2 bf16-sized units each)
+        per_layer_total = (len(self.full_layers) * full + len(self.linear_layers) * (lin + lin_f32)
+                           + self.L * mlp_norms)
+        lm = 0 if self.cfg.tie_word_embeddings else V * H
+        return 2 * (V * H + per_layer_total + H + lm)
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * len(self.full_layers) * 2 * self.nkv * self.D
+
+    def state_bytes(self, num_slots: int) -> int:
+        """Bytes of recurrent state (conv window + delta-rule state of every linear-attention layer) for
+        ``num_slots`` sequences."""
+        per_slot = self.conv_dim * (self.conv_kernel - 1) * 2 + self.Hv * self.Dk * self.Dv * 4
+        return len(self.linear_layers) * num_slots * per_slot
+
+    def scratch_bytes(self) -> int:
+        T, H, R = self.max_tokens, self.H, self.max_rows
+        elems = T * (3 * H + self.qkv_rows + 2 * self.nq * self.D + self.I + self.proj_rows + self.conv_dim
+                     + self.value_dim) + R * (H + self.V)
+        chunk = T * (2 * self.Hv * self.chunk_size + 2 * self.Hv + 2 * self.Hk)  # f32 ChunkScratch
+        ws = attention.attention_workspace_size(T, self.nq, self.D, self.max_model_len, 16)
+        return 2 * elems + 4 * (chunk + ws)
+
+    # ------------------------------------------------------------------------------------------------ weights
+    def load_weights(self, reader, progress=None) -> None:
+        cfg, H, D = self.cfg, self.H, self.D
+        p = reader.prefix
+        self.embed = reader.upload(f"{p}embed_tokens.weight", (self.V, H))
+        self.final_norm = reader.upload(f"{p}norm.weight", (H,))
+        if cfg.tie_word_embeddings or not reader.has("lm_head.weight"):
+            self.lm_head = self.embed
+        else:
+            self.lm_head = reader.upload("lm_head.weight", (self.V, H))
+        self.layers = []
+        for i in range(self.L):
+            a = f"{p}layers.{i}."
+            lw = {"input_ln": reader.upload(a + "input_layernorm.weight", (H,)),
+                  "post_ln": reader.upload(a + "post_attention_layernorm.weight", (H,))}
+            if cfg.layer_types[i] == "full_attention":
+                lw.update(self._load_full_attention(reader, a + "self_attn."))
+            else:
+                lw.update(self._load_linear_attention(reader, a + "linear_attn."))
+            gate_up = cuda.device_array((2 * self.I, H), dtype=BF16)
+            reader.upload(a + "mlp.gate_proj.weight", (self.I, H), dest=gate_up[:self.I])
+            reader.upload(a + "mlp.up_proj.weight", (self.I, H), dest=gate_up[self.I:])
+            lw["gate_up"] = gate_up
+            lw["down"] = reader.upload(a + "mlp.down_proj.weight", (H, self.I))
+            self.layers.append(lw)
+        cos, sin = rope.rope_tables(self.max_model_len, self.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rope_cos = cuda.to_device(cos)
+        self.rope_sin = cuda.to_device(sin)
+
+    def _load_full_attention(self, reader, a: str) -> dict:
+        H, D = self.H, self.D
+        qkv = cuda.device_array((self.qkv_rows, H), dtype=BF16)
+        q_rows, kv_rows = 2 * self.nq * D, self.nkv * D
+        reader.upload(a + "q_proj.weight", (q_rows, H), dest=qkv[:q_rows])
+        reader.upload(a + "k_proj.weight", (kv_rows, H), dest=qkv[q_rows:q_rows + kv_rows])
+        reader.upload(a + "v_proj.weight", (kv_rows, H), dest=qkv[q_rows + kv_rows:])
+        return {"qkv": qkv,
+                "q_norm": reader.upload(a + "q_norm.weight", (D,)),
+                "k_norm": reader.upload(a + "k_norm.weight", (D,)),
+                "o": reader.upload(a + "o_proj.weight", (H, self.nq * D))}
+
+    def _load_linear_attention(self, reader, a: str) -> dict:
+        H, cd, vd, hv = self.H, self.conv_dim, self.value_dim, self.Hv
+        proj = cuda.device_array((self.proj_rows, H), dtype=BF16)
+        reader.upload(a + "in_proj_qkv.weight", (cd, H), dest=proj[:cd])
+        reader.upload(a + "in_proj_z.weight", (vd, H), dest=proj[cd:cd + vd])
+        reader.upload(a + "in_proj_b.weight", (hv, H), dest=proj[cd + vd:cd + vd + hv])
+        reader.upload(a + "in_proj_a.weight", (hv, H), dest=proj[cd + vd + hv:])
+        conv = reader.host_bf16(a + "conv1d.weight", (cd, 1, self.conv_kernel)).reshape(cd, self.conv_kernel)
+
+        def f32_param(name):
+            # HF's bf16 model holds A_log and dt_bias in bf16 and widens them to f32 in the forward pass
+            return cuda.to_device(from_bf16_bits(reader.host_bf16(a + name, (hv,))).astype(np.float32))
+
+        return {"in_proj": proj,
+                "conv_w": cuda.to_device(np.ascontiguousarray(conv)),
+                "A_log": f32_param("A_log"),
+                "dt_bias": f32_param("dt_bias"),
+                "norm": reader.upload(a + "norm.weight", (self.Dv,)),
+                "out_proj": reader.upload(a + "out_proj.weight", (H, vd))}
+
+    # ------------------------------------------------------------------------------------------------ buffers
+    def allocate(self, num_pages: int, page_size: int, num_slots: int | None = None) -> None:
+        """KV cache pages (full-attention layers), recurrent-state slots (linear-attention layers) and activation
+        scratch; called once after the memory check.  ``num_slots`` defaults to what the engine's page pool holds:
+        ``num_pages`` pages are ``max_batch`` sequences of ``max_model_len`` tokens."""
+        self.page_size = page_size
+        if num_slots is None:
+            num_slots = max(1, num_pages // -(-self.max_model_len // page_size))
+        self.num_slots = num_slots
+        shape = (num_pages, page_size, self.nkv, self.D)
+        self.k_cache = [cuda.device_array(shape, dtype=BF16) for _ in self.full_layers]
+        self.v_cache = [cuda.device_array(shape, dtype=BF16) for _ in self.full_layers]
+        n_lin = len(self.linear_layers)
+        self.conv_state = cuda.device_array((n_lin, num_slots, self.conv_dim, self.conv_kernel - 1), BF16)
+        self.ssm_state = cuda.device_array((n_lin, num_slots, self.Hv, self.Dk, self.Dv), np.float32)
+        if n_lin:
+            every_slot = cuda.to_device(np.arange(n_lin * num_slots, dtype=np.int32))
+            gated_delta.clear_state_slots(*self._states_by_layer_slot(), every_slot)
+        self._reset_ids = cuda.to_device(np.zeros(max(1, n_lin), np.int32))
+
+        T, H = self.max_tokens, self.H
+        e = lambda *s: cuda.device_array(s, dtype=BF16)  # noqa: E731
+        self.residual, self.normed, self.delta = e(T, H), e(T, H), e(T, H)
+        self.qkv = e(T, self.qkv_rows)
+        self.q = e(T, self.nq, self.D)
+        self.attn = e(T, self.nq, self.D)
+        self.proj = e(T, self.proj_rows)
+        self.mixed = e(T, self.conv_dim)
+        self.core = e(T, self.value_dim)
+        self.act = e(T, self.I)
+        self.last_hidden = e(self.max_rows, H)
+        self.logits = e(self.max_rows, self.V)
+        ws = attention.attention_workspace_size(T, self.nq, self.D, self.max_model_len, page_size)
+        self.attn_workspace = cuda.device_array(max(int(ws), 1), dtype=np.float32)
+        self.chunk_scratch = gated_delta.allocate_chunk_scratch(T, self.Hk, self.Hv, self.chunk_size)
+        self.seq_slots = cuda.to_device(np.zeros(self.max_rows, np.int32))
+        self.seq_offsets = cuda.to_device(np.zeros(self.max_rows + 1, np.int32))
+
+    def reset_slot(self, slot: int) -> None:
+        """A new sequence takes ``slot``: zero its conv windows and delta-rule states in every linear layer."""
+        n_lin = len(self.linear_layers)
+        if n_lin == 0:
+            return
+        ids = (np.arange(n_lin, dtype=np.int32) * self.num_slots + slot).astype(np.int32)
+        self._reset_ids.copy_to_device(ids)
+        gated_delta.clear_state_slots(*self._states_by_layer_slot(), self._reset_ids)
+
+    def _states_by_layer_slot(self):
+        """Both state arrays viewed as ``[layers·slots, ...]``: row ``j·slots + s`` is linear layer j, slot s."""
+        rows = len(self.linear_layers) * self.num_slots
+        return (self.conv_state.reshape(rows, self.conv_dim, self.conv_kernel - 1),
+                self.ssm_state.reshape(rows, self.Hv, self.Dk, self.Dv))
+
+    # ------------------------------------------------------------------------------------------------ forward
+    def forward(self, step, block_tables, T: int, B: int):
+        """Run T tokens through the model; return the device logits view ``[B, V]`` for ``step.logit_rows[:B]``."""
+        eps = self.cfg.rms_norm_eps
+        ids, pos, slots = step.ids[:T], step.positions[:T], step.token_slots[:T]
+        residual, normed, delta = self.residual[:T], self.normed[:T], self.delta[:T]
+        seq_slots, seq_offsets = self.seq_slots[:B], self.seq_offsets[:B + 1]
+        if self.linear_layers:
+            gated_delta.sequence_table(slots, seq_slots, seq_offsets)
+        token_by_token = T == B
+
+        embedding.embedding(ids, self.embed, residual)
+        full_index = {layer: j for j, layer in enumerate(self.full_layers)}
+        linear_index = {layer: j for j, layer in enumerate(self.linear_layers)}
+        for i, lw in enumerate(self.layers):
+            if i == 0:
+                norm.rms_norm(residual, lw["input_ln"], normed, eps, **QWEN35_NORM)
+            else:
+                norm.add_rms_norm(residual, delta, lw["input_ln"], normed, eps, **QWEN35_NORM)
+            if i in full_index:
+                self._full_attention(full_index[i], lw, normed, delta, T, pos, slots, block_tables)
+            else:
+                self._linear_attention(linear_index[i], lw, normed, delta, T, seq_slots, seq_offsets,
+                                       token_by_token)
+            norm.add_rms_norm(residual, delta, lw["post_ln"], normed, eps, **QWEN35_NORM)
+            linear.linear_silu_mul(normed, lw["gate_up"], self.act[:T])
+            linear.linear(self.act[:T], lw["down"], delta)
+        norm.add_rms_norm(residual, delta, self.final_norm, normed, eps, **QWEN35_NORM)
+        last = self.last_hidden[:B]
+        embedding.embedding(step.logit_rows[:B], normed, last)   # gather the rows that need logits
+        logits = self.logits[:B]
+        linear.linear(last, self.lm_head, logits)
+        return logits
+
+    def _full_attention(self, j, lw, normed, delta, T, pos, slots, block_tables) -> None:
+        """Gated full attention of one layer: ``delta = (attention · sigmoid(gate)) @ W_o^T``."""
+        qkv, q, attn = self.qkv[:T], self.q[:T], self.attn[:T]
+        linear.linear(normed, lw["qkv"], qkv)
+        rope.qk_norm_rope_store(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, pos, slots,
+                                block_tables, self.k_cache[j], self.v_cache[j], q, self.cfg.rms_norm_eps,
+                                self.rotary_dim, q_head_stride=2 * self.D, **QWEN35_NORM)
+        attention.paged_attention(q, self.k_cache[j], self.v_cache[j], block_tables, slots, pos, attn,
+                                  1.0 / math.sqrt(self.D), self.attn_workspace)
+        gating.sigmoid_gate_mul(attn, qkv, attn)
+        attn_flat = self.attn.reshape(self.max_tokens, self.nq * self.D)[:T]
+        linear.linear(attn_flat, lw["o"], delta)
+
+    def _linear_attention(self, j, lw, normed, delta, T, seq_slots, seq_offsets, token_by_token) -> None:
+        """Gated DeltaNet of one layer: ``delta = RMSNormGated(rule(silu(conv(qkv))), z) @ W_out^T``."""
+        cd, vd, hv = self.conv_dim, self.value_dim, self.Hv
+        proj, mixed, core = self.proj[:T], self.mixed[:T], self.core[:T]
+        linear.linear(normed, lw["in_proj"], proj)
+        qkv_in, z = proj[:, :cd], proj[:, cd:cd + vd]
+        b, a = proj[:, cd + vd:cd + vd + hv], proj[:, cd + vd + hv:]
+        # token by token: one conv work item per (sequence, channel); prompt chunks: pieces of a few tokens
+        per_thread = max(T, PREFILL_CONV_TOKENS_PER_THREAD) if token_by_token else PREFILL_CONV_TOKENS_PER_THREAD
+        gated_delta.causal_conv1d_silu(qkv_in, lw["conv_w"], self.conv_state[j], seq_slots, seq_offsets, mixed,
+                                       max_seq_tokens=T, tokens_per_thread=per_thread)
+        if token_by_token:
+            gated_delta.gated_delta_recurrent(mixed, a, b, lw["A_log"], lw["dt_bias"], self.ssm_state[j],
+                                              seq_slots, seq_offsets, core)
+        else:
+            gated_delta.gated_delta_chunked(mixed, a, b, lw["A_log"], lw["dt_bias"], self.ssm_state[j], seq_slots,
+                                            seq_offsets, core, self.chunk_scratch, max_seq_tokens=T)
+        gated_delta.gated_rms_norm(core, z, lw["norm"], core, self.cfg.rms_norm_eps)
+        linear.linear(core, lw["out_proj"], delta)

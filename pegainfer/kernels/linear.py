@@ -138,6 +138,27 @@ if SIMULATOR:
         """``acc[i·tn + j] += Σ_kk a_s[kk, i0 + i] · b_s[kk, j0 + j]`` (one K step of a thread's micro-tile)."""
         acc[:tm * tn] += (a_s[:bk, i0:i0 + tm].T @ b_s[:bk, j0:j0 + tn]).ravel()
 
+    def _words_to_f32(words):
+        words = np.asarray(words, dtype=np.uint32)
+        f = np.empty(2 * len(words), np.float32)
+        f[0::2] = (words << np.uint32(16)).view(np.float32)
+        f[1::2] = (words & np.uint32(0xFFFF0000)).view(np.float32)
+        return f
+
+    def _load_x_words(x32, k_words, word, dst, n_tok, toks):
+        """``dst[4t:4t+4] = x32[t·k_words + word : +4]`` for ``t < min(n_tok, toks)`` (16 bytes of each token)."""
+        nt = min(int(n_tok), toks)
+        idx = (np.arange(nt) * int(k_words) + int(word))[:, None] + np.arange(4)
+        dst[:4 * nt] = x32[idx].ravel()
+
+    def _dot_row_words(acc, w, xw, n_tok, rows, toks):
+        """``acc[r·toks + t] += Σ_j W_r[j] · X_t[j]`` for ``r < rows``, ``t < n_tok``: 8 bf16 of each row in
+        ``w[4r:4r+4]`` and of each token in ``xw[4t:4t+4]``."""
+        nt = min(int(n_tok), toks)
+        wf = _words_to_f32(w[:4 * rows]).reshape(rows, 8)
+        xf = _words_to_f32(xw[:4 * nt]).reshape(nt, 8)
+        acc.reshape(rows, toks)[:, :nt] += wf @ xf.T
+
     def _unpack8(src32, word):
         words = np.asarray(src32[word:word + 4], dtype=np.uint32)
         out = np.empty(8, np.float32)
@@ -180,6 +201,43 @@ else:
                 x5 = xs[uint64(xb + 160)]
                 x6 = xs[uint64(xb + 192)]
                 x7 = xs[uint64(xb + 224)]
+                for r in range(rows):
+                    a = acc[r * toks + t]
+                    a += bf16x2_lo(w[4 * r]) * x0
+                    a += bf16x2_hi(w[4 * r]) * x1
+                    a += bf16x2_lo(w[4 * r + 1]) * x2
+                    a += bf16x2_hi(w[4 * r + 1]) * x3
+                    a += bf16x2_lo(w[4 * r + 2]) * x4
+                    a += bf16x2_hi(w[4 * r + 2]) * x5
+                    a += bf16x2_lo(w[4 * r + 3]) * x6
+                    a += bf16x2_hi(w[4 * r + 3]) * x7
+                    acc[r * toks + t] = a
+
+    @device_fn
+    def _load_x_words(x32, k_words, word, dst, n_tok, toks):
+        """``dst[4t:4t+4] = x32[t·k_words + word : +4]`` for ``t < min(n_tok, toks)`` (16 bytes of each token)."""
+        for t in range(toks):
+            if t < n_tok:
+                q0, q1, q2, q3 = load_u32x4(x32, t * k_words + word)
+                dst[4 * t] = q0
+                dst[4 * t + 1] = q1
+                dst[4 * t + 2] = q2
+                dst[4 * t + 3] = q3
+
+    @device_fn
+    def _dot_row_words(acc, w, xw, n_tok, rows, toks):
+        """``acc[r·toks + t] += Σ_j W_r[j] · X_t[j]`` for ``r < rows``, ``t < n_tok``: 8 bf16 of each row in
+        ``w[4r:4r+4]`` and of each token in ``xw[4t:4t+4]``."""
+        for t in range(toks):
+            if t < n_tok:
+                x0 = bf16x2_lo(xw[4 * t])
+                x1 = bf16x2_hi(xw[4 * t])
+                x2 = bf16x2_lo(xw[4 * t + 1])
+                x3 = bf16x2_hi(xw[4 * t + 1])
+                x4 = bf16x2_lo(xw[4 * t + 2])
+                x5 = bf16x2_hi(xw[4 * t + 2])
+                x6 = bf16x2_lo(xw[4 * t + 3])
+                x7 = bf16x2_hi(xw[4 * t + 3])
                 for r in range(rows):
                     a = acc[r * toks + t]
                     a += bf16x2_lo(w[4 * r]) * x0
@@ -265,12 +323,13 @@ else:
 
 # ================================================================================================ GEMV (decode)
 @functools.cache
-def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int):
+def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int, stage_x: bool = True):
     """Build the GEMV kernel for a register tile of ``rows_per_warp`` weight rows × ``max_tokens`` tokens and
     blocks of ``warps`` warps (compile-time constants: they size the per-lane register arrays, their loops unroll,
-    and the block size sets the launch bounds)."""
+    and the block size sets the launch bounds).  ``stage_x=False``: no x staging (see the kernel docstring)."""
     R = rows_per_warp
     TT = max_tokens
+    X4 = 4 * TT
     RT = R * TT                                    # (array sizes must be closure constants, not expressions)
     R4 = 4 * R
     nthreads = warps * WARP
@@ -291,13 +350,16 @@ def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int):
         max_tokens)`` bytes: x staged as f32, then the per-warp partial sums.  Within a token's chunk, element
         ``8c + j`` sits at ``256·(c // 32) + 32·j + c % 32``: the 32 lanes of a step read 32 consecutive words
         (no bank conflicts), and the 8 elements of a lane's slice are a constant 32 words apart.
+        Built with ``stage_x=False`` the kernel stages nothing: ``k_chunk`` covers all of K, each lane loads the
+        16 bytes of x of its slice for every token beside (and one step ahead with) its weight loads, and only the
+        partial sums use shared memory (``4 · warps · rows_per_warp · max_tokens`` bytes).
         """
         T = out.shape[0]
         n_out = out.shape[1]
         n_cols = 2 * n_out if gated else n_out
         k_words = k // 2
         smem = cuda.shared.array(0, nbtypes.float32)  # dynamic; a numba type (the simulator needs its itemsize)
-        red_base = TT * k_chunk
+        red_base = TT * k_chunk if stage_x else 0
         tid = cuda.threadIdx.x
         lane = tid % WARP
         warp = tid // WARP
@@ -312,6 +374,8 @@ def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int):
         wrow = cuda.local.array(R, int64)          # word offset of each of the warp's rows
         w_cur = cuda.local.array(R4, uint32)       # 16 bytes per row: the slice being multiplied
         w_next = cuda.local.array(R4, uint32)      # ... and the next slice, already in flight
+        x_cur = cuda.local.array(X4, uint32)       # (stage_x=False) 16 bytes of x per token for the slice
+        x_next = cuda.local.array(X4, uint32)
         staged = -1
         for tile in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
             col0 = tile * cols_per_block + group * R
@@ -327,7 +391,9 @@ def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int):
                 # Issue the first weight loads before staging x: their latency overlaps the staging.
                 if c < n_slices:
                     _load_row_slices(w32, wrow, w_off + 4 * c, w_cur, R)
-                if k0 != staged:                   # the block-uniform test: every thread reaches the barriers
+                    if not stage_x:
+                        _load_x_words(x32, k_words, w_off + 4 * c, x_cur, T, TT)
+                if stage_x and k0 != staged:       # the block-uniform test: every thread reaches the barriers
                     cuda.syncthreads()
                     for idx in range(tid, T * n_slices, nthreads):
                         t = idx // n_slices
@@ -340,8 +406,15 @@ def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int):
                     c_next = c + step
                     if c_next < n_slices:          # the next step's loads go out before this step's arithmetic
                         _load_row_slices(w32, wrow, w_off + 4 * c_next, w_next, R)
-                    # lane's x: 256·(c // 32) + c % 32 = 8c - 7·lane, as c ≡ lane (mod 32)
-                    _dot_row_slices(acc, w_cur, smem, 8 * c - 7 * lane, k_chunk, T, R, TT)
+                        if not stage_x:
+                            _load_x_words(x32, k_words, w_off + 4 * c_next, x_next, T, TT)
+                    if stage_x:
+                        # lane's x: 256·(c // 32) + c % 32 = 8c - 7·lane, as c ≡ lane (mod 32)
+                        _dot_row_slices(acc, w_cur, smem, 8 * c - 7 * lane, k_chunk, T, R, TT)
+                    else:
+                        _dot_row_words(acc, w_cur, x_cur, T, R, TT)
+                        for i in range(X4):
+                            x_cur[i] = x_next[i]
                     for i in range(R4):
                         w_cur[i] = w_next[i]
                     c = c_next
@@ -382,12 +455,15 @@ class GemvGeometry:
     k_split: warps that share one row group, each taking every ``k_split``-th 256-wide slice of K.
     max_tokens: tokens per pass (1, 2, 4 or 8; a compile-time register tile).
     k_chunk: elements of K staged in shared memory at a time (a multiple of 256); None: as many as fit.
+    stage_x: stage x in shared memory (as f32, once per block and chunk: two barriers); False: every lane reads
+      its 16 bytes of x per token beside its weight loads (L1 hits; no staging prologue, no barrier in the K loop).
     """
     rows_per_warp: int
     warps: int
     k_split: int
     max_tokens: int
     k_chunk: int | None = None
+    stage_x: bool = True
 
 
 def _tuned_t1(rows_per_warp: int, warps: int, k_split: int) -> GemvGeometry:
@@ -481,10 +557,11 @@ def gemv(x, w, out, *, gated: bool = False, geometry: GemvGeometry | None = None
         geo = geometry or gemv_geometry(n_cols, k, t1 - t0, gated)
         assert geo.warps % geo.k_split == 0, f"warps must be a multiple of k_split: {geo}"
         assert not gated or geo.rows_per_warp % 2 == 0, f"the gated GEMV needs an even rows_per_warp: {geo}"
-        k_chunk = _gemv_k_chunk(k, geo)
+        k_chunk = _gemv_k_chunk(k, geo) if geo.stage_x else -(-k // 256) * 256
         cols_per_block = geo.warps // geo.k_split * geo.rows_per_warp
-        shared = 4 * (geo.max_tokens * k_chunk + geo.warps * geo.rows_per_warp * geo.max_tokens)
-        kern = _gemv_kernel(geo.rows_per_warp, geo.max_tokens, gated, geo.warps)
+        x_floats = geo.max_tokens * k_chunk if geo.stage_x else 0
+        shared = 4 * (x_floats + geo.warps * geo.rows_per_warp * geo.max_tokens)
+        kern = _gemv_kernel(geo.rows_per_warp, geo.max_tokens, gated, geo.warps, geo.stage_x)
         launch(kern, grid(n_cols, cols_per_block, sim_cap=8), geo.warps * WARP,
                _as_u32(xp), w32, outp, k, geo.k_split, k_chunk, shared=shared, name="gemv")
 

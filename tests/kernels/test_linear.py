@@ -65,21 +65,25 @@ def test_linear_silu_mul_matches_hf_rounding(impl, T, rng):
     GemvGeometry(rows_per_warp=2, warps=2, k_split=2, max_tokens=2),             # warps share K; smem reduction
     GemvGeometry(rows_per_warp=4, warps=1, k_split=1, max_tokens=4, k_chunk=256),  # x staged in 256-wide chunks
     GemvGeometry(rows_per_warp=1, warps=2, k_split=1, max_tokens=1),
+    GemvGeometry(rows_per_warp=2, warps=2, k_split=2, max_tokens=1, stage_x=False),   # x read beside the weights
+    GemvGeometry(rows_per_warp=4, warps=1, k_split=1, max_tokens=4, stage_x=False),
 ])
 def test_gemv_geometries(geometry, rng):
     """The splits the GPU geometry picker uses (k_split > 1, K staged in several chunks) in small form."""
     T = geometry.max_tokens
-    K = 520 if geometry.k_chunk else 128           # 520: three chunks of 256, the last one partial
+    K = 520 if geometry.k_chunk or not geometry.stage_x else 128   # 520: three 256-wide chunks, the last partial
     xb, x = bf16_randn((T, K), rng)
     wb, w = bf16_randn((9, K), rng, scale=0.1)
     got = run(gemv, xb, wb, 9, geometry=geometry)
     assert rel_l2(got, x @ w.T) < 1e-2
 
 
-def test_gemv_gated_k_split(rng):
+@pytest.mark.parametrize("stage_x", [True, False])
+def test_gemv_gated_k_split(stage_x, rng):
     xb, x = bf16_randn((2, 128), rng)
     wb, w = bf16_randn((2 * 10, 128), rng, scale=0.3)
-    got = run(gemv, xb, wb, 10, gated=True, geometry=GemvGeometry(rows_per_warp=2, warps=2, k_split=2, max_tokens=2))
+    geo = GemvGeometry(rows_per_warp=2, warps=2, k_split=2, max_tokens=2, stage_x=stage_x)
+    got = run(gemv, xb, wb, 10, gated=True, geometry=geo)
     assert rel_l2(got, silu_mul_reference(x, w)) < 1e-2
 
 

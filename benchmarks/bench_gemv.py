@@ -119,7 +119,7 @@ def read_bandwidth() -> float:
 def geometry_text(impl: str, n: int, k: int, T: int, gated: bool) -> str:
     if impl == "gemv":
         g = lin.gemv_geometry(n, k, min(T, lin.GEMV_MAX_TOKENS), gated)
-        return (f"rows={g.rows_per_warp} warps={g.warps} k_split={g.k_split} tt={g.max_tokens} "
+        return (f"rows={g.rows_per_warp} warps={g.warps} k_split={g.k_split} tt={g.max_tokens} stage_x={g.stage_x} "
                 f"k_chunk={lin._gemv_k_chunk(k, g)}" + (f" ({-(-T // g.max_tokens)} passes)" if T > g.max_tokens else ""))
     if impl == "skinny":
         g = lin.skinny_geometry(n, k, T, gated)
@@ -228,26 +228,29 @@ def sweep_gemv(weights, rng, rows) -> list[dict]:
         x = random_bf16((1, k), rng)
         out = cuda.device_array((1, n // 2 if gated else n), np.uint16)
         results = []
-        for r in (1, 2, 4, 8):
+        for r, stage_x in ((1, True), (2, True), (4, True), (8, True), (2, False), (4, False)):
             if gated and r % 2:
                 continue
             for warps in (4, 8, 16):
                 for k_split in (1, 2, 4, 8):
-                    if warps % k_split or k // k_split < 512:
+                    if warps % k_split or (k_split > 1 and k // k_split < 512):
                         continue
-                    geo = lin.GemvGeometry(rows_per_warp=r, warps=warps, k_split=k_split, max_tokens=1)
+                    geo = lin.GemvGeometry(rows_per_warp=r, warps=warps, k_split=k_split, max_tokens=1,
+                                           stage_x=stage_x)
                     fn = (lambda x=x, w=w, out=out, gated=gated, geo=geo:
                           lin.gemv(x, w, out, gated=gated, geometry=geo))
                     sec = time_per_launch(fn, 30, reps=3)
                     results.append((sec, geo))
                     rows.append(dict(kind="gemv_sweep", name=name, N=n, K=k, T=1, us=sec * 1e6,
-                                     GBps=n * k * 2 / sec / 1e9, rows_per_warp=r, warps=warps, k_split=k_split))
+                                     GBps=n * k * 2 / sec / 1e9, rows_per_warp=r, warps=warps, k_split=k_split,
+                                     stage_x=stage_x))
         best_sec, best = min(results, key=lambda p: p[0])
         default = lin.gemv_geometry(n, k, 1, gated)
         default_sec = next((sec for sec, g in results if g == default), float("nan"))
         print(f"  {name:13s} best {best_sec * 1e6:7.1f} us {n * k * 2 / best_sec / 1e9:6.0f} GB/s   default "
               f"{default_sec * 1e6:7.1f} us   ({n}, {k}, 1, {gated}): GemvGeometry(rows_per_warp="
-              f"{best.rows_per_warp}, warps={best.warps}, k_split={best.k_split}, max_tokens=1)", flush=True)
+              f"{best.rows_per_warp}, warps={best.warps}, k_split={best.k_split}, max_tokens=1, stage_x={best.stage_x})",
+              flush=True)
     return rows
 
 
@@ -265,7 +268,7 @@ def sweep_skinny(weights, rng, rows) -> list[dict]:
             for nt, unroll in SKINNY_SWEEP:
                 for warps in (4, 8):
                     for k_split in (1, 2, 4, 8):
-                        if warps % k_split or k // k_split < 32 * unroll * 4:
+                        if warps % k_split or (k_split > 1 and k // k_split < 32 * unroll * 4):
                             continue
                         geo = lin.SkinnyGeometry(n_tiles=nt, unroll=unroll, warps=warps, k_split=k_split)
                         sec = time_per_launch(op_fn(x, w, out, gated, "skinny", geo), 30, reps=3)

@@ -7,8 +7,8 @@
   layers (>= 256 MB of K/V) that the K/V comes from HBM, not from the 50 MB L2 — as in a real decode step.
 * Prefill: one 2048-token prompt (positions 0..2047, one slot), tiled tensor-core kernel and, for reference, the
   split-K kernel; causal TFLOP/s, and the relative L2 difference between the two paths' outputs as a sanity check.
-* ``--sweep`` (a few minutes: each geometry is a compile): decode warps per block, split counts and minimum split
-  sizes, prefill tile shapes, and the split-vs-tiled
+* ``--sweep`` (a few minutes: each geometry is a compile): decode geometries (warps per block, V loaded with K or
+  after S, launch bounds), split counts and minimum split sizes, prefill tile shapes, and the split-vs-tiled
   crossover for chunks of T tokens after a 4096-token prefix -- the numbers needed to retune
   ``attention._split_geometry``, ``SPLIT_TARGET_ROWS`` / ``MIN_SPLIT_TOKENS``, ``_prefill_geometry`` and
   ``PREFILL_MIN_TOKENS``.
@@ -154,7 +154,7 @@ def bench_decode(rng, read_bw, rows, geometry=None, num_splits=None, min_split_t
             chunk = -(-(-(-ctx // splits)) // min_chunk) * min_chunk
             row = dict(kind=label, model=model, nq=nq, nkv=nkv, D=D, ctx=ctx, splits=splits,
                        active_splits=-(-ctx // chunk), min_split_tokens=min_chunk,
-                       warps=geometry or att._split_geometry(D, nq // nkv), layers=L.n, us=sec * 1e6,
+                       geometry=list(geometry or att._split_geometry(D, nq // nkv)), layers=L.n, us=sec * 1e6,
                        GBps=kv_bytes / sec / 1e9, pct_of_read=100 * kv_bytes / sec / read_bw if read_bw else None)
             rows.append(row)
             if not quiet:
@@ -165,7 +165,7 @@ def bench_decode(rng, read_bw, rows, geometry=None, num_splits=None, min_split_t
 def print_decode_row(r):
     pct = f"{r['pct_of_read']:5.1f}%" if r["pct_of_read"] else "    - "
     print(f"  {r['kind']:7s} {r['model']:13s} ctx {r['ctx']:6d}  splits {r['active_splits']:3d}/{r['splits']:3d} "
-          f"(min {r['min_split_tokens']:3d} keys)  warps {r['warps']}  {r['us']:9.2f} us  {r['GBps']:7.0f} GB/s  "
+          f"(min {r['min_split_tokens']:3d} keys)  geom {tuple(r['geometry'])}  {r['us']:9.2f} us  {r['GBps']:7.0f} GB/s  "
           f"{pct}", flush=True)
 
 
@@ -227,9 +227,12 @@ def print_prefill_row(r):
 def sweep(rng, read_bw, rows):
     q3 = {"qwen3-4b": MODELS["qwen3-4b"]} if not SIM else MODELS
     nq, nkv, D = next(iter(q3.values()))
-    print("\ndecode warps-per-block sweep (min split = 16 keys per warp)", flush=True)
-    for warps in ((2, 8) if not SIM else (2,)):
-        bench_decode(rng, read_bw, rows, geometry=warps, min_split_tokens=16 * warps, models=MODELS, label="sweep-g")
+    print("\ndecode geometry sweep (warps per block, V loaded after S, launch-bounds blocks/SM; min split = 16 keys "
+          "per warp)", flush=True)
+    geometries = [(2, False, 0), (8, False, 0), (4, True, 0), (4, True, 3), (4, False, 3)]
+    for geometry in (geometries if not SIM else [(2, False, 0), (2, True, 0)]):
+        bench_decode(rng, read_bw, rows, geometry=geometry, min_split_tokens=16 * geometry[0], models=MODELS,
+                     label="sweep-g")
     print("\ndecode split sweep (default warps)", flush=True)
     for splits in ((16, 32, 64, 128, 256) if not SIM else (2, 4)):
         for min_tokens in ((32, 64, 128) if not SIM else (4,)):

@@ -178,9 +178,11 @@ def _split_range(n_keys, split, num_splits, min_chunk):
 
 
 @functools.lru_cache(maxsize=None)
-def _split_kernel(head_dim: int, group: int, warps: int):
-    """Build the split-K kernel for one shape (closure constants size the register fragments)."""
-    D, G, W = head_dim, group, warps
+def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, min_blocks: int = 0):
+    """Build the split-K kernel for one shape (closure constants size the register fragments).  ``late_v``: load V
+    after computing S (K's registers are then free: fewer registers, one more memory round trip per step);
+    ``min_blocks``: launch bounds asking for that many resident blocks per SM (0: none)."""
+    D, G, W, LATE_V = head_dim, group, warps, late_v
     NT = 32 * W
     ROW_WORDS = D // 2
     KW = D // 8          # words of a q / K row per lane: lane t (= lane & 3) holds dims [t D/4, (t+1) D/4)
@@ -191,7 +193,9 @@ def _split_kernel(head_dim: int, group: int, warps: int):
     assert G <= 8 and D % 16 == 0
     KW2, VW4, O_REGS, SM_O, SM_W, SM_ROWS = 2 * KW, 4 * VW, 2 * O_TILES, W * G * D, G * MAX_SPLITS, W * 8
 
-    @kernel
+    jit = kernel if SIMULATOR or not min_blocks else cuda.jit(cache=True, launch_bounds=(NT, min_blocks))
+
+    @jit
     def paged_attention_split_kernel(q32, k32, v32, block_tables, token_slots, positions, out, ws_acc, ws_m, ws_l,
                                      counters, scale_log2, num_kv_heads, page_shift, num_splits, min_chunk):
         """Attention of one (token, kv head, split) per block for the ``G`` q heads of that kv head, on tensor
@@ -265,10 +269,11 @@ def _split_kernel(head_dim: int, group: int, warps: int):
                     key = k0 + 8 * j + g
                     row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS) if key < k_hi else 0
                     _load_words(k32, row + tq * KW, KW, kw, j * KW, key < k_hi)
-                for j in range(4):
-                    key = k0 + 2 * tq + (j & 1) + 8 * (j >> 1)
-                    row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS) if key < k_hi else 0
-                    _load_words(v32, row + g * VW, VW, vw, j * VW, key < k_hi)
+                if not LATE_V:
+                    for j in range(4):
+                        key = k0 + 2 * tq + (j & 1) + 8 * (j >> 1)
+                        row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS) if key < k_hi else 0
+                        _load_words(v32, row + g * VW, VW, vw, j * VW, key < k_hi)
 
                 # S = Q K^T (head g, keys k0 + 8j + 2t, +1), base-2 units, masked past k_hi
                 s0 = s1 = s2 = s3 = fzero
@@ -282,6 +287,12 @@ def _split_kernel(head_dim: int, group: int, warps: int):
                 s1 = s1 * scale_log2 if key + 1 < k_hi else NEG_INF
                 s2 = s2 * scale_log2 if key + 8 < k_hi else NEG_INF
                 s3 = s3 * scale_log2 if key + 9 < k_hi else NEG_INF
+
+                if LATE_V:          # K's registers are free again: fewer live registers, one more memory round trip
+                    for j in range(4):
+                        key = k0 + 2 * tq + (j & 1) + 8 * (j >> 1)
+                        row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS) if key < k_hi else 0
+                        _load_words(v32, row + g * VW, VW, vw, j * VW, key < k_hi)
 
                 # online softmax over the row (the 4 lanes of a row hold its 16 keys)
                 mx = max(m, lane_group_max(max(max(s0, s1), max(s2, s3)), 4))
@@ -774,10 +785,11 @@ def _paged_attention_prefill(q, k_cache, v_cache, block_tables, token_slots, pos
            name="paged_attention_prefill")
 
 
-def _split_geometry(head_dim: int, group: int) -> int:
-    """Warps per block of the split-K kernel: 4 (one 16-key step each per 64 keys; ~16 warps per SM fit), one in
-    the simulator.  ``benchmarks/bench_attention.py --sweep`` times the alternatives."""
-    return threads(gpu=4, sim=1)
+def _split_geometry(head_dim: int, group: int) -> tuple[int, bool, int]:
+    """(warps per block, load V after S, launch-bounds blocks per SM) of the split-K kernel: 4 warps (one 16-key
+    step each per 64 keys), one in the simulator; for D = 256 V is loaded after S (K's and V's fragments together
+    would need more than 255 registers).  ``benchmarks/bench_attention.py --sweep`` times the alternatives."""
+    return threads(gpu=4, sim=1), head_dim > 128, 0
 
 
 def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, workspace,
@@ -801,8 +813,8 @@ def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, posit
     else:  # one split: the kernel never touches the workspace or the counters
         ws_acc = ws_m = ws_l = _flat(workspace) if workspace is not None else _dummy_f32()
         counters = ws_acc.view(np.int32)
-    warps = geometry or _split_geometry(D, group)
-    kern = _split_kernel(D, group, warps)
+    warps, late_v, min_blocks = geometry or _split_geometry(D, group)
+    kern = _split_kernel(D, group, warps, late_v, min_blocks)
     launch(kern, grid(num_splits * T * nkv, sim_cap=64), 32 * warps,
            _flat_u32(q), _flat_u32(k_cache), _flat_u32(v_cache), block_tables, token_slots, positions,
            _flat(out), ws_acc, ws_m, ws_l, counters, np.float32(scale * LOG2E), np.int32(nkv),

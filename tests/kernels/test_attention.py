@@ -154,15 +154,15 @@ def test_split_k_many_splits_repeated(rng, head_dim):
             assert rel_l2(got[t], want[t]) <= 1e-2, (positions, t)
         counters = ws.copy_to_host().view(np.int32)[-2 * nkv:]
         assert not counters.any(), counters
-    assert attention._split_geometry(head_dim, nq // nkv) >= 1
 
 
-def test_split_k_two_warps(rng, monkeypatch):
+@pytest.mark.parametrize("late_v", [False, True])
+def test_split_k_two_warps(rng, monkeypatch, late_v):
     """Two warps per block (the block merges its warps' partial states in shared memory), with and without
-    several splits."""
+    several splits, V loaded with K or after S."""
     from pegainfer.kernels import attention
 
-    monkeypatch.setattr(attention, "_split_geometry", lambda head_dim, group: 2)
+    monkeypatch.setattr(attention, "_split_geometry", lambda head_dim, group: (2, late_v, 0))
     for kwargs in (dict(), dict(num_splits=2, min_split_tokens=16)):
         got, want = run_attention(rng, 4, 2, 16, slots=[1, 0], positions=[19, 35], max_pages=10, num_pages=21,
                                   method="split", **kwargs)

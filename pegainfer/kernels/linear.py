@@ -3,9 +3,11 @@
 Shapes: ``x [tokens, K]``, ``W [N, K]`` (row-major as in Hugging Face checkpoints, K the input dimension),
 ``out [tokens, N]``, all bf16 bits (``uint16``), products summed in f32 and rounded to bf16 once.
 
-Three implementations, picked by ``linear(..., impl=None)`` from the number of tokens T:
+Four implementations; ``linear(..., impl=None)`` picks one from the number of tokens T (``default_impl``): on a GPU
+the GEMV for T = 1, the skinny tensor-core kernel for 2 <= T <= 64, the tiled tensor-core GEMM above; in the
+simulator the GEMV up to 8 tokens and the FMA tiles above.
 
-* **GEMV** (``T <= GEMV_MAX_TOKENS`` = 8: decode).  Memory-bound: every weight byte is read exactly once, so the
+* **GEMV** (batch-1 decode; any T in passes of at most 8 tokens).  Memory-bound: every weight byte is read exactly once, so the
   kernel is built to stream W at the GPU's read bandwidth.  Each warp owns ``rows_per_warp`` weight rows; a lane
   reads 16 bytes (8 bf16) of each of them per step with ``load_u32x4``, all rows' loads issued before any is used,
   and the next step's loads issued before the current step's arithmetic (software pipelining).  The tokens' x
@@ -16,7 +18,13 @@ Three implementations, picked by ``linear(..., impl=None)`` from the number of t
   of K, and their partial sums meet in shared memory — this keeps all SMs busy.  ``gemv_geometry`` picks these
   parameters per shape.  Above 8 tokens the register tile (8 accumulators per row) and the shared-memory x
   traffic make the multiply-adds, not the weight stream, the bottleneck: the GEMM takes over.
-* **GEMM with tensor cores** (``"gemm_mma"``, the default for T > 8 on a GPU): block tiles of x and W staged in
+* **Skinny tensor-core kernel** (``"skinny"``, 1 <= T <= 64: batched decode and short prompts).  Reads every
+  weight byte once like the GEMV, but straight from global memory into ``mma.sync.m16n8k16`` B fragments (16-byte
+  loads, K permuted within 32-wide chunks so that A and B fragments are both whole 16-byte runs), x read through
+  L1 into A fragments, f32 accumulators, split-K across the warps of a block through shared memory, the same
+  fused SwiGLU epilogue.  The arithmetic of up to 64 tokens rides on the tensor cores, so a 16-token prompt costs
+  about what one decode step's weight stream costs.  ``skinny_geometry`` / ``SKINNY_TUNED`` pick its split.
+* **GEMM with tensor cores** (``"gemm_mma"``, the default for T > 64 on a GPU): block tiles of x and W staged in
   shared memory (register double buffering: the next K tile's global loads are in flight while the current tile
   is multiplied), each warp issuing ``mma.sync.m16n8k16`` bf16 → f32 through an inline-PTX ``@intrinsic``.
 * **GEMM with FMA tiles** (``"gemm_fma"``): the same tiling with plain f32 multiply-adds on a register micro-tile.

@@ -1,13 +1,15 @@
 """Hugging Face oracle for Qwen3.5: tiny random ``Qwen3_5ForCausalLM`` (Gated DeltaNet, gated full attention,
-Gated DeltaNet layers) written by transformers on CPU; pegainfer loads the same folder and must give the same logits at
-every prompt position and over 8 greedy decode steps (relative L2 < 2e-2) and the same greedy tokens, for prompts
-shorter and longer than one chunk of the chunked delta rule, with two sequences decoding in one batch.
+Gated DeltaNet layers) written by transformers on CPU; pegainfer's engine loads the same folder and must give the
+same logits at every prompt position and over 8 greedy decode steps (relative L2 < 2e-2) and the same greedy
+tokens, for prompts shorter and longer than one chunk of the chunked delta rule, with two sequences decoding in one
+batch, and for both checkpoint layouts (``Qwen3_5ForCausalLM``, ``Qwen3_5ForConditionalGeneration``).
 
-The model is driven directly (``StepBuffers`` + ``PagePool`` + ``forward``, greedy argmax on the host), the way the
-engine's runner drives it: a prompt is prefilled as one step with one logits row (the chunked form), scored with a
-logits row per token (the token-by-token form), then decoded one token per sequence per step.
+Paths exercised: ``score`` runs a logits row per token (T == B: the token-by-token delta rule); a prompt prefill
+runs one logits row (the chunked form, here with chunks of 8 tokens and prefill steps of at most 9 tokens, so a
+13-token prompt takes two prefill steps that cross chunk boundaries); decode runs one token per sequence.
 """
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -19,9 +21,9 @@ transformers = pytest.importorskip("transformers")
 
 DECODE_STEPS = 8
 CHUNK = 8                     # the chunked form's chunk for these tests (the model's default is 64)
-PROMPT_LENGTHS = (5, 13)      # shorter than one chunk; longer than one (a full chunk and a partial one)
+MAX_PREFILL = 9               # prefill steps of ≤ 9 tokens: a 13-token prompt is prefilled as 9 + 4
+PROMPT_LENGTHS = (5, 13)      # shorter than one chunk; longer than one
 VOCAB = 320
-PAGE_SIZE = 16
 
 
 def _write_tiny_qwen35(folder, multimodal: bool, seed: int = 10):
@@ -45,8 +47,12 @@ def _write_tiny_qwen35(folder, multimodal: bool, seed: int = 10):
         _save_as_conditional_generation(model, cfg, folder)
     else:
         model.save_pretrained(folder)
-    # The oracle is HF's bf16 forward, whose rounding points pegainfer follows (it agrees to ~0.3% here).  Not
-    # float32: this random tiny model amplifies bf16 rounding, so HF's own bf16 and f32 logits differ by up to ~8%.
+    from pegainfer.demo import ensure_demo_model
+    demo = ensure_demo_model()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo / name, folder / name)
+    # The oracle is HF's bf16 forward, whose rounding points pegainfer follows.  Not float32: this random tiny
+    # model amplifies bf16 rounding, so HF's own bf16 and f32 logits differ by up to ~8%.
     return model.eval()
 
 
@@ -70,63 +76,26 @@ def _save_as_conditional_generation(model, text_cfg, folder):
     (folder / "config.json").write_text(json.dumps(config))
 
 
-class Driver:
-    """Loads the folder into a ``Qwen35Model`` and runs steps the way the engine's runner does."""
+def _engine(folder):
+    from pegainfer.engine.engine import Engine
+    from pegainfer.models.qwen35 import Qwen35Model
 
-    def __init__(self, folder, max_model_len=64, max_tokens=32, max_rows=16, num_slots=3):
-        from pegainfer.config import load_model_config
-        from pegainfer.engine.kv_cache import PagePool
-        from pegainfer.models.qwen3 import StepBuffers
-        from pegainfer.models.qwen35 import Qwen35Model
-        from pegainfer.weights import WeightReader
-
-        cfg = load_model_config(folder)
-        assert cfg.arch == "qwen3_5"
-        model = Qwen35Model(cfg, max_model_len, max_tokens=max_tokens, max_rows=max_rows)
-        model.chunk_size = CHUNK
-        with WeightReader(folder) as reader:
-            model.load_weights(reader)
-        pages = num_slots * -(-max_model_len // PAGE_SIZE)
-        model.allocate(pages, PAGE_SIZE)
-        assert model.num_slots == num_slots
-        self.model, self.cfg = model, cfg
-        self.pool = PagePool(pages, PAGE_SIZE, num_slots, max_model_len)
-        self.step = StepBuffers.allocate(max_tokens, max_rows)
-
-    def new_sequence(self, length):
-        slot = self.pool.acquire_slot()
-        assert self.pool.ensure_capacity(slot, length)
-        self.model.reset_slot(slot)
-        return slot
-
-    def run(self, ids, positions, slots, rows):
-        """One forward step; returns the logits rows as float32 on the host."""
-        from pegainfer.kernels.primitives import from_bf16_bits
-
-        T, B = len(ids), len(rows)
-        self.pool.sync()
-        self.step.ids[:T].copy_to_device(np.asarray(ids, np.int32))
-        self.step.positions[:T].copy_to_device(np.asarray(positions, np.int32))
-        self.step.token_slots[:T].copy_to_device(np.asarray(slots, np.int32))
-        self.step.logit_rows[:B].copy_to_device(np.asarray(rows, np.int32))
-        logits = self.model.forward(self.step, self.pool.block_tables, T, B)
-        return from_bf16_bits(logits.copy_to_host())
-
-    def prefill(self, slot, ids, start=0):
-        """A prompt chunk as the engine prefills it: one logits row (its last token) → the chunked form."""
-        n = len(ids)
-        return self.run(ids, range(start, start + n), [slot] * n, [n - 1])[0]
-
-    def score(self, slot, ids, start=0):
-        """A logits row for every token (T == B) → the token-by-token form."""
-        n = len(ids)
-        return self.run(ids, range(start, start + n), [slot] * n, range(n))
+    default_chunk = Qwen35Model.chunk_size
+    Qwen35Model.chunk_size = CHUNK            # read when the model allocates its buffers
+    try:
+        engine = Engine.from_folder(str(folder), max_model_len=64, max_batch=2, max_prefill_tokens=MAX_PREFILL,
+                                    use_cuda_graph=False)
+    finally:
+        Qwen35Model.chunk_size = default_chunk
+    assert engine.model.arch == "qwen3_5" and engine.model.chunk_scratch.chunk_size == CHUNK
+    return engine
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen35_causal_lm")
-    return _write_tiny_qwen35(folder, multimodal=False), Driver(folder)
+    ref = _write_tiny_qwen35(folder, multimodal=False)
+    return ref, _engine(folder)
 
 
 def _prompt(n, seed=7):
@@ -145,61 +114,55 @@ def _hf_greedy(ref, ids, steps=DECODE_STEPS):
 
 
 def _assert_rows_close(ours, theirs):
+    assert len(ours) == len(theirs)
     errs = [rel_l2(ours[t], theirs[t]) for t in range(len(theirs))]
     assert max(errs) < 2e-2, errs
 
 
 def test_prompt_logits_match_hf(tiny):
-    """Every prompt position, scored in pieces of up to 8 tokens that continue the recurrent state."""
-    ref, drv = tiny
+    """Every prompt position (scored in steps of 9 + 4 tokens, the second continuing the recurrent state)."""
+    ref, engine = tiny
     ids = _prompt(13)
-    slot = drv.new_sequence(len(ids))
-    try:
-        ours = np.concatenate([drv.score(slot, ids[s:s + 8], start=s) for s in range(0, len(ids), 8)])
-    finally:
-        drv.pool.release(slot)
-    _assert_rows_close(ours, _hf_logits(ref, ids))
+    _assert_rows_close(engine.score(ids), _hf_logits(ref, ids))
+    assert engine.stats()["slots_used"] == 0
 
 
 def test_greedy_decode_matches_hf(tiny):
-    """Two sequences in different slots: a 5-token prompt (shorter than a chunk) prefilled in one step, a 13-token
-    prompt (longer than a chunk) prefilled in two steps of 9 and 4 tokens (the second continues the first's
-    recurrent state), both through the chunked form; then 8 greedy tokens each, decoded together one step per
-    token.  Each must follow its own HF greedy continuation, with HF's logits at every step."""
-    ref, drv = tiny
+    """Two requests: a 5-token prompt (shorter than a chunk, one prefill step) and a 13-token prompt (longer than a
+    chunk, prefill steps of 9 and 4 tokens), both through the chunked form, then 8 greedy tokens each, decoded
+    together in one step per token.  Each must follow its own HF greedy continuation, with HF's logits."""
+    from pegainfer.engine.types import SamplingParams
+
+    ref, engine = tiny
     prompts = [_prompt(PROMPT_LENGTHS[0], seed=1), _prompt(PROMPT_LENGTHS[1], seed=2)]
-    slots = [drv.new_sequence(len(p) + DECODE_STEPS) for p in prompts]
-    try:
-        first = [drv.prefill(slots[0], prompts[0])]
-        drv.prefill(slots[1], prompts[1][:9])
-        first.append(drv.prefill(slots[1], prompts[1][9:], start=9))
-        logits = [[row] for row in first]
-        tokens = [[int(np.argmax(row))] for row in first]
-        for i in range(DECODE_STEPS - 1):
-            rows = drv.run([t[-1] for t in tokens], [len(p) + i for p in prompts], slots, [0, 1])
-            for s in range(2):
-                logits[s].append(rows[s])
-                tokens[s].append(int(np.argmax(rows[s])))
-    finally:
-        for slot in slots:
-            drv.pool.release(slot)
-    for s in range(2):
-        hf_tokens = _hf_greedy(ref, prompts[s])
-        theirs = _hf_logits(ref, prompts[s] + hf_tokens[:-1])[len(prompts[s]) - 1:]
+    for k, p in enumerate(prompts):
+        engine.add_request(f"seq{k}", p, SamplingParams(max_tokens=DECODE_STEPS, temperature=0.0, ignore_eos=True))
+    tokens, logits = ([], []), ([], [])
+    while engine.has_unfinished():
+        outs = [o for o in engine.step() if o.new_token_ids]
+        rows = engine.runner.logits_host(len(outs)) if outs else None
+        for row, out in enumerate(outs):   # a step's logits rows follow its sequences' order
+            k = int(out.request_id[3:])
+            tokens[k].extend(out.new_token_ids)
+            logits[k].append(rows[row].copy())
+    assert engine.stats()["kv_pages_used"] == 0 and engine.stats()["slots_used"] == 0
+    for k, p in enumerate(prompts):
+        hf_tokens = _hf_greedy(ref, p)
+        theirs = _hf_logits(ref, p + hf_tokens[:-1])[len(p) - 1:]
         # Equal greedy tokens are a fair demand only without near-ties in HF's own logits (random tiny models have
         # bf16 ties): the model's seed is chosen so that the top two differ by > 1% at every step.
         top2 = np.sort(theirs, axis=1)[:, -2:]
         assert np.all(top2[:, 1] - top2[:, 0] > 0.01 * np.abs(top2[:, 1])), "near-tie in HF's logits: change seed"
-        assert tokens[s] == hf_tokens, s
-        _assert_rows_close(logits[s], theirs)
+        assert tokens[k] == hf_tokens, k
+        _assert_rows_close(logits[k], theirs)
 
 
 def test_conditional_generation_layout(tmp_path):
     """The multimodal checkpoint layout (text config under ``text_config``, weights under
     ``model.language_model.``, a vision tower to ignore, untied lm_head) loads and gives HF's logits."""
     ref = _write_tiny_qwen35(tmp_path / "qwen35_vl", multimodal=True, seed=1)
-    drv = Driver(tmp_path / "qwen35_vl")
-    assert drv.cfg.weight_prefix == "model.language_model." and not drv.cfg.tie_word_embeddings
+    engine = _engine(tmp_path / "qwen35_vl")
+    assert engine.model_config.weight_prefix == "model.language_model."
+    assert not engine.model_config.tie_word_embeddings
     ids = _prompt(6)
-    slot = drv.new_sequence(len(ids))
-    _assert_rows_close(drv.score(slot, ids), _hf_logits(ref, ids))
+    _assert_rows_close(engine.score(ids), _hf_logits(ref, ids))

@@ -230,8 +230,11 @@ def sweep(rng, read_bw, rows):
     print("\ndecode geometry sweep (warps per block, V loaded after S, launch-bounds blocks/SM; min split = 16 keys "
           "per warp)", flush=True)
     geometries = [(2, False, 0), (8, False, 0), (4, True, 0), (4, True, 3), (4, False, 3)]
-    runs = [(g, q3) for g in geometries] + [((4, True, 3), {"qwen3.5-full": MODELS["qwen3.5-full"]})]
-    for geometry, models in (runs if not SIM else [((2, False, 0), MODELS), ((2, True, 0), MODELS)]):
+    if SIM:
+        runs = [((2, False, 0), MODELS), ((2, True, 0), MODELS)]
+    else:
+        runs = [(g, q3) for g in geometries] + [((4, True, 3), {"qwen3.5-full": MODELS["qwen3.5-full"]})]
+    for geometry, models in runs:
         bench_decode(rng, read_bw, rows, geometry=geometry, min_split_tokens=16 * geometry[0], models=models,
                      label="sweep-g")
     print("\ndecode split sweep (default warps)", flush=True)

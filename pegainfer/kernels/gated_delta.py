@@ -26,8 +26,8 @@ with ``G_i`` the cumulative log decay from the chunk start, ``S`` the state befo
     L[i,m]     = beta_i · exp(G_i − G_m) · (k_i·k_m)      m < i      (strictly lower triangular)
     Tinv       = (I + L)⁻¹                                            (unit lower triangular)
     intra[i,m] = exp(G_i − G_m) · (q_i·k_m)               m ≤ i
-    R_i        = beta_i · (v_i − exp(G_i) · Sᵀ k_i)                   the delta rule's targets against the old state
-    U          = Tinv · R                                             the deltas actually written, all tokens at once
+    R_i        = beta_i · (v_i − exp(G_i) · Sᵀ k_i)                   delta-rule targets against the old state
+    U          = Tinv · R                                             the deltas actually written, all at once
     o_i        = exp(G_i) · Sᵀ q_i + Σ_m intra[i,m] · U_m
     S_next     = exp(G_C) · S + Σ_i exp(G_C − G_i) · k_i ⊗ U_i
 
@@ -58,14 +58,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from pegainfer.kernels.launch import launch
-from pegainfer.kernels.primitives import (WARP, bf16_to_f32, cuda, device_fn, f32_to_bf16,
-                                          float32, grid, kernel, math, threads, warp_sum)
+from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, cuda, device_fn, f32_to_bf16,
+                                          float32, grid, kernel, math, threads, uint32, warp_sum)
 
 L2NORM_EPS = 1e-6  # HF ``l2norm(x, eps=1e-6)``: x · rsqrt(Σx² + eps)
 MAX_KEY_DIM = 128  # largest key head dim Dk the shared-memory tiles hold (Qwen3.5: 128)
 MAX_CHUNK = 64  # largest chunk length C of the chunked form (HF and FLA use 64)
 COL_TILE = WARP  # value columns per block in the rule kernels: one per lane
 MAX_WARPS = 32  # 1024 threads
+K_ROW_WORDS = MAX_KEY_DIM // 2 + 1  # a staged k row: Dk/2 packed bf16 pairs + one spare word (bank offset)
 
 __all__ = ["causal_conv1d_silu", "gated_delta_recurrent", "gated_delta_chunked", "gated_rms_norm",
            "clear_state_slots", "sequence_table", "ChunkScratch", "allocate_chunk_scratch", "MAX_KEY_DIM",
@@ -341,9 +342,10 @@ def gated_delta_chunk_prepare_kernel(qkv, a, b, a_log, dt_bias, token_offsets, k
         intra[t0+i, h, m] = exp(G_i − G_m)·(q_i·k_m) for m ≤ i, else 0
 
     Geometry: one block per (sequence, chunk, value head), grid-strided; ``max_chunks`` bounds chunks per
-    sequence.  Threads stride over tokens for the per-token scalars, over (i, m) pairs for the dot products, and
-    over columns ``m`` of ``(I+L)⁻¹`` for the triangular solve (column ``m`` solves ``(I+L) x = e_m`` by forward
-    substitution alone); the cumulative sum of g is one thread's loop.
+    sequence.  The chunk's k rows are staged in shared memory; threads stride over tokens for the per-token
+    scalars, over (i, m) pairs for the dot products, and over columns ``m`` of ``(I+L)⁻¹`` for the triangular solve
+    (column ``m`` solves ``(I+L) x = e_m`` by forward substitution alone); the cumulative sum of g is one thread's
+    loop.
     """
     num_v_heads = a.shape[1]
     num_k_heads = qk_inv.shape[1]
@@ -356,9 +358,12 @@ def gated_delta_chunk_prepare_kernel(qkv, a, b, a_log, dt_bias, token_offsets, k
     qinv_s = cuda.shared.array(MAX_CHUNK, float32)
     kinv_s = cuda.shared.array(MAX_CHUNK, float32)
     l_s = cuda.shared.array((MAX_CHUNK, MAX_CHUNK), float32)
-    t_s = cuda.shared.array((MAX_CHUNK, MAX_CHUNK), float32)
+    # the chunk's k rows as packed bf16 pairs; one spare word per row keeps lanes reading different rows on
+    # different banks
+    k_s = cuda.shared.array((MAX_CHUNK, K_ROW_WORDS), uint32)
 
     tid = cuda.threadIdx.x
+    half_dim = key_dim // 2
     for item in range(cuda.blockIdx.x, (token_offsets.shape[0] - 1) * max_chunks * num_v_heads, cuda.gridDim.x):
         h = item % num_v_heads
         chunk = (item // num_v_heads) % max_chunks
@@ -368,17 +373,26 @@ def gated_delta_chunk_prepare_kernel(qkv, a, b, a_log, dt_bias, token_offsets, k
         if n <= 0:
             continue  # uniform across the block: the whole block skips
         hk = h // heads_per_key
+        q_col = hk * key_dim
+        k_col = k_base + q_col
+        for e in range(tid, n * half_dim, cuda.blockDim.x):
+            i = e // half_dim
+            w = e % half_dim
+            k_s[i, w] = (uint32(qkv[t0 + i, k_col + 2 * w + 1]) << uint32(16)) | uint32(qkv[t0 + i, k_col + 2 * w])
+        cuda.syncthreads()
 
         # per-token scalars
         for i in range(tid, n, cuda.blockDim.x):
             t = t0 + i
             ssq = float32(0.0)
             ssk = float32(0.0)
-            for d in range(key_dim):
-                qv = bf16_to_f32(qkv[t, hk * key_dim + d])
-                kv = bf16_to_f32(qkv[t, k_base + hk * key_dim + d])
-                ssq += qv * qv
-                ssk += kv * kv
+            for w in range(half_dim):
+                q0 = bf16_to_f32(qkv[t, q_col + 2 * w])
+                q1 = bf16_to_f32(qkv[t, q_col + 2 * w + 1])
+                k0 = bf16x2_lo(k_s[i, w])
+                k1 = bf16x2_hi(k_s[i, w])
+                ssq += q0 * q0 + q1 * q1
+                ssk += k0 * k0 + k1 * k1
             qinv_s[i] = inverse_l2_norm(ssq) * q_scale
             kinv_s[i] = inverse_l2_norm(ssk)
             g_s[i] = log_decay(a[t, h], a_log[h], dt_bias[h])
@@ -396,23 +410,29 @@ def gated_delta_chunk_prepare_kernel(qkv, a, b, a_log, dt_bias, token_offsets, k
                 gcum[t0 + i, h] = run
         cuda.syncthreads()
 
-        # L (strictly lower, into shared) and intra (lower with diagonal, to global)
+        # L (strictly lower, into shared) and intra (lower with diagonal, to global).  Consecutive threads take
+        # consecutive m for one i: k_m from shared memory (conflict-free), q_i and k_i broadcast.
         for p in range(tid, n * n, cuda.blockDim.x):
             i = p // n
             m = p % n
             kk = float32(0.0)
             qk = float32(0.0)
             if m <= i:
-                for d in range(key_dim):
-                    km = bf16_to_f32(qkv[t0 + m, k_base + hk * key_dim + d])
-                    kk += bf16_to_f32(qkv[t0 + i, k_base + hk * key_dim + d]) * km
-                    qk += bf16_to_f32(qkv[t0 + i, hk * key_dim + d]) * km
+                for w in range(half_dim):
+                    km, ki = k_s[m, w], k_s[i, w]
+                    km0 = bf16x2_lo(km)
+                    km1 = bf16x2_hi(km)
+                    kk += bf16x2_lo(ki) * km0 + bf16x2_hi(ki) * km1
+                    qi0 = bf16_to_f32(qkv[t0 + i, q_col + 2 * w])
+                    qi1 = bf16_to_f32(qkv[t0 + i, q_col + 2 * w + 1])
+                    qk += qi0 * km0 + qi1 * km1
             pair_decay = float32(math.exp(g_s[i] - g_s[m])) if m <= i else float32(0.0)
             l_s[i, m] = beta_s[i] * pair_decay * (kk * kinv_s[i] * kinv_s[m]) if m < i else float32(0.0)
             intra[t0 + i, h, m] = pair_decay * (qk * qinv_s[i] * kinv_s[m])
         cuda.syncthreads()
 
-        # (I + L)⁻¹ column by column: x_m = 1, x_i = −Σ_{m≤p<i} L[i,p]·x_p
+        # (I + L)⁻¹ column by column, written straight to ``tinv`` (a thread reads back only its own column):
+        # x_m = 1, x_i = −Σ_{m≤p<i} L[i,p]·x_p
         for m in range(tid, n, cuda.blockDim.x):
             for i in range(n):
                 if i < m:
@@ -422,10 +442,9 @@ def gated_delta_chunk_prepare_kernel(qkv, a, b, a_log, dt_bias, token_offsets, k
                 else:
                     x = float32(0.0)
                     for p in range(m, i):
-                        x -= l_s[i, p] * t_s[p, m]
-                t_s[i, m] = x
+                        x -= l_s[i, p] * tinv[t0 + p, h, m]
                 tinv[t0 + i, h, m] = x
-        cuda.syncthreads()  # l_s, t_s and the scalars are reused by the block's next item
+        cuda.syncthreads()  # l_s, k_s and the scalars are reused by the block's next item
 
 
 @kernel
@@ -708,7 +727,7 @@ def _check_rule_args(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids, token_offse
     assert num_k_heads >= 1 and qkv.shape[1] == 2 * num_k_heads * key_dim + num_v_heads * value_dim, \
         (qkv.shape, ssm_state.shape)
     assert num_v_heads % num_k_heads == 0, (num_v_heads, num_k_heads)
-    assert key_dim <= MAX_KEY_DIM, f"key head dim {key_dim} > MAX_KEY_DIM {MAX_KEY_DIM}"
+    assert key_dim <= MAX_KEY_DIM and key_dim % 2 == 0, f"key head dim {key_dim}: even and ≤ {MAX_KEY_DIM}"
     num_tokens = qkv.shape[0]
     assert a.shape == (num_tokens, num_v_heads) and b.shape == a.shape, (a.shape, b.shape, num_tokens)
     for p in (a_log, dt_bias):

@@ -237,12 +237,13 @@ def test_rule_matches_hf_torch(rng):
     q, k, v = (qkv[:, :hk * dk].reshape(-1, hk, dk), qkv[:, hk * dk:2 * hk * dk].reshape(-1, hk, dk),
                qkv[:, 2 * hk * dk:].reshape(-1, hv, dv))
     with torch.no_grad():
+        s0 = torch.tensor(state, dtype=torch.float32)
         hf_chunk, hf_chunk_state = hf.torch_chunk_gated_delta_rule(
-            t(q), t(k), t(v), g=t(g), beta=t(beta), chunk_size=4, initial_state=torch.tensor(state, dtype=torch.float32),
-            output_final_state=True, use_qk_l2norm_in_kernel=True)
+            t(q), t(k), t(v), g=t(g), beta=t(beta), chunk_size=4, initial_state=s0, output_final_state=True,
+            use_qk_l2norm_in_kernel=True)
         hf_rec, hf_rec_state = hf.torch_recurrent_gated_delta_rule(
-            t(q), t(k), t(v), g=t(g), beta=t(beta), initial_state=torch.tensor(state, dtype=torch.float32),
-            output_final_state=True, use_qk_l2norm_in_kernel=True)
+            t(q), t(k), t(v), g=t(g), beta=t(beta), initial_state=s0, output_final_state=True,
+            use_qk_l2norm_in_kernel=True)
     for form in ("recurrent", "chunked"):
         got, got_state = run_rule(form, layer, qkv_bits, a_bits, b_bits, state, [0], [num_tokens])
         for hf_out, hf_state in ((hf_chunk, hf_chunk_state), (hf_rec, hf_rec_state)):

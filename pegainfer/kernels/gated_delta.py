@@ -39,7 +39,9 @@ parallel by one kernel; a second kernel walks the chunks of each sequence in ord
 [B+1]`` int32 (sequence ``b`` owns tokens ``token_offsets[b] : token_offsets[b+1]`` of the token-major inputs) and
 ``slot_ids [B]`` int32 (the row of the per-sequence state buffers it reads and updates).  A decode step is B
 sequences of one token each (``token_offsets = arange(B+1)``); a prefill is one (or more) sequences of many tokens.
-Both come from device arrays, so a decode step can be captured in a CUDA graph and replayed.  State buffers::
+Both come from device arrays, so a decode step can be captured in a CUDA graph and replayed.  Empty sequences
+(padding: equal offsets) are skipped and leave their slot alone; ``sequence_table`` builds the table on the device
+from per-token slots.  State buffers::
 
     conv_state [slots, conv_dim, K-1]  bf16   the last K-1 inputs of the conv, oldest first (HF keeps K; the oldest
                                               of those is never used again)

@@ -134,6 +134,7 @@ def cmd_generate(args) -> int:
 def main(argv=None) -> int:
     import logging
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("numba").setLevel(logging.WARNING)   # numba logs every device free at INFO
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -14,7 +14,7 @@ from pegainfer.device import SIMULATOR
 from pegainfer.engine.cuda_graph import prefill_bucket
 from pegainfer.kernels import sampling
 from pegainfer.kernels.launch import on_stream
-from pegainfer.models.qwen3 import StepBuffers
+from pegainfer.engine.step_inputs import StepInputs
 
 
 class ModelRunner:
@@ -24,11 +24,9 @@ class ModelRunner:
         self.max_batch = max_batch
         self.stream = cuda.stream() if not SIMULATOR else 0
         T, R = model.max_tokens, model.max_rows
-        self.step = StepBuffers.allocate(T, R)
-        self.h_ids = _pinned(T)
-        self.h_pos = _pinned(T)
-        self.h_slots = _pinned(T)
-        self.h_rows = _pinned(R)
+        self.step = StepInputs(T, R)
+        self.h_ids, self.h_pos, self.h_slots, self.h_rows = (self.step.h_ids, self.step.h_pos, self.step.h_slots,
+                                                             self.step.h_rows)
         self.sampling = sampling.SamplingBuffers(R)
         self.out_ids = cuda.to_device(np.zeros(R, dtype=np.int32))
         self.h_out = _pinned(R)
@@ -39,13 +37,10 @@ class ModelRunner:
             self.graphs = StepGraphs(self)
 
     # -------------------------------------------------------------------------------------------- inputs
-    def _upload(self, T: int, B: int) -> None:
+    def _upload(self) -> None:
         s = self.stream
         self.pool.sync(s)
-        self.step.ids[:T].copy_to_device(self.h_ids[:T], stream=s)
-        self.step.positions[:T].copy_to_device(self.h_pos[:T], stream=s)
-        self.step.token_slots[:T].copy_to_device(self.h_slots[:T], stream=s)
-        self.step.logit_rows[:B].copy_to_device(self.h_rows[:B], stream=s)
+        self.step.upload(s)
         self.sampling.upload(s)
 
     def _set_sampling(self, row: int, seq) -> None:
@@ -95,14 +90,14 @@ class ModelRunner:
                 self.h_slots[T:bucket] = -1
         with on_stream(self.stream):
             if bucket is not None:
-                self._upload(bucket, B)
+                self._upload()
                 if self.graphs is not None and not force_eager and self.graphs.has(bucket, B):
                     self.graphs.replay(bucket, B)
                     logits = self.model.logits[:B]
                 else:
                     logits = self.forward_and_sample(bucket, B)
             else:
-                self._upload(T, B)
+                self._upload()
                 logits = self.forward_and_sample(T, B)
         out = self._finish(B)
         seq.num_cached = start + length
@@ -120,7 +115,7 @@ class ModelRunner:
             self.h_rows[r] = r
             self._set_sampling(r, seq)
         with on_stream(self.stream):
-            self._upload(B, B)
+            self._upload()
             if self.graphs is not None and not force_eager and self.graphs.has(B, B):
                 self.graphs.replay(B, B)
             else:

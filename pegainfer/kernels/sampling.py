@@ -790,7 +790,7 @@ def logsumexp(logits, out_lse) -> None:
 
 class SamplingBuffers:
     """Per-row sampling parameters as device arrays (read by ``sample`` inside the captured decode graph), with a
-    pinned host mirror: ``set_row`` writes the mirror, ``upload`` copies each array to the device in one copy.
+    pinned host mirror: ``set_row`` writes the mirror, ``upload`` copies all of it to the device in one copy.
 
     Device arrays ``[max_batch]``: ``temperature`` f32 (0 = greedy), ``top_k`` i32 (0 = off), ``top_p`` f32
     (1 = off), ``min_p`` f32 (0 = off), ``seed`` uint64, ``step`` i32 (the draw's position, so every step of a
@@ -804,11 +804,20 @@ class SamplingBuffers:
     def __init__(self, max_batch: int):
         self.max_batch = int(max_batch)
         self.host = _pytypes.SimpleNamespace()
-        for name, dtype, default in self.FIELDS:
-            mirror = cuda.pinned_array(self.max_batch, dtype=dtype)
+        # All fields live in one byte buffer (8-byte aligned slices) so ``upload`` is a single copy per step.
+        offsets, nbytes = [], 0
+        for _, dtype, _ in self.FIELDS:
+            offsets.append(nbytes)
+            nbytes += -(-self.max_batch * np.dtype(dtype).itemsize // 8) * 8
+        self._host_bytes = cuda.pinned_array(nbytes, dtype=np.uint8)
+        self._device_bytes = cuda.to_device(self._host_bytes)
+        for (name, dtype, default), off in zip(self.FIELDS, offsets):
+            n = self.max_batch * np.dtype(dtype).itemsize
+            mirror = self._host_bytes[off:off + n].view(dtype)
             mirror[:] = default
             setattr(self.host, name, mirror)
-            setattr(self, name, cuda.to_device(mirror))
+            setattr(self, name, self._device_bytes[off:off + n].view(dtype))
+        self._device_bytes.copy_to_device(self._host_bytes)
 
     def set_row(self, i: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                 seed: int = 0, step: int = 0) -> None:
@@ -835,8 +844,7 @@ class SamplingBuffers:
     def upload(self, stream=None) -> None:
         """Copy the host mirror to the device arrays (asynchronous on ``stream``, default: the launch stream)."""
         stream = current_stream() if stream is None else stream
-        for name, _, _ in self.FIELDS:
-            getattr(self, name).copy_to_device(getattr(self.host, name), stream=stream)
+        self._device_bytes.copy_to_device(self._host_bytes, stream=stream)
 
 
 def sample_workspace_size(max_rows: int, vocab: int = 0) -> int:

@@ -95,6 +95,10 @@ def run_bench(args) -> int:
         if run > 0:       # run 0 warms up
             ttfts.append(ttft)
             tpots.extend(gaps)
+    if args.trace_output_path:   # one more, traced run (its first prefill and decode steps are timed per kernel)
+        from pegainfer.trace import maybe_trace
+        with maybe_trace(args.trace_output_path, engine):
+            time_generation(engine, rng.integers(0, vocab, size=args.prompt_len).tolist(), args.output_len)
     res = {
         "model": engine.model_name, "simulator": SIMULATOR, "prompt_len": args.prompt_len,
         "output_len": args.output_len, "runs": args.runs, "cuda_graph": bool(args.cuda_graph),

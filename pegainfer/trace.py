@@ -14,7 +14,11 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
+
 from pegainfer.device import SIMULATOR
+
+SPIN_CYCLES = 200_000_000   # ~100 ms at ~2 GHz: longer than the host needs to enqueue one eager step
 
 
 class ChromeTracer:
@@ -22,6 +26,7 @@ class ChromeTracer:
         self.t0 = time.perf_counter()
         self.events: list[dict] = []
         self._pending: list[tuple[str, object, object, float]] = []
+        self._spin_out = None
 
     def _us(self, t: float) -> float:
         return (t - self.t0) * 1e6
@@ -41,6 +46,11 @@ class ChromeTracer:
         from numba import cuda
         from pegainfer.kernels.launch import current_stream
         s = current_stream()
+        if not self._pending:   # first kernel of the step: hold the GPU while the host enqueues the rest
+            from pegainfer.kernels.memory import spin_wait
+            if self._spin_out is None:
+                self._spin_out = cuda.device_array(1, dtype=np.int64)
+            spin_wait[1, 1, s](np.int64(SPIN_CYCLES), self._spin_out)
         start, end = cuda.event(), cuda.event()
         start.record(s)
         yield

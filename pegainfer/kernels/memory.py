@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from pegainfer.device import SIMULATOR as SIM
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.primitives import grid, kernel, load_u32x4, threads
 
@@ -44,3 +45,17 @@ def measure_read_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
         e.synchronize()
         times.append(s.elapsed_time(e) * 1e-3)
     return nbytes / float(np.median(times))
+
+
+@kernel
+def spin_wait(cycles, out):
+    """Keep the GPU busy for about ``cycles`` clock cycles (one thread; ``out[0]`` receives the elapsed count).
+
+    Used by the tracer: launched first in a traced eager step, it holds the stream while the host enqueues every
+    kernel of the step with its CUDA events, so the kernels then run back to back and each event pair measures the
+    kernel's own GPU time rather than the host's launch latency."""
+    start = cuda.clock64() if not SIM else 0
+    now = start
+    while now - start < cycles:
+        now = cuda.clock64() if not SIM else cycles + start
+    out[0] = now - start

@@ -18,7 +18,7 @@ import numpy as np
 
 from pegainfer.device import SIMULATOR
 
-SPIN_CYCLES = 200_000_000   # ~100 ms at ~2 GHz: longer than the host needs to enqueue one eager step
+SPIN_US = 100_000   # 100 ms: longer than the host needs to enqueue one eager step
 
 
 class ChromeTracer:
@@ -50,7 +50,7 @@ class ChromeTracer:
             from pegainfer.kernels.memory import spin_wait
             if self._spin_out is None:
                 self._spin_out = cuda.device_array(1, dtype=np.int64)
-            spin_wait[1, 1, s](np.int64(SPIN_CYCLES), self._spin_out)
+            spin_wait[1, 1, s](np.int64(SPIN_US), self._spin_out)
         start, end = cuda.event(), cuda.event()
         start.record(s)
         yield

@@ -48,14 +48,15 @@ def measure_read_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
 
 
 @kernel
-def spin_wait(cycles, out):
-    """Keep the GPU busy for about ``cycles`` clock cycles (one thread; ``out[0]`` receives the elapsed count).
+def spin_wait(microseconds, out):
+    """Keep the GPU busy for about ``microseconds`` µs (one thread sleeping 1 µs at a time; ``out[0]`` counts).
 
     Used by the tracer: launched first in a traced eager step, it holds the stream while the host enqueues every
     kernel of the step with its CUDA events, so the kernels then run back to back and each event pair measures the
     kernel's own GPU time rather than the host's launch latency."""
-    start = cuda.clock64() if not SIM else 0
-    now = start
-    while now - start < cycles:
-        now = cuda.clock64() if not SIM else cycles + start
-    out[0] = now - start
+    n = 0
+    for _ in range(microseconds):
+        if not SIM:
+            cuda.nanosleep(np.uint32(1000))
+        n += 1
+    out[0] = n

@@ -49,7 +49,8 @@ class StepGraphs:
         self.runner = runner
         self.execs: dict[tuple[int, int], object] = {}
         self._graphs: list = []
-        self.prefill_buckets = prefill_buckets(runner.model.max_tokens)
+        pads = getattr(runner.model, "pads_prefill", False)
+        self.prefill_buckets = prefill_buckets(runner.model.max_tokens) if pads else []
 
     def has(self, T: int, B: int) -> bool:
         return (T, B) in self.execs

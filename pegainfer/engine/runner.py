@@ -83,7 +83,8 @@ class ModelRunner:
             self.h_rows[0] = T - 1
             self._set_sampling(0, seq)
             # Pad to a fixed bucket whether or not graphs are on, so both paths run the very same kernels.
-            bucket = None if SIMULATOR else prefill_bucket(T, self.model.max_tokens)
+            pads = getattr(self.model, "pads_prefill", False)   # model kernels skip tokens whose slot is -1
+            bucket = prefill_bucket(T, self.model.max_tokens) if pads and not SIMULATOR else None
             if bucket is not None:
                 self.h_ids[T:bucket] = 0
                 self.h_pos[T:bucket] = 0

@@ -23,10 +23,13 @@ for stage in "$@"; do
   echo "=== stage $stage $(date +%T)"
   case "$stage" in
     kernels)  timeout ${KERNELS_TIMEOUT:-300} python3 -m pytest tests/kernels -q -x -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/kernels.log" ;;
-    accuracy) timeout ${ACC_TIMEOUT:-400} python3 -m pytest tests/gpu -q -s -x -p no:cacheprovider ${ACC_FILTER:-} 2>&1 | tail -40 | tee "$OUT/accuracy.log" ;;
+    accuracy) timeout ${ACC_TIMEOUT:-400} python3 -m pytest tests/gpu tests/models -m gpu -q -s -p no:cacheprovider ${ACC_FILTER:-} 2>&1 \
+                | grep -v "Warning\|warn(" | tail -40 | tee "$OUT/accuracy.log" ;;
     bench)    for m in ${BENCH_MODELS:-qwen3-4b}; do
                 timeout ${BENCH_TIMEOUT:-300} python3 -m pegainfer bench --model-path "$PEGAINFER_GPU_MODELS/$m" --max-model-len 4096 \
-                  --prompt-len 16 --output-len 128 --runs 5 ${BENCH_HF:---hf} --json "$OUT/bench_$m.json" 2>&1 | tail -25 | tee "$OUT/bench_$m.log"
+                  --prompt-len 16 --output-len 128 --runs 5 ${BENCH_HF:---hf} --json "$OUT/bench_$m.json" \
+                  --trace-output-path /tmp/trace_$m 2>&1 | tail -25 | tee "$OUT/bench_$m.log"
+                python3 benchmarks/trace_summary.py /tmp/trace_$m/*.json 2>&1 | head -40 | tee -a "$OUT/bench_$m.log"
               done ;;
     micro)    for b in benchmarks/bench_gemv.py benchmarks/bench_attention.py benchmarks/bench_sampling.py; do
                 [ -f "$b" ] && timeout ${MICRO_TIMEOUT:-200} python3 "$b" --json "$OUT/$(basename "$b" .py).json" 2>&1 | tail -30 | tee "$OUT/$(basename "$b" .py).log"

@@ -38,6 +38,12 @@ columns interleaved in pairs*: logical column ``2j`` is gate row ``j`` and ``2j 
 fragment, whose two adjacent columns ``2t, 2t+1`` live in the same lane), which writes
 ``out[t, j] = bf16(bf16(silu(bf16(g))) · bf16(u))`` — Hugging Face rounds after each op.
 
+``linear_add_rms_norm`` puts the decoder's residual add and RMSNorm in front of a projection (``norm``'s
+``add_rms_norm`` semantics, both norm forms, the updated residual written to a second buffer).  For one token it
+is a single GEMV launch: every block reads the whole residual row (at most a few KB, from L2), sums its squares in
+``norm``'s own order (so the results are bit-identical to the separate ops), stages the normalised row as the x it
+multiplies, and writes its own slice of the new residual.  For more tokens it is ``add_rms_norm_into`` + ``linear``.
+
 Requirements: K a multiple of 8 (16-byte loads of whole rows); N arbitrary; x, W, out contiguous.  No kernel
 allocates and none takes a per-step value, so every launch can be captured in a CUDA graph.
 
@@ -55,11 +61,13 @@ import numpy as np
 
 from pegainfer.device import SIMULATOR
 from numba import types as nbtypes  # noqa: E402  (after pegainfer.device: it picks GPU or simulator)
+from pegainfer.kernels import norm
 from pegainfer.kernels.activation import silu
 from pegainfer.kernels.launch import launch
-from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, cuda, device_fn, f32_to_bf16,
-                                          float32, grid, kernel, load_u32x4, mma_bf16_m16n8k16, pack_bf16x2, uint16,
-                                          uint32, warp_sum)
+from pegainfer.kernels.norm import inverse_rms, normalize_element
+from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, block_sum, cuda, device_fn,
+                                          f32_to_bf16, float32, grid, kernel, load_u32x4, mma_bf16_m16n8k16,
+                                          pack_bf16x2, uint16, uint32, warp_sum)
 
 int64, uint64 = np.int64, np.uint64
 
@@ -329,12 +337,80 @@ else:
                 dst[base + i] = s
 
 
+# ================================================================================================ norm prologue
+NORM_THREADS = norm._geometry(1)[1]
+"""Block size of ``norm``'s kernels (256 on a GPU, 32 in the simulator).  The fused add + RMSNorm prologue runs in
+blocks of exactly this size so that its sum of squares is added in the same order as ``norm.add_rms_norm``'s."""
+
+PROLOGUE_UNROLL = 2
+"""Strides of the row whose loads the norm prologue issues before using any (it is latency on every block's path).
+ptxas, sm_90, 128 registers: 2 spills nothing in any Qwen3 GEMV variant; 4 spills 4 bytes in the gated one."""
+
+
+@device_fn
+def _staged_index(i):
+    """Shared-memory position of element ``i`` of token 0 in the GEMV's staged x (one chunk covering K): element
+    ``8c + j`` of 16-byte slice ``c`` sits at ``256·(c // 32) + 32·j + c % 32``."""
+    c = i >> 3
+    return 256 * (c >> 5) + 32 * (i & 7) + (c & 31)
+
+
+@device_fn
+def _stage_add_rms_norm(residual_in, delta, has_delta, weight, residual_out, eps, weight_offset, round_before_weight,
+                        xs):
+    """The GEMV's x-staging step for ``linear_add_rms_norm`` (one token row of ``hidden`` = K elements):
+    ``s = bf16(residual_in + delta)`` (``s = residual_in`` without ``has_delta``), this block's share of s into
+    ``residual_out``, and ``rms_norm(s)`` (bf16 values, as f32) into the staged x ``xs`` at ``_staged_index``.
+
+    Every block reads the whole row (from L2) and sums the squares itself, in exactly ``norm.add_rms_norm_kernel``'s
+    order: thread t adds elements t, t + B, t + 2B, ... (B = the block size, which the launcher makes ``norm``'s),
+    then ``block_sum``.  So inv_rms and every normalised value are bit-identical to the separate norm's.  The
+    loads of ``PROLOGUE_UNROLL`` strides are issued before any is used (past the end of the row they re-read the
+    last element, unused).  Element i of s is written only by block ``(i // B) mod grid``: the blocks write
+    disjoint slices while all of them read ``residual_in``, hence ``residual_out`` must be another buffer.
+    Every thread of the block must call it (``block_sum``); the caller's barrier publishes ``xs``.
+    """
+    hidden = residual_in.shape[1]
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    first = cuda.local.array(PROLOGUE_UNROLL, uint16)
+    second = cuda.local.array(PROLOGUE_UNROLL, uint16)
+    ss = float32(0.0)
+    for i0 in range(tid, hidden, PROLOGUE_UNROLL * nthreads):
+        for u in range(PROLOGUE_UNROLL):
+            i = min(i0 + u * nthreads, hidden - 1)
+            first[u] = residual_in[0, i]
+            second[u] = delta[0, i] if has_delta else uint16(0)
+        for u in range(PROLOGUE_UNROLL):
+            i = i0 + u * nthreads
+            if i < hidden:
+                s_bits = f32_to_bf16(bf16_to_f32(first[u]) + bf16_to_f32(second[u])) if has_delta else first[u]
+                if (i // nthreads) % cuda.gridDim.x == cuda.blockIdx.x:
+                    residual_out[0, i] = s_bits
+                v = bf16_to_f32(s_bits)
+                ss += v * v
+                xs[_staged_index(i)] = v
+    inv_rms = inverse_rms(block_sum(ss), hidden, float32(eps))
+    for i0 in range(tid, hidden, PROLOGUE_UNROLL * nthreads):
+        for u in range(PROLOGUE_UNROLL):
+            first[u] = weight[min(i0 + u * nthreads, hidden - 1)]
+        for u in range(PROLOGUE_UNROLL):
+            i = i0 + u * nthreads
+            if i < hidden:
+                p = _staged_index(i)
+                xs[p] = bf16_to_f32(normalize_element(xs[p], inv_rms, first[u], float32(weight_offset),
+                                                      round_before_weight))
+
+
 # ================================================================================================ GEMV (decode)
 @functools.cache
-def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int, stage_x: bool = True):
+def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int, stage_x: bool = True,
+                 norm_prologue: bool = False):
     """Build the GEMV kernel for a register tile of ``rows_per_warp`` weight rows × ``max_tokens`` tokens and
     blocks of ``warps`` warps (compile-time constants: they size the per-lane register arrays, their loops unroll,
-    and the block size sets the launch bounds).  ``stage_x=False``: no x staging (see the kernel docstring)."""
+    and the block size sets the launch bounds).  ``stage_x=False``: no x staging (see the kernel docstring).
+    ``norm_prologue``: x is ``add_rms_norm(residual, delta)``, computed by every block while it stages x (one token;
+    see ``_stage_add_rms_norm``); otherwise the kernel's residual arguments are unused placeholders."""
     R = rows_per_warp
     TT = max_tokens
     X4 = 4 * TT
@@ -343,7 +419,8 @@ def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int, s
     nthreads = warps * WARP
 
     @_bounded_kernel(nthreads)
-    def gemv(x32, w32, out, k, k_split, k_chunk):
+    def gemv(x32, w32, out, k, k_split, k_chunk, residual_in, delta, norm_weight, residual_out, eps, weight_offset,
+             round_before_weight, has_delta):
         """``out[t, n] = bf16(Σ_k x[t, k] · W[row(n), k])`` for ``t < T <= max_tokens`` (or SwiGLU of column pairs
         when gated, see the module docstring).
 
@@ -361,6 +438,13 @@ def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int, s
         Built with ``stage_x=False`` the kernel stages nothing: ``k_chunk`` covers all of K, each lane loads the
         16 bytes of x of its slice for every token beside (and one step ahead with) its weight loads, and only the
         partial sums use shared memory (``4 · warps · rows_per_warp · max_tokens`` bytes).
+
+        Built with ``norm_prologue`` (one token, ``k_chunk >= K``, blocks of ``norm``'s size) x is not read: the
+        staging step computes ``x = rms_norm(s)``, ``s = bf16(residual_in + delta)`` (``has_delta``; else
+        ``s = residual_in``) with the norm's ``eps`` / ``weight_offset`` / ``round_before_weight`` and
+        ``norm_weight [K]``, and writes the block's share of s to ``residual_out [1, K]`` (``_stage_add_rms_norm``).
+        Every block owns at least one tile (the grid never exceeds the tile count), so every share gets written;
+        x is staged once per block, before its first tile's K loop (its first weight loads already in flight).
         """
         T = out.shape[0]
         n_out = out.shape[1]
@@ -403,11 +487,15 @@ def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int, s
                         _load_x_words(x32, k_words, w_off + 4 * c, x_cur, T, TT)
                 if stage_x and k0 != staged:       # the block-uniform test: every thread reaches the barriers
                     cuda.syncthreads()
-                    for idx in range(tid, T * n_slices, nthreads):
-                        t = idx // n_slices
-                        sl = idx - t * n_slices
-                        _stage_x_slice(x32, t * k_words + w_off + 4 * sl, smem,
-                                       t * k_chunk + 256 * (sl >> 5) + (sl & 31))
+                    if norm_prologue:
+                        _stage_add_rms_norm(residual_in, delta, has_delta, norm_weight, residual_out, eps,
+                                            weight_offset, round_before_weight, smem)
+                    else:
+                        for idx in range(tid, T * n_slices, nthreads):
+                            t = idx // n_slices
+                            sl = idx - t * n_slices
+                            _stage_x_slice(x32, t * k_words + w_off + 4 * sl, smem,
+                                           t * k_chunk + 256 * (sl >> 5) + (sl & 31))
                     cuda.syncthreads()
                     staged = k0
                 while c < n_slices:
@@ -570,8 +658,10 @@ def gemv(x, w, out, *, gated: bool = False, geometry: GemvGeometry | None = None
         x_floats = geo.max_tokens * k_chunk if geo.stage_x else 0
         shared = 4 * (x_floats + geo.warps * geo.rows_per_warp * geo.max_tokens)
         kern = _gemv_kernel(geo.rows_per_warp, geo.max_tokens, gated, geo.warps, geo.stage_x)
+        # the residual arguments of the norm prologue are unused here: any arrays of a fixed type will do
         launch(kern, grid(n_cols, cols_per_block, sim_cap=8), geo.warps * WARP,
-               _as_u32(xp), w32, outp, k, geo.k_split, k_chunk, shared=shared, name="gemv")
+               _as_u32(xp), w32, outp, k, geo.k_split, k_chunk, outp, outp, w32, outp, float32(0.0), float32(0.0),
+               False, False, shared=shared, name="gemv")
 
 
 # ================================================================================================ GEMM, FMA tiles
@@ -1109,3 +1199,154 @@ def linear_silu_mul(x, w_gate_up, out, impl: str | None = None) -> None:
     in ``linear``.  Neither g nor u is ever written to memory.
     """
     _run(x, w_gate_up, out, True, impl)
+
+
+# ================================================================================================ add + RMSNorm + linear
+@kernel
+def add_rms_norm_into_kernel(residual_in, delta, has_delta, weight, residual_out, normed, eps, weight_offset,
+                             round_before_weight):
+    """``norm.add_rms_norm_kernel`` writing its sum to another buffer: ``residual_out = s = bf16(residual_in +
+    delta)`` (``s = residual_in`` without ``has_delta``), ``normed = rms_norm(s)``; ``residual_in`` is not written.
+
+    residual_in, delta, residual_out, normed ``[tokens, hidden]``, weight ``[hidden]``: uint16 bf16 bits.
+    Geometry, loop order and rounding are ``norm``'s (one block per token row, threads stride over ``hidden``), so
+    the results are bit-identical to ``norm.add_rms_norm`` / ``norm.rms_norm``.
+    """
+    eps = float32(eps)
+    weight_offset = float32(weight_offset)
+    for row in range(cuda.blockIdx.x, residual_in.shape[0], cuda.gridDim.x):
+        ss = float32(0.0)
+        for i in range(cuda.threadIdx.x, residual_in.shape[1], cuda.blockDim.x):
+            if has_delta:
+                s_bits = f32_to_bf16(bf16_to_f32(residual_in[row, i]) + bf16_to_f32(delta[row, i]))
+            else:
+                s_bits = residual_in[row, i]
+            residual_out[row, i] = s_bits
+            v = bf16_to_f32(s_bits)
+            ss += v * v
+        inv_rms = inverse_rms(block_sum(ss), residual_in.shape[1], eps)
+        norm.write_normalized_row(residual_out, row, weight, normed, inv_rms, weight_offset, round_before_weight)
+
+
+def _memory_range(a) -> tuple[int, int]:
+    iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+    start = int(iface["data"][0])
+    return start, start + int(a.nbytes)
+
+
+def _check_residuals(residual_in, delta, norm_weight, residual_out) -> None:
+    for name, a in (("residual_in", residual_in), ("residual_out", residual_out)):
+        if a.ndim != 2 or a.dtype != np.uint16 or not _is_contiguous(a):
+            raise ValueError(f"{name} must be a C-contiguous 2-D uint16 array, got shape {a.shape} dtype {a.dtype}")
+    if residual_out.shape != residual_in.shape:
+        raise ValueError(f"residual_out {residual_out.shape} must match residual_in {residual_in.shape}")
+    if delta is not None and (delta.shape != residual_in.shape or delta.dtype != np.uint16):
+        raise ValueError(f"delta {delta.shape} {delta.dtype} must match residual_in {residual_in.shape} (uint16)")
+    if norm_weight.shape != (residual_in.shape[1],) or norm_weight.dtype != np.uint16:
+        raise ValueError(f"norm_weight {norm_weight.shape} {norm_weight.dtype} must be [{residual_in.shape[1]}] "
+                         "uint16")
+    (a0, a1), (b0, b1) = _memory_range(residual_in), _memory_range(residual_out)
+    if a0 < b1 and b0 < a1:
+        raise ValueError("residual_out must not overlap residual_in (the fused kernel's blocks read all of "
+                         "residual_in while others write residual_out)")
+
+
+def add_rms_norm_into(residual_in, delta, norm_weight, residual_out, normed_out, eps: float,
+                      weight_offset: float = 0.0, round_before_weight: bool = True) -> None:
+    """``residual_out = s = bf16(residual_in + delta)`` (``delta=None``: ``s = residual_in``), ``normed_out =
+    rms_norm(s)``: ``norm.add_rms_norm`` / ``norm.rms_norm`` with the sum written to another buffer, bit for bit.
+    The unfused path of ``linear_add_rms_norm``.  (It belongs in ``norm``; it is here while that module has another
+    owner.)"""
+    _check_residuals(residual_in, delta, norm_weight, residual_out)
+    if normed_out.shape != residual_in.shape or normed_out.dtype != np.uint16:
+        raise ValueError(f"normed_out {normed_out.shape} {normed_out.dtype} must match residual_in "
+                         f"{residual_in.shape} (uint16)")
+    if residual_in.shape[0] == 0:
+        return
+    blocks, block = norm._geometry(residual_in.shape[0])
+    launch(add_rms_norm_into_kernel, blocks, block, residual_in, residual_in if delta is None else delta,
+           delta is not None, norm_weight, residual_out, normed_out, np.float32(eps), np.float32(weight_offset),
+           bool(round_before_weight), name="add_rms_norm_into")
+
+
+def fused_norm_geometry(n_cols: int, k: int, gated: bool = False) -> GemvGeometry:
+    """GEMV geometry of the fused add + RMSNorm path (one token): ``gemv_geometry``'s rows per warp and split, in
+    blocks of ``NORM_THREADS`` (the prologue's sum of squares then runs in norm's order), x staged (the prologue
+    writes it), ``k_split`` reduced until it divides the block's warps."""
+    geo = gemv_geometry(n_cols, k, 1, gated)
+    warps = NORM_THREADS // WARP
+    k_split = geo.k_split
+    while warps % k_split:
+        k_split //= 2
+    return GemvGeometry(rows_per_warp=geo.rows_per_warp, warps=warps, k_split=k_split, max_tokens=1)
+
+
+def _fused_blocks(n_tiles: int, geo: GemvGeometry) -> int:
+    """Grid of the fused GEMV: at most one resident wave of blocks (``WARPS_PER_SM // warps`` per SM), which then
+    grid-stride over the tiles, so that the norm prologue (a whole-row pass and a block reduction) runs once per
+    block rather than once per tile."""
+    resident = _sm_count() * max(1, WARPS_PER_SM // geo.warps)
+    return grid(min(n_tiles, resident), sim_cap=2)
+
+
+def _gemv_add_rms_norm(residual_in, delta, norm_weight, eps, residual_out, w, out, gated, weight_offset,
+                       round_before_weight, geo: GemvGeometry) -> None:
+    """The fused launch: one GEMV whose x staging is the add + RMSNorm of the single token row."""
+    assert not gated or geo.rows_per_warp % 2 == 0, f"the gated GEMV needs an even rows_per_warp: {geo}"
+    k = residual_in.shape[1]
+    k_chunk = _gemv_k_chunk(k, geo)
+    cols_per_block = geo.warps // geo.k_split * geo.rows_per_warp
+    n_tiles = -(-w.shape[0] // cols_per_block)
+    shared = 4 * (k_chunk + geo.warps * geo.rows_per_warp)
+    kern = _gemv_kernel(geo.rows_per_warp, 1, gated, geo.warps, True, True)
+    w32 = _as_u32(w)
+    launch(kern, _fused_blocks(n_tiles, geo), geo.warps * WARP, _as_u32(residual_in), w32, out, k, geo.k_split,
+           k_chunk, residual_in, residual_in if delta is None else delta, norm_weight, residual_out, np.float32(eps),
+           np.float32(weight_offset), bool(round_before_weight), delta is not None, shared=shared,
+           name="gemv_add_rms_norm")
+
+
+def _fusable(n_tokens: int, k: int, impl, geo: GemvGeometry) -> bool:
+    return (n_tokens == 1 and impl in (None, "gemv") and default_impl(1) == "gemv"
+            and geo.warps * WARP == NORM_THREADS and geo.warps % geo.k_split == 0 and geo.max_tokens == 1
+            and geo.stage_x and _gemv_k_chunk(k, geo) >= k)
+
+
+def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_out, w, out, *, gated: bool = False,
+                        weight_offset: float = 0.0, round_before_weight: bool = True, normed_out=None,
+                        impl: str | None = None, geometry: GemvGeometry | None = None) -> None:
+    """The decoder's residual add and RMSNorm followed by a projection:
+
+        s = bf16(residual_in + delta)       (delta=None: s = residual_in)      -> residual_out
+        n = rms_norm(s) · norm_weight       (``norm``'s two roundings: ``weight_offset``, ``round_before_weight``)
+        out = linear(n, w)                  (gated: linear_silu_mul(n, w))
+
+    residual_in, delta, residual_out ``[T, H]``, norm_weight ``[H]``, w ``[N, H]`` (``[2I, H]`` gated), out
+    ``[T, N]`` (``[T, I]``): uint16 bf16 bits.  ``residual_in`` is never written; ``residual_out`` must be another
+    buffer (a model ping-pongs two).  Results are bit-identical to ``norm.add_rms_norm`` (or ``norm.rms_norm``)
+    followed by ``linear`` / ``linear_silu_mul``, on every path.
+
+    One token (T = 1, the GEMV path): a single launch; the norm is the GEMV's x-staging prologue, computed by every
+    block from the whole row (``_stage_add_rms_norm``); n is never written to memory and ``normed_out`` is not
+    touched.  ``geometry`` (tests, benchmarks) overrides ``fused_norm_geometry`` and must keep its block size.
+    Otherwise: ``add_rms_norm_into`` into ``normed_out`` (required then: a ``[T, H]`` scratch), then ``linear`` with
+    ``impl``.  Nothing is allocated; every launch can be captured in a CUDA graph.
+    """
+    _check_residuals(residual_in, delta, norm_weight, residual_out)
+    _check(residual_in, w, out, gated, impl)
+    T, k = residual_in.shape
+    if T == 0:
+        return
+    geo = geometry or fused_norm_geometry(w.shape[0], k, gated)
+    fused = _fusable(T, k, impl, geo)
+    if geometry is not None and not fused:
+        raise ValueError(f"geometry {geometry} does not give the fused one-token path (T = {T}, impl = {impl!r})")
+    if fused and out.shape[1] > 0:         # (no columns: no blocks, which would leave residual_out unwritten)
+        _gemv_add_rms_norm(residual_in, delta, norm_weight, eps, residual_out, w, out, gated, weight_offset,
+                           round_before_weight, geo)
+        return
+    if normed_out is None:
+        raise ValueError(f"normed_out (a [{T}, {k}] scratch) is needed: T = {T} takes the unfused path")
+    add_rms_norm_into(residual_in, delta, norm_weight, residual_out, normed_out, eps, weight_offset,
+                      round_before_weight)
+    _run(normed_out, w, out, gated, impl)

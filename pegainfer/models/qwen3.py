@@ -4,15 +4,21 @@ One forward call processes a flat batch of T tokens (vLLM style): a prefill chun
 token for each of B sequences. Token t has id ``ids[t]``, position ``positions[t]`` and belongs to slot
 ``token_slots[t]``; the KV cache is paged (see ``engine/kv_cache.py``). Per decoder layer::
 
-    normed   = rms_norm(residual)                       (fused with the residual add of the previous layer)
-    qkv      = normed @ W_qkv^T                          [T, (nq + 2 nkv) D]   (q, k, v projections fused)
+    residual = residual + delta ; qkv = rms_norm(residual) @ W_qkv^T      [T, (nq + 2 nkv) D]   (q, k, v fused)
     q, K, V  = rope(rms_norm_head(q)), rope(rms_norm_head(k)), v → K/V written into the paged cache
     attn     = softmax(q K^T / sqrt(D)) V                [T, nq, D]    (causal via positions, GQA)
-    residual = residual + attn @ W_o^T ; normed = rms_norm(residual)
-    residual = residual + (silu(normed W_gate^T) * (normed W_up^T)) @ W_down^T
+    delta    = attn @ W_o^T
+    residual = residual + delta ; act = silu(n W_gate^T) * (n W_up^T), n = rms_norm(residual)
+    delta    = act @ W_down^T
 
-and finally ``logits = rms_norm(residual)[logit_rows] @ W_lm^T``. Every intermediate is bf16 (uint16 bits), rounded
-where Hugging Face's bf16 forward rounds, so logits line up with ``transformers``.
+(the first layer has no delta to add) and finally ``logits = rms_norm(residual + delta)[logit_rows] @ W_lm^T``.
+Every intermediate is bf16 (uint16 bits), rounded where Hugging Face's bf16 forward rounds, so logits line up with
+``transformers``.
+
+Each "residual add, RMSNorm, projection" is one ``linear.linear_add_rms_norm`` call: for one token (batch-1
+decode) a single GEMV launch whose blocks compute the add and the norm while staging their input, otherwise an
+add + norm launch into ``normed`` and the projection.  It reads the residual stream from one buffer and writes the
+updated stream to the other, so the two residual buffers swap roles at every norm.
 """
 from __future__ import annotations
 
@@ -76,7 +82,7 @@ class Qwen3Model:
 
     def scratch_bytes(self) -> int:
         T, H = self.max_tokens, self.H
-        elems = T * (3 * H + self.qkv_rows + 2 * self.nq * self.D + 2 * self.I) + self.max_rows * (H + self.V)
+        elems = T * (4 * H + self.qkv_rows + 2 * self.nq * self.D + 2 * self.I) + self.max_rows * (H + self.V)
         return 2 * elems + 4 * attention.attention_workspace_size(T, self.nq, self.D, self.max_model_len, 16)
 
     # ------------------------------------------------------------------------------------------------ weights
@@ -123,7 +129,8 @@ class Qwen3Model:
         self.v_cache = [cuda.device_array(shape, dtype=BF16) for _ in range(self.L)]
         T, H = self.max_tokens, self.H
         e = lambda *s: cuda.device_array(s, dtype=BF16)  # noqa: E731
-        self.residual, self.normed, self.delta = e(T, H), e(T, H), e(T, H)
+        self.residuals = (e(T, H), e(T, H))  # the residual stream, read from one and written to the other
+        self.normed, self.delta = e(T, H), e(T, H)
         self.qkv = e(T, self.qkv_rows)
         self.q = e(T, self.nq, self.D)
         self.attn = e(T, self.nq, self.D)
@@ -142,30 +149,35 @@ class Qwen3Model:
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         ids, pos, slots = step.ids[:T], step.positions[:T], step.token_slots[:T]
-        residual, normed, delta = self.residual[:T], self.normed[:T], self.delta[:T]
+        residual, spare = self.residuals[0][:T], self.residuals[1][:T]
+        normed, delta = self.normed[:T], self.delta[:T]
         qkv, q, attn, act = self.qkv[:T], self.q[:T], self.attn[:T], self.act[:T]
         attn_flat = self.attn.reshape(self.max_tokens, self.nq * self.D)[:T]
         scale = 1.0 / math.sqrt(self.D)
 
         embedding.embedding(ids, self.embed, residual)
         for i, lw in enumerate(self.layers):
-            if i == 0:
-                norm.rms_norm(residual, lw["input_ln"], normed, eps)
-            else:
-                norm.add_rms_norm(residual, delta, lw["input_ln"], normed, eps)
-            linear.linear(normed, lw["qkv"], qkv)
+            linear.linear_add_rms_norm(residual, delta if i > 0 else None, lw["input_ln"], eps, spare, lw["qkv"], qkv,
+                                       normed_out=normed)
+            residual, spare = spare, residual
             rope.qk_norm_rope_store(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, pos, slots,
                                     block_tables, self.k_cache[i], self.v_cache[i], q, eps, self.rotary_dim,
                                     q_head_stride=self.D)
             attention.paged_attention(q, self.k_cache[i], self.v_cache[i], block_tables, slots, pos, attn, scale,
                                       self.attn_workspace)
             linear.linear(attn_flat, lw["o"], delta)
-            norm.add_rms_norm(residual, delta, lw["post_ln"], normed, eps)
-            linear.linear_silu_mul(normed, lw["gate_up"], act)
+            linear.linear_add_rms_norm(residual, delta, lw["post_ln"], eps, spare, lw["gate_up"], act, gated=True,
+                                       normed_out=normed)
+            residual, spare = spare, residual
             linear.linear(act, lw["down"], delta)
-        norm.add_rms_norm(residual, delta, self.final_norm, normed, eps)
-        last = self.last_hidden[:B]
-        embedding.embedding(step.logit_rows[:B], normed, last)   # gather the rows that need logits
         logits = self.logits[:B]
-        linear.linear(last, self.lm_head, logits)
+        if T == 1 and B == 1:
+            # one row, which is the logits row: the final norm is the LM head's prologue
+            linear.linear_add_rms_norm(residual, delta, self.final_norm, eps, spare, self.lm_head, logits,
+                                       normed_out=normed)
+        else:
+            norm.add_rms_norm(residual, delta, self.final_norm, normed, eps)
+            last = self.last_hidden[:B]
+            embedding.embedding(step.logit_rows[:B], normed, last)   # gather the rows that need logits
+            linear.linear(last, self.lm_head, logits)
         return logits

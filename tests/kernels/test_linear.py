@@ -10,7 +10,8 @@ from tests.util import SIMULATOR, bf16_randn, from_bf16_bits, rel_l2
 from numba import cuda
 
 from pegainfer.kernels import linear as lin
-from pegainfer.kernels.linear import GemvGeometry, gemv, linear, linear_silu_mul
+from pegainfer.kernels import norm
+from pegainfer.kernels.linear import GemvGeometry, gemv, linear, linear_add_rms_norm, linear_silu_mul
 
 
 def bf16_round(x):
@@ -155,6 +156,120 @@ def test_default_impl():
         assert [lin.default_impl(t) for t in (1, 2, 64, 65)] == ["gemv", "skinny", "skinny", "gemm_mma"]
 
 
+# ------------------------------------------------------------------------------------------------ add + RMSNorm + linear
+NORM_FORMS = {"qwen3": {}, "qwen35": {"weight_offset": 1.0, "round_before_weight": False}}
+
+
+def rms_norm_reference(s, w, eps, weight_offset=0.0, round_before_weight=True):
+    """HF's bf16 RMSNorm of the rows of ``s`` in float64 (Qwen3: round, then weight, round; Qwen3.5: one rounding
+    of ``n · (1 + w)``)."""
+    n = s / np.sqrt(np.mean(s * s, axis=-1, keepdims=True) + eps)
+    if round_before_weight:
+        n = bf16_round(n)
+    return bf16_round(n * (w + weight_offset))
+
+
+def _separate(rb, db, wnb, wb, gated, form, eps):
+    """The unfused ops (``norm.add_rms_norm`` / ``norm.rms_norm`` in place, then ``linear``): (residual, normed,
+    out) as uint16 bits."""
+    T, H = rb.shape
+    residual = cuda.to_device(rb.copy())
+    normed = cuda.to_device(np.zeros((T, H), np.uint16))
+    if db is None:
+        norm.rms_norm(residual, cuda.to_device(wnb), normed, eps, **NORM_FORMS[form])
+    else:
+        norm.add_rms_norm(residual, cuda.to_device(db), cuda.to_device(wnb), normed, eps, **NORM_FORMS[form])
+    out = cuda.to_device(np.zeros((T, wb.shape[0] // 2 if gated else wb.shape[0]), np.uint16))
+    (linear_silu_mul if gated else linear)(normed, cuda.to_device(wb), out)
+    return residual.copy_to_host(), normed.copy_to_host(), out.copy_to_host()
+
+
+def _fused(rb, db, wnb, wb, gated, form, eps, **kw):
+    """``linear_add_rms_norm``: (residual_in after the call, residual_out, normed_out, out) as uint16 bits;
+    residual_out and normed_out start filled with a sentinel."""
+    T, H = rb.shape
+    residual_in = cuda.to_device(rb.copy())
+    residual_out = cuda.to_device(np.full((T, H), 0x7FC1, np.uint16))
+    normed_out = cuda.to_device(np.full((T, H), 0x7FC1, np.uint16))
+    out = cuda.to_device(np.zeros((T, wb.shape[0] // 2 if gated else wb.shape[0]), np.uint16))
+    linear_add_rms_norm(residual_in, None if db is None else cuda.to_device(db), cuda.to_device(wnb), eps,
+                        residual_out, cuda.to_device(wb), out, gated=gated, normed_out=normed_out,
+                        **NORM_FORMS[form], **kw)
+    return (residual_in.copy_to_host(), residual_out.copy_to_host(), normed_out.copy_to_host(),
+            out.copy_to_host())
+
+
+@pytest.mark.parametrize("form", list(NORM_FORMS))
+@pytest.mark.parametrize("gated", [False, True], ids=["linear", "gated"])
+@pytest.mark.parametrize("with_delta", [True, False], ids=["delta", "no_delta"])
+@pytest.mark.parametrize("T,H", [(1, 72), (1, 128), (3, 64)])
+def test_linear_add_rms_norm(T, H, with_delta, gated, form, rng):
+    """Against float64 NumPy, and bit for bit against the separate ops.  T = 1 is the fused GEMV (in the simulator
+    two blocks over several tiles; H = 72 leaves a partial stride of the row, H = 128 gives each block two slices
+    of the residual to write); T = 3 the unfused path (``add_rms_norm_into`` + ``linear``)."""
+    eps = 1e-6
+    n_cols = 40
+    rb, r = bf16_randn((T, H), rng)
+    db, d = bf16_randn((T, H), rng) if with_delta else (None, 0.0)
+    wnb, wn = bf16_randn((H,), rng, scale=0.2 if form == "qwen35" else 1.0)   # (1 + w) or w
+    wb, w = bf16_randn((n_cols, H), rng, scale=0.2)
+    res_in, res_out, normed, out = _fused(rb, db, wnb, wb, gated, form, eps)
+
+    s = bf16_round(r + d)
+    assert np.array_equal(from_bf16_bits(res_out), s), "residual_out must be bf16(residual + delta)"
+    assert np.array_equal(res_in, rb), "residual_in must not be written"
+    n = rms_norm_reference(s, wn, eps, **NORM_FORMS[form])
+    expected = silu_mul_reference(n, w) if gated else n @ w.T
+    got = from_bf16_bits(out).astype(np.float64)
+    assert rel_l2(got, expected) < 1e-2
+
+    ref_residual, ref_normed, ref_out = _separate(rb, db, wnb, wb, gated, form, eps)
+    assert np.array_equal(res_out, ref_residual), "residual_out must equal add_rms_norm's residual bit for bit"
+    assert np.array_equal(out, ref_out), "the fused op must equal add_rms_norm + linear bit for bit"
+    if T == 1:
+        assert np.all(normed == 0x7FC1), "the fused path must not write normed_out"
+    else:
+        assert np.array_equal(normed, ref_normed)
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["linear", "gated"])
+def test_linear_add_rms_norm_geometries(gated, rng):
+    """The fused path with other splits of the same block size: two rows per warp (many tiles per block)."""
+    H = 96
+    rb, _ = bf16_randn((1, H), rng)
+    db, _ = bf16_randn((1, H), rng)
+    wnb, _ = bf16_randn((H,), rng)
+    wb, _ = bf16_randn((34, H), rng, scale=0.2)
+    geo = GemvGeometry(rows_per_warp=2, warps=lin.NORM_THREADS // 32, k_split=1, max_tokens=1)
+    _, res_out, _, out = _fused(rb, db, wnb, wb, gated, "qwen3", 1e-6, geometry=geo)
+    ref_residual, _, ref_out = _separate(rb, db, wnb, wb, gated, "qwen3", 1e-6)
+    assert np.array_equal(res_out, ref_residual)
+    assert np.array_equal(out, ref_out)
+
+
+def test_linear_add_rms_norm_rejects(rng):
+    T, H = 1, 64
+    r = cuda.to_device(np.zeros((2, H), np.uint16))
+    wn = cuda.to_device(np.zeros(H, np.uint16))
+    w = cuda.to_device(np.zeros((8, H), np.uint16))
+    out = cuda.to_device(np.zeros((T, 8), np.uint16))
+    with pytest.raises(ValueError, match="overlap"):
+        linear_add_rms_norm(r[:1], None, wn, 1e-6, r[:1], w, out)
+    big = cuda.to_device(np.zeros((2 * H,), np.uint16))
+    with pytest.raises(ValueError, match="overlap"):   # views of one buffer that share elements
+        linear_add_rms_norm(big[:H].reshape(1, H), None, wn, 1e-6, big[H // 2:H // 2 + H].reshape(1, H), w, out)
+    out3 = cuda.to_device(np.zeros((3, 8), np.uint16))
+    r3 = cuda.to_device(np.zeros((3, H), np.uint16))
+    with pytest.raises(ValueError, match="normed_out"):
+        linear_add_rms_norm(r3, None, wn, 1e-6, cuda.to_device(np.zeros((3, H), np.uint16)), w, out3)
+    with pytest.raises(ValueError, match="geometry"):
+        linear_add_rms_norm(r[:1], None, wn, 1e-6, r[1:], w, out,
+                            geometry=GemvGeometry(rows_per_warp=2, warps=lin.NORM_THREADS // 32 + 1, k_split=1,
+                                                  max_tokens=1))
+    with pytest.raises(ValueError, match="norm_weight"):
+        linear_add_rms_norm(r[:1], None, cuda.to_device(np.zeros(H - 8, np.uint16)), 1e-6, r[1:], w, out)
+
+
 # ------------------------------------------------------------------------------------------------ GPU only
 QWEN3_4B = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728),
             "lm_head": (151936, 2560)}
@@ -192,3 +307,21 @@ def test_gemv_geometry_covers_all_sms():
         geo = lin.gemv_geometry(N, K, 1)
         warps = -(-N // geo.rows_per_warp) * geo.k_split
         assert warps >= 16 * sms, (N, K, geo)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qkv", "gate_up", "lm_head"])
+@pytest.mark.parametrize("with_delta", [True, False], ids=["delta", "no_delta"])
+def test_linear_add_rms_norm_qwen3_4b(name, with_delta):
+    """The fused one-token path on the Qwen3-4B shapes it serves: bit for bit what add_rms_norm + linear give."""
+    rng = np.random.default_rng(11)
+    N, H = QWEN3_4B[name]
+    gated = name == "gate_up"
+    rb, _ = bf16_randn((1, H), rng)
+    db = bf16_randn((1, H), rng)[0] if with_delta else None
+    wnb, _ = bf16_randn((H,), rng)
+    wb, _ = bf16_randn((N, H), rng, scale=H ** -0.5)
+    _, res_out, _, out = _fused(rb, db, wnb, wb, gated, "qwen3", 1e-6)
+    ref_residual, _, ref_out = _separate(rb, db, wnb, wb, gated, "qwen3", 1e-6)
+    assert np.array_equal(res_out, ref_residual)
+    assert np.array_equal(out, ref_out), np.mean(out != ref_out)

@@ -53,6 +53,7 @@ class Qwen3Model:
     """Qwen3ForCausalLM: weights, KV cache and activation buffers on the device, and the forward pass."""
 
     arch = "qwen3"
+    pads_prefill = True    # every kernel skips tokens with slot -1, so prefill chunks can be padded to graph sizes
 
     def __init__(self, cfg, max_model_len: int, max_tokens: int, max_rows: int):
         self.cfg = cfg

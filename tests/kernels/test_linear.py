@@ -301,10 +301,13 @@ def test_qwen3_4b_shapes_every_path(name):
 
 @pytest.mark.gpu
 def test_gemv_geometry_covers_all_sms():
-    """The picker gives the short-and-wide matrices enough warps to occupy every SM."""
+    """The heuristic picker gives the short-and-wide matrices enough warps to occupy every SM (shapes with a
+    measured entry in GEMV_TUNED use that instead: the H200 sweep found fewer, busier warps faster there)."""
     sms = lin._sm_count()
     for N, K in [(2560, 4096), (2560, 9728), (6144, 2560)]:
         geo = lin.gemv_geometry(N, K, 1)
+        if any(key[:2] == (N, K) for key in lin.GEMV_TUNED):
+            continue
         warps = -(-N // geo.rows_per_warp) * geo.k_split
         assert warps >= 16 * sms, (N, K, geo)
 

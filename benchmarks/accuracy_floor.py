@@ -24,7 +24,7 @@ def main():
     args = ap.parse_args()
     import torch
     import transformers
-    prompt = np.random.default_rng(0).integers(0, 150000, size=args.prompt_len).tolist()
+    prompt = np.random.default_rng(0).integers(0, 150000, size=args.prompt_len).tolist()  # both vocabularies hold these ids
     ids = torch.tensor([prompt], device="cuda")
     logits = {}
     for name, dtype, attn in [("hf_bf16_sdpa", torch.bfloat16, "sdpa"), ("hf_bf16_eager", torch.bfloat16, "eager"),

@@ -37,6 +37,13 @@ for stage in "$@"; do
     trace)    timeout ${TRACE_TIMEOUT:-200} python3 -m pegainfer generate --model-path "$PEGAINFER_GPU_MODELS/qwen3-4b" --max-model-len 4096 \
                 --prompt "Hello there" --max-tokens 32 --temperature 0 --trace-output-path "$OUT/trace" 2>&1 | tail -4
               python3 benchmarks/trace_summary.py "$OUT"/trace/*.json 2>&1 | tee "$OUT/trace_summary.log" ;;
+    floor35)  timeout 60 python3 -c "
+import sys, os; sys.path.insert(0, os.getcwd())
+from pathlib import Path
+from tests.models.test_qwen35_oracle import _write_random_qwen35_gpu, QWEN35_4B
+print(_write_random_qwen35_gpu(Path(os.environ['PEGAINFER_GPU_MODELS']) / 'qwen3.5-4b-random', QWEN35_4B))" 2>&1 | tail -1
+              timeout ${FLOOR_TIMEOUT:-240} python3 benchmarks/accuracy_floor.py --model-path "$PEGAINFER_GPU_MODELS/qwen3.5-4b-random" \
+                --json "$OUT/floor35.json" 2>&1 | grep -v Warning | tail -8 | tee "$OUT/floor35.log" ;;
     floor)    timeout ${FLOOR_TIMEOUT:-240} python3 benchmarks/accuracy_floor.py --model-path "$PEGAINFER_GPU_MODELS/qwen3-4b" \
                 --json "$OUT/floor.json" 2>&1 | grep -v Warning | tail -12 | tee "$OUT/floor.log" ;;
     server)   timeout ${SERVER_TIMEOUT:-300} python3 benchmarks/bench_server.py --model-path "$PEGAINFER_GPU_MODELS/qwen3-4b" \

@@ -7,6 +7,8 @@ before each replay, so the graph itself never changes.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from numba import cuda
 
@@ -30,6 +32,7 @@ class ModelRunner:
         self.sampling = sampling.SamplingBuffers(R)
         self.out_ids = cuda.to_device(np.zeros(R, dtype=np.int32))
         self.h_out = _pinned(R)
+        self.done = cuda.event(timing=False) if not SIMULATOR else None
         self.sample_workspace = cuda.device_array(max(1, sampling.sample_workspace_size(R, model.V)), np.float32)
         self.graphs = None
         if use_cuda_graph and not SIMULATOR:
@@ -54,9 +57,14 @@ class ModelRunner:
         return logits
 
     def _finish(self, B: int) -> np.ndarray:
+        """Copy the B sampled ids to pinned host memory and wait for them. The wait polls an event and yields the
+        GIL between polls: a blocking synchronize would hold the GIL for the whole step, starving the server's
+        event loop (in the same process) so streamed chunks would only go out when the engine idles."""
         self.out_ids[:B].copy_to_host(self.h_out[:B], stream=self.stream)
         if not SIMULATOR:
-            self.stream.synchronize()
+            self.done.record(self.stream)
+            while not self.done.query():
+                time.sleep(0)
         return np.array(self.h_out[:B])
 
     # -------------------------------------------------------------------------------------------- steps

@@ -197,8 +197,8 @@ def _write_random_qwen35_gpu(folder, shape, seed=0):
     return folder
 
 
-def _hf_logits_gpu(folder, ids, attn):
-    ref = transformers.Qwen3_5ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
+def _hf_logits_gpu(folder, ids, attn, dtype=None):
+    ref = transformers.Qwen3_5ForCausalLM.from_pretrained(folder, dtype=dtype or torch.bfloat16,
                                                           attn_implementation=attn).cuda().eval()
     with torch.inference_mode():
         out = ref(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
@@ -210,8 +210,13 @@ def _hf_logits_gpu(folder, ids, attn):
 @pytest.mark.gpu
 def test_qwen35_4b_shapes_match_hf_bf16_on_gpu(tmp_path_factory):
     """Qwen3.5-4B shapes (random weights): logits at every position of a 256-token prompt and over 64 greedy decode
-    steps (CUDA graphs) against HF bf16 on the same GPU, bounded like the Qwen3 GPU test: 2e-2, or 1.1x the
-    distance between HF's own sdpa and eager bf16 runs when that is larger (random deep models are near-chaotic)."""
+    steps (CUDA graphs) against Hugging Face on the same GPU.
+
+    On random 32-layer weights bf16 noise is large: HF bf16 itself is ~6% relative L2 from HF fp32 (measured, see
+    benchmarks/RESULTS.md), and HF's two bf16 attention backends share the linear-attention path, so their mutual
+    distance (~2.7%) understates it. The test therefore checks (1) pegainfer is at least as close to HF fp32 as HF
+    bf16 is (within 10%), (2) pegainfer is within max(2e-2, 1.1 x that HF-bf16-to-fp32 distance) of HF bf16, and
+    (3) greedy tokens agree with HF fp32's argmax at least as often as HF bf16's do, minus 5 points."""
     import os
     from pathlib import Path
 
@@ -234,18 +239,22 @@ def test_qwen35_4b_shapes_match_hf_bf16_on_gpu(tmp_path_factory):
     assert engine.stats()["slots_used"] == 0
     del engine
     full = prompt + tokens[:-1]
-    sdpa, eager = _hf_logits_gpu(folder, full, "sdpa"), _hf_logits_gpu(folder, full, "eager")
+    sdpa = _hf_logits_gpu(folder, full, "sdpa")
+    fp32 = _hf_logits_gpu(folder, full, "sdpa", dtype=torch.float32)
     n = GPU_PROMPT_LEN
     parts = {"prompt": (ours_prompt, range(n)), "decode": (np.stack(step_logits), range(n - 1, n - 1 + len(tokens)))}
     for part, (ours, rows) in parts.items():
-        mine = [rel_l2(ours[i], sdpa[r]) for i, r in enumerate(rows)]
-        hf = [rel_l2(eager[r], sdpa[r]) for r in rows]
-        bound = max(2e-2, 1.1 * float(np.mean(hf)))
-        print(part, "ours vs sdpa mean/max", np.mean(mine), np.max(mine), "eager vs sdpa mean", np.mean(hf))
-        assert float(np.mean(mine)) < bound and float(np.max(mine)) < 2 * bound, (part, np.mean(mine), bound)
-    agree = np.mean([int(np.argmax(sdpa[n - 1 + i])) == t for i, t in enumerate(tokens)])
-    agree_hf = np.mean([np.argmax(eager[r]) == np.argmax(sdpa[r]) for r in range(n - 1, n - 1 + len(tokens))])
-    assert agree >= min(0.95, agree_hf - 0.05), (agree, agree_hf)
+        ours_sdpa = float(np.mean([rel_l2(ours[i], sdpa[r]) for i, r in enumerate(rows)]))
+        ours_fp32 = float(np.mean([rel_l2(ours[i], fp32[r]) for i, r in enumerate(rows)]))
+        hf_fp32 = float(np.mean([rel_l2(sdpa[r], fp32[r]) for r in rows]))
+        print(part, f"ours-vs-hf_bf16 {ours_sdpa:.4f} ours-vs-hf_fp32 {ours_fp32:.4f} hf_bf16-vs-hf_fp32 {hf_fp32:.4f}")
+        assert ours_fp32 <= 1.1 * hf_fp32, (part, ours_fp32, hf_fp32)
+        assert ours_sdpa < max(2e-2, 1.1 * hf_fp32), (part, ours_sdpa, hf_fp32)
+    d_rows = range(n - 1, n - 1 + len(tokens))
+    agree = np.mean([int(np.argmax(fp32[r])) == t for r, t in zip(d_rows, tokens)])
+    agree_hf = np.mean([np.argmax(sdpa[r]) == np.argmax(fp32[r]) for r in d_rows])
+    print(f"greedy agreement with fp32 argmax: ours {agree:.3f} hf_bf16 {agree_hf:.3f}")
+    assert agree >= agree_hf - 0.05, (agree, agree_hf)
 
 
 @pytest.mark.gpu

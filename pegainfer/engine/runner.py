@@ -63,7 +63,7 @@ class ModelRunner:
         self.out_ids[:B].copy_to_host(self.h_out[:B], stream=self.stream)
         if not SIMULATOR:
             self.done.record(self.stream)
-            while not self.done.query():
+            while not _event_done(self.done):
                 time.sleep(0)
         return np.array(self.h_out[:B])
 
@@ -138,6 +138,17 @@ class ModelRunner:
         """The last step's logits rows as float32 on the host (for logprobs and tests)."""
         from pegainfer.kernels.primitives import from_bf16_bits
         return from_bf16_bits(self.model.logits[:B].copy_to_host())
+
+
+def _event_done(event) -> bool:
+    """cuEventQuery without numba's wrapper (which logs an ERROR line for every not-yet-ready poll)."""
+    from cuda.bindings import driver as drv
+    (err,) = drv.cuEventQuery(event.handle)
+    if err == drv.CUresult.CUDA_SUCCESS:
+        return True
+    if err == drv.CUresult.CUDA_ERROR_NOT_READY:
+        return False
+    raise RuntimeError(f"cuEventQuery failed: {err}")
 
 
 def _pinned(n: int) -> np.ndarray:

@@ -38,6 +38,7 @@ def test_generate_streams_every_output_in_order(engine):
 
 
 def test_closing_a_stream_aborts_and_refusals_raise(engine):
+    engine.step_delay = 0.02   # "a" must still be running (200 tokens ≈ 4 s) while the refusals are checked
     ae = AsyncEngine(engine, max_waiting=1).start()
     try:
         async def main():

@@ -19,6 +19,25 @@ import time
 import numpy as np
 
 
+def with_word_tokenizer(folder: str) -> str:
+    """A view of ``folder`` (weights and config symlinked) whose tokenizer maps every id of the embedding to a
+    word ("w123 "), so a random-weight model's tokens all decode to text and every token becomes an SSE chunk
+    (the server sends no chunk for a token whose text is empty or held back)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    src = os.path.abspath(folder)
+    dst = tempfile.mkdtemp(prefix="pegainfer-bench-server-")
+    for name in os.listdir(src):
+        if not name.startswith("tokenizer") and name != "chat_template.jinja":
+            os.symlink(os.path.join(src, name), os.path.join(dst, name))
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    vocab_size = cfg.get("vocab_size") or cfg["text_config"]["vocab_size"]
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")   # joins words with spaces
+    tok.save(os.path.join(dst, "tokenizer.json"))
+    return dst
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -69,6 +88,7 @@ def main():
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     py = sys.executable
+    args.model_path = with_word_tokenizer(args.model_path)
 
     # 1. in-process numbers (separate process, so the two never share the GPU)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:

@@ -42,7 +42,8 @@ fragment, whose two adjacent columns ``2t, 2t+1`` live in the same lane), which 
 ``add_rms_norm`` semantics, both norm forms, the updated residual written to a second buffer).  For one token it
 is a single GEMV launch: every block reads the whole residual row (at most a few KB, from L2), sums its squares in
 ``norm``'s own order (so the results are bit-identical to the separate ops), stages the normalised row as the x it
-multiplies, and writes its own slice of the new residual.  For more tokens it is ``add_rms_norm_into`` + ``linear``.
+multiplies, and writes its own slice of the new residual.  For more tokens it is ``norm.add_rms_norm_into`` +
+``linear``.
 
 Requirements: K a multiple of 8 (16-byte loads of whole rows); N arbitrary; x, W, out contiguous.  No kernel
 allocates and none takes a per-step value, so every launch can be captured in a CUDA graph.
@@ -64,7 +65,8 @@ from numba import types as nbtypes  # noqa: E402  (after pegainfer.device: it pi
 from pegainfer.kernels import norm
 from pegainfer.kernels.activation import silu
 from pegainfer.kernels.launch import launch
-from pegainfer.kernels.norm import inverse_rms, normalize_element
+from pegainfer.kernels.norm import (add_residual, add_rms_norm_into, check_residual_buffers, inverse_rms,
+                                    normalize_element)
 from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, block_sum, cuda, device_fn,
                                           f32_to_bf16, float32, grid, kernel, load_u32x4, mma_bf16_m16n8k16,
                                           pack_bf16x2, uint16, uint32, warp_sum)
@@ -338,7 +340,7 @@ else:
 
 
 # ================================================================================================ norm prologue
-NORM_THREADS = norm._geometry(1)[1]
+NORM_THREADS = norm.BLOCK_THREADS
 """Block size of ``norm``'s kernels (256 on a GPU, 32 in the simulator).  The fused add + RMSNorm prologue runs in
 blocks of exactly this size so that its sum of squares is added in the same order as ``norm.add_rms_norm``'s."""
 
@@ -384,7 +386,7 @@ def _stage_add_rms_norm(residual_in, delta, has_delta, weight, residual_out, eps
         for u in range(PROLOGUE_UNROLL):
             i = i0 + u * nthreads
             if i < hidden:
-                s_bits = f32_to_bf16(bf16_to_f32(first[u]) + bf16_to_f32(second[u])) if has_delta else first[u]
+                s_bits = add_residual(first[u], second[u], has_delta)
                 if (i // nthreads) % cuda.gridDim.x == cuda.blockIdx.x:
                     residual_out[0, i] = s_bits
                 v = bf16_to_f32(s_bits)
@@ -1202,73 +1204,6 @@ def linear_silu_mul(x, w_gate_up, out, impl: str | None = None) -> None:
 
 
 # ================================================================================================ add + RMSNorm + linear
-@kernel
-def add_rms_norm_into_kernel(residual_in, delta, has_delta, weight, residual_out, normed, eps, weight_offset,
-                             round_before_weight):
-    """``norm.add_rms_norm_kernel`` writing its sum to another buffer: ``residual_out = s = bf16(residual_in +
-    delta)`` (``s = residual_in`` without ``has_delta``), ``normed = rms_norm(s)``; ``residual_in`` is not written.
-
-    residual_in, delta, residual_out, normed ``[tokens, hidden]``, weight ``[hidden]``: uint16 bf16 bits.
-    Geometry, loop order and rounding are ``norm``'s (one block per token row, threads stride over ``hidden``), so
-    the results are bit-identical to ``norm.add_rms_norm`` / ``norm.rms_norm``.
-    """
-    eps = float32(eps)
-    weight_offset = float32(weight_offset)
-    for row in range(cuda.blockIdx.x, residual_in.shape[0], cuda.gridDim.x):
-        ss = float32(0.0)
-        for i in range(cuda.threadIdx.x, residual_in.shape[1], cuda.blockDim.x):
-            if has_delta:
-                s_bits = f32_to_bf16(bf16_to_f32(residual_in[row, i]) + bf16_to_f32(delta[row, i]))
-            else:
-                s_bits = residual_in[row, i]
-            residual_out[row, i] = s_bits
-            v = bf16_to_f32(s_bits)
-            ss += v * v
-        inv_rms = inverse_rms(block_sum(ss), residual_in.shape[1], eps)
-        norm.write_normalized_row(residual_out, row, weight, normed, inv_rms, weight_offset, round_before_weight)
-
-
-def _memory_range(a) -> tuple[int, int]:
-    iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
-    start = int(iface["data"][0])
-    return start, start + int(a.nbytes)
-
-
-def _check_residuals(residual_in, delta, norm_weight, residual_out) -> None:
-    for name, a in (("residual_in", residual_in), ("residual_out", residual_out)):
-        if a.ndim != 2 or a.dtype != np.uint16 or not _is_contiguous(a):
-            raise ValueError(f"{name} must be a C-contiguous 2-D uint16 array, got shape {a.shape} dtype {a.dtype}")
-    if residual_out.shape != residual_in.shape:
-        raise ValueError(f"residual_out {residual_out.shape} must match residual_in {residual_in.shape}")
-    if delta is not None and (delta.shape != residual_in.shape or delta.dtype != np.uint16):
-        raise ValueError(f"delta {delta.shape} {delta.dtype} must match residual_in {residual_in.shape} (uint16)")
-    if norm_weight.shape != (residual_in.shape[1],) or norm_weight.dtype != np.uint16:
-        raise ValueError(f"norm_weight {norm_weight.shape} {norm_weight.dtype} must be [{residual_in.shape[1]}] "
-                         "uint16")
-    (a0, a1), (b0, b1) = _memory_range(residual_in), _memory_range(residual_out)
-    if a0 < b1 and b0 < a1:
-        raise ValueError("residual_out must not overlap residual_in (the fused kernel's blocks read all of "
-                         "residual_in while others write residual_out)")
-
-
-def add_rms_norm_into(residual_in, delta, norm_weight, residual_out, normed_out, eps: float,
-                      weight_offset: float = 0.0, round_before_weight: bool = True) -> None:
-    """``residual_out = s = bf16(residual_in + delta)`` (``delta=None``: ``s = residual_in``), ``normed_out =
-    rms_norm(s)``: ``norm.add_rms_norm`` / ``norm.rms_norm`` with the sum written to another buffer, bit for bit.
-    The unfused path of ``linear_add_rms_norm``.  (It belongs in ``norm``; it is here while that module has another
-    owner.)"""
-    _check_residuals(residual_in, delta, norm_weight, residual_out)
-    if normed_out.shape != residual_in.shape or normed_out.dtype != np.uint16:
-        raise ValueError(f"normed_out {normed_out.shape} {normed_out.dtype} must match residual_in "
-                         f"{residual_in.shape} (uint16)")
-    if residual_in.shape[0] == 0:
-        return
-    blocks, block = norm._geometry(residual_in.shape[0])
-    launch(add_rms_norm_into_kernel, blocks, block, residual_in, residual_in if delta is None else delta,
-           delta is not None, norm_weight, residual_out, normed_out, np.float32(eps), np.float32(weight_offset),
-           bool(round_before_weight), name="add_rms_norm_into")
-
-
 def fused_norm_geometry(n_cols: int, k: int, gated: bool = False) -> GemvGeometry:
     """GEMV geometry of the fused add + RMSNorm path (one token): ``gemv_geometry``'s rows per warp and split, in
     blocks of ``NORM_THREADS`` (the prologue's sum of squares then runs in norm's order), x staged (the prologue
@@ -1332,7 +1267,7 @@ def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_ou
     Otherwise: ``add_rms_norm_into`` into ``normed_out`` (required then: a ``[T, H]`` scratch), then ``linear`` with
     ``impl``.  Nothing is allocated; every launch can be captured in a CUDA graph.
     """
-    _check_residuals(residual_in, delta, norm_weight, residual_out)
+    check_residual_buffers(residual_in, delta, norm_weight, residual_out)
     _check(residual_in, w, out, gated, impl)
     T, k = residual_in.shape
     if T == 0:

@@ -10,6 +10,9 @@ For a row ``x`` of ``hidden`` values, with ``r = 1 / sqrt(mean(x²) + eps)`` com
 Both forms are one kernel: the two flags are kernel arguments (constant per model, so safe to bake into a CUDA
 graph).  ``add_rms_norm`` is vLLM's ``fused_add_rms_norm``: the decoder layer's residual add and the next norm in one
 pass, ``residual = bf16(residual + delta)`` in place, then the norm of the *rounded* sum (as HF computes it).
+``add_rms_norm_into`` is the same kernel writing the sum to another buffer (a model that ping-pongs two residual
+buffers, see ``linear.linear_add_rms_norm``), optionally without a delta (then it is ``rms_norm`` that also copies
+the residual); both are bit-identical to ``add_rms_norm`` / ``rms_norm``.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import numpy as np
 
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.primitives import (bf16_to_f32, block_sum, cuda, device_fn, f32_to_bf16, float32, grid,
-                                          kernel, math, threads)
+                                          kernel, math, threads, uint16)
 
 
 @device_fn
@@ -65,27 +68,40 @@ def rms_norm_kernel(x, weight, out, eps, weight_offset, round_before_weight):
         write_normalized_row(x, row, weight, out, inv_rms, weight_offset, round_before_weight)
 
 
-@kernel
-def add_rms_norm_kernel(residual, delta, weight, out, eps, weight_offset, round_before_weight):
-    """Residual add fused with RMSNorm: ``residual = bf16(residual + delta)`` (in place), ``out = norm(residual)``.
+@device_fn
+def add_residual(residual_bits, delta_bits, has_delta):
+    """The new residual stream element (bf16 bits): ``bf16(residual + delta)``, or ``residual`` without
+    ``has_delta``."""
+    if has_delta:
+        return f32_to_bf16(bf16_to_f32(residual_bits) + bf16_to_f32(delta_bits))
+    return residual_bits
 
-    residual, delta, out ``[tokens, hidden]``, weight ``[hidden]`` — uint16 bf16 bits; the norm squares the rounded
-    sum, as HF's bf16 forward does.
+
+@kernel
+def add_rms_norm_kernel(residual_in, delta, has_delta, weight, residual_out, out, eps, weight_offset,
+                        round_before_weight):
+    """Residual add fused with RMSNorm: ``residual_out = s = bf16(residual_in + delta)`` (``s = residual_in``
+    without ``has_delta``; ``delta`` is then not read), ``out = norm(s)``.
+
+    residual_in, delta, residual_out, out ``[tokens, hidden]``, weight ``[hidden]`` — uint16 bf16 bits; the norm
+    squares the rounded sum, as HF's bf16 forward does.  ``residual_out`` may be ``residual_in`` itself (the in-place
+    ``add_rms_norm``) or a buffer that does not overlap it (``add_rms_norm_into``).
 
     Geometry: one block per token row (grid-stride over rows); threads stride over ``hidden``.  Each thread reads
-    back only the columns it wrote itself, so no barrier is needed between the add and the normalize pass.
+    back only the columns it wrote itself, so no barrier is needed between the add and the normalize pass, and
+    in place each element is read before the same thread overwrites it.
     """
     eps = float32(eps)
     weight_offset = float32(weight_offset)
-    for row in range(cuda.blockIdx.x, residual.shape[0], cuda.gridDim.x):
+    for row in range(cuda.blockIdx.x, residual_in.shape[0], cuda.gridDim.x):
         ss = float32(0.0)
-        for i in range(cuda.threadIdx.x, residual.shape[1], cuda.blockDim.x):
-            s_bits = f32_to_bf16(bf16_to_f32(residual[row, i]) + bf16_to_f32(delta[row, i]))
-            residual[row, i] = s_bits
+        for i in range(cuda.threadIdx.x, residual_in.shape[1], cuda.blockDim.x):
+            s_bits = add_residual(residual_in[row, i], delta[row, i] if has_delta else uint16(0), has_delta)
+            residual_out[row, i] = s_bits
             v = bf16_to_f32(s_bits)
             ss += v * v
-        inv_rms = inverse_rms(block_sum(ss), residual.shape[1], eps)
-        write_normalized_row(residual, row, weight, out, inv_rms, weight_offset, round_before_weight)
+        inv_rms = inverse_rms(block_sum(ss), residual_in.shape[1], eps)
+        write_normalized_row(residual_out, row, weight, out, inv_rms, weight_offset, round_before_weight)
 
 
 def _check(x, weight, out):
@@ -94,8 +110,14 @@ def _check(x, weight, out):
     assert out.shape == x.shape and out.dtype == np.uint16, (out.shape, out.dtype, x.shape)
 
 
+BLOCK_THREADS = threads(gpu=256, sim=32)
+"""Block size of every kernel here.  It fixes the order in which a row's squares are summed (thread t adds
+elements t, t + B, ..., then ``block_sum``): a kernel that must be bit-identical to these norms
+(``linear``'s fused add + RMSNorm prologue) sums in blocks of this size too."""
+
+
 def _geometry(num_tokens):
-    return grid(num_tokens, sim_cap=4), threads(gpu=256, sim=32)
+    return grid(num_tokens, sim_cap=4), BLOCK_THREADS
 
 
 def rms_norm(x, weight, out, eps: float, weight_offset: float = 0.0, round_before_weight: bool = True) -> None:
@@ -108,13 +130,57 @@ def rms_norm(x, weight, out, eps: float, weight_offset: float = 0.0, round_befor
            bool(round_before_weight))
 
 
+def _launch_add_rms_norm(residual_in, delta, weight, residual_out, out, eps, weight_offset, round_before_weight,
+                         name: str | None):
+    if residual_in.shape[0] == 0:
+        return
+    launch(add_rms_norm_kernel, *_geometry(residual_in.shape[0]), residual_in,
+           residual_in if delta is None else delta, delta is not None, weight, residual_out, out, np.float32(eps),
+           np.float32(weight_offset), bool(round_before_weight), name=name)
+
+
 def add_rms_norm(residual, delta, weight, out, eps: float, weight_offset: float = 0.0,
                  round_before_weight: bool = True) -> None:
     """``residual = bf16(residual + delta)`` in place, then ``out = rms_norm(residual)`` (same flags as
     ``rms_norm``); residual, delta, out ``[T, H]``, weight ``[H]`` bf16 bits."""
     _check(residual, weight, out)
     assert delta.shape == residual.shape and delta.dtype == np.uint16, (delta.shape, delta.dtype)
-    if residual.shape[0] == 0:
-        return
-    launch(add_rms_norm_kernel, *_geometry(residual.shape[0]), residual, delta, weight, out, np.float32(eps),
-           np.float32(weight_offset), bool(round_before_weight))
+    _launch_add_rms_norm(residual, delta, weight, residual, out, eps, weight_offset, round_before_weight, None)
+
+
+def _memory_range(a) -> tuple[int, int]:
+    iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+    start = int(iface["data"][0])
+    return start, start + int(a.nbytes)
+
+
+def check_residual_buffers(residual_in, delta, norm_weight, residual_out) -> None:
+    """Raise ``ValueError`` unless the arguments fit ``add_rms_norm_into``: residual_in, residual_out (and delta,
+    unless None) ``[T, H]`` uint16, norm_weight ``[H]`` uint16, residual_out not overlapping residual_in."""
+    for name, a in (("residual_in", residual_in), ("residual_out", residual_out)):
+        if a.ndim != 2 or a.dtype != np.uint16:
+            raise ValueError(f"{name} must be a 2-D uint16 array, got shape {a.shape} dtype {a.dtype}")
+    if residual_out.shape != residual_in.shape:
+        raise ValueError(f"residual_out {residual_out.shape} must match residual_in {residual_in.shape}")
+    if delta is not None and (delta.shape != residual_in.shape or delta.dtype != np.uint16):
+        raise ValueError(f"delta {delta.shape} {delta.dtype} must match residual_in {residual_in.shape} (uint16)")
+    if norm_weight.shape != (residual_in.shape[1],) or norm_weight.dtype != np.uint16:
+        raise ValueError(f"norm_weight {norm_weight.shape} {norm_weight.dtype} must be [{residual_in.shape[1]}] "
+                         "uint16")
+    (a0, a1), (b0, b1) = _memory_range(residual_in), _memory_range(residual_out)
+    if a0 < b1 and b0 < a1:
+        raise ValueError("residual_out must not overlap residual_in (add_rms_norm is the in-place form; the fused "
+                         "linear_add_rms_norm reads all of residual_in while its blocks write residual_out)")
+
+
+def add_rms_norm_into(residual_in, delta, norm_weight, residual_out, normed_out, eps: float,
+                      weight_offset: float = 0.0, round_before_weight: bool = True) -> None:
+    """``residual_out = s = bf16(residual_in + delta)`` (``delta=None``: ``s = residual_in``), ``normed_out =
+    rms_norm(s)``: ``add_rms_norm`` / ``rms_norm`` with the sum written to another buffer, bit for bit;
+    ``residual_in`` is not written.  All ``[T, H]`` but norm_weight ``[H]``, uint16 bf16 bits."""
+    check_residual_buffers(residual_in, delta, norm_weight, residual_out)
+    if normed_out.shape != residual_in.shape or normed_out.dtype != np.uint16:
+        raise ValueError(f"normed_out {normed_out.shape} {normed_out.dtype} must match residual_in "
+                         f"{residual_in.shape} (uint16)")
+    _launch_add_rms_norm(residual_in, delta, norm_weight, residual_out, normed_out, eps, weight_offset,
+                         round_before_weight, "add_rms_norm_into")

@@ -5,7 +5,7 @@ import pytest
 from tests.util import bf16_randn, from_bf16_bits, rel_l2
 from numba import cuda
 
-from pegainfer.kernels.norm import add_rms_norm, rms_norm
+from pegainfer.kernels.norm import add_rms_norm, add_rms_norm_into, rms_norm
 
 EPS = 1e-6
 QWEN3 = dict(weight_offset=0.0, round_before_weight=True)
@@ -57,6 +57,39 @@ def test_add_rms_norm_updates_residual_and_normalizes_rounded_sum(rng, form):
     s = bf16_round(r + d)
     np.testing.assert_array_equal(from_bf16_bits(residual.copy_to_host()).astype(np.float64), s)
     assert_close_to_reference(out.copy_to_host(), reference_rms_norm(s, w, EPS, **form))
+
+
+@pytest.mark.parametrize("form", [QWEN3, QWEN3_5], ids=["qwen3", "qwen3.5"])
+@pytest.mark.parametrize("with_delta", [True, False], ids=["delta", "no_delta"])
+def test_add_rms_norm_into_equals_in_place_ops(rng, form, with_delta):
+    """``add_rms_norm_into`` writes the sum to another buffer: bit for bit what ``add_rms_norm`` (``rms_norm``
+    without a delta) gives in place, residual_in untouched; overlapping residual buffers are refused."""
+    tokens, hidden = 3, 72
+    r_bits, r = bf16_randn((tokens, hidden), rng, scale=4.0)
+    d_bits, d = bf16_randn((tokens, hidden), rng, scale=1.0)
+    w_bits, w = bf16_randn((hidden,), rng, scale=0.5)
+    weight = cuda.to_device(w_bits)
+    delta = cuda.to_device(d_bits) if with_delta else None
+    residual_in = cuda.to_device(r_bits)
+    residual_out = cuda.to_device(np.full((tokens, hidden), 0x7FC1, np.uint16))
+    normed = cuda.to_device(np.zeros((tokens, hidden), np.uint16))
+    add_rms_norm_into(residual_in, delta, weight, residual_out, normed, EPS, **form)
+
+    in_place = cuda.to_device(r_bits)
+    in_place_normed = cuda.to_device(np.zeros((tokens, hidden), np.uint16))
+    if with_delta:
+        add_rms_norm(in_place, delta, weight, in_place_normed, EPS, **form)
+    else:
+        rms_norm(in_place, weight, in_place_normed, EPS, **form)
+    np.testing.assert_array_equal(residual_in.copy_to_host(), r_bits)
+    np.testing.assert_array_equal(residual_out.copy_to_host(), in_place.copy_to_host())
+    np.testing.assert_array_equal(normed.copy_to_host(), in_place_normed.copy_to_host())
+    s = bf16_round(r + d) if with_delta else r
+    np.testing.assert_array_equal(from_bf16_bits(residual_out.copy_to_host()).astype(np.float64), s)
+    assert_close_to_reference(normed.copy_to_host(), reference_rms_norm(s, w, EPS, **form))
+
+    with pytest.raises(ValueError, match="overlap"):
+        add_rms_norm_into(residual_in, delta, weight, residual_in, normed, EPS, **form)
 
 
 def test_norm_matches_hf_modules(rng):

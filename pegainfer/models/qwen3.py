@@ -23,7 +23,6 @@ updated stream to the other, so the two residual buffers swap roles at every nor
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda
@@ -32,21 +31,6 @@ from pegainfer.kernels import activation, attention, embedding, linear, norm, ro
 from pegainfer.kernels.launch import current_stream
 
 BF16 = np.uint16
-
-
-@dataclass
-class StepBuffers:
-    """Device inputs of one forward step, sized for ``max_tokens``; the runner fills the first T / B entries."""
-
-    ids: object          # [max_tokens] int32
-    positions: object    # [max_tokens] int32
-    token_slots: object  # [max_tokens] int32
-    logit_rows: object   # [max_rows] int32: which of the T rows produce logits (last token of each sequence)
-
-    @classmethod
-    def allocate(cls, max_tokens: int, max_rows: int) -> "StepBuffers":
-        z = lambda n: cuda.to_device(np.zeros(n, dtype=np.int32))  # noqa: E731
-        return cls(z(max_tokens), z(max_tokens), z(max_tokens), z(max_rows))
 
 
 class Qwen3Model:
@@ -145,8 +129,11 @@ class Qwen3Model:
         """A new sequence takes ``slot`` (no per-slot state besides KV pages for Qwen3)."""
 
     # ------------------------------------------------------------------------------------------------ forward
-    def forward(self, step: StepBuffers, block_tables, T: int, B: int):
-        """Run T tokens through the model; return the device logits view ``[B, V]`` for ``step.logit_rows[:B]``."""
+    def forward(self, step, block_tables, T: int, B: int):
+        """Run T tokens through the model; return the device logits view ``[B, V]`` for ``step.logit_rows[:B]``.
+
+        ``step`` holds the step's device inputs (``engine.step_inputs.StepInputs``): int32 ``ids``, ``positions``,
+        ``token_slots`` (first T entries used) and ``logit_rows`` (first B: which token rows produce logits)."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         ids, pos, slots = step.ids[:T], step.positions[:T], step.token_slots[:T]

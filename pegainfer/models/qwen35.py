@@ -230,7 +230,8 @@ class Qwen35Model:
 
     # ------------------------------------------------------------------------------------------------ forward
     def forward(self, step, block_tables, T: int, B: int):
-        """Run T tokens through the model; return the device logits view ``[B, V]`` for ``step.logit_rows[:B]``."""
+        """Run T tokens through the model; return the device logits view ``[B, V]`` for ``step.logit_rows[:B]``.
+        ``step``: the step's device inputs (``engine.step_inputs.StepInputs``, as in ``Qwen3Model.forward``)."""
         eps = self.cfg.rms_norm_eps
         ids, pos, slots = step.ids[:T], step.positions[:T], step.token_slots[:T]
         residual, normed, delta = self.residual[:T], self.normed[:T], self.delta[:T]

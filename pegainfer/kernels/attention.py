@@ -56,12 +56,13 @@ from numba import cuda
 from pegainfer.device import SIMULATOR
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.primitives import (
-    FULL_MASK,
     device_fn,
     f32_to_bf16,
     float32,
     grid,
     kernel,
+    lane_group_max,
+    lane_group_sum,
     load_u32x4,
     mma_bf16_m16n8k16,
     pack_bf16x2,
@@ -79,54 +80,6 @@ SPLIT_TARGET_ROWS = 2048   # aim for ~this many (token, q head, split) rows per 
 MIN_SPLIT_TOKENS = 64      # split lengths are multiples of this many keys (one 16-key step per warp of 4)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 PREFILL_MIN_TOKENS = 128   # "auto" takes the tiled prefill kernel from this many query tokens up
-
-
-# ------------------------------------------------------------------------- lane-group reductions
-if SIMULATOR:
-    @device_fn
-    def lane_group_sum(v, width):
-        """Sum of ``v`` over aligned groups of ``width`` lanes (a power of two <= 32); every lane of the group gets
-        it.  Simulator emulation through block-shared scratch: every thread of the block must call it equally often.
-        """
-        buf = cuda.shared.array(1024, np.float64)
-        t = int(cuda.threadIdx.x)
-        lo = t - t % int(width)
-        buf[t] = v
-        cuda.syncthreads()
-        s = np.float32(np.sum(buf[lo:lo + int(width)].astype(np.float32), dtype=np.float32))
-        cuda.syncthreads()
-        return s
-
-    @device_fn
-    def lane_group_max(v, width):
-        """Max of ``v`` over aligned groups of ``width`` lanes (simulator emulation, same rule as the sum)."""
-        buf = cuda.shared.array(1024, np.float64)
-        t = int(cuda.threadIdx.x)
-        lo = t - t % int(width)
-        buf[t] = v
-        cuda.syncthreads()
-        s = np.float32(buf[lo:lo + int(width)].max())
-        cuda.syncthreads()
-        return s
-else:
-    @device_fn
-    def lane_group_sum(v, width):
-        """Sum of ``v`` over aligned groups of ``width`` lanes (a power of two <= 32): an xor butterfly that stays
-        inside the group; every lane of the group gets the sum."""
-        off = width >> 1
-        while off > 0:
-            v += cuda.shfl_xor_sync(FULL_MASK, v, off)
-            off >>= 1
-        return v
-
-    @device_fn
-    def lane_group_max(v, width):
-        """Max of ``v`` over aligned groups of ``width`` lanes."""
-        off = width >> 1
-        while off > 0:
-            v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, off))
-            off >>= 1
-        return v
 
 
 @device_fn

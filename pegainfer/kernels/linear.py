@@ -69,7 +69,7 @@ from pegainfer.kernels.norm import (add_residual, add_rms_norm_into, check_resid
                                     normalize_element)
 from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, block_sum, cuda, device_fn,
                                           f32_to_bf16, float32, grid, kernel, load_u32x4, mma_bf16_m16n8k16,
-                                          pack_bf16x2, uint16, uint32, warp_sum)
+                                          pack_bf16x2, uint16, uint32, warp_sums_to_shared)
 
 int64, uint64 = np.int64, np.uint64
 
@@ -305,38 +305,6 @@ else:
         dst[kbase + 5, j] = bf16x2_hi(v2)
         dst[kbase + 6, j] = bf16x2_lo(v3)
         dst[kbase + 7, j] = bf16x2_hi(v3)
-
-
-# ``warp_sums_to_shared`` belongs with the warp reductions in ``primitives`` (it is here only because that module
-# has another owner): it reduces n values per lane at once.  On a GPU it is n shuffle reductions; in the simulator,
-# where every emulated ``warp_sum`` costs two block barriers (~10 ms each), one exchange through shared memory.
-if SIMULATOR:
-    # Blocks run one after another in the simulator, so one host array can serve as the block's exchange buffer
-    # (a ``cuda.shared.array`` here would walk the Python stack on every call to find its allocation).
-    _sim_exchange = np.zeros(1 << 16, np.float32)
-
-    @device_fn
-    def warp_sums_to_shared(vals, n, dst, base):
-        """``dst[base + i] = Σ_lanes vals[i]`` for ``i < n``, written by lane 0 of the calling warp; ``dst`` is
-        shared memory, visible to the block after the caller's next ``syncthreads``.  Every thread of the block
-        must call it (same n)."""
-        tid = int(cuda.threadIdx.x)
-        _sim_exchange[tid * n:(tid + 1) * n] = vals[:n]
-        cuda.syncthreads()
-        if tid % WARP == 0:
-            hi = min(tid + WARP, int(cuda.blockDim.x))
-            for i in range(n):
-                dst[base + i] = np.sum(_sim_exchange[tid * n + i:hi * n:n], dtype=np.float32)
-else:
-    @device_fn
-    def warp_sums_to_shared(vals, n, dst, base):
-        """``dst[base + i] = Σ_lanes vals[i]`` for ``i < n``, written by lane 0 of the calling warp; ``dst`` is
-        shared memory, visible to the block after the caller's next ``syncthreads``.  Every thread of the block
-        must call it (same n)."""
-        for i in range(n):
-            s = warp_sum(vals[i])
-            if cuda.threadIdx.x % WARP == 0:
-                dst[base + i] = s
 
 
 # ================================================================================================ norm prologue

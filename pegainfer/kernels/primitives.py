@@ -11,8 +11,9 @@ Conventions every kernel in ``pegainfer/kernels`` follows
   values); ``i`` is an *element* index and must be a multiple of 4 (the address 16-byte aligned).
 * **1-D blocks whose size is a multiple of 32**, and grid-/block-stride loops, so the same kernel runs with any
   geometry.  Launch wrappers pick small geometries in the simulator via ``threads(gpu=..)`` and ``grid(...)``.
-* **Warp reductions** (``warp_sum``, ``warp_max``, ``warp_argmax``) are butterfly reductions: every lane gets the
-  result.  In the simulator they are emulated with block-shared scratch and the block barrier, so *every thread of
+* **Warp reductions** (``warp_sum``, ``warp_max``, ``warp_argmax``; ``lane_group_sum`` / ``lane_group_max`` over
+  aligned groups of 2..32 lanes) are butterfly reductions: every lane gets the result.  ``warp_sums_to_shared``
+  reduces n values per lane at once into shared memory (lane 0 writes).  In the simulator they are emulated with block-shared scratch and the block barrier, so *every thread of
   the block must call them the same number of times* (keep loop trip counts uniform across the block and guard the
   work inside the loop, not the reduction).
 * ``block_sum`` / ``block_max`` reduce over the whole block (same rule: every thread calls them).
@@ -152,38 +153,71 @@ if SIMULATOR:
     def load_u32x4(a, i):
         return a[i], a[i + 1], a[i + 2], a[i + 3]
 
-    def _lanes():
+    def _lane_group(width):
+        """(this thread's index, first and one-past-last thread of its aligned group of ``width`` lanes)."""
         t = int(cuda.threadIdx.x)
-        n = int(cuda.blockDim.x)
-        base = t - t % WARP
-        return t, base, min(base + WARP, n)
+        lo = t - t % int(width)
+        return t, lo, min(lo + int(width), int(cuda.blockDim.x))
+
+    def _group_values(v, width):
+        """Every lane's ``v`` in this thread's aligned group of ``width`` lanes (float64): one exchange through
+        block-shared scratch between two block barriers, which is why every thread of the block must take part."""
+        buf = cuda.shared.array(1024, np.float64)
+        t, lo, hi = _lane_group(width)
+        buf[t] = v
+        cuda.syncthreads()
+        vals = buf[lo:hi].copy()
+        cuda.syncthreads()
+        return vals
+
+    def _f32_sum(vals):
+        return np.float32(np.sum(vals.astype(np.float32), dtype=np.float32))
 
     @device_fn
     def warp_sum(v):
-        buf = cuda.shared.array(1024, np.float64)
-        t, lo, hi = _lanes()
-        buf[t] = v
-        cuda.syncthreads()
-        s = np.float32(np.sum(buf[lo:hi].astype(np.float32), dtype=np.float32))
-        cuda.syncthreads()
+        s = _f32_sum(_group_values(v, WARP))
         return type(v)(s) if isinstance(v, (np.floating, float)) else s
 
     @device_fn
     def warp_max(v):
-        buf = cuda.shared.array(1024, np.float64)
-        t, lo, hi = _lanes()
-        buf[t] = v
-        cuda.syncthreads()
-        m = buf[lo:hi].max()
-        cuda.syncthreads()
+        m = _group_values(v, WARP).max()
         return type(v)(m) if isinstance(v, (np.floating, float)) else np.float32(m)
+
+    @device_fn
+    def lane_group_sum(v, width):
+        """Sum of ``v`` over aligned groups of ``width`` lanes (a power of two <= 32); every lane of the group gets
+        it."""
+        return _f32_sum(_group_values(v, width))
+
+    @device_fn
+    def lane_group_max(v, width):
+        """Max of ``v`` over aligned groups of ``width`` lanes (a power of two <= 32)."""
+        return np.float32(_group_values(v, width).max())
+
+    # Blocks run one after another in the simulator, so one host array can serve as the block's exchange buffer
+    # (a ``cuda.shared.array`` here would walk the Python stack on every call to find its allocation).
+    _sim_exchange = np.zeros(1 << 16, np.float32)
+
+    @device_fn
+    def warp_sums_to_shared(vals, n, dst, base):
+        """``dst[base + i] = Σ_lanes vals[i]`` for ``i < n``, written by lane 0 of the calling warp; ``dst`` is
+        shared memory, visible to the block after the caller's next ``syncthreads``.  Every thread of the block
+        must call it (same n).  Emulated with one exchange for all n values (an emulated ``warp_sum`` costs two
+        block barriers)."""
+        tid = int(cuda.threadIdx.x)
+        _sim_exchange[tid * n:(tid + 1) * n] = vals[:n]
+        cuda.syncthreads()
+        if tid % WARP == 0:
+            hi = min(tid + WARP, int(cuda.blockDim.x))
+            for i in range(n):
+                dst[base + i] = np.sum(_sim_exchange[tid * n + i:hi * n:n], dtype=np.float32)
 
     @device_fn
     def warp_argmax(v, i):
         """(max value, its index) over the warp; ties go to the smaller index."""
         vals = cuda.shared.array(1024, np.float64)
         idxs = cuda.shared.array(1025, np.int64)  # different size only so the two allocations are distinct
-        t, lo, hi = _lanes()
+        t, lo, hi = _lane_group(WARP)
         vals[t] = v
         idxs[t] = i
         cuda.syncthreads()
@@ -259,6 +293,35 @@ else:
         for off in (16, 8, 4, 2, 1):
             v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, off))
         return v
+
+    @device_fn
+    def lane_group_sum(v, width):
+        """Sum of ``v`` over aligned groups of ``width`` lanes (a power of two <= 32): an xor butterfly that stays
+        inside the group; every lane of the group gets the sum."""
+        off = width >> 1
+        while off > 0:
+            v += cuda.shfl_xor_sync(FULL_MASK, v, off)
+            off >>= 1
+        return v
+
+    @device_fn
+    def lane_group_max(v, width):
+        """Max of ``v`` over aligned groups of ``width`` lanes."""
+        off = width >> 1
+        while off > 0:
+            v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, off))
+            off >>= 1
+        return v
+
+    @device_fn
+    def warp_sums_to_shared(vals, n, dst, base):
+        """``dst[base + i] = Σ_lanes vals[i]`` for ``i < n``, written by lane 0 of the calling warp; ``dst`` is
+        shared memory, visible to the block after the caller's next ``syncthreads``.  Every thread of the block
+        must call it (same n)."""
+        for i in range(n):
+            s = warp_sum(vals[i])
+            if cuda.threadIdx.x % WARP == 0:
+                dst[base + i] = s
 
     @device_fn
     def warp_argmax(v, i):

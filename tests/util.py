@@ -1,4 +1,4 @@
-"""Helpers shared by tests: error metrics and random bf16 data."""
+"""Helpers shared by tests: error metrics, bf16 rounding and random bf16 data."""
 import numpy as np
 
 import pegainfer  # noqa: F401  (must come before numba)
@@ -12,6 +12,12 @@ def rel_l2(a, b) -> float:
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def bf16_round(x):
+    """Round float64 values to the nearest bf16 (ties to even), returned as float64."""
+    m, e = np.frexp(np.asarray(x, dtype=np.float64))
+    return np.ldexp(np.round(np.ldexp(m, 8)), e - 8)
 
 
 def bf16_randn(shape, rng, scale=1.0):

@@ -2,17 +2,11 @@
 import numpy as np
 import pytest
 
-from tests.util import bf16_randn, from_bf16_bits, rel_l2
+from tests.util import bf16_randn, bf16_round, from_bf16_bits, rel_l2
 from numba import cuda
 
 from pegainfer.kernels.activation import silu_mul
 from pegainfer.kernels.primitives import to_bf16_bits
-
-
-def bf16_round(x):
-    """Round float64 values to the nearest bf16 (ties to even), returned as float64."""
-    m, e = np.frexp(np.asarray(x, dtype=np.float64))
-    return np.ldexp(np.round(np.ldexp(m, 8)), e - 8)
 
 
 def test_silu_mul_matches_hf_rounding(rng):

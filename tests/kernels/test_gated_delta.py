@@ -3,7 +3,7 @@ recurrent), and against transformers' own torch reference functions."""
 import numpy as np
 import pytest
 
-from tests.util import bf16_randn, from_bf16_bits, rel_l2, to_bf16_bits
+from tests.util import bf16_randn, bf16_round, from_bf16_bits, rel_l2, to_bf16_bits
 from numba import cuda
 
 from pegainfer.kernels.gated_delta import (allocate_chunk_scratch, causal_conv1d_silu, clear_state_slots,
@@ -14,12 +14,6 @@ EPS = 1e-6
 
 
 # ------------------------------------------------------------------------------------------------ float64 references
-def bf16_round(x):
-    """Round float64 values to the nearest bf16 (ties to even), returned as float64."""
-    m, e = np.frexp(np.asarray(x, dtype=np.float64))
-    return np.ldexp(np.round(np.ldexp(m, 8)), e - 8)
-
-
 def silu(x):
     return x / (1.0 + np.exp(-x))
 

@@ -2,15 +2,10 @@
 import numpy as np
 import pytest
 
-from tests.util import bf16_randn, from_bf16_bits, rel_l2
+from tests.util import bf16_randn, bf16_round, from_bf16_bits, rel_l2
 from numba import cuda
 
 from pegainfer.kernels.gating import sigmoid_gate_mul
-
-
-def bf16_round(x):
-    m, e = np.frexp(np.asarray(x, dtype=np.float64))
-    return np.ldexp(np.round(np.ldexp(m, 8)), e - 8)
 
 
 def reference(attn, qg):

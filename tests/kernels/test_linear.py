@@ -6,18 +6,12 @@ cannot run there); the GPU tests at the bottom run every path, the real mma incl
 import numpy as np
 import pytest
 
-from tests.util import SIMULATOR, bf16_randn, from_bf16_bits, rel_l2
+from tests.util import SIMULATOR, bf16_randn, bf16_round, from_bf16_bits, rel_l2
 from numba import cuda
 
 from pegainfer.kernels import linear as lin
 from pegainfer.kernels import norm
 from pegainfer.kernels.linear import GemvGeometry, gemv, linear, linear_add_rms_norm, linear_silu_mul
-
-
-def bf16_round(x):
-    """Round float64 values to the nearest bf16 (ties to even), returned as float64."""
-    m, e = np.frexp(np.asarray(x, dtype=np.float64))
-    return np.ldexp(np.round(np.ldexp(m, 8)), e - 8)
 
 
 def silu_mul_reference(x, w_gate_up):

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from tests.util import bf16_randn, from_bf16_bits, rel_l2
+from tests.util import bf16_randn, bf16_round, from_bf16_bits, rel_l2
 from numba import cuda
 
 from pegainfer.kernels.norm import add_rms_norm, add_rms_norm_into, rms_norm
@@ -10,12 +10,6 @@ from pegainfer.kernels.norm import add_rms_norm, add_rms_norm_into, rms_norm
 EPS = 1e-6
 QWEN3 = dict(weight_offset=0.0, round_before_weight=True)
 QWEN3_5 = dict(weight_offset=1.0, round_before_weight=False)
-
-
-def bf16_round(x):
-    """Round float64 values to the nearest bf16 (ties to even), returned as float64."""
-    m, e = np.frexp(np.asarray(x, dtype=np.float64))
-    return np.ldexp(np.round(np.ldexp(m, 8)), e - 8)
 
 
 def reference_rms_norm(x, w, eps, weight_offset, round_before_weight):

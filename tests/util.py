@@ -24,3 +24,31 @@ def bf16_randn(shape, rng, scale=1.0):
     """Random bf16 values: returns (uint16 bits, the same values as float64)."""
     bits = to_bf16_bits((rng.standard_normal(shape) * scale).astype(np.float32))
     return bits, from_bf16_bits(bits).astype(np.float64)
+
+
+def greedy_decode(engine, prompt, steps, request_id="greedy"):
+    """Run one greedy request (``steps`` new tokens, EOS ignored) through ``engine`` until it finishes:
+    (the new token ids, the logits row of each step that produced a token, as float32 arrays)."""
+    from pegainfer.engine.types import SamplingParams
+
+    engine.add_request(request_id, prompt, SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
+    tokens, step_logits = [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.new_token_ids:
+                tokens.extend(out.new_token_ids)
+                step_logits.append(engine.runner.logits_host(1)[0].copy())
+    return tokens, step_logits
+
+
+def hf_logits_on_gpu(model_class, folder, ids, attn: str, dtype=None):
+    """Hugging Face logits (teacher forcing) of one sequence from ``model_class.from_pretrained(folder)`` on the GPU
+    in ``dtype`` (default bf16) with attention implementation ``attn``: float32 numpy ``[T, V]``."""
+    import torch
+
+    ref = model_class.from_pretrained(folder, dtype=dtype or torch.bfloat16, attn_implementation=attn).cuda().eval()
+    with torch.inference_mode():
+        out = ref(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
+    del ref
+    torch.cuda.empty_cache()
+    return out

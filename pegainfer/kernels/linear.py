@@ -136,6 +136,14 @@ def _store_packed_pair(out, t, col, word, gated):
 # simulator runs kernels as Python, where every device-function call costs tens of µs: element-by-element loops
 # would make a tiny model's decode step take minutes.  Each twin computes the same f32 math on whole slices.
 if SIMULATOR:
+    def _words_to_f32(words):
+        """The bf16 pairs of ``words`` (uint32, lower index in the low half) as f32, in element order."""
+        words = np.asarray(words, dtype=np.uint32)
+        f = np.empty(2 * len(words), np.float32)
+        f[0::2] = (words << np.uint32(16)).view(np.float32)
+        f[1::2] = (words & np.uint32(0xFFFF0000)).view(np.float32)
+        return f
+
     def _load_row_slices(w32, row_words, off, dst, rows):
         """``dst[4r:4r+4] = w32[row_words[r] + off : +4]`` for ``r < rows`` (16 bytes of each row)."""
         idx = (np.asarray(row_words[:rows]) + off)[:, None] + np.arange(4)
@@ -144,24 +152,14 @@ if SIMULATOR:
     def _dot_row_slices(acc, w, xs, x_base, x_stride, n_tok, rows, toks):
         """``acc[r·toks + t] += Σ_j W_r[j] · xs[x_base + t·x_stride + 32·j]`` for ``r < rows``, ``t < n_tok``, where
         ``W_r[2q], W_r[2q+1]`` are the low / high bf16 of ``w[4r + q]``."""
-        words = np.asarray(w[:4 * rows], dtype=np.uint32)
-        wf = np.empty(8 * rows, np.float32)
-        wf[0::2] = (words << np.uint32(16)).view(np.float32)
-        wf[1::2] = (words & np.uint32(0xFFFF0000)).view(np.float32)
+        wf = _words_to_f32(w[:4 * rows]).reshape(rows, 8)
         nt = min(int(n_tok), toks)
         xv = xs[x_base + x_stride * np.arange(nt)[:, None] + 32 * np.arange(8)]
-        acc.reshape(rows, toks)[:, :nt] += wf.reshape(rows, 8) @ xv.T
+        acc.reshape(rows, toks)[:, :nt] += wf @ xv.T
 
     def _fma_tile(acc, a_s, b_s, i0, j0, tm, tn, bk):
         """``acc[i·tn + j] += Σ_kk a_s[kk, i0 + i] · b_s[kk, j0 + j]`` (one K step of a thread's micro-tile)."""
         acc[:tm * tn] += (a_s[:bk, i0:i0 + tm].T @ b_s[:bk, j0:j0 + tn]).ravel()
-
-    def _words_to_f32(words):
-        words = np.asarray(words, dtype=np.uint32)
-        f = np.empty(2 * len(words), np.float32)
-        f[0::2] = (words << np.uint32(16)).view(np.float32)
-        f[1::2] = (words & np.uint32(0xFFFF0000)).view(np.float32)
-        return f
 
     def _load_x_words(x32, k_words, word, dst, n_tok, toks):
         """``dst[4t:4t+4] = x32[t·k_words + word : +4]`` for ``t < min(n_tok, toks)`` (16 bytes of each token)."""
@@ -177,20 +175,13 @@ if SIMULATOR:
         xf = _words_to_f32(xw[:4 * nt]).reshape(nt, 8)
         acc.reshape(rows, toks)[:, :nt] += wf @ xf.T
 
-    def _unpack8(src32, word):
-        words = np.asarray(src32[word:word + 4], dtype=np.uint32)
-        out = np.empty(8, np.float32)
-        out[0::2] = (words << np.uint32(16)).view(np.float32)
-        out[1::2] = (words & np.uint32(0xFFFF0000)).view(np.float32)
-        return out
-
     def _stage_x_slice(x32, word, xs, base):
         """The 8 bf16 of ``x32[word:word+4]`` as f32 into ``xs[base + 32·j]``, j = 0..7 (the GEMV's x layout)."""
-        xs[base:base + 256:32] = _unpack8(x32, word)
+        xs[base:base + 256:32] = _words_to_f32(x32[word:word + 4])
 
     def _stage_transposed(src32, word, valid, dst, j, kbase):
         """The 8 bf16 of ``src32[word:word+4]`` (zeros when not ``valid``) as f32 into ``dst[kbase:kbase+8, j]``."""
-        dst[kbase:kbase + 8, j] = _unpack8(src32, word) if valid else np.float32(0.0)
+        dst[kbase:kbase + 8, j] = _words_to_f32(src32[word:word + 4]) if valid else np.float32(0.0)
 else:
     @device_fn
     def _load_row_slices(w32, row_words, off, dst, rows):
@@ -202,6 +193,22 @@ else:
             dst[4 * r + 1] = q1
             dst[4 * r + 2] = q2
             dst[4 * r + 3] = q3
+
+    @device_fn
+    def _dot_rows_8(acc, w, t, rows, toks, x0, x1, x2, x3, x4, x5, x6, x7):
+        """``acc[r·toks + t] += Σ_j W_r[j] · x_j`` for ``r < rows``: the 8 bf16 of row r in ``w[4r:4r+4]`` (low half
+        first) against one token's 8 f32 values, multiplied and added in element order."""
+        for r in range(rows):
+            a = acc[r * toks + t]
+            a += bf16x2_lo(w[4 * r]) * x0
+            a += bf16x2_hi(w[4 * r]) * x1
+            a += bf16x2_lo(w[4 * r + 1]) * x2
+            a += bf16x2_hi(w[4 * r + 1]) * x3
+            a += bf16x2_lo(w[4 * r + 2]) * x4
+            a += bf16x2_hi(w[4 * r + 2]) * x5
+            a += bf16x2_lo(w[4 * r + 3]) * x6
+            a += bf16x2_hi(w[4 * r + 3]) * x7
+            acc[r * toks + t] = a
 
     @device_fn
     def _dot_row_slices(acc, w, xs, x_base, x_stride, n_tok, rows, toks):
@@ -219,17 +226,7 @@ else:
                 x5 = xs[uint64(xb + 160)]
                 x6 = xs[uint64(xb + 192)]
                 x7 = xs[uint64(xb + 224)]
-                for r in range(rows):
-                    a = acc[r * toks + t]
-                    a += bf16x2_lo(w[4 * r]) * x0
-                    a += bf16x2_hi(w[4 * r]) * x1
-                    a += bf16x2_lo(w[4 * r + 1]) * x2
-                    a += bf16x2_hi(w[4 * r + 1]) * x3
-                    a += bf16x2_lo(w[4 * r + 2]) * x4
-                    a += bf16x2_hi(w[4 * r + 2]) * x5
-                    a += bf16x2_lo(w[4 * r + 3]) * x6
-                    a += bf16x2_hi(w[4 * r + 3]) * x7
-                    acc[r * toks + t] = a
+                _dot_rows_8(acc, w, t, rows, toks, x0, x1, x2, x3, x4, x5, x6, x7)
 
     @device_fn
     def _load_x_words(x32, k_words, word, dst, n_tok, toks):
@@ -256,17 +253,7 @@ else:
                 x5 = bf16x2_hi(xw[4 * t + 2])
                 x6 = bf16x2_lo(xw[4 * t + 3])
                 x7 = bf16x2_hi(xw[4 * t + 3])
-                for r in range(rows):
-                    a = acc[r * toks + t]
-                    a += bf16x2_lo(w[4 * r]) * x0
-                    a += bf16x2_hi(w[4 * r]) * x1
-                    a += bf16x2_lo(w[4 * r + 1]) * x2
-                    a += bf16x2_hi(w[4 * r + 1]) * x3
-                    a += bf16x2_lo(w[4 * r + 2]) * x4
-                    a += bf16x2_hi(w[4 * r + 2]) * x5
-                    a += bf16x2_lo(w[4 * r + 3]) * x6
-                    a += bf16x2_hi(w[4 * r + 3]) * x7
-                    acc[r * toks + t] = a
+                _dot_rows_8(acc, w, t, rows, toks, x0, x1, x2, x3, x4, x5, x6, x7)
 
     @device_fn
     def _fma_tile(acc, a_s, b_s, i0, j0, tm, tn, bk):
@@ -722,31 +709,16 @@ fragment load touches fall in 32 different banks."""
 
 
 @device_fn
-def _fetch_x_slices(x32, regs, per_thread, tid, nthreads, n_slices, m0, T, k_words, k0, k):
-    """Registers ← this thread's 16-byte slices of the x tile ``[bm, 32]`` at (m0, k0) (zeros outside x)."""
+def _fetch_slices(src32, regs, per_thread, tid, nthreads, n_slices, row0, n_rows, n_out, gated, k_words, k0, k):
+    """Registers ← this thread's 16-byte slices of the tile ``[rows row0 .., 32]`` at K offset k0 of a ``[n_rows,
+    K]`` operand (zeros outside it): the x tile (``row0 = m0``, ``n_rows = T``, not gated) or the weight tile
+    (``row0 = n0``, ``n_rows = n_cols`` logical columns, whose rows ``_weight_row`` finds)."""
     for p in range(per_thread):
         idx = tid + p * nthreads
-        row = idx >> 2
+        row = row0 + (idx >> 2)
         kk = k0 + 8 * (idx & 3)
-        if idx < n_slices and m0 + row < T and kk < k:
-            v0, v1, v2, v3 = load_u32x4(x32, (m0 + row) * k_words + kk // 2)
-        else:
-            v0 = v1 = v2 = v3 = uint32(0)
-        regs[4 * p] = v0
-        regs[4 * p + 1] = v1
-        regs[4 * p + 2] = v2
-        regs[4 * p + 3] = v3
-
-
-@device_fn
-def _fetch_w_slices(w32, regs, per_thread, tid, nthreads, n_slices, n0, n_cols, n_out, gated, k_words, k0, k):
-    """Registers ← this thread's 16-byte slices of the weight tile ``[bn logical columns, 32]`` at (n0, k0)."""
-    for p in range(per_thread):
-        idx = tid + p * nthreads
-        col = n0 + (idx >> 2)
-        kk = k0 + 8 * (idx & 3)
-        if idx < n_slices and col < n_cols and kk < k:
-            v0, v1, v2, v3 = load_u32x4(w32, _weight_row(col, n_out, gated) * k_words + kk // 2)
+        if idx < n_slices and row < n_rows and kk < k:
+            v0, v1, v2, v3 = load_u32x4(src32, _weight_row(row, n_out, gated) * k_words + kk // 2)
         else:
             v0 = v1 = v2 = v3 = uint32(0)
         regs[4 * p] = v0
@@ -757,7 +729,7 @@ def _fetch_w_slices(w32, regs, per_thread, tid, nthreads, n_slices, n0, n_cols, 
 
 @device_fn
 def _store_slices(regs, per_thread, tid, nthreads, n_slices, dst, base):
-    """Shared ``dst[base + row · MMA_ROW_WORDS + 4·s ..]`` ← the slices fetched by ``_fetch_*_slices``."""
+    """Shared ``dst[base + row · MMA_ROW_WORDS + 4·s ..]`` ← the slices fetched by ``_fetch_slices``."""
     for p in range(per_thread):
         idx = tid + p * nthreads
         if idx < n_slices:
@@ -766,6 +738,31 @@ def _store_slices(regs, per_thread, tid, nthreads, n_slices, dst, base):
             dst[off + 1] = regs[4 * p + 1]
             dst[off + 2] = regs[4 * p + 2]
             dst[off + 3] = regs[4 * p + 3]
+
+
+@device_fn
+def _store_mma_tiles(out, acc, packed, mt, nt, tok0, col0, gated):
+    """Write a warp's ``mt × nt`` m16n8 f32 accumulator tiles, rounded to bf16: tile (i, j) covers tokens
+    ``tok0 + 16i ..`` and logical columns ``col0 + 8j ..``; its fragment ``acc[4(i·nt + j) : +4]`` holds (C/D layout)
+    tokens g, g + 8 × columns 2t, 2t + 1 of the lane (g = lane >> 2, t = lane & 3).  Tokens past ``out``'s T and
+    columns past the end are dropped; gated, each column pair becomes one SwiGLU output (``_store_packed_pair``).
+    ``packed`` is ``2·mt·nt`` uint32 of scratch.  Two loops: the first (small body, fully unrolled, so acc stays in
+    registers) rounds the accumulators to bf16 pairs; the second writes them."""
+    lane = cuda.threadIdx.x % WARP
+    g = lane >> 2
+    t4 = lane & 3
+    T = out.shape[0]
+    for i in range(mt * nt):
+        packed[2 * i] = pack_bf16x2(acc[4 * i], acc[4 * i + 1])
+        packed[2 * i + 1] = pack_bf16x2(acc[4 * i + 2], acc[4 * i + 3])
+    for i in range(mt):
+        tok = tok0 + 16 * i + g
+        for j in range(nt):
+            col = col0 + 8 * j + 2 * t4
+            if tok < T:
+                _store_packed_pair(out, tok, col, packed[2 * (i * nt + j)], gated)
+            if tok + 8 < T:
+                _store_packed_pair(out, tok + 8, col, packed[2 * (i * nt + j) + 1], gated)
 
 
 @functools.cache
@@ -820,8 +817,8 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, gated: bool):
             n0 = (tile // tiles_m) * bn
             for i in range(4 * mt * nt):
                 acc[i] = float32(0.0)
-            _fetch_x_slices(x32, ra, a_pt, tid, nthreads_c, a_slices, m0, T, k_words, 0, k)
-            _fetch_w_slices(w32, rb, b_pt, tid, nthreads_c, b_slices, n0, n_cols, n_out, gated, k_words, 0, k)
+            _fetch_slices(x32, ra, a_pt, tid, nthreads_c, a_slices, m0, T, 0, False, k_words, 0, k)
+            _fetch_slices(w32, rb, b_pt, tid, nthreads_c, b_slices, n0, n_cols, n_out, gated, k_words, 0, k)
             _store_slices(ra, a_pt, tid, nthreads_c, a_slices, a_s, 0)
             _store_slices(rb, b_pt, tid, nthreads_c, b_slices, b_s, 0)
             cuda.syncthreads()
@@ -830,9 +827,9 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, gated: bool):
                 more = kt + 1 < n_kt
                 if more:
                     k_next = (kt + 1) * MMA_BK
-                    _fetch_x_slices(x32, ra, a_pt, tid, nthreads_c, a_slices, m0, T, k_words, k_next, k)
-                    _fetch_w_slices(w32, rb, b_pt, tid, nthreads_c, b_slices, n0, n_cols, n_out, gated, k_words,
-                                    k_next, k)
+                    _fetch_slices(x32, ra, a_pt, tid, nthreads_c, a_slices, m0, T, 0, False, k_words, k_next, k)
+                    _fetch_slices(w32, rb, b_pt, tid, nthreads_c, b_slices, n0, n_cols, n_out, gated, k_words,
+                                  k_next, k)
                 a_base = stage * a_stage
                 b_base = stage * b_stage
                 for ks in range(MMA_BK // 16):
@@ -861,19 +858,7 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, gated: bool):
                     _store_slices(ra, a_pt, tid, nthreads_c, a_slices, a_s, (1 - stage) * a_stage)
                     _store_slices(rb, b_pt, tid, nthreads_c, b_slices, b_s, (1 - stage) * b_stage)
                 cuda.syncthreads()
-            # Epilogue in two loops: the first (small body, fully unrolled, so acc stays in registers) rounds the
-            # accumulators to bf16 pairs; the second writes them.
-            for i in range(mt * nt):
-                packed[2 * i] = pack_bf16x2(acc[4 * i], acc[4 * i + 1])
-                packed[2 * i + 1] = pack_bf16x2(acc[4 * i + 2], acc[4 * i + 3])
-            for i in range(mt):
-                tok = m0 + wm * mt * 16 + i * 16 + g
-                for j in range(nt):
-                    col = n0 + wn * nt * 8 + j * 8 + 2 * t4
-                    if tok < T:
-                        _store_packed_pair(out, tok, col, packed[2 * (i * nt + j)], gated)
-                    if tok + 8 < T:
-                        _store_packed_pair(out, tok + 8, col, packed[2 * (i * nt + j) + 1], gated)
+            _store_mma_tiles(out, acc, packed, mt, nt, m0 + wm * mt * 16, n0 + wn * nt * 8, gated)
 
     return gemm_mma
 
@@ -1045,18 +1030,7 @@ def _skinny_kernel(m_tiles: int, n_tiles: int, unroll: int, warps: int, gated: b
                             acc[i] += red[((warp + p) * NACC + i) * WARP + lane]
                 cuda.syncthreads()                 # partials read before the next tile overwrites them
             if part == 0:
-                # two loops: the first (small, unrolled) keeps acc in registers, the second stores
-                for i in range(MT * NT):
-                    packed[2 * i] = pack_bf16x2(acc[4 * i], acc[4 * i + 1])
-                    packed[2 * i + 1] = pack_bf16x2(acc[4 * i + 2], acc[4 * i + 3])
-                for i in range(MT):
-                    tok = 16 * i + g
-                    for j in range(NT):
-                        col = col0 + 8 * j + 2 * t4
-                        if tok < T:
-                            _store_packed_pair(out, tok, col, packed[2 * (i * NT + j)], gated)
-                        if tok + 8 < T:
-                            _store_packed_pair(out, tok + 8, col, packed[2 * (i * NT + j) + 1], gated)
+                _store_mma_tiles(out, acc, packed, MT, NT, 0, col0, gated)
 
     return linear_skinny
 

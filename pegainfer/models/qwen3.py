@@ -27,30 +27,18 @@ import math
 import numpy as np
 from numba import cuda
 
-from pegainfer.kernels import activation, attention, embedding, linear, norm, rope
-from pegainfer.kernels.launch import current_stream
-
-BF16 = np.uint16
+from pegainfer.kernels import attention, embedding, linear, norm, rope
+from pegainfer.models.common import BF16, DecoderModel, upload_stacked
 
 
-class Qwen3Model:
+class Qwen3Model(DecoderModel):
     """Qwen3ForCausalLM: weights, KV cache and activation buffers on the device, and the forward pass."""
 
     arch = "qwen3"
     pads_prefill = True    # every kernel skips tokens with slot -1, so prefill chunks can be padded to graph sizes
 
     def __init__(self, cfg, max_model_len: int, max_tokens: int, max_rows: int):
-        self.cfg = cfg
-        self.max_model_len = max_model_len
-        self.max_tokens = max_tokens          # most tokens in one step (prefill chunk)
-        self.max_rows = max_rows              # most logits rows in one step (sequences in a decode batch)
-        self.nq = cfg.num_attention_heads
-        self.nkv = cfg.num_key_value_heads
-        self.D = cfg.head_dim
-        self.H = cfg.hidden_size
-        self.I = cfg.intermediate_size
-        self.V = cfg.vocab_size
-        self.L = cfg.num_hidden_layers
+        super().__init__(cfg, max_model_len, max_tokens, max_rows)
         self.qkv_rows = (self.nq + 2 * self.nkv) * self.D
         self.rotary_dim = self.D
 
@@ -72,38 +60,23 @@ class Qwen3Model:
 
     # ------------------------------------------------------------------------------------------------ weights
     def load_weights(self, reader, progress=None) -> None:
-        cfg, H, D = self.cfg, self.H, self.D
-        p = reader.prefix
-        self.embed = reader.upload(f"{p}embed_tokens.weight", (self.V, H))
-        self.final_norm = reader.upload(f"{p}norm.weight", (H,))
-        if cfg.tie_word_embeddings or not reader.has("lm_head.weight"):
-            self.lm_head = self.embed
-        else:
-            self.lm_head = reader.upload("lm_head.weight", (self.V, H))
+        H, D, p = self.H, self.D, reader.prefix
+        self._load_embeddings(reader)
         self.layers = []
         for i in range(self.L):
             a = f"{p}layers.{i}."
-            lw = {}
-            lw["input_ln"] = reader.upload(a + "input_layernorm.weight", (H,))
-            lw["post_ln"] = reader.upload(a + "post_attention_layernorm.weight", (H,))
-            qkv = cuda.device_array((self.qkv_rows, H), dtype=BF16)
+            s = a + "self_attn."
             q_rows, kv_rows = self.nq * D, self.nkv * D
-            reader.upload(a + "self_attn.q_proj.weight", (q_rows, H), dest=qkv[:q_rows])
-            reader.upload(a + "self_attn.k_proj.weight", (kv_rows, H), dest=qkv[q_rows:q_rows + kv_rows])
-            reader.upload(a + "self_attn.v_proj.weight", (kv_rows, H), dest=qkv[q_rows + kv_rows:])
-            lw["qkv"] = qkv
-            lw["q_norm"] = reader.upload(a + "self_attn.q_norm.weight", (D,))
-            lw["k_norm"] = reader.upload(a + "self_attn.k_norm.weight", (D,))
-            lw["o"] = reader.upload(a + "self_attn.o_proj.weight", (H, self.nq * D))
-            gate_up = cuda.device_array((2 * self.I, H), dtype=BF16)
-            reader.upload(a + "mlp.gate_proj.weight", (self.I, H), dest=gate_up[:self.I])
-            reader.upload(a + "mlp.up_proj.weight", (self.I, H), dest=gate_up[self.I:])
-            lw["gate_up"] = gate_up
-            lw["down"] = reader.upload(a + "mlp.down_proj.weight", (H, self.I))
+            lw = {"input_ln": reader.upload(a + "input_layernorm.weight", (H,)),
+                  "post_ln": reader.upload(a + "post_attention_layernorm.weight", (H,)),
+                  "qkv": upload_stacked(reader, ((s + "q_proj.weight", q_rows), (s + "k_proj.weight", kv_rows),
+                                                 (s + "v_proj.weight", kv_rows)), H),
+                  "q_norm": reader.upload(s + "q_norm.weight", (D,)),
+                  "k_norm": reader.upload(s + "k_norm.weight", (D,)),
+                  "o": reader.upload(s + "o_proj.weight", (H, self.nq * D))}
+            lw.update(self._load_mlp(reader, a))
             self.layers.append(lw)
-        cos, sin = rope.rope_tables(self.max_model_len, self.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.rope_cos = cuda.to_device(cos)
-        self.rope_sin = cuda.to_device(sin)
+        self._load_rope_tables()
 
     # ------------------------------------------------------------------------------------------------ buffers
     def allocate(self, num_pages: int, page_size: int) -> None:

@@ -41,13 +41,13 @@ from numba import cuda
 
 from pegainfer.kernels import attention, embedding, gated_delta, gating, linear, norm, rope
 from pegainfer.kernels.primitives import from_bf16_bits
+from pegainfer.models.common import BF16, DecoderModel, upload_stacked
 
-BF16 = np.uint16
 QWEN35_NORM = dict(weight_offset=1.0, round_before_weight=False)  # HF Qwen3_5RMSNorm: bf16(x·r·(1 + w))
 PREFILL_CONV_TOKENS_PER_THREAD = 8
 
 
-class Qwen35Model:
+class Qwen35Model(DecoderModel):
     """Qwen3_5ForCausalLM / the language model of Qwen3_5ForConditionalGeneration: weights, KV cache, recurrent
     state slots and activation buffers on the device, and the forward pass."""
 
@@ -55,17 +55,7 @@ class Qwen35Model:
     chunk_size = gated_delta.MAX_CHUNK  # tokens per chunk of the chunked delta rule (tests may lower it)
 
     def __init__(self, cfg, max_model_len: int, max_tokens: int, max_rows: int):
-        self.cfg = cfg
-        self.max_model_len = max_model_len
-        self.max_tokens = max_tokens          # most tokens in one step (prefill chunk)
-        self.max_rows = max_rows              # most logits rows in one step (sequences in a decode batch)
-        self.nq = cfg.num_attention_heads
-        self.nkv = cfg.num_key_value_heads
-        self.D = cfg.head_dim
-        self.H = cfg.hidden_size
-        self.I = cfg.intermediate_size
-        self.V = cfg.vocab_size
-        self.L = cfg.num_hidden_layers
+        super().__init__(cfg, max_model_len, max_tokens, max_rows)
         self.rotary_dim = cfg.rotary_dim
         self.full_layers = list(cfg.full_attention_layers)
         self.linear_layers = list(cfg.linear_attention_layers)
@@ -116,14 +106,8 @@ class Qwen35Model:
 
     # ------------------------------------------------------------------------------------------------ weights
     def load_weights(self, reader, progress=None) -> None:
-        cfg, H, D = self.cfg, self.H, self.D
-        p = reader.prefix
-        self.embed = reader.upload(f"{p}embed_tokens.weight", (self.V, H))
-        self.final_norm = reader.upload(f"{p}norm.weight", (H,))
-        if cfg.tie_word_embeddings or not reader.has("lm_head.weight"):
-            self.lm_head = self.embed
-        else:
-            self.lm_head = reader.upload("lm_head.weight", (self.V, H))
+        cfg, H, p = self.cfg, self.H, reader.prefix
+        self._load_embeddings(reader)
         self.layers = []
         for i in range(self.L):
             a = f"{p}layers.{i}."
@@ -133,23 +117,15 @@ class Qwen35Model:
                 lw.update(self._load_full_attention(reader, a + "self_attn."))
             else:
                 lw.update(self._load_linear_attention(reader, a + "linear_attn."))
-            gate_up = cuda.device_array((2 * self.I, H), dtype=BF16)
-            reader.upload(a + "mlp.gate_proj.weight", (self.I, H), dest=gate_up[:self.I])
-            reader.upload(a + "mlp.up_proj.weight", (self.I, H), dest=gate_up[self.I:])
-            lw["gate_up"] = gate_up
-            lw["down"] = reader.upload(a + "mlp.down_proj.weight", (H, self.I))
+            lw.update(self._load_mlp(reader, a))
             self.layers.append(lw)
-        cos, sin = rope.rope_tables(self.max_model_len, self.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.rope_cos = cuda.to_device(cos)
-        self.rope_sin = cuda.to_device(sin)
+        self._load_rope_tables()
 
     def _load_full_attention(self, reader, a: str) -> dict:
         H, D = self.H, self.D
-        qkv = cuda.device_array((self.qkv_rows, H), dtype=BF16)
-        q_rows, kv_rows = 2 * self.nq * D, self.nkv * D
-        reader.upload(a + "q_proj.weight", (q_rows, H), dest=qkv[:q_rows])
-        reader.upload(a + "k_proj.weight", (kv_rows, H), dest=qkv[q_rows:q_rows + kv_rows])
-        reader.upload(a + "v_proj.weight", (kv_rows, H), dest=qkv[q_rows + kv_rows:])
+        q_rows, kv_rows = 2 * self.nq * D, self.nkv * D   # q_proj: q and gate
+        qkv = upload_stacked(reader, ((a + "q_proj.weight", q_rows), (a + "k_proj.weight", kv_rows),
+                                      (a + "v_proj.weight", kv_rows)), H)
         return {"qkv": qkv,
                 "q_norm": reader.upload(a + "q_norm.weight", (D,)),
                 "k_norm": reader.upload(a + "k_norm.weight", (D,)),
@@ -157,11 +133,8 @@ class Qwen35Model:
 
     def _load_linear_attention(self, reader, a: str) -> dict:
         H, cd, vd, hv = self.H, self.conv_dim, self.value_dim, self.Hv
-        proj = cuda.device_array((self.proj_rows, H), dtype=BF16)
-        reader.upload(a + "in_proj_qkv.weight", (cd, H), dest=proj[:cd])
-        reader.upload(a + "in_proj_z.weight", (vd, H), dest=proj[cd:cd + vd])
-        reader.upload(a + "in_proj_b.weight", (hv, H), dest=proj[cd + vd:cd + vd + hv])
-        reader.upload(a + "in_proj_a.weight", (hv, H), dest=proj[cd + vd + hv:])
+        proj = upload_stacked(reader, ((a + "in_proj_qkv.weight", cd), (a + "in_proj_z.weight", vd),
+                                       (a + "in_proj_b.weight", hv), (a + "in_proj_a.weight", hv)), H)
         conv = reader.host_bf16(a + "conv1d.weight", (cd, 1, self.conv_kernel)).reshape(cd, self.conv_kernel)
 
         def f32_param(name):

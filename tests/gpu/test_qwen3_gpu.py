@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.util import rel_l2
+from tests.util import greedy_decode, hf_logits_on_gpu, rel_l2
 
 pytestmark = pytest.mark.gpu
 
@@ -59,15 +59,8 @@ def _record(entry):
 
 def hf_logits(folder, ids, attn: str):
     """Hugging Face bf16 logits for one sequence (teacher forcing), float32 numpy [T, V]."""
-    import torch
     import transformers
-    ref = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
-                                                        attn_implementation=attn).cuda().eval()
-    with torch.inference_mode():
-        out = ref(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
-    del ref
-    torch.cuda.empty_cache()
-    return out
+    return hf_logits_on_gpu(transformers.Qwen3ForCausalLM, folder, ids, attn)
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -79,7 +72,6 @@ def test_qwen3_matches_hf_bf16_on_gpu(name, tmp_path_factory):
     and with eager attention — already differ by ~4% relative L2 (measured, see benchmarks/RESULTS.md). So the
     bound is 2e-2 or, when larger, 1.1x that measured HF-vs-HF distance; the same goes for greedy agreement."""
     from pegainfer.engine.engine import Engine
-    from pegainfer.engine.types import SamplingParams
 
     root = Path(os.environ.get("PEGAINFER_GPU_MODELS") or tmp_path_factory.mktemp("gpu_models"))
     folder = make_random_qwen3(root / name, SHAPES[name])
@@ -90,13 +82,7 @@ def test_qwen3_matches_hf_bf16_on_gpu(name, tmp_path_factory):
     engine = Engine.from_folder(str(folder), max_model_len=4096, use_cuda_graph=True)
     load_s = time.perf_counter() - t0
     ours_prompt = engine.score(prompt)
-    engine.add_request("gpu", prompt, SamplingParams(max_tokens=DECODE_STEPS, temperature=0.0, ignore_eos=True))
-    tokens, step_logits = [], []
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.new_token_ids:
-                tokens.extend(out.new_token_ids)
-                step_logits.append(engine.runner.logits_host(1)[0].copy())
+    tokens, step_logits = greedy_decode(engine, prompt, DECODE_STEPS, "gpu")
     ours = np.concatenate([ours_prompt, np.stack(step_logits[1:])])   # positions 0 .. PROMPT_LEN + 62
     del engine
     full = prompt + tokens[:-1]

@@ -14,7 +14,7 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.util import rel_l2
+from tests.util import greedy_decode, hf_logits_on_gpu, rel_l2
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -197,16 +197,6 @@ def _write_random_qwen35_gpu(folder, shape, seed=0):
     return folder
 
 
-def _hf_logits_gpu(folder, ids, attn, dtype=None):
-    ref = transformers.Qwen3_5ForCausalLM.from_pretrained(folder, dtype=dtype or torch.bfloat16,
-                                                          attn_implementation=attn).cuda().eval()
-    with torch.inference_mode():
-        out = ref(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
-    del ref
-    torch.cuda.empty_cache()
-    return out
-
-
 @pytest.mark.gpu
 def test_qwen35_4b_shapes_match_hf_bf16_on_gpu(tmp_path_factory):
     """Qwen3.5-4B shapes (random weights): logits at every position of a 256-token prompt and over 64 greedy decode
@@ -221,26 +211,18 @@ def test_qwen35_4b_shapes_match_hf_bf16_on_gpu(tmp_path_factory):
     from pathlib import Path
 
     from pegainfer.engine.engine import Engine
-    from pegainfer.engine.types import SamplingParams
 
     root = Path(os.environ.get("PEGAINFER_GPU_MODELS") or tmp_path_factory.mktemp("gpu_models"))
     folder = _write_random_qwen35_gpu(root / "qwen3.5-4b-random", QWEN35_4B)
     prompt = np.random.default_rng(0).integers(0, 150000, size=GPU_PROMPT_LEN).tolist()
     engine = Engine.from_folder(str(folder), max_model_len=4096, use_cuda_graph=True)
     ours_prompt = engine.score(prompt)
-    engine.add_request("gpu", prompt, SamplingParams(max_tokens=GPU_DECODE_STEPS, temperature=0.0,
-                                                     ignore_eos=True))
-    tokens, step_logits = [], []
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.new_token_ids:
-                tokens.extend(out.new_token_ids)
-                step_logits.append(engine.runner.logits_host(1)[0].copy())
+    tokens, step_logits = greedy_decode(engine, prompt, GPU_DECODE_STEPS, "gpu")
     assert engine.stats()["slots_used"] == 0
     del engine
     full = prompt + tokens[:-1]
-    sdpa = _hf_logits_gpu(folder, full, "sdpa")
-    fp32 = _hf_logits_gpu(folder, full, "sdpa", dtype=torch.float32)
+    sdpa = hf_logits_on_gpu(transformers.Qwen3_5ForCausalLM, folder, full, "sdpa")
+    fp32 = hf_logits_on_gpu(transformers.Qwen3_5ForCausalLM, folder, full, "sdpa", dtype=torch.float32)
     n = GPU_PROMPT_LEN
     parts = {"prompt": (ours_prompt, range(n)), "decode": (np.stack(step_logits), range(n - 1, n - 1 + len(tokens)))}
     for part, (ours, rows) in parts.items():

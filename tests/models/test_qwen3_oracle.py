@@ -5,7 +5,7 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.util import rel_l2
+from tests.util import greedy_decode, rel_l2
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -61,17 +61,9 @@ def test_prompt_logits_match_hf(tiny):
 
 
 def test_greedy_decode_matches_hf(tiny):
-    from pegainfer.engine.types import SamplingParams
-
     ref, engine = tiny
     ids = _prompt()
-    engine.add_request("oracle", ids, SamplingParams(max_tokens=DECODE_STEPS, temperature=0.0, ignore_eos=True))
-    tokens, step_logits = [], []
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.new_token_ids:
-                tokens.extend(out.new_token_ids)
-                step_logits.append(engine.runner.logits_host(1)[0].copy())
+    tokens, step_logits = greedy_decode(engine, ids, DECODE_STEPS, "oracle")
     assert len(tokens) == DECODE_STEPS
     with torch.no_grad():
         hf_tokens = ref.generate(torch.tensor([ids]), max_new_tokens=DECODE_STEPS, do_sample=False,

@@ -1,0 +1,63 @@
+"""What the served models share: the config's dimensions and the weights every decoder has (embedding, final norm,
+LM head, MLPs, RoPE tables), loaded in the layouts the kernels expect.  ``Qwen3Model`` and ``Qwen35Model`` build on
+``DecoderModel``; their attention blocks, buffers and forward passes are their own."""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from pegainfer.kernels import rope
+
+BF16 = np.uint16
+
+
+def upload_stacked(reader, parts, cols: int):
+    """One device array ``[Σ rows, cols]`` (bf16 bits) holding the checkpoint tensors ``parts`` = ``((name, rows),
+    ...)`` one after another: the fused projections (q|k|v, gate|up, ...) that one GEMM multiplies at once."""
+    stacked = cuda.device_array((sum(rows for _, rows in parts), cols), dtype=BF16)
+    row = 0
+    for name, rows in parts:
+        reader.upload(name, (rows, cols), dest=stacked[row:row + rows])
+        row += rows
+    return stacked
+
+
+class DecoderModel:
+    """The dimensions of a decoder-only model and the loading of the weights every such model has."""
+
+    def __init__(self, cfg, max_model_len: int, max_tokens: int, max_rows: int):
+        self.cfg = cfg
+        self.max_model_len = max_model_len
+        self.max_tokens = max_tokens          # most tokens in one step (prefill chunk)
+        self.max_rows = max_rows              # most logits rows in one step (sequences in a decode batch)
+        self.nq = cfg.num_attention_heads
+        self.nkv = cfg.num_key_value_heads
+        self.D = cfg.head_dim
+        self.H = cfg.hidden_size
+        self.I = cfg.intermediate_size
+        self.V = cfg.vocab_size
+        self.L = cfg.num_hidden_layers
+
+    def _load_embeddings(self, reader) -> None:
+        """``embed`` ``[V, H]``, ``final_norm`` ``[H]`` and ``lm_head`` ``[V, H]`` (the embedding itself when tied, or
+        when the checkpoint has no separate head)."""
+        p, H = reader.prefix, self.H
+        self.embed = reader.upload(f"{p}embed_tokens.weight", (self.V, H))
+        self.final_norm = reader.upload(f"{p}norm.weight", (H,))
+        if self.cfg.tie_word_embeddings or not reader.has("lm_head.weight"):
+            self.lm_head = self.embed
+        else:
+            self.lm_head = reader.upload("lm_head.weight", (self.V, H))
+
+    def _load_mlp(self, reader, layer_prefix: str) -> dict:
+        """The layer's MLP: ``gate_up`` ``[2I, H]`` (gate rows then up rows, the layout of
+        ``linear.linear_silu_mul``) and ``down`` ``[H, I]``."""
+        a, H, I = layer_prefix + "mlp.", self.H, self.I
+        return {"gate_up": upload_stacked(reader, ((a + "gate_proj.weight", I), (a + "up_proj.weight", I)), H),
+                "down": reader.upload(a + "down_proj.weight", (H, I))}
+
+    def _load_rope_tables(self) -> None:
+        """``rope_cos`` / ``rope_sin`` ``[max_model_len, rotary_dim / 2]`` on the device (``rope.rope_tables``)."""
+        cos, sin = rope.rope_tables(self.max_model_len, self.rotary_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
+        self.rope_cos = cuda.to_device(cos)
+        self.rope_sin = cuda.to_device(sin)

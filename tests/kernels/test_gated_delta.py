@@ -226,10 +226,15 @@ def test_rule_matches_hf_torch(rng):
     qkv_bits, qkv, a_bits, a, b_bits, b = make_tokens(rng, layer, num_tokens)
     state = rng.standard_normal((1, layer["num_v_heads"], layer["key_dim"], layer["value_dim"])) * 0.3
     hk, dk, hv, dv = layer["num_k_heads"], layer["key_dim"], layer["num_v_heads"], layer["value_dim"]
+    assert hv > hk, "the test must cover grouped value heads (several value heads per key head)"
     t = lambda x: torch.tensor(x, dtype=torch.float32)[None]  # noqa: E731
     g, beta = reference_gates(a, b, layer["a_log"].astype(np.float64), layer["dt_bias"].astype(np.float64))
     q, k, v = (qkv[:, :hk * dk].reshape(-1, hk, dk), qkv[:, hk * dk:2 * hk * dk].reshape(-1, hk, dk),
                qkv[:, 2 * hk * dk:].reshape(-1, hv, dv))
+    # Value head h reads key head h // (hv / hk).  Repeat q and k to one head per value head, as HF's model does
+    # before calling these functions: transformers 5.24 repeats them inside when given fewer key heads, 5.17 does
+    # not (it fails on [T, hk, dk] keys); with the heads already repeated both compute the same thing.
+    q, k = np.repeat(q, hv // hk, axis=1), np.repeat(k, hv // hk, axis=1)
     with torch.no_grad():
         s0 = torch.tensor(state, dtype=torch.float32)
         hf_chunk, hf_chunk_state = hf.torch_chunk_gated_delta_rule(

@@ -58,7 +58,12 @@ def test_rope_tables_match_transformers(model, head_dim, params):
     else:
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
         embedding = Qwen3_5TextRotaryEmbedding(transformers.Qwen3_5TextConfig(**config_kwargs))
-    hf_cos, hf_sin = embedding(torch.zeros(1, dtype=torch.bfloat16), torch.arange(max_len)[None])
+    position_ids = torch.arange(max_len)[None]                          # [batch 1, positions]
+    if model == "qwen3.5":
+        # multimodal RoPE takes (temporal, height, width) position ids [3, batch, positions], equal for text;
+        # transformers 5.24 broadcasts [batch, positions] itself, 5.17 needs the three components given
+        position_ids = position_ids[None].expand(3, -1, -1)
+    hf_cos, hf_sin = embedding(torch.zeros(1, dtype=torch.bfloat16), position_ids)
     assert hf_cos.shape[-1] == rotary_dim
     scaling = None if params["rope_type"] == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
     cos, sin = rope_tables(max_len, rotary_dim, params["rope_theta"], scaling)

@@ -16,8 +16,7 @@ class StepInputs:
     IDS, POSITIONS, SLOTS, LOGIT_ROWS = range(4)
 
     def __init__(self, max_tokens: int, max_rows: int):
-        assert max_rows <= max_tokens
-        shape = (4, max_tokens)
+        shape = (4, max(max_tokens, max_rows))
         self.host = np.zeros(shape, np.int32) if SIMULATOR else cuda.pinned_array(shape, dtype=np.int32)
         self.device = cuda.to_device(np.zeros(shape, np.int32))
         # device views read by the model

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 
@@ -31,9 +30,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout without installing
-import pegainfer  # noqa: E402  (before numba)
+import pegainfer
+from graph_timing import time_calls  # noqa: E402  (before numba)
 from pegainfer.kernels import attention as att  # noqa: E402
-from pegainfer.kernels.launch import on_stream  # noqa: E402
+
 from numba import cuda  # noqa: E402
 
 SIM = pegainfer.SIMULATOR
@@ -46,54 +46,6 @@ HBM_SET_BYTES = 256 << 20      # K/V bytes cycled through per graph, > 5x the H2
 if SIM:
     PAGE, MAX_MODEL_LEN, CONTEXTS, PREFILL_T, HBM_SET_BYTES = 4, 64, (9, 40), 24, 0
     MODELS = {"tiny": (4, 2, 32)}
-
-
-def _check(result):
-    from cuda.bindings import driver as drv
-    err = result[0] if isinstance(result, tuple) else result
-    if err != drv.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"CUDA driver call failed: {err}")
-    return result[1] if isinstance(result, tuple) and len(result) == 2 else None
-
-
-def time_calls(calls, reps: int = 5) -> float:
-    """Seconds per call: median over ``reps`` replays of a CUDA graph that runs every function of ``calls`` once,
-    in order (each launches kernels through ``pegainfer.kernels.launch``).  Simulator: one eager pass."""
-    if SIM:
-        t0 = time.perf_counter()
-        for fn in calls:
-            fn()
-        return (time.perf_counter() - t0) / len(calls)
-    from cuda.bindings import driver as drv
-    stream = cuda.stream()
-    with on_stream(stream):
-        for fn in calls[:2]:
-            fn()                                   # compile and warm up outside the capture
-    stream.synchronize()
-    cs = drv.CUstream(int(stream.handle))
-    with cuda.defer_cleanup(), on_stream(stream):
-        _check(drv.cuStreamBeginCapture(cs, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
-        try:
-            for fn in calls:
-                fn()
-        finally:
-            graph = _check(drv.cuStreamEndCapture(cs))
-    exe = _check(drv.cuGraphInstantiate(graph, 0))
-    try:
-        _check(drv.cuGraphLaunch(exe, cs))
-        stream.synchronize()
-        times = []
-        for _ in range(reps):
-            start, end = cuda.event(), cuda.event()
-            start.record(stream)
-            _check(drv.cuGraphLaunch(exe, cs))
-            end.record(stream)
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e-3 / len(calls))
-        return statistics.median(times)
-    finally:
-        _check(drv.cuGraphExecDestroy(exe))
-        _check(drv.cuGraphDestroy(graph))
 
 
 def random_bf16(shape, rng):

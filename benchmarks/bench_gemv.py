@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
 import numpy as np
 
 import pegainfer
+from graph_timing import time_calls
 from pegainfer.kernels import linear as lin
-from pegainfer.kernels.launch import on_stream
 from numba import cuda
 
 SIM = pegainfer.SIMULATOR
@@ -44,50 +43,9 @@ SHAPES = [
 LAYERS = 36
 
 
-def _check(result):
-    from cuda.bindings import driver as drv
-    err = result[0] if isinstance(result, tuple) else result
-    if err != drv.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"CUDA driver call failed: {err}")
-    return result[1] if isinstance(result, tuple) and len(result) == 2 else None
-
-
 def time_per_launch(fn, launches: int, reps: int = 5) -> float:
-    """Seconds per call of ``fn`` (which launches kernels through ``pegainfer.kernels.launch``): median over
-    ``reps`` replays of a CUDA graph holding ``launches`` calls."""
-    if SIM:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-    from cuda.bindings import driver as drv
-    stream = cuda.stream()
-    with on_stream(stream):
-        fn()                                       # compile and warm up outside the capture
-    stream.synchronize()
-    cs = drv.CUstream(int(stream.handle))
-    with cuda.defer_cleanup(), on_stream(stream):
-        _check(drv.cuStreamBeginCapture(cs, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
-        try:
-            for _ in range(launches):
-                fn()
-        finally:
-            graph = _check(drv.cuStreamEndCapture(cs))
-    exe = _check(drv.cuGraphInstantiate(graph, 0))
-    try:
-        _check(drv.cuGraphLaunch(exe, cs))
-        stream.synchronize()
-        times = []
-        for _ in range(reps):
-            start, end = cuda.event(), cuda.event()
-            start.record(stream)
-            _check(drv.cuGraphLaunch(exe, cs))
-            end.record(stream)
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e-3 / launches)
-        return statistics.median(times)
-    finally:
-        _check(drv.cuGraphExecDestroy(exe))
-        _check(drv.cuGraphDestroy(graph))
+    """Seconds per call of ``fn``: median over ``reps`` replays of a CUDA graph holding ``launches`` calls."""
+    return time_calls([fn] * launches, reps)
 
 
 def launches_for(fn, target_s: float, cap: int) -> int:

@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import numpy as np
 
 import pegainfer
+from graph_timing import time_calls, time_eager
 from pegainfer.kernels import sampling
-from pegainfer.kernels.launch import on_stream
 from pegainfer.kernels.primitives import to_bf16_bits
 from numba import cuda
 
@@ -44,63 +42,10 @@ SETTINGS = [  # (label, SamplingBuffers.set_row keyword arguments)
 ]
 
 
-def _check(result):
-    from cuda.bindings import driver as drv
-    err = result[0] if isinstance(result, tuple) else result
-    if err != drv.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"CUDA driver call failed: {err}")
-    return result[1] if isinstance(result, tuple) and len(result) == 2 else None
-
-
 def time_per_call(fn, launches: int, reps: int = 5) -> tuple[float, float]:
     """(seconds per call from CUDA-graph replays of ``launches`` calls, seconds per call launched eagerly): medians
     over ``reps``.  ``fn`` launches through ``pegainfer.kernels.launch``, so it follows the capturing stream."""
-    if SIM:
-        t0 = time.perf_counter()
-        fn()
-        sec = time.perf_counter() - t0
-        return sec, sec
-    from cuda.bindings import driver as drv
-    stream = cuda.stream()
-    with on_stream(stream):
-        fn()                                       # compile and warm up outside the capture
-    stream.synchronize()
-
-    eager = []
-    for _ in range(reps):
-        start, end = cuda.event(), cuda.event()
-        start.record(stream)
-        with on_stream(stream):
-            for _ in range(launches):
-                fn()
-        end.record(stream)
-        end.synchronize()
-        eager.append(start.elapsed_time(end) * 1e-3 / launches)
-
-    cs = drv.CUstream(int(stream.handle))
-    with cuda.defer_cleanup(), on_stream(stream):
-        _check(drv.cuStreamBeginCapture(cs, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
-        try:
-            for _ in range(launches):
-                fn()
-        finally:
-            graph = _check(drv.cuStreamEndCapture(cs))
-    exe = _check(drv.cuGraphInstantiate(graph, 0))
-    try:
-        _check(drv.cuGraphLaunch(exe, cs))
-        stream.synchronize()
-        replay = []
-        for _ in range(reps):
-            start, end = cuda.event(), cuda.event()
-            start.record(stream)
-            _check(drv.cuGraphLaunch(exe, cs))
-            end.record(stream)
-            end.synchronize()
-            replay.append(start.elapsed_time(end) * 1e-3 / launches)
-        return statistics.median(replay), statistics.median(eager)
-    finally:
-        _check(drv.cuGraphExecDestroy(exe))
-        _check(drv.cuGraphDestroy(graph))
+    return time_calls([fn] * launches, reps), time_eager(fn, launches, reps)
 
 
 def make_logits(kind: str, rows: int, vocab: int, rng) -> np.ndarray:

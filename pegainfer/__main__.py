@@ -104,7 +104,7 @@ def cmd_generate(args) -> int:
     if not ids:
         raise PegainferError("the prompt is empty after tokenization: pass some text with --prompt")
     from pegainfer.trace import maybe_trace
-    with maybe_trace(args.trace_output_path, engine) as tracer:
+    with maybe_trace(args.trace_output_path, engine):
         t_start = time.perf_counter()
         engine.add_request("cli", ids, params)
         t_first = None

@@ -1,0 +1,76 @@
+"""GPU timing shared by the kernel microbenchmarks: capture calls into one CUDA graph and time its replays, so the
+~20 µs host cost of each numba launch is not what gets measured."""
+from __future__ import annotations
+
+import statistics
+import time
+
+from numba import cuda
+
+from pegainfer.device import SIMULATOR
+from pegainfer.engine.cuda_graph import _check
+from pegainfer.kernels.launch import on_stream
+
+
+def time_calls(calls, reps: int = 5) -> float:
+    """Seconds per call: median over ``reps`` replays of a CUDA graph that runs every function of ``calls`` once,
+    in order (each launches kernels through ``pegainfer.kernels.launch``).  Simulator: each distinct call once."""
+    if SIMULATOR:   # a smoke run: each distinct call once
+        distinct = list(dict.fromkeys(calls))
+        t0 = time.perf_counter()
+        for fn in distinct:
+            fn()
+        return (time.perf_counter() - t0) / len(distinct)
+    from cuda.bindings import driver as drv
+    stream = cuda.stream()
+    with on_stream(stream):
+        for fn in calls[:2]:
+            fn()                                   # compile and warm up outside the capture
+    stream.synchronize()
+    cs = drv.CUstream(int(stream.handle))
+    with cuda.defer_cleanup(), on_stream(stream):
+        _check(drv.cuStreamBeginCapture(cs, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
+        try:
+            for fn in calls:
+                fn()
+        finally:
+            graph = _check(drv.cuStreamEndCapture(cs))
+    exe = _check(drv.cuGraphInstantiate(graph, 0))
+    try:
+        _check(drv.cuGraphLaunch(exe, cs))
+        stream.synchronize()
+        times = []
+        for _ in range(reps):
+            start, end = cuda.event(), cuda.event()
+            start.record(stream)
+            _check(drv.cuGraphLaunch(exe, cs))
+            end.record(stream)
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3 / len(calls))
+        return statistics.median(times)
+    finally:
+        _check(drv.cuGraphExecDestroy(exe))
+        _check(drv.cuGraphDestroy(graph))
+
+
+def time_eager(fn, launches: int, reps: int = 5) -> float:
+    """Seconds per call of ``fn`` launched eagerly ``launches`` times in a row (host launch cost included)."""
+    if SIMULATOR:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    stream = cuda.stream()
+    with on_stream(stream):
+        fn()
+    stream.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = cuda.event(), cuda.event()
+        start.record(stream)
+        with on_stream(stream):
+            for _ in range(launches):
+                fn()
+        end.record(stream)
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3 / launches)
+    return statistics.median(times)

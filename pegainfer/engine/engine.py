@@ -13,6 +13,7 @@ from pegainfer.engine.kv_cache import PagePool
 from pegainfer.engine.runner import ModelRunner
 from pegainfer.engine.scheduler import Scheduler
 from pegainfer.engine.sequence import Sequence
+from pegainfer.engine.stopping import text_and_finish_reason
 from pegainfer.engine.types import RequestOutput, SamplingParams, TokenLogprob
 from pegainfer.errors import PegainferError, RequestError
 from pegainfer.kernels.launch import traced
@@ -233,20 +234,8 @@ class Engine:
         if p.logprobs is not None:
             logprobs = [self._logprob(row, token, p.logprobs)]
 
-        # EOS / stop token ids end the request (not before min_tokens); their own text is never sent
-        is_stop_token = n_out >= p.min_tokens and (
-            (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids)
-        text = seq.detokenizer.flush() if is_stop_token else seq.detokenizer.push(token)
-        reason = "stop" if is_stop_token else None
-        if reason is None and (n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len):
-            reason = "length"
-            text += seq.detokenizer.flush()
-        if seq.stop_matcher is not None:
-            text, matched = seq.stop_matcher.push(text)
-            if matched:
-                reason = "stop"
-            elif reason is not None:
-                text += seq.stop_matcher.flush()
+        text, reason = text_and_finish_reason(token, p, n_out, seq.num_tokens, self.max_model_len,
+                                              self.eos_token_ids, seq.detokenizer, seq.stop_matcher)
         if reason is not None:
             out = self._finish(seq, reason, text)
             out.new_token_ids = [token]

@@ -17,6 +17,7 @@ from pegainfer.text.chat import ChatTemplate
 from pegainfer.text.detokenizer import IncrementalDetokenizer
 from pegainfer.text.stop import StopStringMatcher
 from pegainfer.text.tokenizer import Tokenizer
+from pegainfer.engine.stopping import text_and_finish_reason
 
 DEFAULT_REPLY = "Hello world! The quick brown fox jumps over the lazy dog. 你好 🦊 done"  # 🦊: 4 byte tokens
 
@@ -133,19 +134,8 @@ class FakeEngine:
         if p.logprobs is not None:
             top = [((token + k) % self.tokenizer.vocab_size, -0.25 - k) for k in range(p.logprobs)]
             logprobs = [TokenLogprob(token, -0.25, top)]
-        is_stop_token = n_out >= p.min_tokens and (
-            (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids)
-        text = req.detok.flush() if is_stop_token else req.detok.push(token)
-        reason = "stop" if is_stop_token else None
-        if reason is None and (n_out >= p.max_tokens or len(req.prompt_ids) + n_out >= self.max_model_len):
-            reason = "length"
-            text += req.detok.flush()
-        if req.stop is not None:
-            text, matched = req.stop.push(text)
-            if matched:
-                reason = "stop"
-            elif reason is not None:
-                text += req.stop.flush()
+        text, reason = text_and_finish_reason(token, p, n_out, len(req.prompt_ids) + n_out, self.max_model_len,
+                                              self.eos_token_ids, req.detok, req.stop)
         if reason is not None:
             out = self._finish(req, reason, text)
             out.new_token_ids = [token]

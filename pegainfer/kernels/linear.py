@@ -144,15 +144,15 @@ if SIMULATOR:
         f[1::2] = (words & np.uint32(0xFFFF0000)).view(np.float32)
         return f
 
-    def _load_row_slices(w32, row_words, off, dst, rows):
-        """``dst[4r:4r+4] = w32[row_words[r] + off : +4]`` for ``r < rows`` (16 bytes of each row)."""
+    def _load_row_slices(w32, row_words, off, dst, base, rows):
+        """``dst[base+4r : base+4r+4] = w32[row_words[r] + off : +4]`` for ``r < rows`` (16 bytes of each row)."""
         idx = (np.asarray(row_words[:rows]) + off)[:, None] + np.arange(4)
-        dst[:4 * rows] = w32[idx].ravel()
+        dst[base:base + 4 * rows] = w32[idx].ravel()
 
-    def _dot_row_slices(acc, w, xs, x_base, x_stride, n_tok, rows, toks):
+    def _dot_row_slices(acc, w, base, xs, x_base, x_stride, n_tok, rows, toks):
         """``acc[r·toks + t] += Σ_j W_r[j] · xs[x_base + t·x_stride + 32·j]`` for ``r < rows``, ``t < n_tok``, where
-        ``W_r[2q], W_r[2q+1]`` are the low / high bf16 of ``w[4r + q]``."""
-        wf = _words_to_f32(w[:4 * rows]).reshape(rows, 8)
+        ``W_r[2q], W_r[2q+1]`` are the low / high bf16 of ``w[base + 4r + q]``."""
+        wf = _words_to_f32(w[base:base + 4 * rows]).reshape(rows, 8)
         nt = min(int(n_tok), toks)
         xv = xs[x_base + x_stride * np.arange(nt)[:, None] + 32 * np.arange(8)]
         acc.reshape(rows, toks)[:, :nt] += wf @ xv.T
@@ -161,18 +161,19 @@ if SIMULATOR:
         """``acc[i·tn + j] += Σ_kk a_s[kk, i0 + i] · b_s[kk, j0 + j]`` (one K step of a thread's micro-tile)."""
         acc[:tm * tn] += (a_s[:bk, i0:i0 + tm].T @ b_s[:bk, j0:j0 + tn]).ravel()
 
-    def _load_x_words(x32, k_words, word, dst, n_tok, toks):
-        """``dst[4t:4t+4] = x32[t·k_words + word : +4]`` for ``t < min(n_tok, toks)`` (16 bytes of each token)."""
+    def _load_x_words(x32, k_words, word, dst, base, n_tok, toks):
+        """``dst[base+4t : base+4t+4] = x32[t·k_words + word : +4]`` for ``t < min(n_tok, toks)`` (16 bytes of each
+        token)."""
         nt = min(int(n_tok), toks)
         idx = (np.arange(nt) * int(k_words) + int(word))[:, None] + np.arange(4)
-        dst[:4 * nt] = x32[idx].ravel()
+        dst[base:base + 4 * nt] = x32[idx].ravel()
 
-    def _dot_row_words(acc, w, xw, n_tok, rows, toks):
+    def _dot_row_words(acc, w, base, xw, xbase, n_tok, rows, toks):
         """``acc[r·toks + t] += Σ_j W_r[j] · X_t[j]`` for ``r < rows``, ``t < n_tok``: 8 bf16 of each row in
-        ``w[4r:4r+4]`` and of each token in ``xw[4t:4t+4]``."""
+        ``w[base+4r : +4]`` and of each token in ``xw[xbase+4t : +4]``."""
         nt = min(int(n_tok), toks)
-        wf = _words_to_f32(w[:4 * rows]).reshape(rows, 8)
-        xf = _words_to_f32(xw[:4 * nt]).reshape(nt, 8)
+        wf = _words_to_f32(w[base:base + 4 * rows]).reshape(rows, 8)
+        xf = _words_to_f32(xw[xbase:xbase + 4 * nt]).reshape(nt, 8)
         acc.reshape(rows, toks)[:, :nt] += wf @ xf.T
 
     def _stage_x_slice(x32, word, xs, base):
@@ -184,36 +185,37 @@ if SIMULATOR:
         dst[kbase:kbase + 8, j] = _words_to_f32(src32[word:word + 4]) if valid else np.float32(0.0)
 else:
     @device_fn
-    def _load_row_slices(w32, row_words, off, dst, rows):
-        """``dst[4r:4r+4] = w32[row_words[r] + off : +4]`` for ``r < rows`` (16 bytes of each row), all loads issued
-        before any is used."""
+    def _load_row_slices(w32, row_words, off, dst, base, rows):
+        """``dst[base+4r : base+4r+4] = w32[row_words[r] + off : +4]`` for ``r < rows`` (16 bytes of each row), all
+        loads issued before any is used."""
         for r in range(rows):
             q0, q1, q2, q3 = load_u32x4(w32, row_words[r] + off)
-            dst[4 * r] = q0
-            dst[4 * r + 1] = q1
-            dst[4 * r + 2] = q2
-            dst[4 * r + 3] = q3
+            dst[base + 4 * r] = q0
+            dst[base + 4 * r + 1] = q1
+            dst[base + 4 * r + 2] = q2
+            dst[base + 4 * r + 3] = q3
 
     @device_fn
-    def _dot_rows_8(acc, w, t, rows, toks, x0, x1, x2, x3, x4, x5, x6, x7):
-        """``acc[r·toks + t] += Σ_j W_r[j] · x_j`` for ``r < rows``: the 8 bf16 of row r in ``w[4r:4r+4]`` (low half
-        first) against one token's 8 f32 values, multiplied and added in element order."""
+    def _dot_rows_8(acc, w, base, t, rows, toks, x0, x1, x2, x3, x4, x5, x6, x7):
+        """``acc[r·toks + t] += Σ_j W_r[j] · x_j`` for ``r < rows``: the 8 bf16 of row r in ``w[base+4r : +4]`` (low
+        half first) against one token's 8 f32 values, multiplied and added in element order."""
         for r in range(rows):
+            b = base + 4 * r
             a = acc[r * toks + t]
-            a += bf16x2_lo(w[4 * r]) * x0
-            a += bf16x2_hi(w[4 * r]) * x1
-            a += bf16x2_lo(w[4 * r + 1]) * x2
-            a += bf16x2_hi(w[4 * r + 1]) * x3
-            a += bf16x2_lo(w[4 * r + 2]) * x4
-            a += bf16x2_hi(w[4 * r + 2]) * x5
-            a += bf16x2_lo(w[4 * r + 3]) * x6
-            a += bf16x2_hi(w[4 * r + 3]) * x7
+            a += bf16x2_lo(w[b]) * x0
+            a += bf16x2_hi(w[b]) * x1
+            a += bf16x2_lo(w[b + 1]) * x2
+            a += bf16x2_hi(w[b + 1]) * x3
+            a += bf16x2_lo(w[b + 2]) * x4
+            a += bf16x2_hi(w[b + 2]) * x5
+            a += bf16x2_lo(w[b + 3]) * x6
+            a += bf16x2_hi(w[b + 3]) * x7
             acc[r * toks + t] = a
 
     @device_fn
-    def _dot_row_slices(acc, w, xs, x_base, x_stride, n_tok, rows, toks):
+    def _dot_row_slices(acc, w, base, xs, x_base, x_stride, n_tok, rows, toks):
         """``acc[r·toks + t] += Σ_j W_r[j] · xs[x_base + t·x_stride + 32·j]`` for ``r < rows``, ``t < n_tok``, where
-        ``W_r[2q], W_r[2q+1]`` are the low / high bf16 of ``w[4r + q]``.  (Unsigned shared-memory indices: no
+        ``W_r[2q], W_r[2q+1]`` are the low / high bf16 of ``w[base + 4r + q]``.  (Unsigned shared-memory indices: no
         negative-index wraparound code.)"""
         for t in range(toks):
             if t < n_tok:
@@ -226,34 +228,36 @@ else:
                 x5 = xs[uint64(xb + 160)]
                 x6 = xs[uint64(xb + 192)]
                 x7 = xs[uint64(xb + 224)]
-                _dot_rows_8(acc, w, t, rows, toks, x0, x1, x2, x3, x4, x5, x6, x7)
+                _dot_rows_8(acc, w, base, t, rows, toks, x0, x1, x2, x3, x4, x5, x6, x7)
 
     @device_fn
-    def _load_x_words(x32, k_words, word, dst, n_tok, toks):
-        """``dst[4t:4t+4] = x32[t·k_words + word : +4]`` for ``t < min(n_tok, toks)`` (16 bytes of each token)."""
+    def _load_x_words(x32, k_words, word, dst, base, n_tok, toks):
+        """``dst[base+4t : base+4t+4] = x32[t·k_words + word : +4]`` for ``t < min(n_tok, toks)`` (16 bytes of each
+        token)."""
         for t in range(toks):
             if t < n_tok:
                 q0, q1, q2, q3 = load_u32x4(x32, t * k_words + word)
-                dst[4 * t] = q0
-                dst[4 * t + 1] = q1
-                dst[4 * t + 2] = q2
-                dst[4 * t + 3] = q3
+                dst[base + 4 * t] = q0
+                dst[base + 4 * t + 1] = q1
+                dst[base + 4 * t + 2] = q2
+                dst[base + 4 * t + 3] = q3
 
     @device_fn
-    def _dot_row_words(acc, w, xw, n_tok, rows, toks):
+    def _dot_row_words(acc, w, base, xw, xbase, n_tok, rows, toks):
         """``acc[r·toks + t] += Σ_j W_r[j] · X_t[j]`` for ``r < rows``, ``t < n_tok``: 8 bf16 of each row in
-        ``w[4r:4r+4]`` and of each token in ``xw[4t:4t+4]``."""
+        ``w[base+4r : +4]`` and of each token in ``xw[xbase+4t : +4]``."""
         for t in range(toks):
             if t < n_tok:
-                x0 = bf16x2_lo(xw[4 * t])
-                x1 = bf16x2_hi(xw[4 * t])
-                x2 = bf16x2_lo(xw[4 * t + 1])
-                x3 = bf16x2_hi(xw[4 * t + 1])
-                x4 = bf16x2_lo(xw[4 * t + 2])
-                x5 = bf16x2_hi(xw[4 * t + 2])
-                x6 = bf16x2_lo(xw[4 * t + 3])
-                x7 = bf16x2_hi(xw[4 * t + 3])
-                _dot_rows_8(acc, w, t, rows, toks, x0, x1, x2, x3, x4, x5, x6, x7)
+                b = xbase + 4 * t
+                x0 = bf16x2_lo(xw[b])
+                x1 = bf16x2_hi(xw[b])
+                x2 = bf16x2_lo(xw[b + 1])
+                x3 = bf16x2_hi(xw[b + 1])
+                x4 = bf16x2_lo(xw[b + 2])
+                x5 = bf16x2_hi(xw[b + 2])
+                x6 = bf16x2_lo(xw[b + 3])
+                x7 = bf16x2_hi(xw[b + 3])
+                _dot_rows_8(acc, w, base, t, rows, toks, x0, x1, x2, x3, x4, x5, x6, x7)
 
     @device_fn
     def _fma_tile(acc, a_s, b_s, i0, j0, tm, tn, bk):
@@ -362,17 +366,21 @@ def _stage_add_rms_norm(residual_in, delta, has_delta, weight, residual_out, eps
 # ================================================================================================ GEMV (decode)
 @functools.cache
 def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int, stage_x: bool = True,
-                 norm_prologue: bool = False):
+                 norm_prologue: bool = False, stages: int = 2):
     """Build the GEMV kernel for a register tile of ``rows_per_warp`` weight rows × ``max_tokens`` tokens and
     blocks of ``warps`` warps (compile-time constants: they size the per-lane register arrays, their loops unroll,
     and the block size sets the launch bounds).  ``stage_x=False``: no x staging (see the kernel docstring).
     ``norm_prologue``: x is ``add_rms_norm(residual, delta)``, computed by every block while it stages x (one token;
-    see ``_stage_add_rms_norm``); otherwise the kernel's residual arguments are unused placeholders."""
+    see ``_stage_add_rms_norm``); otherwise the kernel's residual arguments are unused placeholders.  ``stages``: depth
+    of the per-lane load ring (``stages - 1`` steps of every row's 16-byte loads in flight while one is multiplied)."""
     R = rows_per_warp
     TT = max_tokens
     X4 = 4 * TT
     RT = R * TT                                    # (array sizes must be closure constants, not expressions)
     R4 = 4 * R
+    S = stages
+    SR4 = S * R4
+    SX4 = S * X4
     nthreads = warps * WARP
 
     @_bounded_kernel(nthreads)
@@ -388,7 +396,10 @@ def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int, s
         Geometry: 1-D blocks of ``warps`` warps (a multiple of ``k_split``).  A block owns
         ``warps / k_split · rows_per_warp`` consecutive logical columns (a *tile*); blocks grid-stride over tiles.
         Lane l of a warp reads the 16-byte slices ``c ≡ l (mod 32)`` of each row (8 elements each): a warp covers 256
-        contiguous elements per step.  Dynamic shared memory: ``4 · (max_tokens · k_chunk + warps · rows_per_warp ·
+        contiguous elements per step.  Loads run ``stages - 1`` steps ahead of the arithmetic through a register ring
+        (slot ``s`` of the unrolled inner loop holds step ``s mod stages``), so each lane keeps
+        ``(stages - 1) · rows_per_warp`` 16-byte loads in flight: a decode GEMV reads cold weights from HBM, and a
+        warp whose loads wait one after another is latency-bound, not bandwidth-bound.  Dynamic shared memory: ``4 · (max_tokens · k_chunk + warps · rows_per_warp ·
         max_tokens)`` bytes: x staged as f32, then the per-warp partial sums.  Within a token's chunk, element
         ``8c + j`` sits at ``256·(c // 32) + 32·j + c % 32``: the 32 lanes of a step read 32 consecutive words
         (no bank conflicts), and the 8 elements of a lane's slice are a constant 32 words apart.
@@ -421,10 +432,8 @@ def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int, s
 
         acc = cuda.local.array(RT, float32)        # acc[r · TT + t]: lane's partial dot of row r with token t
         wrow = cuda.local.array(R, int64)          # word offset of each of the warp's rows
-        w_cur = cuda.local.array(R4, uint32)       # 16 bytes per row: the slice being multiplied
-        w_next = cuda.local.array(R4, uint32)      # ... and the next slice, already in flight
-        x_cur = cuda.local.array(X4, uint32)       # (stage_x=False) 16 bytes of x per token for the slice
-        x_next = cuda.local.array(X4, uint32)
+        wbuf = cuda.local.array(SR4, uint32)       # ring of S steps × 16 bytes per row: S - 1 steps in flight
+        xbuf = cuda.local.array(SX4, uint32)       # (stage_x=False) the same ring for 16 bytes of x per token
         staged = -1
         for tile in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
             col0 = tile * cols_per_block + group * R
@@ -437,11 +446,13 @@ def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int, s
                 n_slices = min(k_chunk, k - k0) // 8
                 w_off = k0 // 2
                 c = part * WARP + lane
-                # Issue the first weight loads before staging x: their latency overlaps the staging.
-                if c < n_slices:
-                    _load_row_slices(w32, wrow, w_off + 4 * c, w_cur, R)
-                    if not stage_x:
-                        _load_x_words(x32, k_words, w_off + 4 * c, x_cur, T, TT)
+                # The first S - 1 steps' loads go out before x is staged: their latency overlaps the staging.
+                for s in range(S - 1):
+                    cs = c + s * step
+                    if cs < n_slices:
+                        _load_row_slices(w32, wrow, w_off + 4 * cs, wbuf, s * R4, R)
+                        if not stage_x:
+                            _load_x_words(x32, k_words, w_off + 4 * cs, xbuf, s * X4, T, TT)
                 if stage_x and k0 != staged:       # the block-uniform test: every thread reaches the barriers
                     cuda.syncthreads()
                     if norm_prologue:
@@ -456,21 +467,19 @@ def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int, s
                     cuda.syncthreads()
                     staged = k0
                 while c < n_slices:
-                    c_next = c + step
-                    if c_next < n_slices:          # the next step's loads go out before this step's arithmetic
-                        _load_row_slices(w32, wrow, w_off + 4 * c_next, w_next, R)
-                        if not stage_x:
-                            _load_x_words(x32, k_words, w_off + 4 * c_next, x_next, T, TT)
-                    if stage_x:
-                        # lane's x: 256·(c // 32) + c % 32 = 8c - 7·lane, as c ≡ lane (mod 32)
-                        _dot_row_slices(acc, w_cur, smem, 8 * c - 7 * lane, k_chunk, T, R, TT)
-                    else:
-                        _dot_row_words(acc, w_cur, x_cur, T, R, TT)
-                        for i in range(X4):
-                            x_cur[i] = x_next[i]
-                    for i in range(R4):
-                        w_cur[i] = w_next[i]
-                    c = c_next
+                    for s in range(S):             # unrolled: ring slot s holds slice c
+                        c_pre = c + (S - 1) * step     # refill the slot the previous step freed, S - 1 steps ahead
+                        if c_pre < n_slices:
+                            _load_row_slices(w32, wrow, w_off + 4 * c_pre, wbuf, ((s + S - 1) % S) * R4, R)
+                            if not stage_x:
+                                _load_x_words(x32, k_words, w_off + 4 * c_pre, xbuf, ((s + S - 1) % S) * X4, T, TT)
+                        if c < n_slices:
+                            if stage_x:
+                                # lane's x: 256·(c // 32) + c % 32 = 8c - 7·lane, as c ≡ lane (mod 32)
+                                _dot_row_slices(acc, wbuf, s * R4, smem, 8 * c - 7 * lane, k_chunk, T, R, TT)
+                            else:
+                                _dot_row_words(acc, wbuf, s * R4, xbuf, s * X4, T, R, TT)
+                        c += step
             # Reduce: lanes within each warp, then the k_split warps of a row group through shared memory.
             warp_sums_to_shared(acc, RT, smem, red_base + warp * RT)
             cuda.syncthreads()
@@ -510,6 +519,9 @@ class GemvGeometry:
     k_chunk: elements of K staged in shared memory at a time (a multiple of 256); None: as many as fit.
     stage_x: stage x in shared memory (as f32, once per block and chunk: two barriers); False: every lane reads
       its 16 bytes of x per token beside its weight loads (L1 hits; no staging prologue, no barrier in the K loop).
+    stages: depth of the load ring (``stages - 1`` steps of loads in flight per lane; 2 = one step ahead).
+    persistent: launch at most one resident wave of blocks (``WARPS_PER_SM // warps`` per SM) that grid-stride over
+      the tiles, instead of one block per tile (x is then staged once per block, and no block waits for a slot).
     """
     rows_per_warp: int
     warps: int
@@ -517,6 +529,8 @@ class GemvGeometry:
     max_tokens: int
     k_chunk: int | None = None
     stage_x: bool = True
+    stages: int = 2
+    persistent: bool = False
 
 
 def _tuned_t1(rows_per_warp: int, warps: int, k_split: int) -> GemvGeometry:
@@ -614,9 +628,11 @@ def gemv(x, w, out, *, gated: bool = False, geometry: GemvGeometry | None = None
         cols_per_block = geo.warps // geo.k_split * geo.rows_per_warp
         x_floats = geo.max_tokens * k_chunk if geo.stage_x else 0
         shared = 4 * (x_floats + geo.warps * geo.rows_per_warp * geo.max_tokens)
-        kern = _gemv_kernel(geo.rows_per_warp, geo.max_tokens, gated, geo.warps, geo.stage_x)
+        kern = _gemv_kernel(geo.rows_per_warp, geo.max_tokens, gated, geo.warps, geo.stage_x, False, geo.stages)
+        n_tiles = -(-n_cols // cols_per_block)
+        blocks = _resident_blocks(n_tiles, geo) if geo.persistent else grid(n_cols, cols_per_block, sim_cap=8)
         # the residual arguments of the norm prologue are unused here: any arrays of a fixed type will do
-        launch(kern, grid(n_cols, cols_per_block, sim_cap=8), geo.warps * WARP,
+        launch(kern, blocks, geo.warps * WARP,
                _as_u32(xp), w32, outp, k, geo.k_split, k_chunk, outp, outp, w32, outp, float32(0.0), float32(0.0),
                False, False, shared=shared, name="gemv")
 
@@ -1158,10 +1174,10 @@ def fused_norm_geometry(n_cols: int, k: int, gated: bool = False) -> GemvGeometr
     return GemvGeometry(rows_per_warp=geo.rows_per_warp, warps=warps, k_split=k_split, max_tokens=1)
 
 
-def _fused_blocks(n_tiles: int, geo: GemvGeometry) -> int:
-    """Grid of the fused GEMV: at most one resident wave of blocks (``WARPS_PER_SM // warps`` per SM), which then
-    grid-stride over the tiles, so that the norm prologue (a whole-row pass and a block reduction) runs once per
-    block rather than once per tile."""
+def _resident_blocks(n_tiles: int, geo: GemvGeometry) -> int:
+    """Grid of a persistent GEMV: at most one resident wave of blocks (``WARPS_PER_SM // warps`` per SM), which then
+    grid-stride over the tiles.  The fused GEMV always launches so, so that the norm prologue (a whole-row pass and
+    a block reduction) runs once per block rather than once per tile."""
     resident = _sm_count() * max(1, WARPS_PER_SM // geo.warps)
     return grid(min(n_tiles, resident), sim_cap=2)
 
@@ -1175,9 +1191,9 @@ def _gemv_add_rms_norm(residual_in, delta, norm_weight, eps, residual_out, w, ou
     cols_per_block = geo.warps // geo.k_split * geo.rows_per_warp
     n_tiles = -(-w.shape[0] // cols_per_block)
     shared = 4 * (k_chunk + geo.warps * geo.rows_per_warp)
-    kern = _gemv_kernel(geo.rows_per_warp, 1, gated, geo.warps, True, True)
+    kern = _gemv_kernel(geo.rows_per_warp, 1, gated, geo.warps, True, True, geo.stages)
     w32 = _as_u32(w)
-    launch(kern, _fused_blocks(n_tiles, geo), geo.warps * WARP, _as_u32(residual_in), w32, out, k, geo.k_split,
+    launch(kern, _resident_blocks(n_tiles, geo), geo.warps * WARP, _as_u32(residual_in), w32, out, k, geo.k_split,
            k_chunk, residual_in, residual_in if delta is None else delta, norm_weight, residual_out, np.float32(eps),
            np.float32(weight_offset), bool(round_before_weight), delta is not None, shared=shared,
            name="gemv_add_rms_norm")

@@ -73,6 +73,22 @@ def test_gemv_geometries(geometry, rng):
     assert rel_l2(got, x @ w.T) < 1e-2
 
 
+@pytest.mark.parametrize("geometry", [
+    GemvGeometry(rows_per_warp=2, warps=2, k_split=1, max_tokens=1, stages=1),                  # no prefetch
+    GemvGeometry(rows_per_warp=2, warps=1, k_split=1, max_tokens=2, stage_x=False, stages=3),
+    GemvGeometry(rows_per_warp=1, warps=2, k_split=2, max_tokens=1, stages=5, persistent=True),
+    GemvGeometry(rows_per_warp=2, warps=2, k_split=1, max_tokens=1, k_chunk=1024, stages=3, persistent=True),
+])
+def test_gemv_load_rings(geometry, rng):
+    """Load rings of several depths over rows of many steps (K = 1800: 225 slices, 7+ steps per lane, the last
+    partial), so the ring wraps several times mid-row; persistent grids stride over several tiles each."""
+    T, K, N = geometry.max_tokens, 1800, 13
+    xb, x = bf16_randn((T, K), rng)
+    wb, w = bf16_randn((N, K), rng, scale=0.05)
+    got = run(gemv, xb, wb, N, geometry=geometry)
+    assert rel_l2(got, x @ w.T) < 1e-2
+
+
 @pytest.mark.parametrize("stage_x", [True, False])
 def test_gemv_gated_k_split(stage_x, rng):
     xb, x = bf16_randn((2, 128), rng)
@@ -234,7 +250,7 @@ def test_linear_add_rms_norm_geometries(gated, rng):
     db, _ = bf16_randn((1, H), rng)
     wnb, _ = bf16_randn((H,), rng)
     wb, _ = bf16_randn((34, H), rng, scale=0.2)
-    geo = GemvGeometry(rows_per_warp=2, warps=lin.NORM_THREADS // 32, k_split=1, max_tokens=1)
+    geo = GemvGeometry(rows_per_warp=2, warps=lin.NORM_THREADS // 32, k_split=1, max_tokens=1, stages=4)
     _, res_out, _, out = _fused(rb, db, wnb, wb, gated, "qwen3", 1e-6, geometry=geo)
     ref_residual, _, ref_out = _separate(rb, db, wnb, wb, gated, "qwen3", 1e-6)
     assert np.array_equal(res_out, ref_residual)

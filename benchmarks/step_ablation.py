@@ -1,0 +1,84 @@
+"""Where does a batch-1 decode step's GPU time go?  Time the real model's decode step as one CUDA graph, then
+again with whole kernel families replaced by nothing (their outputs are then stale, which does not change the time
+of what remains): the difference is what that family costs *inside the graph* (kernel time plus its launch gap),
+which per-kernel event timing of an eager step cannot give for kernels of a few microseconds.
+
+Usage (GPU host):  python benchmarks/step_ablation.py --model-path DIR [--context 128] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+
+import numpy as np
+
+import pegainfer  # noqa: F401
+from graph_timing import time_calls
+from pegainfer.engine.engine import Engine
+from pegainfer.engine.types import SamplingParams
+from pegainfer.kernels import attention, embedding, rope, sampling
+from pegainfer.kernels.launch import on_stream
+
+FAMILIES = {
+    "qk_norm_rope": (rope, "qk_norm_rope_store"),
+    "attention": (attention, "paged_attention"),
+    "embedding": (embedding, "embedding"),
+    "sampling": (sampling, "sample"),
+}
+
+
+@contextlib.contextmanager
+def without(names):
+    """Replace the launch wrappers of the named families by no-ops (the models call them through the module)."""
+    saved = [(mod, attr, getattr(mod, attr)) for n in names for mod, attr in [FAMILIES[n]]]
+    try:
+        for mod, attr, _ in saved:
+            setattr(mod, attr, lambda *a, **k: None)
+        yield
+    finally:
+        for mod, attr, fn in saved:
+            setattr(mod, attr, fn)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--context", type=int, default=128, help="tokens already in the KV cache")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    engine = Engine.from_folder(args.model_path, 4096, max_batch=1)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, min(engine.model.V, 10000), size=args.context).tolist()
+    engine.add_request("ablation", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    # the runner's step buffers now hold the last decode step's inputs (one token at position ~context)
+    runner = engine.runner
+    step = lambda: runner.forward_and_sample(1, 1)  # noqa: E731
+    variants = [("full step", ()), ("- qk_norm_rope", ("qk_norm_rope",)), ("- attention", ("attention",)),
+                ("- qk_norm_rope - attention", ("qk_norm_rope", "attention")),
+                ("projections + norms only", ("qk_norm_rope", "attention", "embedding", "sampling"))]
+    res = {}
+    with on_stream(runner.stream):
+        for label, names in variants:
+            with without(names):
+                res[label] = 1e3 * time_calls([step] * 20, reps=5)
+    full = res["full step"]
+    wb = engine.model.weight_bytes()
+    from pegainfer.kernels.memory import measure_read_bandwidth
+    bw = measure_read_bandwidth()
+    print(f"\n{engine.model_name}: context {args.context}, weight bytes {wb / 1e9:.3f} GB, read bw {bw / 1e9:.0f} GB/s, "
+          f"floor {1e3 * wb / bw:.3f} ms")
+    print(f"{'variant':32s} {'ms/step':>9s} {'saved':>8s}")
+    for label, ms in res.items():
+        print(f"{label:32s} {ms:9.3f} {full - ms:8.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(model=engine.model_name, context=args.context, weight_bytes=wb, read_bw=bw, ms=res), f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -177,6 +177,7 @@ def main() -> int:
     ap.add_argument("--model", default="sim" if SIM else "4b", choices=sorted(MODELS))
     ap.add_argument("--quick", action="store_true", help="fewer geometries")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--only", default=None, help="comma-separated projections to sweep (default: all)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if SIM:                  # a smoke run: the default step only (the sweep's hundreds of launches take too long)
@@ -193,8 +194,9 @@ def main() -> int:
         probe(projs + [head], layers, read_bw, rows)
     best = {}
     if not args.no_sweep:
-        best = sweep(projs, layers, read_bw, args.quick or SIM, rows)
-        head_best = sweep([head], 1, read_bw, True, rows)
+        chosen = set(args.only.split(",")) if args.only else None
+        best = sweep([p for p in projs if chosen is None or p.name in chosen], layers, read_bw, args.quick, rows)
+        head_best = sweep([head], 1, read_bw, True, rows) if chosen is None or "lm_head" in chosen else {}
         best.update(head_best)
         print("\nGEMV_TUNED entries (n_cols, K, max_tokens, gated):")
         for p in projs + [head]:

@@ -303,10 +303,6 @@ NORM_THREADS = norm.BLOCK_THREADS
 """Block size of ``norm``'s kernels (256 on a GPU, 32 in the simulator).  The fused add + RMSNorm prologue runs in
 blocks of exactly this size so that its sum of squares is added in the same order as ``norm.add_rms_norm``'s."""
 
-PROLOGUE_UNROLL = 2
-"""Strides of the row whose loads the norm prologue issues before using any (it is latency on every block's path).
-ptxas, sm_90, 128 registers: 2 spills nothing in any Qwen3 GEMV variant; 4 spills 4 bytes in the gated one."""
-
 
 @device_fn
 def _staged_index(i):
@@ -316,62 +312,63 @@ def _staged_index(i):
     return 256 * (c >> 5) + 32 * (i & 7) + (c & 31)
 
 
+def prologue_unroll(hidden: int) -> int:
+    """Elements of the row each thread of the norm prologue holds: ``ceil(hidden / NORM_THREADS)``, so that all of
+    a thread's loads go out at once (a compile-time constant of the fused GEMV)."""
+    return max(1, -(-hidden // NORM_THREADS))
+
+
 @device_fn
 def _stage_add_rms_norm(residual_in, delta, has_delta, weight, residual_out, eps, weight_offset, round_before_weight,
-                        xs):
+                        xs, s_bits, d_bits, w_bits, unroll):
     """The GEMV's x-staging step for ``linear_add_rms_norm`` (one token row of ``hidden`` = K elements):
     ``s = bf16(residual_in + delta)`` (``s = residual_in`` without ``has_delta``), this block's share of s into
     ``residual_out``, and ``rms_norm(s)`` (bf16 values, as f32) into the staged x ``xs`` at ``_staged_index``.
 
     Every block reads the whole row (from L2) and sums the squares itself, in exactly ``norm.add_rms_norm_kernel``'s
     order: thread t adds elements t, t + B, t + 2B, ... (B = the block size, which the launcher makes ``norm``'s),
-    then ``block_sum``.  So inv_rms and every normalised value are bit-identical to the separate norm's.  The
-    loads of ``PROLOGUE_UNROLL`` strides are issued before any is used (past the end of the row they re-read the
-    last element, unused).  Element i of s is written only by block ``(i // B) mod grid``: the blocks write
-    disjoint slices while all of them read ``residual_in``, hence ``residual_out`` must be another buffer.
-    Every thread of the block must call it (``block_sum``); the caller's barrier publishes ``xs``.
+    then ``block_sum``.  So inv_rms and every normalised value are bit-identical to the separate norm's.  All of a
+    thread's loads (``unroll`` elements each of residual, delta and norm weight, into the registers ``s_bits``,
+    ``d_bits``, ``w_bits``) are issued before any is used: the prologue costs one memory latency, not one per element (past the end of the
+    row they re-read the last element, unused).  Element i of s is written only by block ``(i // B) mod grid``: the
+    blocks write disjoint slices while all of them read ``residual_in``, hence ``residual_out`` must be another
+    buffer.  Every thread of the block must call it (``block_sum``); the caller's barrier publishes ``xs``.
     """
     hidden = residual_in.shape[1]
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
-    first = cuda.local.array(PROLOGUE_UNROLL, uint16)
-    second = cuda.local.array(PROLOGUE_UNROLL, uint16)
+    for u in range(unroll):
+        i = min(tid + u * nthreads, hidden - 1)
+        s_bits[u] = residual_in[0, i]
+        d_bits[u] = delta[0, i] if has_delta else uint16(0)
+        w_bits[u] = weight[i]
     ss = float32(0.0)
-    for i0 in range(tid, hidden, PROLOGUE_UNROLL * nthreads):
-        for u in range(PROLOGUE_UNROLL):
-            i = min(i0 + u * nthreads, hidden - 1)
-            first[u] = residual_in[0, i]
-            second[u] = delta[0, i] if has_delta else uint16(0)
-        for u in range(PROLOGUE_UNROLL):
-            i = i0 + u * nthreads
-            if i < hidden:
-                s_bits = add_residual(first[u], second[u], has_delta)
-                if (i // nthreads) % cuda.gridDim.x == cuda.blockIdx.x:
-                    residual_out[0, i] = s_bits
-                v = bf16_to_f32(s_bits)
-                ss += v * v
-                xs[_staged_index(i)] = v
+    for u in range(unroll):
+        i = tid + u * nthreads
+        s_bits[u] = add_residual(s_bits[u], d_bits[u], has_delta)
+        if i < hidden:
+            if (i // nthreads) % cuda.gridDim.x == cuda.blockIdx.x:
+                residual_out[0, i] = s_bits[u]
+            v = bf16_to_f32(s_bits[u])
+            ss += v * v
     inv_rms = inverse_rms(block_sum(ss), hidden, float32(eps))
-    for i0 in range(tid, hidden, PROLOGUE_UNROLL * nthreads):
-        for u in range(PROLOGUE_UNROLL):
-            first[u] = weight[min(i0 + u * nthreads, hidden - 1)]
-        for u in range(PROLOGUE_UNROLL):
-            i = i0 + u * nthreads
-            if i < hidden:
-                p = _staged_index(i)
-                xs[p] = bf16_to_f32(normalize_element(xs[p], inv_rms, first[u], float32(weight_offset),
-                                                      round_before_weight))
+    for u in range(unroll):
+        i = tid + u * nthreads
+        if i < hidden:
+            xs[_staged_index(i)] = bf16_to_f32(normalize_element(bf16_to_f32(s_bits[u]), inv_rms, w_bits[u],
+                                                                 float32(weight_offset), round_before_weight))
 
 
 # ================================================================================================ GEMV (decode)
 @functools.cache
 def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int, stage_x: bool = True,
-                 norm_prologue: bool = False, stages: int = 2):
+                 norm_prologue: int = 0, stages: int = 2):
     """Build the GEMV kernel for a register tile of ``rows_per_warp`` weight rows × ``max_tokens`` tokens and
     blocks of ``warps`` warps (compile-time constants: they size the per-lane register arrays, their loops unroll,
     and the block size sets the launch bounds).  ``stage_x=False``: no x staging (see the kernel docstring).
-    ``norm_prologue``: x is ``add_rms_norm(residual, delta)``, computed by every block while it stages x (one token;
-    see ``_stage_add_rms_norm``); otherwise the kernel's residual arguments are unused placeholders.  ``stages``: depth
+    ``norm_prologue`` > 0: x is ``add_rms_norm(residual, delta)``, computed by every block while it stages x (one
+    token; see ``_stage_add_rms_norm``), each thread holding ``norm_prologue`` (= ``prologue_unroll(K)``) elements
+    of the row; otherwise the kernel's residual arguments are unused placeholders.  ``stages``: depth
     of the per-lane load ring (``stages - 1`` steps of every row's 16-byte loads in flight while one is multiplied)."""
     R = rows_per_warp
     TT = max_tokens
@@ -381,6 +378,7 @@ def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int, s
     S = stages
     SR4 = S * R4
     SX4 = S * X4
+    U = max(1, norm_prologue)
     nthreads = warps * WARP
 
     @_bounded_kernel(nthreads)
@@ -434,6 +432,9 @@ def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int, s
         wrow = cuda.local.array(R, int64)          # word offset of each of the warp's rows
         wbuf = cuda.local.array(SR4, uint32)       # ring of S steps × 16 bytes per row: S - 1 steps in flight
         xbuf = cuda.local.array(SX4, uint32)       # (stage_x=False) the same ring for 16 bytes of x per token
+        s_bits = cuda.local.array(U, uint16)       # (norm_prologue) this thread's residual, delta and norm weight
+        d_bits = cuda.local.array(U, uint16)
+        w_bits = cuda.local.array(U, uint16)
         staged = -1
         for tile in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
             col0 = tile * cols_per_block + group * R
@@ -457,7 +458,7 @@ def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int, s
                     cuda.syncthreads()
                     if norm_prologue:
                         _stage_add_rms_norm(residual_in, delta, has_delta, norm_weight, residual_out, eps,
-                                            weight_offset, round_before_weight, smem)
+                                            weight_offset, round_before_weight, smem, s_bits, d_bits, w_bits, U)
                     else:
                         for idx in range(tid, T * n_slices, nthreads):
                             t = idx // n_slices
@@ -1191,7 +1192,7 @@ def _gemv_add_rms_norm(residual_in, delta, norm_weight, eps, residual_out, w, ou
     cols_per_block = geo.warps // geo.k_split * geo.rows_per_warp
     n_tiles = -(-w.shape[0] // cols_per_block)
     shared = 4 * (k_chunk + geo.warps * geo.rows_per_warp)
-    kern = _gemv_kernel(geo.rows_per_warp, 1, gated, geo.warps, True, True, geo.stages)
+    kern = _gemv_kernel(geo.rows_per_warp, 1, gated, geo.warps, True, prologue_unroll(k), geo.stages)
     w32 = _as_u32(w)
     launch(kern, _resident_blocks(n_tiles, geo), geo.warps * WARP, _as_u32(residual_in), w32, out, k, geo.k_split,
            k_chunk, residual_in, residual_in if delta is None else delta, norm_weight, residual_out, np.float32(eps),

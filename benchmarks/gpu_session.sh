@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything on the GPU host. Usage (through the device tool, carrying .whl):
-#   source .whl/prelude.sh; bash benchmarks/gpu_session.sh STAGE...    (stages: kernels accuracy bench micro start)
-# Logs and JSON land in $OUT (or ./gpu_out).
+#   source .whl/prelude.sh; bash benchmarks/gpu_session.sh STAGE...
+# Stages: kernels accuracy bench micro trace floor floor35 server start bench35 acc35 (MODELS= skips building the
+# Qwen3-4B folder that the Qwen3 stages need; the Qwen3.5 stages build their own). Logs and JSON land in $OUT (or
+# ./gpu_out); accuracy tests append JSON lines to $OUT/gpu_results.jsonl.
+#   bench35: Qwen3.5-4B shape in the multimodal checkpoint layout (random weights, built once by transformers):
+#            batch-1 TPOT with CUDA graphs vs the floor (16-token prompt, 128 tokens, one traced run + per-kernel
+#            summary), then TTFT of a 2048-token prompt beside Hugging Face on the same weights (--hf).
+#   acc35:   tests/gpu/test_qwen35_gpu.py on that folder (256-token prompt + 64 decode steps vs HF bf16 / fp32).
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
 export NUMBA_CACHE_DIR="${NUMBA_CACHE_DIR:-/tmp/numba_cache}"
@@ -55,6 +61,21 @@ print(_write_random_qwen35_gpu(Path(os.environ['PEGAINFER_GPU_MODELS']) / 'qwen3
                   --prompt "Hello" --max-tokens 16 --temperature 0 2>&1 | tail -3
                 echo "$kind start (process start to exit, 16 tokens): $(echo "$(date +%s.%N) - $s" | bc) s" | tee -a "$OUT/start.log"
               done ;;
+    bench35)  M35="$PEGAINFER_GPU_MODELS/qwen3.5-4b-multimodal-random"
+              timeout ${BUILD35_TIMEOUT:-240} python3 -c "
+import os, sys; sys.path.insert(0, os.getcwd())
+from pathlib import Path
+from tests.gpu.test_qwen35_gpu import make_random_qwen35_multimodal
+print('folder', make_random_qwen35_multimodal(Path('$M35')))" 2>&1 | tail -1 | tee "$OUT/bench35.log"
+              timeout ${BENCH_TIMEOUT:-300} python3 -m pegainfer bench --model-path "$M35" --max-model-len 4096 \
+                --prompt-len 16 --output-len 128 --runs 5 --json "$OUT/bench35_decode.json" \
+                --trace-output-path /tmp/trace35 2>&1 | tail -20 | tee -a "$OUT/bench35.log"
+              python3 benchmarks/trace_summary.py /tmp/trace35/*.json 2>&1 | head -40 | tee -a "$OUT/bench35.log"
+              timeout ${BENCH_TIMEOUT:-300} python3 -m pegainfer bench --model-path "$M35" --max-model-len 4096 \
+                --prompt-len 2048 --output-len 16 --runs 3 --hf --json "$OUT/bench35_ttft2048.json" 2>&1 \
+                | grep -v "Warning\|warn(\|falling back\|deprecated" | tail -26 | tee -a "$OUT/bench35.log" ;;
+    acc35)    timeout ${ACC35_TIMEOUT:-300} python3 -m pytest tests/gpu/test_qwen35_gpu.py -m gpu -q -s -p no:cacheprovider \
+                2>&1 | grep -v "Warning\|warn(\|falling back\|deprecated" | tail -30 | tee "$OUT/acc35.log" ;;
   esac
 done
 echo "=== done $(date +%T)"

@@ -1,11 +1,30 @@
 """``python -m pegainfer bench``: TTFT / TPOT percentiles on a model folder, next to the memory-bandwidth floor
-(weight bytes / measured read bandwidth) and, when torch + transformers are importable on a GPU, Hugging Face's
-``generate()`` and a bare forward loop on the same weights."""
+and, with ``--hf`` (torch + transformers on a GPU), Hugging Face on the same weights side by side.
+
+**The floor.** A batch-1 decode step is memory-bound: it cannot be faster than the bytes it must move divided by
+the read bandwidth the GPU reaches (``kernels.memory.measure_read_bandwidth``, measured in the same run).  Those
+bytes (``decode_floor_bytes``) are
+
+* the weights, every matrix once — the embedding table only when it is also the LM head (an untied table is read
+  one row per token);
+* the recurrent state of hybrid models (Qwen3.5), read and written back once per step: the conv window (bf16) and
+  the delta-rule state (f32) of every linear-attention layer, sized from the model's own state buffers;
+* the KV cache of the full-attention layers, read at the mean context of the timed decode steps
+  (``prompt_len + output_len / 2`` tokens).
+
+Activations, the logits row (``V × 2`` bytes) and the sampled id (together under a megabyte) are left out.
+
+**Hugging Face.** ``--hf`` loads the class that ``config.json`` names (``hf_model_class``) and times, on the same
+prompt length: TTFT as one prefill forward + the first greedy token read back to the host (warmed up, median of
+``--runs``), TPOT as a bare forward loop over its own cache, and ``generate()`` end to end.
+"""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -16,8 +35,9 @@ def add_bench_arguments(p) -> None:
     p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (random ids) per run (default 16)")
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per run (default 128)")
     p.add_argument("--runs", type=int, default=5, help="timed runs after one warm-up run (default 5)")
-    p.add_argument("--hf", action=__import__("argparse").BooleanOptionalAction, default=False,
-                   help="also time Hugging Face transformers on the same weights (needs torch + a GPU)")
+    p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=False,
+                   help="also time Hugging Face transformers on the same weights and prompt length (needs torch + "
+                        "a GPU)")
     p.add_argument("--json", default=None, help="write the results as JSON to this path")
 
 
@@ -40,47 +60,131 @@ def time_generation(engine, prompt_ids, output_len):
     return ttft, list(np.diff(stamps))
 
 
-def hf_reference(folder, prompt_len, output_len, runs):
-    """Time transformers on the same folder: generate() and a bare forward loop with its KV cache."""
+# ------------------------------------------------------------------------------------------------ the floor
+def recurrent_state_bytes(model) -> int:
+    """Bytes of one sequence's recurrent state over all layers, from the model's state buffers (``conv_state`` and
+    ``ssm_state``, each ``[linear layers, slots, ...]``); 0 for models without any (Qwen3)."""
+    slots = getattr(model, "num_slots", 0)
+    if not slots:
+        return 0
+    buffers = [getattr(model, name, None) for name in ("conv_state", "ssm_state")]
+    return sum(int(b.nbytes) for b in buffers if b is not None) // slots
+
+
+def decode_floor_bytes(model, context_tokens: float) -> dict:
+    """The bytes one batch-1 decode step must move at least, by component (see the module docstring):
+    ``weights_read``, ``recurrent_state_rw`` (read + write), ``kv_read`` at ``context_tokens`` cached tokens, and
+    their ``total``."""
+    weights = model.weight_bytes()
+    if getattr(model, "lm_head", None) is not getattr(model, "embed", None):
+        weights -= 2 * (model.V - 1) * model.H          # an untied embedding: one row per token, not the table
+    parts = {"weights_read": int(weights),
+             "recurrent_state_rw": 2 * recurrent_state_bytes(model),
+             "kv_read": int(round(context_tokens * model.kv_bytes_per_token())),
+             "kv_context_tokens": float(context_tokens)}
+    parts["total"] = parts["weights_read"] + parts["recurrent_state_rw"] + parts["kv_read"]
+    return parts
+
+
+# ------------------------------------------------------------------------------------------------ Hugging Face
+def hf_model_class(folder):
+    """The transformers class to load ``folder`` with: the one its ``config.json`` names (``architectures[0]``)
+    when transformers has it, else ``AutoModelForCausalLM``.
+
+    Named classes matter for Qwen3.5's multimodal checkpoints (``Qwen3_5ForConditionalGeneration``, tensors under
+    ``model.language_model.``): ``AutoModelForCausalLM`` maps their config to the text-only
+    ``Qwen3_5ForCausalLM``, and whether that class finds the text weights under the multimodal prefix depends on
+    the transformers release (5.24 renames them on load; older 5.x releases may initialise them at random).  The
+    named class reads the checkpoint as saved, on every release."""
+    import transformers
+
+    from pegainfer.config import read_json
+    archs = read_json(Path(folder) / "config.json").get("architectures") or []
+    for name in archs:
+        cls = getattr(transformers, str(name), None)
+        if cls is not None:
+            return cls
+    return transformers.AutoModelForCausalLM
+
+
+def _cache_of(out):
+    """The cache a forward returned (``past_key_values`` up to transformers 5.2x, ``cache`` after)."""
+    cache = getattr(out, "past_key_values", None)
+    return cache if cache is not None else getattr(out, "cache", None)
+
+
+def _hf_linear_attention_kernels() -> dict:
+    """Whether HF's Qwen3.5 linear attention can use its fast kernels (else it runs a PyTorch reference)."""
+    import importlib.util
+    return {name: importlib.util.find_spec(name) is not None for name in ("fla", "causal_conv1d")}
+
+
+def hf_reference(folder, prompt_len, output_len, runs, device="cuda"):
+    """Time transformers (bf16, its default sdpa attention) on the same folder and prompt length: TTFT (prefill +
+    the first greedy token on the host), a bare forward loop with its cache (TPOT), and ``generate()``.
+    (``device="cpu"`` only checks the code path.)"""
+    import inspect
+
     import torch
-    from transformers import AutoModelForCausalLM
-    dev = "cuda"
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(dev).eval()
-    vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else model.config.vocab_size
-    ids = torch.randint(0, min(vocab, 10000), (1, prompt_len), device=dev)
-    res = {}
+    dev = device
+
+    def sync():
+        if dev == "cuda":
+            torch.cuda.synchronize()
+
+    cls = hf_model_class(folder)
+    model = cls.from_pretrained(folder, dtype=torch.bfloat16).to(dev).eval()
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    ids = torch.randint(0, min(cfg.vocab_size, 10000), (1, prompt_len), device=dev)
+    # generate() asks for the last position's logits only; so do we (not [prompt_len, V] logits)
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    res = {"hf_class": cls.__name__}
+    if "linear_attention" in (getattr(cfg, "layer_types", None) or ()):
+        res["hf_fast_kernels"] = _hf_linear_attention_kernels()
+
+    def prefill():
+        out = model(ids, use_cache=True, **keep)
+        return _cache_of(out), out.logits[:, -1:].argmax(-1)
+
     with torch.inference_mode():
-        model.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        model.generate(ids, max_new_tokens=output_len, do_sample=False, min_new_tokens=output_len)
-        torch.cuda.synchronize()
-        res["hf_generate_tok_s"] = output_len / (time.perf_counter() - t)
+        prefill()[1].item()                                   # warm-up at the timed length
+        ttfts = []
+        for _ in range(max(1, runs)):
+            sync()
+            t = time.perf_counter()
+            _, tok = prefill()
+            tok.item()                                        # the first token on the host (synchronizes)
+            ttfts.append(time.perf_counter() - t)
+        res["hf_ttft_ms"] = {f"p{q}": 1e3 * _pct(ttfts, q) for q in (50, 90)}
+        res["hf_prefill_ms"] = res["hf_ttft_ms"]["p50"]
+
         tpots = []
         for _ in range(max(1, runs)):
-            out = model(ids, use_cache=True)
-            past = out.past_key_values
-            tok = out.logits[:, -1:].argmax(-1)
-            torch.cuda.synchronize()
+            past, tok = prefill()
+            sync()
             t = time.perf_counter()
             for _ in range(output_len):
-                out = model(tok, past_key_values=past, use_cache=True)
-                past = out.past_key_values
+                out = model(tok, past_key_values=past, use_cache=True, **keep)
+                past = _cache_of(out)
                 tok = out.logits[:, -1:].argmax(-1)
-            torch.cuda.synchronize()
+            sync()
             tpots.append((time.perf_counter() - t) / output_len)
         res["hf_forward_loop_tpot_ms"] = 1e3 * float(np.median(tpots))
         res["hf_forward_loop_tok_s"] = 1.0 / float(np.median(tpots))
-        torch.cuda.synchronize()
+
+        model.generate(ids, max_new_tokens=2, do_sample=False, min_new_tokens=2)
+        sync()
         t = time.perf_counter()
-        model(ids)
-        torch.cuda.synchronize()
-        res["hf_prefill_ms"] = 1e3 * (time.perf_counter() - t)
-    del model
-    torch.cuda.empty_cache()
+        model.generate(ids, max_new_tokens=output_len, do_sample=False, min_new_tokens=output_len)
+        sync()
+        res["hf_generate_tok_s"] = output_len / (time.perf_counter() - t)   # prefill included
+    model = None                                              # drop the weights (prefill holds the name)
+    if dev == "cuda":
+        torch.cuda.empty_cache()
     return res
 
 
+# ------------------------------------------------------------------------------------------------ the command
 def run_bench(args) -> int:
     from pegainfer.engine.engine import Engine
     t0 = time.perf_counter()
@@ -100,19 +204,21 @@ def run_bench(args) -> int:
         with maybe_trace(args.trace_output_path, engine):
             time_generation(engine, rng.integers(0, vocab, size=args.prompt_len).tolist(), args.output_len)
     res = {
-        "model": engine.model_name, "simulator": SIMULATOR, "prompt_len": args.prompt_len,
-        "output_len": args.output_len, "runs": args.runs, "cuda_graph": bool(args.cuda_graph),
+        "model": engine.model_name, "arch": engine.model_config.arch, "simulator": SIMULATOR,
+        "prompt_len": args.prompt_len, "output_len": args.output_len, "runs": args.runs,
+        "cuda_graph": bool(args.cuda_graph),
         "load_s": load_s, "weights_load_s": engine.weights_load_s, "warmup_s": engine.warmup_s,
         "ttft_ms": {f"p{q}": 1e3 * _pct(ttfts, q) for q in (50, 90, 99)},
         "tpot_ms": {f"p{q}": 1e3 * _pct(tpots, q) for q in (50, 90, 99)},
         "weight_bytes": engine.model.weight_bytes(),
+        "floor_bytes": decode_floor_bytes(engine.model, args.prompt_len + args.output_len / 2),
     }
     res["tok_s"] = 1e3 / res["tpot_ms"]["p50"] if tpots else float("nan")
     if not SIMULATOR:
         from pegainfer.kernels.memory import measure_read_bandwidth
         bw = measure_read_bandwidth()
         res["read_bandwidth_GBps"] = bw / 1e9
-        res["floor_tpot_ms"] = 1e3 * res["weight_bytes"] / bw
+        res["floor_tpot_ms"] = 1e3 * res["floor_bytes"]["total"] / bw
         res["floor_ratio"] = res["floor_tpot_ms"] / res["tpot_ms"]["p50"]
     if args.hf and not SIMULATOR:
         try:
@@ -128,18 +234,32 @@ def run_bench(args) -> int:
 
 def _print_table(res) -> None:
     w = sys.stdout.write
-    w(f"\nmodel {res['model']}  prompt {res['prompt_len']}  output {res['output_len']}  runs {res['runs']}  "
-      f"cuda_graph {res['cuda_graph']}{'  (SIMULATOR)' if res['simulator'] else ''}\n")
+    w(f"\nmodel {res['model']} ({res['arch']})  prompt {res['prompt_len']}  output {res['output_len']}  "
+      f"runs {res['runs']}  cuda_graph {res['cuda_graph']}{'  (SIMULATOR)' if res['simulator'] else ''}\n")
     w(f"{'metric':<28}{'p50':>12}{'p90':>12}{'p99':>12}\n")
     for k in ("ttft_ms", "tpot_ms"):
         w(f"{k:<28}" + "".join(f"{res[k][p]:>12.3f}" for p in ("p50", "p90", "p99")) + "\n")
     w(f"{'tok/s (1/TPOT p50)':<28}{res['tok_s']:>12.1f}\n")
-    w(f"{'weight bytes':<28}{res['weight_bytes'] / 1e9:>11.3f}G\n")
+    fb = res["floor_bytes"]
+    w(f"{'weight bytes (on device) MB':<28}{res['weight_bytes'] / 1e6:>12.3f}\n")
+    w("bytes per decode step, MB (the floor's numerator):\n")
+    w(f"{'  weights read':<28}{fb['weights_read'] / 1e6:>12.3f}\n")
+    w(f"{'  recurrent state r+w':<28}{fb['recurrent_state_rw'] / 1e6:>12.3f}\n")
+    w(f"{'  KV read (ctx ' + format(fb['kv_context_tokens'], 'g') + ')':<28}{fb['kv_read'] / 1e6:>12.3f}\n")
+    w(f"{'  total':<28}{fb['total'] / 1e6:>12.3f}\n")
     if "floor_tpot_ms" in res:
         w(f"{'read bandwidth':<28}{res['read_bandwidth_GBps']:>10.0f}GB/s\n")
-        w(f"{'floor TPOT (bytes/bw)':<28}{res['floor_tpot_ms']:>12.3f}\n")
+        w(f"{'floor TPOT (bytes/bw) ms':<28}{res['floor_tpot_ms']:>12.3f}\n")
         w(f"{'floor / TPOT p50':<28}{100 * res['floor_ratio']:>11.1f}%\n")
-    for k in ("hf_generate_tok_s", "hf_forward_loop_tok_s", "hf_forward_loop_tpot_ms", "hf_prefill_ms", "hf_error"):
-        if k in res:
-            v = res[k]
-            w(f"{k:<28}{v:>12.3f}\n" if isinstance(v, float) else f"{k:<28}{v}\n")
+    if "hf_ttft_ms" in res:
+        kernels = (f"; its linear-attention kernels installed: {res['hf_fast_kernels']}"
+                   if "hf_fast_kernels" in res else "")
+        w(f"\nside by side, same weights and prompt length (Hugging Face: {res['hf_class']}, bf16{kernels}):\n")
+        w(f"{'':<28}{'pegainfer':>12}{'HF':>12}{'HF / ours':>12}\n")
+        rows = (("TTFT p50 ms", res["ttft_ms"]["p50"], res["hf_ttft_ms"]["p50"]),
+                ("TPOT p50 ms", res["tpot_ms"]["p50"], res["hf_forward_loop_tpot_ms"]))
+        for name, ours, theirs in rows:
+            w(f"{name:<28}{ours:>12.3f}{theirs:>12.3f}{theirs / ours:>11.1f}x\n")
+        w(f"{'HF generate() tok/s':<28}{'':>12}{res['hf_generate_tok_s']:>12.1f}   (prefill included)\n")
+    if "hf_error" in res:
+        w(f"{'hf_error':<28}{res['hf_error']}\n")

@@ -70,3 +70,29 @@ def test_bench_runs_end_to_end(tmp_path):
     res = json.loads(out.read_text())
     assert res["output_len"] == 2 and res["ttft_ms"]["p50"] > 0 and "tpot_ms" in res
     assert "TTFT" in r.stdout.upper() or "ttft" in r.stdout
+    floor = res["floor_bytes"]   # the demo Qwen3: tied embedding (read in full as the LM head), no recurrent state
+    assert floor["weights_read"] == res["weight_bytes"] and floor["recurrent_state_rw"] == 0
+    assert floor["kv_context_tokens"] == 4 + 2 / 2 and floor["kv_read"] > 0
+    assert floor["total"] == floor["weights_read"] + floor["kv_read"]
+    assert "recurrent state r+w" in r.stdout
+
+
+def test_bench_floor_counts_recurrent_state_and_untied_embedding_rows():
+    """decode_floor_bytes on a stand-in model: an untied embedding is read one row per token (the LM head in full),
+    and a hybrid model's state buffers ``[layers, slots, ...]`` are read and written once per step for one slot."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from pegainfer.bench import decode_floor_bytes
+
+    V, H, slots = 100, 8, 2
+    model = SimpleNamespace(V=V, H=H, embed=object(), lm_head=object(), num_slots=slots,
+                            conv_state=np.zeros((3, slots, 24, 3), np.uint16),
+                            ssm_state=np.zeros((3, slots, 2, 4, 4), np.float32),
+                            weight_bytes=lambda: 2 * (2 * V * H + 500), kv_bytes_per_token=lambda: 64)
+    floor = decode_floor_bytes(model, context_tokens=10.5)
+    assert floor["weights_read"] == 2 * (V * H + H + 500)
+    assert floor["recurrent_state_rw"] == 2 * 3 * (24 * 3 * 2 + 2 * 4 * 4 * 4)
+    assert floor["kv_read"] == 672 and floor["kv_context_tokens"] == 10.5
+    assert floor["total"] == floor["weights_read"] + floor["recurrent_state_rw"] + floor["kv_read"]

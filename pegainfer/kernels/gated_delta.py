@@ -41,7 +41,14 @@ parallel by one kernel; a second kernel walks the chunks of each sequence in ord
 sequences of one token each (``token_offsets = arange(B+1)``); a prefill is one (or more) sequences of many tokens.
 Both come from device arrays, so a decode step can be captured in a CUDA graph and replayed.  Empty sequences
 (padding: equal offsets) are skipped and leave their slot alone; ``sequence_table`` builds the table on the device
-from per-token slots.  State buffers::
+from per-token slots.
+
+**Padding tokens.**  A prefill chunk padded to a CUDA-graph bucket has its padding tokens (slot -1) after the real
+ones.  They belong to no sequence: ``sequence_table`` ends the table at the first of them (``token_offsets[B]``),
+so the state after the step is bit for bit the state an unpadded step leaves, and the chunking of the real tokens
+is unchanged.  The rule kernels write zeros to the output rows from ``token_offsets[B]`` on (what reads them
+downstream stays finite); the conv leaves its output rows there as they were (only the rule reads them, and it
+does not).  State buffers::
 
     conv_state [slots, conv_dim, K-1]  bf16   the last K-1 inputs of the conv, oldest first (HF keeps K; the oldest
                                               of those is never used again)
@@ -61,7 +68,7 @@ import numpy as np
 
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, cuda, device_fn, f32_to_bf16,
-                                          float32, grid, kernel, math, threads, uint32, warp_sum)
+                                          float32, grid, int32, kernel, math, threads, uint32, warp_sum)
 
 L2NORM_EPS = 1e-6  # HF ``l2norm(x, eps=1e-6)``: x · rsqrt(Σx² + eps)
 MAX_KEY_DIM = 128  # largest key head dim Dk the shared-memory tiles hold (Qwen3.5: 128)
@@ -111,6 +118,16 @@ def inverse_l2_norm(sum_squares):
     return float32(1.0) / float32(math.sqrt(float32(sum_squares) + float32(L2NORM_EPS)))
 
 
+@device_fn
+def zero_rows_from(out, first):
+    """``out[first:, :] = 0`` for a 2-D bf16 array, grid-strided over all threads of the launch (no barrier): the
+    rows of tokens after the last sequence (padding), so that what reads them downstream stays finite."""
+    width = out.shape[1]
+    for idx in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, (out.shape[0] - first) * width,
+                     cuda.gridDim.x * cuda.blockDim.x):
+        out[first + idx // width, idx % width] = 0
+
+
 # ------------------------------------------------------------------------------------------------ conv1d + SiLU
 @kernel
 def causal_conv1d_silu_kernel(x, weight, conv_state, slot_ids, token_offsets, out, tokens_per_thread, max_pieces):
@@ -125,7 +142,8 @@ def causal_conv1d_silu_kernel(x, weight, conv_state, slot_ids, token_offsets, ou
 
     where ``input[s]`` is ``x`` for ``s ≥ 0`` and the slot's old state ``conv_state[slot, c, K−1+s]`` before the
     sequence (``s < 0``).  Afterwards ``conv_state`` holds the last ``K−1`` inputs (older state entries shift in
-    when the sequence has fewer than ``K−1`` tokens).
+    when the sequence has fewer than ``K−1`` tokens).  Rows of ``out`` after the last sequence (padding) are not
+    written.
 
     Geometry: one work item per (sequence, channel, piece of ``tokens_per_thread`` consecutive tokens), flattened
     channel-fastest (coalesced) and grid-strided; ``max_pieces`` bounds the pieces per sequence.  Only the thread
@@ -205,6 +223,8 @@ def gated_delta_recurrent_kernel(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids,
 
         S = S·exp(g);  delta = (v − Sᵀk)·beta;  S += k ⊗ delta;  out = bf16(Sᵀq)
 
+    Rows of ``out`` after the last sequence (``token_offsets[B] :``, padding tokens) are set to zero.
+
     Geometry: one block per (sequence, value head, tile of 32 value columns), grid-strided.  Lane ``l`` owns
     column ``tile·32 + l``; warp ``w`` of ``W`` owns key rows ``w, w+W, …`` (so a warp reads whole 128-byte rows of
     S).  Each warp computes the l2 norms itself (a warp reduction, no barrier) and reads the q, k entries of its
@@ -226,6 +246,7 @@ def gated_delta_recurrent_kernel(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids,
     partial_kv = cuda.shared.array((MAX_WARPS, COL_TILE), float32)
     partial_out = cuda.shared.array((MAX_WARPS, COL_TILE), float32)
 
+    zero_rows_from(out, token_offsets[slot_ids.shape[0]])  # padding rows
     lane = cuda.threadIdx.x % WARP
     warp = cuda.threadIdx.x // WARP
     num_warps = cuda.blockDim.x // WARP
@@ -463,6 +484,8 @@ def gated_delta_chunk_scan_kernel(qkv, ssm_state, slot_ids, token_offsets, chunk
         out_i = bf16(exp(G_i)·Sᵀq_i + Σ_{m≤i} intra[i,m]·U_m)      step 3
         S     = exp(G_{n−1})·S + Σ_i exp(G_{n−1} − G_i)·k_i ⊗ U_i   step 4
 
+    Rows of ``out`` after the last sequence (``token_offsets[B] :``, padding tokens) are set to zero.
+
     Geometry: one block per (sequence, value head, tile of 32 value columns), grid-strided; the tile of S lives in
     shared memory for the whole sequence.  Lane ``l`` owns column ``l`` of the tile; warps stride over tokens
     (steps 1-3) or key rows (step 4); a barrier separates the steps.
@@ -481,6 +504,7 @@ def gated_delta_chunk_scan_kernel(qkv, ssm_state, slot_ids, token_offsets, chunk
     u_s = cuda.shared.array((MAX_CHUNK, COL_TILE), float32)
     k_weight = cuda.shared.array(MAX_CHUNK, float32)  # exp(G_{n-1} − G_i) · |k_i|⁻¹ for step 4
 
+    zero_rows_from(out, token_offsets[slot_ids.shape[0]])  # padding rows
     lane = cuda.threadIdx.x % WARP
     warp = cuda.threadIdx.x // WARP
     num_warps = cuda.blockDim.x // WARP
@@ -668,21 +692,33 @@ def sequence_table_kernel(token_slots, seq_slots, seq_offsets):
     """The per-sequence table the kernels above take, built from the runner's per-token slots.
 
     A step's tokens come in runs, one per sequence: a sequence's tokens are consecutive and no two sequences of a
-    step share a slot.  So run ``r`` (a maximal stretch of equal ``token_slots``) is sequence ``r``.
+    step share a slot.  So run ``r`` (a maximal stretch of equal ``token_slots``) is sequence ``r``.  Padding
+    tokens (slot < 0: a prefill chunk padded to a CUDA-graph bucket) come after every real token; the first of
+    them ends the table, so no kernel above reads them or lets them touch any state.
     token_slots ``[T]``; seq_slots ``[S]``, seq_offsets ``[S+1]`` int32 with ``S`` ≥ the number of runs:
     ``seq_offsets[r]`` = first token of run ``r``, ``seq_slots[r]`` = its slot; entries after the last run are
-    empty sequences (offset ``T``, slot 0), which every kernel above skips.
+    empty sequences (offset = end of the real tokens, slot 0), which every kernel above skips.
 
-    Geometry: one block (the barrier orders the fill before the writes), block-stride over tokens; a run's first
-    token finds its run index by counting the run starts before it (O(T) each: T is one step's tokens).
+    Geometry: one block (barriers order the padding search, the fill and the writes), block-stride over tokens;
+    the end of the real tokens is a shared-memory ``atomic.min`` over the padding tokens; a run's first token finds
+    its run index by counting the run starts before it (O(T) each: T is one step's tokens).
     """
     num_tokens = token_slots.shape[0]
+    real_end = cuda.shared.array(1, int32)
+    if cuda.threadIdx.x == 0:
+        real_end[0] = int32(num_tokens)
+    cuda.syncthreads()
+    for t in range(cuda.threadIdx.x, num_tokens, cuda.blockDim.x):
+        if token_slots[t] < 0:
+            cuda.atomic.min(real_end, 0, int32(t))
+    cuda.syncthreads()
+    end = real_end[0]
     for r in range(cuda.threadIdx.x, seq_slots.shape[0] + 1, cuda.blockDim.x):
-        seq_offsets[r] = num_tokens
+        seq_offsets[r] = end
         if r < seq_slots.shape[0]:
             seq_slots[r] = 0
     cuda.syncthreads()
-    for t in range(cuda.threadIdx.x, num_tokens, cuda.blockDim.x):
+    for t in range(cuda.threadIdx.x, end, cuda.blockDim.x):
         if t == 0 or token_slots[t] != token_slots[t - 1]:
             run = 0
             for u in range(1, t + 1):
@@ -695,7 +731,8 @@ def sequence_table_kernel(token_slots, seq_slots, seq_offsets):
 
 def sequence_table(token_slots, seq_slots, seq_offsets) -> None:
     """Fill ``seq_slots [S]`` / ``seq_offsets [S+1]`` (int32 device arrays) from ``token_slots [T]``: one sequence
-    per run of equal slots, padded with empty sequences.  ``S`` must be ≥ the number of sequences in the step."""
+    per run of equal slots up to the first padding token (slot < 0), then empty sequences.  ``S`` must be ≥ the
+    number of sequences in the step."""
     for arr in (token_slots, seq_slots, seq_offsets):
         assert arr.ndim == 1 and arr.dtype == np.int32, (arr.shape, arr.dtype)
     assert seq_offsets.shape[0] == seq_slots.shape[0] + 1, (seq_slots.shape, seq_offsets.shape)

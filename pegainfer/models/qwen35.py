@@ -30,7 +30,9 @@ prefilled in several chunks continues from the state the previous chunk left.
 built on the device from ``token_slots`` (``gated_delta.sequence_table``: one sequence per run of equal slots).  The
 number of sequences is at most B (every sequence of a step asks for at least one logits row).  When ``T == B``
 (decode, or a prompt scored row by row) each sequence is short and the token-by-token form runs; when ``T > B``
-(a prompt chunk) the chunked form runs.  Both are exact for any table, this choice is only about speed.
+(a prompt chunk) the chunked form runs.  Both are exact for any table, this choice is only about speed.  Padding
+tokens (slot -1, after the real tokens of a prefill chunk padded to a CUDA-graph bucket) end the table: they belong
+to no sequence, touch no recurrent state and get zero rule outputs, as the full-attention kernels skip them.
 """
 from __future__ import annotations
 
@@ -52,6 +54,10 @@ class Qwen35Model(DecoderModel):
     state slots and activation buffers on the device, and the forward pass."""
 
     arch = "qwen3_5"
+    # Tokens with slot -1 (padding after a prefill chunk's real tokens) touch no state: no K/V written, attention
+    # output zeros, and the sequence table ends before them (gated_delta.sequence_table), so the conv and
+    # delta-rule states are those of the unpadded chunk.  So prefill chunks can be padded to CUDA-graph buckets.
+    pads_prefill = True
     chunk_size = gated_delta.MAX_CHUNK  # tokens per chunk of the chunked delta rule (tests may lower it)
 
     def __init__(self, cfg, max_model_len: int, max_tokens: int, max_rows: int):

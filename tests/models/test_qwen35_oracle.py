@@ -6,7 +6,9 @@ batch, and for both checkpoint layouts (``Qwen3_5ForCausalLM``, ``Qwen3_5ForCond
 
 Paths exercised: ``score`` runs a logits row per token (T == B: the token-by-token delta rule); a prompt prefill
 runs one logits row (the chunked form, here with chunks of 8 tokens and prefill steps of at most 9 tokens, so a
-13-token prompt takes two prefill steps that cross chunk boundaries); decode runs one token per sequence.
+13-token prompt takes two prefill steps that cross chunk boundaries); decode runs one token per sequence.  A prefill
+padded with slot -1 tokens (as the runner pads to CUDA-graph buckets on a GPU) must equal the unpadded one bit for
+bit.
 """
 import json
 import shutil
@@ -166,6 +168,55 @@ def test_conditional_generation_layout(tmp_path):
     assert not engine.model_config.tie_word_embeddings
     ids = _prompt(6)
     _assert_rows_close(engine.score(ids), _hf_logits(ref, ids))
+
+
+def test_prefill_padded_to_a_bucket_equals_unpadded(tiny):
+    """``pads_prefill``: on a GPU the runner pads a prefill chunk to a CUDA-graph bucket with tokens of id 0,
+    position 0 and slot -1 after the real ones (it never pads in the simulator, so the forward is driven here as it
+    does).  A 5-token prompt padded to 9 tokens (the padding crosses the chunked rule's 8-token chunk boundary, and
+    the projections switch from GEMV to GEMM) must give, bit for bit, the unpadded logits of the last real row, the
+    unpadded conv and delta-rule states of every linear layer, and the same greedy decode step after it; the
+    padding rows stay finite (the rule writes zeros for them)."""
+    from pegainfer.kernels.primitives import from_bf16_bits
+
+    ref, engine = tiny
+    model, pool, step = engine.model, engine.pool, engine.runner.step
+    assert model.pads_prefill and model.max_tokens == 9
+
+    def forward(ids, positions, slots, rows):
+        T, B = len(ids), len(rows)
+        step.h_ids[:T], step.h_pos[:T], step.h_slots[:T], step.h_rows[:B] = ids, positions, slots, rows
+        pool.sync()
+        step.upload()
+        return from_bf16_bits(model.forward(step, pool.block_tables, T, B).copy_to_host())[0]
+
+    prompt, padded = _prompt(5, seed=3), 9
+    n, pad = len(prompt), padded - len(prompt)
+    slot = pool.acquire_slot()
+    runs = []
+    try:
+        pool.ensure_capacity(slot, n + 1)
+        for num_pad in (0, pad):
+            model.reset_slot(slot)
+            logits = [forward(prompt + [0] * num_pad, list(range(n)) + [0] * num_pad, [slot] * n + [-1] * num_pad,
+                              [n - 1])]
+            states = (model.conv_state[:, slot].copy_to_host(), model.ssm_state[:, slot].copy_to_host())
+            if num_pad:
+                assert np.isfinite(from_bf16_bits(model.residual[:padded].copy_to_host())).all()
+                gated_core = from_bf16_bits(model.core[n:padded].copy_to_host())   # rule output, gated norm in place
+                assert not gated_core.any(), "padding rows: the rule writes zeros, the gated norm keeps them ±0"
+            # one greedy decode step from the state the prefill left
+            logits.append(forward([int(np.argmax(logits[-1]))], [n], [slot], [0]))
+            runs.append((logits, states))
+    finally:
+        pool.release(slot)
+    (plain_logits, plain_states), (padded_logits, padded_states) = runs
+    assert np.abs(plain_states[1]).sum() > 0, "the prompt must have changed the delta-rule state"
+    for name, want, got in zip(("conv state", "delta-rule state"), plain_states, padded_states):
+        np.testing.assert_array_equal(got, want, err_msg=name)
+    for k, (want, got) in enumerate(zip(plain_logits, padded_logits)):
+        np.testing.assert_array_equal(got, want, err_msg=f"logits row {k} (0: prefill, 1: decode)")
+    _assert_rows_close(plain_logits[:1], _hf_logits(ref, prompt)[-1:])   # and they are HF's
 
 
 # ------------------------------------------------------------------------------------------------ GPU

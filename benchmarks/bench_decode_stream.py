@@ -86,7 +86,7 @@ def candidates(p: Projection, quick: bool):
     if quick:
         rows_stages = {1: (8, 16), 2: (4, 8), 4: (2, 4)}
     warps_opts = (lin.NORM_THREADS // 32,) if p.fused else (4, 8, 16)
-    persist_opts = (True,) if p.fused else (False, True)
+    persist_opts = (True,)          # one token: the decode kernel always launches one resident wave
     for (r, stages_opts), warps, k_split, persistent in itertools.product(
             rows_stages.items(), warps_opts, (1, 2, 4, 8), persist_opts):
         if p.gated and r % 2:
@@ -179,6 +179,8 @@ def main() -> int:
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--only", default=None, help="comma-separated projections to sweep (default: all)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--tuning-out", default=None,
+                    help=f"write the best geometries as JSON for {lin.GEMV_TUNING_ENV} (see linear.load_gemv_tuning)")
     args = ap.parse_args()
     if SIM:                  # a smoke run: the default step only (the sweep's hundreds of launches take too long)
         args.no_sweep, args.model = True, "sim"
@@ -205,6 +207,12 @@ def main() -> int:
                 print(f"    ({p.n}, {p.k}, 1, {p.gated}): GemvGeometry(rows_per_warp={g.rows_per_warp}, "
                       f"warps={g.warps}, k_split={g.k_split}, max_tokens=1, stages={g.stages}, "
                       f"persistent={g.persistent}),   # {p.name}")
+    if args.tuning_out and best:
+        from dataclasses import asdict
+        entries = [dict(n_cols=p.n, k=p.k, max_tokens=1, gated=p.gated, geometry=asdict(best[p.name]))
+                   for p in projs + [head] if p.name in best]
+        with open(args.tuning_out, "w") as f:
+            json.dump(entries, f, indent=1)
     print(f"\nprojections of one decode step ({layers} × (qkv, o, gate_up, down) + lm_head), one graph:")
     step(projs, head, layers, read_bw, {}, "default", rows)
     if best:

@@ -56,6 +56,7 @@ kernel's indexing is tested too, and ``linear(impl=None)`` takes the FMA tiles f
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,9 +68,10 @@ from pegainfer.kernels.activation import silu
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.norm import (add_residual, add_rms_norm_into, check_residual_buffers, inverse_rms,
                                     normalize_element)
-from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, block_sum, cuda, device_fn,
-                                          f32_to_bf16, float32, grid, kernel, load_u32x4, mma_bf16_m16n8k16,
-                                          pack_bf16x2, uint16, uint32, warp_sums_to_shared)
+from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, bits_f32, block_sum, cuda,
+                                          device_fn, f32_bits, f32_to_bf16, float32, grid, kernel, load_u32x4,
+                                          mma_bf16_m16n8k16, pack_bf16x2, uint16, uint32, warp_sum,
+                                          warp_sums_to_shared)
 
 int64, uint64 = np.int64, np.uint64
 
@@ -304,71 +306,14 @@ NORM_THREADS = norm.BLOCK_THREADS
 blocks of exactly this size so that its sum of squares is added in the same order as ``norm.add_rms_norm``'s."""
 
 
-@device_fn
-def _staged_index(i):
-    """Shared-memory position of element ``i`` of token 0 in the GEMV's staged x (one chunk covering K): element
-    ``8c + j`` of 16-byte slice ``c`` sits at ``256·(c // 32) + 32·j + c % 32``."""
-    c = i >> 3
-    return 256 * (c >> 5) + 32 * (i & 7) + (c & 31)
-
-
-def prologue_unroll(hidden: int) -> int:
-    """Elements of the row each thread of the norm prologue holds: ``ceil(hidden / NORM_THREADS)``, so that all of
-    a thread's loads go out at once (a compile-time constant of the fused GEMV)."""
-    return max(1, -(-hidden // NORM_THREADS))
-
-
-@device_fn
-def _stage_add_rms_norm(residual_in, delta, has_delta, weight, residual_out, eps, weight_offset, round_before_weight,
-                        xs, s_bits, d_bits, w_bits, unroll):
-    """The GEMV's x-staging step for ``linear_add_rms_norm`` (one token row of ``hidden`` = K elements):
-    ``s = bf16(residual_in + delta)`` (``s = residual_in`` without ``has_delta``), this block's share of s into
-    ``residual_out``, and ``rms_norm(s)`` (bf16 values, as f32) into the staged x ``xs`` at ``_staged_index``.
-
-    Every block reads the whole row (from L2) and sums the squares itself, in exactly ``norm.add_rms_norm_kernel``'s
-    order: thread t adds elements t, t + B, t + 2B, ... (B = the block size, which the launcher makes ``norm``'s),
-    then ``block_sum``.  So inv_rms and every normalised value are bit-identical to the separate norm's.  All of a
-    thread's loads (``unroll`` elements each of residual, delta and norm weight, into the registers ``s_bits``,
-    ``d_bits``, ``w_bits``) are issued before any is used: the prologue costs one memory latency, not one per element (past the end of the
-    row they re-read the last element, unused).  Element i of s is written only by block ``(i // B) mod grid``: the
-    blocks write disjoint slices while all of them read ``residual_in``, hence ``residual_out`` must be another
-    buffer.  Every thread of the block must call it (``block_sum``); the caller's barrier publishes ``xs``.
-    """
-    hidden = residual_in.shape[1]
-    tid = cuda.threadIdx.x
-    nthreads = cuda.blockDim.x
-    for u in range(unroll):
-        i = min(tid + u * nthreads, hidden - 1)
-        s_bits[u] = residual_in[0, i]
-        d_bits[u] = delta[0, i] if has_delta else uint16(0)
-        w_bits[u] = weight[i]
-    ss = float32(0.0)
-    for u in range(unroll):
-        i = tid + u * nthreads
-        s_bits[u] = add_residual(s_bits[u], d_bits[u], has_delta)
-        if i < hidden:
-            if (i // nthreads) % cuda.gridDim.x == cuda.blockIdx.x:
-                residual_out[0, i] = s_bits[u]
-            v = bf16_to_f32(s_bits[u])
-            ss += v * v
-    inv_rms = inverse_rms(block_sum(ss), hidden, float32(eps))
-    for u in range(unroll):
-        i = tid + u * nthreads
-        if i < hidden:
-            xs[_staged_index(i)] = bf16_to_f32(normalize_element(bf16_to_f32(s_bits[u]), inv_rms, w_bits[u],
-                                                                 float32(weight_offset), round_before_weight))
-
-
 # ================================================================================================ GEMV (decode)
 @functools.cache
 def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int, stage_x: bool = True,
-                 norm_prologue: int = 0, stages: int = 2):
+                 stages: int = 2):
     """Build the GEMV kernel for a register tile of ``rows_per_warp`` weight rows × ``max_tokens`` tokens and
     blocks of ``warps`` warps (compile-time constants: they size the per-lane register arrays, their loops unroll,
     and the block size sets the launch bounds).  ``stage_x=False``: no x staging (see the kernel docstring).
-    ``norm_prologue`` > 0: x is ``add_rms_norm(residual, delta)``, computed by every block while it stages x (one
-    token; see ``_stage_add_rms_norm``), each thread holding ``norm_prologue`` (= ``prologue_unroll(K)``) elements
-    of the row; otherwise the kernel's residual arguments are unused placeholders.  ``stages``: depth
+    ``stages``: depth
     of the per-lane load ring (``stages - 1`` steps of every row's 16-byte loads in flight while one is multiplied)."""
     R = rows_per_warp
     TT = max_tokens
@@ -378,12 +323,10 @@ def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int, s
     S = stages
     SR4 = S * R4
     SX4 = S * X4
-    U = max(1, norm_prologue)
     nthreads = warps * WARP
 
     @_bounded_kernel(nthreads)
-    def gemv(x32, w32, out, k, k_split, k_chunk, residual_in, delta, norm_weight, residual_out, eps, weight_offset,
-             round_before_weight, has_delta):
+    def gemv(x32, w32, out, k, k_split, k_chunk):
         """``out[t, n] = bf16(Σ_k x[t, k] · W[row(n), k])`` for ``t < T <= max_tokens`` (or SwiGLU of column pairs
         when gated, see the module docstring).
 
@@ -405,12 +348,6 @@ def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int, s
         16 bytes of x of its slice for every token beside (and one step ahead with) its weight loads, and only the
         partial sums use shared memory (``4 · warps · rows_per_warp · max_tokens`` bytes).
 
-        Built with ``norm_prologue`` (one token, ``k_chunk >= K``, blocks of ``norm``'s size) x is not read: the
-        staging step computes ``x = rms_norm(s)``, ``s = bf16(residual_in + delta)`` (``has_delta``; else
-        ``s = residual_in``) with the norm's ``eps`` / ``weight_offset`` / ``round_before_weight`` and
-        ``norm_weight [K]``, and writes the block's share of s to ``residual_out [1, K]`` (``_stage_add_rms_norm``).
-        Every block owns at least one tile (the grid never exceeds the tile count), so every share gets written;
-        x is staged once per block, before its first tile's K loop (its first weight loads already in flight).
         """
         T = out.shape[0]
         n_out = out.shape[1]
@@ -432,9 +369,6 @@ def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int, s
         wrow = cuda.local.array(R, int64)          # word offset of each of the warp's rows
         wbuf = cuda.local.array(SR4, uint32)       # ring of S steps × 16 bytes per row: S - 1 steps in flight
         xbuf = cuda.local.array(SX4, uint32)       # (stage_x=False) the same ring for 16 bytes of x per token
-        s_bits = cuda.local.array(U, uint16)       # (norm_prologue) this thread's residual, delta and norm weight
-        d_bits = cuda.local.array(U, uint16)
-        w_bits = cuda.local.array(U, uint16)
         staged = -1
         for tile in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
             col0 = tile * cols_per_block + group * R
@@ -456,15 +390,11 @@ def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int, s
                             _load_x_words(x32, k_words, w_off + 4 * cs, xbuf, s * X4, T, TT)
                 if stage_x and k0 != staged:       # the block-uniform test: every thread reaches the barriers
                     cuda.syncthreads()
-                    if norm_prologue:
-                        _stage_add_rms_norm(residual_in, delta, has_delta, norm_weight, residual_out, eps,
-                                            weight_offset, round_before_weight, smem, s_bits, d_bits, w_bits, U)
-                    else:
-                        for idx in range(tid, T * n_slices, nthreads):
-                            t = idx // n_slices
-                            sl = idx - t * n_slices
-                            _stage_x_slice(x32, t * k_words + w_off + 4 * sl, smem,
-                                           t * k_chunk + 256 * (sl >> 5) + (sl & 31))
+                    for idx in range(tid, T * n_slices, nthreads):
+                        t = idx // n_slices
+                        sl = idx - t * n_slices
+                        _stage_x_slice(x32, t * k_words + w_off + 4 * sl, smem,
+                                       t * k_chunk + 256 * (sl >> 5) + (sl & 31))
                     cuda.syncthreads()
                     staged = k0
                 while c < n_slices:
@@ -553,7 +483,27 @@ GEMV_TUNED: dict[tuple[int, int, int, bool], GemvGeometry] = {
     (151936, 4096, 1, False): _tuned_t1(4, 4, 1),    # lm_head
 }
 """Measured best geometries, ``(n_cols, K, max_tokens, gated) -> GemvGeometry``, overriding the heuristic in
-``gemv_geometry`` (``benchmarks/bench_gemv.py --sweep`` prints entries in this form)."""
+``gemv_geometry`` (``benchmarks/bench_decode_stream.py`` prints entries in this form)."""
+
+GEMV_TUNING_ENV = "PEGAINFER_GEMV_TUNING"
+"""Environment variable naming a JSON file of measured geometries to merge into ``GEMV_TUNED`` at import (what
+``benchmarks/bench_decode_stream.py --tuning-out FILE`` writes: tune on your GPU, then point this at the file)."""
+
+
+def load_gemv_tuning(path: str) -> int:
+    """Merge ``[{"n_cols", "k", "max_tokens", "gated", "geometry": {GemvGeometry fields}}, ...]`` from a JSON file
+    into ``GEMV_TUNED``; returns the number of entries."""
+    import json
+    with open(path) as f:
+        entries = json.load(f)
+    for e in entries:
+        GEMV_TUNED[int(e["n_cols"]), int(e["k"]), int(e["max_tokens"]), bool(e["gated"])] = \
+            GemvGeometry(**e["geometry"])
+    return len(entries)
+
+
+if os.environ.get(GEMV_TUNING_ENV):
+    load_gemv_tuning(os.environ[GEMV_TUNING_ENV])
 
 
 @functools.cache
@@ -629,13 +579,261 @@ def gemv(x, w, out, *, gated: bool = False, geometry: GemvGeometry | None = None
         cols_per_block = geo.warps // geo.k_split * geo.rows_per_warp
         x_floats = geo.max_tokens * k_chunk if geo.stage_x else 0
         shared = 4 * (x_floats + geo.warps * geo.rows_per_warp * geo.max_tokens)
-        kern = _gemv_kernel(geo.rows_per_warp, geo.max_tokens, gated, geo.warps, geo.stage_x, False, geo.stages)
+        if t1 - t0 == 1 and geo.max_tokens == 1 and geo.stage_x and geo.k_chunk is None:
+            _gemv_decode(xp, None, None, None, 0.0, None, w, outp, gated, 0.0, True, geo)
+            continue
+        kern = _gemv_kernel(geo.rows_per_warp, geo.max_tokens, gated, geo.warps, geo.stage_x, geo.stages)
         n_tiles = -(-n_cols // cols_per_block)
         blocks = _resident_blocks(n_tiles, geo) if geo.persistent else grid(n_cols, cols_per_block, sim_cap=8)
-        # the residual arguments of the norm prologue are unused here: any arrays of a fixed type will do
-        launch(kern, blocks, geo.warps * WARP,
-               _as_u32(xp), w32, outp, k, geo.k_split, k_chunk, outp, outp, w32, outp, float32(0.0), float32(0.0),
-               False, False, shared=shared, name="gemv")
+        launch(kern, blocks, geo.warps * WARP, _as_u32(xp), w32, outp, k, geo.k_split, k_chunk, shared=shared,
+               name="gemv")
+
+
+# ================================================================================================ GEMV, one token
+@device_fn
+def _x_word_index(c, j):
+    """Shared-memory word of bf16 pair ``j`` (0..3) of 16-byte slice ``c`` of the one-token GEMV's staged x:
+    ``128·(c // 32) + 32·j + c % 32``, so the 32 lanes of a step (consecutive c) read 32 consecutive words."""
+    return 128 * (c >> 5) + 32 * j + (c & 31)
+
+
+if SIMULATOR:
+    def _dot_slices_x_words(acc, w, base, x0, x1, x2, x3, rows):
+        """``acc[r] += Σ_j W_r[j] · X[j]``: 8 bf16 of row r in ``w[base+4r : +4]``, of x in the words x0..x3."""
+        wf = _words_to_f32(w[base:base + 4 * rows]).reshape(rows, 8)
+        acc[:rows] += wf @ _words_to_f32([x0, x1, x2, x3])
+else:
+    @device_fn
+    def _dot_slices_x_words(acc, w, base, x0, x1, x2, x3, rows):
+        """``acc[r] += Σ_j W_r[j] · X[j]``: 8 bf16 of row r in ``w[base+4r : +4]``, of x in the words x0..x3,
+        multiplied and added in element order."""
+        f0 = bf16x2_lo(x0)
+        f1 = bf16x2_hi(x0)
+        f2 = bf16x2_lo(x1)
+        f3 = bf16x2_hi(x1)
+        f4 = bf16x2_lo(x2)
+        f5 = bf16x2_hi(x2)
+        f6 = bf16x2_lo(x3)
+        f7 = bf16x2_hi(x3)
+        for r in range(rows):
+            b = base + 4 * r
+            a = acc[r]
+            a += bf16x2_lo(w[b]) * f0
+            a += bf16x2_hi(w[b]) * f1
+            a += bf16x2_lo(w[b + 1]) * f2
+            a += bf16x2_hi(w[b + 1]) * f3
+            a += bf16x2_lo(w[b + 2]) * f4
+            a += bf16x2_hi(w[b + 2]) * f5
+            a += bf16x2_lo(w[b + 3]) * f6
+            a += bf16x2_hi(w[b + 3]) * f7
+            acc[r] = a
+
+
+@device_fn
+def _norm_pair(s_word, w_word, inv_rms, weight_offset, round_before_weight):
+    """``normalize_element`` of both bf16 of ``s_word`` with the weights in ``w_word``, packed back into a word."""
+    lo = normalize_element(bf16x2_lo(s_word), inv_rms, uint16(w_word & uint32(0xFFFF)), weight_offset,
+                           round_before_weight)
+    hi = normalize_element(bf16x2_hi(s_word), inv_rms, uint16(w_word >> uint32(16)), weight_offset,
+                           round_before_weight)
+    return uint32(lo) | (uint32(hi) << uint32(16))
+
+
+@device_fn
+def _add_pair(r_word, d_word, has_delta):
+    """``add_residual`` of both bf16 of a word pair, packed back into a word."""
+    lo = add_residual(uint16(r_word & uint32(0xFFFF)), uint16(d_word & uint32(0xFFFF)), has_delta)
+    hi = add_residual(uint16(r_word >> uint32(16)), uint16(d_word >> uint32(16)), has_delta)
+    return uint32(lo) | (uint32(hi) << uint32(16))
+
+
+def prologue_pairs(hidden: int) -> int:
+    """Element pairs of the row each thread of the norm prologue holds, ``ceil(hidden / 2 / NORM_THREADS)``: all of a
+    thread's loads go out at once (a compile-time constant of the fused one-token GEMV)."""
+    return max(1, -(-hidden // (2 * NORM_THREADS)))
+
+
+@functools.cache
+def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool, norm_pairs: int):
+    """Build the one-token GEMV (batch-1 decode) for ``rows_per_warp`` rows per warp, a load ring ``stages`` deep,
+    blocks of ``warps`` warps (all compile-time: they size the register arrays and set the launch bounds) and,
+    when ``norm_pairs`` > 0, the add + RMSNorm prologue with that many element pairs per thread."""
+    R, S, U = rows_per_warp, stages, max(1, norm_pairs)
+    R4 = 4 * R
+    SR4 = S * R4
+    NORM = norm_pairs > 0
+    nthreads = warps * WARP
+
+    @_bounded_kernel(nthreads)
+    def gemv_decode(x32, w32, out, k, k_split, residual_in32, delta32, norm_weight32, residual_out32, eps,
+                    weight_offset, round_before_weight, has_delta):
+        """``out[0, n] = bf16(Σ_k x[k] · W[row(n), k])`` for one token (or SwiGLU of column pairs when gated), the
+        decode step's projection: a stream over W at memory bandwidth, nothing else.
+
+        x32 ``[K/2]``, w32 ``[rows · K/2]`` uint32 (bf16 pairs of x ``[1, K]`` and W ``[rows, K]``), out ``[1, n_out]``
+        bf16 bits, ``k`` = K (a multiple of 8), ``k_split`` warps per row group.
+
+        1. *Stage x once per block*: x as bf16 pairs in shared memory (``_x_word_index`` order: no bank conflicts
+           when a warp reads the 4 words of its 32 slices), ~``2K`` bytes, so even K = 12288 fits.  With the norm
+           prologue (``norm_pairs`` > 0, blocks of ``NORM_THREADS``) x is not read: every block computes
+           ``s = bf16(residual + delta)`` (``has_delta``; else ``s = residual``) and ``x = rms_norm(s)`` with weight
+           ``norm_weight`` and the norm's ``eps`` / ``weight_offset`` / ``round_before_weight``, from the whole row
+           (L2 hits): thread t holds pairs t, t + B, ... (``norm.SUM_ORDER``: bit-identical to ``norm``'s kernels),
+           all its loads issued at once; block b writes pairs p with ``(p // B) % grid == b`` of ``residual_out``.
+        2. *Stream W*: blocks grid-stride over tiles of ``warps / k_split · rows_per_warp`` logical columns (the
+           grid is at most one resident wave: ``_resident_blocks``).  Warp ``group · k_split + part`` takes
+           ``rows_per_warp`` rows and the 16-byte slices ``c ≡ part · 32 + lane (mod 32 · k_split)`` of each (a warp
+           covers 256 contiguous elements of a row per step).  The loads run ``stages - 1`` steps ahead through a
+           register ring (slot s of the unrolled inner loop holds step s mod stages): ``(stages - 1) · rows`` 16-byte
+           loads in flight per lane, because cold weights come from HBM and a warp that waits on each load in turn
+           is latency-bound.  The first tile's loads go out before x is staged, and each next tile's before the
+           current tile's reduction barrier.
+        3. *Reduce*: ``warp_sum`` per row, the ``k_split`` partial sums through shared memory, one thread per
+           output writes ``bf16(sum)`` (gated: ``_silu_mul_bf16`` of the gate/up pair).
+        Shared memory (dynamic, uint32 words): ``128 · ceil(K / 256)`` for x, then ``warps · rows_per_warp`` f32
+        partial sums (bits).
+        """
+        xs = cuda.shared.array(0, nbtypes.uint32)
+        n_out = out.shape[1]
+        n_cols = 2 * n_out if gated else n_out
+        k_words = k // 2
+        n_slices = k // 8
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        part = warp % k_split
+        group = warp // k_split
+        groups = warps // k_split
+        cols_per_block = groups * R
+        n_tiles = (n_cols + cols_per_block - 1) // cols_per_block
+        step = WARP * k_split
+        first = part * WARP + lane                  # this lane's first slice of every row
+        acc = cuda.local.array(R, float32)
+        wrow = cuda.local.array(R, int64)           # word offset of each of the warp's rows
+        wbuf = cuda.local.array(SR4, uint32)        # the load ring: S slots × 16 bytes per row
+
+        tile = cuda.blockIdx.x
+        if tile < n_tiles:                          # the first tile's loads fly while x is staged
+            for r in range(R):
+                wrow[r] = _weight_row(min(tile * cols_per_block + group * R + r, n_cols - 1), n_out, gated) * k_words
+            for s in range(S - 1):
+                cs = first + s * step
+                if cs < n_slices:
+                    _load_row_slices(w32, wrow, 4 * cs, wbuf, s * R4, R)
+
+        if NORM:
+            s_w = cuda.local.array(U, uint32)
+            d_w = cuda.local.array(U, uint32)
+            n_w = cuda.local.array(U, uint32)
+            last = k_words - 1
+            for u in range(U):                      # every load of the prologue at once
+                p = min(tid + u * nthreads, last)
+                s_w[u] = residual_in32[p]
+                d_w[u] = delta32[p] if has_delta else uint32(0)
+                n_w[u] = norm_weight32[p]
+            ss = float32(0.0)
+            for u in range(U):
+                p = tid + u * nthreads
+                s_w[u] = _add_pair(s_w[u], d_w[u], has_delta)
+                if p < k_words:
+                    if (p // nthreads) % cuda.gridDim.x == cuda.blockIdx.x:
+                        residual_out32[p] = s_w[u]
+                    v0 = bf16x2_lo(s_w[u])
+                    v1 = bf16x2_hi(s_w[u])
+                    ss += v0 * v0
+                    ss += v1 * v1
+            inv_rms = inverse_rms(block_sum(ss), k, float32(eps))
+            for u in range(U):
+                p = tid + u * nthreads
+                if p < k_words:
+                    xs[_x_word_index(p >> 2, p & 3)] = _norm_pair(s_w[u], n_w[u], inv_rms, float32(weight_offset),
+                                                                  round_before_weight)
+        else:
+            for c in range(tid, n_slices, nthreads):
+                q0, q1, q2, q3 = load_u32x4(x32, 4 * c)
+                xs[_x_word_index(c, 0)] = q0
+                xs[_x_word_index(c, 1)] = q1
+                xs[_x_word_index(c, 2)] = q2
+                xs[_x_word_index(c, 3)] = q3
+        cuda.syncthreads()
+
+        red = 128 * ((n_slices + 31) // 32)         # partial sums follow x (padded to whole 32-slice groups)
+        per_out = 2 if gated else 1
+        while tile < n_tiles:
+            for r in range(R):
+                acc[r] = float32(0.0)
+            c = first
+            while c < n_slices:
+                for s in range(S):                  # unrolled: ring slot s holds slice c
+                    c_pre = c + (S - 1) * step      # refill the slot the previous step freed
+                    if c_pre < n_slices:
+                        _load_row_slices(w32, wrow, 4 * c_pre, wbuf, ((s + S - 1) % S) * R4, R)
+                    if c < n_slices:
+                        xb = 128 * (c >> 5) + (c & 31)
+                        _dot_slices_x_words(acc, wbuf, s * R4, xs[xb], xs[xb + 32], xs[xb + 64], xs[xb + 96], R)
+                    c += step
+            for r in range(R):
+                v = warp_sum(acc[r])
+                if lane == 0:
+                    xs[red + warp * R + r] = f32_bits(v)
+            this_tile = tile
+            tile += cuda.gridDim.x
+            if tile < n_tiles:                      # the next tile's loads fly through the reduction
+                for r in range(R):
+                    wrow[r] = _weight_row(min(tile * cols_per_block + group * R + r, n_cols - 1), n_out,
+                                          gated) * k_words
+                for s in range(S - 1):
+                    cs = first + s * step
+                    if cs < n_slices:
+                        _load_row_slices(w32, wrow, 4 * cs, wbuf, s * R4, R)
+            cuda.syncthreads()
+            for item in range(tid, groups * (R // per_out), nthreads):
+                g_ = item // (R // per_out)
+                r = (item - g_ * (R // per_out)) * per_out
+                col = this_tile * cols_per_block + g_ * R + r
+                if col < n_cols:
+                    v0 = float32(0.0)
+                    v1 = float32(0.0)
+                    for p_ in range(k_split):
+                        base = red + (g_ * k_split + p_) * R + r
+                        v0 += bits_f32(xs[base])
+                        if gated:
+                            v1 += bits_f32(xs[base + 1])
+                    if gated:
+                        out[0, col >> 1] = _silu_mul_bf16(v0, v1)
+                    else:
+                        out[0, col] = f32_to_bf16(v0)
+            cuda.syncthreads()                      # partial sums read before the next tile overwrites them
+
+    return gemv_decode
+
+
+def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, gated, weight_offset,
+                 round_before_weight, geo: GemvGeometry) -> None:
+    """Launch the one-token GEMV: ``x [1, K]`` given, or (``x=None``) the add + RMSNorm prologue over
+    ``residual_in`` / ``delta`` / ``norm_weight`` writing ``residual_out`` (blocks of ``NORM_THREADS``)."""
+    assert not gated or geo.rows_per_warp % 2 == 0, f"the gated GEMV needs an even rows_per_warp: {geo}"
+    assert geo.warps % geo.k_split == 0, f"warps must be a multiple of k_split: {geo}"
+    norm_pairs = 0
+    if x is None:
+        k = residual_in.shape[1]
+        assert geo.warps * WARP == NORM_THREADS, f"the fused norm needs blocks of {NORM_THREADS} threads: {geo}"
+        norm_pairs = prologue_pairs(k)
+        r32 = _as_u32(residual_in)
+        d32 = r32 if delta is None else _as_u32(delta)
+        args = (r32, _as_u32(w), out, k, geo.k_split, r32, d32, _as_u32(norm_weight), _as_u32(residual_out))
+    else:
+        k = x.shape[1]
+        x32 = _as_u32(x)
+        args = (x32, _as_u32(w), out, k, geo.k_split, x32, x32, x32, x32)
+    assert w.shape[0] * k // 2 < 2 ** 62 and k % 8 == 0
+    cols_per_block = geo.warps // geo.k_split * geo.rows_per_warp
+    n_tiles = -(-w.shape[0] // cols_per_block)
+    shared = 4 * (128 * -(-k // 256) + geo.warps * geo.rows_per_warp)
+    kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs)
+    launch(kern, _resident_blocks(n_tiles, geo), geo.warps * WARP, *args, np.float32(eps), np.float32(weight_offset),
+           bool(round_before_weight), delta is not None, shared=shared,
+           name="gemv_add_rms_norm" if x is None else "gemv")
 
 
 # ================================================================================================ GEMM, FMA tiles
@@ -1183,23 +1381,6 @@ def _resident_blocks(n_tiles: int, geo: GemvGeometry) -> int:
     return grid(min(n_tiles, resident), sim_cap=2)
 
 
-def _gemv_add_rms_norm(residual_in, delta, norm_weight, eps, residual_out, w, out, gated, weight_offset,
-                       round_before_weight, geo: GemvGeometry) -> None:
-    """The fused launch: one GEMV whose x staging is the add + RMSNorm of the single token row."""
-    assert not gated or geo.rows_per_warp % 2 == 0, f"the gated GEMV needs an even rows_per_warp: {geo}"
-    k = residual_in.shape[1]
-    k_chunk = _gemv_k_chunk(k, geo)
-    cols_per_block = geo.warps // geo.k_split * geo.rows_per_warp
-    n_tiles = -(-w.shape[0] // cols_per_block)
-    shared = 4 * (k_chunk + geo.warps * geo.rows_per_warp)
-    kern = _gemv_kernel(geo.rows_per_warp, 1, gated, geo.warps, True, prologue_unroll(k), geo.stages)
-    w32 = _as_u32(w)
-    launch(kern, _resident_blocks(n_tiles, geo), geo.warps * WARP, _as_u32(residual_in), w32, out, k, geo.k_split,
-           k_chunk, residual_in, residual_in if delta is None else delta, norm_weight, residual_out, np.float32(eps),
-           np.float32(weight_offset), bool(round_before_weight), delta is not None, shared=shared,
-           name="gemv_add_rms_norm")
-
-
 def _fusable(n_tokens: int, k: int, impl, geo: GemvGeometry) -> bool:
     return (n_tokens == 1 and impl in (None, "gemv") and default_impl(1) == "gemv"
             and geo.warps * WARP == NORM_THREADS and geo.warps % geo.k_split == 0 and geo.max_tokens == 1
@@ -1236,8 +1417,8 @@ def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_ou
     if geometry is not None and not fused:
         raise ValueError(f"geometry {geometry} does not give the fused one-token path (T = {T}, impl = {impl!r})")
     if fused and out.shape[1] > 0:         # (no columns: no blocks, which would leave residual_out unwritten)
-        _gemv_add_rms_norm(residual_in, delta, norm_weight, eps, residual_out, w, out, gated, weight_offset,
-                           round_before_weight, geo)
+        _gemv_decode(None, residual_in, delta, norm_weight, eps, residual_out, w, out, gated, weight_offset,
+                     round_before_weight, geo)
         return
     if normed_out is None:
         raise ValueError(f"normed_out (a [{T}, {k}] scratch) is needed: T = {T} takes the unfused path")

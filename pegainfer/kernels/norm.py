@@ -54,16 +54,19 @@ def rms_norm_kernel(x, weight, out, eps, weight_offset, round_before_weight):
     x ``[tokens, hidden]``, weight ``[hidden]``, out ``[tokens, hidden]`` — uint16 bf16 bits; eps and weight_offset
     f32; round_before_weight bool (module docstring gives both roundings).
 
-    Geometry: one block per token row (grid-stride over rows); threads stride over ``hidden``, square-sum with
-    ``block_sum`` (every thread of the block takes part: the row loop's trip count is uniform across the block).
+    Geometry: one block per token row (grid-stride over rows); threads stride over the row's element *pairs*
+    (``SUM_ORDER``), square-sum with ``block_sum`` (every thread of the block takes part: the row loop's trip count
+    is uniform across the block).
     """
     eps = float32(eps)
     weight_offset = float32(weight_offset)
     for row in range(cuda.blockIdx.x, x.shape[0], cuda.gridDim.x):
         ss = float32(0.0)
-        for i in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
-            v = bf16_to_f32(x[row, i])
-            ss += v * v
+        for p in range(cuda.threadIdx.x, x.shape[1] // 2, cuda.blockDim.x):
+            v0 = bf16_to_f32(x[row, 2 * p])
+            v1 = bf16_to_f32(x[row, 2 * p + 1])
+            ss += v0 * v0
+            ss += v1 * v1
         inv_rms = inverse_rms(block_sum(ss), x.shape[1], eps)
         write_normalized_row(x, row, weight, out, inv_rms, weight_offset, round_before_weight)
 
@@ -87,33 +90,40 @@ def add_rms_norm_kernel(residual_in, delta, has_delta, weight, residual_out, out
     squares the rounded sum, as HF's bf16 forward does.  ``residual_out`` may be ``residual_in`` itself (the in-place
     ``add_rms_norm``) or a buffer that does not overlap it (``add_rms_norm_into``).
 
-    Geometry: one block per token row (grid-stride over rows); threads stride over ``hidden``.  Each thread reads
-    back only the columns it wrote itself, so no barrier is needed between the add and the normalize pass, and
-    in place each element is read before the same thread overwrites it.
+    Geometry: one block per token row (grid-stride over rows); threads stride over the row's element pairs
+    (``SUM_ORDER``).  Each thread reads back only the columns it wrote itself, so no barrier is needed between the
+    add and the normalize pass, and in place each element is read before the same thread overwrites it.
     """
     eps = float32(eps)
     weight_offset = float32(weight_offset)
     for row in range(cuda.blockIdx.x, residual_in.shape[0], cuda.gridDim.x):
         ss = float32(0.0)
-        for i in range(cuda.threadIdx.x, residual_in.shape[1], cuda.blockDim.x):
-            s_bits = add_residual(residual_in[row, i], delta[row, i] if has_delta else uint16(0), has_delta)
-            residual_out[row, i] = s_bits
-            v = bf16_to_f32(s_bits)
-            ss += v * v
+        for p in range(cuda.threadIdx.x, residual_in.shape[1] // 2, cuda.blockDim.x):
+            for i in range(2 * p, 2 * p + 2):
+                s_bits = add_residual(residual_in[row, i], delta[row, i] if has_delta else uint16(0), has_delta)
+                residual_out[row, i] = s_bits
+                v = bf16_to_f32(s_bits)
+                ss += v * v
         inv_rms = inverse_rms(block_sum(ss), residual_in.shape[1], eps)
         write_normalized_row(residual_out, row, weight, out, inv_rms, weight_offset, round_before_weight)
 
 
 def _check(x, weight, out):
     assert x.ndim == 2 and x.dtype == np.uint16, (x.shape, x.dtype)
+    assert x.shape[1] % 2 == 0, f"hidden size must be even, got {x.shape[1]}"
     assert weight.ndim == 1 and weight.dtype == np.uint16 and weight.shape[0] == x.shape[1], (weight.shape, x.shape)
     assert out.shape == x.shape and out.dtype == np.uint16, (out.shape, out.dtype, x.shape)
 
 
 BLOCK_THREADS = threads(gpu=256, sim=32)
-"""Block size of every kernel here.  It fixes the order in which a row's squares are summed (thread t adds
-elements t, t + B, ..., then ``block_sum``): a kernel that must be bit-identical to these norms
-(``linear``'s fused add + RMSNorm prologue) sums in blocks of this size too."""
+"""Block size of every kernel here.  It fixes the order in which a row's squares are summed (``SUM_ORDER``): a
+kernel that must be bit-identical to these norms (``linear``'s fused add + RMSNorm prologue) sums in blocks of this
+size too."""
+
+SUM_ORDER = "pairs"
+"""How a row's squares are summed, which makes the f32 result bit-exact: thread t of a block of B adds elements
+2t, 2t+1, then 2(t+B), 2(t+B)+1, ... (element pairs, so a fused kernel can read a row as 32-bit words), then
+``block_sum`` combines the threads."""
 
 
 def _geometry(num_tokens):

@@ -338,3 +338,17 @@ def test_linear_add_rms_norm_qwen3_4b(name, with_delta):
     ref_residual, _, ref_out = _separate(rb, db, wnb, wb, gated, "qwen3", 1e-6)
     assert np.array_equal(res_out, ref_residual)
     assert np.array_equal(out, ref_out), np.mean(out != ref_out)
+
+
+def test_gemv_tuning_file(tmp_path, monkeypatch):
+    """A tuning file (what benchmarks/bench_decode_stream.py --tuning-out writes) overrides the geometry picker."""
+    import json
+    path = tmp_path / "tuning.json"
+    geo = dict(rows_per_warp=2, warps=8, k_split=2, max_tokens=1, k_chunk=None, stage_x=True, stages=6,
+               persistent=True)
+    path.write_text(json.dumps([dict(n_cols=777, k=512, max_tokens=1, gated=False, geometry=geo)]))
+    monkeypatch.setattr(lin, "GEMV_TUNED", dict(lin.GEMV_TUNED))
+    monkeypatch.setattr(lin, "SIMULATOR", False)      # the simulator's picker ignores the table
+    monkeypatch.setattr(lin, "_sm_count", lambda: 132)
+    assert lin.load_gemv_tuning(str(path)) == 1
+    assert lin.gemv_geometry(777, 512, 1) == GemvGeometry(**geo)

@@ -464,23 +464,26 @@ class GemvGeometry:
     persistent: bool = False
 
 
-def _tuned_t1(rows_per_warp: int, warps: int, k_split: int) -> GemvGeometry:
-    return GemvGeometry(rows_per_warp=rows_per_warp, warps=warps, k_split=k_split, max_tokens=1)
+def _tuned_t1(rows_per_warp: int, warps: int, k_split: int, stages: int) -> GemvGeometry:
+    return GemvGeometry(rows_per_warp=rows_per_warp, warps=warps, k_split=k_split, max_tokens=1, stages=stages,
+                        persistent=True)
 
 
 GEMV_TUNED: dict[tuple[int, int, int, bool], GemvGeometry] = {
-    # Qwen3-4B, measured on the H200 (``bench_gemv.py --sweep``, T = 1; µs = best / heuristic default)
-    (6144, 2560, 1, False): _tuned_t1(4, 8, 1),      # qkv       8.1 / 11.2 µs
-    (2560, 4096, 1, False): _tuned_t1(4, 8, 2),      # o         7.1 /  9.4 µs
-    (19456, 2560, 1, True): _tuned_t1(4, 4, 1),      # gate_up  34.8 / 35.0 µs
-    (2560, 9728, 1, False): _tuned_t1(4, 16, 2),     # down     17.7 / 22.6 µs
-    (151936, 2560, 1, False): _tuned_t1(4, 4, 1),    # lm_head 209.7 / 210.8 µs
-    # Qwen3-8B (hidden 4096, q 4096, kv 1024, intermediate 12288): by analogy with the 4B shapes (not measured)
-    (6144, 4096, 1, False): _tuned_t1(4, 8, 1),      # qkv
-    (4096, 4096, 1, False): _tuned_t1(4, 8, 2),      # o
-    (24576, 4096, 1, True): _tuned_t1(4, 4, 1),      # gate_up
-    (4096, 12288, 1, False): _tuned_t1(4, 16, 2),    # down
-    (151936, 4096, 1, False): _tuned_t1(4, 4, 1),    # lm_head
+    # Qwen3-4B, one-token kernel, measured on the H200 with cold weights (``benchmarks/bench_decode_stream.py``:
+    # a graph of one launch per layer, each on its own matrix; qkv, gate_up and lm_head with the fused norm).
+    # µs per launch: best / the bare read kernel over a buffer of the same size
+    (6144, 2560, 1, False): _tuned_t1(4, 8, 1, 3),     # qkv      13.4 /   9.1
+    (2560, 4096, 1, False): _tuned_t1(2, 4, 4, 6),     # o         9.5 /   7.4
+    (19456, 2560, 1, True): _tuned_t1(4, 8, 1, 3),     # gate_up  30.5 /  24.7
+    (2560, 9728, 1, False): _tuned_t1(2, 8, 8, 6),     # down     17.6 /  15.3
+    (151936, 2560, 1, False): _tuned_t1(4, 8, 1, 4),   # lm_head 182.5 / 176.3
+    # Qwen3-8B (hidden 4096, q 4096, kv 1024, intermediate 12288): by analogy with the 4B shapes
+    (6144, 4096, 1, False): _tuned_t1(4, 8, 1, 3),     # qkv
+    (4096, 4096, 1, False): _tuned_t1(2, 4, 4, 6),     # o
+    (24576, 4096, 1, True): _tuned_t1(4, 8, 1, 3),     # gate_up
+    (4096, 12288, 1, False): _tuned_t1(2, 8, 8, 6),    # down
+    (151936, 4096, 1, False): _tuned_t1(4, 8, 1, 4),   # lm_head
 }
 """Measured best geometries, ``(n_cols, K, max_tokens, gated) -> GemvGeometry``, overriding the heuristic in
 ``gemv_geometry`` (``benchmarks/bench_decode_stream.py`` prints entries in this form)."""
@@ -538,7 +541,8 @@ def gemv_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False) -> Ge
     k_split = 1
     while (n_cols // rows) * k_split < slots and k_split < 8 and k >= 2048 * k_split:
         k_split *= 2
-    return GemvGeometry(rows_per_warp=rows, warps=8, k_split=k_split, max_tokens=tt)
+    return GemvGeometry(rows_per_warp=rows, warps=8, k_split=k_split, max_tokens=tt, stages=3 if tt == 1 else 2,
+                        persistent=tt == 1)
 
 
 def _gemv_k_chunk(k: int, geo: GemvGeometry) -> int:

@@ -176,7 +176,8 @@ class Qwen35Model(DecoderModel):
 
         T, H = self.max_tokens, self.H
         e = lambda *s: cuda.device_array(s, dtype=BF16)  # noqa: E731
-        self.residual, self.normed, self.delta = e(T, H), e(T, H), e(T, H)
+        self.residuals = (e(T, H), e(T, H))  # the residual stream, read from one and written to the other
+        self.normed, self.delta = e(T, H), e(T, H)
         self.qkv = e(T, self.qkv_rows)
         self.q = e(T, self.nq, self.D)
         self.attn = e(T, self.nq, self.D)
@@ -213,7 +214,8 @@ class Qwen35Model(DecoderModel):
         ``step``: the step's device inputs (``engine.step_inputs.StepInputs``, as in ``Qwen3Model.forward``)."""
         eps = self.cfg.rms_norm_eps
         ids, pos, slots = step.ids[:T], step.positions[:T], step.token_slots[:T]
-        residual, normed, delta = self.residual[:T], self.normed[:T], self.delta[:T]
+        residual, spare = self.residuals[0][:T], self.residuals[1][:T]
+        normed, delta, act = self.normed[:T], self.delta[:T], self.act[:T]
         seq_slots, seq_offsets = self.seq_slots[:B], self.seq_offsets[:B + 1]
         if self.linear_layers:
             gated_delta.sequence_table(slots, seq_slots, seq_offsets)
@@ -223,29 +225,34 @@ class Qwen35Model(DecoderModel):
         full_index = {layer: j for j, layer in enumerate(self.full_layers)}
         linear_index = {layer: j for j, layer in enumerate(self.linear_layers)}
         for i, lw in enumerate(self.layers):
-            if i == 0:
-                norm.rms_norm(residual, lw["input_ln"], normed, eps, **QWEN35_NORM)
-            else:
-                norm.add_rms_norm(residual, delta, lw["input_ln"], normed, eps, **QWEN35_NORM)
+            # residual add + input norm + the layer's first projection: one launch for one token
+            first_w, first_out = (lw["qkv"], self.qkv[:T]) if i in full_index else (lw["in_proj"], self.proj[:T])
+            linear.linear_add_rms_norm(residual, delta if i > 0 else None, lw["input_ln"], eps, spare, first_w,
+                                       first_out, normed_out=normed, **QWEN35_NORM)
+            residual, spare = spare, residual
             if i in full_index:
-                self._full_attention(full_index[i], lw, normed, delta, T, pos, slots, block_tables)
+                self._full_attention(full_index[i], lw, delta, T, pos, slots, block_tables)
             else:
-                self._linear_attention(linear_index[i], lw, normed, delta, T, seq_slots, seq_offsets,
-                                       token_by_token)
-            norm.add_rms_norm(residual, delta, lw["post_ln"], normed, eps, **QWEN35_NORM)
-            linear.linear_silu_mul(normed, lw["gate_up"], self.act[:T])
-            linear.linear(self.act[:T], lw["down"], delta)
-        norm.add_rms_norm(residual, delta, self.final_norm, normed, eps, **QWEN35_NORM)
-        last = self.last_hidden[:B]
-        embedding.embedding(step.logit_rows[:B], normed, last)   # gather the rows that need logits
+                self._linear_attention(linear_index[i], lw, delta, T, seq_slots, seq_offsets, token_by_token)
+            linear.linear_add_rms_norm(residual, delta, lw["post_ln"], eps, spare, lw["gate_up"], act, gated=True,
+                                       normed_out=normed, **QWEN35_NORM)
+            residual, spare = spare, residual
+            linear.linear(act, lw["down"], delta)
         logits = self.logits[:B]
-        linear.linear(last, self.lm_head, logits)
+        if T == 1 and B == 1:
+            linear.linear_add_rms_norm(residual, delta, self.final_norm, eps, spare, self.lm_head, logits,
+                                       normed_out=normed, **QWEN35_NORM)
+        else:
+            norm.add_rms_norm(residual, delta, self.final_norm, normed, eps, **QWEN35_NORM)
+            last = self.last_hidden[:B]
+            embedding.embedding(step.logit_rows[:B], normed, last)   # gather the rows that need logits
+            linear.linear(last, self.lm_head, logits)
         return logits
 
-    def _full_attention(self, j, lw, normed, delta, T, pos, slots, block_tables) -> None:
-        """Gated full attention of one layer: ``delta = (attention · sigmoid(gate)) @ W_o^T``."""
+    def _full_attention(self, j, lw, delta, T, pos, slots, block_tables) -> None:
+        """Gated full attention of one layer (its q/gate, k, v projection already in ``self.qkv``):
+        ``delta = (attention · sigmoid(gate)) @ W_o^T``."""
         qkv, q, attn = self.qkv[:T], self.q[:T], self.attn[:T]
-        linear.linear(normed, lw["qkv"], qkv)
         rope.qk_norm_rope_store(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, pos, slots,
                                 block_tables, self.k_cache[j], self.v_cache[j], q, self.cfg.rms_norm_eps,
                                 self.rotary_dim, q_head_stride=2 * self.D, **QWEN35_NORM)
@@ -255,11 +262,11 @@ class Qwen35Model(DecoderModel):
         attn_flat = self.attn.reshape(self.max_tokens, self.nq * self.D)[:T]
         linear.linear(attn_flat, lw["o"], delta)
 
-    def _linear_attention(self, j, lw, normed, delta, T, seq_slots, seq_offsets, token_by_token) -> None:
-        """Gated DeltaNet of one layer: ``delta = RMSNormGated(rule(silu(conv(qkv))), z) @ W_out^T``."""
+    def _linear_attention(self, j, lw, delta, T, seq_slots, seq_offsets, token_by_token) -> None:
+        """Gated DeltaNet of one layer (its fused qkv/z/b/a projection already in ``self.proj``):
+        ``delta = RMSNormGated(rule(silu(conv(qkv))), z) @ W_out^T``."""
         cd, vd, hv = self.conv_dim, self.value_dim, self.Hv
         proj, mixed, core = self.proj[:T], self.mixed[:T], self.core[:T]
-        linear.linear(normed, lw["in_proj"], proj)
         qkv_in, z = proj[:, :cd], proj[:, cd:cd + vd]
         b, a = proj[:, cd + vd:cd + vd + hv], proj[:, cd + vd + hv:]
         # token by token: one conv work item per (sequence, channel); prompt chunks: pieces of a few tokens

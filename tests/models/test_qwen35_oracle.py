@@ -202,7 +202,7 @@ def test_prefill_padded_to_a_bucket_equals_unpadded(tiny):
                               [n - 1])]
             states = (model.conv_state[:, slot].copy_to_host(), model.ssm_state[:, slot].copy_to_host())
             if num_pad:
-                assert np.isfinite(from_bf16_bits(model.residual[:padded].copy_to_host())).all()
+                assert np.isfinite(from_bf16_bits(model.residuals[0][:padded].copy_to_host())).all()
                 gated_core = from_bf16_bits(model.core[n:padded].copy_to_host())   # rule output, gated norm in place
                 assert not gated_core.any(), "padding rows: the rule writes zeros, the gated norm keeps them ±0"
             # one greedy decode step from the state the prefill left

@@ -18,6 +18,7 @@ tensors), and ``cos``/``sin`` are themselves bf16 (HF casts them to the activati
 """
 from __future__ import annotations
 
+import functools
 import math as pymath
 
 import numpy as np
@@ -25,7 +26,7 @@ import numpy as np
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.norm import normalize_element
 from pegainfer.kernels.primitives import (WARP, bf16_to_f32, cuda, device_fn, f32_to_bf16, float32, grid, int32,
-                                          kernel, math, threads, to_bf16_bits, warp_sum)
+                                          kernel, math, threads, to_bf16_bits, uint16, warp_sum)
 
 
 # ------------------------------------------------------------------------------------------------ host: tables
@@ -131,118 +132,154 @@ def rope_rotate_pair(lo, hi, cos_bits, sin_bits):
     return f32_to_bf16(lo_c + neg_hi_s), f32_to_bf16(hi_c + lo_s)
 
 
-@kernel
-def qk_norm_rope_store_kernel(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables,
-                              k_cache, v_cache, q_out, q_head_stride, rotary_dim, eps, weight_offset,
-                              round_before_weight):
-    """Per-head q/k RMSNorm + RoPE, q to ``q_out``, k and v into the paged KV cache.
+@functools.cache
+def _qk_norm_rope_kernel(dims_per_lane: int, pair_shift: int):
+    """Build the kernel for heads of at most ``32 · dims_per_lane`` dims; ``pair_shift`` = ``half / 32`` when the
+    rotary half is a multiple of 32 (the partner of dim ``lane + 32 j`` is register ``j + pair_shift``), else -1.
+    Both are compile-time constants so that the per-lane register arrays stay in registers."""
+    J = dims_per_lane
+    SHIFT = pair_shift
 
-    qkv          ``[tokens, row]`` bf16 bits: q head ``h`` at columns ``h·q_head_stride .. +D`` (``q_head_stride``
-                 is ``D``, or ``2·D`` when a gate follows each q head as in Qwen3.5), then ``nkv`` k heads of ``D``
-                 from column ``num_q_heads·q_head_stride``, then ``nkv`` v heads of ``D``
-    q_norm_w, k_norm_w ``[D]`` bf16 bits; cos, sin ``[max_len, rotary_dim/2]`` bf16 bits (``rope_tables``)
-    positions    ``[tokens]`` int32: the token's position in its sequence (row of cos/sin, place in the cache)
-    token_slots  ``[tokens]`` int32: the token's sequence slot (row of ``block_tables``); a negative slot marks a
-                 padding token: its q is still written, its k/v are not stored
-    block_tables ``[num_slots, max_pages_per_seq]`` int32: page ids of each slot's KV cache
-    k_cache, v_cache ``[num_pages, page_size, nkv, D]`` bf16 bits; q_out ``[tokens, num_q_heads, D]`` bf16 bits
+    @kernel
+    def qk_norm_rope_store_kernel(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables,
+                                  k_cache, v_cache, q_out, q_head_stride, rotary_dim, eps, weight_offset,
+                                  round_before_weight):
+        """Per-head q/k RMSNorm + RoPE, q to ``q_out``, k and v into the paged KV cache.
 
-    Math per head (``r = 1/sqrt(mean(x²) + eps)``): q, k: ``n = normalize_element(x, r, w)`` (norm.py's rounding,
-    chosen by ``weight_offset``/``round_before_weight``), then RoPE on ``n`` (module docstring); v: copied.
-    Destination of k/v for token t: page ``block_tables[token_slots[t], positions[t] // page_size]``, offset
-    ``positions[t] % page_size``.
+        qkv          ``[tokens, row]`` bf16 bits: q head ``h`` at columns ``h·q_head_stride .. +D`` (``q_head_stride``
+                     is ``D``, or ``2·D`` when a gate follows each q head as in Qwen3.5), then ``nkv`` k heads of ``D``
+                     from column ``num_q_heads·q_head_stride``, then ``nkv`` v heads of ``D``
+        q_norm_w, k_norm_w ``[D]`` bf16 bits; cos, sin ``[max_len, rotary_dim/2]`` bf16 bits (``rope_tables``)
+        positions    ``[tokens]`` int32: the token's position in its sequence (row of cos/sin, place in the cache)
+        token_slots  ``[tokens]`` int32: the token's sequence slot (row of ``block_tables``); a negative slot marks a
+                     padding token: its q is still written, its k/v are not stored
+        block_tables ``[num_slots, max_pages_per_seq]`` int32: page ids of each slot's KV cache
+        k_cache, v_cache ``[num_pages, page_size, nkv, D]`` bf16 bits; q_out ``[tokens, num_q_heads, D]`` bf16 bits
 
-    Geometry: **one warp per (token, head)**, heads numbered q, then k, then v (``num_q_heads + 2·nkv`` per token);
-    a block holds ``blockDim.x / 32`` warps and the grid strides over all (token, head) items.  Each lane sums the
-    squares of dims ``lane, lane+32, ..`` and ``warp_sum`` gives the head's total; then lane ``p`` rotates the pairs
-    ``(p, p + half)`` for ``p = lane, lane+32, ..`` re-reading the inputs (L1 hits), so no lane exchanges data and
-    any ``rotary_dim`` works.  Every lane of the block runs the same number of items and calls ``warp_sum`` once per
-    item (v heads and idle tail warps too), as the simulator's emulated shuffles require.
-    """
-    num_q_heads = q_out.shape[1]
-    head_dim = q_out.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    page_size = k_cache.shape[1]
-    heads_per_token = num_q_heads + 2 * num_kv_heads
-    total = qkv.shape[0] * heads_per_token
-    half = rotary_dim // 2
-    eps = float32(eps)
-    weight_offset = float32(weight_offset)
-    lane = cuda.threadIdx.x % WARP
-    warps_per_block = cuda.blockDim.x // WARP
-    k_col0 = num_q_heads * q_head_stride
-    v_col0 = k_col0 + num_kv_heads * head_dim
+        Math per head (``r = 1/sqrt(mean(x²) + eps)``): q, k: ``n = normalize_element(x, r, w)`` (norm.py's rounding,
+        chosen by ``weight_offset``/``round_before_weight``), then RoPE on ``n`` (module docstring); v: copied.
+        Destination of k/v for token t: page ``block_tables[token_slots[t], positions[t] // page_size]``, offset
+        ``positions[t] % page_size``.
 
-    for first in range(cuda.blockIdx.x * warps_per_block, total, cuda.gridDim.x * warps_per_block):
-        item = first + cuda.threadIdx.x // WARP
-        active = item < total
-        t = item // heads_per_token
-        h = item % heads_per_token
-        is_q = active and h < num_q_heads
-        is_k = active and h >= num_q_heads and h < num_q_heads + num_kv_heads
-        is_v = active and h >= num_q_heads + num_kv_heads
-        if is_q:
-            src = h * q_head_stride
-        elif is_k:
-            src = k_col0 + (h - num_q_heads) * head_dim
-        else:
-            src = v_col0 + (h - num_q_heads - num_kv_heads) * head_dim
+        Geometry: **one warp per (token, head)**, heads numbered q, then k, then v (``num_q_heads + 2·nkv`` per token);
+        a block holds ``blockDim.x / 32`` warps and the grid strides over all (token, head) items.  Lane l holds dims
+        ``l, l + 32, ..`` of its head (``dims_per_lane``) in registers.  The kernel is a chain of
+        dependent memory round trips, so every load that does not depend on another is issued first, together: the
+        head's values, its norm weights, the token's position and slot; then the cos/sin rows and the block-table entry
+        (they need the position); then ``warp_sum`` of the squares and the arithmetic.  Lane l rotates the pairs
+        ``(p, p + half)``, ``p = l, l + 32, ..``: when ``half`` is a multiple of 32 (every served model) the partner
+        ``p + half`` is in the same lane's registers; otherwise (tiny test heads) it is re-read (an L1 hit).  Every
+        lane of the block runs the same number of items and calls ``warp_sum`` once per item (v heads and idle tail
+        warps too), as the simulator's emulated shuffles require.
+        """
+        num_q_heads = q_out.shape[1]
+        head_dim = q_out.shape[2]
+        num_kv_heads = k_cache.shape[2]
+        page_size = k_cache.shape[1]
+        heads_per_token = num_q_heads + 2 * num_kv_heads
+        total = qkv.shape[0] * heads_per_token
+        half = rotary_dim // 2
+        eps = float32(eps)
+        weight_offset = float32(weight_offset)
+        lane = cuda.threadIdx.x % WARP
+        warps_per_block = cuda.blockDim.x // WARP
+        k_col0 = num_q_heads * q_head_stride
+        v_col0 = k_col0 + num_kv_heads * head_dim
+        x = cuda.local.array(J, uint16)     # dims lane + 32 j of the head
+        w = cuda.local.array(J, uint16)     # their norm weights
+        cs = cuda.local.array(J, uint16)    # cos / sin of the pairs p = lane + 32 j < half
+        sn = cuda.local.array(J, uint16)
 
-        # 1. sum of squares of the head (q and k only), reduced across the warp
-        ss = float32(0.0)
-        if is_q or is_k:
-            for i in range(lane, head_dim, WARP):
-                v = bf16_to_f32(qkv[t, src + i])
-                ss += v * v
-        ss = warp_sum(ss)
-        if not active:
-            continue
+        for first in range(cuda.blockIdx.x * warps_per_block, total, cuda.gridDim.x * warps_per_block):
+            item = first + cuda.threadIdx.x // WARP
+            active = item < total
+            t = min(item // heads_per_token, qkv.shape[0] - 1)
+            h = item % heads_per_token
+            is_q = active and h < num_q_heads
+            is_k = active and h >= num_q_heads and h < num_q_heads + num_kv_heads
+            is_v = active and h >= num_q_heads + num_kv_heads
+            if is_q:
+                src = h * q_head_stride
+            elif is_k:
+                src = k_col0 + (h - num_q_heads) * head_dim
+            else:
+                src = v_col0 + (h - num_q_heads - num_kv_heads) * head_dim
 
-        # 2. where this head goes
-        page = int32(0)
-        offset = int32(0)
-        kv_head = int32(0)
-        pos = int32(positions[t])
-        if not is_q:
+            # 1. independent loads, all at once: the head, its norm weights, position and slot
+            pos = int32(positions[t])
             slot = int32(token_slots[t])
-            if slot < 0:
-                continue  # padding token: nothing to store
-            page = int32(block_tables[slot, pos // page_size])
+            for j in range(J):
+                i = lane + WARP * j
+                if active and i < head_dim:
+                    x[j] = qkv[t, src + i]
+                    if is_q:
+                        w[j] = q_norm_w[i]
+                    elif is_k:
+                        w[j] = k_norm_w[i]
+            # 2. what needs the position: cos / sin of this lane's pairs, the KV page
+            if is_q or is_k:
+                for j in range(J):
+                    p = lane + WARP * j
+                    if p < half:
+                        cs[j] = cos[pos, p]
+                        sn[j] = sin[pos, p]
+            page = int32(0)
             offset = pos % page_size
-            kv_head = h - num_q_heads if is_k else h - num_q_heads - num_kv_heads
+            if (is_k or is_v) and slot >= 0:
+                page = int32(block_tables[slot, pos // page_size])
 
-        if is_v:
-            for i in range(lane, head_dim, WARP):
-                v_cache[page, offset, kv_head, i] = qkv[t, src + i]
-            continue
+            # 3. sum of squares of the head (q and k only), reduced across the warp
+            ss = float32(0.0)
+            if is_q or is_k:
+                for j in range(J):
+                    if lane + WARP * j < head_dim:
+                        v = bf16_to_f32(x[j])
+                        ss += v * v
+            ss = warp_sum(ss)
+            if not active or (not is_q and slot < 0):
+                continue  # idle warp, or a padding token's k/v: nothing to store
 
-        # 3. q/k: normalize + rotate the first rotary_dim dims, normalize the rest
-        inv_rms = float32(1.0) / math.sqrt(ss / float32(head_dim) + eps)
-        for p in range(lane, half, WARP):
-            if is_q:
-                w_lo = q_norm_w[p]
-                w_hi = q_norm_w[p + half]
-            else:
-                w_lo = k_norm_w[p]
-                w_hi = k_norm_w[p + half]
-            lo = bf16_to_f32(normalize_element(bf16_to_f32(qkv[t, src + p]), inv_rms, w_lo, weight_offset,
-                                               round_before_weight))
-            hi = bf16_to_f32(normalize_element(bf16_to_f32(qkv[t, src + p + half]), inv_rms, w_hi, weight_offset,
-                                               round_before_weight))
-            out_lo, out_hi = rope_rotate_pair(lo, hi, cos[pos, p], sin[pos, p])
-            if is_q:
-                q_out[t, h, p] = out_lo
-                q_out[t, h, p + half] = out_hi
-            else:
-                k_cache[page, offset, kv_head, p] = out_lo
-                k_cache[page, offset, kv_head, p + half] = out_hi
-        for i in range(rotary_dim + lane, head_dim, WARP):
-            if is_q:
-                q_out[t, h, i] = normalize_element(bf16_to_f32(qkv[t, src + i]), inv_rms, q_norm_w[i],
-                                                   weight_offset, round_before_weight)
-            else:
-                k_cache[page, offset, kv_head, i] = normalize_element(bf16_to_f32(qkv[t, src + i]), inv_rms,
-                                                                      k_norm_w[i], weight_offset, round_before_weight)
+            if is_v:
+                kv_head = h - num_q_heads - num_kv_heads
+                for j in range(J):
+                    i = lane + WARP * j
+                    if i < head_dim:
+                        v_cache[page, offset, kv_head, i] = x[j]
+                continue
+
+            # 4. q/k: normalize + rotate the first rotary_dim dims, normalize the rest
+            kv_head = h - num_q_heads
+            inv_rms = float32(1.0) / math.sqrt(ss / float32(head_dim) + eps)
+            for j in range(J):
+                p = lane + WARP * j
+                if p < half:
+                    lo = bf16_to_f32(normalize_element(bf16_to_f32(x[j]), inv_rms, w[j], weight_offset,
+                                                       round_before_weight))
+                    if SHIFT >= 0:                  # the partner dim p + half is in this lane's registers
+                        hi_x = x[min(j + SHIFT, J - 1)]
+                        hi_w = w[min(j + SHIFT, J - 1)]
+                    else:
+                        hi_x = qkv[t, src + p + half]
+                        hi_w = q_norm_w[p + half] if is_q else k_norm_w[p + half]
+                    hi = bf16_to_f32(normalize_element(bf16_to_f32(hi_x), inv_rms, hi_w, weight_offset,
+                                                       round_before_weight))
+                    out_lo, out_hi = rope_rotate_pair(lo, hi, cs[j], sn[j])
+                    if is_q:
+                        q_out[t, h, p] = out_lo
+                        q_out[t, h, p + half] = out_hi
+                    else:
+                        k_cache[page, offset, kv_head, p] = out_lo
+                        k_cache[page, offset, kv_head, p + half] = out_hi
+            for j in range(J):
+                i = lane + WARP * j
+                if i >= rotary_dim and i < head_dim:
+                    n = normalize_element(bf16_to_f32(x[j]), inv_rms, w[j], weight_offset, round_before_weight)
+                    if is_q:
+                        q_out[t, h, i] = n
+                    else:
+                        k_cache[page, offset, kv_head, i] = n
+
+    return qk_norm_rope_store_kernel
 
 
 def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables, k_cache, v_cache,
@@ -279,7 +316,9 @@ def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots
     block = threads(gpu=128, sim=32)
     warps_per_block = block // WARP
     items = num_tokens * (num_q_heads + 2 * num_kv_heads)
-    launch(qk_norm_rope_store_kernel, grid(items, per_block=warps_per_block, sim_cap=8), block,
+    half = rotary_dim // 2
+    kern = _qk_norm_rope_kernel(-(-head_dim // WARP), half // WARP if half % WARP == 0 else -1)
+    launch(kern, grid(items, per_block=warps_per_block, sim_cap=8), block,
            qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables, k_cache, v_cache, q_out,
            np.int32(q_head_stride), np.int32(rotary_dim), np.float32(eps),
            np.float32(weight_offset), bool(round_before_weight))

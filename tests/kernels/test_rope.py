@@ -101,7 +101,9 @@ def reference_rope(x, cos, sin, rotary_dim):
     (32, 16, 2, QWEN3_5),    # Qwen3.5: partial rotary, a gate after each q head, (1 + w) norm
     (16, 8, 1, QWEN3_5),
     (16, 6, 2, QWEN3),       # rotary half (3) not a divisor of anything: lanes pair across the warp
-], ids=["qwen3-d32", "qwen3.5-d32-partial", "d16-partial", "d16-odd-half-gated"])
+    (128, 128, 1, QWEN3),    # the served shapes: half a multiple of 32, the pair partner in the lane's registers
+    (256, 64, 2, QWEN3_5),
+], ids=["qwen3-d32", "qwen3.5-d32-partial", "d16-partial", "d16-odd-half-gated", "qwen3-d128", "qwen3.5-d256"])
 def test_qk_norm_rope_store(rng, head_dim, rotary_dim, stride_heads, form):
     nq, nkv, page_size, num_pages, max_len = 4, 2, 4, 10, 64
     q_head_stride = stride_heads * head_dim

@@ -1,6 +1,32 @@
 """The engine: owns the model, the page pool, the scheduler and the runner, and advances every request by one
-step per ``step()`` call. It is synchronous and single-threaded by design; ``async_engine.AsyncEngine`` drives it
-from a background thread for the server, and the CLI calls it directly."""
+step per ``step()`` call. It is single-threaded by design; ``async_engine.AsyncEngine`` drives it from a background
+thread for the server, and the CLI calls it directly.
+
+Async scheduling (``async_scheduling=True``, the default) hides the host's per-step work — scheduling, building
+and uploading the step inputs, launching the graph, reading the ids back, ``_append`` with detokenisation and stop
+checks — behind the GPU's work. While decode step N runs, step N+1 of the same batch is launched before N's tokens
+reach the host: its input ids are N's ``out_ids``, copied on the device (stream order makes that correct), its
+positions and sampling counters one further, its pages reserved beforehand. Then the host reads and processes N::
+
+    host:  launch N │ launch N+1 │ wait N, append N │ launch N+2 │ wait N+1, append N+1 │ ...
+    GPU:   ═══ N ═══════════════╪═══ N+1 ═════════════════╪═══ N+2 ══════════════════════ ...
+                                 (no idle gap: N+1 was queued before the host began on N's tokens)
+
+    step() call k:  [step N in flight]  → launch N+1 (ahead) → read + append N → return N's outputs
+                                          └ only when the batch cannot change, otherwise:
+                    [step N in flight]  → read + append N → return (the next call schedules normally)
+
+Step N+1 is launched ahead only when nothing can change the batch: no pending abort, the running sequences are
+exactly N's (none finished at N-1), no waiting request would be admitted, no sequence wants logprobs (N+1 would
+overwrite the logits the host reads for N), none is sure to stop at N (max_tokens, context full), and pages for
+position +1 are available. A sequence that turns out to stop at N (EOS, stop string, ...) is finished as usual; its
+N+1 token is discarded when read (a token for a finished sequence is never emitted), and since the next call sees a
+changed batch, it only drains N+1 before normal scheduling resumes. Every other token is the token the synchronous
+engine would produce: a greedy or seeded draw depends only on the sequence's history and its counter — provided
+the model's per-row results do not depend on which other rows share the batch (step N+1 may still carry a row for
+a sequence that stopped at N, and a request arriving mid-decode joins one step later than it would synchronously).
+Pinned buffers: the runner alternates two output buffers and rewrites its input mirrors (and the pool its block
+table) only after the previous upload from them has executed."""
 from __future__ import annotations
 
 import contextlib
@@ -10,9 +36,9 @@ from pathlib import Path
 from typing import Optional
 
 from pegainfer.engine.kv_cache import PagePool
-from pegainfer.engine.runner import ModelRunner
+from pegainfer.engine.runner import ModelRunner, PendingStep
 from pegainfer.engine.scheduler import Scheduler
-from pegainfer.engine.sequence import Sequence
+from pegainfer.engine.sequence import Sequence, Status
 from pegainfer.engine.stopping import text_and_finish_reason
 from pegainfer.engine.types import RequestOutput, SamplingParams, TokenLogprob
 from pegainfer.errors import PegainferError, RequestError
@@ -35,7 +61,8 @@ def _free_gpu_bytes() -> int:
 
 class Engine:
     def __init__(self, folder: Path, model, cfg, gen, tokenizer, chat_template, max_model_len: int,
-                 max_batch: int, max_prefill_tokens: int, num_pages: int, use_cuda_graph: bool):
+                 max_batch: int, max_prefill_tokens: int, num_pages: int, use_cuda_graph: bool,
+                 async_scheduling: bool = True):
         self.folder = folder
         self.model = model
         self.model_config = cfg
@@ -53,12 +80,14 @@ class Engine:
         self.is_demo = bool(cfg.raw.get("pegainfer_demo", False))
         self.tracer = None                     # a pegainfer.trace.ChromeTracer while tracing
         self._kernel_traced: set[str] = set()  # step kinds already traced kernel by kernel
+        self.async_scheduling = async_scheduling
+        self._inflight: Optional[PendingStep] = None   # a launched decode step whose tokens the host has not read
 
     # ------------------------------------------------------------------------------------------------ build
     @classmethod
     def from_folder(cls, model_path: Optional[str] = None, max_model_len: Optional[int] = None,
                     max_batch: int = 1, max_prefill_tokens: int = 2048, use_cuda_graph: bool = True,
-                    verbose: bool = False) -> "Engine":
+                    verbose: bool = False, async_scheduling: bool = True) -> "Engine":
         from pegainfer.config import load_generation_config, load_model_config
         from pegainfer.models import model_class
         from pegainfer.text.chat import ChatTemplate
@@ -107,7 +136,7 @@ class Engine:
         weights_s = time.perf_counter() - t_load
         model.allocate(pages, PAGE_SIZE)
         eng = cls(folder, model, cfg, gen, tokenizer, chat_template, mml, max_batch, min(max_prefill_tokens, mml),
-                  pages, use_cuda_graph)
+                  pages, use_cuda_graph, async_scheduling)
         eng.weights_load_s = weights_s
         t_warm = time.perf_counter()
         eng.warmup()
@@ -167,9 +196,8 @@ class Engine:
         """Logits ``[T, V]`` (float32, host) at every position of ``token_ids`` (teacher forcing), computed through
         the normal prefill path in chunks of up to SCORE_ROWS tokens. Used by the Hugging Face oracle tests."""
         import numpy as np
-        if self.has_unfinished():
+        if self.has_unfinished() or self._inflight is not None:
             raise RuntimeError("score() needs an idle engine")
-        from pegainfer.engine.sequence import Sequence
         seq = Sequence("__score__", token_ids, SamplingParams(temperature=0.0), None, None)
         self.pool.ensure_capacity(slot := self.pool.acquire_slot(), len(token_ids))
         seq.slot = slot
@@ -187,13 +215,9 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
-        for rid in self._aborted:
-            seq = self._seqs.get(rid)
-            if seq is not None:
-                outputs.append(self._finish(seq, "abort"))
-        self._aborted.clear()
-
+        if self._inflight is not None:
+            return self._step_inflight()
+        outputs = self._finish_aborted()
         sched = self.scheduler.schedule()
         if sched is None:
             return outputs
@@ -210,6 +234,8 @@ class Engine:
                 token, _ = self.runner.prefill(seq, sched.start, sched.length, force_eager=trace_kernels)
                 if token is not None:
                     outputs.append(self._append(seq, token, 0))
+            elif self.async_scheduling and not trace_kernels:
+                outputs += self._read_launching_ahead(self.runner.launch_decode(sched.seqs))
             else:
                 tokens = self.runner.decode(sched.seqs, force_eager=trace_kernels)
                 for row, (seq, token) in enumerate(zip(sched.seqs, tokens)):
@@ -221,6 +247,68 @@ class Engine:
             label = (f"prefill {sched.seqs[0].request_id} ({sched.length} tokens)" if sched.kind == "prefill"
                      else f"decode batch {len(sched.seqs)}")
             tracer.span(label, t_step, time.perf_counter(), "engine steps")
+        return outputs
+
+    def _finish_aborted(self) -> list[RequestOutput]:
+        outputs = []
+        for rid in self._aborted:
+            seq = self._seqs.get(rid)
+            if seq is not None:
+                outputs.append(self._finish(seq, "abort"))
+        self._aborted.clear()
+        return outputs
+
+    # ------------------------------------------------------------------------------------------------ async steps
+    def _step_inflight(self) -> list[RequestOutput]:
+        """A step() call while a decode step launched ahead is in flight: abort first (an aborted sequence's token
+        in that step is discarded, as the synchronous engine would never have computed it), then read that step,
+        launching the next one ahead of the read when the batch stays the same."""
+        pending, self._inflight = self._inflight, None
+        t_step = time.perf_counter()
+        outputs = self._finish_aborted()
+        outputs += self._read_launching_ahead(pending)
+        if self.tracer is not None:
+            self.tracer.span(f"decode batch {pending.B} (launched ahead)", t_step, time.perf_counter(),
+                             "engine steps")
+        return outputs
+
+    def _read_launching_ahead(self, pending: PendingStep) -> list[RequestOutput]:
+        """Launch the step after ``pending`` (same batch, ids from the device) if nothing can change the batch, then
+        read and append ``pending``'s tokens."""
+        ahead = self.runner.launch_decode(pending.seqs, ahead=1) if self._can_launch_ahead(pending.seqs) else None
+        outputs = self._read(pending)
+        if ahead is not None and all(seq.status is Status.FINISHED for seq in ahead.seqs):
+            self._read(ahead)           # nobody left to use its tokens: drain now, so an idle engine is idle
+            ahead = None
+        self._inflight = ahead
+        return outputs
+
+    def _can_launch_ahead(self, seqs: list[Sequence]) -> bool:
+        """Whether the step after the in-flight decode step of ``seqs`` would decode exactly ``seqs`` again (and
+        reserve the pages it needs for that)."""
+        if self._aborted or self.scheduler.running != seqs or self.scheduler.can_admit_waiting():
+            return False
+        for seq in seqs:
+            p = seq.params
+            if seq.status is not Status.RUNNING or p.logprobs is not None:
+                return False
+            # the in-flight step will surely finish it (no EOS/stop-string check needed): don't compute a token
+            # past its end
+            if len(seq.output_ids) + 1 >= p.max_tokens or seq.num_tokens + 1 >= self.max_model_len:
+                return False
+        # the in-flight step writes position num_tokens - 1; the one ahead writes num_tokens (+1 spare, as schedule)
+        return all(self.pool.ensure_capacity(seq.slot, seq.num_tokens + 2) for seq in seqs)
+
+    def _read(self, pending: PendingStep) -> list[RequestOutput]:
+        """Wait for a launched decode step's tokens and append them; a sequence that finished (or was aborted)
+        after the step was launched gets none: that token is discarded."""
+        tokens = self.runner.wait(pending)
+        outputs = []
+        for row, (seq, token) in enumerate(zip(pending.seqs, tokens)):
+            if seq.status is Status.FINISHED:
+                continue
+            seq.num_cached = seq.num_tokens
+            outputs.append(self._append(seq, token, row))
         return outputs
 
     def _append(self, seq: Sequence, token: int, row: int) -> RequestOutput:

@@ -3,12 +3,17 @@
 The device tensors themselves belong to the model (only its attention layers have KV caches, and a hybrid model
 also keeps recurrent state per slot); this module hands out page ids and slot ids and keeps the block table —
 ``block_tables[slot, i]`` is the physical page holding tokens ``[i*page_size, (i+1)*page_size)`` of that slot's
-sequence — mirrored on the device for the kernels.
+sequence — mirrored on the device for the kernels. With async scheduling the host allocates or frees pages while
+the step that copies the table may not have run yet, so every write to the host table first waits for the last
+asynchronous copy from it to have executed (required were the table pinned; a cheap guarantee either way).
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import cuda
+
+from pegainfer.device import SIMULATOR
+from pegainfer.engine.step_inputs import wait_event
 
 
 class PagePool:
@@ -25,6 +30,13 @@ class PagePool:
         self.block_tables_host = np.zeros((num_slots, self.max_pages_per_seq), dtype=np.int32)
         self.block_tables = cuda.to_device(self.block_tables_host)
         self._dirty = False
+        self._copied = cuda.event(timing=False) if not SIMULATOR else None
+        self._copy_pending = False   # a copy from block_tables_host was enqueued and may not have run yet
+
+    def _before_host_write(self) -> None:
+        if self._copy_pending:
+            wait_event(self._copied)
+            self._copy_pending = False
 
     # -------------------------------------------------------------------------------------------- accounting
     @property
@@ -55,6 +67,7 @@ class PagePool:
             return True
         if need > len(self._free_pages) or len(pages) + need > self.max_pages_per_seq:
             return False
+        self._before_host_write()
         for _ in range(need):
             page = self._free_pages.pop()
             self.block_tables_host[slot, len(pages)] = page
@@ -64,6 +77,7 @@ class PagePool:
 
     def release(self, slot: int) -> None:
         """Return a slot and all its pages to the pool."""
+        self._before_host_write()
         pages = self._pages_of_slot.pop(slot, [])
         self._free_pages.extend(reversed(pages))
         self.block_tables_host[slot, :] = 0
@@ -75,3 +89,6 @@ class PagePool:
         if self._dirty:
             self.block_tables.copy_to_device(self.block_tables_host, stream=stream)
             self._dirty = False
+            if self._copied is not None:
+                self._copied.record(stream)
+                self._copy_pending = True

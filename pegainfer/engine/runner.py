@@ -4,10 +4,18 @@ sampled token ids back to the host.
 Decode steps of a given batch size can be captured once into a CUDA graph and replayed (``CudaGraphs``); the
 per-step values (token ids, positions, slots, sampling parameters) live in device buffers that are refreshed
 before each replay, so the graph itself never changes.
+
+Decode steps can also be *launched* without being waited for (``launch_decode`` → ``PendingStep``, read later by
+``wait``), which is what the engine's async scheduling builds on: a step launched with ``ahead=1`` takes its input
+token ids from the device (the previous step's ``out_ids``, copied device-to-device after the input upload, so
+stream order makes it correct) and its positions and sampling counters one further than the host knows. Two
+pinned output buffers alternate between launches, so the result of the step being read is never overwritten by
+the copy of the step launched after it; the pinned input mirrors are only rewritten once the previous upload
+from them has completed (``_wait_inputs_free``).
 """
 from __future__ import annotations
 
-import time
+from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda
@@ -16,7 +24,16 @@ from pegainfer.device import SIMULATOR
 from pegainfer.engine.cuda_graph import prefill_bucket
 from pegainfer.kernels import sampling
 from pegainfer.kernels.launch import on_stream
-from pegainfer.engine.step_inputs import StepInputs
+from pegainfer.engine.step_inputs import StepInputs, wait_event
+
+
+@dataclass
+class PendingStep:
+    """A launched decode step whose sampled ids are still on their way to pinned host buffer ``buffer``."""
+    seqs: list
+    B: int
+    buffer: int
+    ahead: int       # 1: launched before the host had the previous step's tokens (its ids came from the device)
 
 
 class ModelRunner:
@@ -31,8 +48,20 @@ class ModelRunner:
                                                              self.step.h_rows)
         self.sampling = sampling.SamplingBuffers(R)
         self.out_ids = cuda.to_device(np.zeros(R, dtype=np.int32))
-        self.h_out = _pinned(R)
-        self.done = cuda.event(timing=False) if not SIMULATOR else None
+        # Two pinned output buffers (and their copy-done events), used alternately by successive launches: the
+        # host may read step N's ids while step N+1's ids are being copied into the other buffer.
+        self.h_outs = [_pinned(R), _pinned(R)]
+        self.out_done = [cuda.event(timing=False), cuda.event(timing=False)] if not SIMULATOR else [None, None]
+        self._next_buffer = 0
+        # Recorded after each step's input upload: the pinned input mirrors (StepInputs, SamplingBuffers) may only
+        # be rewritten once it has completed, since an asynchronous copy reads pinned memory when it executes.
+        self.inputs_uploaded = cuda.event(timing=False) if not SIMULATOR else None
+        self._uploaded_recorded = False
+        # A step launched ahead overwrites the model's logits before the host has read the previous step's tokens,
+        # so the previous step's logits rows are first copied (on the device, in stream order) here; logits_host
+        # reads them while that ahead step is unread. Allocated at the first ahead launch.
+        self.prev_logits = None
+        self._unread_ahead: "PendingStep | None" = None
         self.sample_workspace = cuda.device_array(max(1, sampling.sample_workspace_size(R, model.V)), np.float32)
         self.graphs = None
         if use_cuda_graph and not SIMULATOR:
@@ -40,15 +69,24 @@ class ModelRunner:
             self.graphs = StepGraphs(self)
 
     # -------------------------------------------------------------------------------------------- inputs
+    def _wait_inputs_free(self) -> None:
+        """Block until the last upload from the pinned input mirrors has executed (at once in synchronous use)."""
+        if self._uploaded_recorded:
+            wait_event(self.inputs_uploaded)
+            self._uploaded_recorded = False
+
     def _upload(self) -> None:
         s = self.stream
         self.pool.sync(s)
         self.step.upload(s)
         self.sampling.upload(s)
+        if self.inputs_uploaded is not None:
+            self.inputs_uploaded.record(s)
+            self._uploaded_recorded = True
 
-    def _set_sampling(self, row: int, seq) -> None:
+    def _set_sampling(self, row: int, seq, ahead: int = 0) -> None:
         p = seq.params
-        self.sampling.set_row(row, p.temperature, p.top_k, p.top_p, p.min_p, seq.seed, len(seq.output_ids))
+        self.sampling.set_row(row, p.temperature, p.top_k, p.top_p, p.min_p, seq.seed, len(seq.output_ids) + ahead)
 
     def forward_and_sample(self, T: int, B: int):
         """Run the model on the uploaded step and sample B tokens (device); returns the logits view."""
@@ -56,16 +94,26 @@ class ModelRunner:
         sampling.sample(logits, self.sampling, self.out_ids[:B], self.sample_workspace)
         return logits
 
+    def _copy_out(self, B: int) -> int:
+        """Enqueue the copy of the B sampled ids into the next pinned output buffer; returns the buffer's index."""
+        i = self._next_buffer
+        self._next_buffer = 1 - i
+        self.out_ids[:B].copy_to_host(self.h_outs[i][:B], stream=self.stream)
+        if self.out_done[i] is not None:
+            self.out_done[i].record(self.stream)
+        return i
+
+    def _read_out(self, buffer: int, B: int) -> np.ndarray:
+        """Wait for the ids copied into ``buffer``. The wait polls an event and yields the GIL between polls: a
+        blocking synchronize would hold the GIL for the whole step, starving the server's event loop (in the same
+        process) so streamed chunks would only go out when the engine idles."""
+        if self.out_done[buffer] is not None:
+            wait_event(self.out_done[buffer])
+        return np.array(self.h_outs[buffer][:B])
+
     def _finish(self, B: int) -> np.ndarray:
-        """Copy the B sampled ids to pinned host memory and wait for them. The wait polls an event and yields the
-        GIL between polls: a blocking synchronize would hold the GIL for the whole step, starving the server's
-        event loop (in the same process) so streamed chunks would only go out when the engine idles."""
-        self.out_ids[:B].copy_to_host(self.h_out[:B], stream=self.stream)
-        if not SIMULATOR:
-            self.done.record(self.stream)
-            while not _event_done(self.done):
-                time.sleep(0)
-        return np.array(self.h_out[:B])
+        """Copy the B sampled ids to pinned host memory and wait for them."""
+        return self._read_out(self._copy_out(B), B)
 
     # -------------------------------------------------------------------------------------------- steps
     def prefill(self, seq, start: int, length: int, want_logits: bool = False, force_eager: bool = False):
@@ -76,6 +124,7 @@ class ModelRunner:
         have slot -1: no K/V written, output ignored) and replayed from the bucket's CUDA graph when captured."""
         T = length
         ids = seq.prompt_ids[start:start + length]
+        self._wait_inputs_free()
         self.h_ids[:T] = ids
         self.h_pos[:T] = np.arange(start, start + length, dtype=np.int32)
         self.h_slots[:T] = seq.slot
@@ -116,39 +165,62 @@ class ModelRunner:
 
     def decode(self, seqs, force_eager: bool = False):
         """One token for each sequence in ``seqs`` (their last token goes in; the sampled next token comes out)."""
+        tokens = self.wait(self.launch_decode(seqs, force_eager=force_eager))
+        for seq in seqs:
+            seq.num_cached = seq.num_tokens
+        return tokens
+
+    def launch_decode(self, seqs, ahead: int = 0, force_eager: bool = False) -> PendingStep:
+        """Enqueue one decode step for ``seqs`` (uploads, forward + sample, the copy of the ids to a pinned buffer)
+        without waiting for it; ``wait`` reads its ids.
+
+        ``ahead=0``: each sequence's last host token goes in at position ``num_tokens - 1``.
+        ``ahead=1``: the step right after the one last launched, for the very same ``seqs`` in the same order,
+        launched before the host has read that step's tokens: the input ids are that step's ``out_ids``, copied on
+        the device (stream order: after that step's sampler, before this step's forward), positions and sampling
+        counters are one further. The caller must have reserved pages for position ``num_tokens``."""
         B = len(seqs)
+        self._wait_inputs_free()
         for r, seq in enumerate(seqs):
-            self.h_ids[r] = seq.last_token()
-            self.h_pos[r] = seq.num_tokens - 1
+            if ahead == 0:
+                self.h_ids[r] = seq.last_token()
+            self.h_pos[r] = seq.num_tokens - 1 + ahead
             self.h_slots[r] = seq.slot
             self.h_rows[r] = r
-            self._set_sampling(r, seq)
+            self._set_sampling(r, seq, ahead)
         with on_stream(self.stream):
+            if ahead:
+                if self.prev_logits is None:
+                    self.prev_logits = cuda.device_array(self.model.logits.shape, self.model.logits.dtype)
+                self.prev_logits[:B].copy_to_device(self.model.logits[:B], stream=self.stream)
             self._upload()
+            if ahead:
+                # ids[r] ← out_ids[r] of the previous step (the upload above wrote stale values there first)
+                self.step.ids[:B].copy_to_device(self.out_ids[:B], stream=self.stream)
             if self.graphs is not None and not force_eager and self.graphs.has(B, B):
                 self.graphs.replay(B, B)
             else:
                 self.forward_and_sample(B, B)
-        out = self._finish(B)
-        for seq in seqs:
-            seq.num_cached = seq.num_tokens
-        return [int(x) for x in out]
+            buffer = self._copy_out(B)
+        pending = PendingStep(list(seqs), B, buffer, ahead)
+        self._unread_ahead = pending if ahead else None
+        return pending
+
+    def wait(self, pending: PendingStep) -> list[int]:
+        """The ids sampled by a launched decode step (blocks until they are on the host)."""
+        if pending is self._unread_ahead:
+            self._unread_ahead = None
+        return [int(x) for x in self._read_out(pending.buffer, pending.B)]
 
     def logits_host(self, B: int) -> np.ndarray:
-        """The last step's logits rows as float32 on the host (for logprobs and tests)."""
+        """The logits rows of the last step whose ids were read, as float32 on the host (for logprobs and tests);
+        while a step launched ahead is unread, these are the copy taken before it overwrote the model's logits."""
         from pegainfer.kernels.primitives import from_bf16_bits
-        return from_bf16_bits(self.model.logits[:B].copy_to_host())
-
-
-def _event_done(event) -> bool:
-    """cuEventQuery without numba's wrapper (which logs an ERROR line for every not-yet-ready poll)."""
-    from cuda.bindings import driver as drv
-    (err,) = drv.cuEventQuery(event.handle)
-    if err == drv.CUresult.CUDA_SUCCESS:
-        return True
-    if err == drv.CUresult.CUDA_ERROR_NOT_READY:
-        return False
-    raise RuntimeError(f"cuEventQuery failed: {err}")
+        logits = self.model.logits
+        if self._unread_ahead is not None:
+            logits = self.prev_logits
+            self._wait_inputs_free()    # the copy into prev_logits precedes the ahead step's upload on the stream
+        return from_bf16_bits(logits[:B].copy_to_host())
 
 
 def _pinned(n: int) -> np.ndarray:

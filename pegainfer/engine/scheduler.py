@@ -41,15 +41,13 @@ class Scheduler:
             if not seq.prefill_done:
                 return self._prefill_chunk(seq)
         # 2. admit a waiting sequence if it fits
-        if self.waiting and len(self.running) < self.max_batch:
-            seq = self.waiting[0]
-            if self.pool.can_admit(len(seq.prompt_ids) + 1):
-                self.waiting.popleft()
-                seq.slot = self.pool.acquire_slot()
-                self.pool.ensure_capacity(seq.slot, len(seq.prompt_ids) + 1)
-                seq.status = Status.RUNNING
-                self.running.append(seq)
-                return self._prefill_chunk(seq)
+        if self.can_admit_waiting():
+            seq = self.waiting.popleft()
+            seq.slot = self.pool.acquire_slot()
+            self.pool.ensure_capacity(seq.slot, len(seq.prompt_ids) + 1)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            return self._prefill_chunk(seq)
         # 3. decode every running sequence (pages for the next token are reserved here)
         batch = []
         for seq in self.running[: self.max_batch]:
@@ -58,6 +56,11 @@ class Scheduler:
         if batch:
             return ScheduledStep("decode", batch)
         return None
+
+    def can_admit_waiting(self) -> bool:
+        """Whether the next ``schedule`` would admit (and prefill) the first waiting sequence."""
+        return bool(self.waiting) and len(self.running) < self.max_batch and \
+            self.pool.can_admit(len(self.waiting[0].prompt_ids) + 1)
 
     def _prefill_chunk(self, seq: Sequence) -> ScheduledStep:
         start = seq.num_cached

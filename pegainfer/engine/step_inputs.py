@@ -6,6 +6,8 @@ of the engine, so CUDA graphs captured over them remain valid; only their conten
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from numba import cuda
 
@@ -33,3 +35,17 @@ class StepInputs:
     def upload(self, stream=0) -> None:
         """One asynchronous host→device copy of every input (a few KB)."""
         self.device.copy_to_device(self.host, stream=stream)
+
+
+def wait_event(event) -> None:
+    """Block until ``event`` has completed, polling and yielding the GIL between polls (a blocking synchronize
+    would hold the GIL and starve the server's event loop in the same process). A never-recorded event counts as
+    complete. Not called in the simulator, where every copy and launch is synchronous."""
+    from cuda.bindings import driver as drv
+    while True:
+        (err,) = drv.cuEventQuery(event.handle)   # not numba's wrapper: it logs an ERROR for every NOT_READY poll
+        if err == drv.CUresult.CUDA_SUCCESS:
+            return
+        if err != drv.CUresult.CUDA_ERROR_NOT_READY:
+            raise RuntimeError(f"cuEventQuery failed: {err}")
+        time.sleep(0)

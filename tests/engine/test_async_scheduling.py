@@ -1,0 +1,205 @@
+"""Async scheduling (a decode step launched before the previous step's tokens are read) must not change anything a
+client sees: the same tokens, text, logprobs and finish reasons as the synchronous engine, for concurrent requests
+of different lengths, greedy and seeded, with max_tokens, EOS / stop token ids / stop strings, min_tokens,
+aborts, arrivals mid-decode and logprobs; and every page and slot comes back. The engine is the real one (scheduler,
+page pool, runner, sampler, detokenizer, stop rules) over ``tiny_model.TinyHistoryModel``, whose next token
+depends on every cached id of the sequence (read through the block table)."""
+from __future__ import annotations
+
+import pytest
+
+from pegainfer.engine.types import SamplingParams
+from tests.engine.tiny_model import tiny_engine
+
+
+def counting(engine):
+    """Count the decode steps the runner launches ahead (ids taken from the device) and the tokens discarded
+    (computed ahead for a sequence that had finished meanwhile)."""
+    engine.ahead_launches = 0
+    launch = engine.runner.launch_decode
+
+    def launch_decode(seqs, ahead=0, force_eager=False):
+        engine.ahead_launches += ahead
+        return launch(seqs, ahead=ahead, force_eager=force_eager)
+    engine.runner.launch_decode = launch_decode
+    engine.discarded = 0
+    read = engine._read
+
+    def _read(pending):
+        engine.discarded += sum(seq.finish_reason is not None for seq in pending.seqs)
+        return read(pending)
+    engine._read = _read
+    return engine
+
+
+def run(async_scheduling, requests, events=(), **engine_kw):
+    """Add ``requests`` [(id, prompt, params)], step until done; ``events`` [(request id, after n tokens, action)]
+    with action ("abort",) or ("add", id, prompt, params) fire once that request has received n tokens. Returns
+    ({id: (token ids, text, finish reason, logprobs)}, engine)."""
+    engine = counting(tiny_engine(async_scheduling, **engine_kw))
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    got = {}
+    pending = list(events)
+    while engine.has_unfinished():
+        for out in engine.step():
+            ids, text, reason, lps = got.setdefault(out.request_id, ([], [], [None], []))
+            assert reason[0] is None, f"{out.request_id}: output after it finished"
+            ids += out.new_token_ids
+            text.append(out.delta_text)
+            lps += [(lp.token_id, round(lp.logprob, 6), lp.top) for lp in (out.logprobs or [])]
+            if out.finished:
+                reason[0] = out.finish_reason
+        for ev in list(pending):
+            rid, n, action = ev
+            if len(got.get(rid, ([],))[0]) >= n:
+                pending.remove(ev)
+                if action[0] == "abort":
+                    engine.abort(rid)
+                else:
+                    engine.add_request(*action[1:])
+    assert not pending, pending
+    assert engine._inflight is None
+    s = engine.stats()
+    assert (s["waiting"], s["running"], s["kv_pages_used"], s["slots_used"]) == (0, 0, 0, 0), s
+    return {k: (ids, "".join(t), r[0], lps) for k, (ids, t, r, lps) in got.items()}, engine
+
+
+def same_both_ways(requests, events=(), expect_ahead=True, **engine_kw):
+    sync, e_sync = run(False, requests, events, **engine_kw)
+    overlap, e_async = run(True, requests, events, **engine_kw)
+    assert overlap == sync
+    assert e_sync.ahead_launches == 0
+    if expect_ahead:
+        assert e_async.ahead_launches > 0
+    return sync, e_async
+
+
+def greedy(n, **kw):
+    return SamplingParams(max_tokens=n, temperature=0.0, **kw)
+
+
+def seeded(n, seed, **kw):
+    return SamplingParams(max_tokens=n, temperature=0.9, top_k=20, top_p=0.95, seed=seed, **kw)
+
+
+MIXED = [("a", [1, 2, 3], greedy(12, ignore_eos=True)),
+         ("b", [9, 8], seeded(7, 11, ignore_eos=True)),
+         ("c", [4, 4, 4, 4, 7], greedy(9, ignore_eos=True)),
+         ("d", [3], seeded(14, 5, ignore_eos=True))]
+
+
+def test_concurrent_greedy_and_seeded_same_streams():
+    out, engine = same_both_ways(MIXED)   # max_batch 3: "d" waits for a free slot, then joins mid-decode
+    assert {k: len(v[0]) for k, v in out.items()} == {"a": 12, "b": 7, "c": 9, "d": 14}
+    assert all(v[2] == "length" for v in out.values())
+
+
+def test_single_request_overlaps_every_decode_step():
+    out, engine = same_both_ways([("a", [1, 2], greedy(10, ignore_eos=True))])
+    # prefill gives token 1, decode steps tokens 2..10: all but the first are launched ahead, and no step past the
+    # 10th token (max_tokens is known to end the request before it would be launched)
+    assert engine.ahead_launches == 8
+
+
+def test_stop_token_mid_stream_discards_the_step_launched_ahead():
+    ref, _ = run(False, [("a", [1, 2, 3], greedy(12, ignore_eos=True))])
+    stop = ref["a"][0][5]            # a token from the middle of the free-running stream
+    first = ref["a"][0].index(stop)
+    reqs = [("a", [1, 2, 3], greedy(12, ignore_eos=True, stop_token_ids=[stop])),
+            ("b", [9, 8], seeded(10, 11, ignore_eos=True)),
+            ("c", [4, 7], greedy(11, ignore_eos=True))]
+    out, engine = same_both_ways(reqs)
+    assert engine.discarded == 1      # "a"'s token after its stop token was computed, and never emitted
+    assert out["a"][0] == ref["a"][0][:first + 1] and out["a"][2] == "stop"
+    assert len(out["b"][0]) == 10 and len(out["c"][0]) == 11
+
+
+def test_eos_min_tokens_and_stop_strings():
+    ref, _ = run(False, MIXED)
+    eos = ref["c"][0][4]
+    text_b = ref["b"][1]
+    stop_str = text_b[len(text_b) // 2: len(text_b) // 2 + 2] if len(text_b) >= 4 else "zz"
+    reqs = [("a", [1, 2, 3], greedy(12, min_tokens=3)),
+            ("b", [9, 8], seeded(7, 11, ignore_eos=True, stop=[stop_str])),
+            ("c", [4, 4, 4, 4, 7], greedy(9)),
+            ("d", [3], seeded(14, 5, stop_token_ids=[ref["d"][0][2]], min_tokens=4))]
+    out, _ = same_both_ways(reqs, eos_token_ids=(eos,))
+    assert out["c"][2] == "stop" and out["c"][0][-1] == eos
+
+
+def test_abort_mid_generation():
+    events = [("b", 3, ("abort",)), ("c", 1, ("abort",))]
+    out, engine = same_both_ways(MIXED, events)
+    assert engine.discarded >= 1      # the step in flight when an abort arrived had a token for it
+    assert out["b"][2] == "abort" and len(out["b"][0]) == 3
+    assert out["c"][2] == "abort" and len(out["c"][0]) == 1
+    assert len(out["a"][0]) == 12 and len(out["d"][0]) == 14
+
+
+def test_request_arriving_mid_decode():
+    reqs = [("a", [1, 2, 3], greedy(12, ignore_eos=True)), ("b", [9, 8], seeded(9, 11, ignore_eos=True))]
+    events = [("a", 4, ("add", "late", [6, 5, 4], seeded(6, 2, ignore_eos=True))),
+              ("b", 6, ("add", "later", [2], greedy(5, ignore_eos=True)))]
+    out, _ = same_both_ways(reqs, events)
+    assert len(out["late"][0]) == 6 and len(out["later"][0]) == 5
+
+
+def test_logprobs_request_runs_synchronously_and_matches():
+    reqs = [("a", [1, 2, 3], greedy(8, ignore_eos=True, logprobs=3)),
+            ("b", [9, 8], seeded(12, 11, ignore_eos=True)),
+            ("c", [5], seeded(16, 4, ignore_eos=True))]
+    events = [("b", 10, ("add", "late", [7, 7], greedy(4, ignore_eos=True, logprobs=1)))]
+    # steps are launched ahead only while no running request asks for logprobs (between "a" and "late")
+    out, _ = same_both_ways(reqs, events)
+    assert len(out["a"][3]) == 8 and len(out["late"][3]) == 4 and out["b"][3] == out["c"][3] == []
+
+
+def test_logprobs_alone_never_launches_ahead():
+    out, engine = same_both_ways([("a", [1, 2], greedy(6, ignore_eos=True, logprobs=2))], expect_ahead=False)
+    assert engine.ahead_launches == 0 and len(out["a"][3]) == 6
+
+
+def test_short_of_pages_falls_back_and_frees_everything():
+    # 5 pages of 16 tokens for 3 sequences of up to 40 tokens: the scheduler keeps running out of pages
+    reqs = [(f"r{i}", [1 + i] * (3 + i), greedy(24 + i, ignore_eos=True)) for i in range(3)]
+    same_both_ways(reqs, num_pages=5, expect_ahead=False)
+
+
+def test_context_full_finishes_with_length():
+    out, _ = same_both_ways([("a", [1, 2, 3], greedy(100, ignore_eos=True)),
+                             ("b", [4] * 20, seeded(100, 8, ignore_eos=True))], max_model_len=32)
+    assert len(out["a"][0]) == 32 - 3 and len(out["b"][0]) == 32 - 20
+    assert out["a"][2] == out["b"][2] == "length"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_is_idle_after_the_last_request(async_scheduling):
+    """No step stays in flight once every request is finished (score() and warmup need an idle engine)."""
+    ref, _ = run(False, [("a", [1, 2, 3], greedy(12, ignore_eos=True))])
+    stop = ref["a"][0][6]
+    _, engine = run(async_scheduling, [("a", [1, 2, 3], greedy(12, ignore_eos=True, stop_token_ids=[stop]))])
+    assert engine._inflight is None and not engine.has_unfinished()
+    assert engine.score([1, 2, 3]).shape == (3, engine.model.V)
+
+
+def test_logits_host_gives_the_returned_steps_logits():
+    """After each step(), runner.logits_host holds the logits of the step whose tokens step() just returned, also
+    while the next step (launched ahead) has already overwritten the model's logits buffer."""
+    import numpy as np
+
+    def logits_per_token(async_scheduling):
+        engine = counting(tiny_engine(async_scheduling))
+        engine.add_request("a", [1, 2, 3], greedy(9, ignore_eos=True))
+        engine.add_request("b", [4], seeded(6, 3, ignore_eos=True))
+        rows = []
+        while engine.has_unfinished():
+            outs = [o for o in engine.step() if o.new_token_ids]
+            if outs:
+                rows.append(engine.runner.logits_host(len(outs)))
+        return rows, engine
+    sync, _ = logits_per_token(False)
+    overlap, engine = logits_per_token(True)
+    assert engine.ahead_launches > 0 and len(sync) == len(overlap)
+    for x, y in zip(sync, overlap):
+        np.testing.assert_array_equal(x, y)

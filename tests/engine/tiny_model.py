@@ -1,0 +1,96 @@
+"""A tiny stand-in model for engine tests: two small kernels instead of a transformer, but with the real engine
+plumbing around it (paged KV cache through the block table, StepInputs, the real sampler, CUDA-graph-safe device
+inputs). Each token's "K/V" is its id, written to its page; a row's logits are a hash of every id the sequence has
+cached so far (read back through the block table), so the next token depends on the whole history, and a wrong
+page, position, slot or input id changes the token stream. Rows are independent of the batch (unlike real bf16
+GEMMs, whose rounding may depend on the batch size), so token streams can be compared exactly across schedules."""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+import pegainfer  # noqa: F401  (before numba)
+from numba import cuda
+
+from pegainfer.kernels.launch import launch
+from pegainfer.kernels.primitives import f32_to_bf16, grid, threads
+
+HASH_MOD = 1000003
+
+
+@cuda.jit
+def write_cache_kernel(ids, positions, token_slots, block_tables, cache, T, page_size):
+    """cache[page(slot, pos) * page_size + pos % page_size] = ids[t] for each token t < T with slot ≥ 0.
+    One thread per token, grid-stride."""
+    t = cuda.grid(1)
+    while t < T:
+        slot = token_slots[t]
+        if slot >= 0:
+            pos = positions[t]
+            page = block_tables[slot, pos // page_size]
+            cache[page * page_size + pos % page_size] = ids[t]
+        t += cuda.gridsize(1)
+
+
+@cuda.jit
+def history_logits_kernel(positions, token_slots, logit_rows, block_tables, cache, logits, B, V, page_size):
+    """logits[b, v] (bf16 bits) = a hash of (the ids cached at positions 0..pos of row b's sequence, v), in
+    [-4, 4) on a grid of 1/8 (exact in bf16). One thread per row, grid-stride."""
+    b = cuda.grid(1)
+    while b < B:
+        t = logit_rows[b]
+        slot = token_slots[t]
+        pos = positions[t]
+        h = np.int64(17)
+        for i in range(pos + 1):
+            tok = cache[block_tables[slot, i // page_size] * page_size + i % page_size]
+            h = (h * np.int64(31) + np.int64(tok) + np.int64(7)) % np.int64(HASH_MOD)
+        for v in range(V):
+            k = ((h + np.int64(1)) * np.int64(v * 2 + 1) * np.int64(40503)) % np.int64(64)
+            logits[b, v] = f32_to_bf16(np.float32(k) / np.float32(8.0) - np.float32(4.0))
+        b += cuda.gridsize(1)
+
+
+class TinyHistoryModel:
+    pads_prefill = False
+
+    def __init__(self, vocab: int, max_tokens: int, max_rows: int):
+        self.V, self.max_tokens, self.max_rows = vocab, max_tokens, max_rows
+        self.logits = cuda.to_device(np.zeros((max_rows, vocab), np.uint16))
+        self.cache = None
+        self.page_size = None
+
+    def allocate(self, num_pages: int, page_size: int) -> None:
+        self.page_size = page_size
+        self.cache = cuda.to_device(np.full(num_pages * page_size, -1, np.int32))
+
+    def reset_slot(self, slot: int) -> None:
+        """No per-slot state besides KV pages."""
+
+    def forward(self, step, block_tables, T: int, B: int):
+        launch(write_cache_kernel, grid(T), threads(gpu=128, sim=32), step.ids, step.positions, step.token_slots,
+               block_tables, self.cache, T, self.page_size)
+        launch(history_logits_kernel, grid(B), threads(gpu=128, sim=32), step.positions, step.token_slots,
+               step.logit_rows, block_tables, self.cache, self.logits, B, self.V, self.page_size)
+        return self.logits[:B]
+
+
+def tiny_engine(async_scheduling: bool, max_batch: int = 3, max_model_len: int = 64, vocab: int = 96,
+                num_pages: int | None = None, eos_token_ids=(5,)):
+    """A real ``Engine`` (scheduler, page pool, runner, sampler, detokenizer and stop rules) over the tiny model,
+    with the demo model's tokenizer."""
+    from pegainfer.demo import ensure_demo_model
+    from pegainfer.engine.engine import PAGE_SIZE, Engine
+    from pegainfer.text.chat import ChatTemplate
+    from pegainfer.text.tokenizer import Tokenizer
+
+    folder = Path(ensure_demo_model())
+    model = TinyHistoryModel(vocab, max_tokens=32, max_rows=max(max_batch, 4))
+    pages = num_pages if num_pages is not None else max_batch * -(-max_model_len // PAGE_SIZE)
+    model.allocate(pages, PAGE_SIZE)
+    cfg = SimpleNamespace(raw={}, eos_token_ids=list(eos_token_ids), max_position_embeddings=max_model_len)
+    gen = SimpleNamespace(eos_token_ids=list(eos_token_ids))
+    return Engine(folder, model, cfg, gen, Tokenizer.from_folder(folder), ChatTemplate.from_folder(folder),
+                  max_model_len, max_batch, 32, pages, use_cuda_graph=False, async_scheduling=async_scheduling)

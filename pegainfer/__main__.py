@@ -15,6 +15,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (prompt + output) to reserve KV cache for; default: the model's limit, "
                         "halved until it fits in GPU memory")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch the next decode step before reading this one's tokens, so host work overlaps the "
+                        "GPU (default on; --no-async-scheduling waits for every step)")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                    help="capture the decode step in a CUDA graph (default on; --no-cuda-graph launches kernels "
                         "one by one, for debugging — same tokens)")
@@ -88,7 +91,8 @@ def cmd_generate(args) -> int:
         raise PegainferError("--max-tokens must be at least 1")
     t0 = time.perf_counter()
     engine = Engine.from_folder(args.model_path, args.max_model_len, max_batch=1,
-                                use_cuda_graph=args.cuda_graph, verbose=True)
+                                use_cuda_graph=args.cuda_graph, async_scheduling=args.async_scheduling,
+                                verbose=True)
     if engine.is_demo:
         print("[pegainfer] using the built-in demo model (tiny Qwen3 with RANDOM weights: the text is gibberish); "
               "pass --model-path DIR for a real model", file=sys.stderr)

@@ -188,7 +188,8 @@ def hf_reference(folder, prompt_len, output_len, runs, device="cuda"):
 def run_bench(args) -> int:
     from pegainfer.engine.engine import Engine
     t0 = time.perf_counter()
-    engine = Engine.from_folder(args.model_path, args.max_model_len, max_batch=1, use_cuda_graph=args.cuda_graph)
+    engine = Engine.from_folder(args.model_path, args.max_model_len, max_batch=1, use_cuda_graph=args.cuda_graph,
+                                async_scheduling=getattr(args, "async_scheduling", True))
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     vocab = min(engine.model.V, engine.tokenizer.vocab_size)
@@ -206,7 +207,7 @@ def run_bench(args) -> int:
     res = {
         "model": engine.model_name, "arch": engine.model_config.arch, "simulator": SIMULATOR,
         "prompt_len": args.prompt_len, "output_len": args.output_len, "runs": args.runs,
-        "cuda_graph": bool(args.cuda_graph),
+        "cuda_graph": bool(args.cuda_graph), "async_scheduling": bool(getattr(args, "async_scheduling", True)),
         "load_s": load_s, "weights_load_s": engine.weights_load_s, "warmup_s": engine.warmup_s,
         "ttft_ms": {f"p{q}": 1e3 * _pct(ttfts, q) for q in (50, 90, 99)},
         "tpot_ms": {f"p{q}": 1e3 * _pct(tpots, q) for q in (50, 90, 99)},

@@ -64,7 +64,8 @@ def run_server(args: argparse.Namespace, engine_factory: Optional[Callable[[], o
         def engine_factory():
             from pegainfer.engine.engine import Engine
             return Engine.from_folder(args.model_path, args.max_model_len, max_batch=getattr(args, "max_batch", 1),
-                                      use_cuda_graph=getattr(args, "cuda_graph", True))
+                                      use_cuda_graph=getattr(args, "cuda_graph", True),
+                                      async_scheduling=getattr(args, "async_scheduling", True))
 
     tracing = contextlib.ExitStack()
     trace_folder = getattr(args, "trace_output_path", None)

@@ -4,7 +4,10 @@ against the same numbers measured in-process (`python -m pegainfer bench`) on th
     python benchmarks/bench_server.py --model-path DIR [--prompt-len 16] [--output-len 128] [--runs 5] [--json OUT]
 
 TTFT = request sent → first SSE chunk carrying a token; TPOT = (last token chunk − first) / (completion tokens − 1),
-with the token count from the final usage chunk. Uses only the standard library as the client.
+with the token count from the final usage chunk. Uses only the standard library as the client. The floor is the
+same client's TTFT against a bare asyncio server that answers at once (loopback TCP and waking an idle server and
+client: what any out-of-process server costs on this host). ``bench_server_overhead.py`` is the CPU-only
+counterpart (a fake engine with GPU-like step times).
 """
 import argparse
 import http.client
@@ -78,6 +81,52 @@ def stream_once(port, prompt_ids, output_len):
     return first - t0, (last - first) / max(n - 1, 1), n
 
 
+FLOOR_SERVER = r'''
+import asyncio, sys
+BODY = (b'data: {"choices":[{"text":"x"}]}\n\ndata: {"choices":[],"usage":{"completion_tokens":1}}\n\n'
+        b'data: [DONE]\n\n')
+async def handle(reader, writer):
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:  # a connect-only probe
+        return writer.close()
+    length = [line for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:")]
+    await reader.readexactly(int(length[0].split(b":")[1]) if length else 0)
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                 b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY))
+    await writer.drain()
+    writer.close()
+async def main():
+    server = await asyncio.start_server(handle, "127.0.0.1", int(sys.argv[1]))
+    await server.serve_forever()
+asyncio.run(main())
+'''
+
+
+def floor_ttfts(prompts) -> list:
+    """TTFT (s) of ``stream_once`` against FLOOR_SERVER, one request per prompt (idle gaps between them)."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", FLOOR_SERVER, str(port)])
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.time() > deadline:
+                    raise SystemExit("the floor server did not start")
+                time.sleep(0.05)
+        out = []
+        for prompt in prompts:
+            out.append(stream_once(port, prompt, 1)[0])
+            time.sleep(0.02)
+        return out
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-path", required=True)
@@ -127,10 +176,13 @@ def main():
     finally:
         server.terminate()
         server.wait(timeout=60)
+    floor = floor_ttfts([rng.integers(0, 400, size=args.prompt_len).tolist() for _ in range(args.runs + 1)])[1:]
     res = {"in_process_ttft_ms_p50": inproc["ttft_ms"]["p50"], "in_process_tpot_ms_p50": inproc["tpot_ms"]["p50"],
            "http_ttft_ms_p50": 1e3 * float(np.median(ttfts)), "http_tpot_ms_p50": 1e3 * float(np.median(tpots))}
     res["ttft_overhead_ms"] = res["http_ttft_ms_p50"] - res["in_process_ttft_ms_p50"]
     res["tpot_overhead_pct"] = 100 * (res["http_tpot_ms_p50"] / res["in_process_tpot_ms_p50"] - 1)
+    res["floor_ttft_ms_p50"] = 1e3 * float(np.median(floor))
+    res["ttft_overhead_above_floor_ms"] = res["ttft_overhead_ms"] - res["floor_ttft_ms_p50"]
     for k, v in res.items():
         print(f"{k:<28}{v:>10.3f}")
     if args.json:

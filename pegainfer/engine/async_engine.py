@@ -4,19 +4,33 @@
 
     event loop (server)                          engine thread
     ───────────────────                          ─────────────
-    await add(id, ids, params) ── command ──►    engine.add_request(...)   (between steps)
-          ◄── accepted / RequestError ─────┘
-    async for out in stream:      ◄─ queue ──    for out in engine.step(): deliver(out)
-    stream.cancel() / aclose()    ── command ──► engine.abort(id)          (pages freed at the next step)
+    stream = submit(id, ids, params) ─ command ─► engine.add_request(...)   (between steps)
+    await stream.accepted()       ◄── accepted / RequestError ─┘
+    async for out in stream:      ◄── outputs ── for out in engine.step(): ...  (one hand-off per step)
+    stream.cancel()               ── command ──► engine.abort(id)          (pages freed at the next step)
 
 * Every call into the engine happens on the engine thread, so the engine needs no locks.  Other threads only
   append commands to a list and wake the thread through a condition variable; the thread sleeps there when it
   has nothing to do.
-* Outputs reach the event loop through a per-request ``asyncio.Queue`` fed with ``loop.call_soon_threadsafe``:
-  the loop never waits on GPU work, and a slow client only lets its own queue grow.
-* A stream that is closed before its request finished (the client went away) aborts the request at once.
+* What the engine thread hands back (acceptances, the outputs of a step) goes to the event loop in one
+  ``loop.call_soon_threadsafe`` per batch, not one per request.  Each request's stream keeps its outputs in a
+  deque; the loop never waits on GPU work, and a slow client only lets its own deque grow.
+* When: waking the loop starts its work on the outputs (SSE chunks, socket writes: Python that needs the GIL), and
+  any GIL release of the engine thread (the wake-up's own ``write``, every CUDA driver call) can hand the GIL to
+  the loop, so the loop's work would stretch the engine's host work between two GPU steps — every token.  An
+  engine that offers a ``before_gpu_wait`` slot calls it once a step is enqueued on the GPU, right before its
+  thread waits (without the GIL) for the result; the engine thread holds acceptances and outputs back until then,
+  so the loop works while the GPU does.  Outputs then reach the loop one step's host work later, every token
+  alike: TPOT is unchanged.  Engines without the slot get everything at once.
+* First-token hand-off: after a step that produced some request's first output, the engine thread waits (without
+  the GIL, at most ``first_token_handoff_s``) until the event loop has taken that output and come back for the
+  next one — i.e. until the server has written the first chunk — before it starts the next step.  Otherwise the
+  next step's host work (inputs, uploads, launch: Python holding the GIL) would run first and the first chunk
+  would leave only after it; this way it costs the second token that time instead of the first, once per request.
+* A stream that is cancelled before its request finished (the client went away) aborts the request at once, and
+  wakes whoever waits on it (``accepted()`` raises ``CancelledError``, iteration stops).
 * Admission control: when ``max_waiting`` requests are already waiting (queued commands plus the engine's waiting
-  list), ``add`` raises ``QueueFullError`` instead of piling up more (the server answers 503 + Retry-After).
+  list), ``submit`` raises ``QueueFullError`` instead of piling up more (the server answers 503 + Retry-After).
 * The engine can be built on the thread itself (``engine_factory``: load weights, warm up), so a server can answer
   ``/health`` with 503 while the model loads.
 """
@@ -25,7 +39,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import AsyncIterator, Callable, Optional, Sequence
+from collections import deque
+from typing import AsyncIterator, Callable, Iterable, Optional, Sequence
 
 from pegainfer.engine.types import RequestOutput, SamplingParams
 from pegainfer.errors import PegainferError, RequestError
@@ -47,19 +62,24 @@ class EngineStepError(PegainferError):
 
 class RequestStream:
     """The outputs of one request, as an async iterator.  Closing it early (``aclose``, ``cancel``, leaving
-    ``async with``) aborts the request in the engine."""
+    ``async with``) aborts the request in the engine.  Used on its event loop only."""
 
     def __init__(self, owner: "AsyncEngine", request_id: str, loop: asyncio.AbstractEventLoop):
         self.request_id = request_id
         self._owner = owner
         self._loop = loop
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._items: deque = deque()                  # outputs (or an exception) not yet taken
+        self._waiter: Optional[asyncio.Future] = None  # set while __anext__ waits for an item
         self._accepted: asyncio.Future = loop.create_future()
-        self.finished = False
+        self.finished = False   # the last output was taken, or the stream was cancelled
+        self._first_output = True   # (engine thread) no output handed over yet
+        self._handoff = 0           # > 0: the engine thread waits (hand-off number) until this stream's consumer
+                                    # comes back for more
 
     # called on the event loop (scheduled from the engine thread)
     def _put(self, item) -> None:
-        self._queue.put_nowait(item)
+        self._items.append(item)
+        self._wake()
 
     def _accept(self, error: Optional[BaseException]) -> None:
         if self._accepted.done():
@@ -69,13 +89,45 @@ class RequestStream:
         else:
             self._accepted.set_exception(error)
 
+    def _handed_off(self) -> None:
+        if self._handoff:
+            self._owner._handed_off(self._handoff)
+            self._handoff = 0
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def accepted(self) -> None:
+        """Wait until the engine took the request.  Raises what the engine refused it with (``RequestError``, ...),
+        or ``CancelledError`` when the stream was cancelled first; either way the request is gone."""
+        try:
+            await self._accepted
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+        except BaseException:
+            self.finished = True
+            self._owner._forget(self.request_id)
+            raise
+
     def __aiter__(self) -> "RequestStream":
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self.finished:
+        while not self._items:
+            self._handed_off()   # everything handed over has been consumed: the engine thread may go on
+            if self.finished:
+                raise StopAsyncIteration
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        if self.finished:  # cancelled while outputs were still queued
             raise StopAsyncIteration
-        item = await self._queue.get()
+        item = self._items.popleft()
         if isinstance(item, BaseException):
             self.finished = True
             self._owner._forget(self.request_id)
@@ -86,10 +138,14 @@ class RequestStream:
         return item
 
     def cancel(self) -> None:
-        """Abort the request if it is still running (idempotent; safe from the event loop)."""
+        """Abort the request if it is still running, and wake a waiting ``accepted()`` or iteration (idempotent)."""
         if not self.finished:
             self.finished = True
             self._owner.abort(self.request_id)
+        if not self._accepted.done():
+            self._accepted.cancel()
+        self._handed_off()
+        self._wake()
 
     async def aclose(self) -> None:
         self.cancel()
@@ -105,7 +161,7 @@ class AsyncEngine:
     """One engine, one thread.  Build it with an engine, or with ``engine_factory`` to load on the thread."""
 
     def __init__(self, engine=None, *, engine_factory: Optional[Callable[[], object]] = None,
-                 max_waiting: Optional[int] = None):
+                 max_waiting: Optional[int] = None, first_token_handoff_s: float = 0.002):
         if (engine is None) == (engine_factory is None):
             raise ValueError("pass exactly one of engine and engine_factory")
         if max_waiting is not None and max_waiting < 0:
@@ -113,7 +169,13 @@ class AsyncEngine:
         self.engine = engine
         self._factory = engine_factory
         self.max_waiting = max_waiting
+        self.first_token_handoff_s = first_token_handoff_s
         self._cond = threading.Condition()
+        self._handoff_done = threading.Event()   # set when the event loop took the first outputs of a step
+        self._handoff_number = 0
+        self._handoffs_left = 0
+        self._held: list[tuple[RequestStream, str, object]] = []  # (engine thread) for the next GPU wait
+        self._hold_for_gpu = False   # the engine calls before_gpu_wait
         self._commands: list[tuple] = []
         self._streams: dict[str, RequestStream] = {}
         self._pending_adds = 0              # add commands not yet reflected in the engine's stats
@@ -168,9 +230,11 @@ class AsyncEngine:
         return out
 
     # ------------------------------------------------------------------------------------------------ requests
-    async def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> RequestStream:
-        """Queue a request and wait until the engine accepted it (raises ``RequestError`` if it refused it,
-        ``QueueFullError`` when the waiting queue is full, ``EngineNotReadyError`` before it is ready)."""
+    def submit(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> RequestStream:
+        """Queue a request for the engine thread and return its stream at once (call it on the event loop that
+        will read the stream).  Raises ``QueueFullError`` when the waiting queue is full, ``EngineNotReadyError``
+        before the engine is ready, ``RequestError`` for an id in use; ``await stream.accepted()`` tells whether
+        the engine took it."""
         loop = asyncio.get_running_loop()
         stream = RequestStream(self, request_id, loop)
         with self._cond:
@@ -187,15 +251,13 @@ class AsyncEngine:
             self._pending_adds += 1
             self._commands.append(("add", request_id, list(prompt_ids), params))
             self._cond.notify()
-        try:
-            await stream._accepted
-        except asyncio.CancelledError:
-            stream.cancel()
-            raise
-        except BaseException:
-            stream.finished = True
-            self._forget(request_id)
-            raise
+        return stream
+
+    async def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> RequestStream:
+        """``submit`` and wait until the engine accepted the request (raises ``RequestError`` if it refused it,
+        ``QueueFullError`` when the waiting queue is full, ``EngineNotReadyError`` before it is ready)."""
+        stream = self.submit(request_id, prompt_ids, params)
+        await stream.accepted()
         return stream
 
     async def generate(self, request_id: str, prompt_ids: Sequence[int],
@@ -213,6 +275,14 @@ class AsyncEngine:
             self._commands.append(("abort", request_id))
             self._cond.notify()
 
+    def _handed_off(self, number: int) -> None:
+        """(event loop) A stream of hand-off ``number`` has consumed its outputs."""
+        with self._cond:
+            if number == self._handoff_number:   # (an older hand-off that timed out no longer counts)
+                self._handoffs_left -= 1
+                if self._handoffs_left <= 0:
+                    self._handoff_done.set()
+
     def _forget(self, request_id: str) -> None:
         with self._cond:
             self._streams.pop(request_id, None)
@@ -225,14 +295,33 @@ class AsyncEngine:
         return "the model is still loading: retry when GET /health answers 200"
 
     # ------------------------------------------------------------------------------------------------ thread
-    def _send(self, stream: RequestStream, method: str, arg) -> None:
-        """Run ``stream.<method>(arg)`` on its event loop (the loop may already be gone: then drop the request)."""
-        try:
-            stream._loop.call_soon_threadsafe(getattr(stream, method), arg)
-        except RuntimeError:  # loop closed
-            with self._cond:  # (a re-entrant lock: callers may hold it already)
-                self._streams.pop(stream.request_id, None)
-                self._commands.append(("abort", stream.request_id))
+    def _deliver(self, items: Iterable[tuple[RequestStream, str, object]]) -> None:
+        """Run ``stream.<method>(arg)`` for every (stream, method, arg) on the streams' event loops, in order, in
+        one ``call_soon_threadsafe`` per loop (a loop that is already gone drops its requests)."""
+        by_loop: dict = {}
+        for item in items:
+            by_loop.setdefault(item[0]._loop, []).append(item)
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_run_batch, batch)
+            except RuntimeError:  # loop closed
+                with self._cond:  # (a re-entrant lock: callers may hold it already)
+                    for stream, _, _ in batch:
+                        self._streams.pop(stream.request_id, None)
+                        self._commands.append(("abort", stream.request_id))
+
+    def _hold(self, items: list) -> None:
+        """Hand ``items`` to the event loop at the engine's next GPU wait (at once if it has no such hook)."""
+        if self._hold_for_gpu:
+            self._held.extend(items)
+        else:
+            self._deliver(items)
+
+    def _release_held(self) -> None:
+        """The engine's ``before_gpu_wait``: the step is on the GPU; the loop may take the GIL now."""
+        if self._held:
+            held, self._held = self._held, []
+            self._deliver(held)
 
     def _run(self) -> None:
         if self.engine is None:
@@ -260,13 +349,15 @@ class AsyncEngine:
                     self.state = "stopped"
                 streams = list(self._streams.values())
                 self._streams.clear()
-            for s in streams:
-                gone = EngineNotReadyError(self._not_ready_message())
-                self._send(s, "_accept", gone)
-                self._send(s, "_put", gone)
+            self._release_held()
+            why = self._not_ready_message()   # one exception object per stream: each is raised in its own task
+            self._deliver([(s, m, EngineNotReadyError(why)) for s in streams for m in ("_accept", "_put")])
 
     def _loop(self) -> None:
         engine = self.engine
+        if hasattr(engine, "before_gpu_wait"):
+            engine.before_gpu_wait = self._release_held
+            self._hold_for_gpu = True
         busy = False
         failures = 0  # consecutive failed steps
         while True:
@@ -276,17 +367,17 @@ class AsyncEngine:
                 if self._stop:
                     return
                 commands, self._commands = self._commands, []
-            applied_adds = 0
-            for cmd in commands:
-                if cmd[0] == "add":
-                    applied_adds += 1
-                    self._apply_add(*cmd[1:])
-                else:
-                    engine.abort(cmd[1])
             if commands:
+                accepts = []
+                for cmd in commands:
+                    if cmd[0] == "add":
+                        accepts.append(self._apply_add(*cmd[1:]))
+                    else:
+                        engine.abort(cmd[1])
                 with self._cond:  # new requests now count in the engine's own waiting list
-                    self._pending_adds -= applied_adds
+                    self._pending_adds -= len(accepts)
                     self._stats = dict(engine.stats())
+                self._hold([(stream, "_accept", error) for stream, error in filter(None, accepts)])
             outputs: list[RequestOutput] = []
             if engine.has_unfinished():
                 try:
@@ -296,6 +387,7 @@ class AsyncEngine:
                 except Exception as e:  # noqa: BLE001 - a bug in a step must not kill the server
                     failures += 1
                     log.exception("engine step failed; failing the requests in flight")
+                    self._release_held()
                     self._fail_all(e)
                     if failures >= 3:  # even the steps that only drop the aborted requests fail: give up
                         log.critical("the engine keeps failing; it stops taking requests (GET /health → 503)")
@@ -303,21 +395,39 @@ class AsyncEngine:
                             self.load_error = e
                             self.state = "failed"
                         return
+            ready = []
+            handoffs = 0
             with self._cond:
+                self._handoff_number += 1
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
                         if out.finished:
                             self._streams.pop(out.request_id, None)
-                        self._send(stream, "_put", out)
+                        if stream._first_output:
+                            stream._first_output = False
+                            if self.first_token_handoff_s > 0:
+                                stream._handoff = self._handoff_number
+                                handoffs += 1
+                        ready.append((stream, "_put", out))
                 self._stats = dict(engine.stats())
+                self._handoffs_left = handoffs
+                self._handoff_done.clear()
+            self._release_held()   # (what the step's own GPU wait did not release: it had no GPU work)
             busy = engine.has_unfinished()
+            if handoffs or not busy:
+                self._deliver(ready)
+            else:
+                self._hold(ready)
+            if handoffs and busy:  # the first chunks go out before the next step's host work (see the docstring)
+                self._handoff_done.wait(self.first_token_handoff_s)
 
-    def _apply_add(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _apply_add(self, request_id: str, prompt_ids: list[int], params: SamplingParams):
+        """Hand one queued request to the engine; returns (stream, None or the error) to answer, or None."""
         with self._cond:
             stream = self._streams.get(request_id)
         if stream is None:  # cancelled before it reached the engine
-            return
+            return None
         try:
             self.engine.add_request(request_id, prompt_ids, params)
         except PegainferError as e:
@@ -330,7 +440,7 @@ class AsyncEngine:
         if error is not None:
             with self._cond:
                 self._streams.pop(request_id, None)
-        self._send(stream, "_accept", error)
+        return stream, error
 
     def _fail_all(self, error: BaseException) -> None:
         with self._cond:
@@ -338,5 +448,11 @@ class AsyncEngine:
             self._streams.clear()
         for s in streams:
             self.engine.abort(s.request_id)
-            self._send(s, "_put", EngineStepError(f"the engine failed during a step "
-                                                  f"({type(error).__name__}: {error})"))
+        why = f"the engine failed during a step ({type(error).__name__}: {error})"
+        self._deliver([(s, "_put", EngineStepError(why)) for s in streams])
+
+
+def _run_batch(batch: list) -> None:
+    """On the event loop: apply one engine hand-off (``_accept`` / ``_put`` of each stream, in order)."""
+    for stream, method, arg in batch:
+        getattr(stream, method)(arg)

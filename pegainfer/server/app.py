@@ -4,13 +4,21 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 ``GET /health`` (200 once the model is loaded and warmed up, 503 before), ``GET /version``.
 
 A request's way through a handler: API key → body (size limit, JSON) → ``protocol.parse_*`` → prompt text → token
-ids (chat template and tokenizer run in a worker thread, so a long prompt never blocks the event loop) → context
-checks and ``SamplingParams`` → ``AsyncEngine.add`` (the engine accepts or refuses it before any response byte is
-sent, so refusals are proper HTTP errors) → the answer, whole or as server-sent events.
+ids (a short prompt is tokenized on the event loop; a long one, and the chat template of a long conversation, in
+a worker thread, so it never blocks the loop) → context checks and ``SamplingParams`` → ``AsyncEngine.submit``
+(the engine accepts or refuses it before any response byte is sent, so refusals are proper HTTP errors) → the
+answer, whole or as server-sent events.
 
-A client that goes away cancels its request at once: streamed responses watch for ``http.disconnect`` next to
-the output stream, non-streamed ones race the generation against it; either way the engine's ``abort`` frees the
-request's pages and slot at the next step.  One log line per request goes to the ``pegainfer.server`` logger.
+A client that goes away cancels its request at once: from the moment the request is submitted one
+``ClientWatch`` task listens for ``http.disconnect`` and cancels the request's stream, which aborts it in the engine
+(its pages and slot are freed at the next step) and ends whatever waits on it.  One log line per request goes to
+the ``pegainfer.server`` logger.
+
+Latency (what the HTTP layer adds to time-to-first-token and time-per-output-token; ``benchmarks/
+bench_server_overhead.py`` measures it without a GPU): each streamed token costs the event loop one wake-up (one
+hand-off per engine step for all requests), a pre-serialized chunk template filled with the token's text, and
+one socket write; the last token, the usage chunk and ``[DONE]`` leave in one write.  A request costs one
+background task (the disconnect watch), no thread hop for short prompts, and no anyio task group.
 """
 from __future__ import annotations
 
@@ -19,10 +27,8 @@ import hmac
 import json
 import logging
 import time
-from contextlib import suppress
 from typing import AsyncIterator, Callable, Optional
 
-import anyio
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -41,6 +47,7 @@ log = logging.getLogger("pegainfer.server")
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20   # 8 MiB: ~2M characters of prompt, far beyond any context
 RETRY_AFTER_S = "1"
+INLINE_TEXT_CHARS = 1024            # prompts up to this many characters are tokenized on the event loop
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 
 
@@ -48,43 +55,66 @@ class ClientDisconnected(Exception):
     """The client went away before the answer was ready."""
 
 
-class EventStreamResponse(Response):
-    """Server-sent events from an async iterator of ``data: ...\\n\\n`` strings.
+class ClientWatch:
+    """Listens for the client's ``http.disconnect`` in one background task, once the request body has been read;
+    on a disconnect it calls the registered callbacks (a stream's ``cancel``: the request is aborted and whatever
+    waits on its stream wakes up).  ``close()`` when the response is done."""
 
-    It listens for ``http.disconnect`` while streaming (whatever ASGI spec version the server speaks) and, on a
-    disconnect, cancels the iteration; the iterator is always closed, which aborts an unfinished request."""
+    def __init__(self, receive):
+        self.disconnected = False
+        self._callbacks: list[Callable[[], None]] = []
+        self._task = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.disconnected = True
+        for callback in self._callbacks:
+            callback()
+
+    def on_disconnect(self, callback: Callable[[], None]) -> None:
+        self._callbacks.append(callback)
+
+    def close(self) -> None:
+        self._task.cancel()
+
+
+class EventStreamResponse(Response):
+    """Server-sent events from an async iterator of ``data: ...\\n\\n`` strings.  An event that ends with
+    ``data: [DONE]`` is the last one: it goes out in the same write as the end of the body.
+
+    The request's ``ClientWatch`` ends the iteration when the client goes away (it cancels the request's stream);
+    the iterator is always closed and the watch stopped, and ``on_close`` runs last."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str], headers: Optional[dict] = None,
+    def __init__(self, events: AsyncIterator[str], watch: ClientWatch, headers: Optional[dict] = None,
                  on_close: Optional[Callable[[], None]] = None):
         self.events = events
+        self.watch = watch
         self.on_close = on_close
         self.status_code = 200
         self.background = None
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})})
 
     async def __call__(self, scope, receive, send) -> None:
-        async def watch_disconnect(scope_to_cancel: anyio.CancelScope) -> None:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    scope_to_cancel.cancel()
-                    return
-
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(watch_disconnect, tg.cancel_scope)
-            try:
-                async for event in self.events:
-                    await send({"type": "http.response.body", "body": event.encode("utf-8"), "more_body": True})
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            more = True
+            async for event in self.events:
+                if self.watch.disconnected:
+                    break
+                more = not event.endswith(SSE_DONE)
+                await send({"type": "http.response.body", "body": event.encode("utf-8"), "more_body": more})
+                if not more:
+                    break
+            if more:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await self.events.aclose()
-                if self.on_close is not None:
-                    self.on_close()
-            tg.cancel_scope.cancel()
+        finally:
+            self.watch.close()
+            await self.events.aclose()
+            if self.on_close is not None:
+                self.on_close()
 
 
 def sse(obj) -> str:
@@ -92,6 +122,21 @@ def sse(obj) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+_SLOT = "\x00pegainfer-slot\x00"
+
+
+class ChunkTemplate:
+    """One stream chunk serialized once with a string slot, so each token only JSON-encodes its own text:
+    ``template.fill(text) == sse(the chunk with text in the slot)`` (``json.dumps`` writes values independently)."""
+
+    def __init__(self, make_chunk: Callable[[str], dict]):
+        head, sep, tail = sse(make_chunk(_SLOT)).partition(json.dumps(_SLOT))
+        if not sep:
+            raise ValueError("the chunk has no string slot")
+        self.head, self.tail = head, tail
+
+    def fill(self, text: str) -> str:
+        return self.head + json.dumps(text, ensure_ascii=False) + self.tail
 
 
 class _RequestLog:
@@ -240,30 +285,12 @@ class OpenAIServer:
                               stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
                               min_tokens=s.min_tokens, logprobs=s.logprobs)
 
-    async def until_disconnect(self, request: Request, coro):
-        """Run ``coro``; if the client disconnects first, cancel it (which aborts its request)."""
-        task = asyncio.ensure_future(coro)
-
-        async def watch():
-            while True:
-                message = await request.receive()
-                if message["type"] == "http.disconnect":
-                    return
-
-        watcher = asyncio.ensure_future(watch())
-        try:
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            task.cancel()
-            watcher.cancel()
-            raise
-        watcher.cancel()
-        if task.done():
-            return task.result()
-        task.cancel()
-        with suppress(asyncio.CancelledError):
-            await task
-        raise ClientDisconnected()
+    async def off_loop_if_long(self, size: int, fn, *args):
+        """``fn(*args)`` on the event loop when ``size`` (characters of prompt) is small — a worker-thread hop costs
+        more than tokenizing a short prompt — else in a worker thread, so a long prompt never blocks the loop."""
+        if size <= INLINE_TEXT_CHARS:
+            return fn(*args)
+        return await run_in_threadpool(fn, *args)
 
     # ------------------------------------------------------------------------------------------------ routes
     async def health(self, request: Request) -> Response:
@@ -302,7 +329,7 @@ class OpenAIServer:
         if req.prompt_ids is not None:
             ids = req.prompt_ids
         else:
-            ids = await run_in_threadpool(tok.encode, req.prompt_text, True)
+            ids = await self.off_loop_if_long(len(req.prompt_text), tok.encode, req.prompt_text, True)
         if not ids:
             raise P.bad("the prompt is empty after tokenization", "prompt", "empty_prompt")
         params = self.sampling_params(req.sampling, len(ids), DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
@@ -315,27 +342,22 @@ class OpenAIServer:
         rlog.prompt_tokens = len(ids)
         name = self.model_name()
         lp = P.CompletionLogprobs(tok, len(echo_text)) if params.logprobs is not None else None
-        stream = await self._add(request, rid, ids, params, rlog)
+        stream, watch = await self._submit(request, rid, ids, params, rlog)
 
         def choice(text, logprobs, finish):
             return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
         if not req.stream:
-            async def collect():
-                async with stream:
-                    text = [echo_text]
-                    async for out in stream:
-                        rlog.saw(out)
-                        text.append(out.delta_text)
-                        if lp is not None:
-                            lp.add(out.logprobs)
-                        if out.finished:
-                            return "".join(text), self._finish_reason(out)
-                raise APIError(500, "the request ended without a result", None, "engine_error")
+            text = [echo_text]
 
-            text, finish = await self._run_logged(request, collect(), stream, rlog)
+            def take(out):
+                text.append(out.delta_text)
+                if lp is not None:
+                    lp.add(out.logprobs)
+
+            finish = await self._collect(stream, watch, rlog, take)
             body = {"id": rid, "object": "text_completion", "created": P.now(), "model": name,
-                    "choices": [choice(text, lp.to_json() if lp else None, finish)],
+                    "choices": [choice("".join(text), lp.to_json() if lp else None, finish)],
                     "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens), "system_fingerprint": None}
             return JSONResponse(body, headers={"x-request-id": rid})
 
@@ -348,29 +370,35 @@ class OpenAIServer:
                 c["usage"] = None
             return c
 
-        async def events():
-            async with stream:
-                try:
-                    if echo_text:
-                        yield sse(chunk(echo_text, None, None))
-                    async for out in stream:
-                        rlog.saw(out)
-                        part = lp.add(out.logprobs) if lp is not None else None
-                        finish = self._finish_reason(out) if out.finished else None
-                        if out.delta_text or part or finish:
-                            yield sse(chunk(out.delta_text, part, finish))
-                        if out.finished:
-                            rlog.finish = finish
-                    if req.include_usage:
-                        yield sse({"id": rid, "object": "text_completion", "created": created, "model": name,
-                                   "choices": [], "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens)})
-                except Exception as e:  # noqa: BLE001 - reported in the stream: the status line is already sent
-                    err = _api_error(e)
-                    rlog.finish = f"error:{err.status}"
-                    yield sse(err.body())
-                yield SSE_DONE
+        text_chunk = ChunkTemplate(lambda text: chunk(text, None, None))  # the chunk of almost every token
 
-        return self._event_stream(events(), stream, rlog)
+        async def events():
+            tail = []
+            try:
+                if echo_text:
+                    yield text_chunk.fill(echo_text)
+                async for out in stream:
+                    rlog.saw(out)
+                    part = lp.add(out.logprobs) if lp is not None else None
+                    if out.finished:
+                        rlog.finish = self._finish_reason(out)
+                        if out.delta_text or part or rlog.finish:
+                            tail.append(sse(chunk(out.delta_text, part, rlog.finish)))
+                    elif part:
+                        yield sse(chunk(out.delta_text, part, None))
+                    elif out.delta_text:
+                        yield text_chunk.fill(out.delta_text)
+                if req.include_usage and rlog.finish:
+                    tail.append(sse({"id": rid, "object": "text_completion", "created": created, "model": name,
+                                     "choices": [], "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens)}))
+            except Exception as e:  # noqa: BLE001 - reported in the stream: the status line is already sent
+                err = _api_error(e)
+                rlog.finish = f"error:{err.status}"
+                tail.append(sse(err.body()))
+            tail.append(SSE_DONE)
+            yield "".join(tail)   # the last token, the usage and [DONE]: one write
+
+        return self._event_stream(events(), stream, watch, rlog)
 
     async def chat_completions(self, request: Request) -> Response:
         self.check_auth(request)
@@ -387,7 +415,7 @@ class OpenAIServer:
                                                **req.template_kwargs)
             return tok.encode(text, False)
 
-        ids = await run_in_threadpool(render_and_encode)
+        ids = await self.off_loop_if_long(sum(len(m["content"]) for m in req.messages), render_and_encode)
         if not ids:
             raise P.bad("the chat template rendered these messages as an empty prompt", "messages", "empty_prompt")
         params = self.sampling_params(req.sampling, len(ids), None, "messages")
@@ -396,25 +424,20 @@ class OpenAIServer:
         rlog = _RequestLog(rid, "chat")
         rlog.prompt_tokens = len(ids)
         name = self.model_name()
-        stream = await self._add(request, rid, ids, params, rlog)
+        stream, watch = await self._submit(request, rid, ids, params, rlog)
 
         if not req.stream:
-            async def collect():
-                async with stream:
-                    text, content_lp = [], []
-                    async for out in stream:
-                        rlog.saw(out)
-                        text.append(out.delta_text)
-                        if params.logprobs is not None:
-                            content_lp += P.chat_logprobs(tok, out.logprobs, top_n)
-                        if out.finished:
-                            return "".join(text), content_lp, self._finish_reason(out)
-                raise APIError(500, "the request ended without a result", None, "engine_error")
+            text, content_lp = [], []
 
-            text, content_lp, finish = await self._run_logged(request, collect(), stream, rlog)
+            def take(out):
+                text.append(out.delta_text)
+                if params.logprobs is not None:
+                    content_lp.extend(P.chat_logprobs(tok, out.logprobs, top_n))
+
+            finish = await self._collect(stream, watch, rlog, take)
             logprobs = {"content": content_lp, "refusal": None} if params.logprobs is not None else None
             body = {"id": rid, "object": "chat.completion", "created": P.now(), "model": name,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
                                  "logprobs": logprobs, "finish_reason": finish}],
                     "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens), "system_fingerprint": None}
             return JSONResponse(body, headers={"x-request-id": rid})
@@ -428,31 +451,40 @@ class OpenAIServer:
                 c["usage"] = None
             return c
 
-        async def events():
-            async with stream:
-                try:
-                    yield sse(chunk({"role": "assistant", "content": ""}, None, None))
-                    async for out in stream:
-                        rlog.saw(out)
-                        lps = None
-                        if params.logprobs is not None and out.logprobs:
-                            lps = {"content": P.chat_logprobs(tok, out.logprobs, top_n), "refusal": None}
-                        finish = self._finish_reason(out) if out.finished else None
-                        if out.delta_text or lps:
-                            yield sse(chunk({"content": out.delta_text}, lps, None))
-                        if finish:
-                            rlog.finish = finish
-                            yield sse(chunk({}, None, finish))
-                    if req.include_usage:
-                        yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
-                                   "choices": [], "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens)})
-                except Exception as e:  # noqa: BLE001 - reported in the stream: the status line is already sent
-                    err = _api_error(e)
-                    rlog.finish = f"error:{err.status}"
-                    yield sse(err.body())
-                yield SSE_DONE
+        text_chunk = ChunkTemplate(lambda text: chunk({"content": text}, None, None))
 
-        return self._event_stream(events(), stream, rlog)
+        async def events():
+            tail = []
+            try:
+                yield sse(chunk({"role": "assistant", "content": ""}, None, None))
+                async for out in stream:
+                    rlog.saw(out)
+                    lps = None
+                    if params.logprobs is not None and out.logprobs:
+                        lps = {"content": P.chat_logprobs(tok, out.logprobs, top_n), "refusal": None}
+                    finish = self._finish_reason(out) if out.finished else None
+                    if out.delta_text or lps:
+                        event = text_chunk.fill(out.delta_text) if lps is None else \
+                            sse(chunk({"content": out.delta_text}, lps, None))
+                        if finish:
+                            tail.append(event)
+                        else:
+                            yield event
+                    if finish:
+                        rlog.finish = finish
+                        tail.append(sse(chunk({}, None, finish)))
+                if req.include_usage and rlog.finish:
+                    tail.append(sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                     "model": name, "choices": [],
+                                     "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens)}))
+            except Exception as e:  # noqa: BLE001 - reported in the stream: the status line is already sent
+                err = _api_error(e)
+                rlog.finish = f"error:{err.status}"
+                tail.append(sse(err.body()))
+            tail.append(SSE_DONE)
+            yield "".join(tail)   # the last token, the finish and usage chunks and [DONE]: one write
+
+        return self._event_stream(events(), stream, watch, rlog)
 
     # ------------------------------------------------------------------------------------------------ plumbing
     @staticmethod
@@ -464,31 +496,57 @@ class OpenAIServer:
         raise APIError(503, "the request was aborted by the server (shutting down?): retry", None, "aborted",
                        headers={"Retry-After": RETRY_AFTER_S})
 
-    async def _add(self, request: Request, rid: str, ids: list[int], params: SamplingParams, rlog: _RequestLog):
+    async def _submit(self, request: Request, rid: str, ids: list[int], params: SamplingParams,
+                      rlog: _RequestLog):
+        """Hand the request to the engine and wait until it is accepted; from here on a ClientWatch cancels the
+        request when the client goes away.  Returns (stream, watch); the caller's response closes the watch."""
+        stream = self.async_engine.submit(rid, ids, params)
+        watch = ClientWatch(request.receive)
+        watch.on_disconnect(stream.cancel)
         try:
-            return await self.until_disconnect(request, self.async_engine.add(rid, ids, params))
+            await stream.accepted()
+        except asyncio.CancelledError:
+            watch.close()
+            if not watch.disconnected:
+                raise
+            rlog.write("cancelled")
+            raise ClientDisconnected() from None
+        except BaseException:
+            watch.close()
+            raise
+        return stream, watch
+
+    async def _collect(self, stream, watch: ClientWatch, rlog: _RequestLog, take: Callable) -> str:
+        """Feed every output of a non-streamed request to ``take``; return the finish reason.  Logs the request
+        either way; raises ClientDisconnected when the client left first."""
+        try:
+            async with stream:   # leaving early (an error) aborts the request
+                async for out in stream:
+                    rlog.saw(out)
+                    take(out)
+                    if out.finished:
+                        finish = self._finish_reason(out)
+                        rlog.write(finish)
+                        return finish
+            if watch.disconnected:
+                raise ClientDisconnected()
+            raise APIError(500, "the request ended without a result", None, "engine_error")
         except ClientDisconnected:
             rlog.write("cancelled")
             raise
-
-    async def _run_logged(self, request: Request, coro, stream, rlog: _RequestLog):
-        """Collect a non-streamed answer, racing the client's disconnect; log the request either way."""
-        try:
-            result = await self.until_disconnect(request, coro)
         except Exception as e:
-            rlog.write("cancelled" if isinstance(e, ClientDisconnected) else f"error:{_api_error(e).status}")
+            rlog.write(f"error:{_api_error(e).status}")
             raise
         finally:
-            stream.cancel()  # a no-op when it finished; frees it when the collector never ran to the end
-        rlog.write(result[-1])
-        return result
+            watch.close()
 
     @staticmethod
-    def _event_stream(events: AsyncIterator[str], stream, rlog: _RequestLog) -> EventStreamResponse:
+    def _event_stream(events: AsyncIterator[str], stream, watch: ClientWatch,
+                      rlog: _RequestLog) -> EventStreamResponse:
         def on_close():
             stream.cancel()  # a no-op when the request finished; aborts it when the client left early
             rlog.write()     # finish reason, or "cancelled" when the stream was cut short
-        return EventStreamResponse(events, headers={"x-request-id": rlog.request_id}, on_close=on_close)
+        return EventStreamResponse(events, watch, headers={"x-request-id": rlog.request_id}, on_close=on_close)
 
 
 def build_app(async_engine: AsyncEngine, served_model_name: Optional[str] = None, api_key: Optional[str] = None,

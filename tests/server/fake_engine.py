@@ -46,6 +46,7 @@ class FakeEngine:
         self.generation_defaults = None
         self.is_demo = False
         self.reply = reply
+        self._reply_ids: Optional[list[int]] = None
         self.script_prefix = list(script_prefix)  # raw ids emitted before the reply (e.g. ids the tokenizer lacks)
         self.max_batch = max_batch
         self.page_size = page_size
@@ -77,9 +78,14 @@ class FakeEngine:
             raise RequestError(f"request id {request_id!r} is already running")
         if any(t < 0 or t >= self.vocab_size for t in prompt_token_ids):
             raise RequestError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        prompt_text = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
-        reply = self.reply(prompt_text) if callable(self.reply) else self.reply
-        req = _Req(request_id, list(prompt_token_ids), params, self.script_prefix + self.tokenizer.encode(reply),
+        if callable(self.reply):
+            reply_ids = self.tokenizer.encode(self.reply(self.tokenizer.decode(prompt_token_ids,
+                                                                              skip_special_tokens=False)))
+        else:  # encoded once: a fixed reply costs a request no more host time than a real engine's add_request
+            if self._reply_ids is None:
+                self._reply_ids = self.tokenizer.encode(self.reply)
+            reply_ids = self._reply_ids
+        req = _Req(request_id, list(prompt_token_ids), params, self.script_prefix + reply_ids,
                    IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
                    StopStringMatcher(params.stop) if params.stop else None)
         self._reqs[request_id] = req

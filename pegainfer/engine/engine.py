@@ -83,6 +83,16 @@ class Engine:
         self.async_scheduling = async_scheduling
         self._inflight: Optional[PendingStep] = None   # a launched decode step whose tokens the host has not read
 
+    @property
+    def before_gpu_wait(self):
+        """A callable run on the engine thread once a step is enqueued, right before the host waits for the GPU (with
+        the GIL released); ``AsyncEngine`` sets it. None: nothing."""
+        return self.runner.before_wait
+
+    @before_gpu_wait.setter
+    def before_gpu_wait(self, fn) -> None:
+        self.runner.before_wait = fn
+
     # ------------------------------------------------------------------------------------------------ build
     @classmethod
     def from_folder(cls, model_path: Optional[str] = None, max_model_len: Optional[int] = None,

@@ -63,6 +63,9 @@ class ModelRunner:
         self.prev_logits = None
         self._unread_ahead: "PendingStep | None" = None
         self.sample_workspace = cuda.device_array(max(1, sampling.sample_workspace_size(R, model.V)), np.float32)
+        # Called once a step's ids are on their way to the host, right before the host waits for them (the GIL is
+        # free during that wait): AsyncEngine hands the previous step's outputs to the server's event loop there.
+        self.before_wait = None
         self.graphs = None
         if use_cuda_graph and not SIMULATOR:
             from pegainfer.engine.cuda_graph import StepGraphs
@@ -104,9 +107,9 @@ class ModelRunner:
         return i
 
     def _read_out(self, buffer: int, B: int) -> np.ndarray:
-        """Wait for the ids copied into ``buffer``. The wait polls an event and yields the GIL between polls: a
-        blocking synchronize would hold the GIL for the whole step, starving the server's event loop (in the same
-        process) so streamed chunks would only go out when the engine idles."""
+        """Wait for the ids copied into ``buffer`` (``before_wait`` first, if set)."""
+        if self.before_wait is not None:
+            self.before_wait()
         if self.out_done[buffer] is not None:
             wait_event(self.out_done[buffer])
         return np.array(self.h_outs[buffer][:B])

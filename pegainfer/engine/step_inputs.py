@@ -6,8 +6,6 @@ of the engine, so CUDA graphs captured over them remain valid; only their conten
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 from numba import cuda
 
@@ -38,14 +36,11 @@ class StepInputs:
 
 
 def wait_event(event) -> None:
-    """Block until ``event`` has completed, polling and yielding the GIL between polls (a blocking synchronize
-    would hold the GIL and starve the server's event loop in the same process). A never-recorded event counts as
-    complete. Not called in the simulator, where every copy and launch is synchronous."""
+    """Block until ``event`` has completed (a never-recorded event counts as complete). cuda-bindings (>= 12.9.1 /
+    13.0) releases the GIL for the whole ``cuEventSynchronize``, so the server's event loop in the same process runs
+    meanwhile (numba's wrapper would log an ERROR per NOT_READY poll, and polling made the loop wait for the GIL
+    through every step). Not called in the simulator, where every copy and launch is synchronous."""
     from cuda.bindings import driver as drv
-    while True:
-        (err,) = drv.cuEventQuery(event.handle)   # not numba's wrapper: it logs an ERROR for every NOT_READY poll
-        if err == drv.CUresult.CUDA_SUCCESS:
-            return
-        if err != drv.CUresult.CUDA_ERROR_NOT_READY:
-            raise RuntimeError(f"cuEventQuery failed: {err}")
-        time.sleep(0)
+    (err,) = drv.cuEventSynchronize(event.handle)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuEventSynchronize failed: {err}")

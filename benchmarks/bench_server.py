@@ -3,7 +3,8 @@ against the same numbers measured in-process (`python -m pegainfer bench`) on th
 
     python benchmarks/bench_server.py --model-path DIR [--prompt-len 16] [--output-len 128] [--runs 5] [--json OUT]
 
-TTFT = request sent → first SSE chunk carrying a token; TPOT = (last token chunk − first) / (completion tokens − 1),
+TTFT = request sent on an open connection (connected beforehand, as keep-alive clients are) → first SSE chunk
+carrying a token; TPOT = (last token chunk − first) / (completion tokens − 1),
 with the token count from the final usage chunk. Uses only the standard library as the client. The floor is the
 same client's TTFT against a bare asyncio server that answers at once (loopback TCP and waking an idle server and
 client: what any out-of-process server costs on this host). ``bench_server_overhead.py`` is the CPU-only
@@ -49,8 +50,10 @@ def free_port():
 
 def stream_once(port, prompt_ids, output_len):
     body = json.dumps({"prompt": prompt_ids, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
-                       "stream": True, "stream_options": {"include_usage": True}})
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.connect()       # an open connection, as keep-alive clients (the openai SDK's httpx pool) have
+    conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     t0 = time.perf_counter()
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     resp = conn.getresponse()

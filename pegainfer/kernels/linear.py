@@ -579,13 +579,13 @@ def gemv(x, w, out, *, gated: bool = False, geometry: GemvGeometry | None = None
         geo = geometry or gemv_geometry(n_cols, k, t1 - t0, gated)
         assert geo.warps % geo.k_split == 0, f"warps must be a multiple of k_split: {geo}"
         assert not gated or geo.rows_per_warp % 2 == 0, f"the gated GEMV needs an even rows_per_warp: {geo}"
+        if t1 - t0 == 1 and geo.max_tokens == 1 and geo.stage_x and geo.k_chunk is None:
+            _gemv_decode(xp, None, None, None, 0.0, None, w, outp, gated, 0.0, True, geo)   # one token
+            continue
         k_chunk = _gemv_k_chunk(k, geo) if geo.stage_x else -(-k // 256) * 256
         cols_per_block = geo.warps // geo.k_split * geo.rows_per_warp
         x_floats = geo.max_tokens * k_chunk if geo.stage_x else 0
         shared = 4 * (x_floats + geo.warps * geo.rows_per_warp * geo.max_tokens)
-        if t1 - t0 == 1 and geo.max_tokens == 1 and geo.stage_x and geo.k_chunk is None:
-            _gemv_decode(xp, None, None, None, 0.0, None, w, outp, gated, 0.0, True, geo)
-            continue
         kern = _gemv_kernel(geo.rows_per_warp, geo.max_tokens, gated, geo.warps, geo.stage_x, geo.stages)
         n_tiles = -(-n_cols // cols_per_block)
         blocks = _resident_blocks(n_tiles, geo) if geo.persistent else grid(n_cols, cols_per_block, sim_cap=8)
@@ -830,7 +830,7 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
         k = x.shape[1]
         x32 = _as_u32(x)
         args = (x32, _as_u32(w), out, k, geo.k_split, x32, x32, x32, x32)
-    assert w.shape[0] * k // 2 < 2 ** 62 and k % 8 == 0
+    assert k % 8 == 0, f"K must be a multiple of 8, got {k}"
     cols_per_block = geo.warps // geo.k_split * geo.rows_per_warp
     n_tiles = -(-w.shape[0] // cols_per_block)
     shared = 4 * (128 * -(-k // 256) + geo.warps * geo.rows_per_warp)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from pegainfer.kernels import rope
+from pegainfer.kernels import attention, rope
 
 BF16 = np.uint16
 
@@ -37,6 +37,28 @@ class DecoderModel:
         self.I = cfg.intermediate_size
         self.V = cfg.vocab_size
         self.L = cfg.num_hidden_layers
+
+    def _allocate_decoder(self, num_pages: int, page_size: int, attention_layers: int) -> None:
+        """What every decoder allocates: the paged KV cache of its ``attention_layers`` attention layers and the
+        activation buffers of one step (the residual stream in two buffers that swap roles at every fused norm,
+        the norm output, the layer output ``delta``, qkv, q, attention output, the MLP activation, the rows that
+        get logits and the logits; the split-K attention workspace)."""
+        self.page_size = page_size
+        shape = (num_pages, page_size, self.nkv, self.D)
+        self.k_cache = [cuda.device_array(shape, dtype=BF16) for _ in range(attention_layers)]
+        self.v_cache = [cuda.device_array(shape, dtype=BF16) for _ in range(attention_layers)]
+        T, H = self.max_tokens, self.H
+        e = lambda *s: cuda.device_array(s, dtype=BF16)  # noqa: E731
+        self.residuals = (e(T, H), e(T, H))  # the residual stream, read from one and written to the other
+        self.normed, self.delta = e(T, H), e(T, H)
+        self.qkv = e(T, self.qkv_rows)
+        self.q = e(T, self.nq, self.D)
+        self.attn = e(T, self.nq, self.D)
+        self.act = e(T, self.I)
+        self.last_hidden = e(self.max_rows, H)
+        self.logits = e(self.max_rows, self.V)
+        ws = attention.attention_workspace_size(T, self.nq, self.D, self.max_model_len, page_size)
+        self.attn_workspace = cuda.device_array(max(int(ws), 1), dtype=np.float32)
 
     def _load_embeddings(self, reader) -> None:
         """``embed`` ``[V, H]``, ``final_norm`` ``[H]`` and ``lm_head`` ``[V, H]`` (the embedding itself when tied, or

@@ -24,11 +24,8 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-from numba import cuda
-
 from pegainfer.kernels import attention, embedding, linear, norm, rope
-from pegainfer.models.common import BF16, DecoderModel, upload_stacked
+from pegainfer.models.common import DecoderModel, upload_stacked
 
 
 class Qwen3Model(DecoderModel):
@@ -81,22 +78,7 @@ class Qwen3Model(DecoderModel):
     # ------------------------------------------------------------------------------------------------ buffers
     def allocate(self, num_pages: int, page_size: int) -> None:
         """KV cache pages and activation scratch; called once after the memory check."""
-        self.page_size = page_size
-        shape = (num_pages, page_size, self.nkv, self.D)
-        self.k_cache = [cuda.device_array(shape, dtype=BF16) for _ in range(self.L)]
-        self.v_cache = [cuda.device_array(shape, dtype=BF16) for _ in range(self.L)]
-        T, H = self.max_tokens, self.H
-        e = lambda *s: cuda.device_array(s, dtype=BF16)  # noqa: E731
-        self.residuals = (e(T, H), e(T, H))  # the residual stream, read from one and written to the other
-        self.normed, self.delta = e(T, H), e(T, H)
-        self.qkv = e(T, self.qkv_rows)
-        self.q = e(T, self.nq, self.D)
-        self.attn = e(T, self.nq, self.D)
-        self.act = e(T, self.I)
-        self.last_hidden = e(self.max_rows, H)
-        self.logits = e(self.max_rows, self.V)
-        ws = attention.attention_workspace_size(T, self.nq, self.D, self.max_model_len, page_size)
-        self.attn_workspace = cuda.device_array(max(int(ws), 1), dtype=np.float32)
+        self._allocate_decoder(num_pages, page_size, self.L)
 
     def reset_slot(self, slot: int) -> None:
         """A new sequence takes ``slot`` (no per-slot state besides KV pages for Qwen3)."""

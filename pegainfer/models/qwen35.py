@@ -159,13 +159,10 @@ class Qwen35Model(DecoderModel):
         """KV cache pages (full-attention layers), recurrent-state slots (linear-attention layers) and activation
         scratch; called once after the memory check.  ``num_slots`` defaults to what the engine's page pool holds:
         ``num_pages`` pages are ``max_batch`` sequences of ``max_model_len`` tokens."""
-        self.page_size = page_size
+        self._allocate_decoder(num_pages, page_size, len(self.full_layers))
         if num_slots is None:
             num_slots = max(1, num_pages // -(-self.max_model_len // page_size))
         self.num_slots = num_slots
-        shape = (num_pages, page_size, self.nkv, self.D)
-        self.k_cache = [cuda.device_array(shape, dtype=BF16) for _ in self.full_layers]
-        self.v_cache = [cuda.device_array(shape, dtype=BF16) for _ in self.full_layers]
         n_lin = len(self.linear_layers)
         self.conv_state = cuda.device_array((n_lin, num_slots, self.conv_dim, self.conv_kernel - 1), BF16)
         self.ssm_state = cuda.device_array((n_lin, num_slots, self.Hv, self.Dk, self.Dv), np.float32)
@@ -174,21 +171,11 @@ class Qwen35Model(DecoderModel):
             gated_delta.clear_state_slots(*self._states_by_layer_slot(), every_slot)
         self._reset_ids = cuda.to_device(np.zeros(max(1, n_lin), np.int32))
 
-        T, H = self.max_tokens, self.H
+        T = self.max_tokens
         e = lambda *s: cuda.device_array(s, dtype=BF16)  # noqa: E731
-        self.residuals = (e(T, H), e(T, H))  # the residual stream, read from one and written to the other
-        self.normed, self.delta = e(T, H), e(T, H)
-        self.qkv = e(T, self.qkv_rows)
-        self.q = e(T, self.nq, self.D)
-        self.attn = e(T, self.nq, self.D)
-        self.proj = e(T, self.proj_rows)
+        self.proj = e(T, self.proj_rows)      # and the linear-attention layers' own activations
         self.mixed = e(T, self.conv_dim)
         self.core = e(T, self.value_dim)
-        self.act = e(T, self.I)
-        self.last_hidden = e(self.max_rows, H)
-        self.logits = e(self.max_rows, self.V)
-        ws = attention.attention_workspace_size(T, self.nq, self.D, self.max_model_len, page_size)
-        self.attn_workspace = cuda.device_array(max(int(ws), 1), dtype=np.float32)
         self.chunk_scratch = gated_delta.allocate_chunk_scratch(T, self.Hk, self.Hv, self.chunk_size)
         self.seq_slots = cuda.to_device(np.zeros(self.max_rows, np.int32))
         self.seq_offsets = cuda.to_device(np.zeros(self.max_rows + 1, np.int32))

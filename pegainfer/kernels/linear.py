@@ -69,8 +69,8 @@ from pegainfer.kernels.launch import launch
 from pegainfer.kernels.norm import (add_residual, add_rms_norm_into, check_residual_buffers, inverse_rms,
                                     normalize_element)
 from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, bits_f32, block_sum, cuda,
-                                          device_fn, f32_bits, f32_to_bf16, float32, grid, kernel, load_u32x4,
-                                          mma_bf16_m16n8k16, pack_bf16x2, uint16, uint32, warp_sum,
+                                          device_fn, f32_to_bf16, float32, grid, kernel, load_u32x4,
+                                          mma_bf16_m16n8k16, pack_bf16x2, uint16, uint32,
                                           warp_sums_to_shared)
 
 int64, uint64 = np.int64, np.uint64
@@ -412,7 +412,7 @@ def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int, s
                                 _dot_row_words(acc, wbuf, s * R4, xbuf, s * X4, T, R, TT)
                         c += step
             # Reduce: lanes within each warp, then the k_split warps of a row group through shared memory.
-            warp_sums_to_shared(acc, RT, smem, red_base + warp * RT)
+            warp_sums_to_shared(acc, RT, smem, red_base + warp * RT, False)
             cuda.syncthreads()
             per_out = 2 if gated else 1            # logical columns per output value
             outs_per_group = (R // per_out) * TT
@@ -776,10 +776,7 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
                         xb = 128 * (c >> 5) + (c & 31)
                         _dot_slices_x_words(acc, wbuf, s * R4, xs[xb], xs[xb + 32], xs[xb + 64], xs[xb + 96], R)
                     c += step
-            for r in range(R):
-                v = warp_sum(acc[r])
-                if lane == 0:
-                    xs[red + warp * R + r] = f32_bits(v)
+            warp_sums_to_shared(acc, R, xs, red + warp * R, True)   # f32 bits (xs is uint32)
             this_tile = tile
             tile += cuda.gridDim.x
             if tile < n_tiles:                      # the next tile's loads fly through the reduction

@@ -199,18 +199,19 @@ if SIMULATOR:
     _sim_exchange = np.zeros(1 << 16, np.float32)
 
     @device_fn
-    def warp_sums_to_shared(vals, n, dst, base):
-        """``dst[base + i] = Σ_lanes vals[i]`` for ``i < n``, written by lane 0 of the calling warp; ``dst`` is
-        shared memory, visible to the block after the caller's next ``syncthreads``.  Every thread of the block
-        must call it (same n).  Emulated with one exchange for all n values (an emulated ``warp_sum`` costs two
-        block barriers)."""
+    def warp_sums_to_shared(vals, n, dst, base, as_bits):
+        """``dst[base + i] = Σ_lanes vals[i]`` for ``i < n`` (its f32 bits when ``as_bits``: ``dst`` a uint32
+        array), written by lane 0 of the calling warp; ``dst`` is shared memory, visible to the block after the
+        caller's next ``syncthreads``.  Every thread of the block must call it (same n).  Emulated with one
+        exchange for all n values (an emulated ``warp_sum`` costs two block barriers)."""
         tid = int(cuda.threadIdx.x)
         _sim_exchange[tid * n:(tid + 1) * n] = vals[:n]
         cuda.syncthreads()
         if tid % WARP == 0:
             hi = min(tid + WARP, int(cuda.blockDim.x))
             for i in range(n):
-                dst[base + i] = np.sum(_sim_exchange[tid * n + i:hi * n:n], dtype=np.float32)
+                v = np.sum(_sim_exchange[tid * n + i:hi * n:n], dtype=np.float32)
+                dst[base + i] = v.view(np.uint32) if as_bits else v
 
     @device_fn
     def warp_argmax(v, i):
@@ -314,14 +315,17 @@ else:
         return v
 
     @device_fn
-    def warp_sums_to_shared(vals, n, dst, base):
-        """``dst[base + i] = Σ_lanes vals[i]`` for ``i < n``, written by lane 0 of the calling warp; ``dst`` is
-        shared memory, visible to the block after the caller's next ``syncthreads``.  Every thread of the block
-        must call it (same n)."""
+    def warp_sums_to_shared(vals, n, dst, base, as_bits):
+        """``dst[base + i] = Σ_lanes vals[i]`` for ``i < n`` (its f32 bits when ``as_bits``: ``dst`` a uint32
+        array), written by lane 0 of the calling warp; ``dst`` is shared memory, visible to the block after the
+        caller's next ``syncthreads``.  Every thread of the block must call it (same n)."""
         for i in range(n):
             s = warp_sum(vals[i])
             if cuda.threadIdx.x % WARP == 0:
-                dst[base + i] = s
+                if as_bits:
+                    dst[base + i] = f32_bits(s)
+                else:
+                    dst[base + i] = s
 
     @device_fn
     def warp_argmax(v, i):

@@ -52,3 +52,37 @@ def hf_logits_on_gpu(model_class, folder, ids, attn: str, dtype=None):
     del ref
     torch.cuda.empty_cache()
     return out
+
+
+def launches_during(fn):
+    """Run ``fn()`` and return ``[(kernel, pdl), ...]``: every kernel it launched through ``launch`` and whether
+    the launch asked for programmatic dependent launch."""
+    from pegainfer.kernels import launch as launch_module
+
+    seen, real = [], launch_module._launch
+
+    def record(kernel, grid, block, args, shared, pdl):
+        seen.append((kernel, pdl))
+        real(kernel, grid, block, args, shared, pdl)
+
+    launch_module._launch = record
+    try:
+        fn()
+    finally:
+        launch_module._launch = real
+    return seen
+
+
+def assert_pdl_contract(launched):
+    """Every launch of an engine step is a PDL launch (so no kernel boundary is left unoverlapped), and every
+    PDL-launched kernel waits for the previous kernel (``pdl_prologue()`` or ``grid_dependency_wait()`` in its
+    source): a kernel without the wait would race with the kernel before it on the GPU."""
+    import inspect
+
+    assert launched, "nothing was launched"
+    for kernel, pdl in launched:
+        fn = getattr(kernel, "py_func", None) or getattr(kernel, "fn")
+        name = fn.__name__
+        assert pdl, f"{name} was launched without pdl=True"
+        src = inspect.getsource(fn)
+        assert "pdl_prologue()" in src or "grid_dependency_wait()" in src, f"{name} never waits for its inputs"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from pegainfer.kernels.launch import launch
-from pegainfer.kernels.primitives import (bf16_to_f32, cuda, device_fn, f32_to_bf16, float32, grid, kernel, math,
+from pegainfer.kernels.primitives import (pdl_prologue, bf16_to_f32, cuda, device_fn, f32_to_bf16, float32, grid, kernel, math,
                                           threads)
 
 
@@ -27,6 +27,7 @@ def silu_mul_kernel(gate_up, out):
     Geometry: 1-D grid-stride loop over the ``tokens · I`` outputs (consecutive threads take consecutive columns,
     so loads and stores coalesce).
     """
+    pdl_prologue()
     inter = out.shape[1]
     n = out.shape[0] * inter
     for k in range(cuda.grid(1), n, cuda.gridsize(1)):
@@ -47,4 +48,4 @@ def silu_mul(gate_up, out) -> None:
     if n == 0:
         return
     block = threads(gpu=256, sim=32)
-    launch(silu_mul_kernel, grid(n, per_block=block, sim_cap=4), block, gate_up, out)
+    launch(silu_mul_kernel, grid(n, per_block=block, sim_cap=4), block, gate_up, out, pdl=True)

@@ -64,6 +64,7 @@ from pegainfer.kernels.primitives import (
     lane_group_max,
     lane_group_sum,
     load_u32x4,
+    pdl_prologue,
     mma_bf16_m16n8k16,
     pack_bf16x2,
     threads,
@@ -173,6 +174,7 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
         into the output and resets the counter to 0 (so the launch can be replayed from a CUDA graph).
         A token with ``token_slots[t] < 0`` (padding) reads nothing and gets zeros.
         """
+        pdl_prologue()
         sm_m = cuda.shared.array(SM_ROWS, float32)    # per warp and head row: running max
         sm_l = cuda.shared.array(SM_ROWS, float32)    # ... and sum
         sm_o = cuda.shared.array(SM_O, float32)      # ... and accumulator [W, G, D]
@@ -400,6 +402,7 @@ def _prefill_kernel(head_dim: int, group: int, warps: int, block_keys: int, q_in
         ``O += bf16(P) V``.  Tokens of different slots in one tile are handled run by run (a run = consecutive
         tokens of one slot); rows outside the current run see only masked keys.
         """
+        pdl_prologue()
         k_s = cuda.shared.array(K_TILE_WORDS, uint32)
         vt_s = cuda.shared.array(V_TILE_WORDS, uint32)
         qf = cuda.local.array(Q_REGS, uint32)
@@ -630,6 +633,7 @@ def attention_workspace_size(max_tokens: int, nq: int, head_dim: int, max_model_
 @kernel
 def _fill_i32_kernel(a, value):
     """``a[:] = value`` (int32), grid-stride."""
+    pdl_prologue()
     for i in range(cuda.grid(1), a.shape[0], cuda.gridsize(1)):
         a[i] = value
 
@@ -649,7 +653,7 @@ def _split_counters(workspace, count: int):
     if done < count:
         tail = ws32[ws32.shape[0] - count:]
         launch(_fill_i32_kernel, grid(count, 256, sim_cap=4), threads(gpu=256, sim=32), tail, np.int32(0),
-               name="attention_zero_counters")
+               name="attention_zero_counters", pdl=True)
         try:
             _zeroed_counters[workspace] = count
         except TypeError:
@@ -735,7 +739,7 @@ def _paged_attention_prefill(q, k_cache, v_cache, block_tables, token_slots, pos
     launch(kern, grid(_ceil_div(T, rows_tokens) * nkv, sim_cap=64), 32 * warps,
            _flat_u32(q), _flat_u32(k_cache), _flat_u32(v_cache), block_tables, token_slots, positions,
            _flat_u32(out), np.float32(scale * LOG2E), np.int32(nkv), np.int32(page_size.bit_length() - 1),
-           name="paged_attention_prefill")
+           name="paged_attention_prefill", pdl=True)
 
 
 def _split_geometry(head_dim: int, group: int) -> tuple[int, bool, int]:
@@ -772,7 +776,7 @@ def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, posit
            _flat_u32(q), _flat_u32(k_cache), _flat_u32(v_cache), block_tables, token_slots, positions,
            _flat(out), ws_acc, ws_m, ws_l, counters, np.float32(scale * LOG2E), np.int32(nkv),
            np.int32(page_size.bit_length() - 1), np.int32(num_splits), np.int32(_min_chunk(min_split_tokens)),
-           name="paged_attention_split")
+           name="paged_attention_split", pdl=True)
 
 
 @functools.lru_cache(maxsize=None)

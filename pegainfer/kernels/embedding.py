@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from pegainfer.kernels.launch import launch
-from pegainfer.kernels.primitives import cuda, grid, int32, kernel, threads, uint16
+from pegainfer.kernels.primitives import pdl_prologue, cuda, grid, int32, kernel, threads, uint16
 
 
 @kernel
@@ -22,6 +22,7 @@ def embedding_kernel(ids, table, out):
 
     Geometry: 1-D grid, one block per token (grid-stride over tokens), the block's threads stride over ``hidden``.
     """
+    pdl_prologue()
     num_tokens = out.shape[0]
     hidden = out.shape[1]
     vocab = table.shape[0]
@@ -45,4 +46,4 @@ def embedding(ids, table, out) -> None:
     num_tokens = ids.shape[0]
     if num_tokens == 0:
         return
-    launch(embedding_kernel, grid(num_tokens, sim_cap=4), threads(gpu=256, sim=32), ids, table, out)
+    launch(embedding_kernel, grid(num_tokens, sim_cap=4), threads(gpu=256, sim=32), ids, table, out, pdl=True)

@@ -67,7 +67,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pegainfer.kernels.launch import launch
-from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, cuda, device_fn, f32_to_bf16,
+from pegainfer.kernels.primitives import (pdl_prologue, WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, cuda, device_fn, f32_to_bf16,
                                           float32, grid, int32, kernel, math, threads, uint32, warp_sum)
 
 L2NORM_EPS = 1e-6  # HF ``l2norm(x, eps=1e-6)``: x · rsqrt(Σx² + eps)
@@ -150,6 +150,7 @@ def causal_conv1d_silu_kernel(x, weight, conv_state, slot_ids, token_offsets, ou
     of piece 0 touches ``conv_state`` (it reads it, then overwrites it), so there is no race: the other pieces
     start at least ``K−1`` tokens in (``tokens_per_thread ≥ K−1``) and see only ``x``.
     """
+    pdl_prologue()
     channels = x.shape[1]
     taps = weight.shape[1]
     hist = taps - 1
@@ -208,7 +209,7 @@ def causal_conv1d_silu(x, weight, conv_state, slot_ids, token_offsets, out, max_
     block = threads(gpu=256, sim=32)
     items = slot_ids.shape[0] * max_pieces * channels
     launch(causal_conv1d_silu_kernel, grid(items, per_block=block, sim_cap=2), block, x, weight, conv_state,
-           slot_ids, token_offsets, out, np.int32(tokens_per_thread), np.int32(max_pieces))
+           slot_ids, token_offsets, out, np.int32(tokens_per_thread), np.int32(max_pieces), pdl=True)
 
 
 # ------------------------------------------------------------------------------------------------ recurrent form
@@ -232,6 +233,7 @@ def gated_delta_recurrent_kernel(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids,
     across warps in shared memory: two barriers per token.  S is read twice per token (the second read hits cache)
     and written once.
     """
+    pdl_prologue()
     num_v_heads = ssm_state.shape[1]
     key_dim = ssm_state.shape[2]
     value_dim = ssm_state.shape[3]
@@ -312,7 +314,7 @@ def gated_delta_recurrent(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids, token_
         return
     items = slot_ids.shape[0] * ssm_state.shape[1] * (-(-ssm_state.shape[3] // COL_TILE))
     launch(gated_delta_recurrent_kernel, grid(items, sim_cap=8), threads(gpu=256, sim=32), qkv, a, b, a_log,
-           dt_bias, ssm_state, slot_ids, token_offsets, out)
+           dt_bias, ssm_state, slot_ids, token_offsets, out, pdl=True)
 
 
 # ------------------------------------------------------------------------------------------------ chunked form
@@ -370,6 +372,7 @@ def gated_delta_chunk_prepare_kernel(qkv, a, b, a_log, dt_bias, token_offsets, k
     (column ``m`` solves ``(I+L) x = e_m`` by forward substitution alone); the cumulative sum of g is one thread's
     loop.
     """
+    pdl_prologue()
     num_v_heads = a.shape[1]
     num_k_heads = qk_inv.shape[1]
     k_base = num_k_heads * key_dim
@@ -490,6 +493,7 @@ def gated_delta_chunk_scan_kernel(qkv, ssm_state, slot_ids, token_offsets, chunk
     shared memory for the whole sequence.  Lane ``l`` owns column ``l`` of the tile; warps stride over tokens
     (steps 1-3) or key rows (step 4); a barrier separates the steps.
     """
+    pdl_prologue()
     num_v_heads = ssm_state.shape[1]
     key_dim = ssm_state.shape[2]
     value_dim = ssm_state.shape[3]
@@ -589,10 +593,10 @@ def gated_delta_chunked(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids, token_of
     s = scratch
     launch(gated_delta_chunk_prepare_kernel, grid(slot_ids.shape[0] * max_chunks * num_v_heads, sim_cap=16),
            threads(gpu=128, sim=32), qkv, a, b, a_log, dt_bias, token_offsets, np.int32(key_dim), np.int32(chunk),
-           np.int32(max_chunks), s.tinv, s.intra, s.gcum, s.beta, s.qk_inv)
+           np.int32(max_chunks), s.tinv, s.intra, s.gcum, s.beta, s.qk_inv, pdl=True)
     items = slot_ids.shape[0] * num_v_heads * (-(-value_dim // COL_TILE))
     launch(gated_delta_chunk_scan_kernel, grid(items, sim_cap=8), threads(gpu=256, sim=32), qkv, ssm_state,
-           slot_ids, token_offsets, np.int32(chunk), s.tinv, s.intra, s.gcum, s.beta, s.qk_inv, out)
+           slot_ids, token_offsets, np.int32(chunk), s.tinv, s.intra, s.gcum, s.beta, s.qk_inv, out, pdl=True)
 
 
 # ------------------------------------------------------------------------------------------------ gated RMSNorm
@@ -610,6 +614,7 @@ def gated_rms_norm_kernel(x, z, weight, out, eps):
     with a trip count uniform across the block (the warp reduction needs every thread); lanes stride over ``Dv``.
     Each lane reads back only its own columns, so ``out`` may alias ``x``.
     """
+    pdl_prologue()
     group = weight.shape[0]
     heads = x.shape[1] // group
     rows = x.shape[0] * heads
@@ -648,7 +653,7 @@ def gated_rms_norm(x, z, weight, out, eps: float) -> None:
         return
     block = threads(gpu=128, sim=64)
     launch(gated_rms_norm_kernel, grid(rows, per_block=block // WARP, sim_cap=2), block, x, z, weight, out,
-           np.float32(eps))
+           np.float32(eps), pdl=True)
 
 
 # ------------------------------------------------------------------------------------------------ state slots
@@ -657,6 +662,7 @@ def clear_state_slots_kernel(conv_state, ssm_state, slot_ids):
     """Zero ``conv_state[s]`` ``[slots, conv_dim, K-1]`` (bf16) and ``ssm_state[s]`` ``[slots, Hv, Dk, Dv]`` (f32)
     for every ``s`` in ``slot_ids [B]``: a new sequence starts from an empty state.  Geometry: grid-stride over
     every element of the cleared slots (flattened per slot)."""
+    pdl_prologue()
     conv_per_slot = conv_state.shape[1] * conv_state.shape[2]
     ssm_per_slot = ssm_state.shape[1] * ssm_state.shape[2] * ssm_state.shape[3]
     per_slot = conv_per_slot + ssm_per_slot
@@ -684,7 +690,7 @@ def clear_state_slots(conv_state, ssm_state, slot_ids) -> None:
         return
     block = threads(gpu=256, sim=32)
     launch(clear_state_slots_kernel, grid(total, per_block=block * 4, sim_cap=4), block, conv_state, ssm_state,
-           slot_ids)
+           slot_ids, pdl=True)
 
 
 @kernel
@@ -703,6 +709,7 @@ def sequence_table_kernel(token_slots, seq_slots, seq_offsets):
     the end of the real tokens is a shared-memory ``atomic.min`` over the padding tokens; a run's first token finds
     its run index by counting the run starts before it (O(T) each: T is one step's tokens).
     """
+    pdl_prologue()
     num_tokens = token_slots.shape[0]
     real_end = cuda.shared.array(1, int32)
     if cuda.threadIdx.x == 0:
@@ -736,7 +743,7 @@ def sequence_table(token_slots, seq_slots, seq_offsets) -> None:
     for arr in (token_slots, seq_slots, seq_offsets):
         assert arr.ndim == 1 and arr.dtype == np.int32, (arr.shape, arr.dtype)
     assert seq_offsets.shape[0] == seq_slots.shape[0] + 1, (seq_slots.shape, seq_offsets.shape)
-    launch(sequence_table_kernel, 1, threads(gpu=256, sim=32), token_slots, seq_slots, seq_offsets)
+    launch(sequence_table_kernel, 1, threads(gpu=256, sim=32), token_slots, seq_slots, seq_offsets, pdl=True)
 
 
 # ------------------------------------------------------------------------------------------------ argument checks

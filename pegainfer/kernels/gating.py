@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from pegainfer.kernels.launch import launch
-from pegainfer.kernels.primitives import bf16_to_f32, cuda, f32_to_bf16, float32, grid, kernel, math, threads
+from pegainfer.kernels.primitives import pdl_prologue, bf16_to_f32, cuda, f32_to_bf16, float32, grid, kernel, math, threads
 
 
 @kernel
@@ -27,6 +27,7 @@ def sigmoid_gate_mul_kernel(attn, qg, out):
     Geometry: grid-stride over all ``tokens·heads·D`` elements, flattened with ``d`` fastest (coalesced reads of
     attn and of each gate half-row, coalesced writes).
     """
+    pdl_prologue()
     heads = attn.shape[1]
     dim = attn.shape[2]
     total = attn.shape[0] * heads * dim
@@ -54,4 +55,4 @@ def sigmoid_gate_mul(attn, qg, out) -> None:
     if total == 0:
         return
     block = threads(gpu=256, sim=32)
-    launch(sigmoid_gate_mul_kernel, grid(total, per_block=block * 4, sim_cap=4), block, attn, qg, out)
+    launch(sigmoid_gate_mul_kernel, grid(total, per_block=block * 4, sim_cap=4), block, attn, qg, out, pdl=True)

@@ -71,7 +71,8 @@ from pegainfer.kernels.norm import (add_residual, add_rms_norm_into, check_resid
 from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, bits_f32, block_sum, cuda,
                                           device_fn, f32_to_bf16, float32, grid, kernel, load_u32x4,
                                           mma_bf16_m16n8k16, pack_bf16x2, uint16, uint32,
-                                          warp_sums_to_shared)
+                                          warp_sums_to_shared, launch_dependents, grid_dependency_wait,
+                                          pdl_prologue, prefetch_l2)
 
 int64, uint64 = np.int64, np.uint64
 
@@ -349,6 +350,7 @@ def _gemv_kernel(rows_per_warp: int, max_tokens: int, gated: bool, warps: int, s
         partial sums use shared memory (``4 · warps · rows_per_warp · max_tokens`` bytes).
 
         """
+        pdl_prologue()
         T = out.shape[0]
         n_out = out.shape[1]
         n_cols = 2 * n_out if gated else n_out
@@ -489,6 +491,9 @@ GEMV_TUNED: dict[tuple[int, int, int, bool], GemvGeometry] = {
 ``gemv_geometry`` (``benchmarks/bench_decode_stream.py`` prints entries in this form)."""
 
 GEMV_TUNING_ENV = "PEGAINFER_GEMV_TUNING"
+# The one-token GEMV moves the rest of each block's first tile into L2 before it waits for the previous kernel
+# (PDL, ``launch``); PEGAINFER_GEMV_PREFETCH=0 leaves it to the load ring alone (benchmarks compare the two).
+GEMV_PREFETCH = os.environ.get("PEGAINFER_GEMV_PREFETCH", "1") != "0"
 """Environment variable naming a JSON file of measured geometries to merge into ``GEMV_TUNED`` at import (what
 ``benchmarks/bench_decode_stream.py --tuning-out FILE`` writes: tune on your GPU, then point this at the file)."""
 
@@ -590,7 +595,7 @@ def gemv(x, w, out, *, gated: bool = False, geometry: GemvGeometry | None = None
         n_tiles = -(-n_cols // cols_per_block)
         blocks = _resident_blocks(n_tiles, geo) if geo.persistent else grid(n_cols, cols_per_block, sim_cap=8)
         launch(kern, blocks, geo.warps * WARP, _as_u32(xp), w32, outp, k, geo.k_split, k_chunk, shared=shared,
-               name="gemv")
+               name="gemv", pdl=True)
 
 
 # ================================================================================================ GEMV, one token
@@ -658,11 +663,14 @@ def prologue_pairs(hidden: int) -> int:
 
 
 @functools.cache
-def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool, norm_pairs: int):
+def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool, norm_pairs: int,
+                        prefetch: bool = True):
     """Build the one-token GEMV (batch-1 decode) for ``rows_per_warp`` rows per warp, a load ring ``stages`` deep,
     blocks of ``warps`` warps (all compile-time: they size the register arrays and set the launch bounds) and,
-    when ``norm_pairs`` > 0, the add + RMSNorm prologue with that many element pairs per thread."""
+    when ``norm_pairs`` > 0, the add + RMSNorm prologue with that many element pairs per thread; ``prefetch``: move
+    the rest of the block's first tile into L2 before waiting for the previous kernel."""
     R, S, U = rows_per_warp, stages, max(1, norm_pairs)
+    PREFETCH = prefetch
     R4 = 4 * R
     SR4 = S * R4
     NORM = norm_pairs > 0
@@ -691,7 +699,9 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
            register ring (slot s of the unrolled inner loop holds step s mod stages): ``(stages - 1) · rows`` 16-byte
            loads in flight per lane, because cold weights come from HBM and a warp that waits on each load in turn
            is latency-bound.  The first tile's loads go out before x is staged, and each next tile's before the
-           current tile's reduction barrier.
+           current tile's reduction barrier.  Launched with PDL (``launch``), the block issues those first loads
+           (and L2 prefetches of the rest of its first tile) *before* ``grid_dependency_wait``, i.e. while the
+           previous kernel is still finishing: the weights do not depend on it, x does.
         3. *Reduce*: ``warp_sum`` per row, the ``k_split`` partial sums through shared memory, one thread per
            output writes ``bf16(sum)`` (gated: ``_silu_mul_bf16`` of the gate/up pair).
         Shared memory (dynamic, uint32 words): ``128 · ceil(K / 256)`` for x, then ``warps · rows_per_warp`` f32
@@ -716,6 +726,7 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
         wrow = cuda.local.array(R, int64)           # word offset of each of the warp's rows
         wbuf = cuda.local.array(SR4, uint32)        # the load ring: S slots × 16 bytes per row
 
+        launch_dependents()                         # PDL (launch.py): the next kernel may take SMs as ours free
         tile = cuda.blockIdx.x
         if tile < n_tiles:                          # the first tile's loads fly while x is staged
             for r in range(R):
@@ -724,6 +735,14 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
                 cs = first + s * step
                 if cs < n_slices:
                     _load_row_slices(w32, wrow, 4 * cs, wbuf, s * R4, R)
+            if PREFETCH:                            # the rest of the first tile into L2: lane l takes 128-byte
+                for r in range(R):                  # line l % 4 of step S - 1 + l // 4, + 8, ... of each row
+                    for i in range(S - 1 + (lane >> 2), (n_slices + step - 1) // step, 8):
+                        cs = (part + i * k_split) * WARP + 8 * (lane & 3)
+                        if cs < n_slices:
+                            prefetch_l2(w32, wrow[r] + 4 * cs)
+        # Weights only so far: from here on x / the residual, which the previous kernel writes.
+        grid_dependency_wait()
 
         if NORM:
             s_w = cuda.local.array(U, uint32)
@@ -831,10 +850,10 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
     cols_per_block = geo.warps // geo.k_split * geo.rows_per_warp
     n_tiles = -(-w.shape[0] // cols_per_block)
     shared = 4 * (128 * -(-k // 256) + geo.warps * geo.rows_per_warp)
-    kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs)
+    kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs, GEMV_PREFETCH)
     launch(kern, _resident_blocks(n_tiles, geo), geo.warps * WARP, *args, np.float32(eps), np.float32(weight_offset),
            bool(round_before_weight), delta is not None, shared=shared,
-           name="gemv_add_rms_norm" if x is None else "gemv")
+           name="gemv_add_rms_norm" if x is None else "gemv", pdl=True)
 
 
 # ================================================================================================ GEMM, FMA tiles
@@ -857,6 +876,7 @@ def _gemm_fma_kernel(bm: int, bn: int, bk: int, tm: int, tn: int, gated: bool):
         W is read from DRAM about once).  Per K step the block stages x ``[bm, bk]`` and W ``[bn, bk]`` transposed
         as f32 in shared memory; thread (ty, tx) accumulates tokens ``ty·tm ..`` × columns ``tx·tn ..``.
         """
+        pdl_prologue()
         a_s = cuda.shared.array((bk, bm), float32)
         b_s = cuda.shared.array((bk, bn), float32)
         acc = cuda.local.array(tmn, float32)
@@ -910,7 +930,7 @@ def gemm_fma(x, w, out, *, gated: bool = False) -> None:
     T, k = x.shape
     tiles = -(-T // bm) * -(-w.shape[0] // bn)
     launch(_gemm_fma_kernel(bm, bn, bk, tm, tn, gated), grid(tiles, sim_cap=16), (bm // tm) * (bn // tn),
-           _as_u32(x), _as_u32(w), out, k, name="gemm_fma")
+           _as_u32(x), _as_u32(w), out, k, name="gemm_fma", pdl=True)
 
 
 # ================================================================================================ GEMM, tensor cores
@@ -1006,6 +1026,7 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, gated: bool):
         shared memory in the PTX fragment layout), then the registers are stored into the other stage; one barrier
         per stage.  Warp (wm, wn) owns tokens ``wm·16·mt ..`` × columns ``wn·8·nt ..`` of the tile.
         """
+        pdl_prologue()
         a_s = cuda.shared.array(a_smem, uint32)
         b_s = cuda.shared.array(b_smem, uint32)
         ra = cuda.local.array(a_regs, uint32)
@@ -1097,7 +1118,7 @@ def gemm_mma(x, w, out, *, gated: bool = False, tile: tuple[int, int, int, int] 
     T, k = x.shape
     tiles = -(-T // (16 * warps_m * mt)) * -(-w.shape[0] // (8 * warps_n * nt))
     launch(_gemm_mma_kernel(warps_m, warps_n, mt, nt, gated), grid(tiles, sim_cap=16), 32 * warps_m * warps_n,
-           _as_u32(x), _as_u32(w), out, k, name="gemm_mma")
+           _as_u32(x), _as_u32(w), out, k, name="gemm_mma", pdl=True)
 
 
 # ================================================================================================ skinny tensor-core path
@@ -1165,6 +1186,7 @@ def _skinny_kernel(m_tiles: int, n_tiles: int, unroll: int, warps: int, gated: b
         which writes the outputs from its accumulator fragments (columns 2t, 2t + 1 of a fragment are one gate/up
         pair when gated).
         """
+        pdl_prologue()
         red = cuda.shared.array(0, nbtypes.float32)   # dynamic: [warps, NACC, 32] partial accumulators
         xr = cuda.local.array(XW, uint32)
         wr = cuda.local.array(WW, uint32)
@@ -1290,7 +1312,7 @@ def linear_skinny(x, w, out, *, gated: bool = False, geometry: SkinnyGeometry | 
     shared = 4 * geo.warps * 4 * mt * geo.n_tiles * WARP if geo.k_split > 1 else 0
     kern = _skinny_kernel(mt, geo.n_tiles, geo.unroll, geo.warps, gated, geo.warps_per_sm, T > 8)
     launch(kern, grid(n_cols, cols_per_block, sim_cap=8), geo.warps * WARP,
-           _as_u32(x), _as_u32(w), out, k, geo.k_split, shared=shared, name="linear_skinny")
+           _as_u32(x), _as_u32(w), out, k, geo.k_split, shared=shared, name="linear_skinny", pdl=True)
 
 
 # ================================================================================================ public API

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from pegainfer.kernels.launch import launch
-from pegainfer.kernels.primitives import (bf16_to_f32, block_sum, cuda, device_fn, f32_to_bf16, float32, grid,
+from pegainfer.kernels.primitives import (pdl_prologue, bf16_to_f32, block_sum, cuda, device_fn, f32_to_bf16, float32, grid,
                                           kernel, math, threads, uint16)
 
 
@@ -58,6 +58,7 @@ def rms_norm_kernel(x, weight, out, eps, weight_offset, round_before_weight):
     (``SUM_ORDER``), square-sum with ``block_sum`` (every thread of the block takes part: the row loop's trip count
     is uniform across the block).
     """
+    pdl_prologue()
     eps = float32(eps)
     weight_offset = float32(weight_offset)
     for row in range(cuda.blockIdx.x, x.shape[0], cuda.gridDim.x):
@@ -94,6 +95,7 @@ def add_rms_norm_kernel(residual_in, delta, has_delta, weight, residual_out, out
     (``SUM_ORDER``).  Each thread reads back only the columns it wrote itself, so no barrier is needed between the
     add and the normalize pass, and in place each element is read before the same thread overwrites it.
     """
+    pdl_prologue()
     eps = float32(eps)
     weight_offset = float32(weight_offset)
     for row in range(cuda.blockIdx.x, residual_in.shape[0], cuda.gridDim.x):
@@ -137,7 +139,7 @@ def rms_norm(x, weight, out, eps: float, weight_offset: float = 0.0, round_befor
     if x.shape[0] == 0:
         return
     launch(rms_norm_kernel, *_geometry(x.shape[0]), x, weight, out, np.float32(eps), np.float32(weight_offset),
-           bool(round_before_weight))
+           bool(round_before_weight), pdl=True)
 
 
 def _launch_add_rms_norm(residual_in, delta, weight, residual_out, out, eps, weight_offset, round_before_weight,
@@ -146,7 +148,7 @@ def _launch_add_rms_norm(residual_in, delta, weight, residual_out, out, eps, wei
         return
     launch(add_rms_norm_kernel, *_geometry(residual_in.shape[0]), residual_in,
            residual_in if delta is None else delta, delta is not None, weight, residual_out, out, np.float32(eps),
-           np.float32(weight_offset), bool(round_before_weight), name=name)
+           np.float32(weight_offset), bool(round_before_weight), name=name, pdl=True)
 
 
 def add_rms_norm(residual, delta, weight, out, eps: float, weight_offset: float = 0.0,

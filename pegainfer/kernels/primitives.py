@@ -467,6 +467,89 @@ else:
         return sig, codegen
 
 
+# ------------------------------------------------------------------------------------------------ kernel overlap
+# Programmatic dependent launch (PDL, sm_90+).  A kernel launched with ``launch(..., pdl=True)`` may start while the
+# kernel before it on the stream is still running:
+#   * ``grid_dependency_wait()`` blocks until every kernel before it on the stream has finished and its writes are
+#     visible.  A PDL-launched kernel calls it before it reads anything an earlier kernel wrote and before it writes
+#     anything at all; before it, it may only read what no kernel writes (weights), e.g. to start its weight stream.
+#   * ``launch_dependents()`` lets the next PDL-launched kernel start now (its blocks take SMs as ours free them);
+#     without it the next kernel starts when this one's blocks exit.
+# Both are no-ops when there is nothing to wait for / no dependent, in the simulator and before sm_90.
+def _grid_dependency_control() -> bool:
+    if SIMULATOR:
+        return False
+    try:
+        return cuda.get_current_device().compute_capability >= (9, 0)
+    except Exception:      # no device to ask: an offline PTX build, which targets sm_90
+        return True
+
+
+GRID_DEPENDENCY_CONTROL = _grid_dependency_control()
+
+if GRID_DEPENDENCY_CONTROL:
+    def _griddepcontrol(instruction):
+        @intrinsic
+        def emit(typingctx):
+            sig = types.void()
+
+            def codegen(context, builder, sig, args):
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), instruction, "~{memory}", side_effect=True)
+                builder.call(asm, [])
+                return context.get_dummy_value()
+
+            return sig, codegen
+        return emit
+
+    grid_dependency_wait = _griddepcontrol("griddepcontrol.wait;")
+    launch_dependents = _griddepcontrol("griddepcontrol.launch_dependents;")
+else:
+    @device_fn
+    def grid_dependency_wait():
+        pass
+
+    @device_fn
+    def launch_dependents():
+        pass
+
+if SIMULATOR:
+    @device_fn
+    def prefetch_l2(a, i):
+        """Nothing to prefetch in the simulator."""
+else:
+    @intrinsic
+    def _prefetch_global_l2(typingctx, arr, idx):
+        """``prefetch.global.L2``: start moving the 128-byte line holding ``a[idx]`` into L2, no register waits."""
+        if not (isinstance(arr, types.Array) and arr.ndim == 1):
+            return None
+        sig = types.void(arr, idx)
+
+        def codegen(context, builder, sig, args):
+            arrty, idxty = sig.args
+            ary = context.make_array(arrty)(context, builder, value=args[0])
+            index = context.cast(builder, args[1], idxty, types.intp)
+            ptr = cgutils.get_item_pointer(context, builder, arrty, ary, [index], wraparound=False)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ptr.type]), "prefetch.global.L2 [$0];", "l",
+                               side_effect=True)
+            builder.call(asm, [ptr])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @device_fn
+    def prefetch_l2(a, i):
+        """Start moving the 128-byte line holding ``a[i]`` (a 1-D global array) into L2."""
+        _prefetch_global_l2(a, i)
+
+
+@device_fn
+def pdl_prologue():
+    """The start of a kernel that does nothing before its inputs are ready: let the next PDL kernel launch, then
+    wait for the previous one (kernels that stream weights meanwhile call the two primitives themselves)."""
+    launch_dependents()
+    grid_dependency_wait()
+
+
 # ------------------------------------------------------------------------------------------------ host helpers
 def to_bf16_bits(a) -> np.ndarray:
     """Host array (any float dtype, incl. ml_dtypes.bfloat16) → uint16 bf16 bits, round-to-nearest-even."""

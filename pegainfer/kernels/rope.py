@@ -25,7 +25,7 @@ import numpy as np
 
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.norm import normalize_element
-from pegainfer.kernels.primitives import (WARP, bf16_to_f32, cuda, device_fn, f32_to_bf16, float32, grid, int32,
+from pegainfer.kernels.primitives import (pdl_prologue, WARP, bf16_to_f32, cuda, device_fn, f32_to_bf16, float32, grid, int32,
                                           kernel, math, threads, to_bf16_bits, uint16, warp_sum)
 
 
@@ -172,6 +172,7 @@ def _qk_norm_rope_kernel(dims_per_lane: int, pair_shift: int):
         lane of the block runs the same number of items and calls ``warp_sum`` once per item (v heads and idle tail
         warps too), as the simulator's emulated shuffles require.
         """
+        pdl_prologue()
         num_q_heads = q_out.shape[1]
         head_dim = q_out.shape[2]
         num_kv_heads = k_cache.shape[2]
@@ -321,4 +322,4 @@ def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots
     launch(kern, grid(items, per_block=warps_per_block, sim_cap=8), block,
            qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables, k_cache, v_cache, q_out,
            np.int32(q_head_stride), np.int32(rotary_dim), np.float32(eps),
-           np.float32(weight_offset), bool(round_before_weight))
+           np.float32(weight_offset), bool(round_before_weight), pdl=True)

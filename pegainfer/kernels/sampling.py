@@ -72,7 +72,7 @@ import numpy as np
 
 from pegainfer.device import SIMULATOR
 from pegainfer.kernels.launch import current_stream, launch
-from pegainfer.kernels.primitives import (FULL_MASK, WARP, bf16x2_hi, bf16x2_lo, bits_f32, block_sum,
+from pegainfer.kernels.primitives import (pdl_prologue, FULL_MASK, WARP, bf16x2_hi, bf16x2_lo, bits_f32, block_sum,
                                           cuda, device_fn, f32_bits, float32, from_bf16_bits, grid, int32, kernel,
                                           load_u32x4, math, threads, uint32, warp_argmax, warp_sum)
 
@@ -588,6 +588,7 @@ def argmax_kernel(words, logits, n_vec, out_ids):
     Geometry: one block per row (grid-stride over rows), 1024 threads striding over ``V`` (``_fold_row``), then
     ``warp_argmax`` and a shared-memory combine of the warps.
     """
+    pdl_prologue()
     for row in range(cuda.blockIdx.x, logits.shape[0], cuda.gridDim.x):
         best, best_j = _fold_row(_visit_argmax, (_NEG_INF, int32(NO_INDEX)), (), words[row], logits, row, n_vec)
         best, best_j = _block_argmax(best, best_j)
@@ -604,6 +605,7 @@ def logsumexp_kernel(words, logits, n_vec, out_lse):
     Geometry: one block per row, 1024 threads: one pass of online (max, sum) per thread, then the block combines
     ``Σ s_t · exp(m_t - m)`` with ``m`` the block max.
     """
+    pdl_prologue()
     for row in range(cuda.blockIdx.x, logits.shape[0], cuda.gridDim.x):
         m_t, s_t = _fold_row(_visit_logsumexp, (_NEG_INF, float32(0.0)), (), words[row], logits, row, n_vec)
         m, _ = _block_argmax(m_t, 0)
@@ -628,6 +630,7 @@ def sample_kernel(words, logits, n_vec, temperature, top_k, top_p, min_p, seed, 
     Geometry: one block per row (grid-stride over rows), 512 threads, ~37 KB of shared memory.  Every branch
     below depends only on per-row values all threads share, so the block-wide reductions stay uniform.
     """
+    pdl_prologue()
     cand_x, cand_j = _candidate_buffers()
     probe_keys = cuda.local.array(PROBES, int32)
     probe_vals = cuda.local.array(PROBES, float32)
@@ -774,7 +777,7 @@ def argmax(logits, out_ids) -> None:
     if logits.shape[0] == 0:
         return
     launch(argmax_kernel, grid(logits.shape[0]), threads(gpu=ARGMAX_THREADS, sim=32), words, logits, n_vec, out_ids,
-           name="argmax")
+           name="argmax", pdl=True)
 
 
 def logsumexp(logits, out_lse) -> None:
@@ -785,7 +788,7 @@ def logsumexp(logits, out_lse) -> None:
     if logits.shape[0] == 0:
         return
     launch(logsumexp_kernel, grid(logits.shape[0]), threads(gpu=ARGMAX_THREADS, sim=32), words, logits, n_vec, out_lse,
-           name="logsumexp")
+           name="logsumexp", pdl=True)
 
 
 class SamplingBuffers:
@@ -880,7 +883,7 @@ def sample(logits, params: SamplingBuffers, out_ids, workspace, *,
         return
     launch(sample_kernel, grid(n_rows), threads(gpu=SAMPLE_THREADS, sim=SAMPLE_THREADS_SIM), words, logits, n_vec,
            params.temperature, params.top_k, params.top_p, params.min_p, params.seed, params.step, capacity, out_ids,
-           threshold, kept, name="sample")
+           threshold, kept, name="sample", pdl=True)
 
 
 def top_logprobs(logits_row, lse: float, token_id: int, n: int):

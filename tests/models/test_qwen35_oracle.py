@@ -16,7 +16,7 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.util import greedy_decode, hf_logits_on_gpu, rel_l2
+from tests.util import assert_pdl_contract, greedy_decode, hf_logits_on_gpu, launches_during, rel_l2
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -127,6 +127,13 @@ def test_prompt_logits_match_hf(tiny):
     ids = _prompt(13)
     _assert_rows_close(engine.score(ids), _hf_logits(ref, ids))
     assert engine.stats()["slots_used"] == 0
+
+
+def test_every_step_launch_keeps_the_pdl_contract(tiny):
+    """Prefill (chunked Gated DeltaNet, tiled attention) and decode (recurrent step, split-K attention, the
+    one-token GEMV, sampling): every kernel is launched with PDL and waits for its inputs."""
+    _, engine = tiny
+    assert_pdl_contract(launches_during(lambda: greedy_decode(engine, _prompt(11), 2, "pdl")))
 
 
 def test_greedy_decode_matches_hf(tiny):

@@ -5,7 +5,7 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.util import greedy_decode, rel_l2
+from tests.util import assert_pdl_contract, greedy_decode, launches_during, rel_l2
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -74,3 +74,9 @@ def test_greedy_decode_matches_hf(tiny):
     errs = [rel_l2(step_logits[i], theirs[i]) for i in range(DECODE_STEPS)]
     assert max(errs) < 2e-2, errs
     assert engine.stats()["kv_pages_used"] == 0 and engine.stats()["slots_used"] == 0
+
+
+def test_every_step_launch_keeps_the_pdl_contract(tiny):
+    """Prefill and decode: every kernel is launched with PDL and waits for its inputs."""
+    _, engine = tiny
+    assert_pdl_contract(launches_during(lambda: greedy_decode(engine, _prompt(), 2, "pdl")))

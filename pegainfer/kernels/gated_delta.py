@@ -50,11 +50,23 @@ is unchanged.  The rule kernels write zeros to the output rows from ``token_offs
 downstream stays finite); the conv leaves its output rows there as they were (only the rule reads them, and it
 does not).  State buffers::
 
-    conv_state [slots, conv_dim, K-1]  bf16   the last K-1 inputs of the conv, oldest first (HF keeps K; the oldest
-                                              of those is never used again)
+    conv_state [slots, conv_dim, K]    bf16   ring of the conv's inputs by position: entry ``p % K`` holds the input
+                                              at position ``p`` (the last K-1 of them are the ones still needed)
     ssm_state  [slots, Hv, Dk, Dv]     f32    S per value head, HF's layout (``recurrent_states``)
 
+**Positions and the conv ring.**  The conv kernels also take ``positions [tokens]`` int32 (the engine's: a token's
+index in its sequence).  The token at position ``p`` reads its K-1 predecessors at ring entries ``(p-K+1) % K ..
+(p-1) % K`` (or from ``x`` when they are in the same step; positions < 0 read as zero, HF's left padding) and a
+step leaves each of its last K-1 inputs at entry ``p % K``.  A one-token step therefore writes an entry that no
+reader of that step touches, which is what lets two blocks of the fused decode step (two value heads sharing a key
+head, hence the same q/k channels) update the same channels' ring with no ordering between them: both write the
+same value to the same entry.  (A shift register, oldest first, would be overwritten under the other block's feet.)
+
 A new sequence's slot must start from zeros (``clear_state_slots``), as HF starts without a cache.
+
+**Decode in one launch.**  ``gated_delta_decode_step`` fuses, for a batch of one-token sequences, the conv + SiLU,
+the recurrent rule and the gated RMSNorm (``causal_conv1d_silu`` → ``gated_delta_recurrent`` → ``gated_rms_norm``)
+into one kernel with bit-identical results; the three kernels stay for prompts and as its reference.
 
 **bf16 rounding** follows HF's bf16 forward: conv output rounded, then SiLU rounded; ``beta = bf16(sigmoid(b))``;
 ``g`` in f32 from bf16 ``a``; the rule runs in f32 and its output is rounded to bf16; the gated norm rounds
@@ -76,6 +88,10 @@ MAX_CHUNK = 64  # largest chunk length C of the chunked form (HF and FLA use 64)
 COL_TILE = WARP  # value columns per block in the rule kernels: one per lane
 MAX_WARPS = 32  # 1024 threads
 K_ROW_WORDS = MAX_KEY_DIM // 2 + 1  # a staged k row: Dk/2 packed bf16 pairs + one spare word (bank offset)
+MAX_VALUE_DIM = 128  # largest value head dim Dv the fused decode step's shared arrays hold (Qwen3.5: 128)
+RULE_WARPS = threads(gpu=256, sim=32) // WARP
+"""Warps per block of ``gated_delta_recurrent``: warp ``w`` sums key rows ``d ≡ w (mod RULE_WARPS)``, so this sets
+the f32 summation order of ``Sᵀk`` and ``Sᵀq``, which ``gated_delta_decode_step`` reproduces (its ``row_groups``)."""
 
 __all__ = ["causal_conv1d_silu", "gated_delta_recurrent", "gated_delta_chunked", "gated_rms_norm",
            "clear_state_slots", "sequence_table", "ChunkScratch", "allocate_chunk_scratch", "MAX_KEY_DIM",
@@ -119,6 +135,21 @@ def inverse_l2_norm(sum_squares):
 
 
 @device_fn
+def inverse_rms(sum_squares, n, eps):
+    """The RMSNorm factor ``1 / sqrt(Σx² / n + eps)`` in f32."""
+    return float32(1.0) / float32(math.sqrt(sum_squares / float32(n) + eps))
+
+
+@device_fn
+def gated_norm_value(x, inv_rms, w_bits, z_bits):
+    """One output of HF's bf16 ``RMSNormGated``: ``bf16(bf16(w · bf16(x · inv_rms)) · silu(z))`` (x f32, w and z
+    bf16 bits); returned as bf16 bits."""
+    normed = bf16_to_f32(f32_to_bf16(x * inv_rms))
+    weighted = bf16_to_f32(f32_to_bf16(bf16_to_f32(w_bits) * normed))
+    return f32_to_bf16(weighted * silu(bf16_to_f32(z_bits)))
+
+
+@device_fn
 def zero_rows_from(out, first):
     """``out[first:, :] = 0`` for a 2-D bf16 array, grid-strided over all threads of the launch (no barrier): the
     rows of tokens after the last sequence (padding), so that what reads them downstream stays finite."""
@@ -129,31 +160,66 @@ def zero_rows_from(out, first):
 
 
 # ------------------------------------------------------------------------------------------------ conv1d + SiLU
+@device_fn
+def conv_silu(x, weight, conv_state, slot, c, start, i, first_pos):
+    """One output of the causal depthwise conv + SiLU, as bf16 bits: channel ``c`` of token ``i`` of the sequence
+    whose tokens start at row ``start`` of ``x`` and at position ``first_pos``, in ``slot``::
+
+        bf16(silu(bf16(Σ_k weight[c, k] · input[i − (K−1) + k, c])))
+
+    ``input[s]`` is ``x[start + s]`` for ``s ≥ 0`` (this step's tokens) and, before the step, the ring entry
+    ``conv_state[slot, c, (first_pos + s) % K]`` (zero at positions below 0).  Shared by the conv kernel and the
+    fused decode step, so both compute every output with the very same instructions."""
+    taps = weight.shape[1]
+    hist = taps - 1
+    acc = float32(0.0)
+    for k in range(taps):
+        s = i - hist + k
+        if s >= 0:
+            v = bf16_to_f32(x[start + s, c])
+        elif first_pos + s >= 0:
+            v = bf16_to_f32(conv_state[slot, c, (first_pos + s) % taps])
+        else:
+            v = float32(0.0)
+        acc += bf16_to_f32(weight[c, k]) * v
+    return f32_to_bf16(silu(bf16_to_f32(f32_to_bf16(acc))))
+
+
+@device_fn
+def conv_ring_store(x, conv_state, slot, c, start, n, first_pos):
+    """Leave the last ``K-1`` inputs of channel ``c`` of an ``n``-token sequence (rows ``start ..`` of ``x``, first
+    position ``first_pos``) at their ring entries ``position % K``.  Only after every read of the slot's old
+    entries by the same step: an entry written here may be one a token of this step still reads."""
+    taps = conv_state.shape[2]
+    for s in range(max(0, n - (taps - 1)), n):
+        conv_state[slot, c, (first_pos + s) % taps] = x[start + s, c]
+
+
 @kernel
-def causal_conv1d_silu_kernel(x, weight, conv_state, slot_ids, token_offsets, out, tokens_per_thread, max_pieces):
-    """Causal depthwise conv1d over each sequence's tokens, then SiLU; reads and updates the slot's conv state.
+def causal_conv1d_silu_kernel(x, weight, conv_state, slot_ids, token_offsets, positions, out, tokens_per_thread,
+                              max_pieces):
+    """Causal depthwise conv1d over each sequence's tokens, then SiLU; reads and updates the slot's conv ring.
 
     x ``[tokens, channels]`` bf16 (in_proj_qkv output), weight ``[channels, K]`` bf16 (HF ``conv1d.weight`` with
-    its middle axis dropped), conv_state ``[slots, channels, K-1]`` bf16, slot_ids ``[B]`` / token_offsets
-    ``[B+1]`` int32, out ``[tokens, channels]`` bf16 (must not alias x).  For token ``t`` of a sequence (``t``
-    counted from the sequence start) and channel ``c``::
+    its middle axis dropped), conv_state ``[slots, channels, K]`` bf16 (the ring, module docstring), slot_ids
+    ``[B]`` / token_offsets ``[B+1]`` / positions ``[tokens]`` int32, out ``[tokens, channels]`` bf16 (must not
+    alias x).  For token ``t`` of a sequence (``t`` counted from the sequence start, at position ``P + t``) and
+    channel ``c`` (``conv_silu``)::
 
         out[t, c] = bf16(silu(bf16(Σ_k weight[c, k] · input[t − (K−1) + k, c])))
 
-    where ``input[s]`` is ``x`` for ``s ≥ 0`` and the slot's old state ``conv_state[slot, c, K−1+s]`` before the
-    sequence (``s < 0``).  Afterwards ``conv_state`` holds the last ``K−1`` inputs (older state entries shift in
-    when the sequence has fewer than ``K−1`` tokens).  Rows of ``out`` after the last sequence (padding) are not
-    written.
+    where ``input[s]`` is ``x`` for ``s ≥ 0`` and the ring entry of position ``P + s`` before the sequence
+    (zero below position 0).  Afterwards the ring holds the sequence's last ``K−1`` inputs at their entries (with
+    fewer tokens than that, the older entries stay as they are).  Rows of ``out`` after the last sequence
+    (padding) are not written.
 
     Geometry: one work item per (sequence, channel, piece of ``tokens_per_thread`` consecutive tokens), flattened
     channel-fastest (coalesced) and grid-strided; ``max_pieces`` bounds the pieces per sequence.  Only the thread
-    of piece 0 touches ``conv_state`` (it reads it, then overwrites it), so there is no race: the other pieces
-    start at least ``K−1`` tokens in (``tokens_per_thread ≥ K−1``) and see only ``x``.
+    of piece 0 touches ``conv_state`` (it reads the old entries, then writes the new ones), so there is no race:
+    the other pieces start at least ``K−1`` tokens in (``tokens_per_thread ≥ K−1``) and see only ``x``.
     """
     pdl_prologue()
     channels = x.shape[1]
-    taps = weight.shape[1]
-    hist = taps - 1
     items = slot_ids.shape[0] * max_pieces * channels
     for item in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, items,
                       cuda.gridDim.x * cuda.blockDim.x):
@@ -166,41 +232,29 @@ def causal_conv1d_silu_kernel(x, weight, conv_state, slot_ids, token_offsets, ou
         if first >= n:
             continue
         slot = slot_ids[seq]
+        first_pos = positions[start]
         for t in range(first, min(first + tokens_per_thread, n)):
-            acc = float32(0.0)
-            for k in range(taps):
-                s = t - hist + k
-                if s >= 0:
-                    v = bf16_to_f32(x[start + s, c])
-                else:
-                    v = bf16_to_f32(conv_state[slot, c, hist + s])
-                acc += bf16_to_f32(weight[c, k]) * v
-            out[start + t, c] = f32_to_bf16(silu(bf16_to_f32(f32_to_bf16(acc))))
+            out[start + t, c] = conv_silu(x, weight, conv_state, slot, c, start, t, first_pos)
         if piece == 0:
-            # New state = inputs n-(K-1) .. n-1.  Ascending k reads old entry n+k > k before it is overwritten.
-            for k in range(hist):
-                s = n - hist + k
-                if s >= 0:
-                    conv_state[slot, c, k] = x[start + s, c]
-                else:
-                    conv_state[slot, c, k] = conv_state[slot, c, hist + s]
+            conv_ring_store(x, conv_state, slot, c, start, n, first_pos)
 
 
-def causal_conv1d_silu(x, weight, conv_state, slot_ids, token_offsets, out, max_seq_tokens: int | None = None,
-                       tokens_per_thread: int = 8) -> None:
-    """``out = silu(causal_conv1d(x))`` per sequence, continuing from and updating ``conv_state[slot_ids]``.
+def causal_conv1d_silu(x, weight, conv_state, slot_ids, token_offsets, positions, out,
+                       max_seq_tokens: int | None = None, tokens_per_thread: int = 8) -> None:
+    """``out = silu(causal_conv1d(x))`` per sequence, continuing from and updating the ring ``conv_state[slot_ids]``.
 
-    x, out ``[T, C]`` bf16 bits; weight ``[C, K]`` bf16; conv_state ``[slots, C, K-1]`` bf16; slot_ids ``[B]``,
-    token_offsets ``[B+1]`` int32.  ``max_seq_tokens`` is an upper bound on any sequence's token count (sizes the
-    grid only; pass 1 for decode; defaults to T, always safe)."""
+    x, out ``[T, C]`` bf16 bits; weight ``[C, K]`` bf16; conv_state ``[slots, C, K]`` bf16; slot_ids ``[B]``,
+    token_offsets ``[B+1]``, positions ``[T]`` int32.  ``max_seq_tokens`` is an upper bound on any sequence's token
+    count (sizes the grid only; pass 1 for decode; defaults to T, always safe)."""
     _check_bf16(x, 2)
     _check_bf16(weight, 2)
     _check_bf16(conv_state, 3)
     _check_bf16(out, 2)
     channels, taps = weight.shape
     assert x.shape[1] == channels and out.shape == x.shape, (x.shape, out.shape, weight.shape)
-    assert conv_state.shape[1:] == (channels, taps - 1), (conv_state.shape, weight.shape)
+    assert conv_state.shape[1:] == (channels, taps), (conv_state.shape, weight.shape)
     _check_sequences(slot_ids, token_offsets)
+    _check_positions(positions, x.shape[0])
     assert tokens_per_thread >= taps - 1, "pieces after the first must not need the old state"
     if x.shape[0] == 0 or slot_ids.shape[0] == 0:
         return
@@ -209,7 +263,7 @@ def causal_conv1d_silu(x, weight, conv_state, slot_ids, token_offsets, out, max_
     block = threads(gpu=256, sim=32)
     items = slot_ids.shape[0] * max_pieces * channels
     launch(causal_conv1d_silu_kernel, grid(items, per_block=block, sim_cap=2), block, x, weight, conv_state,
-           slot_ids, token_offsets, out, np.int32(tokens_per_thread), np.int32(max_pieces), pdl=True)
+           slot_ids, token_offsets, positions, out, np.int32(tokens_per_thread), np.int32(max_pieces), pdl=True)
 
 
 # ------------------------------------------------------------------------------------------------ recurrent form
@@ -306,15 +360,19 @@ def gated_delta_recurrent_kernel(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids,
                 out[t, h * value_dim + j] = f32_to_bf16(o)
 
 
-def gated_delta_recurrent(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids, token_offsets, out) -> None:
+def gated_delta_recurrent(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids, token_offsets, out,
+                          warps: int = RULE_WARPS) -> None:
     """Gated delta rule token by token (decode: B sequences of one token).  Shapes as in
-    ``gated_delta_recurrent_kernel``; updates ``ssm_state[slot_ids]`` in place and writes ``out [T, Hv·Dv]``."""
+    ``gated_delta_recurrent_kernel``; updates ``ssm_state[slot_ids]`` in place and writes ``out [T, Hv·Dv]``.
+    ``warps`` per block sets how the column sums over key rows are split (``RULE_WARPS``: leave it, except in
+    tests of ``gated_delta_decode_step``'s ``row_groups``)."""
     _check_rule_args(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids, token_offsets, out)
+    assert 1 <= warps <= MAX_WARPS, warps
     if qkv.shape[0] == 0 or slot_ids.shape[0] == 0:
         return
     items = slot_ids.shape[0] * ssm_state.shape[1] * (-(-ssm_state.shape[3] // COL_TILE))
-    launch(gated_delta_recurrent_kernel, grid(items, sim_cap=8), threads(gpu=256, sim=32), qkv, a, b, a_log,
-           dt_bias, ssm_state, slot_ids, token_offsets, out, pdl=True)
+    launch(gated_delta_recurrent_kernel, grid(items, sim_cap=8), warps * WARP, qkv, a, b, a_log, dt_bias,
+           ssm_state, slot_ids, token_offsets, out, pdl=True)
 
 
 # ------------------------------------------------------------------------------------------------ chunked form
@@ -631,12 +689,10 @@ def gated_rms_norm_kernel(x, z, weight, out, eps):
             for i in range(lane, group, WARP):
                 v = bf16_to_f32(x[t, base + i])
                 ss += v * v
-        inv_rms = float32(1.0) / float32(math.sqrt(warp_sum(ss) / float32(group) + eps))
+        inv_rms = inverse_rms(warp_sum(ss), group, eps)
         if active:
             for i in range(lane, group, WARP):
-                normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[t, base + i]) * inv_rms))
-                weighted = bf16_to_f32(f32_to_bf16(bf16_to_f32(weight[i]) * normed))
-                out[t, base + i] = f32_to_bf16(weighted * silu(bf16_to_f32(z[t, base + i])))
+                out[t, base + i] = gated_norm_value(bf16_to_f32(x[t, base + i]), inv_rms, weight[i], z[t, base + i])
 
 
 def gated_rms_norm(x, z, weight, out, eps: float) -> None:
@@ -749,6 +805,11 @@ def sequence_table(token_slots, seq_slots, seq_offsets) -> None:
 # ------------------------------------------------------------------------------------------------ argument checks
 def _check_bf16(arr, ndim):
     assert arr.ndim == ndim and arr.dtype == np.uint16, (arr.shape, arr.dtype, "expected bf16 bits", ndim)
+
+
+def _check_positions(positions, num_tokens):
+    assert positions.ndim == 1 and positions.dtype == np.int32 and positions.shape[0] >= num_tokens, \
+        (positions.shape, positions.dtype, num_tokens)
 
 
 def _check_sequences(slot_ids, token_offsets):

@@ -74,13 +74,17 @@ into one kernel with bit-identical results; the three kernels stay for prompts a
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
+from pegainfer.device import SIMULATOR
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.primitives import (pdl_prologue, WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, cuda, device_fn, f32_to_bf16,
                                           float32, grid, int32, kernel, math, threads, uint32, warp_sum)
+
+uint64 = np.uint64
 
 L2NORM_EPS = 1e-6  # HF ``l2norm(x, eps=1e-6)``: x · rsqrt(Σx² + eps)
 MAX_KEY_DIM = 128  # largest key head dim Dk the shared-memory tiles hold (Qwen3.5: 128)
@@ -88,14 +92,13 @@ MAX_CHUNK = 64  # largest chunk length C of the chunked form (HF and FLA use 64)
 COL_TILE = WARP  # value columns per block in the rule kernels: one per lane
 MAX_WARPS = 32  # 1024 threads
 K_ROW_WORDS = MAX_KEY_DIM // 2 + 1  # a staged k row: Dk/2 packed bf16 pairs + one spare word (bank offset)
-MAX_VALUE_DIM = 128  # largest value head dim Dv the fused decode step's shared arrays hold (Qwen3.5: 128)
 RULE_WARPS = threads(gpu=256, sim=32) // WARP
 """Warps per block of ``gated_delta_recurrent``: warp ``w`` sums key rows ``d ≡ w (mod RULE_WARPS)``, so this sets
 the f32 summation order of ``Sᵀk`` and ``Sᵀq``, which ``gated_delta_decode_step`` reproduces (its ``row_groups``)."""
 
 __all__ = ["causal_conv1d_silu", "gated_delta_recurrent", "gated_delta_chunked", "gated_rms_norm",
-           "clear_state_slots", "sequence_table", "ChunkScratch", "allocate_chunk_scratch", "MAX_KEY_DIM",
-           "MAX_CHUNK"]
+           "gated_delta_decode_step", "clear_state_slots", "sequence_table", "ChunkScratch", "allocate_chunk_scratch",
+           "MAX_KEY_DIM", "MAX_CHUNK"]
 
 
 # ------------------------------------------------------------------------------------------------ scalar helpers
@@ -712,10 +715,320 @@ def gated_rms_norm(x, z, weight, out, eps: float) -> None:
            np.float32(eps), pdl=True)
 
 
+# ------------------------------------------------------------------------------------------------ fused decode step
+if SIMULATOR:
+    @device_fn
+    def opaque(x):
+        """``x`` itself (the simulator has no optimizer to hide it from)."""
+        return x
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def _opaque_f32(typingctx, x):
+        """``mov.b32``: an f32 passed through unchanged, as a value the compiler cannot see through."""
+        if x != types.float32:
+            return None
+        sig = types.float32(types.float32)
+
+        def codegen(context, builder, sig, args):
+            f32 = ir.FloatType()
+            return builder.call(ir.InlineAsm(ir.FunctionType(f32, [f32]), "mov.b32 $0, $1;", "=f,f"), [args[0]])
+
+        return sig, codegen
+
+    @device_fn
+    def opaque(x):
+        """``x`` (f32) unchanged, hidden from the optimizer: ``opaque(s) * decay`` is not merged with another
+        ``s * decay``, so the FMA contraction around it is the one the kernel's reference gets (see below)."""
+        return _opaque_f32(x)
+
+
+@device_fn
+def _head_channel(c, hk, h, key_dim, value_dim, k_base, v_base):
+    """Channel of ``x`` (the conv's input) for a block's local channel ``c``: ``c < Dk`` the q channels of key head
+    ``hk``, then its ``Dk`` k channels, then the v channels of value heads ``h, h+1, ..``."""
+    if c < key_dim:
+        return hk * key_dim + c
+    if c < 2 * key_dim:
+        return k_base + hk * key_dim + (c - key_dim)
+    return v_base + h * value_dim + (c - 2 * key_dim)
+
+
+def _bounded_kernel(threads_per_block: int):
+    """``@kernel`` compiled for blocks of ``threads_per_block`` threads, one block per SM (``launch_bounds``:
+    ptxas then keeps to the registers that block size allows; a GPU-only option)."""
+    if SIMULATOR:
+        return kernel
+    return cuda.jit(cache=True, launch_bounds=(threads_per_block, 1))
+
+
+@functools.cache
+def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per_thread: int):
+    """Build the fused decode step for heads of ``key_dim × value_dim``, ``row_groups`` key-row classes (the
+    summation order of ``gated_delta_recurrent`` with that many warps) and ``tiles_per_thread`` 32-column tiles
+    per thread.  All four are compile-time constants: the per-thread state is a register array of
+    ``ceil(Dk / row_groups) · tiles_per_thread`` f32 whose loops unroll, and with the head dims known every
+    state element's address is one base register plus an immediate offset."""
+    KD = key_dim
+    VD = value_dim
+    R = row_groups
+    TPT = tiles_per_thread
+    ROWS = -(-KD // R)           # key rows per thread: row_class, row_class + R, ...
+    REGS = ROWS * TPT            # (array sizes must be closure constants, not expressions)
+    QK_WORDS = 2 * KD
+    tiles = -(-VD // COL_TILE)
+    threads_per_block = R * -(-tiles // TPT) * WARP
+    NT = threads_per_block
+    CONV_CHANNELS = 2 * KD + VD          # the q, k channels of a key head and the v channels of a value head
+    ALL_ROWS = KD % R == 0               # every thread's rows / columns exist: no guards (Qwen3.5: both)
+    ALL_COLS = VD % (TPT * WARP) == 0
+
+    @_bounded_kernel(threads_per_block)
+    def gated_delta_decode_step_kernel(x, conv_weight, conv_state, z, a, b, a_log, dt_bias, norm_weight, eps,
+                                       ssm_state, slot_ids, token_offsets, positions, out):
+        """One Gated DeltaNet step after in_proj, for sequences of one token: conv + SiLU, the delta rule and the
+        gated RMSNorm in one launch, bit-identical to ``causal_conv1d_silu`` → ``gated_delta_recurrent`` (with
+        ``row_groups`` warps) → ``gated_rms_norm``.
+
+        x ``[tokens, 2·Hk·Dk + Hv·Dv]`` bf16 (in_proj_qkv output: q | k | v before the conv), conv_weight
+        ``[2·Hk·Dk + Hv·Dv, K]`` bf16, conv_state ``[slots, 2·Hk·Dk + Hv·Dv, K]`` bf16 (the ring, module
+        docstring), z ``[tokens, Hv·Dv]``, a, b ``[tokens, Hv]`` bf16, a_log, dt_bias ``[Hv]`` f32, norm_weight
+        ``[Dv]`` bf16, eps f32, ssm_state ``[slots · Hv · Dk · Dv]`` f32 (``[slots, Hv, Dk, Dv]`` seen flat),
+        slot_ids ``[B]``, token_offsets ``[B+1]``, positions ``[tokens]`` int32, out ``[tokens, Hv·Dv]`` bf16.
+        Per token and value head ``h`` (key head ``hk = h // (Hv/Hk)``)::
+
+            q, k, v = bf16(silu(bf16(conv(x))))      q, k: channels of hk; v: channels of h; ring updated
+            S = S·exp(g);  delta = (v − Sᵀk̂)·beta;  S += k̂ ⊗ delta;  o = bf16(Sᵀq̂)     (k̂, q̂ l2-normalised)
+            out = bf16(bf16(w · bf16(o · rms(o)⁻¹)) · silu(z))
+
+        Rows after the last sequence (``token_offsets[B]:``, padding) get the gated norm of a zero row (what the
+        three kernels leave there).  Sequences of several tokens (a prompt scored row by row) are also exact:
+        one block per key head then runs its value heads one after another (below).
+
+        Geometry: one block per (sequence, value head), grid-strided, of ``row_groups × ceil(Dv/32 /
+        tiles_per_thread)`` warps.  Warp ``w`` owns key rows ``d ≡ w mod row_groups`` and ``tiles_per_thread``
+        tiles of 32 columns (lane ``l``: columns ``l + 32·m``), i.e. ``S[d, j]`` for ``d`` in its row class: read
+        once into registers (issued before the conv, whose loads they overlap), decayed and updated there,
+        written once.  The block first computes the conv of the 2·Dk q/k and Dv v channels it needs (threads stride
+        over channels; the two value heads of a key head both compute its q/k: cheap), then every warp its own l2
+        norms (as the recurrent kernel, one warp reduction each), then the column sums ``Sᵀk`` and ``Sᵀq``: per
+        thread over its rows, then over the row classes in order through shared memory (the recurrent kernel's
+        order).  With the head's Dv outputs in shared memory, every warp reduces their squares the way
+        ``gated_rms_norm`` does and threads stride over the columns for the output.  Four barriers per token.
+
+        Conv ring: a one-token step reads entries ``(p−3..p−1) % K`` and writes entry ``p % K``; two blocks sharing a
+        key head write the same q/k values there, and neither reads it, so their lack of order is harmless.  A
+        longer sequence would overwrite entries the other block may still read, so for ``n > 1`` tokens the block
+        of the first value head of each key head does all of them (the others skip) and writes the ring last.
+        """
+        pdl_prologue()
+        num_v_heads = a_log.shape[0]
+        num_k_heads = (x.shape[1] - num_v_heads * VD) // (2 * KD)
+        heads_per_key = num_v_heads // num_k_heads
+        k_base = num_k_heads * KD
+        v_base = 2 * k_base
+        q_scale = float32(1.0) / float32(math.sqrt(float32(KD)))
+        eps = float32(eps)
+
+        qk_s = cuda.shared.array(QK_WORDS, float32)              # this token's q then k (f32 of the bf16 conv outputs)
+        v_s = cuda.shared.array(VD, float32)                     # its v for head h
+        o_s = cuda.shared.array(VD, float32)                     # the rule's outputs (bf16 values)
+        partial_kv = cuda.shared.array((R, VD), float32)         # per row class: Σ_d S·decay·k̂
+        partial_out = cuda.shared.array((R, VD), float32)        # per row class: Σ_d S·q̂
+        state = cuda.local.array(REGS, float32)                  # state[m·ROWS + i] = S[row_class + R·i, col m]
+        col_acc = cuda.local.array(TPT, float32)                 # per column of the thread: its partial sum
+        col_delta = cuda.local.array(TPT, float32)               # per column: delta
+
+        # Indices into shared memory and the state are unsigned (no negative-index wraparound code) and the
+        # block-stride loops step by the compile-time block size: every address is then a base register plus an
+        # immediate, and nothing else is computed ahead and kept live across the loops (which costs registers).
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        row_class = warp % R
+        first_col = (warp // R) * (TPT * WARP) + lane
+        u_tid = uint64(tid)
+        u_row = uint64(row_class)
+        u_col = uint64(first_col)
+        num_seqs = slot_ids.shape[0]
+
+        # padding rows: the rule's zeros through the gated norm
+        first_pad = token_offsets[num_seqs]
+        width = out.shape[1]
+        inv_rms_zero = inverse_rms(float32(0.0), VD, eps)
+        for idx in range(cuda.blockIdx.x * NT + tid, (out.shape[0] - first_pad) * width, cuda.gridDim.x * NT):
+            row = first_pad + idx // width
+            col = idx % width
+            out[row, col] = gated_norm_value(float32(0.0), inv_rms_zero, norm_weight[col % VD], z[row, col])
+
+        for item in range(cuda.blockIdx.x, num_seqs * num_v_heads, cuda.gridDim.x):
+            first_head = item % num_v_heads
+            seq = item // num_v_heads
+            start = token_offsets[seq]
+            n = token_offsets[seq + 1] - start
+            heads = 1
+            if n > 1:
+                heads = heads_per_key if first_head % heads_per_key == 0 else 0
+            if n <= 0 or heads == 0:
+                continue  # uniform across the block: an empty sequence leaves its slot alone
+            slot = slot_ids[seq]
+            first_pos = positions[start]
+            hk = first_head // heads_per_key
+            # one (head, token) per step: a single step for a decode token
+            for step in range(heads * n):
+                h = first_head + step // n
+                t = start + step % n
+                # this thread's S[row_class + R·i, first_col + 32·m] sits at base + R·i·Dv + 32·m
+                base = uint64(((slot * num_v_heads + h) * KD + row_class) * VD + first_col)
+                if t == start:  # the head's first token: its state into registers, ahead of the conv
+                    for m in range(TPT):
+                        for i in range(ROWS):
+                            if (ALL_COLS or first_col + m * WARP < VD) and (ALL_ROWS or row_class + R * i < KD):
+                                state[m * ROWS + i] = ssm_state[base + uint64(R * i * VD + m * WARP)]
+                # conv + SiLU of the channels this head reads
+                for c0 in range(0, CONV_CHANNELS, NT):
+                    c = c0 + tid
+                    if c < CONV_CHANNELS:
+                        ch = _head_channel(c, hk, h, KD, VD, k_base, v_base)
+                        val = bf16_to_f32(conv_silu(x, conv_weight, conv_state, slot, ch, start, t - start,
+                                                    first_pos))
+                        if c < 2 * KD:
+                            qk_s[uint64(c)] = val
+                        else:
+                            v_s[uint64(c - 2 * KD)] = val
+                cuda.syncthreads()
+                # l2 norms (every warp, as gated_delta_recurrent_kernel), decay, write strength
+                ssq = float32(0.0)
+                ssk = float32(0.0)
+                for d0 in range(0, KD, WARP):
+                    if d0 + lane < KD:
+                        qv = qk_s[uint64(d0 + lane)]
+                        kv = qk_s[uint64(KD + d0 + lane)]
+                        ssq += qv * qv
+                        ssk += kv * kv
+                q_mul = inverse_l2_norm(warp_sum(ssq)) * q_scale
+                k_mul = inverse_l2_norm(warp_sum(ssk))
+                decay = float32(math.exp(log_decay(a[t, h], a_log[h], dt_bias[h])))
+                beta = write_strength(b[t, h])
+
+                # pass 1: this thread's part of kv_mem = (S·decay)ᵀ k̂ (expressions as in the recurrent kernel).  Rows
+                # outermost: each k̂_d is read once for all of the thread's columns (summed in row order per column).
+                for m in range(TPT):
+                    col_acc[m] = float32(0.0)
+                for i in range(ROWS):
+                    if ALL_ROWS or row_class + R * i < KD:
+                        k_d = qk_s[u_row + uint64(KD + R * i)] * k_mul
+                        for m in range(TPT):
+                            if ALL_COLS or first_col + m * WARP < VD:
+                                col_acc[m] += state[m * ROWS + i] * decay * k_d
+                for m in range(TPT):
+                    if ALL_COLS or first_col + m * WARP < VD:
+                        partial_kv[u_row, u_col + uint64(m * WARP)] = col_acc[m]
+                cuda.syncthreads()
+
+                # pass 2: S = S·decay + k̂ ⊗ delta and this thread's part of Sᵀq̂.  ``opaque``: the recurrent
+                # kernel reloads S here, so its S·decay is a product of its own, contracted with the add
+                # (fma(S, decay, k̂·delta)); merged with pass 1's S·decay it would be rounded first instead.
+                for m in range(TPT):
+                    if ALL_COLS or first_col + m * WARP < VD:
+                        j = u_col + uint64(m * WARP)
+                        kv_mem = float32(0.0)
+                        for w in range(R):
+                            kv_mem += partial_kv[uint64(w), j]
+                        col_delta[m] = (v_s[j] - kv_mem) * beta
+                    col_acc[m] = float32(0.0)
+                for i in range(ROWS):
+                    if ALL_ROWS or row_class + R * i < KD:
+                        k_d = qk_s[u_row + uint64(KD + R * i)] * k_mul
+                        q_d = qk_s[u_row + uint64(R * i)] * q_mul
+                        for m in range(TPT):
+                            if ALL_COLS or first_col + m * WARP < VD:
+                                s_new = opaque(state[m * ROWS + i]) * decay + k_d * col_delta[m]
+                                state[m * ROWS + i] = s_new
+                                col_acc[m] += s_new * q_d
+                for m in range(TPT):
+                    if ALL_COLS or first_col + m * WARP < VD:
+                        partial_out[u_row, u_col + uint64(m * WARP)] = col_acc[m]
+                cuda.syncthreads()
+                for j0 in range(0, VD, NT):
+                    if j0 + tid < VD:
+                        j = uint64(j0) + u_tid
+                        o = float32(0.0)
+                        for w in range(R):
+                            o += partial_out[uint64(w), j]
+                        o_s[j] = bf16_to_f32(f32_to_bf16(o))
+                cuda.syncthreads()
+
+                # gated RMSNorm of the head's Dv outputs (every warp reduces them as gated_rms_norm_kernel)
+                ss = float32(0.0)
+                for i0 in range(0, VD, WARP):
+                    if i0 + lane < VD:
+                        ov = o_s[uint64(i0 + lane)]
+                        ss += ov * ov
+                inv_rms = inverse_rms(warp_sum(ss), VD, eps)
+                for j0 in range(0, VD, NT):
+                    if j0 + tid < VD:
+                        j = j0 + tid
+                        col = h * VD + j
+                        out[t, col] = gated_norm_value(o_s[uint64(j)], inv_rms, norm_weight[j], z[t, col])
+
+                if t == start + n - 1:  # the head's last token: its state back
+                    for m in range(TPT):
+                        for i in range(ROWS):
+                            if (ALL_COLS or first_col + m * WARP < VD) and (ALL_ROWS or row_class + R * i < KD):
+                                ssm_state[base + uint64(R * i * VD + m * WARP)] = state[m * ROWS + i]
+            cuda.syncthreads()  # every read of the slot's old ring entries by this block is done
+            for c in range(tid, 2 * KD + heads * VD, NT):
+                ch = _head_channel(c, hk, first_head, KD, VD, k_base, v_base)
+                conv_ring_store(x, conv_state, slot, ch, start, n, first_pos)
+    return gated_delta_decode_step_kernel
+
+
+DECODE_TILES_PER_THREAD = 4
+"""32-column tiles of the state per thread in ``gated_delta_decode_step``: with Qwen3.5's 128 × 128 heads and
+``RULE_WARPS`` = 8, 512-thread blocks holding 32 state values per thread."""
+
+
+def gated_delta_decode_step(x, conv_weight, conv_state, z, a, b, a_log, dt_bias, norm_weight, eps: float,
+                            ssm_state, slot_ids, token_offsets, positions, out, row_groups: int = RULE_WARPS,
+                            tiles_per_thread: int = DECODE_TILES_PER_THREAD) -> None:
+    """The whole Gated DeltaNet step between in_proj and out_proj for a decode batch, in one launch:
+    ``out = RMSNormGated(rule(silu(conv(x))), z)``, updating ``conv_state`` and ``ssm_state`` of ``slot_ids``.
+
+    Shapes as in ``gated_delta_decode_step_kernel``, except ``ssm_state`` ``[slots, Hv, Dk, Dv]`` (contiguous).
+    Bit-identical to ``causal_conv1d_silu`` → ``gated_delta_recurrent(warps=row_groups)`` → ``gated_rms_norm``
+    (``row_groups`` is a test knob: keep the default, the recurrent kernel's own).  Meant for one token per
+    sequence; longer sequences are exact but run one block per key head."""
+    _check_rule_args(x, a, b, a_log, dt_bias, ssm_state, slot_ids, token_offsets, out)
+    for arr, ndim in ((conv_weight, 2), (conv_state, 3), (z, 2), (norm_weight, 1)):
+        _check_bf16(arr, ndim)
+    channels, taps = conv_weight.shape
+    num_tokens = x.shape[0]
+    num_v_heads, key_dim, value_dim = ssm_state.shape[1:]
+    assert x.shape[1] == channels and conv_state.shape[1:] == (channels, taps), (x.shape, conv_state.shape,
+                                                                               conv_weight.shape)
+    assert conv_state.shape[0] == ssm_state.shape[0], (conv_state.shape, ssm_state.shape)
+    assert z.shape == out.shape and norm_weight.shape == (value_dim,), (z.shape, out.shape, norm_weight.shape)
+    assert ssm_state.is_c_contiguous(), "the kernel reads the state as one flat array"
+    _check_positions(positions, num_tokens)
+    tiles = -(-value_dim // COL_TILE)
+    warps = row_groups * -(-tiles // tiles_per_thread)
+    assert 1 <= row_groups and 1 <= tiles_per_thread and warps <= MAX_WARPS, (row_groups, tiles_per_thread)
+    if num_tokens == 0:
+        return
+    launch(_decode_step_kernel(key_dim, value_dim, row_groups, tiles_per_thread),
+           grid(max(1, slot_ids.shape[0] * num_v_heads), sim_cap=8), warps * WARP, x, conv_weight, conv_state, z,
+           a, b, a_log, dt_bias, norm_weight, np.float32(eps), ssm_state.reshape(ssm_state.size), slot_ids,
+           token_offsets, positions, out, pdl=True)
+
+
 # ------------------------------------------------------------------------------------------------ state slots
 @kernel
 def clear_state_slots_kernel(conv_state, ssm_state, slot_ids):
-    """Zero ``conv_state[s]`` ``[slots, conv_dim, K-1]`` (bf16) and ``ssm_state[s]`` ``[slots, Hv, Dk, Dv]`` (f32)
+    """Zero ``conv_state[s]`` ``[slots, conv_dim, K]`` (bf16) and ``ssm_state[s]`` ``[slots, Hv, Dk, Dv]`` (f32)
     for every ``s`` in ``slot_ids [B]``: a new sequence starts from an empty state.  Geometry: grid-stride over
     every element of the cleared slots (flattened per slot)."""
     pdl_prologue()

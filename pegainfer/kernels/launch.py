@@ -11,8 +11,14 @@ with ``pdl=True`` may start *before* the previous kernel on the stream has finis
 the previous kernel calls ``launch_dependents()`` (or its blocks exit), issue their first weight loads, and only
 then call ``grid_dependency_wait()``, which returns once the previous kernel's writes are visible
 (``primitives``: what a kernel may do before the wait).  Captured into a CUDA graph these launches become
-programmatic edges, so the overlap replays every token.  ``PEGAINFER_PDL=0`` turns it off (every launch then orders
-fully after the one before, as without ``pdl``); it is off in the simulator and before sm_90.
+programmatic edges, so the overlap replays every token.
+
+Every kernel of a step follows the contract and is launched with ``pdl=True``, but by default only the launches
+named in ``PDL_BY_DEFAULT`` really overlap: measured on the H200 (Qwen3-4B decode, ``benchmarks/RESULTS.md``), PDL
+between the weight-streaming kernels took TPOT from 3.31 to 3.14 ms, while PDL on every launch (the latency-bound
+qk-norm/RoPE, attention, sampling kernels too) made it 3.41 ms.  ``PEGAINFER_PDL=1`` overlaps every launch,
+``PEGAINFER_PDL=0`` none (every launch then orders fully after the one before), ``PEGAINFER_PDL=name,name`` the
+launches of those names (``launch(..., name=)``).  It is off in the simulator and before sm_90.
 """
 from __future__ import annotations
 
@@ -26,9 +32,14 @@ _stream: Any = 0
 _tracer: Optional[Callable] = None
 
 
+PDL_BY_DEFAULT = ("gemv", "gemv_add_rms_norm", "linear_skinny", "add_rms_norm_into")
+_PDL_SETTING = os.environ.get("PEGAINFER_PDL", ",".join(PDL_BY_DEFAULT))
+_PDL_ONLY = None if _PDL_SETTING in ("0", "1") else frozenset(_PDL_SETTING.split(","))
+
+
 def _programmatic_launcher() -> Optional[Callable]:
     """``launch_pdl(kernel, grid, block, stream, shared, args)`` when PDL is available and wanted, else None."""
-    if not GRID_DEPENDENCY_CONTROL or os.environ.get("PEGAINFER_PDL", "1") == "0":
+    if not GRID_DEPENDENCY_CONTROL or _PDL_SETTING == "0":
         return None
     try:
         from cuda.core import LaunchConfig, launch as core_launch
@@ -58,6 +69,8 @@ def launch(kernel, grid: int, block: int, *args, shared: int = 0, name: str | No
     """Launch ``kernel[grid, block, stream, shared](*args)`` on the current stream (1-D grids and blocks).
 
     ``pdl=True``: the kernel follows the PDL contract (module docstring) and may overlap the kernel before it."""
+    if _PDL_ONLY is not None:
+        pdl = pdl and name in _PDL_ONLY
     if _tracer is not None:
         with _tracer(name or getattr(kernel, "__name__", None) or getattr(getattr(kernel, "py_func", None), "__name__", "kernel")):
             _launch(kernel, grid, block, args, shared, pdl)

@@ -66,8 +66,8 @@ from numba import types as nbtypes  # noqa: E402  (after pegainfer.device: it pi
 from pegainfer.kernels import norm
 from pegainfer.kernels.activation import silu
 from pegainfer.kernels.launch import launch
-from pegainfer.kernels.norm import (add_residual, add_rms_norm_into, check_residual_buffers, inverse_rms,
-                                    normalize_element)
+from pegainfer.kernels.norm import (add_pair, add_rms_norm_into, check_residual_buffers, inverse_rms,
+                                    normalize_pair, pairs_per_thread)
 from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, bits_f32, block_sum, cuda,
                                           device_fn, f32_to_bf16, float32, grid, kernel, load_u32x4,
                                           mma_bf16_m16n8k16, pack_bf16x2, uint16, uint32,
@@ -497,6 +497,7 @@ GEMV_TUNING_ENV = "PEGAINFER_GEMV_TUNING"
 # PEGAINFER_GEMV_PREFETCH=1: the one-token GEMV also moves the rest of each block's first tile into L2 before it
 # waits for the previous kernel (PDL, ``launch``).  Off by default: on the H200 it cost ~0.2 ms per Qwen3-4B token.
 GEMV_PREFETCH = os.environ.get("PEGAINFER_GEMV_PREFETCH", "0") == "1"
+GEMV_BALANCED = os.environ.get("PEGAINFER_GEMV_BALANCED", "1") != "0"
 
 
 def load_gemv_tuning(path: str) -> int:
@@ -639,30 +640,6 @@ else:
             acc[r] = a
 
 
-@device_fn
-def _norm_pair(s_word, w_word, inv_rms, weight_offset, round_before_weight):
-    """``normalize_element`` of both bf16 of ``s_word`` with the weights in ``w_word``, packed back into a word."""
-    lo = normalize_element(bf16x2_lo(s_word), inv_rms, uint16(w_word & uint32(0xFFFF)), weight_offset,
-                           round_before_weight)
-    hi = normalize_element(bf16x2_hi(s_word), inv_rms, uint16(w_word >> uint32(16)), weight_offset,
-                           round_before_weight)
-    return uint32(lo) | (uint32(hi) << uint32(16))
-
-
-@device_fn
-def _add_pair(r_word, d_word, has_delta):
-    """``add_residual`` of both bf16 of a word pair, packed back into a word."""
-    lo = add_residual(uint16(r_word & uint32(0xFFFF)), uint16(d_word & uint32(0xFFFF)), has_delta)
-    hi = add_residual(uint16(r_word >> uint32(16)), uint16(d_word >> uint32(16)), has_delta)
-    return uint32(lo) | (uint32(hi) << uint32(16))
-
-
-def prologue_pairs(hidden: int) -> int:
-    """Element pairs of the row each thread of the norm prologue holds, ``ceil(hidden / 2 / NORM_THREADS)``: all of a
-    thread's loads go out at once (a compile-time constant of the fused one-token GEMV)."""
-    return max(1, -(-hidden // (2 * NORM_THREADS)))
-
-
 @functools.cache
 def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool, norm_pairs: int,
                         prefetch: bool = True):
@@ -758,7 +735,7 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
             ss = float32(0.0)
             for u in range(U):
                 p = tid + u * nthreads
-                s_w[u] = _add_pair(s_w[u], d_w[u], has_delta)
+                s_w[u] = add_pair(s_w[u], d_w[u], has_delta)
                 if p < k_words:
                     if (p // nthreads) % cuda.gridDim.x == cuda.blockIdx.x:
                         residual_out32[p] = s_w[u]
@@ -770,7 +747,7 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
             for u in range(U):
                 p = tid + u * nthreads
                 if p < k_words:
-                    xs[_x_word_index(p >> 2, p & 3)] = _norm_pair(s_w[u], n_w[u], inv_rms, float32(weight_offset),
+                    xs[_x_word_index(p >> 2, p & 3)] = normalize_pair(s_w[u], n_w[u], inv_rms, float32(weight_offset),
                                                                   round_before_weight)
         else:
             for c in range(tid, n_slices, nthreads):
@@ -839,7 +816,7 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
     if x is None:
         k = residual_in.shape[1]
         assert geo.warps * WARP == NORM_THREADS, f"the fused norm needs blocks of {NORM_THREADS} threads: {geo}"
-        norm_pairs = prologue_pairs(k)
+        norm_pairs = pairs_per_thread(k)
         r32 = _as_u32(residual_in)
         d32 = r32 if delta is None else _as_u32(delta)
         args = (r32, _as_u32(w), out, k, geo.k_split, r32, d32, _as_u32(norm_weight), _as_u32(residual_out))
@@ -1402,6 +1379,10 @@ def _resident_blocks(n_tiles: int, geo: GemvGeometry) -> int:
     grid-stride over the tiles.  The fused GEMV always launches so, so that the norm prologue (a whole-row pass and
     a block reduction) runs once per block rather than once per tile."""
     resident = _sm_count() * max(1, WARPS_PER_SM // geo.warps)
+    if GEMV_BALANCED:
+        # every block the same number of tiles: 608 tiles on 264 resident blocks would leave 80 blocks a third
+        # tile to stream alone (a tail at a third of the bandwidth); 203 blocks of 3 tiles finish together
+        resident = -(-n_tiles // -(-n_tiles // resident))
     return grid(min(n_tiles, resident), sim_cap=2)
 
 

@@ -16,11 +16,14 @@ the residual); both are bit-identical to ``add_rms_norm`` / ``rms_norm``.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from pegainfer.kernels.launch import launch
-from pegainfer.kernels.primitives import (pdl_prologue, bf16_to_f32, block_sum, cuda, device_fn, f32_to_bf16, float32, grid,
-                                          kernel, math, threads, uint16)
+from pegainfer.kernels.primitives import (bf16_to_f32, bf16x2_hi, bf16x2_lo, block_sum, cuda, device_fn,
+                                          f32_to_bf16, float32, grid, kernel, math, pdl_prologue, threads, uint16,
+                                          uint32)
 
 
 @device_fn
@@ -40,39 +43,6 @@ def inverse_rms(sum_squares, count, eps):
 
 
 @device_fn
-def write_normalized_row(x, row, weight, out, inv_rms, weight_offset, round_before_weight):
-    """``out[row, :] = norm(x[row, :])`` with this thread's block-stride share of the columns."""
-    for i in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
-        out[row, i] = normalize_element(bf16_to_f32(x[row, i]), inv_rms, weight[i], weight_offset,
-                                        round_before_weight)
-
-
-@kernel
-def rms_norm_kernel(x, weight, out, eps, weight_offset, round_before_weight):
-    """RMSNorm of each token row.
-
-    x ``[tokens, hidden]``, weight ``[hidden]``, out ``[tokens, hidden]`` — uint16 bf16 bits; eps and weight_offset
-    f32; round_before_weight bool (module docstring gives both roundings).
-
-    Geometry: one block per token row (grid-stride over rows); threads stride over the row's element *pairs*
-    (``SUM_ORDER``), square-sum with ``block_sum`` (every thread of the block takes part: the row loop's trip count
-    is uniform across the block).
-    """
-    pdl_prologue()
-    eps = float32(eps)
-    weight_offset = float32(weight_offset)
-    for row in range(cuda.blockIdx.x, x.shape[0], cuda.gridDim.x):
-        ss = float32(0.0)
-        for p in range(cuda.threadIdx.x, x.shape[1] // 2, cuda.blockDim.x):
-            v0 = bf16_to_f32(x[row, 2 * p])
-            v1 = bf16_to_f32(x[row, 2 * p + 1])
-            ss += v0 * v0
-            ss += v1 * v1
-        inv_rms = inverse_rms(block_sum(ss), x.shape[1], eps)
-        write_normalized_row(x, row, weight, out, inv_rms, weight_offset, round_before_weight)
-
-
-@device_fn
 def add_residual(residual_bits, delta_bits, has_delta):
     """The new residual stream element (bf16 bits): ``bf16(residual + delta)``, or ``residual`` without
     ``has_delta``."""
@@ -81,33 +51,87 @@ def add_residual(residual_bits, delta_bits, has_delta):
     return residual_bits
 
 
-@kernel
-def add_rms_norm_kernel(residual_in, delta, has_delta, weight, residual_out, out, eps, weight_offset,
-                        round_before_weight):
-    """Residual add fused with RMSNorm: ``residual_out = s = bf16(residual_in + delta)`` (``s = residual_in``
-    without ``has_delta``; ``delta`` is then not read), ``out = norm(s)``.
+@device_fn
+def add_pair(r_word, d_word, has_delta):
+    """``add_residual`` of both bf16 of a word (two adjacent elements), packed back into a word."""
+    lo = add_residual(uint16(r_word & uint32(0xFFFF)), uint16(d_word & uint32(0xFFFF)), has_delta)
+    hi = add_residual(uint16(r_word >> uint32(16)), uint16(d_word >> uint32(16)), has_delta)
+    return uint32(lo) | (uint32(hi) << uint32(16))
 
-    residual_in, delta, residual_out, out ``[tokens, hidden]``, weight ``[hidden]`` — uint16 bf16 bits; the norm
-    squares the rounded sum, as HF's bf16 forward does.  ``residual_out`` may be ``residual_in`` itself (the in-place
-    ``add_rms_norm``) or a buffer that does not overlap it (``add_rms_norm_into``).
 
-    Geometry: one block per token row (grid-stride over rows); threads stride over the row's element pairs
-    (``SUM_ORDER``).  Each thread reads back only the columns it wrote itself, so no barrier is needed between the
-    add and the normalize pass, and in place each element is read before the same thread overwrites it.
-    """
-    pdl_prologue()
-    eps = float32(eps)
-    weight_offset = float32(weight_offset)
-    for row in range(cuda.blockIdx.x, residual_in.shape[0], cuda.gridDim.x):
-        ss = float32(0.0)
-        for p in range(cuda.threadIdx.x, residual_in.shape[1] // 2, cuda.blockDim.x):
-            for i in range(2 * p, 2 * p + 2):
-                s_bits = add_residual(residual_in[row, i], delta[row, i] if has_delta else uint16(0), has_delta)
-                residual_out[row, i] = s_bits
-                v = bf16_to_f32(s_bits)
-                ss += v * v
-        inv_rms = inverse_rms(block_sum(ss), residual_in.shape[1], eps)
-        write_normalized_row(residual_out, row, weight, out, inv_rms, weight_offset, round_before_weight)
+@device_fn
+def normalize_pair(s_word, w_word, inv_rms, weight_offset, round_before_weight):
+    """``normalize_element`` of both bf16 of ``s_word`` with the weights in ``w_word``, packed back into a word."""
+    lo = normalize_element(bf16x2_lo(s_word), inv_rms, uint16(w_word & uint32(0xFFFF)), weight_offset,
+                           round_before_weight)
+    hi = normalize_element(bf16x2_hi(s_word), inv_rms, uint16(w_word >> uint32(16)), weight_offset,
+                           round_before_weight)
+    return uint32(lo) | (uint32(hi) << uint32(16))
+
+
+def pairs_per_thread(hidden: int) -> int:
+    """Element pairs of a row each thread of a ``BLOCK_THREADS`` block holds in registers,
+    ``ceil(hidden / 2 / BLOCK_THREADS)`` (a compile-time constant of the kernels that hold a whole row)."""
+    return max(1, -(-hidden // (2 * BLOCK_THREADS)))
+
+
+@functools.cache
+def _add_rms_norm_kernel(pairs: int):
+    """Build the norm kernel for rows of at most ``2 · pairs · BLOCK_THREADS`` elements (``pairs`` sizes the
+    per-thread register arrays)."""
+    U = pairs
+
+    @kernel
+    def add_rms_norm_rows(residual_in32, delta32, has_delta, weight32, residual_out32, write_residual, out32, eps,
+                          weight_offset, round_before_weight):
+        """Residual add fused with RMSNorm, or RMSNorm alone: ``s = bf16(residual_in + delta)`` (``s =
+        residual_in`` without ``has_delta``; ``delta`` is then not read), ``residual_out = s`` when
+        ``write_residual``, ``out = norm(s)``; the norm squares the rounded sum, as HF's bf16 forward does.
+
+        residual_in32, delta32, residual_out32, out32 ``[tokens · hidden/2]`` and weight32 ``[hidden/2]``: the bf16
+        tensors ``[tokens, hidden]`` / ``[hidden]`` seen as uint32 words (two adjacent elements each).
+        ``residual_out`` may be ``residual_in`` itself (the in-place ``add_rms_norm``) or a buffer that does not
+        overlap it (``add_rms_norm_into``).
+
+        Geometry: one block of ``BLOCK_THREADS`` per token row (grid-stride over rows).  Thread t holds words
+        t, t + B, ... of the row in registers (``SUM_ORDER``): all its loads (residual, delta, weight) are issued
+        at once — a row is one round trip to memory, not one per element — then ``block_sum`` of the squares, then
+        the normalized words from the registers.  Each thread writes only the words it read, so in place is safe.
+        """
+        pdl_prologue()
+        s_w = cuda.local.array(U, uint32)
+        d_w = cuda.local.array(U, uint32)
+        n_w = cuda.local.array(U, uint32)
+        words = weight32.shape[0]
+        tid = cuda.threadIdx.x
+        nthreads = cuda.blockDim.x
+        eps = float32(eps)
+        weight_offset = float32(weight_offset)
+        for row in range(cuda.blockIdx.x, residual_in32.shape[0] // words, cuda.gridDim.x):
+            base = row * words
+            for u in range(U):                      # every load of the row at once
+                p = min(tid + u * nthreads, words - 1)
+                s_w[u] = residual_in32[base + p]
+                d_w[u] = delta32[base + p] if has_delta else uint32(0)
+                n_w[u] = weight32[p]
+            ss = float32(0.0)
+            for u in range(U):
+                p = tid + u * nthreads
+                if p < words:
+                    s_w[u] = add_pair(s_w[u], d_w[u], has_delta)
+                    if write_residual:
+                        residual_out32[base + p] = s_w[u]
+                    v0 = bf16x2_lo(s_w[u])
+                    v1 = bf16x2_hi(s_w[u])
+                    ss += v0 * v0
+                    ss += v1 * v1
+            inv_rms = inverse_rms(block_sum(ss), 2 * words, eps)
+            for u in range(U):
+                p = tid + u * nthreads
+                if p < words:
+                    out32[base + p] = normalize_pair(s_w[u], n_w[u], inv_rms, weight_offset, round_before_weight)
+
+    return add_rms_norm_rows
 
 
 def _check(x, weight, out):
@@ -138,17 +162,22 @@ def rms_norm(x, weight, out, eps: float, weight_offset: float = 0.0, round_befor
     _check(x, weight, out)
     if x.shape[0] == 0:
         return
-    launch(rms_norm_kernel, *_geometry(x.shape[0]), x, weight, out, np.float32(eps), np.float32(weight_offset),
-           bool(round_before_weight), pdl=True)
+    _launch_add_rms_norm(x, None, weight, None, out, eps, weight_offset, round_before_weight, "rms_norm")
+
+
+def _words(a):
+    return a.view(np.uint32).reshape(-1)
 
 
 def _launch_add_rms_norm(residual_in, delta, weight, residual_out, out, eps, weight_offset, round_before_weight,
-                         name: str | None):
+                         name: str):
     if residual_in.shape[0] == 0:
         return
-    launch(add_rms_norm_kernel, *_geometry(residual_in.shape[0]), residual_in,
-           residual_in if delta is None else delta, delta is not None, weight, residual_out, out, np.float32(eps),
-           np.float32(weight_offset), bool(round_before_weight), name=name, pdl=True)
+    r32 = _words(residual_in)
+    launch(_add_rms_norm_kernel(pairs_per_thread(residual_in.shape[1])), *_geometry(residual_in.shape[0]), r32,
+           r32 if delta is None else _words(delta), delta is not None, _words(weight),
+           r32 if residual_out is None else _words(residual_out), residual_out is not None, _words(out),
+           np.float32(eps), np.float32(weight_offset), bool(round_before_weight), name=name, pdl=True)
 
 
 def add_rms_norm(residual, delta, weight, out, eps: float, weight_offset: float = 0.0,
@@ -157,7 +186,8 @@ def add_rms_norm(residual, delta, weight, out, eps: float, weight_offset: float 
     ``rms_norm``); residual, delta, out ``[T, H]``, weight ``[H]`` bf16 bits."""
     _check(residual, weight, out)
     assert delta.shape == residual.shape and delta.dtype == np.uint16, (delta.shape, delta.dtype)
-    _launch_add_rms_norm(residual, delta, weight, residual, out, eps, weight_offset, round_before_weight, None)
+    _launch_add_rms_norm(residual, delta, weight, residual, out, eps, weight_offset, round_before_weight,
+                         "add_rms_norm")
 
 
 def _memory_range(a) -> tuple[int, int]:

@@ -13,6 +13,8 @@ Three of every four layers (``cfg.layer_types``) are **linear attention** (HF ``
     core   = RMSNormGated(core, silu(proj.z))         per value head
     delta  = core @ W_out^T
 
+(token by token, conv, rule and gated norm are one launch: ``gated_delta.gated_delta_decode_step``);
+
 the others are **full attention** (HF ``Qwen3_5Attention``) with a sigmoid output gate and partial RoPE::
 
     qkv    = normed @ [W_q (q and gate interleaved per head); W_k; W_v]^T
@@ -22,9 +24,10 @@ the others are **full attention** (HF ``Qwen3_5Attention``) with a sigmoid outpu
 
 and every layer ends with the SwiGLU MLP.  All RMSNorms except the gated one are Qwen3.5's ``x·r·(1 + w)`` form.
 
-**Recurrent state.**  Each linear-attention layer keeps, per engine slot, the conv window ``[conv_dim, K-1]``
-(bf16) and the delta-rule state ``[Hv, Dk, Dv]`` (f32).  ``reset_slot`` zeroes a slot for a new sequence; a prompt
-prefilled in several chunks continues from the state the previous chunk left.
+**Recurrent state.**  Each linear-attention layer keeps, per engine slot, the conv window ``[conv_dim, K]``
+(bf16, a ring indexed by position: ``gated_delta``'s docstring) and the delta-rule state ``[Hv, Dk, Dv]`` (f32).
+``reset_slot`` zeroes a slot for a new sequence; a prompt prefilled in several chunks continues from the state the
+previous chunk left.
 
 **Sequences in a step.**  The Gated DeltaNet kernels take a per-sequence table (``seq_slots``, ``seq_offsets``),
 built on the device from ``token_slots`` (``gated_delta.sequence_table``: one sequence per run of equal slots).  The
@@ -99,7 +102,7 @@ class Qwen35Model(DecoderModel):
     def state_bytes(self, num_slots: int) -> int:
         """Bytes of recurrent state (conv window + delta-rule state of every linear-attention layer) for
         ``num_slots`` sequences."""
-        per_slot = self.conv_dim * (self.conv_kernel - 1) * 2 + self.Hv * self.Dk * self.Dv * 4
+        per_slot = self.conv_dim * self.conv_kernel * 2 + self.Hv * self.Dk * self.Dv * 4
         return len(self.linear_layers) * num_slots * per_slot
 
     def scratch_bytes(self) -> int:
@@ -164,7 +167,7 @@ class Qwen35Model(DecoderModel):
             num_slots = max(1, num_pages // -(-self.max_model_len // page_size))
         self.num_slots = num_slots
         n_lin = len(self.linear_layers)
-        self.conv_state = cuda.device_array((n_lin, num_slots, self.conv_dim, self.conv_kernel - 1), BF16)
+        self.conv_state = cuda.device_array((n_lin, num_slots, self.conv_dim, self.conv_kernel), BF16)  # a ring
         self.ssm_state = cuda.device_array((n_lin, num_slots, self.Hv, self.Dk, self.Dv), np.float32)
         if n_lin:
             every_slot = cuda.to_device(np.arange(n_lin * num_slots, dtype=np.int32))
@@ -192,7 +195,7 @@ class Qwen35Model(DecoderModel):
     def _states_by_layer_slot(self):
         """Both state arrays viewed as ``[layers·slots, ...]``: row ``j·slots + s`` is linear layer j, slot s."""
         rows = len(self.linear_layers) * self.num_slots
-        return (self.conv_state.reshape(rows, self.conv_dim, self.conv_kernel - 1),
+        return (self.conv_state.reshape(rows, self.conv_dim, self.conv_kernel),
                 self.ssm_state.reshape(rows, self.Hv, self.Dk, self.Dv))
 
     # ------------------------------------------------------------------------------------------------ forward
@@ -220,7 +223,7 @@ class Qwen35Model(DecoderModel):
             if i in full_index:
                 self._full_attention(full_index[i], lw, delta, T, pos, slots, block_tables)
             else:
-                self._linear_attention(linear_index[i], lw, delta, T, seq_slots, seq_offsets, token_by_token)
+                self._linear_attention(linear_index[i], lw, delta, T, pos, seq_slots, seq_offsets, token_by_token)
             linear.linear_add_rms_norm(residual, delta, lw["post_ln"], eps, spare, lw["gate_up"], act, gated=True,
                                        normed_out=normed, **QWEN35_NORM)
             residual, spare = spare, residual
@@ -249,22 +252,24 @@ class Qwen35Model(DecoderModel):
         attn_flat = self.attn.reshape(self.max_tokens, self.nq * self.D)[:T]
         linear.linear(attn_flat, lw["o"], delta)
 
-    def _linear_attention(self, j, lw, delta, T, seq_slots, seq_offsets, token_by_token) -> None:
+    def _linear_attention(self, j, lw, delta, T, pos, seq_slots, seq_offsets, token_by_token) -> None:
         """Gated DeltaNet of one layer (its fused qkv/z/b/a projection already in ``self.proj``):
-        ``delta = RMSNormGated(rule(silu(conv(qkv))), z) @ W_out^T``."""
+        ``delta = RMSNormGated(rule(silu(conv(qkv))), z) @ W_out^T``.  Token by token (decode, or a prompt scored
+        row by row): conv, rule and gated norm in one launch (``gated_delta_decode_step``); prompt chunks: the
+        conv, the chunked rule and the gated norm."""
         cd, vd, hv = self.conv_dim, self.value_dim, self.Hv
         proj, mixed, core = self.proj[:T], self.mixed[:T], self.core[:T]
         qkv_in, z = proj[:, :cd], proj[:, cd:cd + vd]
         b, a = proj[:, cd + vd:cd + vd + hv], proj[:, cd + vd + hv:]
-        # token by token: one conv work item per (sequence, channel); prompt chunks: pieces of a few tokens
-        per_thread = max(T, PREFILL_CONV_TOKENS_PER_THREAD) if token_by_token else PREFILL_CONV_TOKENS_PER_THREAD
-        gated_delta.causal_conv1d_silu(qkv_in, lw["conv_w"], self.conv_state[j], seq_slots, seq_offsets, mixed,
-                                       max_seq_tokens=T, tokens_per_thread=per_thread)
+        eps = self.cfg.rms_norm_eps
         if token_by_token:
-            gated_delta.gated_delta_recurrent(mixed, a, b, lw["A_log"], lw["dt_bias"], self.ssm_state[j],
-                                              seq_slots, seq_offsets, core)
+            gated_delta.gated_delta_decode_step(qkv_in, lw["conv_w"], self.conv_state[j], z, a, b, lw["A_log"],
+                                                lw["dt_bias"], lw["norm"], eps, self.ssm_state[j], seq_slots,
+                                                seq_offsets, pos, core)
         else:
+            gated_delta.causal_conv1d_silu(qkv_in, lw["conv_w"], self.conv_state[j], seq_slots, seq_offsets, pos,
+                                           mixed, max_seq_tokens=T, tokens_per_thread=PREFILL_CONV_TOKENS_PER_THREAD)
             gated_delta.gated_delta_chunked(mixed, a, b, lw["A_log"], lw["dt_bias"], self.ssm_state[j], seq_slots,
                                             seq_offsets, core, self.chunk_scratch, max_seq_tokens=T)
-        gated_delta.gated_rms_norm(core, z, lw["norm"], core, self.cfg.rms_norm_eps)
+            gated_delta.gated_rms_norm(core, z, lw["norm"], core, eps)
         linear.linear(core, lw["out_proj"], delta)

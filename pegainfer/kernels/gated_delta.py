@@ -741,8 +741,8 @@ else:
 
     @device_fn
     def opaque(x):
-        """``x`` (f32) unchanged, hidden from the optimizer: ``opaque(s) * decay`` is not merged with another
-        ``s * decay``, so the FMA contraction around it is the one the kernel's reference gets (see below)."""
+        """``x`` (f32) unchanged, but hidden from the optimizer: ``opaque(s) * decay`` is a product of its own,
+        never merged with another ``s * decay`` (which would change how the compiler fuses it into an FMA)."""
         return _opaque_f32(x)
 
 
@@ -780,13 +780,12 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
     REGS = ROWS * TPT            # (array sizes must be closure constants, not expressions)
     QK_WORDS = 2 * KD
     tiles = -(-VD // COL_TILE)
-    threads_per_block = R * -(-tiles // TPT) * WARP
-    NT = threads_per_block
+    NT = R * -(-tiles // TPT) * WARP     # threads per block
     CONV_CHANNELS = 2 * KD + VD          # the q, k channels of a key head and the v channels of a value head
     ALL_ROWS = KD % R == 0               # every thread's rows / columns exist: no guards (Qwen3.5: both)
     ALL_COLS = VD % (TPT * WARP) == 0
 
-    @_bounded_kernel(threads_per_block)
+    @_bounded_kernel(NT)
     def gated_delta_decode_step_kernel(x, conv_weight, conv_state, z, a, b, a_log, dt_bias, norm_weight, eps,
                                        ssm_state, slot_ids, token_offsets, positions, out):
         """One Gated DeltaNet step after in_proj, for sequences of one token: conv + SiLU, the delta rule and the
@@ -808,21 +807,22 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
         three kernels leave there).  Sequences of several tokens (a prompt scored row by row) are also exact:
         one block per key head then runs its value heads one after another (below).
 
-        Geometry: one block per (sequence, value head), grid-strided, of ``row_groups × ceil(Dv/32 /
-        tiles_per_thread)`` warps.  Warp ``w`` owns key rows ``d ≡ w mod row_groups`` and ``tiles_per_thread``
-        tiles of 32 columns (lane ``l``: columns ``l + 32·m``), i.e. ``S[d, j]`` for ``d`` in its row class: read
-        once into registers (issued before the conv, whose loads they overlap), decayed and updated there,
-        written once.  The block first computes the conv of the 2·Dk q/k and Dv v channels it needs (threads stride
-        over channels; the two value heads of a key head both compute its q/k: cheap), then every warp its own l2
-        norms (as the recurrent kernel, one warp reduction each), then the column sums ``Sᵀk`` and ``Sᵀq``: per
-        thread over its rows, then over the row classes in order through shared memory (the recurrent kernel's
-        order).  With the head's Dv outputs in shared memory, every warp reduces their squares the way
+        Geometry: one block per (sequence, value head), grid-strided, of ``row_groups`` warps per
+        ``tiles_per_thread`` 32-column tiles (Qwen3.5: 8 warps).  Warp ``w`` owns key rows ``d ≡ w mod row_groups``
+        and ``tiles_per_thread`` tiles of 32 columns (lane ``l``: columns ``l + 32·m``), i.e. ``S[d, j]`` for ``d``
+        in its row class: read once into registers (issued before the conv, whose loads they overlap), decayed and
+        updated there, written once.  The block first computes the conv of the 2·Dk q/k and Dv v channels it needs
+        (threads stride over channels; the two value heads of a key head both compute its q/k: cheap), then every
+        warp its own l2 norms (as the recurrent kernel, one warp reduction each), then the column sums ``Sᵀk`` and
+        ``Sᵀq``: per thread over its rows, then over the row classes in order through shared memory (the recurrent
+        kernel's order).  With the head's Dv outputs in shared memory, every warp reduces their squares the way
         ``gated_rms_norm`` does and threads stride over the columns for the output.  Four barriers per token.
 
-        Conv ring: a one-token step reads entries ``(p−3..p−1) % K`` and writes entry ``p % K``; two blocks sharing a
-        key head write the same q/k values there, and neither reads it, so their lack of order is harmless.  A
-        longer sequence would overwrite entries the other block may still read, so for ``n > 1`` tokens the block
-        of the first value head of each key head does all of them (the others skip) and writes the ring last.
+        Conv ring: a one-token step reads entries ``(p−K+1 .. p−1) % K`` and writes entry ``p % K``; two blocks
+        sharing a key head write the same q/k values there, and neither reads it, so their lack of order is
+        harmless.  A longer sequence would overwrite entries the other block may still read, so for ``n > 1``
+        tokens the block of the first value head of each key head does all of them (the others skip) and writes
+        the ring last.
         """
         pdl_prologue()
         num_v_heads = a_log.shape[0]
@@ -984,12 +984,14 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
             for c in range(tid, 2 * KD + heads * VD, NT):
                 ch = _head_channel(c, hk, first_head, KD, VD, k_base, v_base)
                 conv_ring_store(x, conv_state, slot, ch, start, n, first_pos)
+
     return gated_delta_decode_step_kernel
 
 
 DECODE_TILES_PER_THREAD = 4
-"""32-column tiles of the state per thread in ``gated_delta_decode_step``: with Qwen3.5's 128 × 128 heads and
-``RULE_WARPS`` = 8, 512-thread blocks holding 32 state values per thread."""
+"""32-column tiles of the state per thread in ``gated_delta_decode_step``.  With Qwen3.5's 128 × 128 heads and
+``RULE_WARPS`` = 8: blocks of 256 threads, each holding 16 rows × 4 columns = 64 state values (195 registers, no
+spills for sm_90).  Two tiles (512 threads, 32 values each) would have to fit 128 registers and spill a little."""
 
 
 def gated_delta_decode_step(x, conv_weight, conv_state, z, a, b, a_log, dt_bias, norm_weight, eps: float,

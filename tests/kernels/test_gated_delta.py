@@ -1,5 +1,6 @@
 """Gated DeltaNet kernels (Qwen3.5 linear attention) against float64 NumPy, against each other (chunked vs
-recurrent), and against transformers' own torch reference functions."""
+recurrent; the fused decode step vs conv → recurrent rule → gated norm, bit for bit), and against transformers' own
+torch reference functions."""
 import numpy as np
 import pytest
 
@@ -7,8 +8,8 @@ from tests.util import bf16_randn, bf16_round, from_bf16_bits, rel_l2, to_bf16_b
 from numba import cuda
 
 from pegainfer.kernels.gated_delta import (allocate_chunk_scratch, causal_conv1d_silu, clear_state_slots,
-                                           gated_delta_chunked, gated_delta_recurrent, gated_rms_norm,
-                                           sequence_table)
+                                           gated_delta_chunked, gated_delta_decode_step, gated_delta_recurrent,
+                                           gated_rms_norm, sequence_table)
 
 EPS = 1e-6
 
@@ -19,11 +20,31 @@ def silu(x):
 
 
 def reference_conv(x, w, state):
-    """x [T, C], w [C, K], state [C, K-1] (float64 of bf16s) → (out [T, C] with HF's two roundings, new state)."""
+    """x [T, C], w [C, K], state [C, K-1] (the K-1 inputs before x, oldest first; float64 of bf16s) → (out [T, C]
+    with HF's two roundings, the last K-1 inputs)."""
     taps = w.shape[1]
     full = np.concatenate([state.T, x], axis=0)  # [K-1+T, C]
     out = np.stack([(full[t:t + taps] * w.T).sum(0) for t in range(x.shape[0])])
     return bf16_round(silu(bf16_round(out))), full[-(taps - 1):].T.copy()
+
+
+def ring_history(ring, first_pos):
+    """The K-1 inputs a sequence at ``first_pos`` continues from, oldest first ([C, K-1]), read from a conv ring
+    [C, K] (entry p % K holds position p); positions below 0 are zeros."""
+    taps = ring.shape[-1]
+    cols = [ring[..., (first_pos + s) % taps] if first_pos + s >= 0 else np.zeros_like(ring[..., 0])
+            for s in range(-(taps - 1), 0)]
+    return np.stack(cols, axis=-1)
+
+
+def ring_after(ring, x, first_pos):
+    """The ring [C, K] after a sequence of x [T, C] starting at ``first_pos``: its last K-1 inputs stored at their
+    positions' entries, the other entries as they were."""
+    ring = ring.copy()
+    taps = ring.shape[-1]
+    for s in range(max(0, x.shape[0] - (taps - 1)), x.shape[0]):
+        ring[:, (first_pos + s) % taps] = x[s]
+    return ring
 
 
 def reference_gates(a, b, a_log, dt_bias):
@@ -59,6 +80,12 @@ def reference_rule(qkv, g, beta, state, num_k_heads, key_dim):
 def sequences(lengths, slots):
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     return cuda.to_device(np.asarray(slots, np.int32)), cuda.to_device(offsets), offsets
+
+
+def positions_of(lengths, first_positions):
+    """Per-token positions [T] int32 (device) of sequences of ``lengths`` tokens starting at ``first_positions``."""
+    return cuda.to_device(np.concatenate([np.arange(p, p + n) for n, p in zip(lengths, first_positions)] +
+                                         [np.zeros(0)]).astype(np.int32))
 
 
 def make_layer(rng, num_k_heads=2, num_v_heads=4, key_dim=16, value_dim=8):
@@ -107,48 +134,54 @@ def reference_batch(layer, qkv, a, b, state, slots, lengths):
 
 # ------------------------------------------------------------------------------------------------ conv1d
 def test_conv1d_batch_of_sequences_matches_reference(rng):
-    """Varlen batch: lengths 1 and 2 (< K-1: old state shifts into the new one), 5 and 11 (several pieces per
-    channel with tokens_per_thread=3); each sequence continues from its own slot's state."""
+    """Varlen batch: lengths 1 and 2 (< K-1: older ring entries stay), 5 and 11 (several pieces per channel with
+    tokens_per_thread=3); each sequence continues from its own slot's ring at its own position: 9 (the ring wrapped
+    twice), 0 (nothing before it: the ring's entries must not be read), 2 (< K-1: one history entry is before
+    position 0) and 4 (= K)."""
     channels, taps, slots = 40, 4, 5
-    lengths, slot_list = [1, 5, 2, 11], [3, 0, 4, 1]
+    lengths, slot_list, first_pos = [1, 5, 2, 11], [3, 0, 4, 1], [9, 0, 2, 4]
     x_bits, x = bf16_randn((sum(lengths), channels), rng)
     w_bits, w = bf16_randn((channels, taps), rng, scale=0.5)
-    st_bits, st = bf16_randn((slots, channels, taps - 1), rng)
+    ring_bits, ring = bf16_randn((slots, channels, taps), rng)
     slot_ids, token_offsets, offsets = sequences(lengths, slot_list)
-    d_state = cuda.to_device(st_bits)
+    d_ring = cuda.to_device(ring_bits)
     out = cuda.to_device(np.zeros_like(x_bits))
-    causal_conv1d_silu(cuda.to_device(x_bits), cuda.to_device(w_bits), d_state, slot_ids, token_offsets, out,
-                       max_seq_tokens=max(lengths), tokens_per_thread=3)
+    causal_conv1d_silu(cuda.to_device(x_bits), cuda.to_device(w_bits), d_ring, slot_ids, token_offsets,
+                       positions_of(lengths, first_pos), out, max_seq_tokens=max(lengths), tokens_per_thread=3)
     got = from_bf16_bits(out.copy_to_host()).astype(np.float64)
-    got_state = from_bf16_bits(d_state.copy_to_host()).astype(np.float64)
-    expected_state = st.copy()
-    for b, (slot, n) in enumerate(zip(slot_list, lengths)):
+    got_ring = from_bf16_bits(d_ring.copy_to_host()).astype(np.float64)
+    expected_ring = ring.copy()
+    for b, (slot, n, p) in enumerate(zip(slot_list, lengths, first_pos)):
         sl = slice(offsets[b], offsets[b + 1])
-        ref, expected_state[slot] = reference_conv(x[sl], w, st[slot])
+        ref, _ = reference_conv(x[sl], w, ring_history(ring[slot], p))
+        expected_ring[slot] = ring_after(ring[slot], x[sl], p)
         assert rel_l2(got[sl], ref) < 1e-2, (b, rel_l2(got[sl], ref))
         assert np.mean(got[sl] == ref) > 0.95, (b, np.mean(got[sl] == ref))
-    np.testing.assert_array_equal(got_state, expected_state)  # untouched slot 2 included
+    np.testing.assert_array_equal(got_ring, expected_ring)  # untouched slot 2 included
 
 
-def test_conv1d_prefill_then_decode_equals_one_pass(rng):
-    """Prefill 6 tokens, then 3 single-token decode steps (two sequences in each step) equal one conv over all."""
+def test_conv1d_prefill_chunks_then_decode_equals_one_pass(rng):
+    """Two sequences: a 6-token prompt prefilled in chunks of 4 and 2 (the second continues from the ring the
+    first left), then 5 single-token decode steps with both sequences in each step (the ring wraps): every output
+    equals one float64 conv over all 11 tokens from zeros."""
     channels, taps = 24, 4
-    x_bits, x = bf16_randn((9, 2, channels), rng)  # [token, sequence, channel]
+    x_bits, x = bf16_randn((11, 2, channels), rng)  # [token, sequence, channel]
     w_bits, w = bf16_randn((channels, taps), rng, scale=0.5)
     d_w = cuda.to_device(w_bits)
-    d_state = cuda.to_device(np.zeros((3, channels, taps - 1), np.uint16))
-    outs = np.zeros((9, 2, channels), np.uint16)
+    d_ring = cuda.to_device(np.zeros((3, channels, taps), np.uint16))
+    outs = np.zeros((11, 2, channels), np.uint16)
     for s, slot in enumerate((2, 0)):  # prefill each sequence on its own
-        slot_ids, token_offsets, _ = sequences([6], [slot])
-        out = cuda.to_device(np.zeros((6, channels), np.uint16))
-        causal_conv1d_silu(cuda.to_device(np.ascontiguousarray(x_bits[:6, s])), d_w, d_state, slot_ids,
-                           token_offsets, out)
-        outs[:6, s] = out.copy_to_host()
+        for start, n in ((0, 4), (4, 2)):
+            slot_ids, token_offsets, _ = sequences([n], [slot])
+            out = cuda.to_device(np.zeros((n, channels), np.uint16))
+            causal_conv1d_silu(cuda.to_device(np.ascontiguousarray(x_bits[start:start + n, s])), d_w, d_ring,
+                               slot_ids, token_offsets, positions_of([n], [start]), out, tokens_per_thread=3)
+            outs[start:start + n, s] = out.copy_to_host()
     slot_ids, token_offsets, _ = sequences([1, 1], [2, 0])
-    for t in range(6, 9):  # decode: B=2 sequences of one token
+    for t in range(6, 11):  # decode: B=2 sequences of one token
         out = cuda.to_device(np.zeros((2, channels), np.uint16))
-        causal_conv1d_silu(cuda.to_device(np.ascontiguousarray(x_bits[t])), d_w, d_state, slot_ids, token_offsets,
-                           out, max_seq_tokens=1)
+        causal_conv1d_silu(cuda.to_device(np.ascontiguousarray(x_bits[t])), d_w, d_ring, slot_ids, token_offsets,
+                           positions_of([1, 1], [t, t]), out, max_seq_tokens=1)
         outs[t] = out.copy_to_host()
     for s in range(2):
         ref, _ = reference_conv(x[:, s], w, np.zeros((channels, taps - 1)))
@@ -169,15 +202,16 @@ def test_conv1d_matches_hf_torch(rng):
         expected = hf.causal_conv1d_fn(xt[:num_tokens].T[None], wt, None, activation="silu")[0].T
         hf_state = torch.nn.functional.pad(xt[:num_tokens].T[None], (taps - num_tokens, 0))[..., -taps:].clone()
         expected_step = hf.causal_conv1d_update(xt[num_tokens:].T[None], hf_state, wt, None, "silu")[0].T
-    d_state = cuda.to_device(np.zeros((1, channels, taps - 1), np.uint16))
+    d_state = cuda.to_device(np.zeros((1, channels, taps), np.uint16))
     d_w = cuda.to_device(w_bits)
     slot_ids, token_offsets, _ = sequences([num_tokens], [0])
     out = cuda.to_device(np.zeros((num_tokens, channels), np.uint16))
-    causal_conv1d_silu(cuda.to_device(x_bits[:num_tokens].copy()), d_w, d_state, slot_ids, token_offsets, out)
+    causal_conv1d_silu(cuda.to_device(x_bits[:num_tokens].copy()), d_w, d_state, slot_ids, token_offsets,
+                       positions_of([num_tokens], [0]), out)
     slot_ids, token_offsets, _ = sequences([1], [0])
     out_step = cuda.to_device(np.zeros((1, channels), np.uint16))
-    causal_conv1d_silu(cuda.to_device(x_bits[num_tokens:].copy()), d_w, d_state, slot_ids, token_offsets, out_step,
-                       max_seq_tokens=1)
+    causal_conv1d_silu(cuda.to_device(x_bits[num_tokens:].copy()), d_w, d_state, slot_ids, token_offsets,
+                       positions_of([1], [num_tokens]), out_step, max_seq_tokens=1)
     for got, exp in ((out, expected), (out_step, expected_step)):
         exp = exp.float().numpy().astype(np.float64)
         got = from_bf16_bits(got.copy_to_host()).astype(np.float64)
@@ -278,9 +312,174 @@ def test_gated_rms_norm_matches_reference_and_hf(rng):
     assert rel_l2(got, expected) < 1e-2
 
 
+# ------------------------------------------------------------------------------------------------ fused decode step
+def make_decode_layer(rng, key_dim=16, value_dim=16, taps=4, **heads):
+    """A layer's rule parameters plus its conv weight [conv_dim, K] and gated-norm weight [Dv] (bf16 bits)."""
+    layer = make_layer(rng, key_dim=key_dim, value_dim=value_dim, **heads)
+    conv_dim = 2 * layer["num_k_heads"] * key_dim + layer["num_v_heads"] * value_dim
+    layer["conv_w"] = bf16_randn((conv_dim, taps), rng, scale=0.5)[0]
+    layer["norm_w"] = to_bf16_bits(bf16_round(1.0 + 0.3 * rng.standard_normal(value_dim)))
+    return layer
+
+
+def decode_inputs(rng, layer, num_tokens):
+    """One step's in_proj outputs: x (the conv's input), z, a, b as bf16 bits."""
+    conv_dim = layer["conv_w"].shape[0]
+    width = layer["num_v_heads"] * layer["value_dim"]
+    return (bf16_randn((num_tokens, conv_dim), rng)[0], bf16_randn((num_tokens, width), rng)[0],
+            bf16_randn((num_tokens, layer["num_v_heads"]), rng)[0],
+            bf16_randn((num_tokens, layer["num_v_heads"]), rng, scale=2.0)[0])
+
+
+def run_linear_step(fused, layer, ring, state, inputs, table, positions, row_groups=None):
+    """One Gated DeltaNet step from host ``ring`` [slots, C, K] / ``state`` [slots, Hv, Dk, Dv]: the fused decode
+    step, or conv → recurrent rule → gated norm (``row_groups`` warps); returns the new (ring, state, out)."""
+    x, z, a, b = (cuda.to_device(v) for v in inputs)
+    slot_ids, token_offsets = table
+    d_ring, d_state = cuda.to_device(ring), cuda.to_device(state)
+    num_tokens = x.shape[0]
+    out = cuda.to_device(np.full((num_tokens, z.shape[1]), 0x1234, np.uint16))
+    conv_w, norm_w, a_log, dt_bias = (cuda.to_device(layer[k]) for k in ("conv_w", "norm_w", "a_log", "dt_bias"))
+    groups = {} if row_groups is None else dict(row_groups=row_groups)
+    if fused:
+        gated_delta_decode_step(x, conv_w, d_ring, z, a, b, a_log, dt_bias, norm_w, EPS, d_state, slot_ids,
+                                token_offsets, positions, out, **groups)
+    else:
+        mixed = cuda.to_device(np.zeros((num_tokens, conv_w.shape[0]), np.uint16))
+        causal_conv1d_silu(x, conv_w, d_ring, slot_ids, token_offsets, positions, mixed, max_seq_tokens=num_tokens,
+                           tokens_per_thread=max(3, num_tokens))
+        gated_delta_recurrent(mixed, a, b, a_log, dt_bias, d_state, slot_ids, token_offsets, out,
+                              **({} if row_groups is None else dict(warps=row_groups)))
+        gated_rms_norm(out, z, norm_w, out, EPS)
+    return d_ring.copy_to_host(), d_state.copy_to_host(), out.copy_to_host()
+
+
+def reference_layer(layer, inputs, history, state):
+    """float64 Gated DeltaNet step of one sequence: x [T, C] etc. as bf16 bits, history [C, K-1] (the inputs before
+    it), state [Hv, Dk, Dv] → the gated-norm output [T, Hv·Dv] with HF's bf16 roundings."""
+    x, z, a, b = (from_bf16_bits(v).astype(np.float64) for v in inputs)
+    w = from_bf16_bits(layer["conv_w"]).astype(np.float64)
+    mixed, _ = reference_conv(x, w, history)
+    g, beta = reference_gates(a, b, layer["a_log"].astype(np.float64), layer["dt_bias"].astype(np.float64))
+    core, _ = reference_rule(mixed, g, beta, state.astype(np.float64), layer["num_k_heads"], layer["key_dim"])
+    o = bf16_round(core).reshape(x.shape[0], layer["num_v_heads"], -1)
+    normed = bf16_round(o / np.sqrt((o * o).mean(-1, keepdims=True) + EPS))
+    norm_w = from_bf16_bits(layer["norm_w"]).astype(np.float64)
+    return bf16_round(bf16_round(norm_w * normed) * silu(z.reshape(o.shape))).reshape(x.shape[0], -1)
+
+
+@pytest.mark.parametrize("key_dim, value_dim, row_groups", [
+    (16, 16, None),   # the default summation order (the recurrent kernel's own); half a column tile
+    (16, 64, 2),      # two column tiles, two row classes
+    (20, 32, 3),      # key rows not a multiple of the row classes
+])
+def test_decode_step_equals_conv_rule_norm(rng, key_dim, value_dim, row_groups):
+    """Consecutive decode steps of three sequences (slots 3, 0, 4; GQA ratio 2), from random rings and states:
+    the fused step and conv → recurrent rule → gated norm leave bit-identical rings, states and outputs after every
+    step.  Positions start at 0 (no history: ring entries must not be read), 2 (< K-1) and 9 (> K), so the ring
+    wraps; the last step is padded to a larger batch (slot -1 tokens: the padding rows must match too).  The first
+    step is also checked against float64.  ``row_groups``: the fused step against the recurrent kernel with that many
+    warps (the simulator's default is one), in two steps."""
+    layer = make_decode_layer(rng, key_dim=key_dim, value_dim=value_dim)
+    num_slots, taps = 6, 4
+    conv_dim = layer["conv_w"].shape[0]
+    ring = bf16_randn((num_slots, conv_dim, taps), rng)[0]
+    state = (rng.standard_normal((num_slots, layer["num_v_heads"], key_dim, value_dim)) * 0.3).astype(np.float32)
+    slots, first_pos = [3, 0, 4], np.array([0, 2, 9])
+    fused_state = ref_state = (ring, state)
+    steps = 4 if row_groups is None else 2  # (the simulator's time: the other geometries take fewer steps)
+    for step in range(steps):
+        padded = step == steps - 1
+        token_slots = slots + [-1, -1] if padded else slots
+        table = _table(token_slots, len(token_slots))
+        positions = cuda.to_device(np.r_[first_pos + step, [0, 0][:len(token_slots) - 3]].astype(np.int32))
+        inputs = decode_inputs(rng, layer, len(token_slots))
+        fused = run_linear_step(True, layer, *fused_state, inputs, table, positions, row_groups)
+        ref = run_linear_step(False, layer, *ref_state, inputs, table, positions, row_groups)
+        for name, got, want in zip(("conv ring", "delta-rule state", "output"), fused, ref):
+            np.testing.assert_array_equal(got, want, err_msg=f"step {step}: {name}")
+        if step == 0:
+            got = from_bf16_bits(fused[2]).astype(np.float64)
+            for r, slot in enumerate(slots):
+                want = reference_layer(layer, [v[r:r + 1] for v in inputs],
+                                       ring_history(from_bf16_bits(ring[slot]).astype(np.float64), first_pos[r]),
+                                       state[slot])
+                assert rel_l2(got[r:r + 1], want) < 1e-2, (r, rel_l2(got[r:r + 1], want))
+        fused_state, ref_state = fused[:2], ref[:2]
+    for slot in (1, 2, 5):  # not in the batch
+        np.testing.assert_array_equal(fused_state[0][slot], ring[slot])
+        np.testing.assert_array_equal(fused_state[1][slot], state[slot])
+
+
+def test_decode_step_sequences_of_several_tokens(rng):
+    """Token by token with longer sequences (a prompt scored row by row: T == B but one sequence of many tokens):
+    lengths 3, 1, 0 (empty: slot 0 untouched) and 5, at positions 6, 0, -, 1.  The block of each key head's first
+    value head runs all of them; bit-identical to conv → recurrent rule → gated norm, and close to float64."""
+    layer = make_decode_layer(rng)
+    num_slots, taps = 4, 4
+    conv_dim = layer["conv_w"].shape[0]
+    ring = bf16_randn((num_slots, conv_dim, taps), rng)[0]
+    state = (rng.standard_normal((num_slots, layer["num_v_heads"], 16, 16)) * 0.3).astype(np.float32)
+    lengths, slots, first_pos = [3, 1, 0, 5], [2, 1, 0, 3], [6, 0, 0, 1]
+    slot_ids, token_offsets, offsets = sequences(lengths, slots)
+    positions = positions_of(lengths, first_pos)
+    inputs = decode_inputs(rng, layer, sum(lengths))
+    fused = run_linear_step(True, layer, ring, state, inputs, (slot_ids, token_offsets), positions)
+    ref = run_linear_step(False, layer, ring, state, inputs, (slot_ids, token_offsets), positions)
+    for name, got, want in zip(("conv ring", "delta-rule state", "output"), fused, ref):
+        np.testing.assert_array_equal(got, want, err_msg=name)
+    np.testing.assert_array_equal(fused[0][0], ring[0])
+    np.testing.assert_array_equal(fused[1][0], state[0])
+    got = from_bf16_bits(fused[2]).astype(np.float64)
+    for k, (slot, n, p) in enumerate(zip(slots, lengths, first_pos)):
+        if n:
+            sl = slice(offsets[k], offsets[k + 1])
+            want = reference_layer(layer, [v[sl] for v in inputs],
+                                   ring_history(from_bf16_bits(ring[slot]).astype(np.float64), p), state[slot])
+            assert rel_l2(got[sl], want) < 1e-2, (k, rel_l2(got[sl], want))
+
+
+def test_prefill_chunks_then_fused_decode(rng):
+    """A 7-token prompt prefilled in chunks of 4 and 3 (conv ring, chunked rule, gated norm, each chunk continuing
+    from the state the last one left), then 4 fused decode steps: every output row equals the float64 layer over
+    all 11 tokens from an empty state, so the ring carries over from prefill to decode (and wraps)."""
+    layer = make_decode_layer(rng)
+    conv_dim = layer["conv_w"].shape[0]
+    hv, width = layer["num_v_heads"], layer["num_v_heads"] * layer["value_dim"]
+    d_ring = cuda.to_device(np.zeros((2, conv_dim, 4), np.uint16))
+    d_state = cuda.to_device(np.zeros((2, hv, 16, 16), np.float32))
+    clear_state_slots(d_ring, d_state, cuda.to_device(np.array([1], np.int32)))
+    inputs = decode_inputs(rng, layer, 11)
+    conv_w, norm_w, a_log, dt_bias = (cuda.to_device(layer[k]) for k in ("conv_w", "norm_w", "a_log", "dt_bias"))
+    outs = []
+    for start, n in ((0, 4), (4, 3)):
+        x, z, a, b = (cuda.to_device(np.ascontiguousarray(v[start:start + n])) for v in inputs)
+        slot_ids, token_offsets, _ = sequences([n], [1])
+        positions = positions_of([n], [start])
+        mixed = cuda.to_device(np.zeros((n, conv_dim), np.uint16))
+        out = cuda.to_device(np.zeros((n, width), np.uint16))
+        causal_conv1d_silu(x, conv_w, d_ring, slot_ids, token_offsets, positions, mixed, tokens_per_thread=3)
+        scratch = allocate_chunk_scratch(n, layer["num_k_heads"], hv, 4)
+        gated_delta_chunked(mixed, a, b, a_log, dt_bias, d_state, slot_ids, token_offsets, out, scratch)
+        gated_rms_norm(out, z, norm_w, out, EPS)
+        outs.append(out.copy_to_host())
+    slot_ids, token_offsets, _ = sequences([1], [1])
+    for t in range(7, 11):
+        x, z, a, b = (cuda.to_device(np.ascontiguousarray(v[t:t + 1])) for v in inputs)
+        out = cuda.to_device(np.zeros((1, width), np.uint16))
+        gated_delta_decode_step(x, conv_w, d_ring, z, a, b, a_log, dt_bias, norm_w, EPS, d_state, slot_ids,
+                                token_offsets, positions_of([1], [t]), out)
+        outs.append(out.copy_to_host())
+    got = from_bf16_bits(np.concatenate(outs)).astype(np.float64)
+    want = reference_layer(layer, inputs, np.zeros((conv_dim, 3)), np.zeros((hv, 16, 16)))
+    for t in range(11):
+        assert rel_l2(got[t], want[t]) < 2e-2, (t, rel_l2(got[t], want[t]))
+    assert rel_l2(got, want) < 1e-2, rel_l2(got, want)
+
+
 # ------------------------------------------------------------------------------------------------ state slots
 def test_clear_state_slots(rng):
-    conv_bits, _ = bf16_randn((4, 6, 3), rng)
+    conv_bits, _ = bf16_randn((4, 6, 4), rng)
     ssm = rng.standard_normal((4, 2, 4, 5)).astype(np.float32)
     d_conv, d_ssm = cuda.to_device(conv_bits), cuda.to_device(ssm)
     clear_state_slots(d_conv, d_ssm, cuda.to_device(np.array([3, 1], np.int32)))
@@ -331,12 +530,14 @@ def test_empty_sequences_leave_state_alone(rng):
         assert rel_l2(got, ref) < 1e-2 and rel_l2(got_state, ref_state) < 1e-4, form
     x_bits, x = bf16_randn((3, 8), rng)
     w_bits, w = bf16_randn((8, 4), rng)
-    st_bits, st = bf16_randn((2, 8, 3), rng)
+    st_bits, st = bf16_randn((2, 8, 4), rng)
     slot_ids, token_offsets, _ = sequences([3, 0, 0], [0, 0, 0])
     d_state, out = cuda.to_device(st_bits), cuda.to_device(np.zeros_like(x_bits))
-    causal_conv1d_silu(cuda.to_device(x_bits), cuda.to_device(w_bits), d_state, slot_ids, token_offsets, out)
-    ref_out, ref_conv_state = reference_conv(x, w, st[0])
-    np.testing.assert_array_equal(from_bf16_bits(d_state.copy_to_host()[0]).astype(np.float64), ref_conv_state)
+    causal_conv1d_silu(cuda.to_device(x_bits), cuda.to_device(w_bits), d_state, slot_ids, token_offsets,
+                       positions_of([3], [5]), out)
+    ref_out, _ = reference_conv(x, w, ring_history(st[0], 5))
+    np.testing.assert_array_equal(from_bf16_bits(d_state.copy_to_host()[0]).astype(np.float64),
+                                  ring_after(st[0], x, 5))
     assert rel_l2(from_bf16_bits(out.copy_to_host()).astype(np.float64), ref_out) < 1e-2
 
 
@@ -379,7 +580,7 @@ def test_padded_prefill_equals_unpadded(rng, num_real, padded, chunk):
     qkv_bits, _, a_bits, _, b_bits, _ = make_tokens(rng, layer, padded)
     conv_dim, taps = qkv_bits.shape[1], 4
     w_bits, _ = bf16_randn((conv_dim, taps), rng, scale=0.5)
-    conv_bits, _ = bf16_randn((num_slots, conv_dim, taps - 1), rng)
+    conv_bits, _ = bf16_randn((num_slots, conv_dim, taps), rng)
     state = (rng.standard_normal((num_slots, layer["num_v_heads"], 8, 8)) * 0.3).astype(np.float32)
     d_w, d_a_log, d_dt_bias = (cuda.to_device(x) for x in (w_bits, layer["a_log"], layer["dt_bias"]))
     sentinel = 0x1234
@@ -389,7 +590,8 @@ def test_padded_prefill_equals_unpadded(rng, num_real, padded, chunk):
         x, a, b = (cuda.to_device(_poison(v[:num_tokens], num_real, rng)) for v in (qkv_bits, a_bits, b_bits))
         d_conv, d_state = cuda.to_device(conv_bits), cuda.to_device(state)
         mixed = cuda.to_device(np.full((num_tokens, conv_dim), sentinel, np.uint16))
-        causal_conv1d_silu(x, d_w, d_conv, seq_slots, seq_offsets, mixed, max_seq_tokens=num_tokens,
+        positions = cuda.to_device(np.r_[np.arange(7, 7 + num_real), np.zeros(num_tokens - num_real)].astype(np.int32))
+        causal_conv1d_silu(x, d_w, d_conv, seq_slots, seq_offsets, positions, mixed, max_seq_tokens=num_tokens,
                            tokens_per_thread=3)
         mixed_host = mixed.copy_to_host()
         assert (mixed_host[num_real:] == sentinel).all(), "the conv wrote a padding row"
@@ -423,7 +625,7 @@ def test_padded_decode_step_equals_unpadded(rng):
     qkv_bits, _, a_bits, _, b_bits, _ = make_tokens(rng, layer, 4)
     conv_dim = qkv_bits.shape[1]
     w_bits, _ = bf16_randn((conv_dim, 4), rng, scale=0.5)
-    conv_bits, _ = bf16_randn((3, conv_dim, 3), rng)
+    conv_bits, _ = bf16_randn((3, conv_dim, 4), rng)
     state = (rng.standard_normal((3, layer["num_v_heads"], 8, 8)) * 0.3).astype(np.float32)
     results = []
     for num_tokens, (seq_slots, seq_offsets) in ((2, sequences([1, 1], [2, 0])[:2]),
@@ -431,8 +633,9 @@ def test_padded_decode_step_equals_unpadded(rng):
         x, a, b = (cuda.to_device(_poison(v[:num_tokens], 2, rng)) for v in (qkv_bits, a_bits, b_bits))
         d_conv, d_state = cuda.to_device(conv_bits), cuda.to_device(state)
         mixed = cuda.to_device(np.zeros((num_tokens, conv_dim), np.uint16))
-        causal_conv1d_silu(x, cuda.to_device(w_bits), d_conv, seq_slots, seq_offsets, mixed, max_seq_tokens=1,
-                           tokens_per_thread=8)
+        positions = cuda.to_device(np.array([6, 3, 0, 0][:num_tokens], np.int32))
+        causal_conv1d_silu(x, cuda.to_device(w_bits), d_conv, seq_slots, seq_offsets, positions, mixed,
+                           max_seq_tokens=1, tokens_per_thread=8)
         out = cuda.to_device(np.full((num_tokens, layer["num_v_heads"] * 8), 0x1234, np.uint16))
         gated_delta_recurrent(mixed, a, b, cuda.to_device(layer["a_log"]), cuda.to_device(layer["dt_bias"]),
                               d_state, seq_slots, seq_offsets, out)
@@ -454,15 +657,18 @@ def test_gpu_conv1d_qwen35_shapes(rng):
     channels, taps, lengths, slots = 2 * 16 * 128 + 32 * 128, 4, [77, 1, 2], [5, 0, 3]
     x_bits, x = bf16_randn((sum(lengths), channels), rng)
     w_bits, w = bf16_randn((channels, taps), rng, scale=0.5)
-    st_bits, st = bf16_randn((8, channels, taps - 1), rng)
+    st_bits, st = bf16_randn((8, channels, taps), rng)
+    first_pos = [0, 9, 2]
     slot_ids, token_offsets, offsets = sequences(lengths, slots)
     d_state, out = cuda.to_device(st_bits), cuda.to_device(np.zeros_like(x_bits))
-    causal_conv1d_silu(cuda.to_device(x_bits), cuda.to_device(w_bits), d_state, slot_ids, token_offsets, out)
+    causal_conv1d_silu(cuda.to_device(x_bits), cuda.to_device(w_bits), d_state, slot_ids, token_offsets,
+                       positions_of(lengths, first_pos), out)
     got = from_bf16_bits(out.copy_to_host()).astype(np.float64)
     expected_state = st.copy()
-    for b, (slot, n) in enumerate(zip(slots, lengths)):
+    for b, (slot, n, p) in enumerate(zip(slots, lengths, first_pos)):
         sl = slice(offsets[b], offsets[b + 1])
-        ref, expected_state[slot] = reference_conv(x[sl], w, st[slot])
+        ref, _ = reference_conv(x[sl], w, ring_history(st[slot], p))
+        expected_state[slot] = ring_after(st[slot], x[sl], p)
         assert rel_l2(got[sl], ref) < 1e-2
     np.testing.assert_array_equal(from_bf16_bits(d_state.copy_to_host()).astype(np.float64), expected_state)
 
@@ -505,3 +711,22 @@ def test_gpu_gated_rms_norm_qwen35_shapes(rng):
     n = bf16_round(xr / np.sqrt((xr * xr).mean(-1, keepdims=True) + EPS))
     ref = bf16_round(bf16_round(w * n) * silu(z.reshape(tokens, heads, dim))).reshape(tokens, -1)
     assert rel_l2(got, ref) < 1e-2 and np.mean(got == ref) > 0.97
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [[1, 1, 1, 1], [1, 9, 0, 2]])
+def test_gpu_fused_decode_step_qwen35_shapes(rng, lengths):
+    """Qwen3.5-4B shapes on the GPU (where FMA contraction and the compiled code could differ): the fused step equals
+    conv → recurrent rule → gated norm bit for bit, for a decode batch and for sequences of several tokens."""
+    layer = make_decode_layer(rng, **QWEN35_4B)
+    conv_dim = layer["conv_w"].shape[0]
+    ring = bf16_randn((8, conv_dim, 4), rng)[0]
+    state = (rng.standard_normal((8, 32, 128, 128)) * 0.05).astype(np.float32)
+    slots, first_pos = [5, 0, 3, 6], [0, 2, 9, 40]
+    slot_ids, token_offsets, _ = sequences(lengths, slots)
+    positions = positions_of(lengths, first_pos)
+    inputs = decode_inputs(rng, layer, sum(lengths))
+    fused = run_linear_step(True, layer, ring, state, inputs, (slot_ids, token_offsets), positions)
+    ref = run_linear_step(False, layer, ring, state, inputs, (slot_ids, token_offsets), positions)
+    for name, got, want in zip(("conv ring", "delta-rule state", "output"), fused, ref):
+        np.testing.assert_array_equal(got, want, err_msg=name)

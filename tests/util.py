@@ -61,9 +61,9 @@ def launches_during(fn):
 
     seen, real = [], launch_module._launch
 
-    def record(kernel, grid, block, args, shared, pdl):
+    def record(kernel, grid, block, args, shared, pdl, name):
         seen.append((kernel, pdl))
-        real(kernel, grid, block, args, shared, pdl)
+        real(kernel, grid, block, args, shared, pdl, name)
 
     launch_module._launch = record
     try:

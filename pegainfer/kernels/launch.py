@@ -69,17 +69,15 @@ def launch(kernel, grid: int, block: int, *args, shared: int = 0, name: str | No
     """Launch ``kernel[grid, block, stream, shared](*args)`` on the current stream (1-D grids and blocks).
 
     ``pdl=True``: the kernel follows the PDL contract (module docstring) and may overlap the kernel before it."""
-    if _PDL_ONLY is not None:
-        pdl = pdl and name in _PDL_ONLY
     if _tracer is not None:
         with _tracer(name or getattr(kernel, "__name__", None) or getattr(getattr(kernel, "py_func", None), "__name__", "kernel")):
-            _launch(kernel, grid, block, args, shared, pdl)
+            _launch(kernel, grid, block, args, shared, pdl, name)
     else:
-        _launch(kernel, grid, block, args, shared, pdl)
+        _launch(kernel, grid, block, args, shared, pdl, name)
 
 
-def _launch(kernel, grid, block, args, shared, pdl):
-    if pdl and _launch_pdl is not None:
+def _launch(kernel, grid, block, args, shared, pdl, name):
+    if pdl and _launch_pdl is not None and (_PDL_ONLY is None or name in _PDL_ONLY):
         _launch_pdl(kernel, grid, block, _stream, shared, args)
     else:
         kernel[grid, block, _stream, shared](*args)

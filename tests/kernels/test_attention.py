@@ -268,3 +268,231 @@ def test_gpu_cuda_graph_replay():
         assert rel_l2(got, want) <= 1e-2, (new_slots, new_pos)
     check(drv.cuGraphExecDestroy(exe))
     check(drv.cuGraphDestroy(graph))
+
+
+# ------------------------------------------------------------------------------------------------ fused decode kernel
+QWEN3_NORM = dict(weight_offset=0.0, round_before_weight=True)
+QWEN35_NORM = dict(weight_offset=1.0, round_before_weight=False)
+EPS = 1e-6
+
+
+def run_fused_decode(rng, nq, nkv, head_dim, slots, positions, *, rotary_dim=None, gated=False, norm=QWEN3_NORM,
+                     page_size=PAGE, max_pages=5, num_pages=17, repeats=1, geometry=None, **split):
+    """One decode step two ways on the same random cache and QKV rows: ``qk_norm_rope_store`` + ``paged_attention``
+    (the reference path) and ``paged_decode_attention_rope``.  ``split``: forced ``num_splits`` /
+    ``min_split_tokens`` for both.  ``repeats``: the fused call runs that many times on one workspace (its counters
+    must be back at zero after each).  Returns the two outputs, the two caches after the step, the cache before it,
+    and the float64 reference output of the reference path's rotated q over its cache."""
+    from pegainfer.kernels.attention import paged_decode_attention_rope
+    from pegainfer.kernels.rope import qk_norm_rope_store, rope_tables
+
+    rotary_dim = rotary_dim or head_dim
+    q_head_stride = (2 if gated else 1) * head_dim
+    T = len(slots)
+    num_slots = max(max(slots) + 1, 1)
+    k_bits, _, v_bits, _, tables = make_cache(rng, num_pages, page_size, nkv, head_dim, num_slots, max_pages)
+    qkv_bits, _ = bf16_randn((T, nq * q_head_stride + 2 * nkv * head_dim), rng, scale=2.0)
+    qw_bits, _ = bf16_randn((head_dim,), rng, scale=0.5)
+    kw_bits, _ = bf16_randn((head_dim,), rng, scale=0.5)
+    slots, positions = np.asarray(slots, np.int32), np.asarray(positions, np.int32)
+    cos, sin = rope_tables(int(positions.max()) + 1, rotary_dim, 100.0)   # small theta: every dim rotates visibly
+    scale = 1.0 / math.sqrt(head_dim)
+    d = {name: cuda.to_device(a) for name, a in (("qkv", qkv_bits), ("qw", qw_bits), ("kw", kw_bits), ("cos", cos),
+                                                 ("sin", sin), ("pos", positions), ("slots", slots),
+                                                 ("tables", tables))}
+    ws_size = attention_workspace_size(T, nq, head_dim, max_pages * page_size, page_size,
+                                       num_splits=split.get("num_splits"))
+
+    k_ref, v_ref = cuda.to_device(k_bits), cuda.to_device(v_bits)
+    q_ref = cuda.device_array((T, nq, head_dim), np.uint16)
+    out_ref = cuda.device_array((T, nq, head_dim), np.uint16)
+    qk_norm_rope_store(d["qkv"], d["qw"], d["kw"], d["cos"], d["sin"], d["pos"], d["slots"], d["tables"], k_ref, v_ref,
+                       q_ref, EPS, rotary_dim, q_head_stride=q_head_stride, **norm)
+    paged_attention(q_ref, k_ref, v_ref, d["tables"], d["slots"], d["pos"], out_ref, scale,
+                    cuda.device_array(ws_size, np.float32), method="split", **split)
+
+    k_new, v_new = cuda.to_device(k_bits), cuda.to_device(v_bits)
+    out = cuda.to_device(np.full((T, nq, head_dim), 0x3F80, np.uint16))     # 1.0: padding rows must be zeroed
+    ws = cuda.device_array(ws_size, np.float32)
+    for _ in range(repeats):
+        paged_decode_attention_rope(d["qkv"], d["qw"], d["kw"], d["cos"], d["sin"], d["pos"], d["slots"],
+                                    d["tables"], k_new, v_new, out, scale, EPS, rotary_dim, ws,
+                                    q_head_stride=q_head_stride, geometry=geometry, **norm, **split)
+        if split.get("num_splits", 1) > 1:
+            counters = ws.copy_to_host().view(np.int32)[-T * nkv:]
+            assert not counters.any(), counters
+
+    from_bits = lambda a: (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)  # noqa: E731
+    real = slots >= 0
+    want = np.zeros((T, nq, head_dim))
+    want[real] = reference(from_bits(q_ref.copy_to_host())[real], from_bits(k_ref.copy_to_host()),
+                           from_bits(v_ref.copy_to_host()), tables, slots[real], positions[real], scale, page_size)
+    return dict(out=out.copy_to_host(), out_ref=out_ref.copy_to_host(), k=k_new.copy_to_host(),
+                v=v_new.copy_to_host(), k_ref=k_ref.copy_to_host(), v_ref=v_ref.copy_to_host(), k_before=k_bits,
+                v_before=v_bits, want=want, tables=tables, slots=slots, positions=positions)
+
+
+def check_fused(r, identical=True, bound=5e-3):
+    """The fused kernel stored exactly what ``qk_norm_rope_store`` stores (bit for bit, nothing else: the padding
+    token writes nothing) and its output matches the two-launch path: bit for bit at the same geometry, else within
+    ``bound`` (the bf16 rounding of the softmax weights depends on which keys a warp's running max covers); both
+    are within 1e-2 of float64; padding rows are zero."""
+    np.testing.assert_array_equal(r["k"], r["k_ref"])
+    np.testing.assert_array_equal(r["v"], r["v_ref"])
+    changed = np.any(r["k"] != r["k_before"], axis=(2, 3)) | np.any(r["v"] != r["v_before"], axis=(2, 3))
+    page_size = r["k"].shape[1]
+    real = r["slots"] >= 0
+    rows = {(r["tables"][s, p // page_size], p % page_size) for s, p in zip(r["slots"][real], r["positions"][real])}
+    assert {tuple(x) for x in np.argwhere(changed)} <= rows
+    got = (r["out"].astype(np.uint32) << 16).view(np.float32)
+    ref = (r["out_ref"].astype(np.uint32) << 16).view(np.float32)
+    assert not got[~real].any()
+    if identical:
+        np.testing.assert_array_equal(r["out"][real], r["out_ref"][real])
+    else:
+        assert rel_l2(got[real], ref[real]) <= bound, rel_l2(got[real], ref[real])
+    for t in np.flatnonzero(real):
+        assert rel_l2(got[t], r["want"][t]) <= 1e-2, t
+
+
+@pytest.mark.parametrize("nq,nkv,head_dim,rotary_dim,gated,norm", [
+    (4, 2, 16, 16, False, QWEN3_NORM),       # Qwen3 form, G = 2
+    (2, 2, 16, 16, False, QWEN3_NORM),       # G = 1
+    (8, 2, 16, 16, False, QWEN3_NORM),       # G = 4
+    (4, 2, 32, 16, True, QWEN35_NORM),       # Qwen3.5 form: a gate after each q head, partial rotary, (1 + w) norm
+], ids=["qwen3-g2", "g1", "g4", "qwen3.5-g2"])
+def test_fused_decode_matches_two_launches(rng, nq, nkv, head_dim, rotary_dim, gated, norm):
+    """Tokens of three slots -- length 10 (its keys on three pages), length 1 (only its own key), length 6 -- and
+    a padding token: the cache writes and the output are bit-identical to ``qk_norm_rope_store`` +
+    ``paged_attention``."""
+    r = run_fused_decode(rng, nq, nkv, head_dim, slots=[1, 0, -1, 2], positions=[9, 0, 3, 5],
+                         rotary_dim=rotary_dim, gated=gated, norm=norm)
+    check_fused(r)
+
+
+def test_fused_decode_forced_splits(rng):
+    """Several splits of 4 keys (lengths 14, 1 and 7: four, one and two splits with work) merged by the last block,
+    run twice on the same workspace (the counters must be back at zero)."""
+    r = run_fused_decode(rng, 4, 2, 16, slots=[0, 1, 2], positions=[13, 0, 6], num_splits=4, min_split_tokens=4,
+                         repeats=2)
+    check_fused(r)
+
+
+def test_fused_decode_later_passes(rng):
+    """Lengths 40 and 33 in one split: the first 16-key pass comes from the loads issued before the PDL wait, the
+    later ones from the loop (which takes the newest key from shared memory when it reaches it)."""
+    r = run_fused_decode(rng, 4, 2, 16, slots=[0, 1], positions=[39, 32], max_pages=12, num_pages=26)
+    check_fused(r)
+
+
+@pytest.mark.parametrize("geometry", [(2, False, 1, 0), (2, True, 0, 0)], ids=["two-warps", "late-v-no-prefetch"])
+def test_fused_decode_other_geometries(rng, geometry):
+    """Two warps per block (a 32-key first pass, several heads per warp in the norm phase), V of the first pass
+    loaded after S and no L2 prefetch (the D = 256 configuration): within a tight bound of the one-warp split-K
+    kernel (another grouping of keys per warp), lengths in the first and in later passes, with splits."""
+    for split in (dict(), dict(num_splits=3, min_split_tokens=32)):
+        r = run_fused_decode(rng, 8, 2, 16, slots=[0, 1, 2], positions=[20, 45, 2], max_pages=12, num_pages=38,
+                             geometry=geometry, **split)
+        check_fused(r, identical=False, bound=2e-3)
+
+
+@pytest.mark.parametrize("nq,nkv,head_dim,rotary_dim,gated,norm", [
+    (2, 1, 128, 128, False, QWEN3_NORM),     # Qwen3's head: the rotary partner in the lane's own registers
+    (2, 1, 256, 64, True, QWEN35_NORM),      # Qwen3.5's full-attention head: partial rotary, gated q
+], ids=["qwen3-d128", "qwen3.5-d256"])
+def test_fused_decode_served_heads(rng, nq, nkv, head_dim, rotary_dim, gated, norm):
+    r = run_fused_decode(rng, nq, nkv, head_dim, slots=[1, 0], positions=[5, 17], rotary_dim=rotary_dim,
+                         gated=gated, norm=norm)
+    check_fused(r)
+
+
+def test_fused_decode_rejects_bad_shapes(rng):
+    from pegainfer.kernels.attention import paged_decode_attention_rope
+
+    f = cuda.device_array
+    args = [f((1, 4 * 16 + 2 * 2 * 16), np.uint16), f(16, np.uint16), f(16, np.uint16), f((8, 8), np.uint16),
+            f((8, 8), np.uint16), f(1, np.int32), f(1, np.int32), f((1, 2), np.int32), f((4, 4, 2, 16), np.uint16),
+            f((4, 4, 2, 16), np.uint16), f((1, 4, 16), np.uint16), 0.25, EPS, 16, None]
+    with pytest.raises(ValueError, match="qkv"):
+        paged_decode_attention_rope(*args, q_head_stride=32)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        paged_decode_attention_rope(*args[:13], 12, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nq,nkv,head_dim,rotary_dim,gated,norm", [
+    (32, 8, 128, 128, False, QWEN3_NORM), (16, 4, 256, 64, True, QWEN35_NORM)], ids=["qwen3-4b", "qwen3.5"])
+def test_gpu_fused_decode(nq, nkv, head_dim, rotary_dim, gated, norm):
+    """Served shapes on the GPU's own geometry (8 warps, splits of >= 256 keys): lengths 1, 128 (one pass), 256
+    (two passes, one block), 300 (two splits), 4101 (many splits), a padding token.  Cache writes bit-identical to
+    ``qk_norm_rope_store``, output within a tight bound of ``paged_attention`` (different warp grouping)."""
+    rng = np.random.default_rng(11)
+    r = run_fused_decode(rng, nq, nkv, head_dim, slots=[0, 1, 2, 3, 4, -1], positions=[0, 127, 255, 299, 4100, 0],
+                         rotary_dim=rotary_dim, gated=gated, norm=norm, page_size=16, max_pages=260,
+                         num_pages=5 * 260 + 3)
+    check_fused(r, identical=False, bound=5e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_decode_cuda_graph_replay():
+    """The fused launch captured once in a CUDA graph (with PDL) and replayed after the positions / slots on the
+    device change (one split, several passes, several splits): the same output and cache as eager two-launch calls
+    on the same inputs."""
+    from cuda.bindings import driver as drv
+    from pegainfer.kernels.attention import paged_decode_attention_rope
+    from pegainfer.kernels.launch import on_stream
+    from pegainfer.kernels.rope import qk_norm_rope_store, rope_tables
+
+    def check(res):
+        err = res[0] if isinstance(res, tuple) else res
+        assert err == drv.CUresult.CUDA_SUCCESS, err
+        return res[1] if isinstance(res, tuple) and len(res) == 2 else None
+
+    rng = np.random.default_rng(12)
+    nq, nkv, D, page_size, max_pages = 32, 8, 128, 16, 64
+    k_bits, _, v_bits, _, tables = make_cache(rng, 2 * max_pages + 1, page_size, nkv, D, 2, max_pages)
+    qkv_bits, _ = bf16_randn((2, (nq + 2 * nkv) * D), rng, scale=2.0)
+    w_bits, _ = bf16_randn((2, D), rng, scale=0.5)
+    cos, sin = rope_tables(max_pages * page_size, D, 1e6)
+    dev = {k: cuda.to_device(a) for k, a in (("qkv", qkv_bits), ("qw", w_bits[0].copy()), ("kw", w_bits[1].copy()),
+                                             ("cos", cos), ("sin", sin), ("tables", tables))}
+    slots = cuda.to_device(np.array([0, 1], np.int32))
+    pos = cuda.to_device(np.array([5, 700], np.int32))
+    k_cache, v_cache = cuda.to_device(k_bits), cuda.to_device(v_bits)
+    out = cuda.device_array((2, nq, D), np.uint16)
+    ws = cuda.device_array(attention_workspace_size(2, nq, D, max_pages * page_size, page_size), np.float32)
+    scale = 1 / math.sqrt(D)
+    stream = cuda.stream()
+    call = lambda: paged_decode_attention_rope(dev["qkv"], dev["qw"], dev["kw"], dev["cos"], dev["sin"], pos,  # noqa
+                                               slots, dev["tables"], k_cache, v_cache, out, scale, EPS, D, ws)
+    with on_stream(stream):
+        call()                                   # compile (and zero the split counters) outside the capture
+    stream.synchronize()
+    cs = drv.CUstream(int(stream.handle))
+    with cuda.defer_cleanup(), on_stream(stream):
+        check(drv.cuStreamBeginCapture(cs, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
+        call()
+        graph = check(drv.cuStreamEndCapture(cs))
+    exe = check(drv.cuGraphInstantiate(graph, 0))
+    for new_slots, new_pos in (([1, 0], [1023, 0]), ([0, 1], [300, 129]), ([1, 0], [15, 16])):
+        new_slots, new_pos = np.array(new_slots, np.int32), np.array(new_pos, np.int32)
+        k_cache.copy_to_device(k_bits, stream=stream)
+        v_cache.copy_to_device(v_bits, stream=stream)
+        slots.copy_to_device(new_slots, stream=stream)
+        pos.copy_to_device(new_pos, stream=stream)
+        check(drv.cuGraphLaunch(exe, cs))
+        stream.synchronize()
+        k_ref, v_ref = cuda.to_device(k_bits), cuda.to_device(v_bits)
+        q_ref, out_ref = cuda.device_array((2, nq, D), np.uint16), cuda.device_array((2, nq, D), np.uint16)
+        d_slots, d_pos = cuda.to_device(new_slots), cuda.to_device(new_pos)
+        qk_norm_rope_store(dev["qkv"], dev["qw"], dev["kw"], dev["cos"], dev["sin"], d_pos, d_slots, dev["tables"],
+                           k_ref, v_ref, q_ref, EPS, D)
+        paged_attention(q_ref, k_ref, v_ref, dev["tables"], d_slots, d_pos, out_ref, scale,
+                        cuda.device_array(ws.size, np.float32))
+        np.testing.assert_array_equal(k_cache.copy_to_host(), k_ref.copy_to_host())
+        np.testing.assert_array_equal(v_cache.copy_to_host(), v_ref.copy_to_host())
+        got = (out.copy_to_host().astype(np.uint32) << 16).view(np.float32)
+        want = (out_ref.copy_to_host().astype(np.uint32) << 16).view(np.float32)
+        assert rel_l2(got, want) <= 5e-3, (new_slots, new_pos)
+    check(drv.cuGraphExecDestroy(exe))
+    check(drv.cuGraphDestroy(graph))

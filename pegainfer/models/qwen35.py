@@ -243,18 +243,11 @@ class Qwen35Model(DecoderModel):
         """Gated full attention of one layer (its q/gate, k, v projection already in ``self.qkv``):
         ``delta = (attention · sigmoid(gate)) @ W_o^T``."""
         qkv, q, attn = self.qkv[:T], self.q[:T], self.attn[:T]
-        scale = 1.0 / math.sqrt(self.D)
-        if T == 1:   # one token, the newest of its sequence: norm + RoPE, KV store and attention in one launch
-            attention.paged_decode_attention_rope(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, pos,
-                                                  slots, block_tables, self.k_cache[j], self.v_cache[j], attn, scale,
-                                                  self.cfg.rms_norm_eps, self.rotary_dim, self.attn_workspace,
-                                                  q_head_stride=2 * self.D, **QWEN35_NORM)
-        else:
-            rope.qk_norm_rope_store(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, pos, slots,
-                                    block_tables, self.k_cache[j], self.v_cache[j], q, self.cfg.rms_norm_eps,
-                                    self.rotary_dim, q_head_stride=2 * self.D, **QWEN35_NORM)
-            attention.paged_attention(q, self.k_cache[j], self.v_cache[j], block_tables, slots, pos, attn, scale,
-                                      self.attn_workspace)
+        rope.qk_norm_rope_store(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, pos, slots,
+                                block_tables, self.k_cache[j], self.v_cache[j], q, self.cfg.rms_norm_eps,
+                                self.rotary_dim, q_head_stride=2 * self.D, **QWEN35_NORM)
+        attention.paged_attention(q, self.k_cache[j], self.v_cache[j], block_tables, slots, pos, attn,
+                                  1.0 / math.sqrt(self.D), self.attn_workspace)
         gating.sigmoid_gate_mul(attn, qkv, attn)
         attn_flat = self.attn.reshape(self.max_tokens, self.nq * self.D)[:T]
         linear.linear(attn_flat, lw["o"], delta)

@@ -19,13 +19,13 @@ accumulator ``acc = sum exp(s - m) V[p]``; when a larger score arrives, ``l`` an
 ``exp(m_old - m_new)``.  Two partial results ``(m1, l1, acc1)`` and ``(m2, l2, acc2)`` over disjoint key sets merge
 exactly: ``M = max(m1, m2)``, ``l = l1 e^(m1-M) + l2 e^(m2-M)``, ``acc = acc1 e^(m1-M) + acc2 e^(m2-M)``.
 
-Three kernels:
+Two paths:
 
 * **Split-K ("flash-decoding")**: ``paged_attention_split_kernel``, on tensor cores.  One block per (token, kv
   head, split); the block serves all ``G = nq // nkv`` query heads of its kv head (the rows of an ``m16n8k16`` tile,
-  so each K/V row is read from memory once for ``G`` heads), and each warp computes ``S = Q K^T`` and
-  ``O^T += V^T P^T`` for 16 keys per step with K/V fragments loaded straight from the cache into registers (no
-  shared-memory staging; ``_step_fns``).  The launch provides ``num_splits`` splits per (token, kv head), chosen from shapes known before
+  so each K/V row is read from memory once for ``G`` heads), and each warp computes ``S = Q K^T`` and ``O += P V``
+  for 16 keys per step with K/V fragments loaded straight from the cache into registers (no shared-memory
+  staging).  The launch provides ``num_splits`` splits per (token, kv head), chosen from shapes known before
   capture (``T``, ``nq``, the block table's capacity); how many of them do work is computed *on the device* from
   ``positions[t]`` (splits of a multiple of ``MIN_SPLIT_TOKENS`` keys), so a short context uses few blocks and a
   long one fills the GPU, and the launch is identical for every step (CUDA graphs).  One split with work writes the
@@ -38,22 +38,11 @@ Three kernels:
   softmax lives in the accumulator registers.  ``method="auto"`` takes it from ``PREFILL_MIN_TOKENS`` tokens up.
   In the simulator the warp-wide mma is emulated (``primitives.mma_bf16_m16n8k16``), so the same kernel is tested
   there.
-* **Fused decode**: ``paged_decode_attention_rope_kernel``, for steps whose tokens are each the newest token of
-  their own sequence.  It starts from the raw QKV projection and does ``rope.qk_norm_rope_store``'s work too: per
-  (token, kv head, split) block, the block's q heads (and, in the split holding the token's own position, its new
-  key and value) are normalised and rotated into shared memory, the new k/v are stored in the cache, and the
-  split-K attention runs with the newest key taken from shared memory.  Built for programmatic dependent launch:
-  everything earlier steps wrote (positions, slots, block tables, the cached keys older than the token) is read
-  -- the first pass of K/V fragments into registers, the next passes prefetched into L2 -- *before*
-  ``grid_dependency_wait``, while the QKV GEMV that precedes it is still running; only the QKV rows are read after.
-  Short contexts (up to ``DECODE_MIN_SPLIT_PASSES`` passes of ``16 * warps`` keys) take one block per (token, kv
-  head) and no cross-block merge.
 
-Public API: ``paged_attention``, ``paged_decode_attention_rope``, ``attention_workspace_size``,
-``attention_num_splits``.
+Public API: ``paged_attention``, ``attention_workspace_size``, ``attention_num_splits``.
 Nothing allocates per call (the split-K partials and counters live in the caller's ``workspace``), and every
-per-step value comes from device arrays, so every path can be captured in a CUDA graph.  A token with
-``token_slots[t] < 0`` (padding of a fixed-size batch) reads nothing and gets zeros, on every path.
+per-step value comes from device arrays, so both paths can be captured in a CUDA graph.  A token with
+``token_slots[t] < 0`` (padding of a fixed-size batch) reads nothing and gets zeros, on both paths.
 """
 from __future__ import annotations
 
@@ -66,7 +55,6 @@ from numba import cuda
 
 from pegainfer.device import SIMULATOR
 from pegainfer.kernels.launch import launch
-from pegainfer.kernels.rope import head_geometry, head_norm_rope
 from pegainfer.kernels.primitives import (
     device_fn,
     f32_to_bf16,
@@ -76,11 +64,7 @@ from pegainfer.kernels.primitives import (
     lane_group_max,
     lane_group_sum,
     load_u32x4,
-    grid_dependency_wait,
-    launch_dependents,
     pdl_prologue,
-    prefetch_l2,
-    warp_sum,
     mma_bf16_m16n8k16,
     pack_bf16x2,
     threads,
@@ -110,26 +94,6 @@ def rescale_factor2(m_part, m_total):
 # ------------------------------------------------------------------------------------------------ split-K kernel
 MAX_SPLITS = 256
 DECODE_STEP_KEYS = 16   # keys one warp handles per step (two n8 tiles of S, one k16 step of P V)
-
-
-if SIMULATOR:
-    _sim_lanes = np.zeros(1024, np.float32)   # blocks run one after another in the simulator: one exchange buffer
-
-    @device_fn
-    def lane_value(v, src_lane):
-        """``v`` of lane ``src_lane`` of the calling warp (f32).  Emulated through block-wide scratch between two
-        barriers: every thread of the block must call it equally often."""
-        tid = int(cuda.threadIdx.x)
-        _sim_lanes[tid] = v
-        cuda.syncthreads()
-        r = np.float32(_sim_lanes[tid - tid % 32 + int(src_lane)])
-        cuda.syncthreads()
-        return r
-else:
-    @device_fn
-    def lane_value(v, src_lane):
-        """``v`` of lane ``src_lane`` of the calling warp (f32): one ``shfl.sync.idx``."""
-        return cuda.shfl_sync(0xFFFFFFFF, v, src_lane)
 
 
 @device_fn
@@ -167,224 +131,6 @@ def _split_range(n_keys, split, num_splits, min_chunk):
     return k_lo, min(k_lo + chunk, n_keys), (n_keys + chunk - 1) // chunk
 
 
-def q_row_words(head_dim: int) -> int:
-    """uint32 words per q row in shared memory: ``D/2`` bf16 pairs + 4 (padding against bank conflicts)."""
-    return head_dim // 2 + 4
-
-
-@functools.lru_cache(maxsize=None)
-def _step_fns(head_dim: int):
-    """Device functions of one warp's 16-key step (shared by the split-K and the fused decode kernel), for heads of
-    ``head_dim`` dims.  Lane ``(g, t)`` (``g = lane >> 2``, ``t = lane & 3``) holds:
-
-    * ``kw[2 D/8]``: words ``[t D/8, (t+1) D/8)`` of the K rows of keys ``k0 + g`` and ``k0 + 8 + g`` (its B
-      fragments of ``S = Q K^T``: q uses the same dim order, so no data movement);
-    * ``vw[4 D/16]``: words ``[g D/16, (g+1) D/16)`` of the V rows of keys ``k0 + 2t, 2t+1, 2t+8, 2t+9``;
-    * the block's q heads in shared memory, ``sm_q[8, D/2 + 4]`` uint32 (bf16 pairs, rows padded against bank
-      conflicts, rows ``G .. 7`` zero): its A fragments are read from there at every step (``q_row_words``);
-    * ``of[D/4]``: ``O^T`` tiles (``m16n8k16`` D fragments, rows = dims, columns = heads): ``of[4i .. 4i+3]`` =
-      ``O[head 2t, d], O[head 2t+1, d], O[head 2t, d+1], O[head 2t+1, d+1]``, ``d = g D/8 + 2i`` (columns past G:
-      junk, never written out).
-
-    Returns ``(load_k, load_v, scores, softmax_pv, prefetch)``:
-
-    * ``load_k(k32, block_tables, slot, k0, k_end, page_shift, nkv, kvh, kw, g, t)`` / ``load_v(..., vw, g, t)``:
-      the fragments of keys ``< k_end`` (16-byte loads), zeros for the others;
-    * ``scores(sm_q, kw, k0, k_hi, scale_log2, g, t)``: ``(s0, s1, s2, s3)`` = ``S[g, keys k0 + 2t, +1, +8, +9]`` in
-      base-2 units, ``-inf`` for keys ``>= k_hi``;
-    * ``softmax_pv(s0, s1, s2, s3, m, l, vw, of, t)``: the online-softmax update of this lane's row (its 4 lanes
-      hold the row's 16 scores) and ``O^T += V^T bf16(P)^T`` (``D/16`` ``m16n8k16`` tiles: the S accumulators are
-      the B fragment as they are, every output register is used, and the rescale factors of the lane's two head
-      columns come from their rows' lanes by shuffle); returns the new ``(m, l)`` (``l``: this lane's share of the
-      row's sum);
-    * ``prefetch(k32, v32, block_tables, slot, k0, k_end, page_shift, nkv, kvh, lane)``: start moving the K and V
-      rows of the keys ``k0 .. k0 + 15`` below ``k_end`` into L2 (lanes 0-15: K, 16-31: V).
-    """
-    D = head_dim
-    ROW_WORDS = D // 2
-    KW = D // 8          # words of a q / K row per lane: lane t (= lane & 3) holds dims [t D/4, (t+1) D/4)
-    VW = D // 16         # words of a V row per lane: lane g (= lane >> 2) holds dims [g D/8, (g+1) D/8)
-    QK_STEPS = D // 16   # k16 steps of S = Q K^T
-    LINES = max(1, D // 64)   # 128-byte lines of a K/V row (2 D bytes)
-    Q_ROW_WORDS = q_row_words(D)
-
-    @device_fn
-    def load_k(k32, block_tables, slot, k0, k_end, page_shift, num_kv_heads, kvh, kw, g, tq):
-        for j in range(2):
-            key = k0 + 8 * j + g
-            row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS) if key < k_end else 0
-            _load_words(k32, row + tq * KW, KW, kw, j * KW, key < k_end)
-
-    @device_fn
-    def load_v(v32, block_tables, slot, k0, k_end, page_shift, num_kv_heads, kvh, vw, g, tq):
-        for j in range(4):
-            key = k0 + 2 * tq + (j & 1) + 8 * (j >> 1)
-            row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS) if key < k_end else 0
-            _load_words(v32, row + g * VW, VW, vw, j * VW, key < k_end)
-
-    @device_fn
-    def scores(sm_q, kw, k0, k_hi, scale_log2, g, tq):
-        zero = uint32(0)
-        fzero = float32(0.0)
-        s0 = s1 = s2 = s3 = fzero
-        q0 = uint32(g * Q_ROW_WORDS + tq * KW)        # this lane's words of q head g (unsigned: no wraparound)
-        for ks in range(QK_STEPS):
-            qa0 = sm_q[q0 + uint32(2 * ks)]
-            qa2 = sm_q[q0 + uint32(2 * ks + 1)]
-            s0, s1, _, _ = mma_bf16_m16n8k16(qa0, zero, qa2, zero, kw[2 * ks], kw[2 * ks + 1], s0, s1, fzero, fzero)
-            s2, s3, _, _ = mma_bf16_m16n8k16(qa0, zero, qa2, zero, kw[KW + 2 * ks], kw[KW + 2 * ks + 1], s2, s3,
-                                             fzero, fzero)
-        key = k0 + 2 * tq
-        s0 = s0 * scale_log2 if key < k_hi else NEG_INF
-        s1 = s1 * scale_log2 if key + 1 < k_hi else NEG_INF
-        s2 = s2 * scale_log2 if key + 8 < k_hi else NEG_INF
-        s3 = s3 * scale_log2 if key + 9 < k_hi else NEG_INF
-        return s0, s1, s2, s3
-
-    @device_fn
-    def softmax_pv(s0, s1, s2, s3, m, l, vw, of, tq):
-        fzero = float32(0.0)
-        # online softmax over the row (the 4 lanes of a row hold its 16 keys)
-        mx = max(m, lane_group_max(max(max(s0, s1), max(s2, s3)), 4))
-        alpha = rescale_factor2(m, mx)
-        m = mx
-        base = m if m != NEG_INF else fzero
-        p0 = math.exp2(s0 - base)
-        p1 = math.exp2(s1 - base)
-        p2 = math.exp2(s2 - base)
-        p3 = math.exp2(s3 - base)
-        l = l * alpha + ((p0 + p1) + (p2 + p3))
-        b0 = pack_bf16x2(p0, p1)                  # P[g, keys 2t, 2t+1]: the B fragment of O^T += V^T P^T
-        b1 = pack_bf16x2(p2, p3)                  # P[g, keys 2t+8, 2t+9]
-        alpha_0 = lane_value(alpha, 8 * tq)       # the rescale factors of this lane's O columns: heads 2t, 2t+1
-        alpha_1 = lane_value(alpha, 8 * tq + 4)
-        # O^T += V^T P^T: A[m = dim, k = key] with key pairs packed into one word; tile i holds dims
-        # g D/8 + 2i (row g) and g D/8 + 2i + 1 (row g + 8) of this lane's words i of its 4 V rows
-        for i in range(VW):
-            x0, x1, y0, y1 = vw[i], vw[VW + i], vw[2 * VW + i], vw[3 * VW + i]
-            a0 = (x0 & uint32(0xFFFF)) | (x1 << uint32(16))
-            a1 = (x0 >> uint32(16)) | (x1 & uint32(0xFFFF0000))
-            a2 = (y0 & uint32(0xFFFF)) | (y1 << uint32(16))
-            a3 = (y0 >> uint32(16)) | (y1 & uint32(0xFFFF0000))
-            of[4 * i], of[4 * i + 1], of[4 * i + 2], of[4 * i + 3] = mma_bf16_m16n8k16(
-                a0, a1, a2, a3, b0, b1, of[4 * i] * alpha_0, of[4 * i + 1] * alpha_1, of[4 * i + 2] * alpha_0,
-                of[4 * i + 3] * alpha_1)
-        return m, l
-
-    @device_fn
-    def prefetch(k32, v32, block_tables, slot, k0, k_end, page_shift, num_kv_heads, kvh, lane):
-        key = k0 + (lane & 15)
-        if key < k_end:
-            row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS)
-            for ln in range(LINES):
-                if lane < 16:
-                    prefetch_l2(k32, row + 32 * ln)
-                else:
-                    prefetch_l2(v32, row + 32 * ln)
-
-    return load_k, load_v, scores, softmax_pv, prefetch
-
-
-@functools.lru_cache(maxsize=None)
-def _merge_fn(head_dim: int, group: int, warps: int):
-    """The tail shared by the split-K and the fused decode kernel: merge the block's ``warps`` partial softmax
-    states (shared memory), then either write the bf16 output (one split with work) or write this split's partial
-    ``(acc, m, l)`` to the workspace and, in the last block of the (token, kv head) to finish (atomic counter, reset
-    to 0 by that block), merge every split's partial into the output.  Every thread of the block calls it."""
-    D, G, W = head_dim, group, warps
-    NT = 32 * W
-    ROWS = G * D
-
-    @device_fn
-    def merge(m, l, of, sm_m, sm_l, sm_o, sm_w, sm_tot, sm_last, out, out0, ws_acc, ws_m, ws_l, counters, row0, tk,
-              split, n_active, num_splits):
-        tid = cuda.threadIdx.x
-        lane = tid % 32
-        warp = tid // 32
-        g = lane >> 2
-        tq = lane & 3
-        fzero = float32(0.0)
-        # ---- merge the W warps of the block
-        l = lane_group_sum(l, 4)
-        if g < G:
-            if tq == 0:
-                sm_m[warp * 8 + g] = m
-                sm_l[warp * 8 + g] = l
-        for i in range(D // 16):                      # of: O^T tiles (_step_fns), heads 2t and 2t + 1
-            d = g * (D // 8) + 2 * i
-            for c in range(2):
-                h = 2 * tq + c
-                if h < G:
-                    sm_o[(warp * G + h) * D + d] = of[4 * i + c]
-                    sm_o[(warp * G + h) * D + d + 1] = of[4 * i + 2 + c]
-        cuda.syncthreads()
-        if tid < G:
-            m_blk = NEG_INF
-            for w in range(W):
-                m_blk = max(m_blk, sm_m[w * 8 + tid])
-            l_blk = fzero
-            for w in range(W):
-                f = rescale_factor2(sm_m[w * 8 + tid], m_blk)
-                sm_w[tid * W + w] = f
-                l_blk += f * sm_l[w * 8 + tid]
-            sm_tot[tid] = l_blk
-            if n_active > 1:
-                ws_m[(row0 + tid) * num_splits + split] = m_blk
-                ws_l[(row0 + tid) * num_splits + split] = l_blk
-        cuda.syncthreads()
-        for i in range(tid, ROWS, NT):
-            h = i // D
-            total = fzero
-            for w in range(W):
-                total += sm_w[h * W + w] * sm_o[(w * G + h) * D + i % D]
-            if n_active == 1:
-                lt = sm_tot[h]
-                out[out0 + i] = f32_to_bf16(total / lt if lt > fzero else fzero)
-            else:
-                ws_acc[((row0 + h) * num_splits + split) * D + i % D] = total
-
-        # ---- several splits: the last block of this (token, kv head) merges them
-        if n_active > 1:
-            cuda.threadfence()                        # publish this block's partial before counting it
-            cuda.syncthreads()
-            if tid == 0:
-                c = counters.shape[0] - 1 - tk
-                done = cuda.atomic.add(counters, c, 1)
-                sm_last[0] = 1 if done == n_active - 1 else 0
-                if done == n_active - 1:
-                    counters[c] = 0                   # reset for the next launch
-            cuda.syncthreads()
-            if sm_last[0] == 1:
-                cuda.threadfence()
-                for h0 in range(0, G, W):             # one warp per head
-                    h = h0 + warp
-                    hrow = (row0 + min(h, G - 1)) * num_splits
-                    mm = NEG_INF
-                    for sp in range(lane, n_active, 32):
-                        mm = max(mm, ws_m[hrow + sp])
-                    mm = lane_group_max(mm, 32)
-                    ll = fzero
-                    for sp in range(lane, n_active, 32):
-                        f = rescale_factor2(ws_m[hrow + sp], mm)
-                        if h < G:
-                            sm_w[h * MAX_SPLITS + sp] = f
-                        ll += f * ws_l[hrow + sp]
-                    ll = lane_group_sum(ll, 32)
-                    if lane == 0 and h < G:
-                        sm_tot[h] = ll
-                cuda.syncthreads()
-                for i in range(tid, ROWS, NT):
-                    h = i // D
-                    src = (row0 + h) * num_splits * D + i % D
-                    total = fzero
-                    for sp in range(n_active):
-                        total += sm_w[h * MAX_SPLITS + sp] * ws_acc[src + sp * D]
-                    out[out0 + i] = f32_to_bf16(total / sm_tot[h])
-        cuda.syncthreads()                            # shared scratch is reused by the next work item
-
-    return merge
-
-
 @functools.lru_cache(maxsize=None)
 def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, min_blocks: int = 0):
     """Build the split-K kernel for one shape (closure constants size the register fragments).  ``late_v``: load V
@@ -393,14 +139,13 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
     D, G, W, LATE_V = head_dim, group, warps, late_v
     NT = 32 * W
     ROW_WORDS = D // 2
-    KW = D // 8
+    KW = D // 8          # words of a q / K row per lane: lane t (= lane & 3) holds dims [t D/4, (t+1) D/4)
+    VW = D // 16         # words of a V row per lane: lane g (= lane >> 2) holds dims [g D/8, (g+1) D/8)
+    QK_STEPS = D // 16   # k16 steps of S = Q K^T
+    O_TILES = D // 8     # n8 tiles of O = P V
     ROWS = G * D
     assert G <= 8 and D % 16 == 0
-    KW2, VW4, O_REGS, SM_O, SM_W, SM_ROWS = 2 * KW, 4 * (D // 16), D // 4, W * G * D, G * MAX_SPLITS, W * 8
-    QW = q_row_words(D)
-    SM_Q = 8 * QW
-    load_k, load_v, scores, softmax_pv, _ = _step_fns(D)
-    merge = _merge_fn(D, G, W)
+    KW2, VW4, O_REGS, SM_O, SM_W, SM_ROWS = 2 * KW, 4 * VW, 2 * O_TILES, W * G * D, G * MAX_SPLITS, W * 8
 
     jit = kernel if SIMULATOR or not min_blocks else cuda.jit(cache=True, launch_bounds=(NT, min_blocks))
 
@@ -418,17 +163,16 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
         Geometry: grid-stride over ``num_splits * T * nkv`` work items (split slowest, so the splits that have work
         come first), ``32 * W`` threads.  Split ``s`` covers keys ``[s * chunk, (s+1) * chunk)`` of the token's
         ``n = positions[t] + 1`` (``_split_range``: only as many splits as the length needs do work, decided on
-        the device).  The block's q heads are staged in shared memory.  Within a split, warp ``w`` takes 16-key
-        steps ``w, w + W, ...`` (``_step_fns``); one step is ``S[16 x 16] = Q K^T`` as two ``m16n8k16`` tiles
-        (rows = the G q heads, zero-padded to 16; keys as columns; the K row a lane loads is its B fragment
-        directly: lane (g, t) owns dims ``[t D/4, (t+1) D/4)`` of key g and q uses the same dim order, so no data
-        movement), an online-softmax update, and ``O^T += V^T bf16(P)^T`` as ``D/16`` ``m16n8k16`` tiles (rows =
-        head dims, columns = heads; lane (g, t) loads dims ``[g D/8, (g+1) D/8)`` of keys ``2t, 2t+1, 2t+8, 2t+9``
-        and pairs them up into A fragments; the S accumulators are the B fragment).  The block then merges its warps
-        in shared memory (``_merge_fn``).  If one split covers the whole token the block writes the bf16 output;
-        otherwise it writes its partial ``(acc, m, l)``, and the last block to bump the (token, kv head) counter
-        merges all partials into the output and resets the counter to 0 (so the launch can be replayed from a CUDA
-        graph).  A token with ``token_slots[t] < 0`` (padding) reads nothing and gets zeros.
+        the device).  Within a split, warp ``w`` takes 16-key steps ``w, w + W, ...``; one step is
+        ``S[16 x 16] = Q K^T`` as two ``m16n8k16`` tiles (rows = the G q heads, zero-padded to 16; keys as columns;
+        the K row a lane loads is its B fragment directly: lane (g, t) owns dims ``[t D/4, (t+1) D/4)`` of key g
+        and q uses the same dim order, so no data movement), an online-softmax update, and ``O += bf16(P) V`` as
+        ``D/8`` ``m16n8k16`` tiles (rows = heads, columns = head dims; lane (g, t) loads dims ``[g D/8, (g+1) D/8)``
+        of keys ``2t, 2t+1, 2t+8, 2t+9`` and pairs them up into B fragments).  The block then merges its warps in
+        shared memory.  If one split covers the whole token the block writes the bf16 output; otherwise it writes
+        its partial ``(acc, m, l)``, and the last block to bump the (token, kv head) counter merges all partials
+        into the output and resets the counter to 0 (so the launch can be replayed from a CUDA graph).
+        A token with ``token_slots[t] < 0`` (padding) reads nothing and gets zeros.
         """
         pdl_prologue()
         sm_m = cuda.shared.array(SM_ROWS, float32)    # per warp and head row: running max
@@ -437,7 +181,7 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
         sm_w = cuda.shared.array(SM_W, float32)      # merge weights [G, warps or splits]
         sm_tot = cuda.shared.array(8, float32)       # merged sum per head
         sm_last = cuda.shared.array(1, int32)
-        sm_q = cuda.shared.array(SM_Q, uint32)       # q heads of the block [8, QW] (rows >= G zero)
+        qa = cuda.local.array(KW, uint32)            # q fragments (rows g < G)
         kw = cuda.local.array(KW2, uint32)           # K words of keys k0 + g, k0 + 8 + g
         vw = cuda.local.array(VW4, uint32)           # V words of keys k0 + 2t, 2t + 1, 2t + 8, 2t + 9
         of = cuda.local.array(O_REGS, float32)       # O[head g, dims 2t D/8 + jd, (2t+1) D/8 + jd]
@@ -448,6 +192,7 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
         tq = lane & 3
         nq = num_kv_heads * G
         n_tokens = positions.shape[0]
+        zero = uint32(0)
         fzero = float32(0.0)
 
         for work in range(cuda.blockIdx.x, num_splits * n_tokens * num_kv_heads, cuda.gridDim.x):
@@ -467,11 +212,7 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
             if split >= n_active:
                 continue
 
-            for i in range(tid, SM_Q, NT):
-                r = i // QW
-                c = i % QW
-                sm_q[i] = q32[(t * nq + head0 + r) * ROW_WORDS + c] if r < G and c < ROW_WORDS else uint32(0)
-            cuda.syncthreads()
+            _load_words(q32, (t * nq + head0 + g) * ROW_WORDS + tq * KW, KW, qa, 0, g < G)
             for i in range(O_REGS):
                 of[i] = fzero
             m = NEG_INF
@@ -479,246 +220,137 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
             n_steps = (k_hi - k_lo + DECODE_STEP_KEYS - 1) // DECODE_STEP_KEYS
             for st0 in range(0, n_steps, W):              # same trip count in every warp (simulator reductions)
                 k0 = k_lo + (st0 + warp) * DECODE_STEP_KEYS
-                load_k(k32, block_tables, slot, k0, k_hi, page_shift, num_kv_heads, kvh, kw, g, tq)
+                for j in range(2):
+                    key = k0 + 8 * j + g
+                    row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS) if key < k_hi else 0
+                    _load_words(k32, row + tq * KW, KW, kw, j * KW, key < k_hi)
                 if not LATE_V:
-                    load_v(v32, block_tables, slot, k0, k_hi, page_shift, num_kv_heads, kvh, vw, g, tq)
-                s0, s1, s2, s3 = scores(sm_q, kw, k0, k_hi, scale_log2, g, tq)
+                    for j in range(4):
+                        key = k0 + 2 * tq + (j & 1) + 8 * (j >> 1)
+                        row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS) if key < k_hi else 0
+                        _load_words(v32, row + g * VW, VW, vw, j * VW, key < k_hi)
+
+                # S = Q K^T (head g, keys k0 + 8j + 2t, +1), base-2 units, masked past k_hi
+                s0 = s1 = s2 = s3 = fzero
+                for ks in range(QK_STEPS):
+                    s0, s1, _, _ = mma_bf16_m16n8k16(qa[2 * ks], zero, qa[2 * ks + 1], zero,
+                                                     kw[2 * ks], kw[2 * ks + 1], s0, s1, fzero, fzero)
+                    s2, s3, _, _ = mma_bf16_m16n8k16(qa[2 * ks], zero, qa[2 * ks + 1], zero,
+                                                     kw[KW + 2 * ks], kw[KW + 2 * ks + 1], s2, s3, fzero, fzero)
+                key = k0 + 2 * tq
+                s0 = s0 * scale_log2 if key < k_hi else NEG_INF
+                s1 = s1 * scale_log2 if key + 1 < k_hi else NEG_INF
+                s2 = s2 * scale_log2 if key + 8 < k_hi else NEG_INF
+                s3 = s3 * scale_log2 if key + 9 < k_hi else NEG_INF
+
                 if LATE_V:          # K's registers are free again: fewer live registers, one more memory round trip
-                    load_v(v32, block_tables, slot, k0, k_hi, page_shift, num_kv_heads, kvh, vw, g, tq)
-                m, l = softmax_pv(s0, s1, s2, s3, m, l, vw, of, tq)
-            merge(m, l, of, sm_m, sm_l, sm_o, sm_w, sm_tot, sm_last, out, out0, ws_acc, ws_m, ws_l, counters,
-                  t * nq + head0, tk, split, n_active, num_splits)
+                    for j in range(4):
+                        key = k0 + 2 * tq + (j & 1) + 8 * (j >> 1)
+                        row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS) if key < k_hi else 0
+                        _load_words(v32, row + g * VW, VW, vw, j * VW, key < k_hi)
+
+                # online softmax over the row (the 4 lanes of a row hold its 16 keys)
+                mx = max(m, lane_group_max(max(max(s0, s1), max(s2, s3)), 4))
+                alpha = rescale_factor2(m, mx)
+                m = mx
+                base = m if m != NEG_INF else fzero
+                p0 = math.exp2(s0 - base)
+                p1 = math.exp2(s1 - base)
+                p2 = math.exp2(s2 - base)
+                p3 = math.exp2(s3 - base)
+                l = l * alpha + ((p0 + p1) + (p2 + p3))
+                a0 = pack_bf16x2(p0, p1)                  # P[g, keys 2t, 2t+1]: the A fragment of the P V step
+                a2 = pack_bf16x2(p2, p3)                  # P[g, keys 2t+8, 2t+9]
+
+                # O += P V: B[k = key, n = dim] with key pairs packed into one word
+                for jd in range(O_TILES):
+                    w = jd // 2
+                    x0, x1, y0, y1 = vw[w], vw[VW + w], vw[2 * VW + w], vw[3 * VW + w]
+                    if jd % 2 == 0:
+                        b0 = (x0 & uint32(0xFFFF)) | (x1 << uint32(16))
+                        b1 = (y0 & uint32(0xFFFF)) | (y1 << uint32(16))
+                    else:
+                        b0 = (x0 >> uint32(16)) | (x1 & uint32(0xFFFF0000))
+                        b1 = (y0 >> uint32(16)) | (y1 & uint32(0xFFFF0000))
+                    of[2 * jd], of[2 * jd + 1], _, _ = mma_bf16_m16n8k16(
+                        a0, zero, a2, zero, b0, b1, of[2 * jd] * alpha, of[2 * jd + 1] * alpha, fzero, fzero)
+
+            # ---- merge the W warps of the block
+            l = lane_group_sum(l, 4)
+            if g < G:
+                if tq == 0:
+                    sm_m[warp * 8 + g] = m
+                    sm_l[warp * 8 + g] = l
+                ob = (warp * G + g) * D
+                for jd in range(O_TILES):
+                    sm_o[ob + 2 * tq * O_TILES + jd] = of[2 * jd]
+                    sm_o[ob + (2 * tq + 1) * O_TILES + jd] = of[2 * jd + 1]
+            cuda.syncthreads()
+            if tid < G:
+                m_blk = NEG_INF
+                for w in range(W):
+                    m_blk = max(m_blk, sm_m[w * 8 + tid])
+                l_blk = fzero
+                for w in range(W):
+                    f = rescale_factor2(sm_m[w * 8 + tid], m_blk)
+                    sm_w[tid * W + w] = f
+                    l_blk += f * sm_l[w * 8 + tid]
+                sm_tot[tid] = l_blk
+                if n_active > 1:
+                    ws_m[(t * nq + head0 + tid) * num_splits + split] = m_blk
+                    ws_l[(t * nq + head0 + tid) * num_splits + split] = l_blk
+            cuda.syncthreads()
+            for i in range(tid, ROWS, NT):
+                h = i // D
+                total = fzero
+                for w in range(W):
+                    total += sm_w[h * W + w] * sm_o[(w * G + h) * D + i % D]
+                if n_active == 1:
+                    lt = sm_tot[h]
+                    out[out0 + i] = f32_to_bf16(total / lt if lt > fzero else fzero)
+                else:
+                    ws_acc[((t * nq + head0 + h) * num_splits + split) * D + i % D] = total
+
+            # ---- several splits: the last block of this (token, kv head) merges them
+            if n_active > 1:
+                cuda.threadfence()                        # publish this block's partial before counting it
+                cuda.syncthreads()
+                if tid == 0:
+                    c = counters.shape[0] - 1 - tk
+                    done = cuda.atomic.add(counters, c, 1)
+                    sm_last[0] = 1 if done == n_active - 1 else 0
+                    if done == n_active - 1:
+                        counters[c] = 0                   # reset for the next launch
+                cuda.syncthreads()
+                if sm_last[0] == 1:
+                    cuda.threadfence()
+                    for h0 in range(0, G, W):             # one warp per head
+                        h = h0 + warp
+                        hrow = (t * nq + head0 + min(h, G - 1)) * num_splits
+                        mm = NEG_INF
+                        for sp in range(lane, n_active, 32):
+                            mm = max(mm, ws_m[hrow + sp])
+                        mm = lane_group_max(mm, 32)
+                        ll = fzero
+                        for sp in range(lane, n_active, 32):
+                            f = rescale_factor2(ws_m[hrow + sp], mm)
+                            if h < G:
+                                sm_w[h * MAX_SPLITS + sp] = f
+                            ll += f * ws_l[hrow + sp]
+                        ll = lane_group_sum(ll, 32)
+                        if lane == 0 and h < G:
+                            sm_tot[h] = ll
+                    cuda.syncthreads()
+                    for i in range(tid, ROWS, NT):
+                        h = i // D
+                        src = (t * nq + head0 + h) * num_splits * D + i % D
+                        total = fzero
+                        for sp in range(n_active):
+                            total += sm_w[h * MAX_SPLITS + sp] * ws_acc[src + sp * D]
+                        out[out0 + i] = f32_to_bf16(total / sm_tot[h])
+            cuda.syncthreads()                            # shared scratch is reused by the next work item
 
     return paged_attention_split_kernel
-
-
-# ------------------------------------------------------------------------------------------------ fused decode kernel
-@device_fn
-def _bf16_pair(a, i):
-    """The uint32 word of the bf16 pair ``a[i], a[i + 1]`` (uint16 array; lower index in the low half)."""
-    return uint32(a[i]) | (uint32(a[i + 1]) << uint32(16))
-
-
-@functools.lru_cache(maxsize=None)
-def _decode_rope_kernel(head_dim: int, group: int, warps: int, dims_per_lane: int, pair_shift: int, late_v: bool,
-                        prefetch_passes: int, min_blocks: int = 0):
-    """Build the fused decode kernel (q/k norm + RoPE + KV store + split-K attention) for one shape: ``warps`` warps
-    per block, ``(dims_per_lane, pair_shift)`` of ``rope.head_norm_rope``, the first pass's V loaded after S
-    (``late_v``; later passes always do), L2 prefetches ``prefetch_passes`` passes ahead, launch bounds for
-    ``min_blocks`` resident blocks per SM (0: none)."""
-    D, G, W, J, LATE_V, P = head_dim, group, warps, dims_per_lane, late_v, prefetch_passes
-    NT = 32 * W
-    ROW_WORDS = D // 2
-    KW, VW = D // 8, D // 16
-    ROWS = G * D
-    ITEMS = G + 2                 # heads one block normalises: its G q heads, then the token's new key and value
-    QW = q_row_words(D)
-    PASS_KEYS = W * DECODE_STEP_KEYS
-    assert G <= 8 and D % 16 == 0
-    KW2, VW4, O_REGS, SM_O, SM_W, SM_ROWS = 2 * KW, 4 * VW, D // 4, W * G * D, G * MAX_SPLITS, W * 8
-    SM_Q, SM_HEADS = 8 * QW, (G + 2) * D
-    load_k, load_v, scores, softmax_pv, prefetch = _step_fns(D)
-    merge = _merge_fn(D, G, W)
-    load_head, load_weights, load_rope_rows, lane_sum_squares, store_norm_rope = head_norm_rope(J, pair_shift)
-
-    @device_fn
-    def new_key_fragment(kw, sm_heads, k0, pos, g, tq):
-        """Replace this lane's K words of key ``pos`` (if it holds them) with the new key from shared memory."""
-        for j in range(2):
-            if k0 + 8 * j + g == pos:
-                for c in range(KW):
-                    kw[j * KW + c] = _bf16_pair(sm_heads, G * D + tq * (D // 4) + 2 * c)
-
-    @device_fn
-    def new_value_fragment(vw, sm_heads, k0, pos, g, tq):
-        """Replace this lane's V words of key ``pos`` (if it holds them) with the new value from shared memory."""
-        for j in range(4):
-            if k0 + 2 * tq + (j & 1) + 8 * (j >> 1) == pos:
-                for c in range(VW):
-                    vw[j * VW + c] = _bf16_pair(sm_heads, (G + 1) * D + g * (D // 8) + 2 * c)
-
-    jit = kernel if SIMULATOR or not min_blocks else cuda.jit(cache=True, launch_bounds=(NT, min_blocks))
-
-    @jit
-    def paged_decode_attention_rope_kernel(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots,
-                                           block_tables, k32, v32, out, ws_acc, ws_m, ws_l, counters,
-                                           q_head_stride, rotary_dim, eps, weight_offset, round_before_weight,
-                                           scale_log2, num_kv_heads, page_shift, num_splits, min_chunk):
-        """One decode step's attention block, from the raw QKV projection: per-head q/k RMSNorm + RoPE (bit for
-        bit ``rope.qk_norm_rope_store``), the new k/v stored in the paged cache, and split-K attention (bit for bit
-        ``paged_attention_split_kernel`` at the same warps and split policy) -- for tokens that are each the
-        newest of their own sequence.
-
-        qkv ``[T, row]`` bf16 bits (q heads at ``h * q_head_stride``, then ``nkv`` k heads, then ``nkv`` v heads;
-        ``rope.qk_norm_rope_store_kernel``); q_norm_w, k_norm_w ``[D]``; cos, sin ``[max_len, rotary_dim/2]``;
-        positions, token_slots ``[T]`` int32 (token ``t`` attends to keys ``0 .. positions[t]`` of its slot, the
-        last of which is its own); block_tables ``[slots, pages]`` int32; k32, v32 the caches as flat uint32; out
-        ``[T * nq * D]`` uint16; ws_acc, ws_m, ws_l, counters, scale_log2, page_shift, num_splits, min_chunk as
-        in the split-K kernel; eps, weight_offset, round_before_weight: the norm (``norm`` module).
-
-        Geometry: **one block per work item** (token, kv head, split): ``num_splits * T * nkv`` blocks (split
-        slowest), ``32 * W`` threads.  (No grid-stride loop: a loop around the body keeps ~80 more registers live.)
-        Split ``s`` covers keys ``[s chunk, (s+1) chunk)`` (``_split_range``, decided on the device from
-        ``positions[t]``); warp ``w`` takes its 16-key steps ``w, w + W, ..`` (``_step_fns``: tensor-core
-        ``S = Q K^T``, online softmax, ``O^T += V^T P^T``), the first pass of ``W`` steps peeled off the loop:
-
-        1. *Before* ``grid_dependency_wait`` (the QKV GEMV may still be running): slot, position, block-table
-           entries, the K (and V unless ``late_v``) fragments of the first pass -- keys older than
-           ``positions[t]``, written by earlier steps -- into registers, L2 prefetches of the next ``P`` passes,
-           the norm weights and cos/sin rows.  Nothing read here is written by a kernel of this step.
-        2. After the wait: warp ``i`` normalises + rotates item ``i`` (q heads ``kvh G .. kvh G + G - 1``; in the
-           last split -- the one holding key ``positions[t]`` -- also the new key, and it copies the new value)
-           into shared memory, exactly as ``qk_norm_rope_store`` does.  The newest key's fragments come from
-           there, never from the cache: the cache is read with non-coherent loads, which must not see writes of
-           the same kernel.
-        3. The first pass, the later passes (their loads issued in the loop, L2 hits thanks to the prefetches),
-           and the merge of warps and splits (``_merge_fn``), as in the split-K kernel.
-        4. The block holding key ``positions[t]`` stores the new k/v rows in the cache (the only writes of them).
-
-        A padding token (``token_slots[t] < 0``) reads nothing, writes nothing to the cache and gets zeros.
-        """
-        launch_dependents()                           # PDL: the next kernel may take SMs as ours free them
-        sm_heads = cuda.shared.array(SM_HEADS, uint16)  # q heads, new key (norm + rope), new value [G + 2, D]
-        sm_q = cuda.shared.array(SM_Q, uint32)        # the q heads as bf16 pairs [8, QW] (rows >= G zero)
-        sm_m = cuda.shared.array(SM_ROWS, float32)
-        sm_l = cuda.shared.array(SM_ROWS, float32)
-        sm_o = cuda.shared.array(SM_O, float32)
-        sm_w = cuda.shared.array(SM_W, float32)
-        sm_tot = cuda.shared.array(8, float32)
-        sm_last = cuda.shared.array(1, int32)
-        x = cuda.local.array(J, uint16)               # the warp's head: dims lane + 32 j ...
-        w = cuda.local.array(J, uint16)               # ... their norm weights
-        cs = cuda.local.array(J, uint16)              # ... cos / sin of the rotary pairs
-        sn = cuda.local.array(J, uint16)
-        kw = cuda.local.array(KW2, uint32)            # K words of keys k0 + g, k0 + 8 + g
-        vw = cuda.local.array(VW4, uint32)            # V words of keys k0 + 2t, 2t + 1, 2t + 8, 2t + 9
-        of = cuda.local.array(O_REGS, float32)        # O[head g, dims 2t D/8 + jd, (2t+1) D/8 + jd]
-        tid = cuda.threadIdx.x
-        lane = tid % 32
-        warp = tid // 32
-        g = lane >> 2
-        tq = lane & 3
-        nq = num_kv_heads * G
-        n_tokens = positions.shape[0]
-        fzero = float32(0.0)
-
-        work = cuda.blockIdx.x
-        if work >= num_splits * n_tokens * num_kv_heads:
-            return
-        tk = work % (n_tokens * num_kv_heads)
-        split = work // (n_tokens * num_kv_heads)
-        t = tk // num_kv_heads
-        kvh = tk % num_kv_heads
-        head0 = kvh * G
-        out0 = (t * nq + head0) * D
-        slot = token_slots[t]
-        if slot < 0:                                      # padding token
-            if split == 0:
-                grid_dependency_wait()
-                for i in range(tid, ROWS, NT):
-                    out[out0 + i] = uint16(0)
-            return
-        pos = positions[t]
-        k_lo, k_hi, n_active = _split_range(pos + 1, split, num_splits, min_chunk)
-        if split >= n_active:
-            return
-        owns_new = split == n_active - 1                  # key pos (this token's own) is in this split
-        k_end = min(k_hi, pos)                            # keys read from the cache: k_lo .. k_end - 1
-        n_steps = (k_hi - k_lo + DECODE_STEP_KEYS - 1) // DECODE_STEP_KEYS
-        half = rotary_dim // 2
-
-        # ---- 1. before the wait: only what earlier steps wrote
-        k0 = k_lo + warp * DECODE_STEP_KEYS
-        load_k(k32, block_tables, slot, k0, k_end, page_shift, num_kv_heads, kvh, kw, g, tq)
-        if not LATE_V:
-            load_v(v32, block_tables, slot, k0, k_end, page_shift, num_kv_heads, kvh, vw, g, tq)
-        for ps in range(0 if LATE_V else 1, P + 1):
-            prefetch(k32, v32, block_tables, slot, k0 + ps * PASS_KEYS, k_end, page_shift, num_kv_heads, kvh, lane)
-        if warp < G:
-            load_weights(q_norm_w, w, lane, D)
-        elif warp == G:
-            load_weights(k_norm_w, w, lane, D)
-        if warp <= G:
-            load_rope_rows(cos, sin, pos, cs, sn, lane, half)
-        grid_dependency_wait()
-
-        # ---- 2. the block's q heads (and the new k, v) from this step's qkv: norm + rope into shared memory
-        eps32 = float32(eps)
-        offset32 = float32(weight_offset)
-        for it0 in range(0, ITEMS, W):                    # same trip count in every warp (simulator reductions)
-            item = it0 + warp
-            is_q = item < G
-            is_k = item == G and owns_new
-            is_v = item == G + 1 and owns_new
-            norm_w = q_norm_w if is_q else k_norm_w
-            if is_q:
-                col = (head0 + item) * q_head_stride
-            else:
-                col = nq * q_head_stride + (kvh + (num_kv_heads if is_v else 0)) * D
-            if it0 > 0 and (is_q or is_k):                # more items than warps (small blocks): load them now
-                load_weights(norm_w, w, lane, D)
-                load_rope_rows(cos, sin, pos, cs, sn, lane, half)
-            if is_q or is_k or is_v:
-                load_head(qkv, t, col, x, lane, D)
-            ss = fzero
-            if is_q or is_k:
-                ss = lane_sum_squares(x, lane, D)
-            ss = warp_sum(ss)
-            if is_q or is_k:
-                inv_rms = float32(1.0) / math.sqrt(ss / float32(D) + eps32)
-                store_norm_rope(x, w, cs, sn, inv_rms, lane, D, half, rotary_dim, offset32, round_before_weight,
-                                qkv, t, col, norm_w, sm_heads, item * D)
-            elif is_v:
-                for j in range(J):
-                    i = lane + 32 * j
-                    if i < D:
-                        sm_heads[item * D + i] = x[j]
-        cuda.syncthreads()
-        for i in range(tid, SM_Q, NT):                    # q as bf16 pairs, the layout the steps read
-            r = i // QW
-            c = i % QW
-            sm_q[i] = _bf16_pair(sm_heads, r * D + 2 * c) if r < G and c < ROW_WORDS else uint32(0)
-        cuda.syncthreads()
-
-        # ---- 3. attention over keys k_lo .. k_hi - 1 (the newest from shared memory): the first pass ...
-        if owns_new:
-            new_key_fragment(kw, sm_heads, k0, pos, g, tq)
-        s0, s1, s2, s3 = scores(sm_q, kw, k0, k_hi, scale_log2, g, tq)
-        if LATE_V:
-            load_v(v32, block_tables, slot, k0, k_end, page_shift, num_kv_heads, kvh, vw, g, tq)
-        if owns_new:
-            new_value_fragment(vw, sm_heads, k0, pos, g, tq)
-        for i in range(O_REGS):
-            of[i] = fzero
-        m, l = softmax_pv(s0, s1, s2, s3, NEG_INF, fzero, vw, of, tq)
-        # ... then the later passes (long contexts), V loaded after S to keep the live registers down
-        for st0 in range(W, n_steps, W):                  # same trip count in every warp (simulator reductions)
-            k0 = k_lo + (st0 + warp) * DECODE_STEP_KEYS
-            if P > 0:                                     # keep the L2 prefetches P passes ahead
-                prefetch(k32, v32, block_tables, slot, k0 + P * PASS_KEYS, k_end, page_shift, num_kv_heads, kvh,
-                         lane)
-            load_k(k32, block_tables, slot, k0, k_end, page_shift, num_kv_heads, kvh, kw, g, tq)
-            if owns_new:
-                new_key_fragment(kw, sm_heads, k0, pos, g, tq)
-            s0, s1, s2, s3 = scores(sm_q, kw, k0, k_hi, scale_log2, g, tq)
-            load_v(v32, block_tables, slot, k0, k_end, page_shift, num_kv_heads, kvh, vw, g, tq)
-            if owns_new:
-                new_value_fragment(vw, sm_heads, k0, pos, g, tq)
-            m, l = softmax_pv(s0, s1, s2, s3, m, l, vw, of, tq)
-        merge(m, l, of, sm_m, sm_l, sm_o, sm_w, sm_tot, sm_last, out, out0, ws_acc, ws_m, ws_l, counters,
-              t * nq + head0, tk, split, n_active, num_splits)
-
-        # ---- 4. the one block holding key pos stores this token's k, v for later steps (last, so that a test in
-        # the simulator, where memory is coherent, would catch any read of them back from the cache)
-        if owns_new:
-            row = _kv_row(block_tables, slot, pos, page_shift, num_kv_heads, kvh, ROW_WORDS)
-            for i in range(tid, D, NT):                   # words of the K row, then of the V row
-                if i < ROW_WORDS:
-                    k32[row + i] = _bf16_pair(sm_heads, G * D + 2 * i)
-                else:
-                    v32[row + i - ROW_WORDS] = _bf16_pair(sm_heads, G * D + 2 * i)
-
-    return paged_decode_attention_rope_kernel
 
 # ------------------------------------------------------------------------------------------------ tiled prefill kernel
 LOG2E = 1.4426950408889634
@@ -1117,8 +749,15 @@ def _split_geometry(head_dim: int, group: int) -> tuple[int, bool, int]:
     return threads(gpu=4, sim=1), head_dim > 128, 0
 
 
-def _split_workspace(workspace, T, nq, nkv, D, num_splits):
-    """(acc, m, l, counters) views of ``workspace`` for a split-K launch (see ``attention_workspace_size``)."""
+def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, workspace,
+                           T, nq, nkv, D, group, page_size, num_splits, min_split_tokens, geometry=None):
+    if group > 8:
+        raise ValueError(f"the split-K kernel serves at most 8 q heads per kv head, got {group}")
+    capacity = block_tables.shape[1] * page_size
+    if num_splits is None:
+        num_splits = attention_num_splits(T, nq, capacity, page_size)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits {num_splits} outside 1..{MAX_SPLITS}")
     n_acc, n_m = _workspace_parts(T, nq, D, num_splits)
     if num_splits > 1:
         need = n_acc + 2 * n_m + T * nq
@@ -1131,19 +770,6 @@ def _split_workspace(workspace, T, nq, nkv, D, num_splits):
     else:  # one split: the kernel never touches the workspace or the counters
         ws_acc = ws_m = ws_l = _flat(workspace) if workspace is not None else _dummy_f32()
         counters = ws_acc.view(np.int32)
-    return ws_acc, ws_m, ws_l, counters
-
-
-def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, workspace,
-                           T, nq, nkv, D, group, page_size, num_splits, min_split_tokens, geometry=None):
-    if group > 8:
-        raise ValueError(f"the split-K kernel serves at most 8 q heads per kv head, got {group}")
-    capacity = block_tables.shape[1] * page_size
-    if num_splits is None:
-        num_splits = attention_num_splits(T, nq, capacity, page_size)
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits {num_splits} outside 1..{MAX_SPLITS}")
-    ws_acc, ws_m, ws_l, counters = _split_workspace(workspace, T, nq, nkv, D, num_splits)
     warps, late_v, min_blocks = geometry or _split_geometry(D, group)
     kern = _split_kernel(D, group, warps, late_v, min_blocks)
     launch(kern, grid(num_splits * T * nkv, sim_cap=64), 32 * warps,
@@ -1158,115 +784,3 @@ def _dummy_f32():
     """A 1-element device array standing in for an absent workspace (allocated once, on the first such call: pass a
     workspace when capturing a CUDA graph)."""
     return cuda.device_array(1, dtype=np.float32)
-
-
-# ------------------------------------------------------------------------------------------------ fused decode: host
-DECODE_MIN_SPLIT_PASSES = 2
-"""The fused decode kernel's splits cover at least this many passes of its warps (16 keys per warp and pass): the
-first pass comes from registers loaded before the PDL wait, the next from L2 (prefetched before the wait), so a
-short context is one block per (token, kv head) and needs no cross-block merge."""
-
-
-def _decode_smem_bytes(head_dim: int, group: int, warps: int) -> int:
-    """Static shared memory of the fused decode kernel: the warp merge ``[warps, G, D]`` f32, the split merge weights
-    ``[G, MAX_SPLITS]``, the q rows ``[8, D/2 + 4]`` words, the normalised heads ``[G + 2, D]`` bf16, row stats."""
-    return 4 * (warps * group * head_dim + group * MAX_SPLITS + 8 * q_row_words(head_dim) + 2 * warps * 8 + 9) \
-        + 2 * (group + 2) * head_dim
-
-
-def _decode_geometry(head_dim: int, group: int) -> tuple[int, bool, int, int]:
-    """(warps per block, load the first pass's V after S, L2 prefetch passes, launch-bounds blocks per SM) of the
-    fused decode kernel.
-
-    8 warps: one pass covers 128 keys with every K/V load in flight at once (fewer when the warp merge would not
-    fit in 48 KB of shared memory: G * D > 1024).  With G <= 4 and D <= 128 every warp normalises at most one
-    head, and the kernel is compiled for 2 resident blocks per SM (at most 128 registers, no spills -- it needs
-    ~131 unbounded): a block then fits beside the one-token GEMV, whose blocks leave half the registers of many
-    SMs free, so it starts -- and issues its K/V loads -- while the QKV GEMV is still running.  Otherwise ptxas
-    picks the count (G = 8: ~180, D = 256: ~215, no spills).  D = 256 loads V after S (K and V fragments
-    together would need too many registers).  One warp in the simulator (the split-K kernel's geometry there,
-    so the two agree bit for bit)."""
-    if SIMULATOR:
-        return 1, False, 1, 0
-    warps = 8
-    while warps > 1 and _decode_smem_bytes(head_dim, group, warps) > 48 * 1024:
-        warps //= 2
-    bounded = head_dim <= 128 and group + 2 <= warps
-    return warps, head_dim > 128, 2, (2 if bounded else 0)
-
-
-def _decode_min_chunk(warps: int) -> int:
-    """Fewest keys a split of the fused decode kernel covers: ``DECODE_MIN_SPLIT_PASSES`` passes of its warps, at
-    least ``MIN_SPLIT_TOKENS`` (so the simulator's one-warp geometry splits as ``paged_attention`` does)."""
-    return max(MIN_SPLIT_TOKENS, DECODE_MIN_SPLIT_PASSES * DECODE_STEP_KEYS * warps)
-
-
-def paged_decode_attention_rope(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables, k_cache,
-                                v_cache, out, scale: float, eps: float, rotary_dim: int, workspace, *,
-                                q_head_stride: int | None = None, weight_offset: float = 0.0,
-                                round_before_weight: bool = True, num_splits: int | None = None,
-                                min_split_tokens: int | None = None, geometry=None) -> None:
-    """A decode step's ``rope.qk_norm_rope_store`` + ``paged_attention`` in one launch
-    (``paged_decode_attention_rope_kernel``): every token ``t`` must be the newest token of its own sequence (no two
-    tokens share a slot), i.e. the cache holds its keys ``0 .. positions[t] - 1`` and this call computes and stores
-    key ``positions[t]``.
-
-    qkv ``[T, row]`` (the QKV projection: ``nq`` q heads ``q_head_stride`` apart, then ``nkv`` k and ``nkv`` v
-    heads of ``D``), q_norm_w / k_norm_w ``[D]``, cos / sin ``[max_len, rotary_dim / 2]``, k_cache / v_cache
-    ``[num_pages, page_size, nkv, D]``, out ``[T, nq, D]``: uint16 (bf16 bits); positions, token_slots ``[T]`` and
-    block_tables ``[num_slots, max_pages]`` int32; workspace as for ``paged_attention`` (the same
-    ``attention_workspace_size``).  ``eps``, ``weight_offset``, ``round_before_weight``, ``q_head_stride``,
-    ``rotary_dim``: as for ``qk_norm_rope_store`` (Qwen3.5: ``q_head_stride=2*D, weight_offset=1.0,
-    round_before_weight=False``).  The cached k/v and the rotated q it attends with are bit-identical to
-    ``qk_norm_rope_store``'s.  The output is bit-identical to ``paged_attention``'s when both group the keys alike
-    (same warps per block and split sizes: the simulator's defaults); otherwise each warp rounds its softmax
-    weights to bf16 relative to its own running max and the merge adds in another order: ~5e-4 relative L2 apart
-    on random data (tests bound it by 2e-3, below the 2e-3 .. 3e-3 both are from float64).  ``num_splits`` /
-    ``min_split_tokens`` / ``geometry`` (``_decode_geometry``'s tuple) override the policy (tests).
-    """
-    T, nq, D = out.shape
-    num_pages, page_size, nkv, Dk = k_cache.shape
-    if q_head_stride is None:
-        q_head_stride = D
-    for name, a in (("qkv", qkv), ("q_norm_w", q_norm_w), ("k_norm_w", k_norm_w), ("cos", cos), ("sin", sin),
-                    ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
-        if a.dtype != np.uint16:
-            raise TypeError(f"{name} must be uint16 (bf16 bits), got {a.dtype}")
-    for name, a, n in (("token_slots", token_slots, T), ("positions", positions, T)):
-        if a.dtype != np.int32 or a.shape != (n,):
-            raise ValueError(f"{name} must be int32 [{n}], got {a.dtype} {a.shape}")
-    if block_tables.dtype != np.int32 or block_tables.ndim != 2:
-        raise ValueError("block_tables must be int32 [num_slots, max_pages]")
-    if tuple(v_cache.shape) != tuple(k_cache.shape) or Dk != D:
-        raise ValueError(f"shape mismatch: out {out.shape}, k {k_cache.shape}, v {v_cache.shape}")
-    if D not in SUPPORTED_HEAD_DIMS or page_size & (page_size - 1) or nq % nkv or nq // nkv > 8:
-        raise ValueError(f"unsupported shape: D={D} (one of {SUPPORTED_HEAD_DIMS}), page_size={page_size} (a power "
-                         f"of two), nq={nq}, nkv={nkv} (a group of at most 8)")
-    if q_head_stride < D or qkv.ndim != 2 or qkv.shape != (T, nq * q_head_stride + 2 * nkv * D):
-        raise ValueError(f"qkv {qkv.shape} is not [T, nq * {q_head_stride} + 2 * nkv * {D}]")
-    if q_norm_w.shape != (D,) or k_norm_w.shape != (D,):
-        raise ValueError(f"norm weights must be [{D}]: {q_norm_w.shape}, {k_norm_w.shape}")
-    if not (0 < rotary_dim <= D and rotary_dim % 2 == 0) or cos.ndim != 2 or cos.shape[1] != rotary_dim // 2 \
-            or sin.shape != cos.shape:
-        raise ValueError(f"rotary_dim {rotary_dim}, cos {cos.shape}, sin {sin.shape}")
-    for name, a in (("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not a.is_c_contiguous():
-            raise ValueError(f"{name} must be C-contiguous")
-    if T == 0:
-        return
-    group = nq // nkv
-    warps, late_v, prefetch_passes, min_blocks = geometry or _decode_geometry(D, group)
-    if num_splits is None:
-        num_splits = attention_num_splits(T, nq, block_tables.shape[1] * page_size, page_size)
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits {num_splits} outside 1..{MAX_SPLITS}")
-    if min_split_tokens is None:
-        min_split_tokens = _decode_min_chunk(warps)
-    ws_acc, ws_m, ws_l, counters = _split_workspace(workspace, T, nq, nkv, D, num_splits)
-    kern = _decode_rope_kernel(D, group, warps, *head_geometry(D, rotary_dim), late_v, prefetch_passes, min_blocks)
-    launch(kern, num_splits * T * nkv, 32 * warps,      # one block per work item, in the simulator too
-           qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables, _flat_u32(k_cache),
-           _flat_u32(v_cache), _flat(out), ws_acc, ws_m, ws_l, counters, np.int32(q_head_stride),
-           np.int32(rotary_dim), np.float32(eps), np.float32(weight_offset), bool(round_before_weight),
-           np.float32(scale * LOG2E), np.int32(nkv), np.int32(page_size.bit_length() - 1), np.int32(num_splits),
-           np.int32(max(1, min_split_tokens)), name="paged_decode_attention_rope", pdl=True)

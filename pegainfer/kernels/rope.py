@@ -133,104 +133,17 @@ def rope_rotate_pair(lo, hi, cos_bits, sin_bits):
 
 
 @functools.cache
-def head_norm_rope(dims_per_lane: int, pair_shift: int):
-    """Device functions for **one warp normalising and rotating one head** (the per-head work of
-    ``qk_norm_rope_store_kernel``, shared with ``attention``'s fused decode kernel so that both produce the same bits).
-
-    Lane ``l`` holds dims ``l, l + 32, ..`` of the head (``dims_per_lane`` of them, in registers: local arrays of that
-    length).  ``pair_shift`` = ``half / 32`` when the rotary half is a multiple of 32 (the partner of dim ``l + 32 j``
-    is register ``j + pair_shift`` of the same lane), else -1 (the partner is re-read from ``qkv``).  Both are
-    compile-time constants.  Returns ``(load_head, load_weights, load_rope_rows, lane_sum_squares, store_norm_rope)``:
-
-    * ``load_head(qkv, t, col0, x, lane, head_dim)``: ``x[j] = qkv[t, col0 + l + 32 j]``;
-    * ``load_weights(norm_w, w, lane, head_dim)``: the norm weights of the same dims;
-    * ``load_rope_rows(cos, sin, pos, cs, sn, lane, half)``: cos/sin of the pairs ``p = l + 32 j < half``;
-    * ``lane_sum_squares(x, lane, head_dim)``: this lane's share of ``sum(x²)`` (its dims in order; the caller
-      reduces it with ``warp_sum``, giving ``r = 1 / sqrt(sum / D + eps)``);
-    * ``store_norm_rope(x, w, cs, sn, inv_rms, lane, head_dim, half, rotary_dim, weight_offset,
-      round_before_weight, qkv, t, col0, norm_w, dst, base)``: ``dst[base + i]`` = the normalised (``norm``'s
-      rounding) and rotated dim ``i`` (module docstring), for this lane's pairs and its dims past ``rotary_dim``;
-      ``dst`` is any 1-D uint16 array (global or shared).
-    """
+def _qk_norm_rope_kernel(dims_per_lane: int, pair_shift: int):
+    """Build the kernel for heads of at most ``32 · dims_per_lane`` dims; ``pair_shift`` = ``half / 32`` when the
+    rotary half is a multiple of 32 (the partner of dim ``lane + 32 j`` is register ``j + pair_shift``), else -1.
+    Both are compile-time constants so that the per-lane register arrays stay in registers."""
     J = dims_per_lane
     SHIFT = pair_shift
 
-    @device_fn
-    def load_head(qkv, t, col0, x, lane, head_dim):
-        for j in range(J):
-            i = lane + WARP * j
-            if i < head_dim:
-                x[j] = qkv[t, col0 + i]
-
-    @device_fn
-    def load_weights(norm_w, w, lane, head_dim):
-        for j in range(J):
-            i = lane + WARP * j
-            if i < head_dim:
-                w[j] = norm_w[i]
-
-    @device_fn
-    def load_rope_rows(cos, sin, pos, cs, sn, lane, half):
-        for j in range(J):
-            p = lane + WARP * j
-            if p < half:
-                cs[j] = cos[pos, p]
-                sn[j] = sin[pos, p]
-
-    @device_fn
-    def lane_sum_squares(x, lane, head_dim):
-        ss = float32(0.0)
-        for j in range(J):
-            if lane + WARP * j < head_dim:
-                v = bf16_to_f32(x[j])
-                ss += v * v
-        return ss
-
-    @device_fn
-    def store_norm_rope(x, w, cs, sn, inv_rms, lane, head_dim, half, rotary_dim, weight_offset, round_before_weight,
-                        qkv, t, col0, norm_w, dst, base):
-        for j in range(J):
-            p = lane + WARP * j
-            if p < half:
-                lo = bf16_to_f32(normalize_element(bf16_to_f32(x[j]), inv_rms, w[j], weight_offset,
-                                                   round_before_weight))
-                if SHIFT >= 0:                  # the partner dim p + half is in this lane's registers
-                    hi_x = x[min(j + SHIFT, J - 1)]
-                    hi_w = w[min(j + SHIFT, J - 1)]
-                else:
-                    hi_x = qkv[t, col0 + p + half]
-                    hi_w = norm_w[p + half]
-                hi = bf16_to_f32(normalize_element(bf16_to_f32(hi_x), inv_rms, hi_w, weight_offset,
-                                                   round_before_weight))
-                out_lo, out_hi = rope_rotate_pair(lo, hi, cs[j], sn[j])
-                dst[base + p] = out_lo
-                dst[base + p + half] = out_hi
-        for j in range(J):
-            i = lane + WARP * j
-            if i >= rotary_dim and i < head_dim:
-                dst[base + i] = normalize_element(bf16_to_f32(x[j]), inv_rms, w[j], weight_offset,
-                                                  round_before_weight)
-
-    return load_head, load_weights, load_rope_rows, lane_sum_squares, store_norm_rope
-
-
-def head_geometry(head_dim: int, rotary_dim: int) -> tuple[int, int]:
-    """``(dims_per_lane, pair_shift)`` of ``head_norm_rope`` for a head of ``head_dim`` dims."""
-    half = rotary_dim // 2
-    return -(-head_dim // WARP), (half // WARP if half % WARP == 0 else -1)
-
-
-@functools.cache
-def _qk_norm_rope_kernel(dims_per_lane: int, pair_shift: int):
-    """Build the kernel for heads of at most ``32 · dims_per_lane`` dims (``head_norm_rope``'s constants)."""
-    J = dims_per_lane
-    load_head, load_weights, load_rope_rows, lane_sum_squares, store_norm_rope = head_norm_rope(dims_per_lane,
-                                                                                                pair_shift)
-
     @kernel
     def qk_norm_rope_store_kernel(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables,
-                                  k_flat, v_flat, q_flat, num_q_heads, num_kv_heads, head_dim, page_size,
-                                  q_head_stride, rotary_dim, eps, weight_offset, round_before_weight):
+                                  k_cache, v_cache, q_out, q_head_stride, rotary_dim, eps, weight_offset,
+                                  round_before_weight):
         """Per-head q/k RMSNorm + RoPE, q to ``q_out``, k and v into the paged KV cache.
 
         qkv          ``[tokens, row]`` bf16 bits: q head ``h`` at columns ``h·q_head_stride .. +D`` (``q_head_stride``
@@ -241,8 +154,7 @@ def _qk_norm_rope_kernel(dims_per_lane: int, pair_shift: int):
         token_slots  ``[tokens]`` int32: the token's sequence slot (row of ``block_tables``); a negative slot marks a
                      padding token: its q is still written, its k/v are not stored
         block_tables ``[num_slots, max_pages_per_seq]`` int32: page ids of each slot's KV cache
-        k_flat, v_flat the caches ``[num_pages, page_size, nkv, D]`` and q_flat the output ``[tokens, num_q_heads, D]``,
-                     all bf16 bits, flattened (1-D views); ``D`` = ``head_dim``
+        k_cache, v_cache ``[num_pages, page_size, nkv, D]`` bf16 bits; q_out ``[tokens, num_q_heads, D]`` bf16 bits
 
         Math per head (``r = 1/sqrt(mean(x²) + eps)``): q, k: ``n = normalize_element(x, r, w)`` (norm.py's rounding,
         chosen by ``weight_offset``/``round_before_weight``), then RoPE on ``n`` (module docstring); v: copied.
@@ -251,7 +163,7 @@ def _qk_norm_rope_kernel(dims_per_lane: int, pair_shift: int):
 
         Geometry: **one warp per (token, head)**, heads numbered q, then k, then v (``num_q_heads + 2·nkv`` per token);
         a block holds ``blockDim.x / 32`` warps and the grid strides over all (token, head) items.  Lane l holds dims
-        ``l, l + 32, ..`` of its head (``dims_per_lane``) in registers (``head_norm_rope``).  The kernel is a chain of
+        ``l, l + 32, ..`` of its head (``dims_per_lane``) in registers.  The kernel is a chain of
         dependent memory round trips, so every load that does not depend on another is issued first, together: the
         head's values, its norm weights, the token's position and slot; then the cos/sin rows and the block-table entry
         (they need the position); then ``warp_sum`` of the squares and the arithmetic.  Lane l rotates the pairs
@@ -261,6 +173,10 @@ def _qk_norm_rope_kernel(dims_per_lane: int, pair_shift: int):
         warps too), as the simulator's emulated shuffles require.
         """
         pdl_prologue()
+        num_q_heads = q_out.shape[1]
+        head_dim = q_out.shape[2]
+        num_kv_heads = k_cache.shape[2]
+        page_size = k_cache.shape[1]
         heads_per_token = num_q_heads + 2 * num_kv_heads
         total = qkv.shape[0] * heads_per_token
         half = rotary_dim // 2
@@ -289,18 +205,25 @@ def _qk_norm_rope_kernel(dims_per_lane: int, pair_shift: int):
                 src = k_col0 + (h - num_q_heads) * head_dim
             else:
                 src = v_col0 + (h - num_q_heads - num_kv_heads) * head_dim
-            norm_w = q_norm_w if is_q else k_norm_w
 
             # 1. independent loads, all at once: the head, its norm weights, position and slot
             pos = int32(positions[t])
             slot = int32(token_slots[t])
-            if active:
-                load_head(qkv, t, src, x, lane, head_dim)
-            if is_q or is_k:
-                load_weights(norm_w, w, lane, head_dim)
+            for j in range(J):
+                i = lane + WARP * j
+                if active and i < head_dim:
+                    x[j] = qkv[t, src + i]
+                    if is_q:
+                        w[j] = q_norm_w[i]
+                    elif is_k:
+                        w[j] = k_norm_w[i]
             # 2. what needs the position: cos / sin of this lane's pairs, the KV page
             if is_q or is_k:
-                load_rope_rows(cos, sin, pos, cs, sn, lane, half)
+                for j in range(J):
+                    p = lane + WARP * j
+                    if p < half:
+                        cs[j] = cos[pos, p]
+                        sn[j] = sin[pos, p]
             page = int32(0)
             offset = pos % page_size
             if (is_k or is_v) and slot >= 0:
@@ -309,28 +232,53 @@ def _qk_norm_rope_kernel(dims_per_lane: int, pair_shift: int):
             # 3. sum of squares of the head (q and k only), reduced across the warp
             ss = float32(0.0)
             if is_q or is_k:
-                ss = lane_sum_squares(x, lane, head_dim)
+                for j in range(J):
+                    if lane + WARP * j < head_dim:
+                        v = bf16_to_f32(x[j])
+                        ss += v * v
             ss = warp_sum(ss)
             if not active or (not is_q and slot < 0):
                 continue  # idle warp, or a padding token's k/v: nothing to store
 
-            kv_head = h - num_q_heads - (num_kv_heads if is_v else 0)
-            cache_base = ((np.int64(page) * page_size + offset) * num_kv_heads + kv_head) * head_dim
             if is_v:
+                kv_head = h - num_q_heads - num_kv_heads
                 for j in range(J):
                     i = lane + WARP * j
                     if i < head_dim:
-                        v_flat[cache_base + i] = x[j]
+                        v_cache[page, offset, kv_head, i] = x[j]
                 continue
 
             # 4. q/k: normalize + rotate the first rotary_dim dims, normalize the rest
+            kv_head = h - num_q_heads
             inv_rms = float32(1.0) / math.sqrt(ss / float32(head_dim) + eps)
-            if is_q:
-                store_norm_rope(x, w, cs, sn, inv_rms, lane, head_dim, half, rotary_dim, weight_offset,
-                                round_before_weight, qkv, t, src, norm_w, q_flat, (t * num_q_heads + h) * head_dim)
-            else:
-                store_norm_rope(x, w, cs, sn, inv_rms, lane, head_dim, half, rotary_dim, weight_offset,
-                                round_before_weight, qkv, t, src, norm_w, k_flat, cache_base)
+            for j in range(J):
+                p = lane + WARP * j
+                if p < half:
+                    lo = bf16_to_f32(normalize_element(bf16_to_f32(x[j]), inv_rms, w[j], weight_offset,
+                                                       round_before_weight))
+                    if SHIFT >= 0:                  # the partner dim p + half is in this lane's registers
+                        hi_x = x[min(j + SHIFT, J - 1)]
+                        hi_w = w[min(j + SHIFT, J - 1)]
+                    else:
+                        hi_x = qkv[t, src + p + half]
+                        hi_w = q_norm_w[p + half] if is_q else k_norm_w[p + half]
+                    hi = bf16_to_f32(normalize_element(bf16_to_f32(hi_x), inv_rms, hi_w, weight_offset,
+                                                       round_before_weight))
+                    out_lo, out_hi = rope_rotate_pair(lo, hi, cs[j], sn[j])
+                    if is_q:
+                        q_out[t, h, p] = out_lo
+                        q_out[t, h, p + half] = out_hi
+                    else:
+                        k_cache[page, offset, kv_head, p] = out_lo
+                        k_cache[page, offset, kv_head, p + half] = out_hi
+            for j in range(J):
+                i = lane + WARP * j
+                if i >= rotary_dim and i < head_dim:
+                    n = normalize_element(bf16_to_f32(x[j]), inv_rms, w[j], weight_offset, round_before_weight)
+                    if is_q:
+                        q_out[t, h, i] = n
+                    else:
+                        k_cache[page, offset, kv_head, i] = n
 
     return qk_norm_rope_store_kernel
 
@@ -369,9 +317,9 @@ def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots
     block = threads(gpu=128, sim=32)
     warps_per_block = block // WARP
     items = num_tokens * (num_q_heads + 2 * num_kv_heads)
-    kern = _qk_norm_rope_kernel(*head_geometry(head_dim, rotary_dim))
+    half = rotary_dim // 2
+    kern = _qk_norm_rope_kernel(-(-head_dim // WARP), half // WARP if half % WARP == 0 else -1)
     launch(kern, grid(items, per_block=warps_per_block, sim_cap=8), block,
-           qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables, k_cache.reshape(-1),
-           v_cache.reshape(-1), q_out.reshape(-1), np.int32(num_q_heads), np.int32(num_kv_heads),
-           np.int32(head_dim), np.int32(k_cache.shape[1]), np.int32(q_head_stride), np.int32(rotary_dim),
-           np.float32(eps), np.float32(weight_offset), bool(round_before_weight), pdl=True)
+           qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables, k_cache, v_cache, q_out,
+           np.int32(q_head_stride), np.int32(rotary_dim), np.float32(eps),
+           np.float32(weight_offset), bool(round_before_weight), pdl=True)

@@ -7,7 +7,6 @@ token for each of B sequences. Token t has id ``ids[t]``, position ``positions[t
     residual = residual + delta ; qkv = rms_norm(residual) @ W_qkv^T      [T, (nq + 2 nkv) D]   (q, k, v fused)
     q, K, V  = rope(rms_norm_head(q)), rope(rms_norm_head(k)), v → K/V written into the paged cache
     attn     = softmax(q K^T / sqrt(D)) V                [T, nq, D]    (causal via positions, GQA)
-               (a decode step: these two lines are one launch, attention.paged_decode_attention_rope)
     delta    = attn @ W_o^T
     residual = residual + delta ; act = silu(n W_gate^T) * (n W_up^T), n = rms_norm(residual)
     delta    = act @ W_down^T
@@ -85,15 +84,11 @@ class Qwen3Model(DecoderModel):
         """A new sequence takes ``slot`` (no per-slot state besides KV pages for Qwen3)."""
 
     # ------------------------------------------------------------------------------------------------ forward
-    def forward(self, step, block_tables, T: int, B: int, decode: bool | None = None):
+    def forward(self, step, block_tables, T: int, B: int):
         """Run T tokens through the model; return the device logits view ``[B, V]`` for ``step.logit_rows[:B]``.
 
         ``step`` holds the step's device inputs (``engine.step_inputs.StepInputs``): int32 ``ids``, ``positions``,
-        ``token_slots`` (first T entries used) and ``logit_rows`` (first B: which token rows produce logits).
-        ``decode``: every token is the newest token of its own sequence (a decode step), so q/k norm + RoPE, the KV
-        store and attention run as one launch per layer (``attention.paged_decode_attention_rope``).  ``None``
-        means ``T == B == 1`` (always true of a single token); ``T == B`` alone does not imply it (``Engine.score``
-        runs prompt chunks with a logits row per token)."""
+        ``token_slots`` (first T entries used) and ``logit_rows`` (first B: which token rows produce logits)."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         ids, pos, slots = step.ids[:T], step.positions[:T], step.token_slots[:T]
@@ -102,24 +97,17 @@ class Qwen3Model(DecoderModel):
         qkv, q, attn, act = self.qkv[:T], self.q[:T], self.attn[:T], self.act[:T]
         attn_flat = self.attn.reshape(self.max_tokens, self.nq * self.D)[:T]
         scale = 1.0 / math.sqrt(self.D)
-        if decode is None:
-            decode = T == 1 and B == 1
 
         embedding.embedding(ids, self.embed, residual)
         for i, lw in enumerate(self.layers):
             linear.linear_add_rms_norm(residual, delta if i > 0 else None, lw["input_ln"], eps, spare, lw["qkv"], qkv,
                                        normed_out=normed)
             residual, spare = spare, residual
-            if decode:
-                attention.paged_decode_attention_rope(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin,
-                                                      pos, slots, block_tables, self.k_cache[i], self.v_cache[i],
-                                                      attn, scale, eps, self.rotary_dim, self.attn_workspace)
-            else:
-                rope.qk_norm_rope_store(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, pos, slots,
-                                        block_tables, self.k_cache[i], self.v_cache[i], q, eps, self.rotary_dim,
-                                        q_head_stride=self.D)
-                attention.paged_attention(q, self.k_cache[i], self.v_cache[i], block_tables, slots, pos, attn, scale,
-                                          self.attn_workspace)
+            rope.qk_norm_rope_store(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, pos, slots,
+                                    block_tables, self.k_cache[i], self.v_cache[i], q, eps, self.rotary_dim,
+                                    q_head_stride=self.D)
+            attention.paged_attention(q, self.k_cache[i], self.v_cache[i], block_tables, slots, pos, attn, scale,
+                                      self.attn_workspace)
             linear.linear(attn_flat, lw["o"], delta)
             linear.linear_add_rms_norm(residual, delta, lw["post_ln"], eps, spare, lw["gate_up"], act, gated=True,
                                        normed_out=normed)

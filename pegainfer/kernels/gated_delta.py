@@ -81,9 +81,8 @@ import numpy as np
 
 from pegainfer.device import SIMULATOR
 from pegainfer.kernels.launch import launch
-from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, cuda, device_fn, f32_to_bf16,
-                                          float32, grid, grid_dependency_wait, int32, kernel, launch_dependents, math,
-                                          pdl_prologue, threads, uint32, warp_sum)
+from pegainfer.kernels.primitives import (pdl_prologue, WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, cuda, device_fn, f32_to_bf16,
+                                          float32, grid, int32, kernel, math, threads, uint32, warp_sum)
 
 uint64 = np.uint64
 
@@ -825,7 +824,7 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
         tokens the block of the first value head of each key head does all of them (the others skip) and writes
         the ring last.
         """
-        launch_dependents()                      # PDL (launch.py); the wait comes after the state loads
+        pdl_prologue()
         num_v_heads = a_log.shape[0]
         num_k_heads = (x.shape[1] - num_v_heads * VD) // (2 * KD)
         heads_per_key = num_v_heads // num_k_heads
@@ -856,23 +855,6 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
         u_col = uint64(first_col)
         num_seqs = slot_ids.shape[0]
 
-        # The block's first head's state into registers before waiting for the previous kernel (in_proj): the
-        # state, the slots, offsets and positions are not written by any kernel of this step before this one.
-        preloaded = -1
-        if cuda.blockIdx.x < num_seqs * num_v_heads:
-            item = cuda.blockIdx.x
-            first_head = item % num_v_heads
-            seq = item // num_v_heads
-            n = token_offsets[seq + 1] - token_offsets[seq]
-            if n > 0 and (n == 1 or first_head % heads_per_key == 0):
-                base = uint64(((slot_ids[seq] * num_v_heads + first_head) * KD + row_class) * VD + first_col)
-                for m in range(TPT):
-                    for i in range(ROWS):
-                        if (ALL_COLS or first_col + m * WARP < VD) and (ALL_ROWS or row_class + R * i < KD):
-                            state[m * ROWS + i] = ssm_state[base + uint64(R * i * VD + m * WARP)]
-                preloaded = item
-        grid_dependency_wait()                   # x, z, a, b (in_proj's outputs) from here on
-
         # padding rows: the rule's zeros through the gated norm
         first_pad = token_offsets[num_seqs]
         width = out.shape[1]
@@ -901,8 +883,7 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                 t = start + step % n
                 # this thread's S[row_class + R·i, first_col + 32·m] sits at base + R·i·Dv + 32·m
                 base = uint64(((slot * num_v_heads + h) * KD + row_class) * VD + first_col)
-                if t == start and not (item == preloaded and step == 0):  # the head's first token: its state
-                    # into registers, ahead of the conv (the block's first head: loaded before the PDL wait)
+                if t == start:  # the head's first token: its state into registers, ahead of the conv
                     for m in range(TPT):
                         for i in range(ROWS):
                             if (ALL_COLS or first_col + m * WARP < VD) and (ALL_ROWS or row_class + R * i < KD):
@@ -1043,7 +1024,7 @@ def gated_delta_decode_step(x, conv_weight, conv_state, z, a, b, a_log, dt_bias,
     launch(_decode_step_kernel(key_dim, value_dim, row_groups, tiles_per_thread),
            grid(max(1, slot_ids.shape[0] * num_v_heads), sim_cap=8), warps * WARP, x, conv_weight, conv_state, z,
            a, b, a_log, dt_bias, norm_weight, np.float32(eps), ssm_state.reshape(ssm_state.size), slot_ids,
-           token_offsets, positions, out, name="gated_delta_decode_step", pdl=True)
+           token_offsets, positions, out, pdl=True)
 
 
 # ------------------------------------------------------------------------------------------------ state slots

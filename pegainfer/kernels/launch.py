@@ -16,8 +16,7 @@ programmatic edges, so the overlap replays every token.
 Every kernel of a step follows the contract and is launched with ``pdl=True``, but by default only the launches
 named in ``PDL_BY_DEFAULT`` really overlap: measured on the H200 (Qwen3-4B decode, ``benchmarks/RESULTS.md``), PDL
 between the weight-streaming kernels took TPOT from 3.31 to 3.14 ms, while PDL on every launch (the latency-bound
-qk-norm/RoPE, attention, sampling kernels too) made it 3.41 ms.  Qwen3.5's fused Gated DeltaNet step, which loads
-its recurrent state before the wait, gains from it too (TPOT 3.37 -> 3.32 ms).  ``PEGAINFER_PDL=1`` overlaps every launch,
+qk-norm/RoPE, attention, sampling kernels too) made it 3.41 ms.  ``PEGAINFER_PDL=1`` overlaps every launch,
 ``PEGAINFER_PDL=0`` none (every launch then orders fully after the one before), ``PEGAINFER_PDL=name,name`` the
 launches of those names (``launch(..., name=)``).  It is off in the simulator and before sm_90.
 """
@@ -33,7 +32,7 @@ _stream: Any = 0
 _tracer: Optional[Callable] = None
 
 
-PDL_BY_DEFAULT = ("gemv", "gemv_add_rms_norm", "linear_skinny", "add_rms_norm_into", "gated_delta_decode_step")
+PDL_BY_DEFAULT = ("gemv", "gemv_add_rms_norm", "linear_skinny", "add_rms_norm_into")
 _PDL_SETTING = os.environ.get("PEGAINFER_PDL", ",".join(PDL_BY_DEFAULT))
 _PDL_ONLY = None if _PDL_SETTING in ("0", "1") else frozenset(_PDL_SETTING.split(","))
 

@@ -72,7 +72,7 @@ from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_l
                                           device_fn, f32_to_bf16, float32, grid, kernel, load_u32x4,
                                           mma_bf16_m16n8k16, pack_bf16x2, uint16, uint32,
                                           warp_sums_to_shared, launch_dependents, grid_dependency_wait,
-                                          pdl_prologue, prefetch_l2)
+                                          pdl_prologue)
 
 int64, uint64 = np.int64, np.uint64
 
@@ -494,11 +494,6 @@ GEMV_TUNING_ENV = "PEGAINFER_GEMV_TUNING"
 """Environment variable naming a JSON file of measured geometries to merge into ``GEMV_TUNED`` at import (what
 ``benchmarks/bench_decode_stream.py --tuning-out FILE`` writes: tune on your GPU, then point this at the file)."""
 
-# PEGAINFER_GEMV_PREFETCH=1: the one-token GEMV also moves the rest of each block's first tile into L2 before it
-# waits for the previous kernel (PDL, ``launch``).  Off by default: on the H200 it cost ~0.2 ms per Qwen3-4B token.
-GEMV_PREFETCH = os.environ.get("PEGAINFER_GEMV_PREFETCH", "0") == "1"
-GEMV_BALANCED = os.environ.get("PEGAINFER_GEMV_BALANCED", "1") != "0"
-
 
 def load_gemv_tuning(path: str) -> int:
     """Merge ``[{"n_cols", "k", "max_tokens", "gated", "geometry": {GemvGeometry fields}}, ...]`` from a JSON file
@@ -641,14 +636,11 @@ else:
 
 
 @functools.cache
-def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool, norm_pairs: int,
-                        prefetch: bool = True):
+def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool, norm_pairs: int):
     """Build the one-token GEMV (batch-1 decode) for ``rows_per_warp`` rows per warp, a load ring ``stages`` deep,
     blocks of ``warps`` warps (all compile-time: they size the register arrays and set the launch bounds) and,
-    when ``norm_pairs`` > 0, the add + RMSNorm prologue with that many element pairs per thread; ``prefetch``: move
-    the rest of the block's first tile into L2 before waiting for the previous kernel."""
+    when ``norm_pairs`` > 0, the add + RMSNorm prologue with that many element pairs per thread."""
     R, S, U = rows_per_warp, stages, max(1, norm_pairs)
-    PREFETCH = prefetch
     R4 = 4 * R
     SR4 = S * R4
     NORM = norm_pairs > 0
@@ -678,8 +670,9 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
            loads in flight per lane, because cold weights come from HBM and a warp that waits on each load in turn
            is latency-bound.  The first tile's loads go out before x is staged, and each next tile's before the
            current tile's reduction barrier.  Launched with PDL (``launch``), the block issues those first loads
-           (and L2 prefetches of the rest of its first tile) *before* ``grid_dependency_wait``, i.e. while the
-           previous kernel is still finishing: the weights do not depend on it, x does.
+           *before* ``grid_dependency_wait``, i.e. while the previous kernel is still finishing: the weights do not
+           depend on it, x does.  (Also moving the rest of the first tile into L2 there with ``prefetch.global.L2``
+           was measured slower on the H200: +0.2 ms per Qwen3-4B token.)
         3. *Reduce*: ``warp_sum`` per row, the ``k_split`` partial sums through shared memory, one thread per
            output writes ``bf16(sum)`` (gated: ``_silu_mul_bf16`` of the gate/up pair).
         Shared memory (dynamic, uint32 words): ``128 · ceil(K / 256)`` for x, then ``warps · rows_per_warp`` f32
@@ -713,12 +706,6 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
                 cs = first + s * step
                 if cs < n_slices:
                     _load_row_slices(w32, wrow, 4 * cs, wbuf, s * R4, R)
-            if PREFETCH:                            # the rest of the first tile into L2: lane l takes 128-byte
-                for r in range(R):                  # line l % 4 of step S - 1 + l // 4, + 8, ... of each row
-                    for i in range(S - 1 + (lane >> 2), (n_slices + step - 1) // step, 8):
-                        cs = (part + i * k_split) * WARP + 8 * (lane & 3)
-                        if cs < n_slices:
-                            prefetch_l2(w32, wrow[r] + 4 * cs)
         # Weights only so far: from here on x / the residual, which the previous kernel writes.
         grid_dependency_wait()
 
@@ -828,7 +815,7 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
     cols_per_block = geo.warps // geo.k_split * geo.rows_per_warp
     n_tiles = -(-w.shape[0] // cols_per_block)
     shared = 4 * (128 * -(-k // 256) + geo.warps * geo.rows_per_warp)
-    kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs, GEMV_PREFETCH)
+    kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs)
     launch(kern, _resident_blocks(n_tiles, geo), geo.warps * WARP, *args, np.float32(eps), np.float32(weight_offset),
            bool(round_before_weight), delta is not None, shared=shared,
            name="gemv_add_rms_norm" if x is None else "gemv", pdl=True)
@@ -1379,10 +1366,10 @@ def _resident_blocks(n_tiles: int, geo: GemvGeometry) -> int:
     grid-stride over the tiles.  The fused GEMV always launches so, so that the norm prologue (a whole-row pass and
     a block reduction) runs once per block rather than once per tile."""
     resident = _sm_count() * max(1, WARPS_PER_SM // geo.warps)
-    if GEMV_BALANCED:
-        # every block the same number of tiles: 608 tiles on 264 resident blocks would leave 80 blocks a third
-        # tile to stream alone (a tail at a third of the bandwidth); 203 blocks of 3 tiles finish together
-        resident = -(-n_tiles // -(-n_tiles // resident))
+    # every block the same number of tiles: 608 tiles on 264 resident blocks would leave 80 blocks a third tile to
+    # stream alone (a tail at a third of the bandwidth); 203 blocks of 3 tiles finish together (H200, Qwen3-4B:
+    # the step's projections 2.769 -> 2.743 ms)
+    resident = -(-n_tiles // -(-n_tiles // resident))
     return grid(min(n_tiles, resident), sim_cap=2)
 
 

@@ -512,36 +512,6 @@ else:
     def launch_dependents():
         pass
 
-if SIMULATOR:
-    @device_fn
-    def prefetch_l2(a, i):
-        """Nothing to prefetch in the simulator."""
-else:
-    @intrinsic
-    def _prefetch_global_l2(typingctx, arr, idx):
-        """``prefetch.global.L2``: start moving the 128-byte line holding ``a[idx]`` into L2, no register waits."""
-        if not (isinstance(arr, types.Array) and arr.ndim == 1):
-            return None
-        sig = types.void(arr, idx)
-
-        def codegen(context, builder, sig, args):
-            arrty, idxty = sig.args
-            ary = context.make_array(arrty)(context, builder, value=args[0])
-            index = context.cast(builder, args[1], idxty, types.intp)
-            ptr = cgutils.get_item_pointer(context, builder, arrty, ary, [index], wraparound=False)
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ptr.type]), "prefetch.global.L2 [$0];", "l",
-                               side_effect=True)
-            builder.call(asm, [ptr])
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @device_fn
-    def prefetch_l2(a, i):
-        """Start moving the 128-byte line holding ``a[i]`` (a 1-D global array) into L2."""
-        _prefetch_global_l2(a, i)
-
-
 @device_fn
 def pdl_prologue():
     """The start of a kernel that does nothing before its inputs are ready: let the next PDL kernel launch, then

@@ -44,8 +44,11 @@ def _programmatic_launcher() -> Optional[Callable]:
     try:
         from cuda.core import LaunchConfig, launch as core_launch
         from numba.cuda.cudadrv.driver import _to_core_stream
+        from numba.cuda.dispatcher import CUDADispatcher, _Kernel
         LaunchConfig(grid=1, block=32, programmatic_stream_serialization=True)
-    except Exception:      # an older cuda.core without the launch attribute: plain launches
+        # the numba internals launch_pdl uses (numba-cuda 0.30); another version without them: plain launches
+        assert hasattr(CUDADispatcher, "_compile_for_args") and hasattr(_Kernel, "_prepare_args")
+    except Exception:      # an older cuda.core without the launch attribute, or other numba internals
         return None
 
     def launch_pdl(kernel, grid, block, stream, shared, args):

@@ -612,27 +612,9 @@ else:
     @device_fn
     def _dot_slices_x_words(acc, w, base, x0, x1, x2, x3, rows):
         """``acc[r] += Σ_j W_r[j] · X[j]``: 8 bf16 of row r in ``w[base+4r : +4]``, of x in the words x0..x3,
-        multiplied and added in element order."""
-        f0 = bf16x2_lo(x0)
-        f1 = bf16x2_hi(x0)
-        f2 = bf16x2_lo(x1)
-        f3 = bf16x2_hi(x1)
-        f4 = bf16x2_lo(x2)
-        f5 = bf16x2_hi(x2)
-        f6 = bf16x2_lo(x3)
-        f7 = bf16x2_hi(x3)
-        for r in range(rows):
-            b = base + 4 * r
-            a = acc[r]
-            a += bf16x2_lo(w[b]) * f0
-            a += bf16x2_hi(w[b]) * f1
-            a += bf16x2_lo(w[b + 1]) * f2
-            a += bf16x2_hi(w[b + 1]) * f3
-            a += bf16x2_lo(w[b + 2]) * f4
-            a += bf16x2_hi(w[b + 2]) * f5
-            a += bf16x2_lo(w[b + 3]) * f6
-            a += bf16x2_hi(w[b + 3]) * f7
-            acc[r] = a
+        multiplied and added in element order (``_dot_rows_8`` with one token)."""
+        _dot_rows_8(acc, w, base, 0, rows, 1, bf16x2_lo(x0), bf16x2_hi(x0), bf16x2_lo(x1), bf16x2_hi(x1),
+                    bf16x2_lo(x2), bf16x2_hi(x2), bf16x2_lo(x3), bf16x2_hi(x3))
 
 
 @functools.cache

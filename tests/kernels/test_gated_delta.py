@@ -354,6 +354,16 @@ def run_linear_step(fused, layer, ring, state, inputs, table, positions, row_gro
     return d_ring.copy_to_host(), d_state.copy_to_host(), out.copy_to_host()
 
 
+def assert_fused_equals_three_kernels(layer, ring, state, inputs, table, positions, row_groups=None, label=""):
+    """Run the fused step and conv → recurrent rule → gated norm on the same inputs; the new ring, state and
+    output must be equal bit for bit.  Returns the fused step's (ring, state, out)."""
+    fused = run_linear_step(True, layer, ring, state, inputs, table, positions, row_groups)
+    ref = run_linear_step(False, layer, ring, state, inputs, table, positions, row_groups)
+    for name, got, want in zip(("conv ring", "delta-rule state", "output"), fused, ref):
+        np.testing.assert_array_equal(got, want, err_msg=f"{label}{name}")
+    return fused
+
+
 def reference_layer(layer, inputs, history, state):
     """float64 Gated DeltaNet step of one sequence: x [T, C] etc. as bf16 bits, history [C, K-1] (the inputs before
     it), state [Hv, Dk, Dv] → the gated-norm output [T, Hv·Dv] with HF's bf16 roundings."""
@@ -386,7 +396,7 @@ def test_decode_step_equals_conv_rule_norm(rng, key_dim, value_dim, row_groups):
     ring = bf16_randn((num_slots, conv_dim, taps), rng)[0]
     state = (rng.standard_normal((num_slots, layer["num_v_heads"], key_dim, value_dim)) * 0.3).astype(np.float32)
     slots, first_pos = [3, 0, 4], np.array([0, 2, 9])
-    fused_state = ref_state = (ring, state)
+    carried = (ring, state)  # both paths start each step from it: they were equal bit for bit after the last
     steps = 4 if row_groups is None else 2  # (the simulator's time: the other geometries take fewer steps)
     for step in range(steps):
         padded = step == steps - 1
@@ -394,10 +404,8 @@ def test_decode_step_equals_conv_rule_norm(rng, key_dim, value_dim, row_groups):
         table = _table(token_slots, len(token_slots))
         positions = cuda.to_device(np.r_[first_pos + step, [0, 0][:len(token_slots) - 3]].astype(np.int32))
         inputs = decode_inputs(rng, layer, len(token_slots))
-        fused = run_linear_step(True, layer, *fused_state, inputs, table, positions, row_groups)
-        ref = run_linear_step(False, layer, *ref_state, inputs, table, positions, row_groups)
-        for name, got, want in zip(("conv ring", "delta-rule state", "output"), fused, ref):
-            np.testing.assert_array_equal(got, want, err_msg=f"step {step}: {name}")
+        fused = assert_fused_equals_three_kernels(layer, *carried, inputs, table, positions, row_groups,
+                                                  label=f"step {step}: ")
         if step == 0:
             got = from_bf16_bits(fused[2]).astype(np.float64)
             for r, slot in enumerate(slots):
@@ -405,10 +413,10 @@ def test_decode_step_equals_conv_rule_norm(rng, key_dim, value_dim, row_groups):
                                        ring_history(from_bf16_bits(ring[slot]).astype(np.float64), first_pos[r]),
                                        state[slot])
                 assert rel_l2(got[r:r + 1], want) < 1e-2, (r, rel_l2(got[r:r + 1], want))
-        fused_state, ref_state = fused[:2], ref[:2]
+        carried = fused[:2]
     for slot in (1, 2, 5):  # not in the batch
-        np.testing.assert_array_equal(fused_state[0][slot], ring[slot])
-        np.testing.assert_array_equal(fused_state[1][slot], state[slot])
+        np.testing.assert_array_equal(carried[0][slot], ring[slot])
+        np.testing.assert_array_equal(carried[1][slot], state[slot])
 
 
 def test_decode_step_sequences_of_several_tokens(rng):
@@ -424,10 +432,7 @@ def test_decode_step_sequences_of_several_tokens(rng):
     slot_ids, token_offsets, offsets = sequences(lengths, slots)
     positions = positions_of(lengths, first_pos)
     inputs = decode_inputs(rng, layer, sum(lengths))
-    fused = run_linear_step(True, layer, ring, state, inputs, (slot_ids, token_offsets), positions)
-    ref = run_linear_step(False, layer, ring, state, inputs, (slot_ids, token_offsets), positions)
-    for name, got, want in zip(("conv ring", "delta-rule state", "output"), fused, ref):
-        np.testing.assert_array_equal(got, want, err_msg=name)
+    fused = assert_fused_equals_three_kernels(layer, ring, state, inputs, (slot_ids, token_offsets), positions)
     np.testing.assert_array_equal(fused[0][0], ring[0])
     np.testing.assert_array_equal(fused[1][0], state[0])
     got = from_bf16_bits(fused[2]).astype(np.float64)
@@ -726,7 +731,4 @@ def test_gpu_fused_decode_step_qwen35_shapes(rng, lengths):
     slot_ids, token_offsets, _ = sequences(lengths, slots)
     positions = positions_of(lengths, first_pos)
     inputs = decode_inputs(rng, layer, sum(lengths))
-    fused = run_linear_step(True, layer, ring, state, inputs, (slot_ids, token_offsets), positions)
-    ref = run_linear_step(False, layer, ring, state, inputs, (slot_ids, token_offsets), positions)
-    for name, got, want in zip(("conv ring", "delta-rule state", "output"), fused, ref):
-        np.testing.assert_array_equal(got, want, err_msg=name)
+    assert_fused_equals_three_kernels(layer, ring, state, inputs, (slot_ids, token_offsets), positions)

@@ -81,8 +81,9 @@ import numpy as np
 
 from pegainfer.device import SIMULATOR
 from pegainfer.kernels.launch import launch
-from pegainfer.kernels.primitives import (pdl_prologue, WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, cuda, device_fn, f32_to_bf16,
-                                          float32, grid, int32, kernel, math, threads, uint32, warp_sum)
+from pegainfer.kernels.norm import inverse_rms
+from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, cuda, device_fn, f32_to_bf16,
+                                          float32, grid, int32, kernel, math, pdl_prologue, threads, uint32, warp_sum)
 
 uint64 = np.uint64
 
@@ -138,9 +139,14 @@ def inverse_l2_norm(sum_squares):
 
 
 @device_fn
-def inverse_rms(sum_squares, n, eps):
-    """The RMSNorm factor ``1 / sqrt(Σx² / n + eps)`` in f32."""
-    return float32(1.0) / float32(math.sqrt(sum_squares / float32(n) + eps))
+def token_gates(lane_ssq, lane_ssk, q_scale, a, b, a_log, dt_bias, t, h):
+    """What the delta rule needs besides q, k, v for token ``t`` and value head ``h``, from each lane's partial
+    sums of q² and k²: ``(q_mul, k_mul, decay, beta)`` = (l2norm factor of q times ``q_scale``, l2norm factor of k,
+    ``exp(g)``, ``beta``).  Every lane of the warp calls it (a warp reduction) and gets the same values."""
+    q_mul = inverse_l2_norm(warp_sum(lane_ssq)) * q_scale
+    k_mul = inverse_l2_norm(warp_sum(lane_ssk))
+    decay = float32(math.exp(log_decay(a[t, h], a_log[h], dt_bias[h])))
+    return q_mul, k_mul, decay, write_strength(b[t, h])
 
 
 @device_fn
@@ -326,10 +332,7 @@ def gated_delta_recurrent_kernel(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids,
                 kv = bf16_to_f32(qkv[t, k_off + d])
                 ssq += qv * qv
                 ssk += kv * kv
-            q_mul = inverse_l2_norm(warp_sum(ssq)) * q_scale
-            k_mul = inverse_l2_norm(warp_sum(ssk))
-            decay = float32(math.exp(log_decay(a[t, h], a_log[h], dt_bias[h])))
-            beta = write_strength(b[t, h])
+            q_mul, k_mul, decay, beta = token_gates(ssq, ssk, q_scale, a, b, a_log, dt_bias, t, h)
 
             # pass 1: kv_mem = (S·decay)ᵀ k
             acc = float32(0.0)
@@ -909,10 +912,7 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                         kv = qk_s[uint64(KD + d0 + lane)]
                         ssq += qv * qv
                         ssk += kv * kv
-                q_mul = inverse_l2_norm(warp_sum(ssq)) * q_scale
-                k_mul = inverse_l2_norm(warp_sum(ssk))
-                decay = float32(math.exp(log_decay(a[t, h], a_log[h], dt_bias[h])))
-                beta = write_strength(b[t, h])
+                q_mul, k_mul, decay, beta = token_gates(ssq, ssk, q_scale, a, b, a_log, dt_bias, t, h)
 
                 # pass 1: this thread's part of kv_mem = (S·decay)ᵀ k̂ (expressions as in the recurrent kernel).  Rows
                 # outermost: each k̂_d is read once for all of the thread's columns (summed in row order per column).

@@ -38,8 +38,8 @@ def normalize_element(x, inv_rms, w_bits, weight_offset, round_before_weight):
 
 @device_fn
 def inverse_rms(sum_squares, count, eps):
-    """``1 / sqrt(sum_squares / count + eps)`` in f32."""
-    return float32(1.0) / math.sqrt(float32(sum_squares) / float32(count) + eps)
+    """``1 / sqrt(sum_squares / count + eps)`` in f32 (the simulator's ``math.sqrt`` returns a double: cast)."""
+    return float32(1.0) / float32(math.sqrt(float32(sum_squares) / float32(count) + eps))
 
 
 @device_fn

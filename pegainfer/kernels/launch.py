@@ -65,7 +65,6 @@ def _programmatic_launcher() -> Optional[Callable]:
 
 
 _launch_pdl = _programmatic_launcher()
-PDL = _launch_pdl is not None
 
 
 def launch(kernel, grid: int, block: int, *args, shared: int = 0, name: str | None = None, pdl: bool = False) -> None:

@@ -2,6 +2,7 @@
 ~20 µs host cost of each numba launch is not what gets measured."""
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -12,20 +13,16 @@ from pegainfer.engine.cuda_graph import _check
 from pegainfer.kernels.launch import on_stream
 
 
-def time_calls(calls, reps: int = 5) -> float:
-    """Seconds per call: median over ``reps`` replays of a CUDA graph that runs every function of ``calls`` once,
-    in order (each launches kernels through ``pegainfer.kernels.launch``).  Simulator: each distinct call once."""
-    if SIMULATOR:   # a smoke run: each distinct call once
-        distinct = list(dict.fromkeys(calls))
-        t0 = time.perf_counter()
-        for fn in distinct:
-            fn()
-        return (time.perf_counter() - t0) / len(distinct)
+@contextlib.contextmanager
+def captured(calls):
+    """A CUDA graph that runs every function of ``calls`` once, in order (each launches kernels through
+    ``pegainfer.kernels.launch``); yields ``replay()``, which launches it on its stream and waits for it.  The first
+    two calls run once outside the capture (compile, warm up)."""
     from cuda.bindings import driver as drv
     stream = cuda.stream()
     with on_stream(stream):
         for fn in calls[:2]:
-            fn()                                   # compile and warm up outside the capture
+            fn()
     stream.synchronize()
     cs = drv.CUstream(int(stream.handle))
     with cuda.defer_cleanup(), on_stream(stream):
@@ -36,21 +33,40 @@ def time_calls(calls, reps: int = 5) -> float:
         finally:
             graph = _check(drv.cuStreamEndCapture(cs))
     exe = _check(drv.cuGraphInstantiate(graph, 0))
-    try:
+
+    def replay():
         _check(drv.cuGraphLaunch(exe, cs))
         stream.synchronize()
-        times = []
-        for _ in range(reps):
-            start, end = cuda.event(), cuda.event()
-            start.record(stream)
-            _check(drv.cuGraphLaunch(exe, cs))
-            end.record(stream)
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e-3 / len(calls))
-        return statistics.median(times)
+
+    replay.stream, replay.exe, replay.cu_stream = stream, exe, cs
+    try:
+        yield replay
     finally:
         _check(drv.cuGraphExecDestroy(exe))
         _check(drv.cuGraphDestroy(graph))
+
+
+def time_calls(calls, reps: int = 5) -> float:
+    """Seconds per call: median over ``reps`` replays of a CUDA graph that runs every function of ``calls`` once,
+    in order (``captured``).  Simulator: each distinct call once."""
+    if SIMULATOR:   # a smoke run: each distinct call once
+        distinct = list(dict.fromkeys(calls))
+        t0 = time.perf_counter()
+        for fn in distinct:
+            fn()
+        return (time.perf_counter() - t0) / len(distinct)
+    from cuda.bindings import driver as drv
+    with captured(calls) as replay:
+        replay()
+        times = []
+        for _ in range(reps):
+            start, end = cuda.event(), cuda.event()
+            start.record(replay.stream)
+            _check(drv.cuGraphLaunch(replay.exe, replay.cu_stream))
+            end.record(replay.stream)
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3 / len(calls))
+        return statistics.median(times)
 
 
 def time_eager(fn, launches: int, reps: int = 5) -> float:

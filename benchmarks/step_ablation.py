@@ -55,7 +55,7 @@ def main() -> int:
         engine.step()
     # the runner's step buffers now hold the last decode step's inputs (one token at position ~context)
     runner = engine.runner
-    step = lambda: runner.forward_and_sample(1, 1)  # noqa: E731
+    step = lambda: runner.forward_and_sample(1, 1, decode=True)  # noqa: E731
     variants = [("full step", ()), ("- qk_norm_rope", ("qk_norm_rope",)), ("- attention", ("attention",)),
                 ("- qk_norm_rope - attention", ("qk_norm_rope", "attention")),
                 ("projections + norms only", ("qk_norm_rope", "attention", "embedding", "sampling"))]

@@ -59,7 +59,7 @@ class StepGraphs:
         from cuda.bindings import driver as drv
         return drv.CUstream(int(self.runner.stream.handle))
 
-    def capture(self, T: int, B: int) -> None:
+    def capture(self, T: int, B: int, decode: bool = False) -> None:
         from cuda.bindings import driver as drv
         from numba import cuda
 
@@ -67,7 +67,7 @@ class StepGraphs:
         with cuda.defer_cleanup(), on_stream(self.runner.stream):
             _check(drv.cuStreamBeginCapture(s, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
             try:
-                self.runner.forward_and_sample(T, B)
+                self.runner.forward_and_sample(T, B, decode=decode)
             finally:
                 graph = _check(drv.cuStreamEndCapture(s))
         self._graphs.append(graph)
@@ -76,7 +76,7 @@ class StepGraphs:
     def capture_all(self) -> None:
         for B in range(1, self.runner.max_batch + 1):
             if not self.has(B, B):
-                self.capture(B, B)
+                self.capture(B, B, decode=True)
         for T in self.prefill_buckets:
             if not self.has(T, 1):
                 self.capture(T, 1)

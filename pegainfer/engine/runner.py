@@ -91,9 +91,10 @@ class ModelRunner:
         p = seq.params
         self.sampling.set_row(row, p.temperature, p.top_k, p.top_p, p.min_p, seq.seed, len(seq.output_ids) + ahead)
 
-    def forward_and_sample(self, T: int, B: int):
-        """Run the model on the uploaded step and sample B tokens (device); returns the logits view."""
-        logits = self.model.forward(self.step, self.pool.block_tables, T, B)
+    def forward_and_sample(self, T: int, B: int, decode: bool = False):
+        """Run the model on the uploaded step and sample B tokens (device); returns the logits view.  ``decode``:
+        T = B sequences, one newest token each (the model's ``forward``)."""
+        logits = self.model.forward(self.step, self.pool.block_tables, T, B, decode=decode)
         sampling.sample(logits, self.sampling, self.out_ids[:B], self.sample_workspace)
         return logits
 
@@ -203,7 +204,7 @@ class ModelRunner:
             if self.graphs is not None and not force_eager and self.graphs.has(B, B):
                 self.graphs.replay(B, B)
             else:
-                self.forward_and_sample(B, B)
+                self.forward_and_sample(B, B, decode=True)
             buffer = self._copy_out(B)
         pending = PendingStep(list(seqs), B, buffer, ahead)
         self._unread_ahead = pending if ahead else None

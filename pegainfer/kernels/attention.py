@@ -65,6 +65,8 @@ from pegainfer.kernels.primitives import (
     lane_group_sum,
     load_u32x4,
     pdl_prologue,
+    grid_dependency_wait,
+    launch_dependents,
     mma_bf16_m16n8k16,
     pack_bf16x2,
     threads,
@@ -132,11 +134,13 @@ def _split_range(n_keys, split, num_splits, min_chunk):
 
 
 @functools.lru_cache(maxsize=None)
-def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, min_blocks: int = 0):
+def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, min_blocks: int = 0,
+                  decode: bool = False):
     """Build the split-K kernel for one shape (closure constants size the register fragments).  ``late_v``: load V
     after computing S (K's registers are then free: fewer registers, one more memory round trip per step);
-    ``min_blocks``: launch bounds asking for that many resident blocks per SM (0: none)."""
-    D, G, W, LATE_V = head_dim, group, warps, late_v
+    ``min_blocks``: launch bounds asking for that many resident blocks per SM (0: none); ``decode``: every token is
+    its sequence's newest, so only its own key and q come from the kernel before (the early loads below)."""
+    D, G, W, LATE_V, DECODE = head_dim, group, warps, late_v, decode
     NT = 32 * W
     ROW_WORDS = D // 2
     KW = D // 8          # words of a q / K row per lane: lane t (= lane & 3) holds dims [t D/4, (t+1) D/4)
@@ -173,8 +177,16 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
         its partial ``(acc, m, l)``, and the last block to bump the (token, kv head) counter merges all partials
         into the output and resets the counter to 0 (so the launch can be replayed from a CUDA graph).
         A token with ``token_slots[t] < 0`` (padding) reads nothing and gets zeros.
+
+        PDL (``launch``): without ``DECODE`` the kernel lets the next one launch and waits for the previous one at
+        its start.  With ``DECODE`` (every token is its sequence's newest, so the previous kernel wrote only q and
+        the key / value at ``positions[t]``) the block first reads what no kernel of the step writes -- slot,
+        position, block table and the first pass's K/V rows of the older keys -- then waits, then reads q and the
+        newest key's rows; it lets the next kernel launch only after its last K/V load (the next kernel is a
+        weight-streaming GEMV whose early loads would otherwise queue ahead of this kernel's dependent ones).
         """
-        pdl_prologue()
+        if not DECODE:
+            pdl_prologue()
         sm_m = cuda.shared.array(SM_ROWS, float32)    # per warp and head row: running max
         sm_l = cuda.shared.array(SM_ROWS, float32)    # ... and sum
         sm_o = cuda.shared.array(SM_O, float32)      # ... and accumulator [W, G, D]
@@ -204,6 +216,7 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
             out0 = (t * nq + head0) * D
             slot = token_slots[t]
             if slot < 0:                                  # padding token
+                grid_dependency_wait()
                 if split == 0:
                     for i in range(tid, ROWS, NT):
                         out[out0 + i] = uint16(0)
@@ -212,7 +225,9 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
             if split >= n_active:
                 continue
 
-            _load_words(q32, (t * nq + head0 + g) * ROW_WORDS + tq * KW, KW, qa, 0, g < G)
+            newest = positions[t]                         # DECODE: the only key the previous kernel wrote
+            if not DECODE:
+                _load_words(q32, (t * nq + head0 + g) * ROW_WORDS + tq * KW, KW, qa, 0, g < G)
             for i in range(O_REGS):
                 of[i] = fzero
             m = NEG_INF
@@ -220,15 +235,30 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
             n_steps = (k_hi - k_lo + DECODE_STEP_KEYS - 1) // DECODE_STEP_KEYS
             for st0 in range(0, n_steps, W):              # same trip count in every warp (simulator reductions)
                 k0 = k_lo + (st0 + warp) * DECODE_STEP_KEYS
+                early = DECODE and st0 == 0                 # before the wait: not the newest key's rows
                 for j in range(2):
                     key = k0 + 8 * j + g
                     row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS) if key < k_hi else 0
-                    _load_words(k32, row + tq * KW, KW, kw, j * KW, key < k_hi)
+                    _load_words(k32, row + tq * KW, KW, kw, j * KW, key < k_hi and not (early and key == newest))
                 if not LATE_V:
                     for j in range(4):
                         key = k0 + 2 * tq + (j & 1) + 8 * (j >> 1)
                         row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS) if key < k_hi else 0
-                        _load_words(v32, row + g * VW, VW, vw, j * VW, key < k_hi)
+                        _load_words(v32, row + g * VW, VW, vw, j * VW, key < k_hi and not (early and key == newest))
+                if early:
+                    grid_dependency_wait()
+                    _load_words(q32, (t * nq + head0 + g) * ROW_WORDS + tq * KW, KW, qa, 0, g < G)
+                    for j in range(2):
+                        key = k0 + 8 * j + g
+                        if key == newest and key < k_hi:
+                            row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS)
+                            _load_words(k32, row + tq * KW, KW, kw, j * KW, True)
+                    if not LATE_V:
+                        for j in range(4):
+                            key = k0 + 2 * tq + (j & 1) + 8 * (j >> 1)
+                            if key == newest and key < k_hi:
+                                row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS)
+                                _load_words(v32, row + g * VW, VW, vw, j * VW, True)
 
                 # S = Q K^T (head g, keys k0 + 8j + 2t, +1), base-2 units, masked past k_hi
                 s0 = s1 = s2 = s3 = fzero
@@ -275,6 +305,8 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                     of[2 * jd], of[2 * jd + 1], _, _ = mma_bf16_m16n8k16(
                         a0, zero, a2, zero, b0, b1, of[2 * jd] * alpha, of[2 * jd + 1] * alpha, fzero, fzero)
 
+            if DECODE:
+                launch_dependents()                       # every K/V load of this block is done
             # ---- merge the W warps of the block
             l = lane_group_sum(l, 4)
             if g < G:
@@ -671,7 +703,7 @@ def _flat(a):
 
 def paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, workspace, *,
                     num_splits: int | None = None, min_split_tokens: int | None = None,
-                    method: str = "auto") -> None:
+                    method: str = "auto", decode: bool = False) -> None:
     """``out[t, h] = bf16(softmax(scale * q[t, h] . K_slot^T) V_slot)`` over keys ``0 .. positions[t]`` of slot
     ``token_slots[t]`` (see the module docstring).
 
@@ -679,6 +711,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, o
     ``[num_slots, max_pages]``, token_slots ``[T]``, positions ``[T]`` int32; workspace: f32 device array of at least
     ``attention_workspace_size(...)`` elements (may be None when the split-K path uses one split).
     ``num_splits`` / ``min_split_tokens`` force the split-K policy (tests); ``method``: "auto", "split" or "prefill".
+    ``decode``: every token is its sequence's newest (a decode step), so of the cache only the key / value at
+    ``positions[t]`` was written by the kernel before; the split-K kernel then reads the older ones before its PDL
+    wait (``_split_kernel``).  Wrong when a token's earlier positions were stored in the same step (a prompt chunk).
     """
     T, nq, D = q.shape
     num_pages, page_size, nkv, Dk = k_cache.shape
@@ -710,7 +745,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, o
                                  T, nkv, D, group, page_size)
     else:
         _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, workspace,
-                               T, nq, nkv, D, group, page_size, num_splits, min_split_tokens)
+                               T, nq, nkv, D, group, page_size, num_splits, min_split_tokens, decode=decode)
 
 
 def _prefill_geometry(head_dim: int) -> tuple[int, int, bool]:
@@ -750,7 +785,8 @@ def _split_geometry(head_dim: int, group: int) -> tuple[int, bool, int]:
 
 
 def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, workspace,
-                           T, nq, nkv, D, group, page_size, num_splits, min_split_tokens, geometry=None):
+                           T, nq, nkv, D, group, page_size, num_splits, min_split_tokens, geometry=None,
+                           decode=False):
     if group > 8:
         raise ValueError(f"the split-K kernel serves at most 8 q heads per kv head, got {group}")
     capacity = block_tables.shape[1] * page_size
@@ -771,12 +807,12 @@ def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, posit
         ws_acc = ws_m = ws_l = _flat(workspace) if workspace is not None else _dummy_f32()
         counters = ws_acc.view(np.int32)
     warps, late_v, min_blocks = geometry or _split_geometry(D, group)
-    kern = _split_kernel(D, group, warps, late_v, min_blocks)
+    kern = _split_kernel(D, group, warps, late_v, min_blocks, decode)
     launch(kern, grid(num_splits * T * nkv, sim_cap=64), 32 * warps,
            _flat_u32(q), _flat_u32(k_cache), _flat_u32(v_cache), block_tables, token_slots, positions,
            _flat(out), ws_acc, ws_m, ws_l, counters, np.float32(scale * LOG2E), np.int32(nkv),
            np.int32(page_size.bit_length() - 1), np.int32(num_splits), np.int32(_min_chunk(min_split_tokens)),
-           name="paged_attention_split", pdl=True)
+           name="paged_decode_attention" if decode else "paged_attention_split", pdl=True)
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,7 +25,7 @@ import numpy as np
 
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.norm import normalize_element
-from pegainfer.kernels.primitives import (pdl_prologue, WARP, bf16_to_f32, cuda, device_fn, f32_to_bf16, float32, grid, int32,
+from pegainfer.kernels.primitives import (grid_dependency_wait, launch_dependents, WARP, bf16_to_f32, cuda, device_fn, f32_to_bf16, float32, grid, int32,
                                           kernel, math, threads, to_bf16_bits, uint16, warp_sum)
 
 
@@ -165,14 +165,17 @@ def _qk_norm_rope_kernel(dims_per_lane: int, pair_shift: int):
         a block holds ``blockDim.x / 32`` warps and the grid strides over all (token, head) items.  Lane l holds dims
         ``l, l + 32, ..`` of its head (``dims_per_lane``) in registers.  The kernel is a chain of
         dependent memory round trips, so every load that does not depend on another is issued first, together: the
-        head's values, its norm weights, the token's position and slot; then the cos/sin rows and the block-table entry
-        (they need the position); then ``warp_sum`` of the squares and the arithmetic.  Lane l rotates the pairs
+        head's norm weights, the token's position and slot; then the cos/sin rows and the block-table entry (they
+        need the position); then the head's values; then ``warp_sum`` of the squares and the arithmetic.  Only the
+        head's values come from the kernel before (the projection): with PDL (``launch``) everything else is read
+        before ``grid_dependency_wait``, while the projection finishes, and the attention kernel after this one may
+        launch at once (``launch_dependents`` first: its early loads are small).  Lane l rotates the pairs
         ``(p, p + half)``, ``p = l, l + 32, ..``: when ``half`` is a multiple of 32 (every served model) the partner
         ``p + half`` is in the same lane's registers; otherwise (tiny test heads) it is re-read (an L1 hit).  Every
         lane of the block runs the same number of items and calls ``warp_sum`` once per item (v heads and idle tail
         warps too), as the simulator's emulated shuffles require.
         """
-        pdl_prologue()
+        launch_dependents()                 # PDL: the attention kernel after this one may start its early loads
         num_q_heads = q_out.shape[1]
         head_dim = q_out.shape[2]
         num_kv_heads = k_cache.shape[2]
@@ -206,13 +209,12 @@ def _qk_norm_rope_kernel(dims_per_lane: int, pair_shift: int):
             else:
                 src = v_col0 + (h - num_q_heads - num_kv_heads) * head_dim
 
-            # 1. independent loads, all at once: the head, its norm weights, position and slot
+            # 1. independent loads, all at once: norm weights, position and slot
             pos = int32(positions[t])
             slot = int32(token_slots[t])
             for j in range(J):
                 i = lane + WARP * j
                 if active and i < head_dim:
-                    x[j] = qkv[t, src + i]
                     if is_q:
                         w[j] = q_norm_w[i]
                     elif is_k:
@@ -228,6 +230,11 @@ def _qk_norm_rope_kernel(dims_per_lane: int, pair_shift: int):
             offset = pos % page_size
             if (is_k or is_v) and slot >= 0:
                 page = int32(block_tables[slot, pos // page_size])
+            grid_dependency_wait()          # PDL: everything above is read-only in a step; the head is not
+            for j in range(J):
+                i = lane + WARP * j
+                if active and i < head_dim:
+                    x[j] = qkv[t, src + i]
 
             # 3. sum of squares of the head (q and k only), reduced across the warp
             ss = float32(0.0)
@@ -322,4 +329,4 @@ def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots
     launch(kern, grid(items, per_block=warps_per_block, sim_cap=8), block,
            qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables, k_cache, v_cache, q_out,
            np.int32(q_head_stride), np.int32(rotary_dim), np.float32(eps),
-           np.float32(weight_offset), bool(round_before_weight), pdl=True)
+           np.float32(weight_offset), bool(round_before_weight), name="qk_norm_rope_store", pdl=True)

@@ -84,11 +84,13 @@ class Qwen3Model(DecoderModel):
         """A new sequence takes ``slot`` (no per-slot state besides KV pages for Qwen3)."""
 
     # ------------------------------------------------------------------------------------------------ forward
-    def forward(self, step, block_tables, T: int, B: int):
+    def forward(self, step, block_tables, T: int, B: int, decode: bool = False):
         """Run T tokens through the model; return the device logits view ``[B, V]`` for ``step.logit_rows[:B]``.
 
         ``step`` holds the step's device inputs (``engine.step_inputs.StepInputs``): int32 ``ids``, ``positions``,
-        ``token_slots`` (first T entries used) and ``logit_rows`` (first B: which token rows produce logits)."""
+        ``token_slots`` (first T entries used) and ``logit_rows`` (first B: which token rows produce logits).
+        ``decode``: every token is its sequence's newest (a decode step, not a prompt chunk), which lets attention
+        read the older keys before the kernel storing the new one has finished (``attention.paged_attention``)."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         ids, pos, slots = step.ids[:T], step.positions[:T], step.token_slots[:T]
@@ -107,7 +109,7 @@ class Qwen3Model(DecoderModel):
                                     block_tables, self.k_cache[i], self.v_cache[i], q, eps, self.rotary_dim,
                                     q_head_stride=self.D)
             attention.paged_attention(q, self.k_cache[i], self.v_cache[i], block_tables, slots, pos, attn, scale,
-                                      self.attn_workspace)
+                                      self.attn_workspace, decode=decode)
             linear.linear(attn_flat, lw["o"], delta)
             linear.linear_add_rms_norm(residual, delta, lw["post_ln"], eps, spare, lw["gate_up"], act, gated=True,
                                        normed_out=normed)

@@ -199,9 +199,10 @@ class Qwen35Model(DecoderModel):
                 self.ssm_state.reshape(rows, self.Hv, self.Dk, self.Dv))
 
     # ------------------------------------------------------------------------------------------------ forward
-    def forward(self, step, block_tables, T: int, B: int):
+    def forward(self, step, block_tables, T: int, B: int, decode: bool = False):
         """Run T tokens through the model; return the device logits view ``[B, V]`` for ``step.logit_rows[:B]``.
-        ``step``: the step's device inputs (``engine.step_inputs.StepInputs``, as in ``Qwen3Model.forward``)."""
+        ``step``: the step's device inputs (``engine.step_inputs.StepInputs``, as in ``Qwen3Model.forward``);
+        ``decode`` as there."""
         eps = self.cfg.rms_norm_eps
         ids, pos, slots = step.ids[:T], step.positions[:T], step.token_slots[:T]
         residual, spare = self.residuals[0][:T], self.residuals[1][:T]
@@ -221,7 +222,7 @@ class Qwen35Model(DecoderModel):
                                        first_out, normed_out=normed, **QWEN35_NORM)
             residual, spare = spare, residual
             if i in full_index:
-                self._full_attention(full_index[i], lw, delta, T, pos, slots, block_tables)
+                self._full_attention(full_index[i], lw, delta, T, pos, slots, block_tables, decode)
             else:
                 self._linear_attention(linear_index[i], lw, delta, T, pos, seq_slots, seq_offsets, token_by_token)
             linear.linear_add_rms_norm(residual, delta, lw["post_ln"], eps, spare, lw["gate_up"], act, gated=True,
@@ -239,7 +240,7 @@ class Qwen35Model(DecoderModel):
             linear.linear(last, self.lm_head, logits)
         return logits
 
-    def _full_attention(self, j, lw, delta, T, pos, slots, block_tables) -> None:
+    def _full_attention(self, j, lw, delta, T, pos, slots, block_tables, decode: bool = False) -> None:
         """Gated full attention of one layer (its q/gate, k, v projection already in ``self.qkv``):
         ``delta = (attention · sigmoid(gate)) @ W_o^T``."""
         qkv, q, attn = self.qkv[:T], self.q[:T], self.attn[:T]
@@ -247,7 +248,7 @@ class Qwen35Model(DecoderModel):
                                 block_tables, self.k_cache[j], self.v_cache[j], q, self.cfg.rms_norm_eps,
                                 self.rotary_dim, q_head_stride=2 * self.D, **QWEN35_NORM)
         attention.paged_attention(q, self.k_cache[j], self.v_cache[j], block_tables, slots, pos, attn,
-                                  1.0 / math.sqrt(self.D), self.attn_workspace)
+                                  1.0 / math.sqrt(self.D), self.attn_workspace, decode=decode)
         gating.sigmoid_gate_mul(attn, qkv, attn)
         attn_flat = self.attn.reshape(self.max_tokens, self.nq * self.D)[:T]
         linear.linear(attn_flat, lw["o"], delta)

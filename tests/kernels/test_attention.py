@@ -130,6 +130,21 @@ def test_split_k_forced(rng, head_dim, num_splits):
         assert rel_l2(got[t], want[t]) <= 1e-2, t
 
 
+@pytest.mark.parametrize("head_dim,num_splits,min_split", [(16, 1, None), (32, 4, PAGE)])
+def test_decode_mode_bit_identical(head_dim, num_splits, min_split):
+    """``decode=True`` (older keys read before the PDL wait, the newest key and q after it) gives the very bits of
+    the plain split kernel: three decode tokens, each its slot's newest, one split or several."""
+    outs = []
+    for decode in (False, True):
+        got, want = run_attention(np.random.default_rng(5), 4, 2, head_dim, slots=[1, 0, 2], positions=[9, 0, 16],
+                                  num_slots=3, num_pages=16, num_splits=num_splits, min_split_tokens=min_split,
+                                  method="split",
+                                  decode=decode)
+        assert rel_l2(got, want) <= 1e-2
+        outs.append(got)
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("head_dim", [16, 32])
 def test_split_k_many_splits_repeated(rng, head_dim):
     """Several splits of 4 keys merged by the last block, twice on the same workspace (its counters must be back at
@@ -198,14 +213,15 @@ def test_padding_tokens(rng, method):
 @pytest.mark.gpu
 @pytest.mark.parametrize("nq,nkv,head_dim", [(32, 8, 128), (16, 4, 256)])
 @pytest.mark.parametrize("num_tokens", [1, 3])
-def test_gpu_decode_long_context(nq, nkv, head_dim, num_tokens):
+@pytest.mark.parametrize("decode", [False, True])
+def test_gpu_decode_long_context(nq, nkv, head_dim, num_tokens, decode):
     """Qwen3-4B (32/8/128) and Qwen3.5 full-attention (16/4/256) shapes, contexts around 4096."""
     rng = np.random.default_rng(7)
     page_size, max_pages = 16, 260
     positions = [4095, 1000, 4159][:num_tokens]
     slots = [0, 1, 2][:num_tokens]
     got, want = run_attention(rng, nq, nkv, head_dim, slots=slots, positions=positions, num_slots=3,
-                              max_pages=max_pages, num_pages=3 * max_pages + 7, page_size=page_size)
+                              max_pages=max_pages, num_pages=3 * max_pages + 7, page_size=page_size, decode=decode)
     assert rel_l2(got, want) <= 1e-2
 
 

@@ -618,11 +618,14 @@ else:
 
 
 @functools.cache
-def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool, norm_pairs: int):
+def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool, norm_pairs: int,
+                        trigger: str = "last_tile"):
     """Build the one-token GEMV (batch-1 decode) for ``rows_per_warp`` rows per warp, a load ring ``stages`` deep,
     blocks of ``warps`` warps (all compile-time: they size the register arrays and set the launch bounds) and,
     when ``norm_pairs`` > 0, the add + RMSNorm prologue with that many element pairs per thread."""
     R, S, U = rows_per_warp, stages, max(1, norm_pairs)
+    assert trigger in GEMV_TRIGGERS, trigger
+    LAST_TILE, LAST_STREAM = trigger == "last_tile", trigger == "last_stream"
     R4 = 4 * R
     SR4 = S * R4
     NORM = norm_pairs > 0
@@ -654,7 +657,10 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
            current tile's reduction barrier.  Launched with PDL (``launch``), the block issues those first loads
            *before* ``grid_dependency_wait``, i.e. while the previous kernel is still finishing: the weights do not
            depend on it, x does.  (Also moving the rest of the first tile into L2 there with ``prefetch.global.L2``
-           was measured slower on the H200: +0.2 ms per Qwen3-4B token.)
+           was measured slower on the H200: +0.2 ms per Qwen3-4B token; so was copying two more steps of it into
+           shared memory with ``cp.async``.)  The block lets the next kernel launch (``launch_dependents``) when it
+           starts its last tile (``GEMV_TRIGGER``), not at its start: blocks launched early wait on SM slots for
+           the whole kernel, and doing so cost 0.2 ms per Qwen3-4B step.
         3. *Reduce*: ``warp_sum`` per row, the ``k_split`` partial sums through shared memory, one thread per
            output writes ``bf16(sum)`` (gated: ``_silu_mul_bf16`` of the gate/up pair).
         Shared memory (dynamic, uint32 words): ``128 · ceil(K / 256)`` for x, then ``warps · rows_per_warp`` f32
@@ -679,7 +685,8 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
         wrow = cuda.local.array(R, int64)           # word offset of each of the warp's rows
         wbuf = cuda.local.array(SR4, uint32)        # the load ring: S slots × 16 bytes per row
 
-        launch_dependents()                         # PDL (launch.py): the next kernel may take SMs as ours free
+        if trigger == "start":
+            launch_dependents()                     # PDL (launch.py): the next kernel may take SMs as ours free
         tile = cuda.blockIdx.x
         if tile < n_tiles:                          # the first tile's loads fly while x is staged
             for r in range(R):
@@ -729,6 +736,8 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
 
         red = 128 * ((n_slices + 31) // 32)         # partial sums follow x (padded to whole 32-slice groups)
         per_out = 2 if gated else 1
+        if LAST_TILE and tile + cuda.gridDim.x >= n_tiles:
+            launch_dependents()                     # this block's only tile
         while tile < n_tiles:
             for r in range(R):
                 acc[r] = float32(0.0)
@@ -742,9 +751,13 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
                         xb = 128 * (c >> 5) + (c & 31)
                         _dot_slices_x_words(acc, wbuf, s * R4, xs[xb], xs[xb + 32], xs[xb + 64], xs[xb + 96], R)
                     c += step
+            if LAST_STREAM and tile + cuda.gridDim.x >= n_tiles:
+                launch_dependents()                 # the last tile's weights are all read
             warp_sums_to_shared(acc, R, xs, red + warp * R, True)   # f32 bits (xs is uint32)
             this_tile = tile
             tile += cuda.gridDim.x
+            if LAST_TILE and tile < n_tiles and tile + cuda.gridDim.x >= n_tiles:
+                launch_dependents()                 # entering the last tile
             if tile < n_tiles:                      # the next tile's loads fly through the reduction
                 for r in range(R):
                     wrow[r] = _weight_row(min(tile * cols_per_block + group * R + r, n_cols - 1), n_out,
@@ -775,6 +788,15 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
     return gemv_decode
 
 
+GEMV_TRIGGERS = ("start", "last_tile", "last_stream")
+GEMV_TRIGGER = os.environ.get("PEGAINFER_GEMV_TRIGGER", "last_tile")
+"""When a block of the one-token GEMV lets the next kernel launch (PDL, ``launch_dependents``): at its ``start``,
+when it starts its ``last_tile`` (the default), or when it has read the last tile's weights (``last_stream``).
+Blocks of the next kernel that launch early sit on SM slots waiting for this kernel to finish; measured on the
+H200 (Qwen3-4B, ``benchmarks/RESULTS.md``) the projections of a step took 2.68 ms triggering at the start and
+2.49 ms at the last tile."""
+
+
 def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, gated, weight_offset,
                  round_before_weight, geo: GemvGeometry) -> None:
     """Launch the one-token GEMV: ``x [1, K]`` given, or (``x=None``) the add + RMSNorm prologue over
@@ -797,7 +819,7 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
     cols_per_block = geo.warps // geo.k_split * geo.rows_per_warp
     n_tiles = -(-w.shape[0] // cols_per_block)
     shared = 4 * (128 * -(-k // 256) + geo.warps * geo.rows_per_warp)
-    kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs)
+    kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs, GEMV_TRIGGER)
     launch(kern, _resident_blocks(n_tiles, geo), geo.warps * WARP, *args, np.float32(eps), np.float32(weight_offset),
            bool(round_before_weight), delta is not None, shared=shared,
            name="gemv_add_rms_norm" if x is None else "gemv", pdl=True)

@@ -16,6 +16,7 @@ check runs at tiny size on CPU torch + the simulator (see ``check_against_hf``).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -158,7 +159,14 @@ def check_against_hf(folder: Path, prompt_len: int, decode_steps: int, device: s
         assert entry[f"{part}_ours_vs_hf_fp32_mean"] <= 1.1 * floor, (part, entry)
         assert entry[f"{part}_ours_vs_hf_bf16_mean"] < bound, (part, entry)
         assert entry[f"{part}_ours_vs_hf_bf16_max"] < 2 * bound, (part, entry)
-    assert entry["greedy_agreement_with_fp32"] >= entry["hf_bf16_greedy_agreement_with_fp32"] - 0.05, entry
+    # Greedy agreement with fp32 over the decode steps, against Hugging Face bf16's own: a fraction of n = 64
+    # teacher-forced steps on random weights (many near-ties), so it carries a binomial standard error of
+    # sqrt(p (1 - p) / n) ~ 0.05 even for an engine exactly as accurate as HF bf16 (the logit bounds above are
+    # the accuracy check; this one catches a wrong token stream).  Allowed: two standard errors and one step.
+    p_hf = entry["hf_bf16_greedy_agreement_with_fp32"]
+    slack = 2 * math.sqrt(p_hf * (1 - p_hf) / decode_steps) + 1 / decode_steps
+    print(json.dumps(entry))
+    assert entry["greedy_agreement_with_fp32"] >= p_hf - slack, entry
     return entry
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything on the GPU host. Usage (through the device tool, carrying .whl):
 #   source .whl/prelude.sh; bash benchmarks/gpu_session.sh STAGE...
-# Stages: kernels accuracy bench micro trace floor floor35 server start bench35 acc35 (MODELS= skips building the
+# Stages: kernels accuracy bench profile micro trace floor floor35 server start bench35 acc35 (MODELS= skips building the
 # Qwen3-4B folder that the Qwen3 stages need; the Qwen3.5 stages build their own). Logs and JSON land in $OUT (or
 # ./gpu_out); accuracy tests append JSON lines to $OUT/gpu_results.jsonl.
 #   bench35: Qwen3.5-4B shape in the multimodal checkpoint layout (random weights, built once by transformers):
@@ -36,6 +36,10 @@ for stage in "$@"; do
                   --prompt-len 16 --output-len 128 --runs 5 ${BENCH_HF:---hf} --json "$OUT/bench_$m.json" \
                   --trace-output-path /tmp/trace_$m 2>&1 | tail -25 | tee "$OUT/bench_$m.log"
                 python3 benchmarks/trace_summary.py /tmp/trace_$m/*.json 2>&1 | head -40 | tee -a "$OUT/bench_$m.log"
+              done ;;
+    profile)  for m in ${BENCH_MODELS:-qwen3-4b}; do
+                timeout ${PROFILE_TIMEOUT:-200} python3 benchmarks/profile_step.py --model-path "$PEGAINFER_GPU_MODELS/$m" \
+                  --context 128 --steps 20 2>&1 | grep -v "Warn\|warn(" | tail -40 | tee "$OUT/profile_$m.log"
               done ;;
     micro)    for b in benchmarks/bench_gemv.py benchmarks/bench_attention.py benchmarks/bench_sampling.py; do
                 [ -f "$b" ] && timeout ${MICRO_TIMEOUT:-200} python3 "$b" --json "$OUT/$(basename "$b" .py).json" 2>&1 | tail -30 | tee "$OUT/$(basename "$b" .py).log"

@@ -77,6 +77,10 @@ def main() -> int:
     ap.add_argument("--layer", type=int, default=None, help="print this layer's kernels one by one (default: middle)")
     args = ap.parse_args()
 
+    from pegainfer.device import SIMULATOR
+    if SIMULATOR:
+        print("profile_step.py needs a GPU: it reads the CUDA profiling interface's kernel records")
+        return 2
     from torch.profiler import ProfilerActivity, profile
 
     from graph_timing import captured

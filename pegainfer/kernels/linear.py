@@ -62,6 +62,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pegainfer.device import SIMULATOR
+from pegainfer.errors import PegainferError
 from numba import types as nbtypes  # noqa: E402  (after pegainfer.device: it picks GPU or simulator)
 from pegainfer.kernels import norm
 from pegainfer.kernels.activation import silu
@@ -796,11 +797,18 @@ Blocks of the next kernel that launch early sit on SM slots waiting for this ker
 H200 (Qwen3-4B, ``benchmarks/RESULTS.md``) the projections of a step took 2.68 ms triggering at the start and
 2.49 ms at the last tile."""
 
+GEMV_TRIGGER_BEFORE_LATENCY_BOUND = os.environ.get("PEGAINFER_GEMV_TRIGGER_LB", GEMV_TRIGGER)
+"""The trigger of a GEMV whose next kernel is latency-bound rather than another GEMV (``linear_add_rms_norm(...,
+before_latency_bound=True)``: the qkv projection before qk-norm/RoPE, the LM head before the sampler).  The same as
+``GEMV_TRIGGER`` unless set: not yet measured apart (``last_stream`` here together with PDL on qk-norm/RoPE,
+``PEGAINFER_PDL``, would let that kernel's launch and early loads overlap only the projection's tail)."""
+
 
 def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, gated, weight_offset,
-                 round_before_weight, geo: GemvGeometry) -> None:
+                 round_before_weight, geo: GemvGeometry, trigger: str | None = None) -> None:
     """Launch the one-token GEMV: ``x [1, K]`` given, or (``x=None``) the add + RMSNorm prologue over
-    ``residual_in`` / ``delta`` / ``norm_weight`` writing ``residual_out`` (blocks of ``NORM_THREADS``)."""
+    ``residual_in`` / ``delta`` / ``norm_weight`` writing ``residual_out`` (blocks of ``NORM_THREADS``);
+    ``trigger``: ``GEMV_TRIGGERS`` entry (None: ``GEMV_TRIGGER``)."""
     assert not gated or geo.rows_per_warp % 2 == 0, f"the gated GEMV needs an even rows_per_warp: {geo}"
     assert geo.warps % geo.k_split == 0, f"warps must be a multiple of k_split: {geo}"
     norm_pairs = 0
@@ -819,7 +827,11 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
     cols_per_block = geo.warps // geo.k_split * geo.rows_per_warp
     n_tiles = -(-w.shape[0] // cols_per_block)
     shared = 4 * (128 * -(-k // 256) + geo.warps * geo.rows_per_warp)
-    kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs, GEMV_TRIGGER)
+    trigger = trigger or GEMV_TRIGGER
+    if trigger not in GEMV_TRIGGERS:
+        raise PegainferError(f"GEMV trigger {trigger!r} (PEGAINFER_GEMV_TRIGGER / PEGAINFER_GEMV_TRIGGER_LB) is not "
+                             f"one of {', '.join(GEMV_TRIGGERS)}: set one of those or unset the variable")
+    kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs, trigger)
     launch(kern, _resident_blocks(n_tiles, geo), geo.warps * WARP, *args, np.float32(eps), np.float32(weight_offset),
            bool(round_before_weight), delta is not None, shared=shared,
            name="gemv_add_rms_norm" if x is None else "gemv", pdl=True)
@@ -1385,7 +1397,8 @@ def _fusable(n_tokens: int, k: int, impl, geo: GemvGeometry) -> bool:
 
 def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_out, w, out, *, gated: bool = False,
                         weight_offset: float = 0.0, round_before_weight: bool = True, normed_out=None,
-                        impl: str | None = None, geometry: GemvGeometry | None = None) -> None:
+                        impl: str | None = None, geometry: GemvGeometry | None = None,
+                        before_latency_bound: bool = False) -> None:
     """The decoder's residual add and RMSNorm followed by a projection:
 
         s = bf16(residual_in + delta)       (delta=None: s = residual_in)      -> residual_out
@@ -1400,6 +1413,7 @@ def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_ou
     One token (T = 1, the GEMV path): a single launch; the norm is the GEMV's x-staging prologue, computed by every
     block from the whole row (``_stage_add_rms_norm``); n is never written to memory and ``normed_out`` is not
     touched.  ``geometry`` (tests, benchmarks) overrides ``fused_norm_geometry`` and must keep its block size.
+    ``before_latency_bound``: the next kernel is not a weight-streaming one (``GEMV_TRIGGER_BEFORE_LATENCY_BOUND``).
     Otherwise: ``add_rms_norm_into`` into ``normed_out`` (required then: a ``[T, H]`` scratch), then ``linear`` with
     ``impl``.  Nothing is allocated; every launch can be captured in a CUDA graph.
     """
@@ -1414,7 +1428,7 @@ def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_ou
         raise ValueError(f"geometry {geometry} does not give the fused one-token path (T = {T}, impl = {impl!r})")
     if fused and out.shape[1] > 0:         # (no columns: no blocks, which would leave residual_out unwritten)
         _gemv_decode(None, residual_in, delta, norm_weight, eps, residual_out, w, out, gated, weight_offset,
-                     round_before_weight, geo)
+                     round_before_weight, geo, GEMV_TRIGGER_BEFORE_LATENCY_BOUND if before_latency_bound else None)
         return
     if normed_out is None:
         raise ValueError(f"normed_out (a [{T}, {k}] scratch) is needed: T = {T} takes the unfused path")

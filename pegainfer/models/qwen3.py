@@ -103,7 +103,7 @@ class Qwen3Model(DecoderModel):
         embedding.embedding(ids, self.embed, residual)
         for i, lw in enumerate(self.layers):
             linear.linear_add_rms_norm(residual, delta if i > 0 else None, lw["input_ln"], eps, spare, lw["qkv"], qkv,
-                                       normed_out=normed)
+                                       normed_out=normed, before_latency_bound=True)
             residual, spare = spare, residual
             rope.qk_norm_rope_store(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, pos, slots,
                                     block_tables, self.k_cache[i], self.v_cache[i], q, eps, self.rotary_dim,
@@ -119,7 +119,7 @@ class Qwen3Model(DecoderModel):
         if T == 1 and B == 1:
             # one row, which is the logits row: the final norm is the LM head's prologue
             linear.linear_add_rms_norm(residual, delta, self.final_norm, eps, spare, self.lm_head, logits,
-                                       normed_out=normed)
+                                       normed_out=normed, before_latency_bound=True)
         else:
             norm.add_rms_norm(residual, delta, self.final_norm, normed, eps)
             last = self.last_hidden[:B]

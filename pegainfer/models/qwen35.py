@@ -219,7 +219,7 @@ class Qwen35Model(DecoderModel):
             # residual add + input norm + the layer's first projection: one launch for one token
             first_w, first_out = (lw["qkv"], self.qkv[:T]) if i in full_index else (lw["in_proj"], self.proj[:T])
             linear.linear_add_rms_norm(residual, delta if i > 0 else None, lw["input_ln"], eps, spare, first_w,
-                                       first_out, normed_out=normed, **QWEN35_NORM)
+                                       first_out, normed_out=normed, before_latency_bound=True, **QWEN35_NORM)
             residual, spare = spare, residual
             if i in full_index:
                 self._full_attention(full_index[i], lw, delta, T, pos, slots, block_tables, decode)
@@ -232,7 +232,7 @@ class Qwen35Model(DecoderModel):
         logits = self.logits[:B]
         if T == 1 and B == 1:
             linear.linear_add_rms_norm(residual, delta, self.final_norm, eps, spare, self.lm_head, logits,
-                                       normed_out=normed, **QWEN35_NORM)
+                                       normed_out=normed, before_latency_bound=True, **QWEN35_NORM)
         else:
             norm.add_rms_norm(residual, delta, self.final_norm, normed, eps, **QWEN35_NORM)
             last = self.last_hidden[:B]

@@ -257,6 +257,34 @@ def test_linear_add_rms_norm_geometries(gated, rng):
     assert np.array_equal(out, ref_out)
 
 
+@pytest.mark.parametrize("trigger", lin.GEMV_TRIGGERS)
+def test_gemv_triggers_same_bits(trigger, monkeypatch):
+    """Where the one-token GEMV lets the next kernel launch changes no result: every ``GEMV_TRIGGERS`` choice, for
+    the plain GEMV (several tiles per block) and the fused add + RMSNorm one (``before_latency_bound``)."""
+    rng = np.random.default_rng(11)
+    H = 96
+    xb, _ = bf16_randn((1, H), rng)
+    rb, _ = bf16_randn((1, H), rng)
+    wnb, _ = bf16_randn((H,), rng)
+    wb, _ = bf16_randn((34, H), rng, scale=0.2)
+    geo = GemvGeometry(rows_per_warp=2, warps=2, k_split=1, max_tokens=1, stages=2, persistent=True)
+    plain = run(gemv, xb, wb, 34, geometry=geo)
+    fused = _fused(rb, None, wnb, wb, False, "qwen3", 1e-6)[3]
+    monkeypatch.setattr(lin, "GEMV_TRIGGER", trigger)
+    monkeypatch.setattr(lin, "GEMV_TRIGGER_BEFORE_LATENCY_BOUND", trigger)
+    assert np.array_equal(run(gemv, xb, wb, 34, geometry=geo), plain)
+    assert np.array_equal(_fused(rb, None, wnb, wb, False, "qwen3", 1e-6, before_latency_bound=True)[3], fused)
+
+
+def test_gemv_bad_trigger_is_a_user_error(monkeypatch):
+    from pegainfer.errors import PegainferError
+    monkeypatch.setattr(lin, "GEMV_TRIGGER", "early")
+    xb, _ = bf16_randn((1, 64), np.random.default_rng(0))
+    wb, _ = bf16_randn((8, 64), np.random.default_rng(1))
+    with pytest.raises(PegainferError, match="PEGAINFER_GEMV_TRIGGER"):
+        run(gemv, xb, wb, 8, geometry=GemvGeometry(rows_per_warp=2, warps=2, k_split=1, max_tokens=1))
+
+
 def test_linear_add_rms_norm_rejects(rng):
     T, H = 1, 64
     r = cuda.to_device(np.zeros((2, H), np.uint16))

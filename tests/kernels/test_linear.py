@@ -342,7 +342,7 @@ def test_gemv_geometry_covers_all_sms():
     """The heuristic picker gives the short-and-wide matrices enough warps to occupy every SM (shapes with a
     measured entry in GEMV_TUNED use that instead: the H200 sweep found fewer, busier warps faster there)."""
     sms = lin._sm_count()
-    for N, K in [(2560, 4096), (2560, 9728), (6144, 2560)]:
+    for N, K in [(2560, 4096), (2560, 9728), (6144, 2560), (2560, 9216), (12352, 2560), (10240, 2560)]:
         geo = lin.gemv_geometry(N, K, 1)
         if any(key[:2] == (N, K) for key in lin.GEMV_TUNED):
             continue

@@ -1370,15 +1370,17 @@ def linear_silu_mul(x, w_gate_up, out, impl: str | None = None) -> None:
 
 # ================================================================================================ add + RMSNorm + linear
 def fused_norm_geometry(n_cols: int, k: int, gated: bool = False) -> GemvGeometry:
-    """GEMV geometry of the fused add + RMSNorm path (one token): ``gemv_geometry``'s rows per warp and split, in
-    blocks of ``NORM_THREADS`` (the prologue's sum of squares then runs in norm's order), x staged (the prologue
-    writes it), ``k_split`` reduced until it divides the block's warps."""
+    """GEMV geometry of the fused add + RMSNorm path (one token): ``gemv_geometry``'s rows per warp, split and load
+    ring depth, in blocks of ``NORM_THREADS`` (the prologue's sum of squares then runs in norm's order), x staged
+    (the prologue writes it), ``k_split`` reduced until it divides the block's warps.  (Until session 4 the ring
+    depth was dropped here, so the fused projections ran a ring of 2 where ``GEMV_TUNED`` says 3-4 measured best.)"""
     geo = gemv_geometry(n_cols, k, 1, gated)
     warps = NORM_THREADS // WARP
     k_split = geo.k_split
     while warps % k_split:
         k_split //= 2
-    return GemvGeometry(rows_per_warp=geo.rows_per_warp, warps=warps, k_split=k_split, max_tokens=1)
+    return GemvGeometry(rows_per_warp=geo.rows_per_warp, warps=warps, k_split=k_split, max_tokens=1,
+                        stages=geo.stages, persistent=True)
 
 
 def _resident_blocks(n_tiles: int, geo: GemvGeometry) -> int:

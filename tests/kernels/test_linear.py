@@ -276,6 +276,15 @@ def test_gemv_triggers_same_bits(trigger, monkeypatch):
     assert np.array_equal(_fused(rb, None, wnb, wb, False, "qwen3", 1e-6, before_latency_bound=True)[3], fused)
 
 
+def test_fused_norm_geometry_keeps_the_ring_depth(monkeypatch):
+    """The fused path runs the tuned load ring (``GEMV_TUNED``'s stages), in blocks of ``NORM_THREADS``."""
+    tuned = GemvGeometry(rows_per_warp=4, warps=4, k_split=4, max_tokens=1, stages=5, persistent=True)
+    monkeypatch.setattr(lin, "gemv_geometry", lambda n, k, t, gated=False: tuned)
+    geo = lin.fused_norm_geometry(64, 2560)
+    assert (geo.stages, geo.rows_per_warp, geo.warps * 32, geo.persistent) == (5, 4, lin.NORM_THREADS, True)
+    assert geo.warps % geo.k_split == 0
+
+
 def test_gemv_bad_trigger_is_a_user_error(monkeypatch):
     from pegainfer.errors import PegainferError
     monkeypatch.setattr(lin, "GEMV_TRIGGER", "early")

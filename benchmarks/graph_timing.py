@@ -90,3 +90,21 @@ def time_eager(fn, launches: int, reps: int = 5) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e-3 / launches)
     return statistics.median(times)
+
+
+def last_decode_step(model_path: str, context: int):
+    """``(engine, step)``: an engine on ``model_path`` that has prefilled ``context`` random tokens and decoded a few
+    more, and ``step()``, which runs its last decode step again (forward + sampler) from the inputs still in the
+    runner's buffers: one token at position ~``context``, ready to be captured into a graph and timed."""
+    import numpy as np
+
+    from pegainfer.engine.engine import Engine
+    from pegainfer.engine.types import SamplingParams
+
+    engine = Engine.from_folder(model_path, 4096, max_batch=1)
+    prompt = np.random.default_rng(0).integers(0, min(engine.model.V, 10000), size=context).tolist()
+    engine.add_request("last_decode_step", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    runner = engine.runner
+    return engine, lambda: runner.forward_and_sample(1, 1, decode=True)

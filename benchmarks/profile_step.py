@@ -16,12 +16,9 @@ import re
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pegainfer  # noqa: F401,E402
-from pegainfer.engine.engine import Engine
-from pegainfer.engine.types import SamplingParams
+
 
 def short_name(name: str) -> str:
     """The Python function name of a numba kernel as the profiler shows it, demangled
@@ -83,17 +80,11 @@ def main() -> int:
         return 2
     from torch.profiler import ProfilerActivity, profile
 
-    from graph_timing import captured
+    from graph_timing import captured, last_decode_step
     from pegainfer.kernels.launch import on_stream
 
-    engine = Engine.from_folder(args.model_path, 4096, max_batch=1)
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(0, min(engine.model.V, 10000), size=args.context).tolist()
-    engine.add_request("profile", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
+    engine, step = last_decode_step(args.model_path, args.context)
     runner = engine.runner
-    step = lambda: runner.forward_and_sample(1, 1, decode=True)  # noqa: E731  (the last decode step's inputs, replayed)
     with on_stream(runner.stream), captured([step] * args.steps) as replay:
         replay()
         replay()

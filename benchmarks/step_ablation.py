@@ -11,12 +11,8 @@ import argparse
 import contextlib
 import json
 
-import numpy as np
-
 import pegainfer  # noqa: F401
-from graph_timing import time_calls
-from pegainfer.engine.engine import Engine
-from pegainfer.engine.types import SamplingParams
+from graph_timing import last_decode_step, time_calls
 from pegainfer.kernels import attention, embedding, rope, sampling
 from pegainfer.kernels.launch import on_stream
 
@@ -47,15 +43,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=128, help="tokens already in the KV cache")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    engine = Engine.from_folder(args.model_path, 4096, max_batch=1)
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(0, min(engine.model.V, 10000), size=args.context).tolist()
-    engine.add_request("ablation", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
-    # the runner's step buffers now hold the last decode step's inputs (one token at position ~context)
+    engine, step = last_decode_step(args.model_path, args.context)
     runner = engine.runner
-    step = lambda: runner.forward_and_sample(1, 1, decode=True)  # noqa: E731
     variants = [("full step", ()), ("- qk_norm_rope", ("qk_norm_rope",)), ("- attention", ("attention",)),
                 ("- qk_norm_rope - attention", ("qk_norm_rope", "attention")),
                 ("projections + norms only", ("qk_norm_rope", "attention", "embedding", "sampling"))]

@@ -54,6 +54,7 @@ import numpy as np
 from numba import cuda
 
 from pegainfer.device import SIMULATOR
+from pegainfer.kernels.gating import gated_value, sigmoid_gate_mul
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.primitives import (
     device_fn,
@@ -135,12 +136,13 @@ def _split_range(n_keys, split, num_splits, min_chunk):
 
 @functools.lru_cache(maxsize=None)
 def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, min_blocks: int = 0,
-                  decode: bool = False):
+                  decode: bool = False, gated: bool = False):
     """Build the split-K kernel for one shape (closure constants size the register fragments).  ``late_v``: load V
     after computing S (K's registers are then free: fewer registers, one more memory round trip per step);
     ``min_blocks``: launch bounds asking for that many resident blocks per SM (0: none); ``decode``: every token is
-    its sequence's newest, so only its own key and q come from the kernel before (the early loads below)."""
-    D, G, W, LATE_V, DECODE = head_dim, group, warps, late_v, decode
+    its sequence's newest, so only its own key and q come from the kernel before (the early loads below);
+    ``gated``: the output is scaled by Qwen3.5's sigmoid gate (``gating.gated_value``) as it is written."""
+    D, G, W, LATE_V, DECODE, GATED = head_dim, group, warps, late_v, decode, gated
     NT = 32 * W
     ROW_WORDS = D // 2
     KW = D // 8          # words of a q / K row per lane: lane t (= lane & 3) holds dims [t D/4, (t+1) D/4)
@@ -155,14 +157,15 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
 
     @jit
     def paged_attention_split_kernel(q32, k32, v32, block_tables, token_slots, positions, out, ws_acc, ws_m, ws_l,
-                                     counters, scale_log2, num_kv_heads, page_shift, num_splits, min_chunk):
+                                     counters, scale_log2, num_kv_heads, page_shift, num_splits, min_chunk, gate):
         """Attention of one (token, kv head, split) per block for the ``G`` q heads of that kv head, on tensor
         cores; the last block of a (token, kv head) to finish merges the splits (no second launch).
 
         q32 ``[T * nq * D/2]`` uint32 (bf16 pairs of q ``[T, nq, D]``); k32, v32 the caches as flat uint32; out
         ``[T * nq * D]`` uint16; ws_acc ``[T * nq * num_splits * D]``, ws_m, ws_l ``[T * nq * num_splits]`` f32;
         counters int32, zero at rest (entry ``-1 - (t * nkv + kvh)``, counted from the end); ``scale_log2`` =
-        scale * log2(e) (scores are kept in base-2 units); ``page_shift = log2(page_size)``.
+        scale * log2(e) (scores are kept in base-2 units); ``page_shift = log2(page_size)``; gate ``[T, row]`` bf16
+        (``gated``: q head ``h``'s gate at columns ``h·2D + D ..``, Qwen3.5's q_proj output; else unused).
 
         Geometry: grid-stride over ``num_splits * T * nkv`` work items (split slowest, so the splits that have work
         come first), ``32 * W`` threads.  Split ``s`` covers keys ``[s * chunk, (s+1) * chunk)`` of the token's
@@ -339,7 +342,10 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                     total += sm_w[h * W + w] * sm_o[(w * G + h) * D + i % D]
                 if n_active == 1:
                     lt = sm_tot[h]
-                    out[out0 + i] = f32_to_bf16(total / lt if lt > fzero else fzero)
+                    o = f32_to_bf16(total / lt if lt > fzero else fzero)
+                    if GATED:
+                        o = gated_value(o, gate[t, (head0 + h) * 2 * D + D + i % D])
+                    out[out0 + i] = o
                 else:
                     ws_acc[((t * nq + head0 + h) * num_splits + split) * D + i % D] = total
 
@@ -379,7 +385,10 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                         total = fzero
                         for sp in range(n_active):
                             total += sm_w[h * MAX_SPLITS + sp] * ws_acc[src + sp * D]
-                        out[out0 + i] = f32_to_bf16(total / sm_tot[h])
+                        o = f32_to_bf16(total / sm_tot[h])
+                        if GATED:
+                            o = gated_value(o, gate[t, (head0 + h) * 2 * D + D + i % D])
+                        out[out0 + i] = o
             cuda.syncthreads()                            # shared scratch is reused by the next work item
 
     return paged_attention_split_kernel
@@ -703,7 +712,7 @@ def _flat(a):
 
 def paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, workspace, *,
                     num_splits: int | None = None, min_split_tokens: int | None = None,
-                    method: str = "auto", decode: bool = False) -> None:
+                    method: str = "auto", decode: bool = False, gate=None) -> None:
     """``out[t, h] = bf16(softmax(scale * q[t, h] . K_slot^T) V_slot)`` over keys ``0 .. positions[t]`` of slot
     ``token_slots[t]`` (see the module docstring).
 
@@ -714,6 +723,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, o
     ``decode``: every token is its sequence's newest (a decode step), so of the cache only the key / value at
     ``positions[t]`` was written by the kernel before; the split-K kernel then reads the older ones before its PDL
     wait (``_split_kernel``).  Wrong when a token's earlier positions were stored in the same step (a prompt chunk).
+    ``gate``: Qwen3.5's q_proj output ``[T, row]`` (``row ≥ 2·nq·D``): the output is then
+    ``gating.sigmoid_gate_mul``'s ``bf16(attn · bf16(sigmoid(gate)))``, applied by the split-K kernel as it writes
+    (the tiled prefill kernel is followed by ``sigmoid_gate_mul``).
     """
     T, nq, D = q.shape
     num_pages, page_size, nkv, Dk = k_cache.shape
@@ -740,12 +752,18 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, o
     group = nq // nkv
     if method == "auto":
         method = "prefill" if T >= PREFILL_MIN_TOKENS and _prefill_supported(group) else "split"
+    if gate is not None and (gate.dtype != np.uint16 or gate.ndim != 2 or gate.shape[0] != T
+                             or gate.shape[1] < 2 * nq * D):
+        raise ValueError(f"gate must be uint16 [{T}, >= {2 * nq * D}], got {gate.dtype} {gate.shape}")
     if method == "prefill":
         _paged_attention_prefill(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale,
                                  T, nkv, D, group, page_size)
+        if gate is not None:
+            sigmoid_gate_mul(out, gate, out)
     else:
         _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, workspace,
-                               T, nq, nkv, D, group, page_size, num_splits, min_split_tokens, decode=decode)
+                               T, nq, nkv, D, group, page_size, num_splits, min_split_tokens, decode=decode,
+                               gate=gate)
 
 
 def _prefill_geometry(head_dim: int) -> tuple[int, int, bool]:
@@ -789,7 +807,7 @@ def _split_geometry(head_dim: int, group: int) -> tuple[int, bool, int]:
 
 def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, workspace,
                            T, nq, nkv, D, group, page_size, num_splits, min_split_tokens, geometry=None,
-                           decode=False):
+                           decode=False, gate=None):
     if group > 8:
         raise ValueError(f"the split-K kernel serves at most 8 q heads per kv head, got {group}")
     capacity = block_tables.shape[1] * page_size
@@ -810,12 +828,12 @@ def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, posit
         ws_acc = ws_m = ws_l = _flat(workspace) if workspace is not None else _dummy_f32()
         counters = ws_acc.view(np.int32)
     warps, late_v, min_blocks = geometry or _split_geometry(D, group)
-    kern = _split_kernel(D, group, warps, late_v, min_blocks, decode)
+    kern = _split_kernel(D, group, warps, late_v, min_blocks, decode, gate is not None)
     launch(kern, grid(num_splits * T * nkv, sim_cap=64), 32 * warps,
            _flat_u32(q), _flat_u32(k_cache), _flat_u32(v_cache), block_tables, token_slots, positions,
            _flat(out), ws_acc, ws_m, ws_l, counters, np.float32(scale * LOG2E), np.int32(nkv),
            np.int32(page_size.bit_length() - 1), np.int32(num_splits), np.int32(_min_chunk(min_split_tokens)),
-           name="paged_decode_attention" if decode else "paged_attention_split", pdl=True)
+           gate if gate is not None else q.reshape(T, nq * D), name="paged_decode_attention" if decode else "paged_attention_split", pdl=True)
 
 
 @functools.lru_cache(maxsize=None)

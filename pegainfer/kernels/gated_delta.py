@@ -75,6 +75,7 @@ into one kernel with bit-identical results; the three kernels stay for prompts a
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,8 +83,10 @@ import numpy as np
 from pegainfer.device import SIMULATOR
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.norm import inverse_rms
+from pegainfer.errors import PegainferError
 from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, cuda, device_fn, f32_to_bf16,
-                                          float32, grid, int32, kernel, math, pdl_prologue, threads, uint32, warp_sum)
+                                          float32, grid, grid_dependency_wait, int32, kernel, launch_dependents, math,
+                                          pdl_prologue, threads, uint32, warp_sum)
 
 uint64 = np.uint64
 
@@ -768,13 +771,25 @@ def _bounded_kernel(threads_per_block: int):
     return cuda.jit(cache=True, launch_bounds=(threads_per_block, 1))
 
 
+GDN_TRIGGER = os.environ.get("PEGAINFER_GDN_TRIGGER", "start")
+"""Where a decode-mode ``gated_delta_decode_step`` block lets the next kernel (out_proj's GEMV) launch (PDL):
+``start`` (before its early state loads) or ``end`` (after its last global load: the GEMV's blocks, which cannot
+share an SM with this kernel's, then take the GPU at once instead of some of them queueing behind it)."""
+
+
 @functools.cache
-def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per_thread: int):
+def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per_thread: int, decode: bool = False,
+                        trigger: str = "start"):
     """Build the fused decode step for heads of ``key_dim × value_dim``, ``row_groups`` key-row classes (the
     summation order of ``gated_delta_recurrent`` with that many warps) and ``tiles_per_thread`` 32-column tiles
     per thread.  All four are compile-time constants: the per-thread state is a register array of
     ``ceil(Dk / row_groups) · tiles_per_thread`` f32 whose loops unroll, and with the head dims known every
-    state element's address is one base register plus an immediate offset."""
+    state element's address is one base register plus an immediate offset.  ``decode``: every sequence is one
+    token and sequence ``b`` is token ``b`` (the PDL early loads below); ``trigger``: ``GDN_TRIGGER``."""
+    if trigger not in ("start", "end"):
+        raise PegainferError(f"gated-delta trigger {trigger!r} (PEGAINFER_GDN_TRIGGER) is not one of: start, end")
+    DECODE = decode
+    LATE_TRIGGER = decode and trigger == "end"
     KD = key_dim
     VD = value_dim
     R = row_groups
@@ -790,7 +805,7 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
 
     @_bounded_kernel(NT)
     def gated_delta_decode_step_kernel(x, conv_weight, conv_state, z, a, b, a_log, dt_bias, norm_weight, eps,
-                                       ssm_state, slot_ids, token_offsets, positions, out):
+                                       ssm_state, slot_ids, token_offsets, positions, token_slots, out):
         """One Gated DeltaNet step after in_proj, for sequences of one token: conv + SiLU, the delta rule and the
         gated RMSNorm in one launch, bit-identical to ``causal_conv1d_silu`` → ``gated_delta_recurrent`` (with
         ``row_groups`` warps) → ``gated_rms_norm``.
@@ -858,6 +873,17 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
         u_col = uint64(first_col)
         num_seqs = slot_ids.shape[0]
 
+        early = DECODE and cuda.blockIdx.x < num_seqs * num_v_heads and token_slots[cuda.blockIdx.x // num_v_heads] >= 0
+        if early:   # the block's first item (a one-token sequence): its state, before the wait
+            base = uint64(((token_slots[cuda.blockIdx.x // num_v_heads] * num_v_heads + cuda.blockIdx.x % num_v_heads)
+                           * KD + row_class) * VD + first_col)
+            for m in range(TPT):
+                for i in range(ROWS):
+                    if (ALL_COLS or first_col + m * WARP < VD) and (ALL_ROWS or row_class + R * i < KD):
+                        state[m * ROWS + i] = ssm_state[base + uint64(R * i * VD + m * WARP)]
+        if DECODE:
+            grid_dependency_wait()
+
         # padding rows: the rule's zeros through the gated norm
         first_pad = token_offsets[num_seqs]
         width = out.shape[1]
@@ -886,7 +912,8 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                 t = start + step % n
                 # this thread's S[row_class + R·i, first_col + 32·m] sits at base + R·i·Dv + 32·m
                 base = uint64(((slot * num_v_heads + h) * KD + row_class) * VD + first_col)
-                if t == start:  # the head's first token: its state into registers, ahead of the conv
+                if t == start and not (early and item == cuda.blockIdx.x):  # the head's first token: its state
+                    # into registers, ahead of the conv (unless loaded before the wait)
                     for m in range(TPT):
                         for i in range(ROWS):
                             if (ALL_COLS or first_col + m * WARP < VD) and (ALL_ROWS or row_class + R * i < KD):
@@ -975,6 +1002,8 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                         col = h * VD + j
                         out[t, col] = gated_norm_value(o_s[uint64(j)], inv_rms, norm_weight[j], z[t, col])
 
+                if LATE_TRIGGER:
+                    launch_dependents()     # every load of this block is done (a decode block has one item)
                 if t == start + n - 1:  # the head's last token: its state back
                     for m in range(TPT):
                         for i in range(ROWS):
@@ -996,14 +1025,19 @@ spills for sm_90).  Two tiles (512 threads, 32 values each) would have to fit 12
 
 def gated_delta_decode_step(x, conv_weight, conv_state, z, a, b, a_log, dt_bias, norm_weight, eps: float,
                             ssm_state, slot_ids, token_offsets, positions, out, row_groups: int = RULE_WARPS,
-                            tiles_per_thread: int = DECODE_TILES_PER_THREAD) -> None:
+                            tiles_per_thread: int = DECODE_TILES_PER_THREAD, decode_token_slots=None) -> None:
     """The whole Gated DeltaNet step between in_proj and out_proj for a decode batch, in one launch:
     ``out = RMSNormGated(rule(silu(conv(x))), z)``, updating ``conv_state`` and ``ssm_state`` of ``slot_ids``.
 
     Shapes as in ``gated_delta_decode_step_kernel``, except ``ssm_state`` ``[slots, Hv, Dk, Dv]`` (contiguous).
     Bit-identical to ``causal_conv1d_silu`` → ``gated_delta_recurrent(warps=row_groups)`` → ``gated_rms_norm``
     (``row_groups`` is a test knob: keep the default, the recurrent kernel's own).  Meant for one token per
-    sequence; longer sequences are exact but run one block per key head."""
+    sequence; longer sequences are exact but run one block per key head.
+
+    ``decode_token_slots`` (``[tokens]`` int32, the step's per-token slots as the host wrote them): the batch is a
+    decode step -- one token per sequence, sequence ``b`` = token ``b``, padding tokens (slot -1) last -- and the
+    kernel reads each block's state before waiting for the projection (launched with PDL as
+    ``gated_delta_decode_step``)."""
     _check_rule_args(x, a, b, a_log, dt_bias, ssm_state, slot_ids, token_offsets, out)
     for arr, ndim in ((conv_weight, 2), (conv_state, 3), (z, 2), (norm_weight, 1)):
         _check_bf16(arr, ndim)
@@ -1021,10 +1055,15 @@ def gated_delta_decode_step(x, conv_weight, conv_state, z, a, b, a_log, dt_bias,
     assert 1 <= row_groups and 1 <= tiles_per_thread and warps <= MAX_WARPS, (row_groups, tiles_per_thread)
     if num_tokens == 0:
         return
-    launch(_decode_step_kernel(key_dim, value_dim, row_groups, tiles_per_thread),
+    decode = decode_token_slots is not None
+    if decode:
+        assert decode_token_slots.dtype == np.int32 and decode_token_slots.shape == (num_tokens,)
+        assert slot_ids.shape[0] == num_tokens, "a decode step has one sequence per token"
+    launch(_decode_step_kernel(key_dim, value_dim, row_groups, tiles_per_thread, decode, GDN_TRIGGER),
            grid(max(1, slot_ids.shape[0] * num_v_heads), sim_cap=8), warps * WARP, x, conv_weight, conv_state, z,
            a, b, a_log, dt_bias, norm_weight, np.float32(eps), ssm_state.reshape(ssm_state.size), slot_ids,
-           token_offsets, positions, out, pdl=True)
+           token_offsets, positions, decode_token_slots if decode else slot_ids, out,
+           name="gated_delta_decode_step" if decode else None, pdl=True)
 
 
 # ------------------------------------------------------------------------------------------------ state slots

@@ -14,7 +14,17 @@ from __future__ import annotations
 import numpy as np
 
 from pegainfer.kernels.launch import launch
-from pegainfer.kernels.primitives import pdl_prologue, bf16_to_f32, cuda, f32_to_bf16, float32, grid, kernel, math, threads
+from pegainfer.kernels.primitives import (bf16_to_f32, cuda, device_fn, f32_to_bf16, float32, grid, kernel, math,
+                                          pdl_prologue, threads)
+
+
+@device_fn
+def gated_value(attn_bits, gate_bits):
+    """``bf16(attn · bf16(sigmoid(gate)))`` for one element (bf16 bits in and out): the gate's rounding above.
+    Also the output epilogue of the split-K attention kernel (``attention.paged_attention(..., gate=)``)."""
+    gate = bf16_to_f32(gate_bits)
+    sig = bf16_to_f32(f32_to_bf16(float32(1.0) / (float32(1.0) + float32(math.exp(-gate)))))
+    return f32_to_bf16(bf16_to_f32(attn_bits) * sig)
 
 
 @kernel
@@ -35,9 +45,7 @@ def sigmoid_gate_mul_kernel(attn, qg, out):
         d = idx % dim
         h = (idx // dim) % heads
         t = idx // (dim * heads)
-        gate = bf16_to_f32(qg[t, h * 2 * dim + dim + d])
-        sig = bf16_to_f32(f32_to_bf16(float32(1.0) / (float32(1.0) + float32(math.exp(-gate)))))
-        out[t, h, d] = f32_to_bf16(bf16_to_f32(attn[t, h, d]) * sig)
+        out[t, h, d] = gated_value(attn[t, h, d], qg[t, h * 2 * dim + dim + d])
 
 
 def sigmoid_gate_mul(attn, qg, out) -> None:

@@ -836,7 +836,11 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
         raise PegainferError(f"GEMV trigger {trigger!r} (PEGAINFER_GEMV_TRIGGER / PEGAINFER_GEMV_TRIGGER_LB) is not "
                              f"one of {', '.join(GEMV_TRIGGERS)}: set one of those or unset the variable")
     kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs, trigger)
-    launch(kern, _resident_blocks(n_tiles, geo), geo.warps * WARP, *args, np.float32(eps), np.float32(weight_offset),
+    # the fused norm prologue runs once per block, so that path is always persistent; a bare projection may take one
+    # block per tile (``persistent=False``: the hardware scheduler balances blocks, e.g. when a kernel still
+    # running holds some SMs that a persistent grid counts on)
+    blocks = _resident_blocks(n_tiles, geo) if geo.persistent or x is None else grid(n_tiles, sim_cap=2)
+    launch(kern, blocks, geo.warps * WARP, *args, np.float32(eps), np.float32(weight_offset),
            bool(round_before_weight), delta is not None, shared=shared,
            name="gemv_add_rms_norm" if x is None else "gemv", pdl=True)
 

@@ -19,7 +19,7 @@ the others are **full attention** (HF ``Qwen3_5Attention``) with a sigmoid outpu
 
     qkv    = normed @ [W_q (q and gate interleaved per head); W_k; W_v]^T
     q, K, V= rope(rms_norm_head(q)), rope(rms_norm_head(k)), v → paged KV cache (rope.qk_norm_rope_store)
-    attn   = softmax(q K^T / sqrt(D)) V · sigmoid(gate)                  (attention, gating.sigmoid_gate_mul)
+    attn   = softmax(q K^T / sqrt(D)) V · sigmoid(gate)      (attention; the split-K kernel gates as it writes)
     delta  = attn @ W_o^T
 
 and every layer ends with the SwiGLU MLP.  All RMSNorms except the gated one are Qwen3.5's ``x·r·(1 + w)`` form.
@@ -224,7 +224,8 @@ class Qwen35Model(DecoderModel):
             if i in full_index:
                 self._full_attention(full_index[i], lw, delta, T, pos, slots, block_tables, decode)
             else:
-                self._linear_attention(linear_index[i], lw, delta, T, pos, seq_slots, seq_offsets, token_by_token)
+                self._linear_attention(linear_index[i], lw, delta, T, pos, seq_slots, seq_offsets, token_by_token,
+                                       slots if decode else None)
             linear.linear_add_rms_norm(residual, delta, lw["post_ln"], eps, spare, lw["gate_up"], act, gated=True,
                                        normed_out=normed, **QWEN35_NORM)
             residual, spare = spare, residual
@@ -248,16 +249,17 @@ class Qwen35Model(DecoderModel):
                                 block_tables, self.k_cache[j], self.v_cache[j], q, self.cfg.rms_norm_eps,
                                 self.rotary_dim, q_head_stride=2 * self.D, **QWEN35_NORM)
         attention.paged_attention(q, self.k_cache[j], self.v_cache[j], block_tables, slots, pos, attn,
-                                  1.0 / math.sqrt(self.D), self.attn_workspace, decode=decode)
-        gating.sigmoid_gate_mul(attn, qkv, attn)
+                                  1.0 / math.sqrt(self.D), self.attn_workspace, decode=decode, gate=qkv)
         attn_flat = self.attn.reshape(self.max_tokens, self.nq * self.D)[:T]
         linear.linear(attn_flat, lw["o"], delta)
 
-    def _linear_attention(self, j, lw, delta, T, pos, seq_slots, seq_offsets, token_by_token) -> None:
+    def _linear_attention(self, j, lw, delta, T, pos, seq_slots, seq_offsets, token_by_token,
+                          decode_slots=None) -> None:
         """Gated DeltaNet of one layer (its fused qkv/z/b/a projection already in ``self.proj``):
         ``delta = RMSNormGated(rule(silu(conv(qkv))), z) @ W_out^T``.  Token by token (decode, or a prompt scored
         row by row): conv, rule and gated norm in one launch (``gated_delta_decode_step``); prompt chunks: the
-        conv, the chunked rule and the gated norm."""
+        conv, the chunked rule and the gated norm.  ``decode_slots``: the step's token slots when it is a decode step
+        (the fused step then reads its state before waiting for the projection)."""
         cd, vd, hv = self.conv_dim, self.value_dim, self.Hv
         proj, mixed, core = self.proj[:T], self.mixed[:T], self.core[:T]
         qkv_in, z = proj[:, :cd], proj[:, cd:cd + vd]
@@ -266,7 +268,7 @@ class Qwen35Model(DecoderModel):
         if token_by_token:
             gated_delta.gated_delta_decode_step(qkv_in, lw["conv_w"], self.conv_state[j], z, a, b, lw["A_log"],
                                                 lw["dt_bias"], lw["norm"], eps, self.ssm_state[j], seq_slots,
-                                                seq_offsets, pos, core)
+                                                seq_offsets, pos, core, decode_token_slots=decode_slots)
         else:
             gated_delta.causal_conv1d_silu(qkv_in, lw["conv_w"], self.conv_state[j], seq_slots, seq_offsets, pos,
                                            mixed, max_seq_tokens=T, tokens_per_thread=PREFILL_CONV_TOKENS_PER_THREAD)

@@ -8,6 +8,7 @@ import pegainfer  # noqa: F401  (before numba)
 from numba import cuda
 
 from pegainfer.kernels.attention import attention_workspace_size, paged_attention
+from pegainfer.kernels.gating import sigmoid_gate_mul
 from tests.util import bf16_randn, rel_l2
 
 PAGE = 4
@@ -145,6 +146,28 @@ def test_decode_mode_bit_identical(head_dim, num_splits, min_split):
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
+def gated_equals_attention_then_gate(nq, nkv, head_dim, slots, positions, **kwargs):
+    """``paged_attention(..., gate=qg)`` against ``paged_attention`` followed by ``sigmoid_gate_mul``: the same bits
+    (same seed, so the same q and cache)."""
+    T = len(slots)
+    qg_bits, _ = bf16_randn((T, 2 * nq * head_dim + 8), np.random.default_rng(11), scale=2.0)
+    plain, _ = run_attention(np.random.default_rng(5), nq, nkv, head_dim, slots, positions, **kwargs)
+    gated, want = run_attention(np.random.default_rng(5), nq, nkv, head_dim, slots, positions,
+                                gate=cuda.to_device(qg_bits), **kwargs)
+    d_plain = cuda.to_device((plain.view(np.uint32) >> 16).astype(np.uint16))
+    sigmoid_gate_mul(d_plain, cuda.to_device(qg_bits), d_plain)
+    np.testing.assert_array_equal((gated.view(np.uint32) >> 16).astype(np.uint16), d_plain.copy_to_host())
+    assert rel_l2(plain, want) <= 1e-2
+
+
+@pytest.mark.parametrize("method,num_splits,decode", [("split", 1, True), ("split", 3, False), ("prefill", None, False)])
+def test_sigmoid_gate_epilogue(method, num_splits, decode):
+    """Qwen3.5's output gate applied by the attention call (the split-K kernel as it writes, one split or merged
+    from several; the prefill path through ``sigmoid_gate_mul``) gives the bits of the separate gate kernel."""
+    gated_equals_attention_then_gate(4, 2, 16, slots=[1, 0], positions=[9, 3], num_splits=num_splits,
+                                     min_split_tokens=PAGE if num_splits else None, method=method, decode=decode)
+
+
 @pytest.mark.parametrize("head_dim", [16, 32])
 def test_split_k_many_splits_repeated(rng, head_dim):
     """Several splits of 4 keys merged by the last block, twice on the same workspace (its counters must be back at
@@ -223,6 +246,15 @@ def test_gpu_decode_long_context(nq, nkv, head_dim, num_tokens, decode):
     got, want = run_attention(rng, nq, nkv, head_dim, slots=slots, positions=positions, num_slots=3,
                               max_pages=max_pages, num_pages=3 * max_pages + 7, page_size=page_size, decode=decode)
     assert rel_l2(got, want) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("positions", [[127], [4095]])
+def test_gpu_sigmoid_gate_epilogue_qwen35(positions):
+    """The gated decode attention at Qwen3.5-4B's full-attention shape (16 q / 4 kv heads of 256), one split and
+    several: the bits of attention followed by ``sigmoid_gate_mul``."""
+    gated_equals_attention_then_gate(16, 4, 256, slots=[0], positions=positions, num_slots=1, max_pages=260,
+                                     num_pages=267, page_size=16, decode=True)
 
 
 @pytest.mark.gpu

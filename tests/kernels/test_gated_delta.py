@@ -331,9 +331,10 @@ def decode_inputs(rng, layer, num_tokens):
             bf16_randn((num_tokens, layer["num_v_heads"]), rng, scale=2.0)[0])
 
 
-def run_linear_step(fused, layer, ring, state, inputs, table, positions, row_groups=None):
+def run_linear_step(fused, layer, ring, state, inputs, table, positions, row_groups=None, decode_slots=None):
     """One Gated DeltaNet step from host ``ring`` [slots, C, K] / ``state`` [slots, Hv, Dk, Dv]: the fused decode
-    step, or conv → recurrent rule → gated norm (``row_groups`` warps); returns the new (ring, state, out)."""
+    step (``decode_slots``: in decode mode, given the per-token slots), or conv → recurrent rule → gated norm
+    (``row_groups`` warps); returns the new (ring, state, out)."""
     x, z, a, b = (cuda.to_device(v) for v in inputs)
     slot_ids, token_offsets = table
     d_ring, d_state = cuda.to_device(ring), cuda.to_device(state)
@@ -341,6 +342,8 @@ def run_linear_step(fused, layer, ring, state, inputs, table, positions, row_gro
     out = cuda.to_device(np.full((num_tokens, z.shape[1]), 0x1234, np.uint16))
     conv_w, norm_w, a_log, dt_bias = (cuda.to_device(layer[k]) for k in ("conv_w", "norm_w", "a_log", "dt_bias"))
     groups = {} if row_groups is None else dict(row_groups=row_groups)
+    if decode_slots is not None:
+        groups["decode_token_slots"] = cuda.to_device(np.asarray(decode_slots, np.int32))
     if fused:
         gated_delta_decode_step(x, conv_w, d_ring, z, a, b, a_log, dt_bias, norm_w, EPS, d_state, slot_ids,
                                 token_offsets, positions, out, **groups)
@@ -354,10 +357,11 @@ def run_linear_step(fused, layer, ring, state, inputs, table, positions, row_gro
     return d_ring.copy_to_host(), d_state.copy_to_host(), out.copy_to_host()
 
 
-def assert_fused_equals_three_kernels(layer, ring, state, inputs, table, positions, row_groups=None, label=""):
+def assert_fused_equals_three_kernels(layer, ring, state, inputs, table, positions, row_groups=None, label="",
+                                      decode_slots=None):
     """Run the fused step and conv → recurrent rule → gated norm on the same inputs; the new ring, state and
     output must be equal bit for bit.  Returns the fused step's (ring, state, out)."""
-    fused = run_linear_step(True, layer, ring, state, inputs, table, positions, row_groups)
+    fused = run_linear_step(True, layer, ring, state, inputs, table, positions, row_groups, decode_slots)
     ref = run_linear_step(False, layer, ring, state, inputs, table, positions, row_groups)
     for name, got, want in zip(("conv ring", "delta-rule state", "output"), fused, ref):
         np.testing.assert_array_equal(got, want, err_msg=f"{label}{name}")
@@ -389,7 +393,8 @@ def test_decode_step_equals_conv_rule_norm(rng, key_dim, value_dim, row_groups):
     step.  Positions start at 0 (no history: ring entries must not be read), 2 (< K-1) and 9 (> K), so the ring
     wraps; the last step is padded to a larger batch (slot -1 tokens: the padding rows must match too).  The first
     step is also checked against float64.  ``row_groups``: the fused step against the recurrent kernel with that many
-    warps (the simulator's default is one), in two steps."""
+    warps (the simulator's default is one), in two steps.  With the default, steps 1 and 3 run the fused step in
+    decode mode (state read before the PDL wait from the per-token slots; step 3 with padding tokens)."""
     layer = make_decode_layer(rng, key_dim=key_dim, value_dim=value_dim)
     num_slots, taps = 6, 4
     conv_dim = layer["conv_w"].shape[0]
@@ -404,8 +409,9 @@ def test_decode_step_equals_conv_rule_norm(rng, key_dim, value_dim, row_groups):
         table = _table(token_slots, len(token_slots))
         positions = cuda.to_device(np.r_[first_pos + step, [0, 0][:len(token_slots) - 3]].astype(np.int32))
         inputs = decode_inputs(rng, layer, len(token_slots))
+        decode_slots = token_slots if row_groups is None and step % 2 else None
         fused = assert_fused_equals_three_kernels(layer, *carried, inputs, table, positions, row_groups,
-                                                  label=f"step {step}: ")
+                                                  label=f"step {step}: ", decode_slots=decode_slots)
         if step == 0:
             got = from_bf16_bits(fused[2]).astype(np.float64)
             for r, slot in enumerate(slots):
@@ -719,10 +725,11 @@ def test_gpu_gated_rms_norm_qwen35_shapes(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lengths", [[1, 1, 1, 1], [1, 9, 0, 2]])
-def test_gpu_fused_decode_step_qwen35_shapes(rng, lengths):
+@pytest.mark.parametrize("lengths,decode", [([1, 1, 1, 1], False), ([1, 1, 1, 1], True), ([1, 9, 0, 2], False)])
+def test_gpu_fused_decode_step_qwen35_shapes(rng, lengths, decode):
     """Qwen3.5-4B shapes on the GPU (where FMA contraction and the compiled code could differ): the fused step equals
-    conv → recurrent rule → gated norm bit for bit, for a decode batch and for sequences of several tokens."""
+    conv → recurrent rule → gated norm bit for bit, for a decode batch (also in decode mode: state loaded before
+    the PDL wait) and for sequences of several tokens."""
     layer = make_decode_layer(rng, **QWEN35_4B)
     conv_dim = layer["conv_w"].shape[0]
     ring = bf16_randn((8, conv_dim, 4), rng)[0]
@@ -731,4 +738,5 @@ def test_gpu_fused_decode_step_qwen35_shapes(rng, lengths):
     slot_ids, token_offsets, _ = sequences(lengths, slots)
     positions = positions_of(lengths, first_pos)
     inputs = decode_inputs(rng, layer, sum(lengths))
-    assert_fused_equals_three_kernels(layer, ring, state, inputs, (slot_ids, token_offsets), positions)
+    assert_fused_equals_three_kernels(layer, ring, state, inputs, (slot_ids, token_offsets), positions,
+                                      decode_slots=slots if decode else None)

@@ -86,7 +86,7 @@ from pegainfer.kernels.norm import inverse_rms
 from pegainfer.errors import PegainferError
 from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, cuda, device_fn, f32_to_bf16,
                                           float32, grid, grid_dependency_wait, int32, kernel, launch_dependents, math,
-                                          pdl_prologue, threads, uint32, warp_sum)
+                                          pdl_prologue, threads, uint16, uint32, warp_sum)
 
 uint64 = np.uint64
 
@@ -142,14 +142,15 @@ def inverse_l2_norm(sum_squares):
 
 
 @device_fn
-def token_gates(lane_ssq, lane_ssk, q_scale, a, b, a_log, dt_bias, t, h):
-    """What the delta rule needs besides q, k, v for token ``t`` and value head ``h``, from each lane's partial
-    sums of q² and k²: ``(q_mul, k_mul, decay, beta)`` = (l2norm factor of q times ``q_scale``, l2norm factor of k,
+def token_gates(lane_ssq, lane_ssk, q_scale, a_bits, b_bits, a_log_h, dt_bias_h):
+    """What the delta rule needs besides q, k, v for a token and value head ``h`` (``a_bits``, ``b_bits``: its
+    ``a[t, h]``, ``b[t, h]``; ``a_log_h``, ``dt_bias_h``: head ``h``'s parameters), from each lane's partial sums of
+    q² and k²: ``(q_mul, k_mul, decay, beta)`` = (l2norm factor of q times ``q_scale``, l2norm factor of k,
     ``exp(g)``, ``beta``).  Every lane of the warp calls it (a warp reduction) and gets the same values."""
     q_mul = inverse_l2_norm(warp_sum(lane_ssq)) * q_scale
     k_mul = inverse_l2_norm(warp_sum(lane_ssk))
-    decay = float32(math.exp(log_decay(a[t, h], a_log[h], dt_bias[h])))
-    return q_mul, k_mul, decay, write_strength(b[t, h])
+    decay = float32(math.exp(log_decay(a_bits, a_log_h, dt_bias_h)))
+    return q_mul, k_mul, decay, write_strength(b_bits)
 
 
 @device_fn
@@ -194,6 +195,12 @@ def conv_silu(x, weight, conv_state, slot, c, start, i, first_pos):
         else:
             v = float32(0.0)
         acc += bf16_to_f32(weight[c, k]) * v
+    return conv_output(acc)
+
+
+@device_fn
+def conv_output(acc):
+    """``bf16(silu(bf16(acc)))`` of a conv sum ``acc`` (f32), as bf16 bits: HF's two roundings."""
     return f32_to_bf16(silu(bf16_to_f32(f32_to_bf16(acc))))
 
 
@@ -335,7 +342,7 @@ def gated_delta_recurrent_kernel(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids,
                 kv = bf16_to_f32(qkv[t, k_off + d])
                 ssq += qv * qv
                 ssk += kv * kv
-            q_mul, k_mul, decay, beta = token_gates(ssq, ssk, q_scale, a, b, a_log, dt_bias, t, h)
+            q_mul, k_mul, decay, beta = token_gates(ssq, ssk, q_scale, a[t, h], b[t, h], a_log[h], dt_bias[h])
 
             # pass 1: kv_mem = (S·decay)ᵀ k
             acc = float32(0.0)
@@ -779,13 +786,14 @@ share an SM with this kernel's, then take the GPU at once instead of some of the
 
 @functools.cache
 def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per_thread: int, decode: bool = False,
-                        trigger: str = "start"):
+                        trigger: str = "start", taps: int = 4):
     """Build the fused decode step for heads of ``key_dim × value_dim``, ``row_groups`` key-row classes (the
     summation order of ``gated_delta_recurrent`` with that many warps) and ``tiles_per_thread`` 32-column tiles
     per thread.  All four are compile-time constants: the per-thread state is a register array of
     ``ceil(Dk / row_groups) · tiles_per_thread`` f32 whose loops unroll, and with the head dims known every
     state element's address is one base register plus an immediate offset.  ``decode``: every sequence is one
-    token and sequence ``b`` is token ``b`` (the PDL early loads below); ``trigger``: ``GDN_TRIGGER``."""
+    token and sequence ``b`` is token ``b`` (the PDL early loads below); ``trigger``: ``GDN_TRIGGER``; ``taps``: the
+    conv's kernel size (decode mode holds a thread's conv weights and older inputs in registers)."""
     if trigger not in ("start", "end"):
         raise PegainferError(f"gated-delta trigger {trigger!r} (PEGAINFER_GDN_TRIGGER) is not one of: start, end")
     DECODE = decode
@@ -802,6 +810,31 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
     CONV_CHANNELS = 2 * KD + VD          # the q, k channels of a key head and the v channels of a value head
     ALL_ROWS = KD % R == 0               # every thread's rows / columns exist: no guards (Qwen3.5: both)
     ALL_COLS = VD % (TPT * WARP) == 0
+    TAPS = taps
+    CONV_ROUNDS = -(-CONV_CHANNELS // NT)   # conv channels per thread (block-strided)
+    CONV_REGS = CONV_ROUNDS * TAPS
+    OUT_ROUNDS = -(-VD // NT)               # output columns per thread (block-strided)
+
+    @device_fn
+    def decode_prefetch(conv_weight, conv_state, norm_weight, slot, pos, h, hk, k_base, v_base, wts, hist, nw):
+        """Decode mode: what this thread's conv channels and output columns need besides the projection's
+        outputs -- the conv weights ``wts[r·K + k]``, the ring's older inputs ``hist[r·K + k]`` (``k < K-1``:
+        positions ``pos - (K-1) + k``, zero below 0) and the norm weights ``nw[r]`` -- all read by no kernel of the
+        step, so they may be loaded before the PDL wait."""
+        tid = cuda.threadIdx.x
+        for r in range(CONV_ROUNDS):
+            c = r * NT + tid
+            if c < CONV_CHANNELS:
+                ch = _head_channel(c, hk, h, KD, VD, k_base, v_base)
+                for k in range(TAPS):
+                    wts[r * TAPS + k] = conv_weight[ch, k]
+                    p = pos - (TAPS - 1) + k
+                    if k < TAPS - 1:
+                        hist[r * TAPS + k] = conv_state[slot, ch, p % TAPS] if p >= 0 else uint16(0)
+        for r in range(OUT_ROUNDS):
+            j = r * NT + tid
+            if j < VD:
+                nw[r] = norm_weight[j]
 
     @_bounded_kernel(NT)
     def gated_delta_decode_step_kernel(x, conv_weight, conv_state, z, a, b, a_log, dt_bias, norm_weight, eps,
@@ -841,8 +874,20 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
         harmless.  A longer sequence would overwrite entries the other block may still read, so for ``n > 1``
         tokens the block of the first value head of each key head does all of them (the others skip) and writes
         the ring last.
+
+        PDL: without ``decode`` the kernel lets the next one launch and waits for the previous one at its start.
+        With ``decode`` (a decode step: sequence ``b`` is token ``b``, its slot ``token_slots[b]`` and position
+        ``positions[b]``, which the host wrote before the step; ``slot_ids`` / ``token_offsets`` are then not read)
+        a block first loads what no kernel of the step writes for its first item -- its state, its conv weights and
+        older ring inputs, the norm weights -- into registers, then waits for the projection and issues its loads
+        of ``x``, ``a``, ``b`` and ``z`` together: one memory round trip after the wait.  It lets the next kernel
+        launch at its start or after its last load (``trigger``).
         """
-        pdl_prologue()
+        if DECODE:
+            if not LATE_TRIGGER:
+                launch_dependents()
+        else:
+            pdl_prologue()
         num_v_heads = a_log.shape[0]
         num_k_heads = (x.shape[1] - num_v_heads * VD) // (2 * KD)
         heads_per_key = num_v_heads // num_k_heads
@@ -873,37 +918,62 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
         u_col = uint64(first_col)
         num_seqs = slot_ids.shape[0]
 
-        early = DECODE and cuda.blockIdx.x < num_seqs * num_v_heads and token_slots[cuda.blockIdx.x // num_v_heads] >= 0
-        if early:   # the block's first item (a one-token sequence): its state, before the wait
-            base = uint64(((token_slots[cuda.blockIdx.x // num_v_heads] * num_v_heads + cuda.blockIdx.x % num_v_heads)
-                           * KD + row_class) * VD + first_col)
-            for m in range(TPT):
-                for i in range(ROWS):
-                    if (ALL_COLS or first_col + m * WARP < VD) and (ALL_ROWS or row_class + R * i < KD):
-                        state[m * ROWS + i] = ssm_state[base + uint64(R * i * VD + m * WARP)]
-        if DECODE:
-            grid_dependency_wait()
-
-        # padding rows: the rule's zeros through the gated norm
-        first_pad = token_offsets[num_seqs]
-        width = out.shape[1]
+        wts = cuda.local.array(CONV_REGS, uint16)     # decode: this thread's conv weights [round, tap]
+        hist = cuda.local.array(CONV_REGS, uint16)    # decode: their older inputs (taps < K-1)
+        xin = cuda.local.array(CONV_ROUNDS, uint16)   # decode: this token's inputs of those channels
+        zin = cuda.local.array(OUT_ROUNDS, uint16)    # decode: z of this thread's output columns
+        nw = cuda.local.array(OUT_ROUNDS, uint16)     # decode: their norm weights
         inv_rms_zero = inverse_rms(float32(0.0), VD, eps)
-        for idx in range(cuda.blockIdx.x * NT + tid, (out.shape[0] - first_pad) * width, cuda.gridDim.x * NT):
-            row = first_pad + idx // width
-            col = idx % width
-            out[row, col] = gated_norm_value(float32(0.0), inv_rms_zero, norm_weight[col % VD], z[row, col])
+
+        pre = False  # decode: the block's first item was loaded before the wait
+        if DECODE:
+            if cuda.blockIdx.x < num_seqs * num_v_heads:
+                pre_seq = cuda.blockIdx.x // num_v_heads
+                pre_slot = token_slots[pre_seq]
+                if pre_slot >= 0:
+                    pre = True
+                    pre_h = cuda.blockIdx.x % num_v_heads
+                    base = uint64(((pre_slot * num_v_heads + pre_h) * KD + row_class) * VD + first_col)
+                    for m in range(TPT):
+                        for i in range(ROWS):
+                            if (ALL_COLS or first_col + m * WARP < VD) and (ALL_ROWS or row_class + R * i < KD):
+                                state[m * ROWS + i] = ssm_state[base + uint64(R * i * VD + m * WARP)]
+                    decode_prefetch(conv_weight, conv_state, norm_weight, pre_slot, positions[pre_seq], pre_h,
+                                    pre_h // heads_per_key, k_base, v_base, wts, hist, nw)
+            grid_dependency_wait()
+        else:
+            # padding rows: the rule's zeros through the gated norm
+            first_pad = token_offsets[num_seqs]
+            width = out.shape[1]
+            for idx in range(cuda.blockIdx.x * NT + tid, (out.shape[0] - first_pad) * width, cuda.gridDim.x * NT):
+                row = first_pad + idx // width
+                col = idx % width
+                out[row, col] = gated_norm_value(float32(0.0), inv_rms_zero, norm_weight[col % VD], z[row, col])
 
         for item in range(cuda.blockIdx.x, num_seqs * num_v_heads, cuda.gridDim.x):
             first_head = item % num_v_heads
             seq = item // num_v_heads
-            start = token_offsets[seq]
-            n = token_offsets[seq + 1] - start
             heads = 1
-            if n > 1:
-                heads = heads_per_key if first_head % heads_per_key == 0 else 0
-            if n <= 0 or heads == 0:
-                continue  # uniform across the block: an empty sequence leaves its slot alone
-            slot = slot_ids[seq]
+            if DECODE:
+                slot = token_slots[seq]
+                if slot < 0:  # a padding token: the rule's zeros through the gated norm
+                    for r in range(OUT_ROUNDS):
+                        j = r * NT + tid
+                        if j < VD:
+                            col = first_head * VD + j
+                            out[seq, col] = gated_norm_value(float32(0.0), inv_rms_zero, norm_weight[j],
+                                                             z[seq, col])
+                    continue
+                start = seq
+                n = 1
+            else:
+                start = token_offsets[seq]
+                n = token_offsets[seq + 1] - start
+                if n > 1:
+                    heads = heads_per_key if first_head % heads_per_key == 0 else 0
+                if n <= 0 or heads == 0:
+                    continue  # uniform across the block: an empty sequence leaves its slot alone
+                slot = slot_ids[seq]
             first_pos = positions[start]
             hk = first_head // heads_per_key
             # one (head, token) per step: a single step for a decode token
@@ -912,23 +982,49 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                 t = start + step % n
                 # this thread's S[row_class + R·i, first_col + 32·m] sits at base + R·i·Dv + 32·m
                 base = uint64(((slot * num_v_heads + h) * KD + row_class) * VD + first_col)
-                if t == start and not (early and item == cuda.blockIdx.x):  # the head's first token: its state
-                    # into registers, ahead of the conv (unless loaded before the wait)
+                loaded = pre and item == cuda.blockIdx.x
+                if t == start and not loaded:  # the head's first token: its state into registers, ahead of the conv
                     for m in range(TPT):
                         for i in range(ROWS):
                             if (ALL_COLS or first_col + m * WARP < VD) and (ALL_ROWS or row_class + R * i < KD):
                                 state[m * ROWS + i] = ssm_state[base + uint64(R * i * VD + m * WARP)]
                 # conv + SiLU of the channels this head reads
-                for c0 in range(0, CONV_CHANNELS, NT):
-                    c = c0 + tid
-                    if c < CONV_CHANNELS:
-                        ch = _head_channel(c, hk, h, KD, VD, k_base, v_base)
-                        val = bf16_to_f32(conv_silu(x, conv_weight, conv_state, slot, ch, start, t - start,
-                                                    first_pos))
-                        if c < 2 * KD:
-                            qk_s[uint64(c)] = val
-                        else:
-                            v_s[uint64(c - 2 * KD)] = val
+                if DECODE:
+                    if not loaded:    # a later item of a grid-strided block (the simulator's capped grids)
+                        decode_prefetch(conv_weight, conv_state, norm_weight, slot, first_pos, h, hk, k_base,
+                                        v_base, wts, hist, nw)
+                    a_t = a[t, h]
+                    b_t = b[t, h]
+                    for r in range(OUT_ROUNDS):
+                        if r * NT + tid < VD:
+                            zin[r] = z[t, h * VD + r * NT + tid]
+                    for r in range(CONV_ROUNDS):
+                        c = r * NT + tid
+                        if c < CONV_CHANNELS:
+                            ch = _head_channel(c, hk, h, KD, VD, k_base, v_base)
+                            xin[r] = x[t, ch]
+                            acc = float32(0.0)   # conv_silu's sum, in its order: the older inputs, then x
+                            for k in range(TAPS - 1):
+                                acc += bf16_to_f32(wts[r * TAPS + k]) * bf16_to_f32(hist[r * TAPS + k])
+                            acc += bf16_to_f32(wts[r * TAPS + TAPS - 1]) * bf16_to_f32(xin[r])
+                            val = bf16_to_f32(conv_output(acc))
+                            if c < 2 * KD:
+                                qk_s[uint64(c)] = val
+                            else:
+                                v_s[uint64(c - 2 * KD)] = val
+                else:
+                    for c0 in range(0, CONV_CHANNELS, NT):
+                        c = c0 + tid
+                        if c < CONV_CHANNELS:
+                            ch = _head_channel(c, hk, h, KD, VD, k_base, v_base)
+                            val = bf16_to_f32(conv_silu(x, conv_weight, conv_state, slot, ch, start, t - start,
+                                                        first_pos))
+                            if c < 2 * KD:
+                                qk_s[uint64(c)] = val
+                            else:
+                                v_s[uint64(c - 2 * KD)] = val
+                    a_t = a[t, h]
+                    b_t = b[t, h]
                 cuda.syncthreads()
                 # l2 norms (every warp, as gated_delta_recurrent_kernel), decay, write strength
                 ssq = float32(0.0)
@@ -939,7 +1035,7 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                         kv = qk_s[uint64(KD + d0 + lane)]
                         ssq += qv * qv
                         ssk += kv * kv
-                q_mul, k_mul, decay, beta = token_gates(ssq, ssk, q_scale, a, b, a_log, dt_bias, t, h)
+                q_mul, k_mul, decay, beta = token_gates(ssq, ssk, q_scale, a_t, b_t, a_log[h], dt_bias[h])
 
                 # pass 1: this thread's part of kv_mem = (S·decay)ᵀ k̂ (expressions as in the recurrent kernel).  Rows
                 # outermost: each k̂_d is read once for all of the thread's columns (summed in row order per column).
@@ -996,11 +1092,14 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                         ov = o_s[uint64(i0 + lane)]
                         ss += ov * ov
                 inv_rms = inverse_rms(warp_sum(ss), VD, eps)
-                for j0 in range(0, VD, NT):
-                    if j0 + tid < VD:
-                        j = j0 + tid
+                for r in range(OUT_ROUNDS):
+                    j = r * NT + tid
+                    if j < VD:
                         col = h * VD + j
-                        out[t, col] = gated_norm_value(o_s[uint64(j)], inv_rms, norm_weight[j], z[t, col])
+                        if DECODE:
+                            out[t, col] = gated_norm_value(o_s[uint64(j)], inv_rms, nw[r], zin[r])
+                        else:
+                            out[t, col] = gated_norm_value(o_s[uint64(j)], inv_rms, norm_weight[j], z[t, col])
 
                 if LATE_TRIGGER:
                     launch_dependents()     # every load of this block is done (a decode block has one item)
@@ -1010,9 +1109,16 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                             if (ALL_COLS or first_col + m * WARP < VD) and (ALL_ROWS or row_class + R * i < KD):
                                 ssm_state[base + uint64(R * i * VD + m * WARP)] = state[m * ROWS + i]
             cuda.syncthreads()  # every read of the slot's old ring entries by this block is done
-            for c in range(tid, 2 * KD + heads * VD, NT):
-                ch = _head_channel(c, hk, first_head, KD, VD, k_base, v_base)
-                conv_ring_store(x, conv_state, slot, ch, start, n, first_pos)
+            if DECODE:          # the token's inputs, still in registers, at entry position % K
+                for r in range(CONV_ROUNDS):
+                    c = r * NT + tid
+                    if c < CONV_CHANNELS:
+                        ch = _head_channel(c, hk, first_head, KD, VD, k_base, v_base)
+                        conv_state[slot, ch, first_pos % TAPS] = xin[r]
+            else:
+                for c in range(tid, 2 * KD + heads * VD, NT):
+                    ch = _head_channel(c, hk, first_head, KD, VD, k_base, v_base)
+                    conv_ring_store(x, conv_state, slot, ch, start, n, first_pos)
 
     return gated_delta_decode_step_kernel
 
@@ -1059,7 +1165,7 @@ def gated_delta_decode_step(x, conv_weight, conv_state, z, a, b, a_log, dt_bias,
     if decode:
         assert decode_token_slots.dtype == np.int32 and decode_token_slots.shape == (num_tokens,)
         assert slot_ids.shape[0] == num_tokens, "a decode step has one sequence per token"
-    launch(_decode_step_kernel(key_dim, value_dim, row_groups, tiles_per_thread, decode, GDN_TRIGGER),
+    launch(_decode_step_kernel(key_dim, value_dim, row_groups, tiles_per_thread, decode, GDN_TRIGGER, taps),
            grid(max(1, slot_ids.shape[0] * num_v_heads), sim_cap=8), warps * WARP, x, conv_weight, conv_state, z,
            a, b, a_log, dt_bias, norm_weight, np.float32(eps), ssm_state.reshape(ssm_state.size), slot_ids,
            token_offsets, positions, decode_token_slots if decode else slot_ids, out,

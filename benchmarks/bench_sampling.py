@@ -88,7 +88,7 @@ def run(launches: int) -> list[dict]:
                     for r in range(B):
                         params.set_row(r, seed=r, step=7, **kw)
                     params.upload()
-                    workspace = cuda.device_array(sampling.sample_workspace_size(B, vocab), np.float32)
+                    workspace = sampling.allocate_sample_workspace(B, vocab)
                     fn = (lambda params=params, workspace=workspace:
                           sampling.sample(logits, params, out_ids, workspace))
                     fn()

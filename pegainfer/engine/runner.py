@@ -62,7 +62,7 @@ class ModelRunner:
         # reads them while that ahead step is unread. Allocated at the first ahead launch.
         self.prev_logits = None
         self._unread_ahead: "PendingStep | None" = None
-        self.sample_workspace = cuda.device_array(max(1, sampling.sample_workspace_size(R, model.V)), np.float32)
+        self.sample_workspace = sampling.allocate_sample_workspace(R, model.V)
         # Called once a step's ids are on their way to the host, right before the host waits for them (the GIL is
         # free during that wait): AsyncEngine hands the previous step's outputs to the server's event loop there.
         self.before_wait = None

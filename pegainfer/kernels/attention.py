@@ -39,7 +39,8 @@ Two paths:
   In the simulator the warp-wide mma is emulated (``primitives.mma_bf16_m16n8k16``), so the same kernel is tested
   there.
 
-Public API: ``paged_attention``, ``attention_workspace_size``, ``attention_num_splits``.
+Public API: ``paged_attention`` (``DecodeRope`` for its fused decode form), ``attention_workspace_size``,
+``attention_num_splits``.
 Nothing allocates per call (the split-K partials and counters live in the caller's ``workspace``), and every
 per-step value comes from device arrays, so both paths can be captured in a CUDA graph.  A token with
 ``token_slots[t] < 0`` (padding of a fixed-size batch) reads nothing and gets zeros, on both paths.
@@ -48,7 +49,9 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda
@@ -56,7 +59,10 @@ from numba import cuda
 from pegainfer.device import SIMULATOR
 from pegainfer.kernels.gating import gated_value, sigmoid_gate_mul
 from pegainfer.kernels.launch import launch
+from pegainfer.kernels.norm import normalize_element
+from pegainfer.kernels.rope import head_geometry, head_inverse_rms, norm_rope_pair
 from pegainfer.kernels.primitives import (
+    bf16_to_f32,
     device_fn,
     f32_to_bf16,
     float32,
@@ -74,6 +80,7 @@ from pegainfer.kernels.primitives import (
     int32,
     uint16,
     uint32,
+    warp_sum,
 )
 
 NEG_INF = float32(-math.inf)
@@ -95,6 +102,12 @@ def rescale_factor2(m_part, m_total):
 
 
 # ------------------------------------------------------------------------------------------------ split-K kernel
+@device_fn
+def _smem_word(arr16, i):
+    """The uint32 word of the bf16 pair ``arr16[i], arr16[i + 1]`` (``i`` even): low half first, as in memory."""
+    return uint32(arr16[i]) | (uint32(arr16[i + 1]) << uint32(16))
+
+
 MAX_SPLITS = 256
 DECODE_STEP_KEYS = 16   # keys one warp handles per step (two n8 tiles of S, one k16 step of P V)
 
@@ -136,13 +149,23 @@ def _split_range(n_keys, split, num_splits, min_chunk):
 
 @functools.lru_cache(maxsize=None)
 def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, min_blocks: int = 0,
-                  decode: bool = False, gated: bool = False):
+                  decode: bool = False, gated: bool = False, rope_rotary_dim: int = 0):
     """Build the split-K kernel for one shape (closure constants size the register fragments).  ``late_v``: load V
     after computing S (K's registers are then free: fewer registers, one more memory round trip per step);
     ``min_blocks``: launch bounds asking for that many resident blocks per SM (0: none); ``decode``: every token is
     its sequence's newest, so only its own key and q come from the kernel before (the early loads below);
-    ``gated``: the output is scaled by Qwen3.5's sigmoid gate (``gating.gated_value``) as it is written."""
+    ``gated``: the output is scaled by Qwen3.5's sigmoid gate (``gating.gated_value``) as it is written;
+    ``rope_rotary_dim`` > 0 (with ``decode``): the kernel also does ``rope.qk_norm_rope_store``'s work for its
+    heads, from the raw projection (the rotary dims of a head are a compile-time constant of the register layout)."""
     D, G, W, LATE_V, DECODE, GATED = head_dim, group, warps, late_v, decode, gated
+    ROPE = rope_rotary_dim > 0
+    assert not ROPE or DECODE
+    ROT = max(rope_rotary_dim, 2)
+    HALF = ROT // 2
+    J, SHIFT = head_geometry(D, ROT)         # a warp holds one head: lane l dims l + 32 j
+    HJ = -(-HALF // 32)                      # registers of a lane holding rotary pairs (dims l + 32 j < HALF)
+    ROLES = G + 2                            # fused roles: the G q heads, then the k head, then the v head
+    ROLE_ROUNDS = -(-ROLES // W)
     NT = 32 * W
     ROW_WORDS = D // 2
     KW = D // 8          # words of a q / K row per lane: lane t (= lane & 3) holds dims [t D/4, (t+1) D/4)
@@ -152,12 +175,105 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
     ROWS = G * D
     assert G <= 8 and D % 16 == 0
     KW2, VW4, O_REGS, SM_O, SM_W, SM_ROWS = 2 * KW, 4 * VW, 2 * O_TILES, W * G * D, G * MAX_SPLITS, W * 8
+    SM_Q, SM_KV = (G * D, 2 * D) if ROPE else (1, 1)
 
     jit = kernel if SIMULATOR or not min_blocks else cuda.jit(cache=True, launch_bounds=(NT, min_blocks))
 
+    @device_fn
+    def role_constants(role, pos, q_norm_w, k_norm_w, cos, sin, hw, hc, hs):
+        """Fused path: the norm weights and cos/sin of this lane's dims for ``role`` (a q head < G, the k head =
+        G; the v head needs none)."""
+        lane = cuda.threadIdx.x % 32
+        for j in range(J):
+            i = lane + 32 * j
+            if i < D and role <= G:
+                hw[j] = q_norm_w[i] if role < G else k_norm_w[i]
+        for j in range(HJ):
+            i = lane + 32 * j
+            if i < HALF and role <= G:
+                hc[j] = cos[pos, i]
+                hs[j] = sin[pos, i]
+
+    @device_fn
+    def fused_heads(qkv, q_norm_w, k_norm_w, cos, sin, k16, v16, block_tables, t, slot, pos, has_newest, head0, kvh,
+                    num_kv_heads, page_shift, q_head_stride, eps, weight_offset, round_before_weight, sm_q, sm_kv,
+                    hx, hw, hc, hs):
+        """Fused path, after the block's early K/V loads: ``qk_norm_rope_store``'s work for this block's heads.
+        Role ``r`` (warp ``r mod W``, rounds of W): q head ``head0 + r`` for ``r < G`` -> ``sm_q``; with
+        ``has_newest``, the k head (``r = G``) and the v head (``r = G + 1``) -> ``sm_kv`` and the cache at
+        ``pos``.  Waits for the projection (PDL) first: the norm weights and cos/sin (which no kernel of the step
+        writes) are loaded after it anyway, together with the head values -- one round trip either way, and not
+        held in registers across the wait beside the early K/V fragments.  Ends in a barrier."""
+        lane = cuda.threadIdx.x % 32
+        warp = cuda.threadIdx.x // 32
+        nq = num_kv_heads * G
+        k_col0 = nq * q_head_stride
+        v_col0 = k_col0 + num_kv_heads * D
+        page = block_tables[slot, pos >> page_shift]
+        row16 = (((page << page_shift) + (pos & ((1 << page_shift) - 1))) * num_kv_heads + kvh) * D
+        grid_dependency_wait()
+        for rr in range(ROLE_ROUNDS):                 # same trip count in every warp (simulator shuffles)
+            role = rr * W + warp
+            role_constants(role, pos, q_norm_w, k_norm_w, cos, sin, hw, hc, hs)
+            is_q = role < G
+            is_k = role == G and has_newest
+            is_v = role == G + 1 and has_newest
+            src = (head0 + role) * q_head_stride if is_q else (k_col0 if is_k else v_col0) + kvh * D
+            for j in range(J):
+                i = lane + 32 * j
+                if (is_q or is_k or is_v) and i < D:
+                    hx[j] = qkv[t, src + i]
+            ss = float32(0.0)
+            if is_q or is_k:
+                for j in range(J):
+                    if lane + 32 * j < D:
+                        v = bf16_to_f32(hx[j])
+                        ss += v * v
+            ss = warp_sum(ss)
+            if is_v:
+                for j in range(J):
+                    i = lane + 32 * j
+                    if i < D:
+                        sm_kv[D + i] = hx[j]
+                        v16[row16 + i] = hx[j]
+            elif is_q or is_k:
+                inv_rms = head_inverse_rms(ss, D, eps)
+                dst = role * D if is_q else 0
+                for j in range(J):
+                    p = lane + 32 * j
+                    if p < HALF:
+                        if SHIFT >= 0:                    # the partner dim p + half is in this lane's registers
+                            hi_x = hx[min(j + SHIFT, J - 1)]
+                            hi_w = hw[min(j + SHIFT, J - 1)]
+                        else:
+                            hi_x = qkv[t, src + p + HALF]
+                            hi_w = q_norm_w[p + HALF] if is_q else k_norm_w[p + HALF]
+                        out_lo, out_hi = norm_rope_pair(hx[j], hi_x, hw[j], hi_w, inv_rms, weight_offset,
+                                                        round_before_weight, hc[min(j, HJ - 1)], hs[min(j, HJ - 1)])
+                        if is_q:
+                            sm_q[dst + p] = out_lo
+                            sm_q[dst + p + HALF] = out_hi
+                        else:
+                            sm_kv[p] = out_lo
+                            sm_kv[p + HALF] = out_hi
+                            k16[row16 + p] = out_lo
+                            k16[row16 + p + HALF] = out_hi
+                for j in range(J):
+                    i = lane + 32 * j
+                    if i >= ROT and i < D:
+                        n = normalize_element(bf16_to_f32(hx[j]), inv_rms, hw[j], weight_offset, round_before_weight)
+                        if is_q:
+                            sm_q[dst + i] = n
+                        else:
+                            sm_kv[i] = n
+                            k16[row16 + i] = n
+        cuda.syncthreads()
+
     @jit
     def paged_attention_split_kernel(q32, k32, v32, block_tables, token_slots, positions, out, ws_acc, ws_m, ws_l,
-                                     counters, scale_log2, num_kv_heads, page_shift, num_splits, min_chunk, gate):
+                                     counters, scale_log2, num_kv_heads, page_shift, num_splits, min_chunk, gate,
+                                     qkv, q_norm_w, k_norm_w, cos, sin, k16, v16, q_head_stride, eps, weight_offset,
+                                     round_before_weight):
         """Attention of one (token, kv head, split) per block for the ``G`` q heads of that kv head, on tensor
         cores; the last block of a (token, kv head) to finish merges the splits (no second launch).
 
@@ -166,6 +282,15 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
         counters int32, zero at rest (entry ``-1 - (t * nkv + kvh)``, counted from the end); ``scale_log2`` =
         scale * log2(e) (scores are kept in base-2 units); ``page_shift = log2(page_size)``; gate ``[T, row]`` bf16
         (``gated``: q head ``h``'s gate at columns ``h·2D + D ..``, Qwen3.5's q_proj output; else unused).
+
+        Fused qk-norm / RoPE / KV store (``rope_rotary_dim`` > 0, decode only): q32 is not read.  ``qkv [T, row]``
+        is the raw projection (q head ``h`` at column ``h·q_head_stride``, then the k heads, then the v heads, as
+        ``rope.qk_norm_rope_store`` reads it), with its norm weights, cos/sin tables, ``eps``, ``weight_offset``,
+        ``round_before_weight``; k16 / v16 are the caches as flat uint16.  After the PDL wait, warp w of a block
+        normalises and rotates q head ``head0 + w`` into shared memory (``rope.norm_rope_pair``, the very math of
+        ``qk_norm_rope_store``); in the block whose split holds the token's own key, warp G does the same for the
+        k head and warp G+1 copies the v head, both into shared memory and into the cache.  The q fragments and
+        the newest key's K/V then come from shared memory (never read back from the cache this kernel wrote).
 
         Geometry: grid-stride over ``num_splits * T * nkv`` work items (split slowest, so the splits that have work
         come first), ``32 * W`` threads.  Split ``s`` covers keys ``[s * chunk, (s+1) * chunk)`` of the token's
@@ -196,6 +321,12 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
         sm_w = cuda.shared.array(SM_W, float32)      # merge weights [G, warps or splits]
         sm_tot = cuda.shared.array(8, float32)       # merged sum per head
         sm_last = cuda.shared.array(1, int32)
+        sm_q = cuda.shared.array(SM_Q, uint16)       # fused: the G normalised + rotated q heads [G, D]
+        sm_kv = cuda.shared.array(SM_KV, uint16)     # fused: the newest key's k (rotated) then v [2, D]
+        hx = cuda.local.array(J, uint16)             # fused: this lane's dims of its head
+        hw = cuda.local.array(J, uint16)             # ... their norm weights
+        hc = cuda.local.array(HJ, uint16)            # ... cos / sin of its rotary pairs
+        hs = cuda.local.array(HJ, uint16)
         qa = cuda.local.array(KW, uint32)            # q fragments (rows g < G)
         kw = cuda.local.array(KW2, uint32)           # K words of keys k0 + g, k0 + 8 + g
         vw = cuda.local.array(VW4, uint32)           # V words of keys k0 + 2t, 2t + 1, 2t + 8, 2t + 9
@@ -248,20 +379,35 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                         key = k0 + 2 * tq + (j & 1) + 8 * (j >> 1)
                         row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS) if key < k_hi else 0
                         _load_words(v32, row + g * VW, VW, vw, j * VW, key < k_hi and not (early and key == newest))
-                if early:
+                if early and ROPE:
+                    fused_heads(qkv, q_norm_w, k_norm_w, cos, sin, k16, v16, block_tables, t, slot, newest,
+                                k_hi > newest, head0, kvh, num_kv_heads, page_shift, q_head_stride, eps,
+                                weight_offset, round_before_weight, sm_q, sm_kv, hx, hw, hc, hs)
+                    for i in range(KW):                   # q fragments (rows g < G) from shared memory
+                        qa[i] = _smem_word(sm_q, g * D + 2 * (tq * KW + i)) if g < G else uint32(0)
+                elif early:
                     grid_dependency_wait()
                     _load_words(q32, (t * nq + head0 + g) * ROW_WORDS + tq * KW, KW, qa, 0, g < G)
+                if early or (ROPE and k0 <= newest and newest < k0 + DECODE_STEP_KEYS):
                     for j in range(2):
                         key = k0 + 8 * j + g
                         if key == newest and key < k_hi:
-                            row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS)
-                            _load_words(k32, row + tq * KW, KW, kw, j * KW, True)
+                            if ROPE:
+                                for i in range(KW):
+                                    kw[j * KW + i] = _smem_word(sm_kv, 2 * (tq * KW + i))
+                            else:
+                                row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS)
+                                _load_words(k32, row + tq * KW, KW, kw, j * KW, True)
                     if not LATE_V:
                         for j in range(4):
                             key = k0 + 2 * tq + (j & 1) + 8 * (j >> 1)
                             if key == newest and key < k_hi:
-                                row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS)
-                                _load_words(v32, row + g * VW, VW, vw, j * VW, True)
+                                if ROPE:
+                                    for i in range(VW):
+                                        vw[j * VW + i] = _smem_word(sm_kv, D + 2 * (g * VW + i))
+                                else:
+                                    row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS)
+                                    _load_words(v32, row + g * VW, VW, vw, j * VW, True)
 
                 # S = Q K^T (head g, keys k0 + 8j + 2t, +1), base-2 units, masked past k_hi
                 s0 = s1 = s2 = s3 = fzero
@@ -280,7 +426,11 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                     for j in range(4):
                         key = k0 + 2 * tq + (j & 1) + 8 * (j >> 1)
                         row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS) if key < k_hi else 0
-                        _load_words(v32, row + g * VW, VW, vw, j * VW, key < k_hi)
+                        if ROPE and key == newest:        # this kernel's own newest value: from shared memory
+                            for i in range(VW):
+                                vw[j * VW + i] = _smem_word(sm_kv, D + 2 * (g * VW + i))
+                        else:
+                            _load_words(v32, row + g * VW, VW, vw, j * VW, key < k_hi)
 
                 # online softmax over the row (the 4 lanes of a row hold its 16 keys)
                 mx = max(m, lane_group_max(max(max(s0, s1), max(s2, s3)), 4))
@@ -710,9 +860,35 @@ def _flat(a):
     return a.reshape(-1)
 
 
+FUSED_DECODE_ROPE = os.environ.get("PEGAINFER_DECODE_ROPE", "separate") == "fused"
+"""Decode steps of the Qwen3 models: qk-norm + RoPE + KV store as ``rope.qk_norm_rope_store`` before attention
+(the default) or inside the attention launch (``PEGAINFER_DECODE_ROPE=fused``, ``paged_attention(rope=)``).
+Measured on the H200 (session 5): fused Qwen3-4B 2.835 / 2.837 ms vs separate 2.804 ms TPOT, Qwen3-8B 4.664 vs
+4.680 ms; the fused kernel's wall time per layer (12.9 µs) exceeds the two launches' (4.8 + 6.8 µs): at D = 128
+it needs 255 registers and spills 80 bytes (sm_90), and its norm phase sits on the post-wait critical path."""
+
+
+@dataclass(frozen=True)
+class DecodeRope:
+    """What ``paged_attention(..., decode=True, rope=)`` needs to do ``rope.qk_norm_rope_store``'s work itself: the
+    raw projection ``qkv [T, row]``, the q/k norm weights ``[D]``, the cos/sin tables, and the same knobs as
+    ``qk_norm_rope_store`` (Qwen3: defaults; Qwen3.5: ``q_head_stride=2·D``, ``weight_offset=1``,
+    ``round_before_weight=False``)."""
+    qkv: object
+    q_norm_w: object
+    k_norm_w: object
+    cos: object
+    sin: object
+    eps: float
+    rotary_dim: int
+    q_head_stride: int
+    weight_offset: float = 0.0
+    round_before_weight: bool = True
+
+
 def paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, workspace, *,
                     num_splits: int | None = None, min_split_tokens: int | None = None,
-                    method: str = "auto", decode: bool = False, gate=None) -> None:
+                    method: str = "auto", decode: bool = False, gate=None, rope: DecodeRope | None = None) -> None:
     """``out[t, h] = bf16(softmax(scale * q[t, h] . K_slot^T) V_slot)`` over keys ``0 .. positions[t]`` of slot
     ``token_slots[t]`` (see the module docstring).
 
@@ -726,6 +902,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, o
     ``gate``: Qwen3.5's q_proj output ``[T, row]`` (``row ≥ 2·nq·D``): the output is then
     ``gating.sigmoid_gate_mul``'s ``bf16(attn · bf16(sigmoid(gate)))``, applied by the split-K kernel as it writes
     (the tiled prefill kernel is followed by ``sigmoid_gate_mul``).
+    ``rope`` (``decode`` only): q, k, v come raw from ``rope.qkv``; the kernel normalises and rotates them and
+    stores the new key / value in the cache itself (``qk_norm_rope_store`` is then not launched; ``q`` only gives
+    the shapes).
     """
     T, nq, D = q.shape
     num_pages, page_size, nkv, Dk = k_cache.shape
@@ -755,6 +934,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, o
     if gate is not None and (gate.dtype != np.uint16 or gate.ndim != 2 or gate.shape[0] != T
                              or gate.shape[1] < 2 * nq * D):
         raise ValueError(f"gate must be uint16 [{T}, >= {2 * nq * D}], got {gate.dtype} {gate.shape}")
+    if rope is not None:
+        if not decode or method == "prefill":
+            raise ValueError("rope= is for decode steps on the split-K path (decode=True)")
+        _check_rope(rope, T, nq, nkv, D)
     if method == "prefill":
         _paged_attention_prefill(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale,
                                  T, nkv, D, group, page_size)
@@ -763,7 +946,21 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, o
     else:
         _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, workspace,
                                T, nq, nkv, D, group, page_size, num_splits, min_split_tokens, decode=decode,
-                               gate=gate)
+                               gate=gate, rope=rope)
+
+
+def _check_rope(rope: DecodeRope, T: int, nq: int, nkv: int, D: int) -> None:
+    for name in ("qkv", "q_norm_w", "k_norm_w", "cos", "sin"):
+        if getattr(rope, name).dtype != np.uint16:
+            raise TypeError(f"rope.{name} must be uint16 (bf16 bits)")
+    if rope.qkv.ndim != 2 or rope.qkv.shape[0] != T or rope.q_head_stride < D or \
+            rope.qkv.shape[1] != nq * rope.q_head_stride + 2 * nkv * D:
+        raise ValueError(f"rope.qkv {rope.qkv.shape} is not [{T}, {nq}·{rope.q_head_stride} + 2·{nkv}·{D}]")
+    if rope.q_norm_w.shape != (D,) or rope.k_norm_w.shape != (D,):
+        raise ValueError(f"rope norm weights must be [{D}]")
+    if not (0 < rope.rotary_dim <= D and rope.rotary_dim % 2 == 0) or rope.cos.ndim != 2 or \
+            rope.cos.shape[1] != rope.rotary_dim // 2 or rope.sin.shape != rope.cos.shape:
+        raise ValueError(f"rotary_dim {rope.rotary_dim} / cos {rope.cos.shape} / sin {rope.sin.shape} do not fit")
 
 
 def _prefill_geometry(head_dim: int) -> tuple[int, int, bool]:
@@ -807,7 +1004,7 @@ def _split_geometry(head_dim: int, group: int) -> tuple[int, bool, int]:
 
 def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, workspace,
                            T, nq, nkv, D, group, page_size, num_splits, min_split_tokens, geometry=None,
-                           decode=False, gate=None):
+                           decode=False, gate=None, rope=None):
     if group > 8:
         raise ValueError(f"the split-K kernel serves at most 8 q heads per kv head, got {group}")
     capacity = block_tables.shape[1] * page_size
@@ -828,12 +1025,17 @@ def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, posit
         ws_acc = ws_m = ws_l = _flat(workspace) if workspace is not None else _dummy_f32()
         counters = ws_acc.view(np.int32)
     warps, late_v, min_blocks = geometry or _split_geometry(D, group)
-    kern = _split_kernel(D, group, warps, late_v, min_blocks, decode, gate is not None)
+    kern = _split_kernel(D, group, warps, late_v, min_blocks, decode, gate is not None,
+                         rope.rotary_dim if rope is not None else 0)
+    q2 = q.reshape(T, nq * D)
+    r = rope or DecodeRope(q2, out.reshape(-1)[:D], out.reshape(-1)[:D], q2, q2, 0.0, 2, D)   # unused stand-ins
     launch(kern, grid(num_splits * T * nkv, sim_cap=64), 32 * warps,
            _flat_u32(q), _flat_u32(k_cache), _flat_u32(v_cache), block_tables, token_slots, positions,
            _flat(out), ws_acc, ws_m, ws_l, counters, np.float32(scale * LOG2E), np.int32(nkv),
            np.int32(page_size.bit_length() - 1), np.int32(num_splits), np.int32(_min_chunk(min_split_tokens)),
-           gate if gate is not None else q.reshape(T, nq * D), name="paged_decode_attention" if decode else "paged_attention_split", pdl=True)
+           gate if gate is not None else q2, r.qkv, r.q_norm_w, r.k_norm_w, r.cos, r.sin, _flat(k_cache),
+           _flat(v_cache), np.int32(r.q_head_stride), np.float32(r.eps), np.float32(r.weight_offset),
+           bool(r.round_before_weight), name="paged_decode_attention" if decode else "paged_attention_split", pdl=True)
 
 
 @functools.lru_cache(maxsize=None)

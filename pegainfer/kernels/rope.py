@@ -132,6 +132,28 @@ def rope_rotate_pair(lo, hi, cos_bits, sin_bits):
     return f32_to_bf16(lo_c + neg_hi_s), f32_to_bf16(hi_c + lo_s)
 
 
+@device_fn
+def head_inverse_rms(sum_squares, head_dim, eps):
+    """``1 / sqrt(Σx² / D + eps)`` of one head (f32), the per-head RMSNorm factor."""
+    return float32(1.0) / math.sqrt(sum_squares / float32(head_dim) + eps)
+
+
+@device_fn
+def norm_rope_pair(lo_bits, hi_bits, lo_w, hi_w, inv_rms, weight_offset, round_before_weight, cos_bits, sin_bits):
+    """Dims ``p`` and ``p + half`` of a head (bf16 bits, with their norm weights): RMSNorm (``normalize_element``)
+    then the HF-rounded rotation; returns the bf16 bits of ``out[p]`` and ``out[p + half]``."""
+    lo = bf16_to_f32(normalize_element(bf16_to_f32(lo_bits), inv_rms, lo_w, weight_offset, round_before_weight))
+    hi = bf16_to_f32(normalize_element(bf16_to_f32(hi_bits), inv_rms, hi_w, weight_offset, round_before_weight))
+    return rope_rotate_pair(lo, hi, cos_bits, sin_bits)
+
+
+def head_geometry(head_dim: int, rotary_dim: int) -> tuple[int, int]:
+    """(dims per lane, pair shift) of a warp holding one head: lane l holds dims ``l + 32 j``; the rotary partner of
+    register j is register ``j + shift`` when the rotary half is a multiple of 32, else -1 (re-read it)."""
+    half = rotary_dim // 2
+    return -(-head_dim // WARP), (half // WARP if half % WARP == 0 else -1)
+
+
 @functools.cache
 def _qk_norm_rope_kernel(dims_per_lane: int, pair_shift: int):
     """Build the kernel for heads of at most ``32 · dims_per_lane`` dims; ``pair_shift`` = ``half / 32`` when the
@@ -257,21 +279,18 @@ def _qk_norm_rope_kernel(dims_per_lane: int, pair_shift: int):
 
             # 4. q/k: normalize + rotate the first rotary_dim dims, normalize the rest
             kv_head = h - num_q_heads
-            inv_rms = float32(1.0) / math.sqrt(ss / float32(head_dim) + eps)
+            inv_rms = head_inverse_rms(ss, head_dim, eps)
             for j in range(J):
                 p = lane + WARP * j
                 if p < half:
-                    lo = bf16_to_f32(normalize_element(bf16_to_f32(x[j]), inv_rms, w[j], weight_offset,
-                                                       round_before_weight))
                     if SHIFT >= 0:                  # the partner dim p + half is in this lane's registers
                         hi_x = x[min(j + SHIFT, J - 1)]
                         hi_w = w[min(j + SHIFT, J - 1)]
                     else:
                         hi_x = qkv[t, src + p + half]
                         hi_w = q_norm_w[p + half] if is_q else k_norm_w[p + half]
-                    hi = bf16_to_f32(normalize_element(bf16_to_f32(hi_x), inv_rms, hi_w, weight_offset,
-                                                       round_before_weight))
-                    out_lo, out_hi = rope_rotate_pair(lo, hi, cs[j], sn[j])
+                    out_lo, out_hi = norm_rope_pair(x[j], hi_x, w[j], hi_w, inv_rms, weight_offset,
+                                                    round_before_weight, cs[j], sn[j])
                     if is_q:
                         q_out[t, h, p] = out_lo
                         q_out[t, h, p + half] = out_hi
@@ -324,8 +343,7 @@ def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots
     block = threads(gpu=128, sim=32)
     warps_per_block = block // WARP
     items = num_tokens * (num_q_heads + 2 * num_kv_heads)
-    half = rotary_dim // 2
-    kern = _qk_norm_rope_kernel(-(-head_dim // WARP), half // WARP if half % WARP == 0 else -1)
+    kern = _qk_norm_rope_kernel(*head_geometry(head_dim, rotary_dim))
     launch(kern, grid(items, per_block=warps_per_block, sim_cap=8), block,
            qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables, k_cache, v_cache, q_out,
            np.int32(q_head_stride), np.int32(rotary_dim), np.float32(eps),

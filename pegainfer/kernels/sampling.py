@@ -31,8 +31,10 @@ The draw is the Gumbel-max trick: ``argmax_i (z_i + g_i)`` over kept tokens, wit
 ``u_i`` a counter-based hash of ``(seed, step, i)`` — one pass, no sort, no random state, and the same
 ``(seed, step)`` always gives the same token.
 
-Cost (one block of 512 threads per row; every full pass re-reads the row, from L2)
--------------------------------------------------------------------------------------
+Cost (one block of 512 threads per sampled row; every full pass re-reads the row, from L2)
+-------------------------------------------------------------------------------------------
+A greedy row (``T == 0``) is one pass for its max, split over ``GREEDY_PARTS`` blocks that each read a slice and
+merge through the workspace (one SM reading a whole 152k-logit row took ~14 µs on the H200).  A sampled row:
 1. one pass: the max and its index (each thread also keeps its own max);
 2. one pass counting the tokens at or above a *lower bound* ``lo`` of ``θ`` and, when top-p is on, summing ``Z``
    (one ``exp`` per token).  ``lo`` is the largest of: ``t_min_p``; the k-th largest of the threads' maxima (k
@@ -87,6 +89,7 @@ _TOTAL_ROWS = 2 * BUCKETS          # bucket counts then masses, in the block-tot
 KEY_FLOOR = 0x007F                 # ordered key of -inf: the lowest threshold (keeps every non-NaN logit)
 
 ARGMAX_THREADS = 1024              # block size of the one-pass kernels (argmax, logsumexp)
+GREEDY_PARTS = threads(gpu=16, sim=3)   # blocks per greedy row in ``sample`` (each takes 1/GREEDY_PARTS of V)
 SAMPLE_THREADS = 512               # block size of the sampling kernel
 SAMPLE_THREADS_SIM = 8             # ... in the simulator, where every thread is a Python thread (any size works)
 
@@ -127,10 +130,17 @@ def _fold_row(visit, state, args, words_row, logits, row, n_vec):
     loads issued before any is used (the clamped extra loads past the end re-read the last group and are not
     visited); the rest with 2-byte loads.  No block-wide operation inside: threads may run different trip counts.
     """
+    return _fold_range(visit, state, args, words_row, logits, row, 0, n_vec, 8 * n_vec)
+
+
+@device_fn
+def _fold_range(visit, state, args, words_row, logits, row, g_begin, g_end, j_begin):
+    """``_fold_row`` over the 16-byte groups ``g_begin .. g_end - 1`` and then the single logits from ``j_begin`` to
+    the end of the row (``j_begin`` = V: none), as ``_fold_row`` reads them."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    last = n_vec - 1
-    for g in range(tid, n_vec, 4 * nt):
+    last = g_end - 1
+    for g in range(g_begin + tid, g_end, 4 * nt):
         a = load_u32x4(words_row, 4 * g)
         b = load_u32x4(words_row, 4 * min(g + nt, last))
         c = load_u32x4(words_row, 4 * min(g + 2 * nt, last))
@@ -142,7 +152,7 @@ def _fold_row(visit, state, args, words_row, logits, row, n_vec):
             state = _visit_group(visit, state, args, c, 8 * (g + 2 * nt))
         if g + 3 * nt <= last:
             state = _visit_group(visit, state, args, d, 8 * (g + 3 * nt))
-    for j in range(8 * n_vec + tid, logits.shape[1], nt):
+    for j in range(j_begin + tid, logits.shape[1], nt):
         state = visit(state, args, bits_f32(uint32(logits[row, j]) << uint32(16)), j)
     return state
 
@@ -619,16 +629,22 @@ def logsumexp_kernel(words, logits, n_vec, out_lse):
 
 @_kernel_with_block(SAMPLE_THREADS)
 def sample_kernel(words, logits, n_vec, temperature, top_k, top_p, min_p, seed, step, capacity,
-                  out_ids, kept_threshold, kept_count):
+                  out_ids, kept_threshold, kept_count, parts, part_max, part_index, counters):
     """Draw one token per row (module docstring: filters, threshold search, Gumbel-max draw, cost).
 
     words / logits / n_vec as in ``argmax_kernel``; per-row parameters ``[≥B]``: temperature f32, top_k i32 (≤ 0
     off), top_p f32 (≥ 1 off), min_p f32 (≤ 0 off), seed uint64, step i32; ``capacity`` (≤ CANDIDATE_CAPACITY)
     is how many candidates the block may keep in shared memory.  Outputs ``[≥B]``: out_ids int32, kept_threshold
     f32 (a token is kept iff its logit ≥ it; the max for greedy rows), kept_count int32 (1 for greedy rows).
+    Greedy scratch: part_max f32 / part_index i32 ``[B · parts]``, counters i32 ``[B]`` (zero at rest).
 
-    Geometry: one block per row (grid-stride over rows), 512 threads, ~37 KB of shared memory.  Every branch
-    below depends only on per-row values all threads share, so the block-wide reductions stay uniform.
+    Geometry: ``parts`` blocks per row (grid-stride over (row, part)), 512 threads, ~37 KB of shared memory.  A
+    greedy row (temperature 0) is split: block ``q`` takes groups ``[q·n/parts, (q+1)·n/parts)`` of the row (the
+    last also the unaligned tail), writes its (max, first index) and bumps the row's counter; the last block to do
+    so merges the parts in order (a strict ``>`` in index order keeps the smallest index of equal maxima, as one
+    block would) and resets the counter, so a row costs a pass over ``V / parts`` logits instead of ``V``.  A
+    sampled row is one block, ``q = 0`` (the others return at once).  Every branch below depends only on per-row
+    values all threads share, so the block-wide reductions stay uniform.
     """
     pdl_prologue()
     cand_x, cand_j = _candidate_buffers()
@@ -640,8 +656,36 @@ def sample_kernel(words, logits, n_vec, temperature, top_k, top_p, min_p, seed, 
     tot_masses = cuda.local.array(BUCKETS, float32)
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
-    for row in range(cuda.blockIdx.x, logits.shape[0], cuda.gridDim.x):
+    for work in range(cuda.blockIdx.x, logits.shape[0] * parts, cuda.gridDim.x):
+        row = work // parts
+        part = work % parts
         words_row = words[row]
+        if not (temperature[row] > float32(0.0)):
+            # -- greedy: this block's slice, then the last block of the row merges the parts
+            g_end = n_vec * (part + 1) // parts
+            t_max, t_jmax = _fold_range(_visit_argmax, (_NEG_INF, int32(NO_INDEX)), (), words_row, logits, row,
+                                        n_vec * part // parts, g_end, 8 * n_vec if part == parts - 1 else
+                                        logits.shape[1])
+            xmax, jmax = _block_argmax(t_max, t_jmax)
+            if tid == 0:
+                part_max[row * parts + part] = xmax
+                part_index[row * parts + part] = jmax
+                cuda.threadfence()                          # publish the part before counting it
+                if cuda.atomic.add(counters, row, 1) == parts - 1:
+                    cuda.threadfence()
+                    best = _NEG_INF
+                    best_j = int32(NO_INDEX)
+                    for q in range(parts):
+                        if part_max[row * parts + q] > best:
+                            best = part_max[row * parts + q]
+                            best_j = part_index[row * parts + q]
+                    out_ids[row] = best_j if best_j != NO_INDEX else 0
+                    kept_threshold[row] = best
+                    kept_count[row] = 1
+                    counters[row] = 0                       # at rest again (graph replays)
+            continue
+        if part > 0:
+            continue                                        # a sampled row is one block's
         # -- pass 1: the max and where it is; each thread keeps its own max for the top-k bound
         t_max, t_jmax = _fold_row(_visit_argmax, (_NEG_INF, int32(NO_INDEX)), (), words_row, logits, row, n_vec)
         xmax, jmax = _block_argmax(t_max, t_jmax)
@@ -850,40 +894,59 @@ class SamplingBuffers:
         self._device_bytes.copy_to_device(self._host_bytes, stream=stream)
 
 
+_WORDS_PER_ROW = 3 + 2 * GREEDY_PARTS   # threshold, kept, greedy counter + each part's (max, index)
+
+
 def sample_workspace_size(max_rows: int, vocab: int = 0) -> int:
-    """f32 elements of the ``workspace`` that ``sample`` needs for up to ``max_rows`` rows (the kernel keeps its
-    scratch in shared memory; the workspace only receives per-row statistics, see ``workspace_views``)."""
-    return 2 * int(max_rows)
+    """f32 elements of the ``workspace`` that ``sample`` needs for up to ``max_rows`` rows: per-row statistics
+    (``workspace_views``) and the greedy rows' per-part maxima and counters.  Allocate it with
+    ``allocate_sample_workspace`` (the counters must start at zero)."""
+    return _WORDS_PER_ROW * int(max_rows)
+
+
+def allocate_sample_workspace(max_rows: int, vocab: int = 0):
+    """A zeroed device workspace for ``sample`` (``sample_workspace_size`` elements, at least one)."""
+    return cuda.to_device(np.zeros(max(1, sample_workspace_size(max_rows, vocab)), np.float32))
+
+
+def _workspace_parts(workspace):
+    """(threshold ``[R]`` f32, kept ``[R]`` i32, part_max ``[R · P]`` f32, part_index ``[R · P]`` i32, counters
+    ``[R]`` i32) views, ``R = size // (3 + 2P)``, ``P = GREEDY_PARTS``."""
+    assert workspace.ndim == 1 and workspace.dtype == np.float32, (workspace.shape, workspace.dtype)
+    r = workspace.shape[0] // _WORDS_PER_ROW
+    rp = r * GREEDY_PARTS
+    return (workspace[:r], workspace[r:2 * r].view(np.int32), workspace[2 * r:2 * r + rp],
+            workspace[2 * r + rp:2 * r + 2 * rp].view(np.int32),
+            workspace[2 * r + 2 * rp:3 * r + 2 * rp].view(np.int32))
 
 
 def workspace_views(workspace):
-    """(threshold ``[R]`` f32, kept ``[R]`` int32) views of a ``sample`` workspace (``R = workspace.size // 2``):
-    after ``sample``, row ``r`` kept exactly the ``kept[r]`` tokens whose logit is ≥ ``threshold[r]`` (greedy rows:
-    the max and 1) — for tests, tracing and debugging."""
-    assert workspace.ndim == 1 and workspace.dtype == np.float32, (workspace.shape, workspace.dtype)
-    rows = workspace.shape[0] // 2
-    return workspace[:rows], workspace[rows:2 * rows].view(np.int32)
+    """(threshold ``[R]`` f32, kept ``[R]`` int32) views of a ``sample`` workspace: after ``sample``, row ``r``
+    kept exactly the ``kept[r]`` tokens whose logit is ≥ ``threshold[r]`` (greedy rows: the max and 1) — for
+    tests, tracing and debugging."""
+    return _workspace_parts(workspace)[:2]
 
 
 def sample(logits, params: SamplingBuffers, out_ids, workspace, *,
            candidate_capacity: int = CANDIDATE_CAPACITY) -> None:
     """Draw one token per row of logits ``[B, V]`` (bf16 bits) with row ``r``'s parameters from ``params``
     (temperature 0 → greedy; top-k / top-p / min-p; seeded Gumbel-max draw) into out_ids ``[≥B]`` int32.
-    ``workspace``: f32 device array of ≥ ``sample_workspace_size(B)`` elements (``workspace_views`` reads it).
+    ``workspace``: from ``allocate_sample_workspace(≥ B)`` (``workspace_views`` reads it).
     ``candidate_capacity`` (≤ CANDIDATE_CAPACITY) only changes speed, never the token: tests lower it to take the
     full-pass search path.  One kernel launch, no host round trip, no allocation: safe to capture in a CUDA graph."""
     words, n_vec = _row_words(logits)
     n_rows = logits.shape[0]
     _check_rows_out("out_ids", out_ids, np.int32, n_rows)
     assert params.max_batch >= n_rows, (params.max_batch, n_rows)
-    threshold, kept = workspace_views(workspace)
+    threshold, kept, part_max, part_index, counters = _workspace_parts(workspace)
     assert threshold.shape[0] >= n_rows, (workspace.shape, n_rows)
     capacity = int(min(max(int(candidate_capacity), 1), CANDIDATE_CAPACITY))
     if n_rows == 0:
         return
-    launch(sample_kernel, grid(n_rows), threads(gpu=SAMPLE_THREADS, sim=SAMPLE_THREADS_SIM), words, logits, n_vec,
-           params.temperature, params.top_k, params.top_p, params.min_p, params.seed, params.step, capacity, out_ids,
-           threshold, kept, name="sample", pdl=True)
+    launch(sample_kernel, grid(n_rows * GREEDY_PARTS), threads(gpu=SAMPLE_THREADS, sim=SAMPLE_THREADS_SIM), words,
+           logits, n_vec, params.temperature, params.top_k, params.top_p, params.min_p, params.seed, params.step,
+           capacity, out_ids, threshold, kept, np.int32(GREEDY_PARTS), part_max, part_index, counters,
+           name="sample", pdl=True)
 
 
 def top_logprobs(logits_row, lse: float, token_id: int, n: int):

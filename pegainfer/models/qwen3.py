@@ -105,11 +105,17 @@ class Qwen3Model(DecoderModel):
             linear.linear_add_rms_norm(residual, delta if i > 0 else None, lw["input_ln"], eps, spare, lw["qkv"], qkv,
                                        normed_out=normed, before_latency_bound=True)
             residual, spare = spare, residual
-            rope.qk_norm_rope_store(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, pos, slots,
-                                    block_tables, self.k_cache[i], self.v_cache[i], q, eps, self.rotary_dim,
-                                    q_head_stride=self.D)
-            attention.paged_attention(q, self.k_cache[i], self.v_cache[i], block_tables, slots, pos, attn, scale,
-                                      self.attn_workspace, decode=decode)
+            if decode and attention.FUSED_DECODE_ROPE:   # norm + RoPE + KV store inside the attention launch
+                fused = attention.DecodeRope(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, eps,
+                                             self.rotary_dim, self.D)
+                attention.paged_attention(q, self.k_cache[i], self.v_cache[i], block_tables, slots, pos, attn,
+                                          scale, self.attn_workspace, decode=True, rope=fused)
+            else:
+                rope.qk_norm_rope_store(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, pos, slots,
+                                        block_tables, self.k_cache[i], self.v_cache[i], q, eps, self.rotary_dim,
+                                        q_head_stride=self.D)
+                attention.paged_attention(q, self.k_cache[i], self.v_cache[i], block_tables, slots, pos, attn,
+                                          scale, self.attn_workspace, decode=decode)
             linear.linear(attn_flat, lw["o"], delta)
             linear.linear_add_rms_norm(residual, delta, lw["post_ln"], eps, spare, lw["gate_up"], act, gated=True,
                                        normed_out=normed)

@@ -7,7 +7,8 @@ import pytest
 import pegainfer  # noqa: F401  (before numba)
 from numba import cuda
 
-from pegainfer.kernels.attention import attention_workspace_size, paged_attention
+from pegainfer.kernels.attention import DecodeRope, attention_workspace_size, paged_attention
+from pegainfer.kernels.rope import qk_norm_rope_store, rope_tables
 from pegainfer.kernels.gating import sigmoid_gate_mul
 from tests.util import bf16_randn, rel_l2
 
@@ -316,3 +317,71 @@ def test_gpu_cuda_graph_replay():
         assert rel_l2(got, want) <= 1e-2, (new_slots, new_pos)
     check(drv.cuGraphExecDestroy(exe))
     check(drv.cuGraphDestroy(graph))
+
+
+# ------------------------------------------------------------------------------------------------ fused decode rope
+def run_decode_rope(fused, head_dim, rotary_dim, q_stride_mult, weight_offset, round_before_weight, positions,
+                    slots, num_splits=None, min_split=None, nq=4, nkv=2, page_size=PAGE, max_pages=7):
+    """One decode step of attention from the raw projection: ``qk_norm_rope_store`` then
+    ``paged_attention(decode=True)``, or (``fused``) ``paged_attention(decode=True, rope=...)``.  Same seed, so
+    the same inputs; returns (out, k_cache, v_cache) as bf16 bits."""
+    rng = np.random.default_rng(3)
+    T, D = len(slots), head_dim
+    num_pages = 3 * max_pages + 2
+    k_bits, _, v_bits, _, tables = make_cache(rng, num_pages, page_size, nkv, D, 3, max_pages)
+    qkv, _ = bf16_randn((T, nq * q_stride_mult * D + 2 * nkv * D), rng, scale=2.0)
+    qn, _ = bf16_randn((D,), rng, scale=0.5)
+    kn, _ = bf16_randn((D,), rng, scale=0.5)
+    cos, sin = rope_tables(max_pages * page_size, rotary_dim, 10000.0)
+    dev = {name: cuda.to_device(a) for name, a in
+           dict(k=k_bits, v=v_bits, tables=tables, qkv=qkv, qn=qn, kn=kn, cos=cos, sin=sin,
+                slots=np.asarray(slots, np.int32), pos=np.asarray(positions, np.int32)).items()}
+    q = cuda.to_device(np.zeros((T, nq, D), np.uint16))
+    out = cuda.device_array((T, nq, D), np.uint16)
+    ws = cuda.device_array(attention_workspace_size(T, nq, D, max_pages * page_size, page_size,
+                                                    num_splits=num_splits), np.float32)
+    knobs = dict(weight_offset=weight_offset, round_before_weight=round_before_weight)
+    if fused:
+        rope = DecodeRope(dev["qkv"], dev["qn"], dev["kn"], dev["cos"], dev["sin"], 1e-6, rotary_dim,
+                          q_stride_mult * D, **knobs)
+    else:
+        rope = None
+        qk_norm_rope_store(dev["qkv"], dev["qn"], dev["kn"], dev["cos"], dev["sin"], dev["pos"], dev["slots"],
+                           dev["tables"], dev["k"], dev["v"], q, 1e-6, rotary_dim, q_head_stride=q_stride_mult * D,
+                           **knobs)
+    paged_attention(q, dev["k"], dev["v"], dev["tables"], dev["slots"], dev["pos"], out, 1.0 / math.sqrt(D), ws,
+                    num_splits=num_splits, min_split_tokens=min_split, method="split", decode=True, rope=rope)
+    return out.copy_to_host(), dev["k"].copy_to_host(), dev["v"].copy_to_host()
+
+
+def assert_decode_rope_fused_equals_separate(*args, **kwargs):
+    separate = run_decode_rope(False, *args, **kwargs)
+    fused = run_decode_rope(True, *args, **kwargs)
+    for name, a, b in zip(("out", "k_cache", "v_cache"), fused, separate):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    return separate
+
+
+@pytest.mark.parametrize("head_dim,rotary_dim,q_stride_mult,weight_offset,rbw,num_splits,min_split", [
+    (16, 16, 1, 0.0, True, None, None),     # Qwen3's form, one split
+    (32, 32, 1, 0.0, True, 3, PAGE),        # several splits: the newest key in the last one
+    (32, 16, 2, 1.0, False, None, None),    # Qwen3.5's form: partial rotary, gate after each q head, (1 + w) norm
+])
+def test_decode_rope_fused_equals_separate(head_dim, rotary_dim, q_stride_mult, weight_offset, rbw, num_splits,
+                                           min_split):
+    """``paged_attention(decode=True, rope=...)`` (norm + RoPE + KV store inside the attention launch) leaves the
+    very bits of ``qk_norm_rope_store`` + ``paged_attention(decode=True)`` in the output and both caches: three
+    decode tokens (positions 9, 0 and 20 -- the newest key of the last in a later 16-key pass) and a padding
+    token."""
+    out = assert_decode_rope_fused_equals_separate(head_dim, rotary_dim, q_stride_mult, weight_offset, rbw,
+                                                   [9, 0, 20, 0], [1, 0, 2, -1], num_splits, min_split)[0]
+    assert np.any(out[:3] != 0) and np.all(out[3] == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("positions", [[127], [4095], [300, 17]])
+def test_gpu_decode_rope_fused_qwen3_shapes(positions):
+    """Qwen3-4B's attention shape (32 q / 8 kv heads of 128) on the GPU, one split and several: fused and separate
+    give the same bits in the output and both caches."""
+    assert_decode_rope_fused_equals_separate(128, 128, 1, 0.0, True, positions, list(range(len(positions))),
+                                             nq=32, nkv=8, page_size=16, max_pages=260)

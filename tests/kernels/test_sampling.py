@@ -13,7 +13,8 @@ from numba import cuda
 
 from pegainfer.kernels.primitives import to_bf16_bits
 from pegainfer.kernels.sampling import (CANDIDATE_CAPACITY, SamplingBuffers, _row_words, argmax, logsumexp, sample,
-                                        sample_workspace_size, top_logprobs, workspace_views)
+                                        _workspace_parts, allocate_sample_workspace, top_logprobs,
+                                        workspace_views)
 
 
 # ------------------------------------------------------------------------------------------ NumPy references
@@ -75,7 +76,7 @@ def run_sample(bits_rows, rows, capacity=CANDIDATE_CAPACITY):
         params.set_row(i, **r)
     params.upload()
     out = cuda.to_device(np.full(n, -1, np.int32))
-    workspace = cuda.device_array(sample_workspace_size(n, bits_rows.shape[1]), np.float32)
+    workspace = allocate_sample_workspace(n, bits_rows.shape[1])
     sample(strided_rows(bits_rows), params, out, workspace, candidate_capacity=capacity)
     threshold, kept = workspace_views(workspace)
     return out.copy_to_host(), kept.copy_to_host(), threshold.copy_to_host()
@@ -117,6 +118,31 @@ def test_greedy_rows_and_top_k_1_equal_argmax(rng):
     np.testing.assert_array_equal(tokens, np.argmax(x, axis=1))
     np.testing.assert_array_equal(kept, [1, 1, 1, 1])
     np.testing.assert_array_equal(threshold, x.max(axis=1))
+
+
+def test_greedy_rows_split_over_blocks(rng):
+    """Greedy rows run on ``GREEDY_PARTS`` blocks each (a slice of the row per block, the last block merges):
+    tied maxima in different slices and in the unaligned tail give the smallest index, a row of -inf gives 0 with
+    threshold -inf, both load paths agree, and the per-row counters are back at zero after every launch (the same
+    workspace serves three launches, as in a replayed graph)."""
+    vocab = 300                                    # 37 groups of 8 (16-byte loads) + a 4-logit tail
+    bits, x = bf16_randn((3, vocab), rng, scale=2.0)
+    bits[1, [298, 170, 40]] = bf16(9.5)            # groups 5 and 21 and the tail: three different slices
+    bits[2, :] = bf16(-np.inf)
+    expected = [int(np.argmax(x[0])), 40, 0]
+    params = SamplingBuffers(3)
+    for i in range(3):
+        params.set_row(i, temperature=0.0, seed=i)
+    params.upload()
+    workspace = allocate_sample_workspace(3, vocab)
+    for logits in (strided_rows(bits), cuda.to_device(bits), strided_rows(bits)):
+        out = cuda.to_device(np.full(3, -1, np.int32))
+        sample(logits, params, out, workspace)
+        np.testing.assert_array_equal(out.copy_to_host(), expected)
+        threshold, kept = workspace_views(workspace)
+        np.testing.assert_array_equal(kept.copy_to_host(), [1, 1, 1])
+        assert threshold.copy_to_host()[1] == 9.5 and threshold.copy_to_host()[2] == -np.inf
+        np.testing.assert_array_equal(_workspace_parts(workspace)[4].copy_to_host(), [0, 0, 0])
 
 
 def test_seed_and_step_make_draws_reproducible(rng):

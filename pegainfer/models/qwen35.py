@@ -35,7 +35,9 @@ number of sequences is at most B (every sequence of a step asks for at least one
 (decode, or a prompt scored row by row) each sequence is short and the token-by-token form runs; when ``T > B``
 (a prompt chunk) the chunked form runs.  Both are exact for any table, this choice is only about speed.  Padding
 tokens (slot -1, after the real tokens of a prefill chunk padded to a CUDA-graph bucket) end the table: they belong
-to no sequence, touch no recurrent state and get zero rule outputs, as the full-attention kernels skip them.
+to no sequence, touch no recurrent state and get zero rule outputs, as the full-attention kernels skip them.  A
+decode step (``forward(decode=True)``: one token per sequence) builds no table: the fused Gated DeltaNet step then
+takes sequence ``b`` = token ``b`` and its slot from ``token_slots`` (``gated_delta_decode_step``'s decode mode).
 """
 from __future__ import annotations
 
@@ -208,7 +210,7 @@ class Qwen35Model(DecoderModel):
         residual, spare = self.residuals[0][:T], self.residuals[1][:T]
         normed, delta, act = self.normed[:T], self.delta[:T], self.act[:T]
         seq_slots, seq_offsets = self.seq_slots[:B], self.seq_offsets[:B + 1]
-        if self.linear_layers:
+        if self.linear_layers and not decode:   # a decode step's Gated DeltaNet reads the token slots instead
             gated_delta.sequence_table(slots, seq_slots, seq_offsets)
         token_by_token = T == B
 

@@ -54,12 +54,13 @@ MODELS = {
 class Projection:
     """One projection of every layer: L weight matrices and the buffers its launches use."""
 
-    def __init__(self, name, n, k, gated, fused, layers, hidden):
-        self.name, self.n, self.k, self.gated, self.fused = name, n, k, gated, fused
+    def __init__(self, name, n, k, gated, fused, layers, hidden, tokens=1):
+        self.name, self.n, self.k, self.gated, self.fused = name, n, k, gated, fused and tokens == 1
+        self.tokens = tokens
         self.w = [cuda.device_array((n, k), np.uint16) for _ in range(layers)]
         n_out = n // 2 if gated else n
-        self.x = cuda.to_device(np.full((1, k), 0x3F80, np.uint16))          # 1.0
-        self.out = cuda.device_array((1, n_out), np.uint16)
+        self.x = cuda.to_device(np.full((tokens, k), 0x3F80, np.uint16))     # 1.0
+        self.out = cuda.device_array((tokens, n_out), np.uint16)
         if fused:
             self.res_in = cuda.to_device(np.full((1, k), 0x3F80, np.uint16))
             self.res_out = cuda.device_array((1, k), np.uint16)
@@ -77,11 +78,32 @@ class Projection:
         if geo is None:
             op = lin.linear_silu_mul if self.gated else lin.linear
             return lambda: op(self.x, w, self.out)
+        if isinstance(geo, lin.SkinnyGeometry):
+            return lambda: lin.linear_skinny(self.x, w, self.out, gated=self.gated, geometry=geo)
         return lambda: lin.gemv(self.x, w, self.out, gated=self.gated, geometry=geo)
+
+
+def skinny_candidates(p: Projection, quick: bool):
+    """Skinny tensor-core geometries worth timing for one projection at T > 1 (``--tokens``): (n_tiles, unroll,
+    stages, warps_per_sm) shapes that compile without spills on sm_90 (plus the heuristic's), × k_split."""
+    shapes = ((2, 4, 1, 16), (2, 2, 1, 16), (2, 4, 2, 8), (4, 2, 2, 8), (2, 2, 3, 8), (2, 2, 2, 16), (4, 4, 1, 8),
+              (1, 4, 1, 16), (2, 8, 1, 8))
+    if p.tokens > 16:
+        shapes = ((2, 1, 1, 16), (1, 1, 1, 16), (1, 1, 2, 8), (2, 1, 2, 8))
+    if quick:
+        shapes = shapes[:4]
+    for (nt, unroll, stages, wps), warps, k_split in itertools.product(shapes, (4, 8), (1, 2, 4, 8)):
+        if p.k // (32 * unroll * k_split) < 2 or warps % k_split:
+            continue
+        yield lin.SkinnyGeometry(n_tiles=nt, unroll=unroll, warps=warps, k_split=k_split, warps_per_sm=wps,
+                                 stages=stages)
 
 
 def candidates(p: Projection, quick: bool):
     """GEMV geometries worth timing for one projection at T = 1 (fused ones keep norm's block size)."""
+    if p.tokens > 1:
+        yield from skinny_candidates(p, quick)
+        return
     rows_stages = {1: (4, 8, 16), 2: (2, 4, 6, 8), 4: (2, 3, 4)}
     if quick:
         rows_stages = {1: (8, 16), 2: (4, 8), 4: (2, 4)}
@@ -101,6 +123,9 @@ def candidates(p: Projection, quick: bool):
 def geo_text(g) -> str:
     if g is None:
         return "default"
+    if isinstance(g, lin.SkinnyGeometry):
+        return (f"skinny n_tiles={g.n_tiles} unroll={g.unroll} stages={g.stages} warps={g.warps} "
+                f"k_split={g.k_split} warps_per_sm={g.warps_per_sm}")
     return f"rows={g.rows_per_warp} warps={g.warps} k_split={g.k_split} stages={g.stages} persistent={g.persistent}"
 
 
@@ -178,6 +203,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer geometries")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--only", default=None, help="comma-separated projections to sweep (default: all)")
+    ap.add_argument("--tokens", type=int, default=1,
+                    help="tokens per projection (default 1: the GEMV; 2-64: the skinny tensor-core kernel, as a "
+                         "short prompt's prefill runs it; the sweep then tries skinny geometries)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--tuning-out", default=None,
                     help=f"write the best geometries as JSON for {lin.GEMV_TUNING_ENV} (see linear.load_gemv_tuning)")
@@ -189,7 +217,8 @@ def main() -> int:
     read_bw = float("nan") if SIM else measure_read_bandwidth(2 << 30)
     print(f"model {args.model}: {layers} layers; read bandwidth {read_bw / 1e9:.0f} GB/s"
           f"{'  (SIMULATOR: times are meaningless)' if SIM else ''}")
-    projs = [Projection(name, *shape, layers=layers, hidden=m["hidden"]) for name, shape in m["shapes"].items()]
+    projs = [Projection(name, *shape, layers=layers, hidden=m["hidden"], tokens=args.tokens)
+             for name, shape in m["shapes"].items()]
     head = Projection("lm_head", m["vocab"], m["hidden"], False, True, layers=1, hidden=m["hidden"])
     rows: list[dict] = []
     if not SIM:
@@ -198,22 +227,31 @@ def main() -> int:
     if not args.no_sweep:
         chosen = set(args.only.split(",")) if args.only else None
         best = sweep([p for p in projs if chosen is None or p.name in chosen], layers, read_bw, args.quick, rows)
-        head_best = sweep([head], 1, read_bw, True, rows) if chosen is None or "lm_head" in chosen else {}
-        best.update(head_best)
-        print("\nGEMV_TUNED entries (n_cols, K, max_tokens, gated):")
+        if args.tokens == 1 and (chosen is None or "lm_head" in chosen):
+            best.update(sweep([head], 1, read_bw, True, rows))
+        if args.tokens > 1:
+            print(f"\nSKINNY_TUNED entries (n_cols, K, m16 tiles, gated):")
+            for p in projs:
+                g = best.get(p.name)
+                if g is not None:
+                    print(f"    ({p.n}, {p.k}, {-(-args.tokens // 16)}, {p.gated}): {g},   # {p.name}")
+        else:
+            print("\nGEMV_TUNED entries (n_cols, K, max_tokens, gated):")
         for p in projs + [head]:
             g = best.get(p.name)
-            if g is not None:
+            if g is not None and args.tokens == 1:
                 print(f"    ({p.n}, {p.k}, 1, {p.gated}): GemvGeometry(rows_per_warp={g.rows_per_warp}, "
                       f"warps={g.warps}, k_split={g.k_split}, max_tokens=1, stages={g.stages}, "
                       f"persistent={g.persistent}),   # {p.name}")
     if args.tuning_out and best:
         from dataclasses import asdict
-        entries = [dict(n_cols=p.n, k=p.k, max_tokens=1, gated=p.gated, geometry=asdict(best[p.name]))
+        size = dict(max_tokens=1) if args.tokens == 1 else dict(m_tiles=-(-args.tokens // 16))
+        entries = [dict(n_cols=p.n, k=p.k, **size, gated=p.gated, geometry=asdict(best[p.name]))
                    for p in projs + [head] if p.name in best]
         with open(args.tuning_out, "w") as f:
             json.dump(entries, f, indent=1)
-    print(f"\nprojections of one decode step ({layers} × (qkv, o, gate_up, down) + lm_head), one graph:")
+    print(f"\nprojections of one {'decode step' if args.tokens == 1 else f'{args.tokens}-token prefill'} "
+          f"({layers} × (qkv, o, gate_up, down) + lm_head), one graph:")
     step(projs, head, layers, read_bw, {}, "default", rows)
     if best:
         step(projs, head, layers, read_bw, best, "best", rows)

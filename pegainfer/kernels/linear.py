@@ -502,18 +502,19 @@ GEMV_TUNING_ENV = "PEGAINFER_GEMV_TUNING"
 
 def load_gemv_tuning(path: str) -> int:
     """Merge ``[{"n_cols", "k", "max_tokens", "gated", "geometry": {GemvGeometry fields}}, ...]`` from a JSON file
-    into ``GEMV_TUNED``; returns the number of entries."""
+    into ``GEMV_TUNED`` and ``[{"n_cols", "k", "m_tiles", "gated", "geometry": {SkinnyGeometry fields}}, ...]``
+    into ``SKINNY_TUNED``; returns the number of entries."""
     import json
     with open(path) as f:
         entries = json.load(f)
     for e in entries:
-        GEMV_TUNED[int(e["n_cols"]), int(e["k"]), int(e["max_tokens"]), bool(e["gated"])] = \
-            GemvGeometry(**e["geometry"])
+        if "m_tiles" in e:
+            SKINNY_TUNED[int(e["n_cols"]), int(e["k"]), int(e["m_tiles"]), bool(e["gated"])] = \
+                SkinnyGeometry(**e["geometry"])
+        else:
+            GEMV_TUNED[int(e["n_cols"]), int(e["k"]), int(e["max_tokens"]), bool(e["gated"])] = \
+                GemvGeometry(**e["geometry"])
     return len(entries)
-
-
-if os.environ.get(GEMV_TUNING_ENV):
-    load_gemv_tuning(os.environ[GEMV_TUNING_ENV])
 
 
 @functools.cache
@@ -1121,35 +1122,97 @@ class SkinnyGeometry:
     k_split: warps that share one row group, each taking every ``k_split``-th run of ``unroll`` chunks of K; their
       accumulators meet in shared memory.
     warps_per_sm: occupancy the kernel is compiled for (launch bounds: 65536 / (32 · warps_per_sm) registers).
+    stages: iterations of loads held in a register ring: 1 = an iteration's loads, then its mma; S > 1 = the loads
+      of the next S - 1 iterations are in flight while an iteration's mma runs (S times the registers).
     """
     n_tiles: int
     unroll: int
     warps: int
     k_split: int
     warps_per_sm: int = 16
+    stages: int = 1
 
 
 SKINNY_MAX_TOKENS = 64
 """Largest token count of the skinny path (four m16 tiles of tokens per warp)."""
 
-SKINNY_TUNED: dict[tuple[int, int, int, bool], SkinnyGeometry] = {}
+SKINNY_TUNED: dict[tuple[int, int, int, bool], SkinnyGeometry] = {
+    # Qwen3-4B gate_up at T <= 16, measured on the H200 with cold weights (``benchmarks/bench_decode_stream.py
+    # --tokens 16``): 37.9 µs per launch against 44.6 for the heuristic's (2 tiles, 4 chunks, no ring, k_split 1).
+    # For qkv, o and down (14.6, 12.2, 23.4 µs) no swept geometry beat the heuristic's by more than 0.1 µs.
+    (19456, 2560, 1, True): SkinnyGeometry(n_tiles=2, unroll=2, warps=8, k_split=1, stages=2),
+    # Qwen3-8B and Qwen3.5-4B gate_up: the same geometry by analogy (not swept)
+    (24576, 4096, 1, True): SkinnyGeometry(n_tiles=2, unroll=2, warps=8, k_split=1, stages=2),
+    (18432, 2560, 1, True): SkinnyGeometry(n_tiles=2, unroll=2, warps=8, k_split=1, stages=2),
+}
 """Measured best skinny geometries, ``(n_cols, K, m16 tiles, gated) -> SkinnyGeometry``, overriding the heuristic
 in ``skinny_geometry`` (``benchmarks/bench_gemv.py --sweep`` prints entries in this form)."""
 
 
 @functools.cache
 def _skinny_kernel(m_tiles: int, n_tiles: int, unroll: int, warps: int, gated: bool, warps_per_sm: int,
-                   upper_rows: bool = True):
+                   upper_rows: bool = True, stages: int = 1):
     """Build the skinny kernel for ``m_tiles`` m16 token tiles × ``n_tiles`` n8 column tiles per warp, ``unroll``
-    K chunks in flight, blocks of ``warps`` warps (all compile-time: they size register arrays and unroll loops).
-    ``upper_rows=False`` (T <= 8, one tile): token rows g + 8 of the A fragment are known zeros, never loaded."""
-    MT, NT, U = m_tiles, n_tiles, unroll
+    K chunks per iteration, a register ring of ``stages`` iterations, blocks of ``warps`` warps (all compile-time:
+    they size register arrays and unroll loops).  ``upper_rows=False`` (T <= 8, one tile): token rows g + 8 of the
+    A fragment are known zeros, never loaded."""
+    MT, NT, U, S = m_tiles, n_tiles, unroll, stages
     HALVES = 2 if upper_rows else 1
     XW = 8 * MT * U          # x words per lane per iteration: MT tiles × 2 token rows × 4 words × U chunks
     WW = 4 * NT * U          # weight words per lane per iteration: NT rows × 4 words × U chunks
+    SXW, SWW = S * XW, S * WW
     NACC = 4 * MT * NT       # accumulator fragment values per lane
     NPK = 2 * MT * NT
     nthreads = warps * WARP
+
+    @device_fn
+    def load_iteration(w32, x32, wrow, wr, xr, wbase, xbase, c_first, k, k_words, t4, g, T):
+        """One iteration's loads into ring slot (``wbase``, ``xbase``): ``unroll`` chunks from chunk ``c_first``,
+        16 bytes of each of the warp's ``n_tiles`` weight rows and of x for tokens g, g + 8 of each m16 tile."""
+        for u in range(U):
+            e = (c_first + u) * 32 + 8 * t4
+            word = e // 2
+            for j in range(NT):
+                if e < k:
+                    v0, v1, v2, v3 = load_u32x4(w32, wrow[j] + word)
+                else:
+                    v0 = v1 = v2 = v3 = uint32(0)
+                o = wbase + 4 * (u * NT + j)
+                wr[o] = v0
+                wr[o + 1] = v1
+                wr[o + 2] = v2
+                wr[o + 3] = v3
+            for i in range(MT):
+                for h in range(2):                 # token rows g and g + 8 of m16 tile i
+                    m = 16 * i + 8 * h + g
+                    if h < HALVES and e < k and m < T:
+                        v0, v1, v2, v3 = load_u32x4(x32, m * k_words + word)
+                    else:
+                        v0 = v1 = v2 = v3 = uint32(0)
+                    o = xbase + 8 * (u * MT + i) + 4 * h
+                    xr[o] = v0
+                    xr[o + 1] = v1
+                    xr[o + 2] = v2
+                    xr[o + 3] = v3
+
+    @device_fn
+    def mma_iteration(acc, wr, xr, wbase, xbase):
+        """The tensor-core steps of the iteration held in ring slot (``wbase``, ``xbase``)."""
+        for u in range(U):
+            for i in range(MT):
+                xo = xbase + 8 * (u * MT + i)
+                for j in range(NT):
+                    wo = wbase + 4 * (u * NT + j)
+                    o = 4 * (i * NT + j)
+                    d0, d1, d2, d3 = mma_bf16_m16n8k16(xr[xo], xr[xo + 4], xr[xo + 1], xr[xo + 5],
+                                                       wr[wo], wr[wo + 1],
+                                                       acc[o], acc[o + 1], acc[o + 2], acc[o + 3])
+                    d0, d1, d2, d3 = mma_bf16_m16n8k16(xr[xo + 2], xr[xo + 6], xr[xo + 3], xr[xo + 7],
+                                                       wr[wo + 2], wr[wo + 3], d0, d1, d2, d3)
+                    acc[o] = d0
+                    acc[o + 1] = d1
+                    acc[o + 2] = d2
+                    acc[o + 3] = d3
 
     @_bounded_kernel(nthreads, warps_per_sm)
     def linear_skinny(x32, w32, out, k, k_split):
@@ -1165,7 +1228,10 @@ def _skinny_kernel(m_tiles: int, n_tiles: int, unroll: int, warps: int, gated: b
         (k 2t.., k 2t+8..) halves of the first m16n8k16 step, words 2, 3 those of the second, for A and B alike.
         So every load is 16 bytes (the 4 lanes of a row cover 64 contiguous bytes; ``unroll`` chunks make runs of
         64·unroll bytes), no shared memory stages the weights and no barrier stalls the stream.  x (at most
-        64 × K bf16) is read through the L1 cache by every warp.
+        64 × K bf16) is read through the L1 cache by every warp.  An iteration is ``unroll`` chunks: with
+        ``stages`` = 1 a warp issues all of its loads, then its mma steps; with a ring of ``stages`` > 1 (slot s of
+        the unrolled loop holds iteration s mod stages) the loads of the next ``stages - 1`` iterations are in
+        flight while an iteration's mma steps wait on its own, so the warp never stops streaming.
 
         Geometry: 1-D blocks of ``warps`` warps.  A block owns ``warps / k_split · 8 · n_tiles`` consecutive
         logical columns (a tile); blocks grid-stride over tiles.  Warp ``group · k_split + part`` takes chunk runs
@@ -1177,8 +1243,8 @@ def _skinny_kernel(m_tiles: int, n_tiles: int, unroll: int, warps: int, gated: b
         """
         pdl_prologue()
         red = cuda.shared.array(0, nbtypes.float32)   # dynamic: [warps, NACC, 32] partial accumulators
-        xr = cuda.local.array(XW, uint32)
-        wr = cuda.local.array(WW, uint32)
+        xr = cuda.local.array(SXW, uint32)            # the load ring: S iterations of x and W fragments
+        wr = cuda.local.array(SWW, uint32)
         acc = cuda.local.array(NACC, float32)
         packed = cuda.local.array(NPK, uint32)
         wrow = cuda.local.array(NT, int64)
@@ -1205,48 +1271,24 @@ def _skinny_kernel(m_tiles: int, n_tiles: int, unroll: int, warps: int, gated: b
                 wrow[j] = _weight_row(min(col0 + 8 * j + g, n_cols - 1), n_out, gated) * k_words
             for i in range(NACC):
                 acc[i] = float32(0.0)
-            for it in range(n_iter):
-                c_first = (it * k_split + part) * U
-                for u in range(U):                 # all loads of the iteration before any mma
-                    e = (c_first + u) * 32 + 8 * t4
-                    word = e // 2
-                    for j in range(NT):
-                        if e < k:
-                            v0, v1, v2, v3 = load_u32x4(w32, wrow[j] + word)
-                        else:
-                            v0 = v1 = v2 = v3 = uint32(0)
-                        o = 4 * (u * NT + j)
-                        wr[o] = v0
-                        wr[o + 1] = v1
-                        wr[o + 2] = v2
-                        wr[o + 3] = v3
-                    for i in range(MT):
-                        for h in range(2):         # token rows g and g + 8 of m16 tile i
-                            m = 16 * i + 8 * h + g
-                            if h < HALVES and e < k and m < T:
-                                v0, v1, v2, v3 = load_u32x4(x32, m * k_words + word)
-                            else:
-                                v0 = v1 = v2 = v3 = uint32(0)
-                            o = 8 * (u * MT + i) + 4 * h
-                            xr[o] = v0
-                            xr[o + 1] = v1
-                            xr[o + 2] = v2
-                            xr[o + 3] = v3
-                for u in range(U):
-                    for i in range(MT):
-                        xo = 8 * (u * MT + i)
-                        for j in range(NT):
-                            wo = 4 * (u * NT + j)
-                            o = 4 * (i * NT + j)
-                            d0, d1, d2, d3 = mma_bf16_m16n8k16(xr[xo], xr[xo + 4], xr[xo + 1], xr[xo + 5],
-                                                               wr[wo], wr[wo + 1],
-                                                               acc[o], acc[o + 1], acc[o + 2], acc[o + 3])
-                            d0, d1, d2, d3 = mma_bf16_m16n8k16(xr[xo + 2], xr[xo + 6], xr[xo + 3], xr[xo + 7],
-                                                               wr[wo + 2], wr[wo + 3], d0, d1, d2, d3)
-                            acc[o] = d0
-                            acc[o + 1] = d1
-                            acc[o + 2] = d2
-                            acc[o + 3] = d3
+            for s in range(S - 1):                 # the ring's first S - 1 iterations of loads
+                if s < n_iter:
+                    load_iteration(w32, x32, wrow, wr, xr, s * WW, s * XW, (s * k_split + part) * U, k, k_words,
+                                   t4, g, T)
+            it = 0
+            while it < n_iter:
+                for s in range(S):                 # unrolled: ring slot s holds iteration it
+                    if it < n_iter:
+                        ahead = it + S - 1         # refill the slot the previous iteration freed
+                        if S == 1:                 # no ring: this iteration's loads, then its mma
+                            load_iteration(w32, x32, wrow, wr, xr, 0, 0, (it * k_split + part) * U, k, k_words,
+                                           t4, g, T)
+                        elif ahead < n_iter:
+                            slot = (s + S - 1) % S
+                            load_iteration(w32, x32, wrow, wr, xr, slot * WW, slot * XW,
+                                           (ahead * k_split + part) * U, k, k_words, t4, g, T)
+                        mma_iteration(acc, wr, xr, s * WW, s * XW)
+                    it += 1
             if k_split > 1:                        # block-uniform: every thread reaches the barriers
                 for i in range(NACC):
                     red[(warp * NACC + i) * WARP + lane] = acc[i]
@@ -1299,9 +1341,13 @@ def linear_skinny(x, w, out, *, gated: bool = False, geometry: SkinnyGeometry | 
     mt = -(-T // 16)
     cols_per_block = geo.warps // geo.k_split * 8 * geo.n_tiles
     shared = 4 * geo.warps * 4 * mt * geo.n_tiles * WARP if geo.k_split > 1 else 0
-    kern = _skinny_kernel(mt, geo.n_tiles, geo.unroll, geo.warps, gated, geo.warps_per_sm, T > 8)
+    kern = _skinny_kernel(mt, geo.n_tiles, geo.unroll, geo.warps, gated, geo.warps_per_sm, T > 8, geo.stages)
     launch(kern, grid(n_cols, cols_per_block, sim_cap=8), geo.warps * WARP,
            _as_u32(x), _as_u32(w), out, k, geo.k_split, shared=shared, name="linear_skinny", pdl=True)
+
+
+if os.environ.get(GEMV_TUNING_ENV):
+    load_gemv_tuning(os.environ[GEMV_TUNING_ENV])
 
 
 # ================================================================================================ public API

@@ -141,6 +141,10 @@ def test_gemm_mma_kernel(T, N, K, tile, gated, rng):
     (5, 41, 72, lin.SkinnyGeometry(n_tiles=2, unroll=2, warps=2, k_split=2), False),   # ragged N and K, split-K
     (11, 20, 96, lin.SkinnyGeometry(n_tiles=1, unroll=1, warps=2, k_split=1), True),   # tokens g+8, SwiGLU pairs
     (20, 17, 40, lin.SkinnyGeometry(n_tiles=1, unroll=2, warps=2, k_split=2), False),  # two m16 token tiles
+    # register rings: 2 and 3 iterations, K runs shorter, equal to and longer than the ring
+    (16, 24, 200, lin.SkinnyGeometry(n_tiles=2, unroll=1, warps=2, k_split=2, stages=2), True),
+    (9, 20, 136, lin.SkinnyGeometry(n_tiles=1, unroll=2, warps=1, k_split=1, stages=3), False),
+    (3, 12, 32, lin.SkinnyGeometry(n_tiles=1, unroll=1, warps=2, k_split=2, stages=3), False),
 ])
 def test_linear_skinny(T, N, K, geometry, gated, rng):
     """The skinny tensor-core kernel (weights straight into mma B fragments, permuted K, split-K through shared
@@ -383,9 +387,13 @@ def test_gemv_tuning_file(tmp_path, monkeypatch):
     path = tmp_path / "tuning.json"
     geo = dict(rows_per_warp=2, warps=8, k_split=2, max_tokens=1, k_chunk=None, stage_x=True, stages=6,
                persistent=True)
-    path.write_text(json.dumps([dict(n_cols=777, k=512, max_tokens=1, gated=False, geometry=geo)]))
     monkeypatch.setattr(lin, "GEMV_TUNED", dict(lin.GEMV_TUNED))
     monkeypatch.setattr(lin, "SIMULATOR", False)      # the simulator's picker ignores the table
     monkeypatch.setattr(lin, "_sm_count", lambda: 132)
-    assert lin.load_gemv_tuning(str(path)) == 1
+    skinny = dict(n_tiles=4, unroll=2, warps=8, k_split=4, warps_per_sm=8, stages=2)
+    path.write_text(json.dumps([dict(n_cols=777, k=512, max_tokens=1, gated=False, geometry=geo),
+                                dict(n_cols=777, k=512, m_tiles=1, gated=True, geometry=skinny)]))
+    monkeypatch.setattr(lin, "SKINNY_TUNED", dict(lin.SKINNY_TUNED))
+    assert lin.load_gemv_tuning(str(path)) == 2
     assert lin.gemv_geometry(777, 512, 1) == GemvGeometry(**geo)
+    assert lin.skinny_geometry(777, 512, 16, gated=True) == lin.SkinnyGeometry(**skinny)

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything on the GPU host. Usage (through the device tool, carrying .whl):
 #   source .whl/prelude.sh; bash benchmarks/gpu_session.sh STAGE...
-# Stages: kernels accuracy bench profile micro trace floor floor35 server start bench35 acc35 (MODELS= skips building the
+# Stages: kernels accuracy bench profile micro trace floor floor35 server start bench35 acc35 skinny (MODELS= skips building the
 # Qwen3-4B folder that the Qwen3 stages need; the Qwen3.5 stages build their own). Logs and JSON land in $OUT (or
 # ./gpu_out); accuracy tests append JSON lines to $OUT/gpu_results.jsonl.
 #   bench35: Qwen3.5-4B shape in the multimodal checkpoint layout (random weights, built once by transformers):
 #            batch-1 TPOT with CUDA graphs vs the floor (16-token prompt, 128 tokens, one traced run + per-kernel
 #            summary), then TTFT of a 2048-token prompt beside Hugging Face on the same weights (--hf).
 #   acc35:   tests/gpu/test_qwen35_gpu.py on that folder (256-token prompt + 64 decode steps vs HF bf16 / fp32).
+#   skinny:  sweep the skinny prefill kernel's geometries at 16 tokens on cold weights (bench_decode_stream.py
+#            --tokens 16, Qwen3-4B shapes), then TTFT / TPOT with the defaults and with the swept best
+#            (PEGAINFER_GEMV_TUNING=$OUT/skinny16.json), alternating, two runs each.
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
 export NUMBA_CACHE_DIR="${NUMBA_CACHE_DIR:-/tmp/numba_cache}"
@@ -78,6 +81,15 @@ print('folder', make_random_qwen35_multimodal(Path('$M35')))" 2>&1 | tail -1 | t
               timeout ${BENCH_TIMEOUT:-300} python3 -m pegainfer bench --model-path "$M35" --max-model-len 4096 \
                 --prompt-len 2048 --output-len 16 --runs 3 --hf --json "$OUT/bench35_ttft2048.json" 2>&1 \
                 | grep -v "Warning\|warn(\|falling back\|deprecated" | tail -26 | tee -a "$OUT/bench35.log" ;;
+    skinny)   (cd benchmarks && timeout ${SWEEP_TIMEOUT:-300} python3 bench_decode_stream.py --model 4b --tokens 16 \
+                --tuning-out "$OUT/skinny16.json" --json "$OUT/skinny16_sweep.json" 2>&1 | grep -v "Warn\|warn(" \
+                | grep -A4 "^qkv\|^o \|^gate_up\|^down\|SKINNY\|one graph\|default \|best " | tee "$OUT/skinny.log")
+              for run in 1 2; do for tuning in "" "$OUT/skinny16.json"; do
+                echo "--- tuning=${tuning:-defaults}" | tee -a "$OUT/skinny.log"
+                PEGAINFER_GEMV_TUNING="$tuning" timeout ${BENCH_TIMEOUT:-300} python3 -m pegainfer bench \
+                  --model-path "$PEGAINFER_GPU_MODELS/qwen3-4b" --max-model-len 4096 --prompt-len 16 --output-len 32 \
+                  --runs 5 2>&1 | grep "ttft_ms\|tpot_ms" | tee -a "$OUT/skinny.log"
+              done; done ;;
     acc35)    timeout ${ACC35_TIMEOUT:-300} python3 -m pytest tests/gpu/test_qwen35_gpu.py -m gpu -q -s -p no:cacheprovider \
                 2>&1 | grep -v "Warning\|warn(\|falling back\|deprecated" | tail -30 | tee "$OUT/acc35.log" ;;
   esac

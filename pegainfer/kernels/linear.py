@@ -1151,7 +1151,8 @@ SKINNY_TUNED: dict[tuple[int, int, int, bool], SkinnyGeometry] = {
     (18432, 2560, 1, True): SkinnyGeometry(n_tiles=2, unroll=2, warps=8, k_split=1, stages=2),
 }
 """Measured best skinny geometries, ``(n_cols, K, m16 tiles, gated) -> SkinnyGeometry``, overriding the heuristic
-in ``skinny_geometry`` (``benchmarks/bench_gemv.py --sweep`` prints entries in this form)."""
+in ``skinny_geometry`` (``benchmarks/bench_decode_stream.py --tokens 16`` sweeps on cold weights and prints entries
+in this form; ``benchmarks/bench_gemv.py --sweep`` on one L2-warm matrix)."""
 
 
 @functools.cache
@@ -1211,13 +1212,10 @@ def _skinny_kernel(m_tiles: int, n_tiles: int, unroll: int, warps: int, gated: b
     def load_iteration(w32, x32, wrow, wr, xr, wbase, xbase, c_first, k, k_words, t4, g, T):
         """One iteration's loads into ring slot (``wbase``, ``xbase``): the weights, and x too when it travels in
         the ring (``x_ahead``; then chunk by chunk, weights and x of a chunk together)."""
-        if XA:
-            for u in range(U):
-                load_weights(w32, wrow, wr, wbase + 4 * NT * u, c_first + u, k, t4)
+        for u in range(U):
+            load_weights(w32, wrow, wr, wbase + 4 * NT * u, c_first + u, k, t4)
+            if XA:
                 load_x(x32, xr, xbase + 8 * MT * u, c_first + u, k, k_words, t4, g, T)
-        else:
-            for u in range(U):
-                load_weights(w32, wrow, wr, wbase + 4 * NT * u, c_first + u, k, t4)
 
     @device_fn
     def mma_iteration(acc, wr, xr, wbase, xbase):
@@ -1267,7 +1265,7 @@ def _skinny_kernel(m_tiles: int, n_tiles: int, unroll: int, warps: int, gated: b
         """
         pdl_prologue()
         red = cuda.shared.array(0, nbtypes.float32)   # dynamic: [warps, NACC, 32] partial accumulators
-        xr = cuda.local.array(SXW, uint32)            # the load ring: S iterations of x and W fragments
+        xr = cuda.local.array(SXW, uint32)            # the load ring: S iterations of W (and x, if x_ahead)
         wr = cuda.local.array(SWW, uint32)
         acc = cuda.local.array(NACC, float32)
         packed = cuda.local.array(NPK, uint32)

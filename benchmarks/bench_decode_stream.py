@@ -61,7 +61,7 @@ class Projection:
         n_out = n // 2 if gated else n
         self.x = cuda.to_device(np.full((tokens, k), 0x3F80, np.uint16))     # 1.0
         self.out = cuda.device_array((tokens, n_out), np.uint16)
-        if fused:
+        if self.fused:
             self.res_in = cuda.to_device(np.full((1, k), 0x3F80, np.uint16))
             self.res_out = cuda.device_array((1, k), np.uint16)
             self.norm_w = cuda.to_device(np.full(k, 0x3F80, np.uint16))
@@ -232,19 +232,19 @@ def main() -> int:
         if args.tokens == 1 and (chosen is None or "lm_head" in chosen):
             best.update(sweep([head], 1, read_bw, True, rows))
         if args.tokens > 1:
-            print(f"\nSKINNY_TUNED entries (n_cols, K, m16 tiles, gated):")
+            print("\nSKINNY_TUNED entries (n_cols, K, m16 tiles, gated):")
             for p in projs:
                 g = best.get(p.name)
                 if g is not None:
                     print(f"    ({p.n}, {p.k}, {-(-args.tokens // 16)}, {p.gated}): {g},   # {p.name}")
         else:
             print("\nGEMV_TUNED entries (n_cols, K, max_tokens, gated):")
-        for p in projs + [head]:
-            g = best.get(p.name)
-            if g is not None and args.tokens == 1:
-                print(f"    ({p.n}, {p.k}, 1, {p.gated}): GemvGeometry(rows_per_warp={g.rows_per_warp}, "
-                      f"warps={g.warps}, k_split={g.k_split}, max_tokens=1, stages={g.stages}, "
-                      f"persistent={g.persistent}),   # {p.name}")
+            for p in projs + [head]:
+                g = best.get(p.name)
+                if g is not None:
+                        print(f"    ({p.n}, {p.k}, 1, {p.gated}): GemvGeometry(rows_per_warp={g.rows_per_warp}, "
+                          f"warps={g.warps}, k_split={g.k_split}, max_tokens=1, stages={g.stages}, "
+                          f"persistent={g.persistent}),   # {p.name}")
     if args.tuning_out and best:
         from dataclasses import asdict
         size = dict(max_tokens=1) if args.tokens == 1 else dict(m_tiles=-(-args.tokens // 16))

@@ -85,20 +85,18 @@ class Projection:
 
 def skinny_candidates(p: Projection, quick: bool):
     """Skinny tensor-core geometries worth timing for one projection at T > 1 (``--tokens``): (n_tiles, unroll,
-    stages, warps_per_sm, x_ahead) shapes that compile without spills on sm_90 (ringed ones with x outside the ring
-    hold 48-96 KB of weight loads in flight per SM), × warps × k_split."""
-    shapes = ((2, 4, 1, 16, True), (2, 2, 1, 16, True), (2, 4, 2, 8, True), (4, 2, 2, 8, True),
-              (2, 2, 3, 8, True), (2, 2, 2, 16, True), (4, 4, 1, 8, True), (1, 4, 1, 16, True),
-              (2, 2, 3, 16, False), (1, 4, 3, 16, False), (1, 2, 4, 16, False), (2, 4, 4, 8, False))
+    stages, warps_per_sm) shapes that compile without spills on sm_90 (plus the heuristic's), × k_split."""
+    shapes = ((2, 4, 1, 16), (2, 2, 1, 16), (2, 4, 2, 8), (4, 2, 2, 8), (2, 2, 3, 8), (2, 2, 2, 16), (4, 4, 1, 8),
+              (1, 4, 1, 16), (2, 8, 1, 8))
     if p.tokens > 16:
-        shapes = ((2, 1, 1, 16, True), (1, 1, 1, 16, True), (1, 1, 2, 8, True), (2, 1, 2, 8, True))
+        shapes = ((2, 1, 1, 16), (1, 1, 1, 16), (1, 1, 2, 8), (2, 1, 2, 8))
     if quick:
         shapes = shapes[:4]
-    for (nt, unroll, stages, wps, x_ahead), warps, k_split in itertools.product(shapes, (4, 8), (1, 2, 4, 8)):
+    for (nt, unroll, stages, wps), warps, k_split in itertools.product(shapes, (4, 8), (1, 2, 4, 8)):
         if p.k // (32 * unroll * k_split) < 2 or warps % k_split:
             continue
         yield lin.SkinnyGeometry(n_tiles=nt, unroll=unroll, warps=warps, k_split=k_split, warps_per_sm=wps,
-                                 stages=stages, x_ahead=x_ahead)
+                                 stages=stages)
 
 
 def candidates(p: Projection, quick: bool):
@@ -126,8 +124,8 @@ def geo_text(g) -> str:
     if g is None:
         return "default"
     if isinstance(g, lin.SkinnyGeometry):
-        return (f"skinny n_tiles={g.n_tiles} unroll={g.unroll} stages={g.stages} x_ahead={g.x_ahead} "
-                f"warps={g.warps} k_split={g.k_split} warps_per_sm={g.warps_per_sm}")
+        return (f"skinny n_tiles={g.n_tiles} unroll={g.unroll} stages={g.stages} warps={g.warps} "
+                f"k_split={g.k_split} warps_per_sm={g.warps_per_sm}")
     return f"rows={g.rows_per_warp} warps={g.warps} k_split={g.k_split} stages={g.stages} persistent={g.persistent}"
 
 

@@ -1124,10 +1124,6 @@ class SkinnyGeometry:
     warps_per_sm: occupancy the kernel is compiled for (launch bounds: 65536 / (32 · warps_per_sm) registers).
     stages: iterations of loads held in a register ring: 1 = an iteration's loads, then its mma; S > 1 = the loads
       of the next S - 1 iterations are in flight while an iteration's mma runs (S times the registers).
-    x_ahead: x travels in the ring with the weights (True), or (False) only the weights do and each iteration
-      reads its x (L1 hits) just before its mma: half the ring's registers, so a deeper ring fits.  The weight
-      bytes in flight per SM bound the bandwidth (Little's law: ~4.3 TB/s × ~1.5 µs ≈ 50 KB per SM on the H200);
-      the ringed geometries of ``SKINNY_TUNED`` keep ~32 KB.  Not yet measured on a GPU.
     """
     n_tiles: int
     unroll: int
@@ -1135,7 +1131,6 @@ class SkinnyGeometry:
     k_split: int
     warps_per_sm: int = 16
     stages: int = 1
-    x_ahead: bool = True
 
 
 SKINNY_MAX_TOKENS = 64
@@ -1151,71 +1146,54 @@ SKINNY_TUNED: dict[tuple[int, int, int, bool], SkinnyGeometry] = {
     (18432, 2560, 1, True): SkinnyGeometry(n_tiles=2, unroll=2, warps=8, k_split=1, stages=2),
 }
 """Measured best skinny geometries, ``(n_cols, K, m16 tiles, gated) -> SkinnyGeometry``, overriding the heuristic
-in ``skinny_geometry`` (``benchmarks/bench_decode_stream.py --tokens 16`` sweeps on cold weights and prints entries
-in this form; ``benchmarks/bench_gemv.py --sweep`` on one L2-warm matrix)."""
+in ``skinny_geometry`` (``benchmarks/bench_gemv.py --sweep`` prints entries in this form)."""
 
 
 @functools.cache
 def _skinny_kernel(m_tiles: int, n_tiles: int, unroll: int, warps: int, gated: bool, warps_per_sm: int,
-                   upper_rows: bool = True, stages: int = 1, x_ahead: bool = True):
+                   upper_rows: bool = True, stages: int = 1):
     """Build the skinny kernel for ``m_tiles`` m16 token tiles × ``n_tiles`` n8 column tiles per warp, ``unroll``
     K chunks per iteration, a register ring of ``stages`` iterations, blocks of ``warps`` warps (all compile-time:
     they size register arrays and unroll loops).  ``upper_rows=False`` (T <= 8, one tile): token rows g + 8 of the
-    A fragment are known zeros, never loaded.  ``x_ahead=False``: only the weights travel in the ring; x is loaded
-    right before each iteration's mma (``SkinnyGeometry.x_ahead``)."""
+    A fragment are known zeros, never loaded."""
     MT, NT, U, S = m_tiles, n_tiles, unroll, stages
     HALVES = 2 if upper_rows else 1
     XW = 8 * MT * U          # x words per lane per iteration: MT tiles × 2 token rows × 4 words × U chunks
     WW = 4 * NT * U          # weight words per lane per iteration: NT rows × 4 words × U chunks
-    XA = x_ahead or stages == 1
-    SXW, SWW = (S if XA else 1) * XW, S * WW
+    SXW, SWW = S * XW, S * WW
     NACC = 4 * MT * NT       # accumulator fragment values per lane
     NPK = 2 * MT * NT
     nthreads = warps * WARP
 
     @device_fn
-    def load_weights(w32, wrow, wr, wbase, c, k, t4):
-        """Chunk ``c``'s weight loads into ``wr[wbase:]``: 16 bytes of each of the warp's ``n_tiles`` rows."""
-        e = c * 32 + 8 * t4
-        word = e // 2
-        for j in range(NT):
-            if e < k:
-                v0, v1, v2, v3 = load_u32x4(w32, wrow[j] + word)
-            else:
-                v0 = v1 = v2 = v3 = uint32(0)
-            o = wbase + 4 * j
-            wr[o] = v0
-            wr[o + 1] = v1
-            wr[o + 2] = v2
-            wr[o + 3] = v3
-
-    @device_fn
-    def load_x(x32, xr, xbase, c, k, k_words, t4, g, T):
-        """Chunk ``c``'s x loads into ``xr[xbase:]``: the same 16 bytes of x for tokens g, g + 8 of each m16
-        tile."""
-        e = c * 32 + 8 * t4
-        word = e // 2
-        for i in range(MT):
-            for h in range(2):                     # token rows g and g + 8 of m16 tile i
-                m = 16 * i + 8 * h + g
-                if h < HALVES and e < k and m < T:
-                    v0, v1, v2, v3 = load_u32x4(x32, m * k_words + word)
+    def load_iteration(w32, x32, wrow, wr, xr, wbase, xbase, c_first, k, k_words, t4, g, T):
+        """One iteration's loads into ring slot (``wbase``, ``xbase``): ``unroll`` chunks from chunk ``c_first``,
+        16 bytes of each of the warp's ``n_tiles`` weight rows and of x for tokens g, g + 8 of each m16 tile."""
+        for u in range(U):
+            e = (c_first + u) * 32 + 8 * t4
+            word = e // 2
+            for j in range(NT):
+                if e < k:
+                    v0, v1, v2, v3 = load_u32x4(w32, wrow[j] + word)
                 else:
                     v0 = v1 = v2 = v3 = uint32(0)
-                o = xbase + 8 * i + 4 * h
-                xr[o] = v0
-                xr[o + 1] = v1
-                xr[o + 2] = v2
-                xr[o + 3] = v3
-
-    @device_fn
-    def load_iteration(w32, x32, wrow, wr, xr, wbase, xbase, c_first, k, k_words, t4, g, T):
-        """One iteration's loads into ring slot (``wbase``, ``xbase``): the weights, and x too when it travels in
-        the ring (``x_ahead``; then chunk by chunk, weights and x of a chunk together)."""
-        for u in range(U):
-            load_weights(w32, wrow, wr, wbase + 4 * NT * u, c_first + u, k, t4)
-            if XA:
-                load_x(x32, xr, xbase + 8 * MT * u, c_first + u, k, k_words, t4, g, T)
+                o = wbase + 4 * (u * NT + j)
+                wr[o] = v0
+                wr[o + 1] = v1
+                wr[o + 2] = v2
+                wr[o + 3] = v3
+            for i in range(MT):
+                for h in range(2):                 # token rows g and g + 8 of m16 tile i
+                    m = 16 * i + 8 * h + g
+                    if h < HALVES and e < k and m < T:
+                        v0, v1, v2, v3 = load_u32x4(x32, m * k_words + word)
+                    else:
+                        v0 = v1 = v2 = v3 = uint32(0)
+                    o = xbase + 8 * (u * MT + i) + 4 * h
+                    xr[o] = v0
+                    xr[o + 1] = v1
+                    xr[o + 2] = v2
+                    xr[o + 3] = v3
 
     @device_fn
     def mma_iteration(acc, wr, xr, wbase, xbase):
@@ -1265,7 +1243,7 @@ def _skinny_kernel(m_tiles: int, n_tiles: int, unroll: int, warps: int, gated: b
         """
         pdl_prologue()
         red = cuda.shared.array(0, nbtypes.float32)   # dynamic: [warps, NACC, 32] partial accumulators
-        xr = cuda.local.array(SXW, uint32)            # the load ring: S iterations of W (and x, if x_ahead)
+        xr = cuda.local.array(SXW, uint32)            # the load ring: S iterations of x and W fragments
         wr = cuda.local.array(SWW, uint32)
         acc = cuda.local.array(NACC, float32)
         packed = cuda.local.array(NPK, uint32)
@@ -1309,12 +1287,7 @@ def _skinny_kernel(m_tiles: int, n_tiles: int, unroll: int, warps: int, gated: b
                             slot = (s + S - 1) % S
                             load_iteration(w32, x32, wrow, wr, xr, slot * WW, slot * XW,
                                            (ahead * k_split + part) * U, k, k_words, t4, g, T)
-                        if XA:
-                            mma_iteration(acc, wr, xr, s * WW, s * XW)
-                        else:                      # x (L1 hits) only now, into its one slot
-                            for u in range(U):
-                                load_x(x32, xr, 8 * MT * u, (it * k_split + part) * U + u, k, k_words, t4, g, T)
-                            mma_iteration(acc, wr, xr, s * WW, 0)
+                        mma_iteration(acc, wr, xr, s * WW, s * XW)
                     it += 1
             if k_split > 1:                        # block-uniform: every thread reaches the barriers
                 for i in range(NACC):
@@ -1368,8 +1341,7 @@ def linear_skinny(x, w, out, *, gated: bool = False, geometry: SkinnyGeometry | 
     mt = -(-T // 16)
     cols_per_block = geo.warps // geo.k_split * 8 * geo.n_tiles
     shared = 4 * geo.warps * 4 * mt * geo.n_tiles * WARP if geo.k_split > 1 else 0
-    kern = _skinny_kernel(mt, geo.n_tiles, geo.unroll, geo.warps, gated, geo.warps_per_sm, T > 8, geo.stages,
-                          geo.x_ahead)
+    kern = _skinny_kernel(mt, geo.n_tiles, geo.unroll, geo.warps, gated, geo.warps_per_sm, T > 8, geo.stages)
     launch(kern, grid(n_cols, cols_per_block, sim_cap=8), geo.warps * WARP,
            _as_u32(x), _as_u32(w), out, k, geo.k_split, shared=shared, name="linear_skinny", pdl=True)
 

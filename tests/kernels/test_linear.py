@@ -145,9 +145,6 @@ def test_gemm_mma_kernel(T, N, K, tile, gated, rng):
     (16, 24, 200, lin.SkinnyGeometry(n_tiles=2, unroll=1, warps=2, k_split=2, stages=2), True),
     (9, 20, 136, lin.SkinnyGeometry(n_tiles=1, unroll=2, warps=1, k_split=1, stages=3), False),
     (3, 12, 32, lin.SkinnyGeometry(n_tiles=1, unroll=1, warps=2, k_split=2, stages=3), False),
-    # only the weights in the ring, x read just before each mma
-    (16, 24, 200, lin.SkinnyGeometry(n_tiles=2, unroll=2, warps=2, k_split=2, stages=3, x_ahead=False), True),
-    (9, 20, 136, lin.SkinnyGeometry(n_tiles=1, unroll=2, warps=1, k_split=1, stages=2, x_ahead=False), False),
 ])
 def test_linear_skinny(T, N, K, geometry, gated, rng):
     """The skinny tensor-core kernel (weights straight into mma B fragments, permuted K, split-K through shared

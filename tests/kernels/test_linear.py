@@ -397,3 +397,69 @@ def test_gemv_tuning_file(tmp_path, monkeypatch):
     assert lin.load_gemv_tuning(str(path)) == 2
     assert lin.gemv_geometry(777, 512, 1) == GemvGeometry(**geo)
     assert lin.skinny_geometry(777, 512, 16, gated=True) == lin.SkinnyGeometry(**skinny)
+
+
+# ------------------------------------------------------------------------------------------------ head epilogue
+@pytest.mark.parametrize("head_dim, rotary_dim, stride_heads, form, rows_per_warp, slot", [
+    (32, 32, 1, "qwen3", None, 1),     # Qwen3's layout; the default geometry
+    (16, 8, 2, "qwen35", None, 0),     # Qwen3.5: a gate after each q head, partial rotary, (1 + w) norm
+    (16, 16, 1, "qwen3", 3, 1),        # 3-column tiles: tiles straddle heads, a tile completes two of them
+    (16, 8, 2, "qwen35", 2, -1),       # a padding token: q written, k / v not stored
+], ids=["qwen3", "qwen35-gated-q", "straddling-tiles", "padding-token"])
+def test_head_epilogue_same_bits(head_dim, rotary_dim, stride_heads, form, rows_per_warp, slot, rng, monkeypatch):
+    """``linear_add_rms_norm(head_store=)`` for one token -- the qkv GEMV doing qk-norm / RoPE / KV store in its
+    own launch, by the block that completes each head -- against the projection followed by
+    ``rope.qk_norm_rope_store``: bit-identical q and caches, the counters back at zero, twice in a row."""
+    from pegainfer.kernels import rope
+    nq, nkv, H, page_size, num_pages, max_len = 4, 2, 64, 4, 6, 32
+    q_head_stride = stride_heads * head_dim
+    row = nq * q_head_stride + 2 * nkv * head_dim
+    rb, _ = bf16_randn((1, H), rng)
+    db, _ = bf16_randn((1, H), rng)
+    wnb, _ = bf16_randn((H,), rng)
+    wb, _ = bf16_randn((row, H), rng, scale=0.2)
+    qw, _ = bf16_randn((head_dim,), rng, scale=0.5)
+    kw, _ = bf16_randn((head_dim,), rng, scale=0.5)
+    cos, sin = rope.rope_tables(max_len, rotary_dim, 100.0)
+    block_tables = cuda.to_device(np.array([[3, 5, 1, 0], [2, 4, 0, 0]], np.int32))
+    geometry = None if rows_per_warp is None else GemvGeometry(rows_per_warp=rows_per_warp,
+                                                               warps=lin.NORM_THREADS // 32, k_split=1,
+                                                               max_tokens=1, stages=2, persistent=True)
+    sentinel = 0x7FFF
+
+    def run_once(fused: bool, position: int):
+        k_cache = cuda.to_device(np.full((num_pages, page_size, nkv, head_dim), sentinel, np.uint16))
+        v_cache = cuda.to_device(np.full((num_pages, page_size, nkv, head_dim), sentinel, np.uint16))
+        q_out = cuda.to_device(np.zeros((1, nq, head_dim), np.uint16))
+        counters = cuda.to_device(np.zeros(nq + 2 * nkv, np.int32))
+        qkv = cuda.to_device(np.zeros((1, row), np.uint16))
+        store = rope.HeadStore(cuda.to_device(qw), cuda.to_device(kw), cuda.to_device(cos), cuda.to_device(sin),
+                               cuda.to_device(np.array([position], np.int32)), cuda.to_device(np.array([slot], np.int32)),
+                               block_tables, k_cache, v_cache, q_out, 1e-6, rotary_dim, q_head_stride, counters,
+                               **NORM_FORMS[form])
+        residual_out = cuda.to_device(np.zeros((1, H), np.uint16))
+        normed = cuda.to_device(np.zeros((1, H), np.uint16))
+        if fused:
+            # the epilogue, not a separate launch after the projection
+            monkeypatch.setattr(rope, "qk_norm_rope_store", lambda *a, **k: pytest.fail("separate launch"))
+            linear_add_rms_norm(cuda.to_device(rb), cuda.to_device(db), cuda.to_device(wnb), 1e-6, residual_out,
+                                cuda.to_device(wb), qkv, normed_out=normed, head_store=store, geometry=geometry,
+                                **NORM_FORMS[form])
+            monkeypatch.undo()
+        else:
+            linear_add_rms_norm(cuda.to_device(rb), cuda.to_device(db), cuda.to_device(wnb), 1e-6, residual_out,
+                                cuda.to_device(wb), qkv, normed_out=normed, geometry=geometry, **NORM_FORMS[form])
+            store.store(qkv)
+        return (qkv.copy_to_host(), q_out.copy_to_host(), k_cache.copy_to_host(), v_cache.copy_to_host(),
+                counters.copy_to_host())
+
+    for position in (5, 6):
+        fused, separate = run_once(True, position), run_once(False, position)
+        for name, a, b in zip(("qkv", "q", "k_cache", "v_cache"), fused[:4], separate[:4]):
+            assert np.array_equal(a, b), name
+        assert np.all(fused[4] == 0), "every counter must be back at zero"
+        stored = fused[2] != sentinel
+        assert stored.any() == (slot >= 0), "k is stored exactly when the token has a slot"
+        if slot >= 0:
+            page = np.array([[3, 5, 1, 0], [2, 4, 0, 0]])[slot, position // page_size]
+            assert np.all(stored[page, position % page_size]) and stored.sum() == nkv * head_dim

@@ -64,14 +64,14 @@ import numpy as np
 from pegainfer.device import SIMULATOR
 from pegainfer.errors import PegainferError
 from numba import types as nbtypes  # noqa: E402  (after pegainfer.device: it picks GPU or simulator)
-from pegainfer.kernels import norm, rope
+from pegainfer.kernels import norm
 from pegainfer.kernels.activation import silu
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.norm import (add_pair, add_rms_norm_into, check_residual_buffers, inverse_rms,
                                     normalize_pair, pairs_per_thread)
 from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, bits_f32, block_sum, cuda,
                                           device_fn, f32_to_bf16, float32, grid, kernel, load_u32x4,
-                                          int32, mma_bf16_m16n8k16, pack_bf16x2, uint16, uint32,
+                                          mma_bf16_m16n8k16, pack_bf16x2, uint16, uint32,
                                           warp_sums_to_shared, launch_dependents, grid_dependency_wait,
                                           pdl_prologue)
 
@@ -625,80 +625,21 @@ else:
 
 @functools.cache
 def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool, norm_pairs: int,
-                        trigger: str = "last_tile", head_geometry: tuple[int, int] | None = None):
+                        trigger: str = "last_tile"):
     """Build the one-token GEMV (batch-1 decode) for ``rows_per_warp`` rows per warp, a load ring ``stages`` deep,
     blocks of ``warps`` warps (all compile-time: they size the register arrays and set the launch bounds) and,
-    when ``norm_pairs`` > 0, the add + RMSNorm prologue with that many element pairs per thread; with
-    ``head_geometry`` (``rope.head_geometry``'s pair) the qk-norm / RoPE / KV-store epilogue."""
+    when ``norm_pairs`` > 0, the add + RMSNorm prologue with that many element pairs per thread."""
     R, S, U = rows_per_warp, stages, max(1, norm_pairs)
     assert trigger in GEMV_TRIGGERS, trigger
-    HEAD = head_geometry is not None
-    HJ = head_geometry[0] if HEAD else 1
-    head_constants, norm_rope_store_head = rope.head_fns(*(head_geometry or (1, 0)))
     LAST_TILE, LAST_STREAM = trigger == "last_tile", trigger == "last_stream"
     R4 = 4 * R
     SR4 = S * R4
     NORM = norm_pairs > 0
     nthreads = warps * WARP
 
-    @device_fn
-    def _head_epilogue(n_tiles, cols_per_block, n_cols, out, xs, done, q_norm_w, k_norm_w, cos, sin, positions,
-                       token_slots, block_tables, k_cache, v_cache, q_out, q_head_stride, rotary_dim, eps,
-                       weight_offset, round_before_weight, counters, hx, hw, hc, hs):
-        """Step 4, once the block has written all of its tiles; ``xs[done:]``: scratch for the count of segments
-        the block completes, then their list."""
-        tid = cuda.threadIdx.x
-        num_q_heads = q_out.shape[1]
-        head_dim = q_out.shape[2]
-        num_kv_heads = k_cache.shape[2]
-        q_cols = num_q_heads * q_head_stride
-        n_seg = num_q_heads + 2 * num_kv_heads
-        cuda.threadfence()                          # this thread's outputs, visible before the tile is counted
-        cuda.syncthreads()
-        if tid == 0:
-            n_done = 0
-            for tile in range(cuda.blockIdx.x, n_tiles, cuda.gridDim.x):
-                c0 = tile * cols_per_block
-                c1 = min(c0 + cols_per_block, n_cols)
-                seg = c0 // q_head_stride if c0 < q_cols else num_q_heads + (c0 - q_cols) // head_dim
-                while seg < n_seg:
-                    lo = seg * q_head_stride if seg < num_q_heads else q_cols + (seg - num_q_heads) * head_dim
-                    hi = lo + (q_head_stride if seg < num_q_heads else head_dim)
-                    if lo >= c1:
-                        break
-                    share = min(hi, c1) - max(lo, c0)
-                    if cuda.atomic.add(counters, seg, share) + share == hi - lo:
-                        counters[seg] = 0           # at rest again for the next launch
-                        xs[done + 1 + n_done] = seg
-                        n_done += 1
-                    seg += 1
-            xs[done] = n_done
-        cuda.syncthreads()
-        n_done = int32(xs[done])
-        if n_done > 0:
-            cuda.threadfence()                      # (as the split-K attention merge) then read the others' outputs
-            pos = int32(positions[0])
-            slot = int32(token_slots[0])
-            page_size = k_cache.shape[1]
-            warp = tid // WARP
-            for r0 in range(0, n_done, warps):      # block-uniform trip count (simulator shuffles)
-                item = r0 + warp
-                active = item < n_done
-                h = int32(xs[done + 1 + min(item, n_done - 1)])
-                page = int32(0)
-                if active and h >= num_q_heads and slot >= 0:
-                    page = int32(block_tables[slot, pos // page_size])
-                head_constants(h, active, pos, num_q_heads, num_kv_heads, q_norm_w, k_norm_w, cos, sin, head_dim,
-                               rotary_dim, hw, hc, hs)
-                norm_rope_store_head(out, 0, h, active, slot, page, pos % page_size, q_norm_w, k_norm_w, k_cache,
-                                     v_cache, q_out, q_head_stride, rotary_dim, eps, weight_offset,
-                                     round_before_weight, hx, hw, hc, hs)
-
     @_bounded_kernel(nthreads)
     def gemv_decode(x32, w32, out, k, k_split, residual_in32, delta32, norm_weight32, residual_out32, eps,
-                    weight_offset, round_before_weight, has_delta, q_norm_w, k_norm_w, cos, sin, positions,
-                    token_slots, block_tables, k_cache, v_cache, q_out, q_head_stride, rotary_dim, head_eps,
-                    head_weight_offset, head_round_before_weight, head_counters):
+                    weight_offset, round_before_weight, has_delta):
         """``out[0, n] = bf16(Σ_k x[k] · W[row(n), k])`` for one token (or SwiGLU of column pairs when gated), the
         decode step's projection: a stream over W at memory bandwidth, nothing else.
 
@@ -728,17 +669,8 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
            the whole kernel, and doing so cost 0.2 ms per Qwen3-4B step.
         3. *Reduce*: ``warp_sum`` per row, the ``k_split`` partial sums through shared memory, one thread per
            output writes ``bf16(sum)`` (gated: ``_silu_mul_bf16`` of the gate/up pair).
-        4. *Head epilogue* (``head_geometry``; the qkv projection, ``out`` = one token's q, k, v heads): what
-           ``rope.qk_norm_rope_store`` would do after this kernel, done by the block that completes a head.  The
-           output columns fall into segments -- q head h (``q_head_stride`` columns), then the k heads and the v
-           heads (``D`` each) -- and ``head_counters[segment]`` counts the segment's columns written so far.  After
-           storing all of its tiles (the epilogue stays out of the streaming loop and its registers), the block
-           publishes its outputs (``threadfence``) and adds each overlapped segment's share of its tiles to the
-           segment's counter; the block whose add completes a segment owns it, resets the counter to 0 (graph
-           replays) and runs ``rope.head_fns``' two functions on it, one warp per completed segment.  Only the last
-           heads' epilogue is on the step's critical path: one launch boundary fewer per layer.
         Shared memory (dynamic, uint32 words): ``128 · ceil(K / 256)`` for x, then ``warps · rows_per_warp`` f32
-        partial sums (bits), then (``head_geometry``) the completed segments and their count.
+        partial sums (bits).
         """
         xs = cuda.shared.array(0, nbtypes.uint32)
         n_out = out.shape[1]
@@ -758,10 +690,6 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
         acc = cuda.local.array(R, float32)
         wrow = cuda.local.array(R, int64)           # word offset of each of the warp's rows
         wbuf = cuda.local.array(SR4, uint32)        # the load ring: S slots × 16 bytes per row
-        hx = cuda.local.array(HJ, uint16)           # head epilogue: the head's values, norm weights, cos, sin
-        hw = cuda.local.array(HJ, uint16)
-        hc = cuda.local.array(HJ, uint16)
-        hs = cuda.local.array(HJ, uint16)
 
         if trigger == "start":
             launch_dependents()                     # PDL (launch.py): the next kernel may take SMs as ours free
@@ -862,10 +790,6 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
                     else:
                         out[0, col] = f32_to_bf16(v0)
             cuda.syncthreads()                      # partial sums read before the next tile overwrites them
-        if HEAD:
-            _head_epilogue(n_tiles, cols_per_block, n_cols, out, xs, red + warps * R, q_norm_w, k_norm_w, cos, sin,
-                           positions, token_slots, block_tables, k_cache, v_cache, q_out, q_head_stride, rotary_dim,
-                           head_eps, head_weight_offset, head_round_before_weight, head_counters, hx, hw, hc, hs)
 
     return gemv_decode
 
@@ -885,28 +809,11 @@ before_latency_bound=True)``: the qkv projection before qk-norm/RoPE, the LM hea
 ``PEGAINFER_PDL``, would let that kernel's launch and early loads overlap only the projection's tail)."""
 
 
-def _head_args(head_store, out, w) -> tuple:
-    """The kernel's head-epilogue arguments: ``head_store``'s, or (None) stand-ins of the same kinds that the
-    kernel built without the epilogue never reads (views of ``out`` and ``w``: nothing is allocated)."""
-    if head_store is not None:
-        h = head_store
-        return (h.q_norm_w, h.k_norm_w, h.cos, h.sin, h.positions, h.token_slots, h.block_tables, h.k_cache,
-                h.v_cache, h.q_out, np.int32(h.q_head_stride), np.int32(h.rotary_dim), np.float32(h.eps),
-                np.float32(h.weight_offset), bool(h.round_before_weight), h.counters)
-    u16 = out.reshape(out.size)
-    i32 = _as_u32(w).view(np.int32)
-    i32 = i32[:1] if i32.shape[0] else i32
-    return (u16, u16, out, out, i32, i32, i32.reshape(1, i32.shape[0]), out.reshape(1, 1, *out.shape),
-            out.reshape(1, 1, *out.shape), out.reshape(1, *out.shape), np.int32(1), np.int32(2), np.float32(0),
-            np.float32(0), True, i32)
-
-
 def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, gated, weight_offset,
-                 round_before_weight, geo: GemvGeometry, trigger: str | None = None, head_store=None) -> None:
+                 round_before_weight, geo: GemvGeometry, trigger: str | None = None) -> None:
     """Launch the one-token GEMV: ``x [1, K]`` given, or (``x=None``) the add + RMSNorm prologue over
     ``residual_in`` / ``delta`` / ``norm_weight`` writing ``residual_out`` (blocks of ``NORM_THREADS``);
-    ``trigger``: ``GEMV_TRIGGERS`` entry (None: ``GEMV_TRIGGER``); ``head_store`` (``rope.HeadStore``): the
-    qk-norm / RoPE / KV-store epilogue on ``out``."""
+    ``trigger``: ``GEMV_TRIGGERS`` entry (None: ``GEMV_TRIGGER``)."""
     assert not gated or geo.rows_per_warp % 2 == 0, f"the gated GEMV needs an even rows_per_warp: {geo}"
     assert geo.warps % geo.k_split == 0, f"warps must be a multiple of k_split: {geo}"
     norm_pairs = 0
@@ -925,23 +832,17 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
     cols_per_block = geo.warps // geo.k_split * geo.rows_per_warp
     n_tiles = -(-w.shape[0] // cols_per_block)
     shared = 4 * (128 * -(-k // 256) + geo.warps * geo.rows_per_warp)
-    head_geometry = None
-    if head_store is not None:
-        assert not gated, "the head epilogue follows an ungated (qkv) projection"
-        head_store.check(out)
-        head_geometry = rope.head_geometry(head_store.q_out.shape[2], head_store.rotary_dim)
-        shared += 4 * (head_store.q_out.shape[1] + 2 * head_store.k_cache.shape[2] + 1)  # completed segments
     trigger = trigger or GEMV_TRIGGER
     if trigger not in GEMV_TRIGGERS:
         raise PegainferError(f"GEMV trigger {trigger!r} (PEGAINFER_GEMV_TRIGGER / PEGAINFER_GEMV_TRIGGER_LB) is not "
                              f"one of {', '.join(GEMV_TRIGGERS)}: set one of those or unset the variable")
-    kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs, trigger, head_geometry)
+    kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs, trigger)
     # the fused norm prologue runs once per block, so that path is always persistent; a bare projection may take one
     # block per tile (``persistent=False``: the hardware scheduler balances blocks, e.g. when a kernel still
     # running holds some SMs that a persistent grid counts on)
     blocks = _resident_blocks(n_tiles, geo) if geo.persistent or x is None else grid(n_tiles, sim_cap=2)
     launch(kern, blocks, geo.warps * WARP, *args, np.float32(eps), np.float32(weight_offset),
-           bool(round_before_weight), delta is not None, *_head_args(head_store, out, w), shared=shared,
+           bool(round_before_weight), delta is not None, shared=shared,
            name="gemv_add_rms_norm" if x is None else "gemv", pdl=True)
 
 
@@ -1550,15 +1451,10 @@ def _fusable(n_tokens: int, k: int, impl, geo: GemvGeometry) -> bool:
             and geo.stage_x and _gemv_k_chunk(k, geo) >= k)
 
 
-HEAD_EPILOGUE = os.environ.get("PEGAINFER_HEAD_EPILOGUE", "1") != "0"
-"""``linear_add_rms_norm(head_store=)`` on the one-token path: the qkv GEMV does the qk-norm / RoPE / KV store in
-its own launch (default), or (``PEGAINFER_HEAD_EPILOGUE=0``) ``rope.qk_norm_rope_store`` is launched after it."""
-
-
 def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_out, w, out, *, gated: bool = False,
                         weight_offset: float = 0.0, round_before_weight: bool = True, normed_out=None,
                         impl: str | None = None, geometry: GemvGeometry | None = None,
-                        before_latency_bound: bool = False, head_store=None) -> None:
+                        before_latency_bound: bool = False) -> None:
     """The decoder's residual add and RMSNorm followed by a projection:
 
         s = bf16(residual_in + delta)       (delta=None: s = residual_in)      -> residual_out
@@ -1574,9 +1470,6 @@ def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_ou
     block from the whole row (``_stage_add_rms_norm``); n is never written to memory and ``normed_out`` is not
     touched.  ``geometry`` (tests, benchmarks) overrides ``fused_norm_geometry`` and must keep its block size.
     ``before_latency_bound``: the next kernel is not a weight-streaming one (``GEMV_TRIGGER_BEFORE_LATENCY_BOUND``).
-    ``head_store`` (``rope.HeadStore``; ``out`` is then a qkv projection): also ``rope.qk_norm_rope_store``'s work
-    on ``out`` -- in the same launch on the one-token path (the GEMV's head epilogue, unless ``HEAD_EPILOGUE`` is
-    off), else as a separate launch after the projection.
     Otherwise: ``add_rms_norm_into`` into ``normed_out`` (required then: a ``[T, H]`` scratch), then ``linear`` with
     ``impl``.  Nothing is allocated; every launch can be captured in a CUDA graph.
     """
@@ -1590,17 +1483,11 @@ def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_ou
     if geometry is not None and not fused:
         raise ValueError(f"geometry {geometry} does not give the fused one-token path (T = {T}, impl = {impl!r})")
     if fused and out.shape[1] > 0:         # (no columns: no blocks, which would leave residual_out unwritten)
-        epilogue = head_store if HEAD_EPILOGUE else None
         _gemv_decode(None, residual_in, delta, norm_weight, eps, residual_out, w, out, gated, weight_offset,
-                     round_before_weight, geo, GEMV_TRIGGER_BEFORE_LATENCY_BOUND if before_latency_bound else None,
-                     epilogue)
-        if head_store is not None and epilogue is None:
-            head_store.store(out)
+                     round_before_weight, geo, GEMV_TRIGGER_BEFORE_LATENCY_BOUND if before_latency_bound else None)
         return
     if normed_out is None:
         raise ValueError(f"normed_out (a [{T}, {k}] scratch) is needed: T = {T} takes the unfused path")
     add_rms_norm_into(residual_in, delta, norm_weight, residual_out, normed_out, eps, weight_offset,
                       round_before_weight)
     _run(normed_out, w, out, gated, impl)
-    if head_store is not None:
-        head_store.store(out)

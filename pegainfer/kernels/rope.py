@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import math as pymath
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -156,125 +155,12 @@ def head_geometry(head_dim: int, rotary_dim: int) -> tuple[int, int]:
 
 
 @functools.cache
-def head_fns(dims_per_lane: int, pair_shift: int):
-    """The two device functions of one warp's work on one head, for heads of at most ``32 · dims_per_lane`` dims
-    (``head_geometry``): ``(head_constants, norm_rope_store_head)``.  ``qk_norm_rope_store_kernel`` runs them with
-    its PDL wait between them; the qkv projection's epilogue (``linear.linear_add_rms_norm(head_store=)``) runs them
-    back to back in the block that completes a head.  Both constants are compile-time, so the per-lane register
-    arrays stay in registers.
-
-    Heads are numbered q, then k, then v (``num_q_heads + 2·nkv`` per token).  Lane l holds dims ``l, l + 32, ..``
-    of its head in ``x`` (bf16 bits), their norm weights in ``w`` and, for the rotary pairs ``p = l + 32 j < half``,
-    cos / sin in ``cs`` / ``sn``."""
+def _qk_norm_rope_kernel(dims_per_lane: int, pair_shift: int):
+    """Build the kernel for heads of at most ``32 · dims_per_lane`` dims; ``pair_shift`` = ``half / 32`` when the
+    rotary half is a multiple of 32 (the partner of dim ``lane + 32 j`` is register ``j + pair_shift``), else -1.
+    Both are compile-time constants so that the per-lane register arrays stay in registers."""
     J = dims_per_lane
     SHIFT = pair_shift
-
-    @device_fn
-    def head_constants(h, active, pos, num_q_heads, num_kv_heads, q_norm_w, k_norm_w, cos, sin, head_dim,
-                       rotary_dim, w, cs, sn):
-        """What a head needs besides its values, none of it written by the projection: the norm weights of a q
-        or k head, and the cos / sin of position ``pos`` (loads issued together, one round trip)."""
-        lane = cuda.threadIdx.x % WARP
-        is_q = active and h < num_q_heads
-        is_k = active and h >= num_q_heads and h < num_q_heads + num_kv_heads
-        for j in range(J):
-            i = lane + WARP * j
-            if active and i < head_dim:
-                if is_q:
-                    w[j] = q_norm_w[i]
-                elif is_k:
-                    w[j] = k_norm_w[i]
-        if is_q or is_k:
-            half = rotary_dim // 2
-            for j in range(J):
-                p = lane + WARP * j
-                if p < half:
-                    cs[j] = cos[pos, p]
-                    sn[j] = sin[pos, p]
-
-    @device_fn
-    def norm_rope_store_head(qkv, t, h, active, slot, page, offset, q_norm_w, k_norm_w, k_cache, v_cache, q_out,
-                             q_head_stride, rotary_dim, eps, weight_offset, round_before_weight, x, w, cs, sn):
-        """Head ``h`` of token row ``t`` of ``qkv``: q -> RMSNorm + RoPE -> ``q_out[t, h]``; k -> RMSNorm + RoPE ->
-        ``k_cache[page, offset]``; v -> ``v_cache[page, offset]`` (k and v only when ``slot >= 0``).  Calls
-        ``warp_sum`` once whatever ``active`` is (the simulator's emulated shuffles need every warp of the block
-        to)."""
-        lane = cuda.threadIdx.x % WARP
-        num_q_heads = q_out.shape[1]
-        head_dim = q_out.shape[2]
-        num_kv_heads = k_cache.shape[2]
-        half = rotary_dim // 2
-        is_q = active and h < num_q_heads
-        is_k = active and h >= num_q_heads and h < num_q_heads + num_kv_heads
-        is_v = active and h >= num_q_heads + num_kv_heads
-        k_col0 = num_q_heads * q_head_stride
-        if is_q:
-            src = h * q_head_stride
-        elif is_k:
-            src = k_col0 + (h - num_q_heads) * head_dim
-        else:
-            src = k_col0 + (h - num_q_heads) * head_dim          # a v head follows the k heads
-        for j in range(J):
-            i = lane + WARP * j
-            if active and i < head_dim:
-                x[j] = qkv[t, src + i]
-
-        # sum of squares of the head (q and k only), reduced across the warp
-        ss = float32(0.0)
-        if is_q or is_k:
-            for j in range(J):
-                if lane + WARP * j < head_dim:
-                    v = bf16_to_f32(x[j])
-                    ss += v * v
-        ss = warp_sum(ss)
-        if not active or (not is_q and slot < 0):
-            return                          # idle warp, or a padding token's k/v: nothing to store
-
-        if is_v:
-            kv_head = h - num_q_heads - num_kv_heads
-            for j in range(J):
-                i = lane + WARP * j
-                if i < head_dim:
-                    v_cache[page, offset, kv_head, i] = x[j]
-            return
-
-        # q/k: normalize + rotate the first rotary_dim dims, normalize the rest
-        kv_head = h - num_q_heads
-        inv_rms = head_inverse_rms(ss, head_dim, eps)
-        for j in range(J):
-            p = lane + WARP * j
-            if p < half:
-                if SHIFT >= 0:                  # the partner dim p + half is in this lane's registers
-                    hi_x = x[min(j + SHIFT, J - 1)]
-                    hi_w = w[min(j + SHIFT, J - 1)]
-                else:
-                    hi_x = qkv[t, src + p + half]
-                    hi_w = q_norm_w[p + half] if is_q else k_norm_w[p + half]
-                out_lo, out_hi = norm_rope_pair(x[j], hi_x, w[j], hi_w, inv_rms, weight_offset,
-                                                round_before_weight, cs[j], sn[j])
-                if is_q:
-                    q_out[t, h, p] = out_lo
-                    q_out[t, h, p + half] = out_hi
-                else:
-                    k_cache[page, offset, kv_head, p] = out_lo
-                    k_cache[page, offset, kv_head, p + half] = out_hi
-        for j in range(J):
-            i = lane + WARP * j
-            if i >= rotary_dim and i < head_dim:
-                n = normalize_element(bf16_to_f32(x[j]), inv_rms, w[j], weight_offset, round_before_weight)
-                if is_q:
-                    q_out[t, h, i] = n
-                else:
-                    k_cache[page, offset, kv_head, i] = n
-
-    return head_constants, norm_rope_store_head
-
-
-@functools.cache
-def _qk_norm_rope_kernel(dims_per_lane: int, pair_shift: int):
-    """Build the kernel for heads of at most ``32 · dims_per_lane`` dims (``head_fns``)."""
-    J = dims_per_lane
-    head_constants, norm_rope_store_head = head_fns(dims_per_lane, pair_shift)
 
     @kernel
     def qk_norm_rope_store_kernel(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables,
@@ -297,18 +183,19 @@ def _qk_norm_rope_kernel(dims_per_lane: int, pair_shift: int):
         Destination of k/v for token t: page ``block_tables[token_slots[t], positions[t] // page_size]``, offset
         ``positions[t] % page_size``.
 
-        Geometry: **one warp per (token, head)** (``head_fns``); a block holds ``blockDim.x / 32`` warps and the grid
-        strides over all (token, head) items.  The kernel is a chain of dependent memory round trips, so every load
-        that does not depend on another is issued first, together: the token's position and slot, the head's norm
-        weights; then the cos/sin rows and the block-table entry (they need the position); then the head's values;
-        then ``warp_sum`` of the squares and the arithmetic.  Only the head's values come from the kernel before (the
-        projection): with PDL (``launch``) everything else is read before ``grid_dependency_wait``, while the
-        projection finishes, and the attention kernel after this one may launch at once (``launch_dependents``
-        first: its early loads are small).  Lane l rotates the pairs ``(p, p + half)``, ``p = l, l + 32, ..``: when
-        ``half`` is a multiple of 32 (every served model) the partner ``p + half`` is in the same lane's registers;
-        otherwise (tiny test heads) it is re-read (an L1 hit).  Every lane of the block runs the same number of
-        items and calls ``warp_sum`` once per item (v heads and idle tail warps too), as the simulator's emulated
-        shuffles require.
+        Geometry: **one warp per (token, head)**, heads numbered q, then k, then v (``num_q_heads + 2·nkv`` per token);
+        a block holds ``blockDim.x / 32`` warps and the grid strides over all (token, head) items.  Lane l holds dims
+        ``l, l + 32, ..`` of its head (``dims_per_lane``) in registers.  The kernel is a chain of
+        dependent memory round trips, so every load that does not depend on another is issued first, together: the
+        head's norm weights, the token's position and slot; then the cos/sin rows and the block-table entry (they
+        need the position); then the head's values; then ``warp_sum`` of the squares and the arithmetic.  Only the
+        head's values come from the kernel before (the projection): with PDL (``launch``) everything else is read
+        before ``grid_dependency_wait``, while the projection finishes, and the attention kernel after this one may
+        launch at once (``launch_dependents`` first: its early loads are small).  Lane l rotates the pairs
+        ``(p, p + half)``, ``p = l, l + 32, ..``: when ``half`` is a multiple of 32 (every served model) the partner
+        ``p + half`` is in the same lane's registers; otherwise (tiny test heads) it is re-read (an L1 hit).  Every
+        lane of the block runs the same number of items and calls ``warp_sum`` once per item (v heads and idle tail
+        warps too), as the simulator's emulated shuffles require.
         """
         launch_dependents()                 # PDL: the attention kernel after this one may start its early loads
         num_q_heads = q_out.shape[1]
@@ -317,9 +204,13 @@ def _qk_norm_rope_kernel(dims_per_lane: int, pair_shift: int):
         page_size = k_cache.shape[1]
         heads_per_token = num_q_heads + 2 * num_kv_heads
         total = qkv.shape[0] * heads_per_token
+        half = rotary_dim // 2
         eps = float32(eps)
         weight_offset = float32(weight_offset)
+        lane = cuda.threadIdx.x % WARP
         warps_per_block = cuda.blockDim.x // WARP
+        k_col0 = num_q_heads * q_head_stride
+        v_col0 = k_col0 + num_kv_heads * head_dim
         x = cuda.local.array(J, uint16)     # dims lane + 32 j of the head
         w = cuda.local.array(J, uint16)     # their norm weights
         cs = cuda.local.array(J, uint16)    # cos / sin of the pairs p = lane + 32 j < half
@@ -330,40 +221,92 @@ def _qk_norm_rope_kernel(dims_per_lane: int, pair_shift: int):
             active = item < total
             t = min(item // heads_per_token, qkv.shape[0] - 1)
             h = item % heads_per_token
+            is_q = active and h < num_q_heads
+            is_k = active and h >= num_q_heads and h < num_q_heads + num_kv_heads
+            is_v = active and h >= num_q_heads + num_kv_heads
+            if is_q:
+                src = h * q_head_stride
+            elif is_k:
+                src = k_col0 + (h - num_q_heads) * head_dim
+            else:
+                src = v_col0 + (h - num_q_heads - num_kv_heads) * head_dim
+
+            # 1. independent loads, all at once: norm weights, position and slot
             pos = int32(positions[t])
             slot = int32(token_slots[t])
-            head_constants(h, active, pos, num_q_heads, num_kv_heads, q_norm_w, k_norm_w, cos, sin, head_dim,
-                           rotary_dim, w, cs, sn)
+            for j in range(J):
+                i = lane + WARP * j
+                if active and i < head_dim:
+                    if is_q:
+                        w[j] = q_norm_w[i]
+                    elif is_k:
+                        w[j] = k_norm_w[i]
+            # 2. what needs the position: cos / sin of this lane's pairs, the KV page
+            if is_q or is_k:
+                for j in range(J):
+                    p = lane + WARP * j
+                    if p < half:
+                        cs[j] = cos[pos, p]
+                        sn[j] = sin[pos, p]
             page = int32(0)
-            if active and h >= num_q_heads and slot >= 0:
+            offset = pos % page_size
+            if (is_k or is_v) and slot >= 0:
                 page = int32(block_tables[slot, pos // page_size])
             grid_dependency_wait()          # PDL: everything above is read-only in a step; the head is not
-            norm_rope_store_head(qkv, t, h, active, slot, page, pos % page_size, q_norm_w, k_norm_w, k_cache,
-                                 v_cache, q_out, q_head_stride, rotary_dim, eps, weight_offset, round_before_weight,
-                                 x, w, cs, sn)
+            for j in range(J):
+                i = lane + WARP * j
+                if active and i < head_dim:
+                    x[j] = qkv[t, src + i]
+
+            # 3. sum of squares of the head (q and k only), reduced across the warp
+            ss = float32(0.0)
+            if is_q or is_k:
+                for j in range(J):
+                    if lane + WARP * j < head_dim:
+                        v = bf16_to_f32(x[j])
+                        ss += v * v
+            ss = warp_sum(ss)
+            if not active or (not is_q and slot < 0):
+                continue  # idle warp, or a padding token's k/v: nothing to store
+
+            if is_v:
+                kv_head = h - num_q_heads - num_kv_heads
+                for j in range(J):
+                    i = lane + WARP * j
+                    if i < head_dim:
+                        v_cache[page, offset, kv_head, i] = x[j]
+                continue
+
+            # 4. q/k: normalize + rotate the first rotary_dim dims, normalize the rest
+            kv_head = h - num_q_heads
+            inv_rms = head_inverse_rms(ss, head_dim, eps)
+            for j in range(J):
+                p = lane + WARP * j
+                if p < half:
+                    if SHIFT >= 0:                  # the partner dim p + half is in this lane's registers
+                        hi_x = x[min(j + SHIFT, J - 1)]
+                        hi_w = w[min(j + SHIFT, J - 1)]
+                    else:
+                        hi_x = qkv[t, src + p + half]
+                        hi_w = q_norm_w[p + half] if is_q else k_norm_w[p + half]
+                    out_lo, out_hi = norm_rope_pair(x[j], hi_x, w[j], hi_w, inv_rms, weight_offset,
+                                                    round_before_weight, cs[j], sn[j])
+                    if is_q:
+                        q_out[t, h, p] = out_lo
+                        q_out[t, h, p + half] = out_hi
+                    else:
+                        k_cache[page, offset, kv_head, p] = out_lo
+                        k_cache[page, offset, kv_head, p + half] = out_hi
+            for j in range(J):
+                i = lane + WARP * j
+                if i >= rotary_dim and i < head_dim:
+                    n = normalize_element(bf16_to_f32(x[j]), inv_rms, w[j], weight_offset, round_before_weight)
+                    if is_q:
+                        q_out[t, h, i] = n
+                    else:
+                        k_cache[page, offset, kv_head, i] = n
 
     return qk_norm_rope_store_kernel
-
-
-def _check_operands(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables, k_cache, v_cache,
-                    q_out, rotary_dim: int, q_head_stride: int) -> None:
-    num_tokens, num_q_heads, head_dim = q_out.shape
-    num_kv_heads = k_cache.shape[2]
-    for name, a in (("qkv", qkv), ("q_norm_w", q_norm_w), ("k_norm_w", k_norm_w), ("cos", cos), ("sin", sin),
-                    ("k_cache", k_cache), ("v_cache", v_cache), ("q_out", q_out)):
-        assert a.dtype == np.uint16, (name, a.dtype)
-    for name, a in (("positions", positions), ("token_slots", token_slots), ("block_tables", block_tables)):
-        assert a.dtype == np.int32, (name, a.dtype)
-    assert qkv.ndim == 2 and qkv.shape[0] == num_tokens, (qkv.shape, q_out.shape)
-    assert q_head_stride >= head_dim
-    assert qkv.shape[1] == num_q_heads * q_head_stride + 2 * num_kv_heads * head_dim, (qkv.shape, q_head_stride)
-    assert q_norm_w.shape == (head_dim,) and k_norm_w.shape == (head_dim,), (q_norm_w.shape, k_norm_w.shape)
-    assert 0 < rotary_dim <= head_dim and rotary_dim % 2 == 0, (rotary_dim, head_dim)
-    assert cos.ndim == 2 and cos.shape[1] == rotary_dim // 2 and sin.shape == cos.shape, (cos.shape, sin.shape)
-    assert positions.shape[0] >= num_tokens and token_slots.shape[0] >= num_tokens
-    assert block_tables.ndim == 2
-    assert k_cache.ndim == 4 and k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape, \
-        (k_cache.shape, v_cache.shape)
 
 
 def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables, k_cache, v_cache,
@@ -380,9 +323,21 @@ def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots
     num_kv_heads = k_cache.shape[2]
     if q_head_stride is None:
         q_head_stride = head_dim
-    _check_operands(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables, k_cache, v_cache, q_out,
-                    rotary_dim, q_head_stride)
+    for name, a in (("qkv", qkv), ("q_norm_w", q_norm_w), ("k_norm_w", k_norm_w), ("cos", cos), ("sin", sin),
+                    ("k_cache", k_cache), ("v_cache", v_cache), ("q_out", q_out)):
+        assert a.dtype == np.uint16, (name, a.dtype)
+    for name, a in (("positions", positions), ("token_slots", token_slots), ("block_tables", block_tables)):
+        assert a.dtype == np.int32, (name, a.dtype)
+    assert qkv.ndim == 2 and qkv.shape[0] == num_tokens, (qkv.shape, q_out.shape)
+    assert q_head_stride >= head_dim
+    assert qkv.shape[1] == num_q_heads * q_head_stride + 2 * num_kv_heads * head_dim, (qkv.shape, q_head_stride)
+    assert q_norm_w.shape == (head_dim,) and k_norm_w.shape == (head_dim,), (q_norm_w.shape, k_norm_w.shape)
+    assert 0 < rotary_dim <= head_dim and rotary_dim % 2 == 0, (rotary_dim, head_dim)
+    assert cos.ndim == 2 and cos.shape[1] == rotary_dim // 2 and sin.shape == cos.shape, (cos.shape, sin.shape)
     assert positions.shape == (num_tokens,) and token_slots.shape == (num_tokens,)
+    assert block_tables.ndim == 2
+    assert k_cache.ndim == 4 and k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape, \
+        (k_cache.shape, v_cache.shape)
     if num_tokens == 0:
         return
     block = threads(gpu=128, sim=32)
@@ -393,43 +348,3 @@ def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots
            qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables, k_cache, v_cache, q_out,
            np.int32(q_head_stride), np.int32(rotary_dim), np.float32(eps),
            np.float32(weight_offset), bool(round_before_weight), name="qk_norm_rope_store", pdl=True)
-
-
-@dataclass(frozen=True)
-class HeadStore:
-    """``qk_norm_rope_store``'s operands besides ``qkv``, for ``linear.linear_add_rms_norm(head_store=)``: on its
-    one-token path the qkv projection does this work in its own launch (``linear``'s head epilogue), otherwise
-    ``store`` launches ``qk_norm_rope_store`` after it.  ``counters``: int32 device array of at least
-    ``num_q_heads + 2·nkv`` zeros, owned by the caller; every launch leaves it at zero again.  One array may serve
-    every layer (their projections never overlap)."""
-    q_norm_w: object
-    k_norm_w: object
-    cos: object
-    sin: object
-    positions: object
-    token_slots: object
-    block_tables: object
-    k_cache: object
-    v_cache: object
-    q_out: object
-    eps: float
-    rotary_dim: int
-    q_head_stride: int
-    counters: object
-    weight_offset: float = 0.0
-    round_before_weight: bool = True
-
-    def check(self, qkv) -> None:
-        _check_operands(qkv, self.q_norm_w, self.k_norm_w, self.cos, self.sin, self.positions, self.token_slots,
-                        self.block_tables, self.k_cache, self.v_cache, self.q_out, self.rotary_dim,
-                        self.q_head_stride)
-        segments = self.q_out.shape[1] + 2 * self.k_cache.shape[2]
-        assert self.counters.dtype == np.int32 and self.counters.shape[0] >= segments, \
-            (self.counters.dtype, self.counters.shape, segments)
-
-    def store(self, qkv) -> None:
-        """The separate launch: ``qk_norm_rope_store`` on ``qkv``."""
-        qk_norm_rope_store(qkv, self.q_norm_w, self.k_norm_w, self.cos, self.sin, self.positions, self.token_slots,
-                           self.block_tables, self.k_cache, self.v_cache, self.q_out, self.eps, self.rotary_dim,
-                           q_head_stride=self.q_head_stride, weight_offset=self.weight_offset,
-                           round_before_weight=self.round_before_weight)

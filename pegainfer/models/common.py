@@ -59,16 +59,6 @@ class DecoderModel:
         self.logits = e(self.max_rows, self.V)
         ws = attention.attention_workspace_size(T, self.nq, self.D, self.max_model_len, page_size)
         self.attn_workspace = cuda.device_array(max(int(ws), 1), dtype=np.float32)
-        # the qkv projection's head epilogue: columns written per q / k / v head (zero between launches)
-        self.head_counters = cuda.to_device(np.zeros(self.nq + 2 * self.nkv, np.int32))
-
-    def _head_store(self, lw, layer: int, T: int, pos, slots, block_tables, q_head_stride: int,
-                    **norm_form) -> rope.HeadStore:
-        """What the qkv projection of attention layer ``layer`` needs to do qk-norm, RoPE and the KV store itself
-        (``linear.linear_add_rms_norm(head_store=)``); ``norm_form``: the q/k norm's rounding (Qwen3.5)."""
-        return rope.HeadStore(lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, pos, slots, block_tables,
-                              self.k_cache[layer], self.v_cache[layer], self.q[:T], self.cfg.rms_norm_eps,
-                              self.rotary_dim, q_head_stride, self.head_counters, **norm_form)
 
     def _load_embeddings(self, reader) -> None:
         """``embed`` ``[V, H]``, ``final_norm`` ``[H]`` and ``lm_head`` ``[V, H]`` (the embedding itself when tied, or

@@ -102,18 +102,18 @@ class Qwen3Model(DecoderModel):
 
         embedding.embedding(ids, self.embed, residual)
         for i, lw in enumerate(self.layers):
-            rope_in_attention = decode and attention.FUSED_DECODE_ROPE
-            # qk-norm + RoPE + KV store: with the projection (its epilogue for one token), or in the attention launch
-            store = None if rope_in_attention else self._head_store(lw, i, T, pos, slots, block_tables, self.D)
             linear.linear_add_rms_norm(residual, delta if i > 0 else None, lw["input_ln"], eps, spare, lw["qkv"], qkv,
-                                       normed_out=normed, before_latency_bound=True, head_store=store)
+                                       normed_out=normed, before_latency_bound=True)
             residual, spare = spare, residual
-            if rope_in_attention:
+            if decode and attention.FUSED_DECODE_ROPE:   # norm + RoPE + KV store inside the attention launch
                 fused = attention.DecodeRope(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, eps,
                                              self.rotary_dim, self.D)
                 attention.paged_attention(q, self.k_cache[i], self.v_cache[i], block_tables, slots, pos, attn,
                                           scale, self.attn_workspace, decode=True, rope=fused)
             else:
+                rope.qk_norm_rope_store(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, pos, slots,
+                                        block_tables, self.k_cache[i], self.v_cache[i], q, eps, self.rotary_dim,
+                                        q_head_stride=self.D)
                 attention.paged_attention(q, self.k_cache[i], self.v_cache[i], block_tables, slots, pos, attn,
                                           scale, self.attn_workspace, decode=decode)
             linear.linear(attn_flat, lw["o"], delta)

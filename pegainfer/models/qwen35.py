@@ -220,12 +220,8 @@ class Qwen35Model(DecoderModel):
         for i, lw in enumerate(self.layers):
             # residual add + input norm + the layer's first projection: one launch for one token
             first_w, first_out = (lw["qkv"], self.qkv[:T]) if i in full_index else (lw["in_proj"], self.proj[:T])
-            # a full-attention layer's qk-norm + RoPE + KV store goes with its projection (one launch for one token)
-            store = (self._head_store(lw, full_index[i], T, pos, slots, block_tables, 2 * self.D, **QWEN35_NORM)
-                     if i in full_index else None)
             linear.linear_add_rms_norm(residual, delta if i > 0 else None, lw["input_ln"], eps, spare, first_w,
-                                       first_out, normed_out=normed, before_latency_bound=True, head_store=store,
-                                       **QWEN35_NORM)
+                                       first_out, normed_out=normed, before_latency_bound=True, **QWEN35_NORM)
             residual, spare = spare, residual
             if i in full_index:
                 self._full_attention(full_index[i], lw, delta, T, pos, slots, block_tables, decode)
@@ -248,10 +244,12 @@ class Qwen35Model(DecoderModel):
         return logits
 
     def _full_attention(self, j, lw, delta, T, pos, slots, block_tables, decode: bool = False) -> None:
-        """Gated full attention of one layer (its q/gate, k, v projection already in ``self.qkv``, its q normed and
-        rotated into ``self.q`` and its new key / value in the cache: ``forward``'s ``head_store``):
+        """Gated full attention of one layer (its q/gate, k, v projection already in ``self.qkv``):
         ``delta = (attention · sigmoid(gate)) @ W_o^T``."""
         qkv, q, attn = self.qkv[:T], self.q[:T], self.attn[:T]
+        rope.qk_norm_rope_store(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, pos, slots,
+                                block_tables, self.k_cache[j], self.v_cache[j], q, self.cfg.rms_norm_eps,
+                                self.rotary_dim, q_head_stride=2 * self.D, **QWEN35_NORM)
         attention.paged_attention(q, self.k_cache[j], self.v_cache[j], block_tables, slots, pos, attn,
                                   1.0 / math.sqrt(self.D), self.attn_workspace, decode=decode, gate=qkv)
         attn_flat = self.attn.reshape(self.max_tokens, self.nq * self.D)[:T]

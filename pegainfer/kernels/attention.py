@@ -149,16 +149,14 @@ def _split_range(n_keys, split, num_splits, min_chunk):
 
 @functools.lru_cache(maxsize=None)
 def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, min_blocks: int = 0,
-                  decode: bool = False, gated: bool = False, rope_rotary_dim: int = 0, q_smem: bool = False):
+                  decode: bool = False, gated: bool = False, rope_rotary_dim: int = 0):
     """Build the split-K kernel for one shape (closure constants size the register fragments).  ``late_v``: load V
     after computing S (K's registers are then free: fewer registers, one more memory round trip per step);
     ``min_blocks``: launch bounds asking for that many resident blocks per SM (0: none); ``decode``: every token is
     its sequence's newest, so only its own key and q come from the kernel before (the early loads below);
     ``gated``: the output is scaled by Qwen3.5's sigmoid gate (``gating.gated_value``) as it is written;
     ``rope_rotary_dim`` > 0 (with ``decode``): the kernel also does ``rope.qk_norm_rope_store``'s work for its
-    heads, from the raw projection (the rotary dims of a head are a compile-time constant of the register layout);
-    ``q_smem`` (``_q_in_shared``; not with ``rope_rotary_dim``): the q fragments are read from shared memory at each
-    mma instead of being held in registers."""
+    heads, from the raw projection (the rotary dims of a head are a compile-time constant of the register layout)."""
     D, G, W, LATE_V, DECODE, GATED = head_dim, group, warps, late_v, decode, gated
     ROPE = rope_rotary_dim > 0
     assert not ROPE or DECODE
@@ -178,8 +176,6 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
     assert G <= 8 and D % 16 == 0
     KW2, VW4, O_REGS, SM_O, SM_W, SM_ROWS = 2 * KW, 4 * VW, 2 * O_TILES, W * G * D, G * MAX_SPLITS, W * 8
     SM_Q, SM_KV = (G * D, 2 * D) if ROPE else (1, 1)
-    Q_SMEM = q_smem and not ROPE
-    SM_QW = G * ROW_WORDS if Q_SMEM else 1
 
     jit = kernel if SIMULATOR or not min_blocks else cuda.jit(cache=True, launch_bounds=(NT, min_blocks))
 
@@ -273,20 +269,6 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                             k16[row16 + i] = n
         cuda.syncthreads()
 
-    @device_fn
-    def _load_q(q32, base, qa, sm_qw):
-        """The q fragments of the block's G heads (rows g < G; ``base``: word of head ``head0``): lane (g, t) loads
-        its ``KW`` words of head g into ``qa``, or (``Q_SMEM``) the block copies the heads to ``sm_qw``; every thread
-        of the block calls it (the copy ends in a barrier)."""
-        if Q_SMEM:
-            for i in range(cuda.threadIdx.x, G * ROW_WORDS, NT):
-                sm_qw[i] = q32[base + i]
-            cuda.syncthreads()
-        else:
-            lane = cuda.threadIdx.x % 32
-            g = lane >> 2
-            _load_words(q32, base + g * ROW_WORDS + (lane & 3) * KW, KW, qa, 0, g < G)
-
     @jit
     def paged_attention_split_kernel(q32, k32, v32, block_tables, token_slots, positions, out, ws_acc, ws_m, ws_l,
                                      counters, scale_log2, num_kv_heads, page_shift, num_splits, min_chunk, gate,
@@ -346,7 +328,6 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
         hc = cuda.local.array(HJ, uint16)            # ... cos / sin of its rotary pairs
         hs = cuda.local.array(HJ, uint16)
         qa = cuda.local.array(KW, uint32)            # q fragments (rows g < G)
-        sm_qw = cuda.shared.array(SM_QW, uint32)     # Q_SMEM: the G q heads as bf16 pairs [G, D/2]
         kw = cuda.local.array(KW2, uint32)           # K words of keys k0 + g, k0 + 8 + g
         vw = cuda.local.array(VW4, uint32)           # V words of keys k0 + 2t, 2t + 1, 2t + 8, 2t + 9
         of = cuda.local.array(O_REGS, float32)       # O[head g, dims 2t D/8 + jd, (2t+1) D/8 + jd]
@@ -380,7 +361,7 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
 
             newest = positions[t]                         # DECODE: the only key the previous kernel wrote
             if not DECODE:
-                _load_q(q32, (t * nq + head0) * ROW_WORDS, qa, sm_qw)
+                _load_words(q32, (t * nq + head0 + g) * ROW_WORDS + tq * KW, KW, qa, 0, g < G)
             for i in range(O_REGS):
                 of[i] = fzero
             m = NEG_INF
@@ -406,7 +387,7 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                         qa[i] = _smem_word(sm_q, g * D + 2 * (tq * KW + i)) if g < G else uint32(0)
                 elif early:
                     grid_dependency_wait()
-                    _load_q(q32, (t * nq + head0) * ROW_WORDS, qa, sm_qw)
+                    _load_words(q32, (t * nq + head0 + g) * ROW_WORDS + tq * KW, KW, qa, 0, g < G)
                 if early or (ROPE and k0 <= newest and newest < k0 + DECODE_STEP_KEYS):
                     for j in range(2):
                         key = k0 + 8 * j + g
@@ -431,16 +412,9 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                 # S = Q K^T (head g, keys k0 + 8j + 2t, +1), base-2 units, masked past k_hi
                 s0 = s1 = s2 = s3 = fzero
                 for ks in range(QK_STEPS):
-                    if Q_SMEM:
-                        qi = min(g, G - 1) * ROW_WORDS + tq * KW + 2 * ks
-                        q0 = sm_qw[qi] if g < G else zero
-                        q1 = sm_qw[qi + 1] if g < G else zero
-                    else:
-                        q0 = qa[2 * ks]
-                        q1 = qa[2 * ks + 1]
-                    s0, s1, _, _ = mma_bf16_m16n8k16(q0, zero, q1, zero,
+                    s0, s1, _, _ = mma_bf16_m16n8k16(qa[2 * ks], zero, qa[2 * ks + 1], zero,
                                                      kw[2 * ks], kw[2 * ks + 1], s0, s1, fzero, fzero)
-                    s2, s3, _, _ = mma_bf16_m16n8k16(q0, zero, q1, zero,
+                    s2, s3, _, _ = mma_bf16_m16n8k16(qa[2 * ks], zero, qa[2 * ks + 1], zero,
                                                      kw[KW + 2 * ks], kw[KW + 2 * ks + 1], s2, s3, fzero, fzero)
                 key = k0 + 2 * tq
                 s0 = s0 * scale_log2 if key < k_hi else NEG_INF
@@ -1028,13 +1002,6 @@ def _split_geometry(head_dim: int, group: int) -> tuple[int, bool, int]:
     return threads(gpu=8, sim=1), head_dim > 128, 0
 
 
-def _q_in_shared(head_dim: int) -> bool:
-    """Whether the split-K kernel reads its q fragments from shared memory (``_split_kernel(q_smem=)``): for heads
-    over 128 dims.  At D = 256 the K, V and O fragments alone take most of the 255 registers a thread may have; with
-    q's 32 more the kernel spilled 256 bytes (sm_90, Qwen3.5's full attention), with q in shared memory 92."""
-    return head_dim > 128
-
-
 def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, workspace,
                            T, nq, nkv, D, group, page_size, num_splits, min_split_tokens, geometry=None,
                            decode=False, gate=None, rope=None):
@@ -1059,7 +1026,7 @@ def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, posit
         counters = ws_acc.view(np.int32)
     warps, late_v, min_blocks = geometry or _split_geometry(D, group)
     kern = _split_kernel(D, group, warps, late_v, min_blocks, decode, gate is not None,
-                         rope.rotary_dim if rope is not None else 0, rope is None and _q_in_shared(D))
+                         rope.rotary_dim if rope is not None else 0)
     q2 = q.reshape(T, nq * D)
     r = rope or DecodeRope(q2, out.reshape(-1)[:D], out.reshape(-1)[:D], q2, q2, 0.0, 2, D)   # unused stand-ins
     launch(kern, grid(num_splits * T * nkv, sim_cap=64), 32 * warps,

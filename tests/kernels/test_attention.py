@@ -132,15 +132,10 @@ def test_split_k_forced(rng, head_dim, num_splits):
         assert rel_l2(got[t], want[t]) <= 1e-2, t
 
 
-@pytest.mark.parametrize("head_dim,num_splits,min_split,q_smem", [(16, 1, None, False), (32, 4, PAGE, False),
-                                                                  (32, 4, PAGE, True)])
-def test_decode_mode_bit_identical(head_dim, num_splits, min_split, q_smem, monkeypatch):
+@pytest.mark.parametrize("head_dim,num_splits,min_split", [(16, 1, None), (32, 4, PAGE)])
+def test_decode_mode_bit_identical(head_dim, num_splits, min_split):
     """``decode=True`` (older keys read before the PDL wait, the newest key and q after it) gives the very bits of
-    the plain split kernel: three decode tokens, each its slot's newest, one split or several; q fragments in
-    registers or (``q_smem``, the D > 128 form) read from shared memory."""
-    from pegainfer.kernels import attention
-
-    monkeypatch.setattr(attention, "_q_in_shared", lambda head_dim: q_smem)
+    the plain split kernel: three decode tokens, each its slot's newest, one split or several."""
     outs = []
     for decode in (False, True):
         got, want = run_attention(np.random.default_rng(5), 4, 2, head_dim, slots=[1, 0, 2], positions=[9, 0, 16],
@@ -200,15 +195,13 @@ def test_split_k_many_splits_repeated(rng, head_dim):
         assert not counters.any(), counters
 
 
-@pytest.mark.parametrize("late_v, q_smem", [(False, False), (True, False), (True, True)])
-def test_split_k_two_warps(rng, monkeypatch, late_v, q_smem):
+@pytest.mark.parametrize("late_v", [False, True])
+def test_split_k_two_warps(rng, monkeypatch, late_v):
     """Two warps per block (the block merges its warps' partial states in shared memory), with and without
-    several splits, V loaded with K or after S, q fragments in registers or read from shared memory (the D > 128
-    form)."""
+    several splits, V loaded with K or after S."""
     from pegainfer.kernels import attention
 
     monkeypatch.setattr(attention, "_split_geometry", lambda head_dim, group: (2, late_v, 0))
-    monkeypatch.setattr(attention, "_q_in_shared", lambda head_dim: q_smem)
     for kwargs in (dict(), dict(num_splits=2, min_split_tokens=16)):
         got, want = run_attention(rng, 4, 2, 16, slots=[1, 0], positions=[19, 35], max_pages=10, num_pages=21,
                                   method="split", **kwargs)

@@ -96,3 +96,29 @@ def test_bench_floor_counts_recurrent_state_and_untied_embedding_rows():
     assert floor["recurrent_state_rw"] == 2 * 3 * (24 * 3 * 2 + 2 * 4 * 4 * 4)
     assert floor["kv_read"] == 672 and floor["kv_context_tokens"] == 10.5
     assert floor["total"] == floor["weights_read"] + floor["recurrent_state_rw"] + floor["kv_read"]
+
+
+def test_ab_bench_alternates_patched_variants(tmp_path):
+    """``benchmarks/ab_bench.py``: every variant's statements run in its own interpreter before the engine (here a
+    patch that marks the floor dict bench reports), rounds alternate variants, the JSON holds every run."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "ab.json"
+    marked = ("import pegainfer.bench as b; f = b.decode_floor_bytes; "
+              "b.decode_floor_bytes = lambda m, c: dict(f(m, c), marker=7)")
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "ab_bench.py"), "--rounds", "1",
+                        "--variant", "base=", "--variant", f"marked={marked}", "--json", str(out), "--",
+                        "--prompt-len", "4", "--output-len", "2", "--runs", "1"],
+                       capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONPATH=root))
+    assert r.returncode == 0, r.stderr
+    runs = json.loads(out.read_text())["runs"]
+    assert [run["variant"] for run in runs] == ["base", "marked"]
+    assert all(run["tpot_ms"] > 0 and run["ttft_ms"] > 0 for run in runs)
+    assert "marker" not in runs[0]["bench"]["floor_bytes"] and runs[1]["bench"]["floor_bytes"]["marker"] == 7
+    assert "tpot vs first" in r.stdout
+
+
+def test_ab_bench_rejects_a_variant_without_label():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "ab_bench.py"), "--variant", "no label"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "LABEL=STATEMENTS" in r.stderr

@@ -85,9 +85,9 @@ class Projection:
 
 def skinny_candidates(p: Projection, quick: bool):
     """Skinny tensor-core geometries worth timing for one projection at T > 1 (``--tokens``): (n_tiles, unroll,
-    stages, warps_per_sm) shapes that compile without spills on sm_90 (plus the heuristic's), × k_split."""
+    stages, warps_per_sm) shapes that compile without spills on sm_90, × warps × k_split."""
     shapes = ((2, 4, 1, 16), (2, 2, 1, 16), (2, 4, 2, 8), (4, 2, 2, 8), (2, 2, 3, 8), (2, 2, 2, 16), (4, 4, 1, 8),
-              (1, 4, 1, 16), (2, 8, 1, 8))
+              (1, 4, 1, 16))
     if p.tokens > 16:
         shapes = ((2, 1, 1, 16), (1, 1, 1, 16), (1, 1, 2, 8), (2, 1, 2, 8))
     if quick:

@@ -1146,7 +1146,8 @@ SKINNY_TUNED: dict[tuple[int, int, int, bool], SkinnyGeometry] = {
     (18432, 2560, 1, True): SkinnyGeometry(n_tiles=2, unroll=2, warps=8, k_split=1, stages=2),
 }
 """Measured best skinny geometries, ``(n_cols, K, m16 tiles, gated) -> SkinnyGeometry``, overriding the heuristic
-in ``skinny_geometry`` (``benchmarks/bench_gemv.py --sweep`` prints entries in this form)."""
+in ``skinny_geometry`` (``benchmarks/bench_decode_stream.py --tokens 16`` sweeps on cold weights and prints entries
+in this form; ``benchmarks/bench_gemv.py --sweep`` on one L2-warm matrix)."""
 
 
 @functools.cache

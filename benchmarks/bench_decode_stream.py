@@ -15,7 +15,8 @@ times CUDA graphs that walk through the layers the way the forward pass does:
   with the current defaults and with the best swept geometries: milliseconds per token against the floor
   (weight bytes / read bandwidth).
 
-Usage (GPU host):  python benchmarks/bench_decode_stream.py [--model 4b|8b] [--quick] [--json out.json]
+Usage (GPU host):  python benchmarks/bench_decode_stream.py [--model 4b|8b|3.5-4b] [--quick] [--json out.json]
+    [--only o,down] [--geometry o=2,4,4,6 ...]   (sweep only these projections / only these geometries)
 Without a GPU: a smoke run in the simulator (tiny shapes, wall-clock times).
 """
 from __future__ import annotations
@@ -45,6 +46,12 @@ MODELS = {
     "8b": dict(layers=36, hidden=4096, vocab=151936, shapes={
         "qkv": (6144, 4096, False, True), "o": (4096, 4096, False, False),
         "gate_up": (24576, 4096, True, True), "down": (4096, 12288, False, False)}),
+    # Qwen3.5-4B: every shape it streams (in_proj of the 24 Gated DeltaNet layers, qkv of the 8 full-attention
+    # layers, o / out_proj (2560×4096 both), the MLP) in each of 32 layers: the sweep is per shape; the step line
+    # reads more than the real step (both first projections in every layer)
+    "3.5-4b": dict(layers=32, hidden=2560, vocab=248320, shapes={
+        "in_proj": (12352, 2560, False, True), "qkv": (10240, 2560, False, True), "o": (2560, 4096, False, False),
+        "gate_up": (18432, 2560, True, True), "down": (2560, 9216, False, False)}),
     "sim": dict(layers=2, hidden=256, vocab=512, shapes={
         "qkv": (96, 256, False, True), "o": (64, 256, False, False),
         "gate_up": (128, 256, True, True), "down": (64, 512, False, False)}),
@@ -99,8 +106,25 @@ def skinny_candidates(p: Projection, quick: bool):
                                  stages=stages)
 
 
+EXPLICIT: dict[str, list] = {}
+"""``--geometry NAME=R,WARPS,K_SPLIT,STAGES``: the only GEMV geometries the sweep tries for that projection."""
+
+
+def parse_geometry(spec: str) -> tuple[str, "lin.GemvGeometry"]:
+    name, sep, nums = spec.partition("=")
+    try:
+        r, warps, k_split, stages = (int(v) for v in nums.split(","))
+    except ValueError:
+        raise SystemExit(f"error: --geometry {spec!r}: expected NAME=ROWS,WARPS,K_SPLIT,STAGES") from None
+    return name, lin.GemvGeometry(rows_per_warp=r, warps=warps, k_split=k_split, max_tokens=1, stages=stages,
+                                  persistent=True)
+
+
 def candidates(p: Projection, quick: bool):
     """GEMV geometries worth timing for one projection at T = 1 (fused ones keep norm's block size)."""
+    if p.name in EXPLICIT:
+        yield from EXPLICIT[p.name]
+        return
     if p.tokens > 1:
         yield from skinny_candidates(p, quick)
         return
@@ -206,12 +230,17 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=1,
                     help="tokens per projection (default 1: the GEMV; 2-64: the skinny tensor-core kernel, as a "
                          "short prompt's prefill runs it; the sweep then tries skinny geometries)")
+    ap.add_argument("--geometry", action="append", default=[], metavar="NAME=R,WARPS,K_SPLIT,STAGES",
+                    help="sweep only these GEMV geometries for projection NAME (repeatable; e.g. o=2,4,4,6)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--tuning-out", default=None,
                     help=f"write the best geometries as JSON for {lin.GEMV_TUNING_ENV} (see linear.load_gemv_tuning)")
     args = ap.parse_args()
     if SIM:                  # a smoke run: the default step only (the sweep's hundreds of launches take too long)
         args.no_sweep, args.model = True, "sim"
+    for spec in args.geometry:
+        name, geo = parse_geometry(spec)
+        EXPLICIT.setdefault(name, []).append(geo)
     m = MODELS[args.model]
     layers = m["layers"]
     read_bw = float("nan") if SIM else measure_read_bandwidth(2 << 30)

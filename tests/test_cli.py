@@ -122,3 +122,35 @@ def test_ab_bench_rejects_a_variant_without_label():
     r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "ab_bench.py"), "--variant", "no label"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "Traceback" not in r.stderr and "LABEL=STATEMENTS" in r.stderr
+
+
+def test_bench_decode_stream_sweeps_only_the_given_geometries(monkeypatch):
+    """``benchmarks/bench_decode_stream.py --geometry NAME=R,WARPS,K_SPLIT,STAGES`` replaces that projection's
+    candidate list; its Qwen3.5-4B shapes are the ones the model streams."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(os.path.join(root, "benchmarks"))
+    import bench_decode_stream as bds
+    from types import SimpleNamespace
+
+    from tests.models.test_qwen35_oracle import QWEN35_4B as c
+
+    name, geo = bds.parse_geometry("o=2,4,4,6")
+    assert name == "o"
+    assert (geo.rows_per_warp, geo.warps, geo.k_split, geo.stages, geo.max_tokens, geo.persistent) == \
+        (2, 4, 4, 6, 1, True)
+    with pytest.raises(SystemExit, match="NAME=ROWS,WARPS,K_SPLIT,STAGES"):
+        bds.parse_geometry("o=2,4")
+    monkeypatch.setitem(bds.EXPLICIT, "o", [geo])
+    assert list(bds.candidates(SimpleNamespace(name="o", tokens=1), quick=False)) == [geo]
+    others = list(bds.candidates(SimpleNamespace(name="down", tokens=1, gated=False, fused=False, k=9216), True))
+    assert len(others) > 1 and geo not in others
+
+    shapes = bds.MODELS["3.5-4b"]["shapes"]
+    key, value = c["linear_num_key_heads"] * c["linear_key_head_dim"], \
+        c["linear_num_value_heads"] * c["linear_value_head_dim"]
+    H, D = c["hidden_size"], c["head_dim"]
+    assert shapes["in_proj"][:2] == (2 * key + 2 * value + 2 * c["linear_num_value_heads"], H)
+    assert shapes["qkv"][:2] == (2 * c["num_attention_heads"] * D + 2 * c["num_key_value_heads"] * D, H)
+    assert shapes["o"][:2] == (H, c["num_attention_heads"] * D) == (H, value)
+    assert shapes["gate_up"][:2] == (2 * c["intermediate_size"], H)
+    assert shapes["down"][:2] == (H, c["intermediate_size"])

@@ -473,24 +473,27 @@ def _tuned_t1(rows_per_warp: int, warps: int, k_split: int, stages: int) -> Gemv
 
 
 GEMV_TUNED: dict[tuple[int, int, int, bool], GemvGeometry] = {
-    # Qwen3-4B, one-token kernel, measured on the H200 with cold weights (``benchmarks/bench_decode_stream.py``:
-    # a graph of one launch per layer, each on its own matrix; qkv, gate_up and lm_head with the fused norm).
-    # µs per launch: best / the bare read kernel over a buffer of the same size
-    (6144, 2560, 1, False): _tuned_t1(4, 8, 1, 3),     # qkv      13.4 /   9.1
-    (2560, 4096, 1, False): _tuned_t1(2, 4, 4, 6),     # o         9.5 /   7.4
-    (19456, 2560, 1, True): _tuned_t1(4, 8, 1, 3),     # gate_up  30.5 /  24.7
-    (2560, 9728, 1, False): _tuned_t1(2, 8, 8, 6),     # down     17.6 /  15.3
-    (151936, 2560, 1, False): _tuned_t1(4, 8, 1, 4),   # lm_head 182.5 / 176.3
-    # Qwen3-8B (hidden 4096, q 4096, kv 1024, intermediate 12288): by analogy with the 4B shapes
-    (6144, 4096, 1, False): _tuned_t1(4, 8, 1, 3),     # qkv
-    (4096, 4096, 1, False): _tuned_t1(2, 4, 4, 6),     # o
-    (24576, 4096, 1, True): _tuned_t1(4, 8, 1, 3),     # gate_up
-    (4096, 12288, 1, False): _tuned_t1(2, 8, 8, 6),    # down
-    (151936, 4096, 1, False): _tuned_t1(4, 8, 1, 4),   # lm_head
-    # Qwen3.5-4B (hidden 2560, intermediate 9216): its other shapes get the heuristic's Qwen3-4B-like geometry; its
-    # down projection by analogy with Qwen3-4B's (the heuristic's k_split 4 gives 320 tiles, i.e. 160 blocks of 2 on
-    # 132 SMs, and measured 19.1 µs per launch in the step against 16.5 for Qwen3-4B's larger one)
-    (2560, 9216, 1, False): _tuned_t1(2, 8, 8, 6),     # down
+    # One-token kernel, measured on the H200 with cold weights (``benchmarks/bench_decode_stream.py --model M``: a
+    # graph of one launch per layer, each on its own matrix; the first projection of a layer and gate_up with the
+    # fused norm), then confirmed end to end with ``benchmarks/ab_bench.py`` (``benchmarks/RESULTS.md``, session 8).
+    # µs per launch: this geometry / the one before session 8's sweep
+    # Qwen3-4B
+    (6144, 2560, 1, False): _tuned_t1(4, 8, 1, 4),     # qkv      (stages 3 before)
+    (2560, 4096, 1, False): _tuned_t1(2, 4, 4, 6),     # o         9.5 (also Qwen3.5's o and out_proj)
+    (19456, 2560, 1, True): _tuned_t1(2, 8, 1, 6),     # gate_up  26.8 / 30.6
+    (2560, 9728, 1, False): _tuned_t1(2, 8, 8, 6),     # down     14.9
+    (151936, 2560, 1, False): _tuned_t1(4, 8, 1, 4),   # lm_head 182.5
+    # Qwen3-8B (hidden 4096, q 4096, kv 1024, intermediate 12288); 4.513 vs 4.673 ms TPOT with the 4B analogues
+    (6144, 4096, 1, False): _tuned_t1(2, 8, 2, 6),     # qkv      17.8 / 18.9
+    (4096, 4096, 1, False): _tuned_t1(4, 8, 2, 3),     # o        10.4 / 10.6
+    (24576, 4096, 1, True): _tuned_t1(4, 8, 1, 4),     # gate_up  50.7 / 51.7
+    (4096, 12288, 1, False): _tuned_t1(4, 8, 4, 3),    # down     27.1 / 30.3
+    (151936, 4096, 1, False): _tuned_t1(4, 8, 1, 4),   # lm_head (by analogy)
+    # Qwen3.5-4B (hidden 2560, intermediate 9216; Gated DeltaNet in_proj 12352 rows, gated full-attention qkv 10240)
+    (12352, 2560, 1, False): _tuned_t1(4, 8, 2, 3),    # in_proj  18.3 / 22.4
+    (10240, 2560, 1, False): _tuned_t1(2, 8, 1, 6),    # qkv      16.7 / 20.5
+    (18432, 2560, 1, True): _tuned_t1(2, 8, 1, 6),     # gate_up  26.6 / 30.6
+    (2560, 9216, 1, False): _tuned_t1(2, 8, 8, 6),     # down     14.9
 }
 """Measured best geometries, ``(n_cols, K, max_tokens, gated) -> GemvGeometry``, overriding the heuristic in
 ``gemv_geometry`` (``benchmarks/bench_decode_stream.py`` prints entries in this form)."""

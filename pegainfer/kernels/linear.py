@@ -536,11 +536,14 @@ def gemv_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False) -> Ge
     """Pick the GEMV split for a ``[n_cols, k]`` weight (n_cols logical columns: 2I when gated).
 
     Blocks of 8 warps, compiled for ``WARPS_PER_SM`` = 16 resident warps per SM.  Each warp streams 4 rows (2 when
-    the 8-token register tile would not fit in 128 registers), i.e. 4 × 16 bytes per lane in flight, two steps
-    deep.  Then ``k_split`` doubles (while every warp keeps at least 4 steps of 256 elements) until there are
+    the 8-token register tile would not fit in 128 registers) through a load ring 3 steps deep for one token (2
+    otherwise).  Then ``k_split`` doubles (while every warp keeps at least 4 steps of 256 elements) until there are
     enough warps to fill every SM once: tall matrices (gate_up, lm_head) need no split; on 132 SMs the Qwen3-4B
-    qkv (6144×2560) gets k_split 2, o (2560×4096) and down (2560×9728) get 4.  A starting point: the benchmark's
-    ``--sweep`` measures the alternatives.
+    qkv (6144×2560) gets k_split 2, o (2560×4096) and down (2560×9728) get 4.  A tall one-token matrix that needs
+    no split and is not an LM head (under 65536 columns) takes 2 rows per warp and a ring 6 deep instead: on the
+    H200 that was within 1.6 % of the best of each of the five such shapes swept (the gate_up of all three served
+    models, Qwen3.5-4B's in_proj and qkv) and 2 % (K = 4096) to 12-19 % (K = 2560) faster than 4 rows × 3
+    (``benchmarks/RESULTS.md``, session 8).  Shapes in ``GEMV_TUNED`` skip all this; ``benchmarks/bench_decode_stream.py`` measures more.
     """
     tt = _token_tile(n_tokens)
     if SIMULATOR:                                  # small blocks: one Python thread per CUDA thread
@@ -552,6 +555,8 @@ def gemv_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False) -> Ge
     k_split = 1
     while (n_cols // rows) * k_split < slots and k_split < 8 and k >= 2048 * k_split:
         k_split *= 2
+    if tt == 1 and k_split == 1 and n_cols < 65536:
+        return GemvGeometry(rows_per_warp=2, warps=8, k_split=1, max_tokens=1, stages=6, persistent=True)
     return GemvGeometry(rows_per_warp=rows, warps=8, k_split=k_split, max_tokens=tt, stages=3 if tt == 1 else 2,
                         persistent=tt == 1)
 

@@ -280,6 +280,22 @@ def test_gemv_triggers_same_bits(trigger, monkeypatch):
     assert np.array_equal(_fused(rb, None, wnb, wb, False, "qwen3", 1e-6, before_latency_bound=True)[3], fused)
 
 
+def test_gemv_heuristic_for_untuned_shapes(monkeypatch):
+    """Shapes without a measured entry: tall one-token matrices that need no K split take 2 rows × a ring of 6
+    (the H200 sweeps' winner for such shapes), LM-head-sized ones and split ones keep 4 rows × 3."""
+    monkeypatch.setattr(lin, "SIMULATOR", False)
+    monkeypatch.setattr(lin, "_sm_count", lambda: 132)
+    monkeypatch.setattr(lin, "GEMV_TUNED", {})
+    tall = lin.gemv_geometry(2 * 11008, 2048, 1, gated=True)
+    assert (tall.rows_per_warp, tall.warps, tall.k_split, tall.stages, tall.persistent) == (2, 8, 1, 6, True)
+    head = lin.gemv_geometry(151936, 2048, 1)
+    assert (head.rows_per_warp, head.k_split, head.stages) == (4, 1, 3)
+    wide = lin.gemv_geometry(2048, 6144, 1)
+    assert wide.rows_per_warp == 4 and wide.k_split > 1 and wide.stages == 3
+    several = lin.gemv_geometry(2 * 11008, 2048, 4, gated=True)
+    assert (several.max_tokens, several.rows_per_warp, several.stages) == (4, 2, 2)
+
+
 def test_fused_norm_geometry_keeps_the_ring_depth(monkeypatch):
     """The fused path runs the tuned load ring (``GEMV_TUNED``'s stages), in blocks of ``NORM_THREADS``."""
     tuned = GemvGeometry(rows_per_warp=4, warps=4, k_split=4, max_tokens=1, stages=5, persistent=True)

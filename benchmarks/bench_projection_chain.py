@@ -17,8 +17,9 @@ It times, on the same GPU in one run:
   load-ring depth);
 and prints ms per token against the floor (bytes / read bandwidth measured by the same run).  The chain computes
 each matrix's ``W @ x`` (f32 partial sums added atomically), not the engine's norms, SwiGLU or roundings: it
-answers a bandwidth question, not an accuracy one.  If the chain gets close to the floor, a projection chain
-kernel is worth building into the engine; if not, the launch boundaries are not where the time goes.
+answers a bandwidth question, not an accuracy one.  The engine's own version of the idea is
+``linear.DecodeProjectionChain`` (``PEGAINFER_DECODE_CHAIN=1``: four stages per launch, one per layer; its TPOT
+against the launches is the second half of ``gpu_session.sh chain``).
 
 Compiled offline for sm_90 (launch bounds: 16 warps per SM) the chain takes 122–124 registers without carry; with
 it 128, and ptxas spills 16 bytes at rows 2 / stages 6 and 76 at rows 4 / stages 4.  Not yet run on a GPU (written
@@ -45,37 +46,14 @@ from numba import types as nbtypes  # noqa: E402
 from pegainfer.device import SIMULATOR  # noqa: E402
 from pegainfer.kernels import linear as lin  # noqa: E402
 from pegainfer.kernels.launch import launch  # noqa: E402
-from pegainfer.kernels.primitives import WARP, device_fn, float32, kernel, uint32, warp_sum  # noqa: E402
+from pegainfer.kernels.primitives import (WARP, device_fn, float32, grid_barrier, kernel, uint32,  # noqa: E402
+                                          warp_sum)
 
 int64 = np.int64
-
-BARRIER_SPINS = 1 << 20
-"""Polls of the arrival counter before a grid barrier gives up (``status[0] = 1``): a grid whose blocks are not
-all resident at once would otherwise wait forever."""
 
 TABLE_COLS = 6
 """A chain's matrix table ``[M, 6]`` int64: weight word offset (into the flat uint32 weights), rows N, words per row
 (K/2), K parts (warps sharing a row group, each a contiguous 1/parts of K), x word offset, out offset."""
-
-
-@device_fn
-def grid_barrier(counter, target, status):
-    """Every block of the grid arrives, then waits until ``counter[0]`` reaches ``target`` (``target`` = barriers
-    so far × blocks: the counter only grows, so no reset between barriers).  Thread 0 of a block fences its
-    block's writes, adds its arrival and polls with atomic reads; the block waits for it at ``syncthreads``.  After
-    ``BARRIER_SPINS`` polls, or when an earlier barrier gave up, it sets ``status[0] = 1`` and goes on."""
-    cuda.syncthreads()
-    if cuda.threadIdx.x == 0:
-        cuda.threadfence()
-        cuda.atomic.add(counter, 0, 1)
-        spins = 0
-        while cuda.atomic.max(counter, 0, 0) < target:
-            spins += 1
-            if spins >= BARRIER_SPINS or (spins & 1023) == 0 and cuda.atomic.max(status, 0, 0) != 0:
-                status[0] = 1
-                break
-        cuda.threadfence()
-    cuda.syncthreads()
 
 
 @device_fn

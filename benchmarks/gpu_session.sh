@@ -12,7 +12,8 @@
 #            --tokens 16, Qwen3-4B shapes), then TTFT / TPOT with the defaults and with the swept best
 #            (PEGAINFER_GEMV_TUNING=$OUT/skinny16.json), alternating, two runs each.
 #   chain:   bench_projection_chain.py: a decode step's projections as one launch each vs one persistent kernel
-#            with grid barriers ($CHAIN_MODEL, default 4b; needs no model folder).
+#            with grid barriers ($CHAIN_MODEL, default 4b), then Qwen3-4B TPOT with the engine's decode chain
+#            (PEGAINFER_DECODE_CHAIN) off / on, alternating (ab_bench.py).
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
 export NUMBA_CACHE_DIR="${NUMBA_CACHE_DIR:-/tmp/numba_cache}"
@@ -93,7 +94,11 @@ print('folder', make_random_qwen35_multimodal(Path('$M35')))" 2>&1 | tail -1 | t
                   --runs 5 2>&1 | grep "ttft_ms\|tpot_ms" | tee -a "$OUT/skinny.log"
               done; done ;;
     chain)    timeout ${CHAIN_TIMEOUT:-300} python3 benchmarks/bench_projection_chain.py --model ${CHAIN_MODEL:-4b} \
-                --json "$OUT/chain.json" 2>&1 | grep -v "Warn\|warn(" | tail -20 | tee "$OUT/chain.log" ;;
+                --json "$OUT/chain.json" 2>&1 | grep -v "Warn\|warn(" | tail -20 | tee "$OUT/chain.log"
+              timeout ${CHAIN_AB_TIMEOUT:-300} python3 benchmarks/ab_bench.py --model-path "$PEGAINFER_GPU_MODELS/qwen3-4b" \
+                --rounds 2 --json "$OUT/chain_ab.json" --variant base= \
+                --variant 'chain=import pegainfer.kernels.linear as l; l.DECODE_CHAIN = True' 2>&1 | tail -8 \
+                | tee -a "$OUT/chain.log" ;;
     acc35)    timeout ${ACC35_TIMEOUT:-300} python3 -m pytest tests/gpu/test_qwen35_gpu.py -m gpu -q -s -p no:cacheprovider \
                 2>&1 | grep -v "Warning\|warn(\|falling back\|deprecated" | tail -30 | tee "$OUT/acc35.log" ;;
   esac

@@ -413,3 +413,64 @@ def test_gemv_tuning_file(tmp_path, monkeypatch):
     assert lin.load_gemv_tuning(str(path)) == 2
     assert lin.gemv_geometry(777, 512, 1) == GemvGeometry(**geo)
     assert lin.skinny_geometry(777, 512, 16, gated=True) == lin.SkinnyGeometry(**skinny)
+
+
+@pytest.mark.parametrize("form", list(NORM_FORMS))
+@pytest.mark.parametrize("next_rows", [80, 128], ids=["next_qkv", "next_lm_head"])
+def test_decode_projection_chain_is_the_four_launches(form, next_rows, rng):
+    """``DecodeProjectionChain`` (o; add + norm + gate_up/SwiGLU; down; add + norm + the next projection, in one
+    launch) gives bit for bit what the four one-token launches give with the same geometries, twice in a row (the
+    barrier counter is back at 0 after each launch, the status clear).  The simulator runs the chain as one block
+    (its blocks run one after another, so a multi-block barrier could never meet); on a GPU it is a full wave."""
+    _check_chain_against_launches(64, 72, 96, next_rows, form, rng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", list(NORM_FORMS))
+def test_decode_projection_chain_qwen3_4b_shapes(form, rng):
+    """The same on Qwen3-4B's shapes (o 2560×4096, gate_up 19456×2560, down 2560×9728, qkv 6144×2560): every
+    block of the wave has tiles in every stage, so the grid barriers and coherent loads are really exercised."""
+    _check_chain_against_launches(2560, 4096, 9728, 6144, form, rng)
+
+
+def _check_chain_against_launches(H, A, I, N, form, rng):
+    eps = 1e-6
+    forms = NORM_FORMS[form]
+    f = lambda a: cuda.to_device(a)  # noqa: E731
+    attn_b = bf16_randn((1, A), rng)[0]
+    res_b = bf16_randn((1, H), rng)[0]
+    post_b, next_b = (bf16_randn((H,), rng, scale=0.2)[0] for _ in range(2))
+    w_o, w_gu, w_down, w_next = (f(bf16_randn(shape, rng, scale=0.2)[0])
+                                 for shape in ((H, A), (2 * I, H), (H, I), (N, H)))
+
+    def buffers():
+        z = lambda *shape: f(np.full(shape, 0x7FC1, np.uint16))  # noqa: E731
+        return dict(attn=f(attn_b), residual=f(res_b), spare=z(1, H), delta=z(1, H), act=z(1, I), out=z(1, N))
+
+    geo = lambda w: lin.chain_geometry(w.shape[0], w.shape[1])  # noqa: E731
+    one = buffers()
+    for _ in range(2):
+        gemv(one["attn"], w_o, one["delta"], geometry=geo(w_o))
+        linear_add_rms_norm(one["residual"], one["delta"], f(post_b), eps, one["spare"], w_gu, one["act"],
+                            gated=True, geometry=geo(w_gu), **forms)
+        gemv(one["act"], w_down, one["delta"], geometry=geo(w_down))
+        linear_add_rms_norm(one["spare"], one["delta"], f(next_b), eps, one["residual"], w_next, one["out"],
+                            geometry=geo(w_next), **forms)
+
+    ch = buffers()
+    sync = f(np.zeros(2, np.int32))
+    chain = lin.DecodeProjectionChain(ch["attn"], w_o, ch["residual"], ch["spare"], ch["delta"], f(post_b), w_gu,
+                                      ch["act"], w_down, f(next_b), w_next, ch["out"], sync, eps=eps, **forms)
+    chain()
+    chain()
+    for name in ("act", "spare", "delta", "residual", "out"):
+        assert np.array_equal(ch[name].copy_to_host(), one[name].copy_to_host()), name
+    assert sync.copy_to_host().tolist() == [0, 0] and chain.status_ok()
+
+
+def test_decode_projection_chain_checks_shapes():
+    z = lambda *shape: cuda.to_device(np.zeros(shape, np.uint16))  # noqa: E731
+    with pytest.raises(AssertionError, match="w_gate_up"):
+        lin.DecodeProjectionChain(z(1, 8), z(16, 8), z(1, 16), z(1, 16), z(1, 16), z(16), z(24, 16), z(1, 16),
+                                  z(16, 16), z(16), z(8, 16), z(1, 8), cuda.to_device(np.zeros(2, np.int32)),
+                                  eps=1e-6)

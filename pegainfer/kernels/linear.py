@@ -930,17 +930,24 @@ def chain_blocks() -> int:
 
 
 def chain_geometry(n_cols: int, k: int) -> GemvGeometry:
-    """A chained projection's geometry: ``CHAIN_ROWS`` × ``CHAIN_RING`` in blocks of ``NORM_THREADS``, ``k_split``
-    doubled (up to the block's warps, while each warp keeps 4 steps of 256 elements) until the warps cover the
-    grid once.  In the simulator the GEMV's own small geometry."""
+    """A chained projection's geometry: ``CHAIN_ROWS`` × ``CHAIN_RING`` in blocks of ``NORM_THREADS``, and the
+    ``k_split`` (1, 2, 4 or 8, each warp keeping at least two steps of 256 elements) that deals the tiles most evenly
+    over the chain's fixed grid: balance = average tiles per block / the most any block gets, and a larger split
+    must raise it by more than 0.05.  (A launch of its own shrinks its grid instead, ``_resident_blocks``; the
+    chain's grid serves every stage.)  Not yet tuned on a GPU.  In the simulator the GEMV's own small geometry."""
     if SIMULATOR:
         return fused_norm_geometry(n_cols, k)
     warps = NORM_THREADS // WARP
-    slots = chain_blocks() * warps
-    k_split = 1
-    while (n_cols // CHAIN_ROWS) * k_split < slots and k_split < warps and k >= 2048 * k_split:
-        k_split *= 2
-    return GemvGeometry(rows_per_warp=CHAIN_ROWS, warps=warps, k_split=k_split, max_tokens=1, stages=CHAIN_RING,
+    blocks = chain_blocks()
+    best, best_balance = 1, -1.0
+    for k_split in (1, 2, 4, 8):
+        if k_split > warps or k < 512 * k_split:
+            break
+        rounds = -(-n_cols // (warps // k_split * CHAIN_ROWS)) / blocks     # tiles per block, on average
+        balance = rounds / -(-rounds // 1)                                  # 1: every block the same tile count
+        if balance > best_balance + 0.05:
+            best, best_balance = k_split, balance
+    return GemvGeometry(rows_per_warp=CHAIN_ROWS, warps=warps, k_split=best, max_tokens=1, stages=CHAIN_RING,
                         persistent=True)
 
 

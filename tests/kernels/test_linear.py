@@ -474,3 +474,16 @@ def test_decode_projection_chain_checks_shapes():
         lin.DecodeProjectionChain(z(1, 8), z(16, 8), z(1, 16), z(1, 16), z(1, 16), z(16), z(24, 16), z(1, 16),
                                   z(16, 16), z(16), z(8, 16), z(1, 8), cuda.to_device(np.zeros(2, np.int32)),
                                   eps=1e-6)
+
+
+def test_chain_geometry_balances_tiles_over_the_fixed_grid(monkeypatch):
+    """The chain's grid is one wave for every stage, so its K split is picked for an even deal of tiles: Qwen3-4B's
+    o projection (2560 rows) would leave 39 % of 264 blocks idle unsplit and gets k_split 8; gate_up (19456) is even
+    enough unsplit; qkv (6144) is 1.45 tiles per block unsplit, 2.9 (of at most 3) at k_split 2."""
+    monkeypatch.setattr(lin, "SIMULATOR", False)
+    monkeypatch.setattr(lin, "NORM_THREADS", 256)
+    monkeypatch.setattr(lin, "chain_blocks", lambda: 264)
+    splits = {n: lin.chain_geometry(n, k).k_split for n, k in ((2560, 4096), (19456, 2560), (6144, 2560))}
+    assert splits == {2560: 8, 19456: 1, 6144: 2}
+    geo = lin.chain_geometry(2560, 9728)
+    assert (geo.rows_per_warp, geo.stages, geo.warps, geo.persistent) == (lin.CHAIN_ROWS, lin.CHAIN_RING, 8, True)

@@ -13,7 +13,8 @@
 #            (PEGAINFER_GEMV_TUNING=$OUT/skinny16.json), alternating, two runs each.
 #   chain:   bench_projection_chain.py: a decode step's projections as one launch each vs one persistent kernel
 #            with grid barriers ($CHAIN_MODEL, default 4b), then Qwen3-4B TPOT with the engine's decode chain
-#            (PEGAINFER_DECODE_CHAIN) off / on, alternating (ab_bench.py).
+#            (PEGAINFER_DECODE_CHAIN) off / on, alternating (ab_bench.py), then the chain's kernel tests and the
+#            Qwen3 accuracy test against HF with the chain on.
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
 export NUMBA_CACHE_DIR="${NUMBA_CACHE_DIR:-/tmp/numba_cache}"
@@ -98,7 +99,10 @@ print('folder', make_random_qwen35_multimodal(Path('$M35')))" 2>&1 | tail -1 | t
               timeout ${CHAIN_AB_TIMEOUT:-300} python3 benchmarks/ab_bench.py --model-path "$PEGAINFER_GPU_MODELS/qwen3-4b" \
                 --rounds 2 --json "$OUT/chain_ab.json" --variant base= \
                 --variant 'chain=import pegainfer.kernels.linear as l; l.DECODE_CHAIN = True' 2>&1 | tail -8 \
-                | tee -a "$OUT/chain.log" ;;
+                | tee -a "$OUT/chain.log"
+              PEGAINFER_DECODE_CHAIN=1 timeout ${CHAIN_TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider \
+                tests/kernels/test_linear.py -k chain tests/gpu/test_qwen3_gpu.py -k "chain or 4b" \
+                2>&1 | tail -4 | tee -a "$OUT/chain.log" ;;
     acc35)    timeout ${ACC35_TIMEOUT:-300} python3 -m pytest tests/gpu/test_qwen35_gpu.py -m gpu -q -s -p no:cacheprovider \
                 2>&1 | grep -v "Warning\|warn(\|falling back\|deprecated" | tail -30 | tee "$OUT/acc35.log" ;;
   esac

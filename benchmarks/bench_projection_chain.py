@@ -46,8 +46,8 @@ from numba import types as nbtypes  # noqa: E402
 from pegainfer.device import SIMULATOR  # noqa: E402
 from pegainfer.kernels import linear as lin  # noqa: E402
 from pegainfer.kernels.launch import launch  # noqa: E402
-from pegainfer.kernels.primitives import (WARP, device_fn, float32, grid_barrier, kernel, uint32,  # noqa: E402
-                                          warp_sum)
+from pegainfer.kernels.primitives import (WARP, device_fn, float32, from_bf16_bits, grid_barrier,  # noqa: E402
+                                          kernel, to_bf16_bits, uint32, warp_sum)
 
 int64 = np.int64
 
@@ -216,12 +216,12 @@ class Chain:
         rng = np.random.default_rng(seed)
         if fill:        # small chains (tests): random bf16 values; big ones stay uninitialised (timing only)
             self.w_host = (rng.standard_normal(int(self.w_off[-1]) * 2).astype(np.float32) * 0.1)
-            self.w = cuda.to_device(_bf16_words(self.w_host))
+            self.w = cuda.to_device(to_bf16_bits(self.w_host).view(np.uint32))
         else:
             self.w_host = None
             self.w = cuda.device_array(int(self.w_off[-1]), np.uint32)
         self.x_host = rng.standard_normal(int(self.x_off[-1]) * 2).astype(np.float32)
-        self.x = cuda.to_device(_bf16_words(self.x_host))
+        self.x = cuda.to_device(to_bf16_bits(self.x_host).view(np.uint32))
         self.out = cuda.device_array(int(self.o_off[-1]), np.float32)
         self.counter = cuda.to_device(np.zeros(1, np.int32))
         self.status = cuda.to_device(np.zeros(1, np.int32))
@@ -249,23 +249,13 @@ class Chain:
 
     def reference(self) -> np.ndarray:
         """``W_m @ x_m`` of every matrix (f32 of the bf16 values), concatenated."""
-        w = _round_bf16(self.w_host)
-        x = _round_bf16(self.x_host)
+        w = from_bf16_bits(to_bf16_bits(self.w_host))
+        x = from_bf16_bits(to_bf16_bits(self.x_host))
         outs = []
         for i, (n, k) in enumerate(self.shapes):
             wm = w[2 * self.w_off[i]:2 * self.w_off[i + 1]].reshape(n, k)
             outs.append(wm @ x[2 * self.x_off[i]:2 * self.x_off[i + 1]])
         return np.concatenate(outs)
-
-
-def _round_bf16(a: np.ndarray) -> np.ndarray:
-    import ml_dtypes
-    return a.astype(ml_dtypes.bfloat16).astype(np.float32)
-
-
-def _bf16_words(a: np.ndarray) -> np.ndarray:
-    import ml_dtypes
-    return np.ascontiguousarray(a.astype(ml_dtypes.bfloat16)).view(np.uint16).view(np.uint32)
 
 
 def step_shapes(model: str) -> list[tuple[int, int]]:

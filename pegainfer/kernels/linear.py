@@ -549,7 +549,8 @@ def gemv_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False) -> Ge
     no split and is not an LM head (under 65536 columns) takes 2 rows per warp and a ring 6 deep instead: on the
     H200 that was within 1.6 % of the best of each of the five such shapes swept (the gate_up of all three served
     models, Qwen3.5-4B's in_proj and qkv) and 2 % (K = 4096) to 12-19 % (K = 2560) faster than 4 rows × 3
-    (``benchmarks/RESULTS.md``, session 8).  Shapes in ``GEMV_TUNED`` skip all this; ``benchmarks/bench_decode_stream.py`` measures more.
+    (``benchmarks/RESULTS.md``, session 8).  Shapes in ``GEMV_TUNED`` skip all this;
+    ``benchmarks/bench_decode_stream.py`` measures more.
     """
     tt = _token_tile(n_tokens)
     if SIMULATOR:                                  # small blocks: one Python thread per CUDA thread
@@ -635,6 +636,10 @@ else:
         multiplied and added in element order (``_dot_rows_8`` with one token)."""
         _dot_rows_8(acc, w, base, 0, rows, 1, bf16x2_lo(x0), bf16x2_hi(x0), bf16x2_lo(x1), bf16x2_hi(x1),
                     bf16x2_lo(x2), bf16x2_hi(x2), bf16x2_lo(x3), bf16x2_hi(x3))
+
+
+_TRIGGER_CODES = {"start": 1, "last_tile": 2, "last_stream": 3}
+"""``GEMV_TRIGGERS`` as the GEMV body's runtime ``trigger`` codes (0: never)."""
 
 
 @functools.cache
@@ -832,7 +837,7 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
     (``_gemv_decode_body`` has the algorithm)."""
     body = _gemv_decode_body(rows_per_warp, stages, warps, norm_pairs)
     GATED, NORM = gated, norm_pairs > 0
-    TRIGGER = {"start": 1, "last_tile": 2, "last_stream": 3}[trigger]
+    TRIGGER = _TRIGGER_CODES[trigger]
 
     @_bounded_kernel(warps * WARP)
     def gemv_decode(x32, w32, out, k, k_split, residual_in32, delta32, norm_weight32, residual_out32, eps,
@@ -860,11 +865,24 @@ before_latency_bound=True)``: the qkv projection before qk-norm/RoPE, the LM hea
 ``PEGAINFER_PDL``, would let that kernel's launch and early loads overlap only the projection's tail)."""
 
 
-def _gemv_decode_args(x, residual_in, delta, norm_weight, eps, residual_out, w, out, gated, weight_offset,
-                      round_before_weight, geo: GemvGeometry):
-    """The one-token GEMV's kernel arguments: ``x [1, K]`` given, or (``x=None``) the add + RMSNorm prologue over
-    ``residual_in`` / ``delta`` / ``norm_weight`` writing ``residual_out`` (blocks of ``NORM_THREADS``).  Returns
-    ``(args, norm_pairs, n_tiles, shared bytes)``."""
+def _gemv_shared_bytes(k: int, geo: GemvGeometry) -> int:
+    """Dynamic shared memory of the one-token GEMV body: x (``128 · ceil(K / 256)`` words), then the partial sums."""
+    return 4 * (128 * -(-k // 256) + geo.warps * geo.rows_per_warp)
+
+
+def _checked_trigger(trigger: str | None) -> str:
+    trigger = trigger or GEMV_TRIGGER
+    if trigger not in GEMV_TRIGGERS:
+        raise PegainferError(f"GEMV trigger {trigger!r} (PEGAINFER_GEMV_TRIGGER / PEGAINFER_GEMV_TRIGGER_LB) is not "
+                             f"one of {', '.join(GEMV_TRIGGERS)}: set one of those or unset the variable")
+    return trigger
+
+
+def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, gated, weight_offset,
+                 round_before_weight, geo: GemvGeometry, trigger: str | None = None) -> None:
+    """Launch the one-token GEMV: ``x [1, K]`` given, or (``x=None``) the add + RMSNorm prologue over
+    ``residual_in`` / ``delta`` / ``norm_weight`` writing ``residual_out`` (blocks of ``NORM_THREADS``);
+    ``trigger``: ``GEMV_TRIGGERS`` entry (None: ``GEMV_TRIGGER``)."""
     assert not gated or geo.rows_per_warp % 2 == 0, f"the gated GEMV needs an even rows_per_warp: {geo}"
     assert geo.warps % geo.k_split == 0, f"warps must be a multiple of k_split: {geo}"
     norm_pairs = 0
@@ -880,34 +898,16 @@ def _gemv_decode_args(x, residual_in, delta, norm_weight, eps, residual_out, w, 
         x32 = _as_u32(x)
         args = (x32, _as_u32(w), out, k, geo.k_split, x32, x32, x32, x32)
     assert k % 8 == 0, f"K must be a multiple of 8, got {k}"
-    args += (np.float32(eps), np.float32(weight_offset), bool(round_before_weight), delta is not None)
     cols_per_block = geo.warps // geo.k_split * geo.rows_per_warp
     n_tiles = -(-w.shape[0] // cols_per_block)
-    shared = 4 * (128 * -(-k // 256) + geo.warps * geo.rows_per_warp)
-    return args, norm_pairs, n_tiles, shared
-
-
-def _checked_trigger(trigger: str | None) -> str:
-    trigger = trigger or GEMV_TRIGGER
-    if trigger not in GEMV_TRIGGERS:
-        raise PegainferError(f"GEMV trigger {trigger!r} (PEGAINFER_GEMV_TRIGGER / PEGAINFER_GEMV_TRIGGER_LB) is not "
-                             f"one of {', '.join(GEMV_TRIGGERS)}: set one of those or unset the variable")
-    return trigger
-
-
-def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, gated, weight_offset,
-                 round_before_weight, geo: GemvGeometry, trigger: str | None = None) -> None:
-    """Launch the one-token GEMV (``_gemv_decode_args``); ``trigger``: ``GEMV_TRIGGERS`` entry (None:
-    ``GEMV_TRIGGER``)."""
-    args, norm_pairs, n_tiles, shared = _gemv_decode_args(x, residual_in, delta, norm_weight, eps, residual_out, w,
-                                                          out, gated, weight_offset, round_before_weight, geo)
     kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs, _checked_trigger(trigger))
     # the fused norm prologue runs once per block, so that path is always persistent; a bare projection may take one
     # block per tile (``persistent=False``: the hardware scheduler balances blocks, e.g. when a kernel still
     # running holds some SMs that a persistent grid counts on)
     blocks = _resident_blocks(n_tiles, geo) if geo.persistent or x is None else grid(n_tiles, sim_cap=2)
-    launch(kern, blocks, geo.warps * WARP, *args, shared=shared, name="gemv_add_rms_norm" if x is None else "gemv",
-           pdl=True)
+    launch(kern, blocks, geo.warps * WARP, *args, np.float32(eps), np.float32(weight_offset),
+           bool(round_before_weight), delta is not None, shared=_gemv_shared_bytes(k, geo),
+           name="gemv_add_rms_norm" if x is None else "gemv", pdl=True)
 
 
 # ================================================================================================ GEMV chain (decode)
@@ -994,9 +994,6 @@ def _gemv_chain_kernel(rows_per_warp: int, stages: int, norm_pairs: int):
     return decode_projection_chain_kernel
 
 
-_TRIGGER_CODES = {"start": 1, "last_tile": 2, "last_stream": 3}
-
-
 class DecodeProjectionChain:
     """One decoder layer's ``decode_projection_chain`` launch, prepared once (its per-stage table lives on the
     device; every launch of a step reads the same buffers, so a CUDA graph replays it).
@@ -1021,18 +1018,18 @@ class DecodeProjectionChain:
             assert tuple(a.shape) == shape, f"{name}: {tuple(a.shape)} != {shape}"
         stages = ((w_out, attn.shape[1], False, False), (w_gate_up, H, True, True), (w_down, act.shape[1], False, False),
                   (w_next, H, False, True))
-        table, shared = [], 0
+        table, shared, geos = [], 0, set()
         for j, (w, k, gated, norm) in enumerate(stages):
             assert k % 8 == 0, f"K must be a multiple of 8, got {k}"
             geo = chain_geometry(w.shape[0], k)
             assert geo.warps * WARP == NORM_THREADS and geo.warps % geo.k_split == 0, geo
             trig = _TRIGGER_CODES[_checked_trigger(trigger)] if j == 3 else 0
             table.append((k, geo.k_split, gated, norm, norm, round_before_weight, trig))
-            shared = max(shared, 4 * (128 * -(-k // 256) + geo.warps * geo.rows_per_warp))
-        geos = {chain_geometry(w.shape[0], k).rows_per_warp for w, k, _, _ in stages}
-        stage_geo = chain_geometry(w_down.shape[0], act.shape[1])
-        assert len(geos) == 1, geos
-        self.kernel = _gemv_chain_kernel(stage_geo.rows_per_warp, stage_geo.stages, pairs_per_thread(H))
+            shared = max(shared, _gemv_shared_bytes(k, geo))
+            geos.add((geo.rows_per_warp, geo.stages))
+        assert len(geos) == 1, f"every stage must share rows per warp and ring depth: {geos}"
+        (rows, ring), = geos
+        self.kernel = _gemv_chain_kernel(rows, ring, pairs_per_thread(H))
         self.table = cuda.to_device(np.array(table, dtype=np.int64))
         self.scalars = cuda.to_device(np.array([(eps, weight_offset)] * 4, dtype=np.float32))
         self.shared = shared
@@ -1696,4 +1693,3 @@ def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_ou
     add_rms_norm_into(residual_in, delta, norm_weight, residual_out, normed_out, eps, weight_offset,
                       round_before_weight)
     _run(normed_out, w, out, gated, impl)
-

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and times everything on the GPU host. Usage (through the device tool, carrying .whl):
 #   source .whl/prelude.sh; bash benchmarks/gpu_session.sh STAGE...
-# Stages: kernels accuracy bench profile micro trace floor floor35 server start bench35 acc35 skinny chain (MODELS= skips building the
+# Stages: kernels accuracy bench profile micro trace floor floor35 server start bench35 acc35 skinny (MODELS= skips building the
 # Qwen3-4B folder that the Qwen3 stages need; the Qwen3.5 stages build their own). Logs and JSON land in $OUT (or
 # ./gpu_out); accuracy tests append JSON lines to $OUT/gpu_results.jsonl.
 #   bench35: Qwen3.5-4B shape in the multimodal checkpoint layout (random weights, built once by transformers):
@@ -11,10 +11,6 @@
 #   skinny:  sweep the skinny prefill kernel's geometries at 16 tokens on cold weights (bench_decode_stream.py
 #            --tokens 16, Qwen3-4B shapes), then TTFT / TPOT with the defaults and with the swept best
 #            (PEGAINFER_GEMV_TUNING=$OUT/skinny16.json), alternating, two runs each.
-#   chain:   bench_projection_chain.py: a decode step's projections as one launch each vs one persistent kernel
-#            with grid barriers ($CHAIN_MODEL, default 4b), then Qwen3-4B TPOT with the engine's decode chain
-#            (PEGAINFER_DECODE_CHAIN) off / on, alternating (ab_bench.py), then the chain's kernel tests and the
-#            Qwen3 accuracy test against HF with the chain on.
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
 export NUMBA_CACHE_DIR="${NUMBA_CACHE_DIR:-/tmp/numba_cache}"
@@ -94,15 +90,6 @@ print('folder', make_random_qwen35_multimodal(Path('$M35')))" 2>&1 | tail -1 | t
                   --model-path "$PEGAINFER_GPU_MODELS/qwen3-4b" --max-model-len 4096 --prompt-len 16 --output-len 32 \
                   --runs 5 2>&1 | grep "ttft_ms\|tpot_ms" | tee -a "$OUT/skinny.log"
               done; done ;;
-    chain)    timeout ${CHAIN_TIMEOUT:-300} python3 benchmarks/bench_projection_chain.py --model ${CHAIN_MODEL:-4b} \
-                --json "$OUT/chain.json" 2>&1 | grep -v "Warn\|warn(" | tail -20 | tee "$OUT/chain.log"
-              timeout ${CHAIN_AB_TIMEOUT:-300} python3 benchmarks/ab_bench.py --model-path "$PEGAINFER_GPU_MODELS/qwen3-4b" \
-                --rounds 2 --json "$OUT/chain_ab.json" --variant base= \
-                --variant 'chain=import pegainfer.kernels.linear as l; l.DECODE_CHAIN = True' 2>&1 | tail -8 \
-                | tee -a "$OUT/chain.log"
-              PEGAINFER_DECODE_CHAIN=1 timeout ${CHAIN_TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider \
-                tests/kernels/test_linear.py -k chain tests/gpu/test_qwen3_gpu.py -k "chain or 4b" \
-                2>&1 | tail -4 | tee -a "$OUT/chain.log" ;;
     acc35)    timeout ${ACC35_TIMEOUT:-300} python3 -m pytest tests/gpu/test_qwen35_gpu.py -m gpu -q -s -p no:cacheprovider \
                 2>&1 | grep -v "Warning\|warn(\|falling back\|deprecated" | tail -30 | tee "$OUT/acc35.log" ;;
   esac

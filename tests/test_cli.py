@@ -155,21 +155,3 @@ def test_bench_decode_stream_sweeps_only_the_given_geometries(monkeypatch):
     assert shapes["gate_up"][:2] == (2 * c["intermediate_size"], H)
     assert shapes["down"][:2] == (H, c["intermediate_size"])
 
-
-@pytest.mark.parametrize("carry", [False, True], ids=["no_carry", "carry"])
-def test_projection_chain_kernel_computes_every_matrix(monkeypatch, carry):
-    """``benchmarks/bench_projection_chain.py``'s persistent kernel (one block here: the simulator runs blocks one
-    after another, so a multi-block grid barrier could not meet): every matrix's ``W @ x`` in order, with K parts
-    and rows that do not fill the last unit."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    monkeypatch.syspath_prepend(os.path.join(root, "benchmarks"))
-    import numpy as np
-
-    import bench_projection_chain as bpc
-
-    chain = bpc.Chain([(6, 512), (4, 1024), (5, 512)], fill=True)
-    assert bpc.k_parts(4, 1024, 2, 4) == 2          # 2 row groups × 2 parts fill 4 warps
-    chain.call(rows=2, stages=3, warps=2, carry=carry, blocks=1)()
-    got = chain.out.copy_to_host()
-    assert int(chain.status.copy_to_host()[0]) == 0
-    assert np.allclose(got, chain.reference(), rtol=1e-4, atol=1e-3), np.abs(got - chain.reference()).max()

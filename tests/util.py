@@ -76,39 +76,13 @@ def launches_during(fn):
 def assert_pdl_contract(launched):
     """Every launch of an engine step is a PDL launch (so no kernel boundary is left unoverlapped), and every
     PDL-launched kernel waits for the previous kernel (``pdl_prologue()`` or ``grid_dependency_wait()`` in its
-    source, or in the source of a device function it closes over, e.g. the GEMV body the one-token GEMV kernel
-    wraps): a kernel without the wait would race with the kernel before it on the GPU."""
+    source): a kernel without the wait would race with the kernel before it on the GPU."""
     import inspect
-
-    def sources(fn):
-        yield inspect.getsource(fn)
-        for cell in fn.__closure__ or ():
-            inner = getattr(cell.cell_contents, "py_func", None)
-            if inner is not None:
-                yield inspect.getsource(inner)
 
     assert launched, "nothing was launched"
     for kernel, pdl in launched:
         fn = getattr(kernel, "py_func", None) or getattr(kernel, "fn")
         name = fn.__name__
         assert pdl, f"{name} was launched without pdl=True"
-        assert any("pdl_prologue()" in src or "grid_dependency_wait()" in src for src in sources(fn)), \
-            f"{name} never waits for its inputs"
-
-
-def assert_chain_matches_launches(plain, chained, prompt, steps, chains_per_step):
-    """Greedy-decode ``prompt`` on two engines of the same folder, one with ``linear.DECODE_CHAIN``: the same
-    tokens and bit-identical logits, ``chains_per_step`` chain launches per decode step (steps after the first
-    token), every launch keeping the PDL contract, and no grid barrier that gave up."""
-    import numpy as np
-
-    tokens, logits = greedy_decode(plain, prompt, steps, "plain")
-    out = {}
-    launched = launches_during(lambda: out.update(zip(("tokens", "logits"),
-                                                      greedy_decode(chained, prompt, steps, "chained"))))
-    assert out["tokens"] == tokens
-    assert all(np.array_equal(a, b) for a, b in zip(out["logits"], logits))
-    names = [(getattr(k, "py_func", None) or k).__name__ for k, _ in launched]
-    assert names.count("decode_projection_chain_kernel") == chains_per_step * (steps - 1)
-    assert_pdl_contract(launched)
-    assert chained.model.decode_chains_ok()
+        src = inspect.getsource(fn)
+        assert "pdl_prologue()" in src or "grid_dependency_wait()" in src, f"{name} never waits for its inputs"

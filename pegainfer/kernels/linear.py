@@ -38,11 +38,6 @@ columns interleaved in pairs*: logical column ``2j`` is gate row ``j`` and ``2j 
 fragment, whose two adjacent columns ``2t, 2t+1`` live in the same lane), which writes
 ``out[t, j] = bf16(bf16(silu(bf16(g))) · bf16(u))`` — Hugging Face rounds after each op.
 
-``DecodeProjectionChain`` (experimental, ``PEGAINFER_DECODE_CHAIN=1``) runs one decoder layer's projections after
-attention -- the output projection, add + norm + gate_up, down, add + norm + the next layer's first projection --
-as one persistent launch: the one-token GEMV body in a loop over the four stages, its blocks meeting at a grid
-barrier between stages (``primitives.grid_barrier``) with their next weights already in flight.
-
 ``linear_add_rms_norm`` puts the decoder's residual add and RMSNorm in front of a projection (``norm``'s
 ``add_rms_norm`` semantics, both norm forms, the updated residual written to a second buffer).  For one token it
 is a single GEMV launch: every block reads the whole residual row (at most a few KB, from L2), sums its squares in
@@ -78,8 +73,7 @@ from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_l
                                           device_fn, f32_to_bf16, float32, grid, kernel, load_u32x4,
                                           mma_bf16_m16n8k16, pack_bf16x2, uint16, uint32,
                                           warp_sums_to_shared, launch_dependents, grid_dependency_wait,
-                                          grid_barrier, grid_barrier_release, load_u32_coherent,
-                                          load_u32x4_coherent, pdl_prologue)
+                                          pdl_prologue)
 
 int64, uint64 = np.int64, np.uint64
 
@@ -549,8 +543,7 @@ def gemv_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False) -> Ge
     no split and is not an LM head (under 65536 columns) takes 2 rows per warp and a ring 6 deep instead: on the
     H200 that was within 1.6 % of the best of each of the five such shapes swept (the gate_up of all three served
     models, Qwen3.5-4B's in_proj and qkv) and 2 % (K = 4096) to 12-19 % (K = 2560) faster than 4 rows × 3
-    (``benchmarks/RESULTS.md``, session 8).  Shapes in ``GEMV_TUNED`` skip all this;
-    ``benchmarks/bench_decode_stream.py`` measures more.
+    (``benchmarks/RESULTS.md``, session 8).  Shapes in ``GEMV_TUNED`` skip all this; ``benchmarks/bench_decode_stream.py`` measures more.
     """
     tt = _token_tile(n_tokens)
     if SIMULATOR:                                  # small blocks: one Python thread per CUDA thread
@@ -638,29 +631,23 @@ else:
                     bf16x2_lo(x2), bf16x2_hi(x2), bf16x2_lo(x3), bf16x2_hi(x3))
 
 
-_TRIGGER_CODES = {"start": 1, "last_tile": 2, "last_stream": 3}
-"""``GEMV_TRIGGERS`` as the GEMV body's runtime ``trigger`` codes (0: never)."""
-
-
 @functools.cache
-def _gemv_decode_body(rows_per_warp: int, stages: int, warps: int, norm_pairs: int):
-    """The one-token GEMV as a device function: ``_gemv_decode_kernel`` launches it alone (its runtime flags are
-    then compile-time constants, which the compiler folds: the same PTX as a kernel written for one case), and
-    ``_gemv_chain_kernel`` runs it once per stage in a loop.  Compile-time: rows per warp, ring depth, block size,
-    norm pairs per thread (they size register arrays).  Runtime flags: ``gated``, ``norm`` (the fused add +
-    RMSNorm prologue), ``trigger`` (when to ``launch_dependents``: 0 never, 1 at the start, 2 entering the last
-    tile, 3 after streaming it) and ``barrier`` (0: wait for the previous kernel, ``grid_dependency_wait``; j > 0:
-    the inputs come from an earlier stage of the same launch, so wait at grid barrier j on ``counter`` /
-    ``status`` and read x / the residual / delta with coherent loads)."""
+def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool, norm_pairs: int,
+                        trigger: str = "last_tile"):
+    """Build the one-token GEMV (batch-1 decode) for ``rows_per_warp`` rows per warp, a load ring ``stages`` deep,
+    blocks of ``warps`` warps (all compile-time: they size the register arrays and set the launch bounds) and,
+    when ``norm_pairs`` > 0, the add + RMSNorm prologue with that many element pairs per thread."""
     R, S, U = rows_per_warp, stages, max(1, norm_pairs)
+    assert trigger in GEMV_TRIGGERS, trigger
+    LAST_TILE, LAST_STREAM = trigger == "last_tile", trigger == "last_stream"
     R4 = 4 * R
     SR4 = S * R4
+    NORM = norm_pairs > 0
     nthreads = warps * WARP
 
-    @device_fn
-    def gemv_decode_body(x32, w32, out, k, k_split, residual_in32, delta32, norm_weight32, residual_out32, eps,
-                         weight_offset, round_before_weight, has_delta, gated, norm, trigger, barrier, xs, counter,
-                         status):
+    @_bounded_kernel(nthreads)
+    def gemv_decode(x32, w32, out, k, k_split, residual_in32, delta32, norm_weight32, residual_out32, eps,
+                    weight_offset, round_before_weight, has_delta):
         """``out[0, n] = bf16(Σ_k x[k] · W[row(n), k])`` for one token (or SwiGLU of column pairs when gated), the
         decode step's projection: a stream over W at memory bandwidth, nothing else.
 
@@ -669,7 +656,7 @@ def _gemv_decode_body(rows_per_warp: int, stages: int, warps: int, norm_pairs: i
 
         1. *Stage x once per block*: x as bf16 pairs in shared memory (``_x_word_index`` order: no bank conflicts
            when a warp reads the 4 words of its 32 slices), ~``2K`` bytes, so even K = 12288 fits.  With the norm
-           prologue (``norm``, blocks of ``NORM_THREADS``) x is not read: every block computes
+           prologue (``norm_pairs`` > 0, blocks of ``NORM_THREADS``) x is not read: every block computes
            ``s = bf16(residual + delta)`` (``has_delta``; else ``s = residual``) and ``x = rms_norm(s)`` with weight
            ``norm_weight`` and the norm's ``eps`` / ``weight_offset`` / ``round_before_weight``, from the whole row
            (L2 hits): thread t holds pairs t, t + B, ... (``norm.SUM_ORDER``: bit-identical to ``norm``'s kernels),
@@ -690,10 +677,10 @@ def _gemv_decode_body(rows_per_warp: int, stages: int, warps: int, norm_pairs: i
            the whole kernel, and doing so cost 0.2 ms per Qwen3-4B step.
         3. *Reduce*: ``warp_sum`` per row, the ``k_split`` partial sums through shared memory, one thread per
            output writes ``bf16(sum)`` (gated: ``_silu_mul_bf16`` of the gate/up pair).
-        Chained (``barrier`` > 0): step 2's wait is that grid barrier, so the first tile's loads still fly across it.
         Shared memory (dynamic, uint32 words): ``128 · ceil(K / 256)`` for x, then ``warps · rows_per_warp`` f32
         partial sums (bits).
         """
+        xs = cuda.shared.array(0, nbtypes.uint32)
         n_out = out.shape[1]
         n_cols = 2 * n_out if gated else n_out
         k_words = k // 2
@@ -712,10 +699,7 @@ def _gemv_decode_body(rows_per_warp: int, stages: int, warps: int, norm_pairs: i
         wrow = cuda.local.array(R, int64)           # word offset of each of the warp's rows
         wbuf = cuda.local.array(SR4, uint32)        # the load ring: S slots × 16 bytes per row
 
-        LAST_TILE = trigger == 2
-        LAST_STREAM = trigger == 3
-        CHAINED = barrier > 0
-        if trigger == 1:
+        if trigger == "start":
             launch_dependents()                     # PDL (launch.py): the next kernel may take SMs as ours free
         tile = cuda.blockIdx.x
         if tile < n_tiles:                          # the first tile's loads fly while x is staged
@@ -725,25 +709,18 @@ def _gemv_decode_body(rows_per_warp: int, stages: int, warps: int, norm_pairs: i
                 cs = first + s * step
                 if cs < n_slices:
                     _load_row_slices(w32, wrow, 4 * cs, wbuf, s * R4, R)
-        # Weights only so far: from here on x / the residual, which the previous kernel (stage) writes.
-        if CHAINED:
-            grid_barrier(counter, barrier * cuda.gridDim.x, status)
-        else:
-            grid_dependency_wait()
+        # Weights only so far: from here on x / the residual, which the previous kernel writes.
+        grid_dependency_wait()
 
-        if norm:
+        if NORM:
             s_w = cuda.local.array(U, uint32)
             d_w = cuda.local.array(U, uint32)
             n_w = cuda.local.array(U, uint32)
             last = k_words - 1
             for u in range(U):                      # every load of the prologue at once
                 p = min(tid + u * nthreads, last)
-                if CHAINED:                         # written by an earlier stage: through L2, not L1
-                    s_w[u] = load_u32_coherent(residual_in32, p)
-                    d_w[u] = load_u32_coherent(delta32, p) if has_delta else uint32(0)
-                else:
-                    s_w[u] = residual_in32[p]
-                    d_w[u] = delta32[p] if has_delta else uint32(0)
+                s_w[u] = residual_in32[p]
+                d_w[u] = delta32[p] if has_delta else uint32(0)
                 n_w[u] = norm_weight32[p]
             ss = float32(0.0)
             for u in range(U):
@@ -764,10 +741,7 @@ def _gemv_decode_body(rows_per_warp: int, stages: int, warps: int, norm_pairs: i
                                                                   round_before_weight)
         else:
             for c in range(tid, n_slices, nthreads):
-                if CHAINED:
-                    q0, q1, q2, q3 = load_u32x4_coherent(x32, 4 * c)
-                else:
-                    q0, q1, q2, q3 = load_u32x4(x32, 4 * c)
+                q0, q1, q2, q3 = load_u32x4(x32, 4 * c)
                 xs[_x_word_index(c, 0)] = q0
                 xs[_x_word_index(c, 1)] = q1
                 xs[_x_word_index(c, 2)] = q2
@@ -825,28 +799,6 @@ def _gemv_decode_body(rows_per_warp: int, stages: int, warps: int, norm_pairs: i
                         out[0, col] = f32_to_bf16(v0)
             cuda.syncthreads()                      # partial sums read before the next tile overwrites them
 
-    return gemv_decode_body
-
-
-@functools.cache
-def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool, norm_pairs: int,
-                        trigger: str = "last_tile"):
-    """Build the one-token GEMV (batch-1 decode) for ``rows_per_warp`` rows per warp, a load ring ``stages`` deep,
-    blocks of ``warps`` warps (all compile-time: they size the register arrays and set the launch bounds) and,
-    when ``norm_pairs`` > 0, the add + RMSNorm prologue with that many element pairs per thread
-    (``_gemv_decode_body`` has the algorithm)."""
-    body = _gemv_decode_body(rows_per_warp, stages, warps, norm_pairs)
-    GATED, NORM = gated, norm_pairs > 0
-    TRIGGER = _TRIGGER_CODES[trigger]
-
-    @_bounded_kernel(warps * WARP)
-    def gemv_decode(x32, w32, out, k, k_split, residual_in32, delta32, norm_weight32, residual_out32, eps,
-                    weight_offset, round_before_weight, has_delta):
-        """The one-token GEMV: ``_gemv_decode_body`` on the kernel's dynamic shared memory."""
-        xs = cuda.shared.array(0, nbtypes.uint32)
-        body(x32, w32, out, k, k_split, residual_in32, delta32, norm_weight32, residual_out32, eps, weight_offset,
-             round_before_weight, has_delta, GATED, NORM, TRIGGER, 0, xs, xs, xs)
-
     return gemv_decode
 
 
@@ -863,19 +815,6 @@ GEMV_TRIGGER_BEFORE_LATENCY_BOUND = os.environ.get("PEGAINFER_GEMV_TRIGGER_LB", 
 before_latency_bound=True)``: the qkv projection before qk-norm/RoPE, the LM head before the sampler).  The same as
 ``GEMV_TRIGGER`` unless set: not yet measured apart (``last_stream`` here together with PDL on qk-norm/RoPE,
 ``PEGAINFER_PDL``, would let that kernel's launch and early loads overlap only the projection's tail)."""
-
-
-def _gemv_shared_bytes(k: int, geo: GemvGeometry) -> int:
-    """Dynamic shared memory of the one-token GEMV body: x (``128 · ceil(K / 256)`` words), then the partial sums."""
-    return 4 * (128 * -(-k // 256) + geo.warps * geo.rows_per_warp)
-
-
-def _checked_trigger(trigger: str | None) -> str:
-    trigger = trigger or GEMV_TRIGGER
-    if trigger not in GEMV_TRIGGERS:
-        raise PegainferError(f"GEMV trigger {trigger!r} (PEGAINFER_GEMV_TRIGGER / PEGAINFER_GEMV_TRIGGER_LB) is not "
-                             f"one of {', '.join(GEMV_TRIGGERS)}: set one of those or unset the variable")
-    return trigger
 
 
 def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, gated, weight_offset,
@@ -900,151 +839,19 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
     assert k % 8 == 0, f"K must be a multiple of 8, got {k}"
     cols_per_block = geo.warps // geo.k_split * geo.rows_per_warp
     n_tiles = -(-w.shape[0] // cols_per_block)
-    kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs, _checked_trigger(trigger))
+    shared = 4 * (128 * -(-k // 256) + geo.warps * geo.rows_per_warp)
+    trigger = trigger or GEMV_TRIGGER
+    if trigger not in GEMV_TRIGGERS:
+        raise PegainferError(f"GEMV trigger {trigger!r} (PEGAINFER_GEMV_TRIGGER / PEGAINFER_GEMV_TRIGGER_LB) is not "
+                             f"one of {', '.join(GEMV_TRIGGERS)}: set one of those or unset the variable")
+    kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs, trigger)
     # the fused norm prologue runs once per block, so that path is always persistent; a bare projection may take one
     # block per tile (``persistent=False``: the hardware scheduler balances blocks, e.g. when a kernel still
     # running holds some SMs that a persistent grid counts on)
     blocks = _resident_blocks(n_tiles, geo) if geo.persistent or x is None else grid(n_tiles, sim_cap=2)
     launch(kern, blocks, geo.warps * WARP, *args, np.float32(eps), np.float32(weight_offset),
-           bool(round_before_weight), delta is not None, shared=_gemv_shared_bytes(k, geo),
+           bool(round_before_weight), delta is not None, shared=shared,
            name="gemv_add_rms_norm" if x is None else "gemv", pdl=True)
-
-
-# ================================================================================================ GEMV chain (decode)
-DECODE_CHAIN = os.environ.get("PEGAINFER_DECODE_CHAIN", "0") == "1"
-"""Experimental, off by default until measured on a GPU: a one-token decode step runs each layer's o, gate_up and
-down projections and the next layer's first projection (or the LM head) as one launch, ``decode_projection_chain``
-(``PEGAINFER_DECODE_CHAIN=1``)."""
-
-CHAIN_ROWS, CHAIN_RING = 2, 4
-"""Rows per warp and load-ring depth of every chained projection: the runtime loop over stages keeps one copy of the
-GEMV body, which fits 128 registers without spills at 2 × 4 for hidden size 2560 (sm_90, compiled offline; 2 × 6
-spills 108 bytes, 4 × 3 160; at hidden 4096, i.e. 8 norm pairs per thread, 2 × 4 spills 92).  Four unrolled copies
-of the body spilled 436+ bytes: hence the loop."""
-
-
-def chain_blocks() -> int:
-    """The chain's grid: one resident wave of ``NORM_THREADS`` blocks (one block in the simulator, which runs
-    blocks one after another and so could never meet at a barrier)."""
-    return 1 if SIMULATOR else _sm_count() * max(1, WARPS_PER_SM * WARP // NORM_THREADS)
-
-
-def chain_geometry(n_cols: int, k: int) -> GemvGeometry:
-    """A chained projection's geometry: ``CHAIN_ROWS`` × ``CHAIN_RING`` in blocks of ``NORM_THREADS``, and the
-    ``k_split`` (1, 2, 4 or 8, each warp keeping at least two steps of 256 elements) that deals the tiles most evenly
-    over the chain's fixed grid: balance = average tiles per block / the most any block gets, and a larger split
-    must raise it by more than 0.05.  (A launch of its own shrinks its grid instead, ``_resident_blocks``; the
-    chain's grid serves every stage.)  Not yet tuned on a GPU.  In the simulator the GEMV's own small geometry."""
-    if SIMULATOR:
-        return fused_norm_geometry(n_cols, k)
-    warps = NORM_THREADS // WARP
-    blocks = chain_blocks()
-    best, best_balance = 1, -1.0
-    for k_split in (1, 2, 4, 8):
-        if k_split > warps or k < 512 * k_split:
-            break
-        rounds = -(-n_cols // (warps // k_split * CHAIN_ROWS)) / blocks     # tiles per block, on average
-        balance = rounds / -(-rounds // 1)                                  # 1: every block the same tile count
-        if balance > best_balance + 0.05:
-            best, best_balance = k_split, balance
-    return GemvGeometry(rows_per_warp=CHAIN_ROWS, warps=warps, k_split=best, max_tokens=1, stages=CHAIN_RING,
-                        persistent=True)
-
-
-@functools.cache
-def _gemv_chain_kernel(rows_per_warp: int, stages: int, norm_pairs: int):
-    """Build the projection chain for ``rows_per_warp`` rows per warp, a ring ``stages`` deep and a norm prologue of
-    ``norm_pairs`` pairs per thread (compile-time), blocks of ``NORM_THREADS``."""
-    body = _gemv_decode_body(rows_per_warp, stages, NORM_THREADS // WARP, norm_pairs)
-
-    @_bounded_kernel(NORM_THREADS)
-    def decode_projection_chain_kernel(attn32, act32, w0, w1, w2, w3, delta, act, out3, residual32, spare32,
-                                       delta32, post_norm32, next_norm32, table, scalars, counter, status):
-        """A decoder layer's projections after attention, and the next one's first, as one launch::
-
-            0: delta = attn @ W0^T                                        (o / out_proj)
-            1: spare = residual + delta;  act = SwiGLU(rms_norm(spare) @ W1^T)   (post-attention norm, gate_up)
-            2: delta = act @ W2^T                                         (down)
-            3: residual = spare + delta;  out3 = rms_norm(residual) @ W3^T       (next input norm, qkv / LM head)
-
-        Each stage is the one-token GEMV (``_gemv_decode_body``) in a runtime loop, so the kernel holds one copy
-        of it.  ``table [4, 7]`` int64 per stage: K, k_split, gated, fused norm, has_delta, round_before_weight,
-        trigger (0 none, 2 last tile, 3 last stream); ``scalars [4, 2]`` f32: eps, weight_offset.  Stage j > 0
-        reads what stage j - 1 wrote: first its blocks issue the weight loads of their first tile, then the whole
-        grid meets at grid barrier j (``primitives.grid_barrier`` on ``counter`` / ``status``), then they read the
-        activations through L2 (``load_u32x4_coherent``).  Stage 0 waits for the kernel before it (PDL) instead;
-        only stage 3 lets the next kernel launch.  Geometry: one resident wave of ``NORM_THREADS``-thread blocks
-        (the barrier needs every block resident), grid-striding over each stage's tiles; dynamic shared memory:
-        the largest stage's."""
-        xs = cuda.shared.array(0, nbtypes.uint32)
-        for j in range(4):
-            if j == 0:
-                x32, w32, out, r_in, r_out, nw = attn32, w0, delta, residual32, spare32, post_norm32
-            elif j == 1:
-                x32, w32, out, r_in, r_out, nw = attn32, w1, act, residual32, spare32, post_norm32
-            elif j == 2:
-                x32, w32, out, r_in, r_out, nw = act32, w2, delta, spare32, residual32, next_norm32
-            else:
-                x32, w32, out, r_in, r_out, nw = act32, w3, out3, spare32, residual32, next_norm32
-            body(x32, w32, out, table[j, 0], table[j, 1], r_in, delta32, nw, r_out, scalars[j, 0], scalars[j, 1],
-                 table[j, 5] != 0, table[j, 4] != 0, table[j, 2] != 0, table[j, 3] != 0, table[j, 6], j, xs,
-                 counter, status)
-        grid_barrier_release(counter, 3)
-
-    return decode_projection_chain_kernel
-
-
-class DecodeProjectionChain:
-    """One decoder layer's ``decode_projection_chain`` launch, prepared once (its per-stage table lives on the
-    device; every launch of a step reads the same buffers, so a CUDA graph replays it).
-
-    attn ``[1, A]``, residual / spare / delta ``[1, H]``, act ``[1, I]``, out3 ``[1, N]``: bf16 device arrays;
-    w_out ``[H, A]``, w_gate_up ``[2I, H]``, w_down ``[H, I]``, w_next ``[N, H]``; post_norm / next_norm ``[H]``.
-    After the launch: delta = the down projection, spare = residual + attention output (the stream after the
-    attention block), residual = spare + delta (the stream after the layer), act = the MLP activation, out3 = the
-    next projection of rms_norm(residual).  ``sync``: int32 ``[2]`` zeros shared by all chains (the barrier
-    counter, which each launch leaves at 0, and a status word set to 1 if a barrier ever gave up: then the grid was
-    not all resident and the results are wrong; ``status_ok`` reads it)."""
-
-    def __init__(self, attn, w_out, residual, spare, delta, post_norm, w_gate_up, act, w_down, next_norm, w_next,
-                 out3, sync, *, eps: float, weight_offset: float = 0.0, round_before_weight: bool = True,
-                 trigger: str | None = None):
-        H = residual.shape[1]
-        for name, a, shape in (("attn", attn, (1, w_out.shape[1])), ("residual", residual, (1, H)),
-                               ("spare", spare, (1, H)), ("delta", delta, (1, H)), ("act", act, (1, w_down.shape[1])),
-                               ("out3", out3, (1, w_next.shape[0])), ("w_out", w_out, (H, attn.shape[1])),
-                               ("w_gate_up", w_gate_up, (2 * act.shape[1], H)), ("w_next", w_next, (out3.shape[1], H)),
-                               ("post_norm", post_norm, (H,)), ("next_norm", next_norm, (H,))):
-            assert tuple(a.shape) == shape, f"{name}: {tuple(a.shape)} != {shape}"
-        stages = ((w_out, attn.shape[1], False, False), (w_gate_up, H, True, True), (w_down, act.shape[1], False, False),
-                  (w_next, H, False, True))
-        table, shared, geos = [], 0, set()
-        for j, (w, k, gated, norm) in enumerate(stages):
-            assert k % 8 == 0, f"K must be a multiple of 8, got {k}"
-            geo = chain_geometry(w.shape[0], k)
-            assert geo.warps * WARP == NORM_THREADS and geo.warps % geo.k_split == 0, geo
-            trig = _TRIGGER_CODES[_checked_trigger(trigger)] if j == 3 else 0
-            table.append((k, geo.k_split, gated, norm, norm, round_before_weight, trig))
-            shared = max(shared, _gemv_shared_bytes(k, geo))
-            geos.add((geo.rows_per_warp, geo.stages))
-        assert len(geos) == 1, f"every stage must share rows per warp and ring depth: {geos}"
-        (rows, ring), = geos
-        self.kernel = _gemv_chain_kernel(rows, ring, pairs_per_thread(H))
-        self.table = cuda.to_device(np.array(table, dtype=np.int64))
-        self.scalars = cuda.to_device(np.array([(eps, weight_offset)] * 4, dtype=np.float32))
-        self.shared = shared
-        self.sync = sync
-        self.args = (_as_u32(attn), _as_u32(act), _as_u32(w_out), _as_u32(w_gate_up), _as_u32(w_down),
-                     _as_u32(w_next), delta, act, out3, _as_u32(residual), _as_u32(spare), _as_u32(delta),
-                     _as_u32(post_norm), _as_u32(next_norm), self.table, self.scalars, sync[0:1], sync[1:2])
-
-    def __call__(self) -> None:
-        launch(self.kernel, chain_blocks(), NORM_THREADS, *self.args, shared=self.shared,
-               name="decode_projection_chain", pdl=True)
-
-    def status_ok(self) -> bool:
-        """False when a grid barrier of some launch gave up (the grid was not all resident)."""
-        return int(self.sync.copy_to_host()[1]) == 0
 
 
 # ================================================================================================ GEMM, FMA tiles

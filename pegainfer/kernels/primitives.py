@@ -8,10 +8,7 @@ Conventions every kernel in ``pegainfer/kernels`` follows
   ``f32_to_bf16`` rounds to nearest-even (NaN stays NaN).  Arithmetic happens in f32; results are rounded back to
   bf16 exactly where Hugging Face's bf16 forward rounds them, so logits line up with the reference.
 * **Wide loads.**  ``load_u32x4(a, i)`` reads ``a[i:i+4]`` of a ``uint32`` array as one 16-byte load (8 bf16
-  values); ``i`` is an *element* index and must be a multiple of 4 (the address 16-byte aligned).  It goes through
-  the read-only (non-coherent) cache: for data no block of the *running* kernel writes.  ``load_u32x4_coherent``
-  reads through L2 only (``ld.global.cg``), for data that other blocks of the same kernel wrote before a
-  ``grid_barrier``.
+  values); ``i`` is an *element* index and must be a multiple of 4 (the address 16-byte aligned).
 * **1-D blocks whose size is a multiple of 32**, and grid-/block-stride loops, so the same kernel runs with any
   geometry.  Launch wrappers pick small geometries in the simulator via ``threads(gpu=..)`` and ``grid(...)``.
 * **Warp reductions** (``warp_sum``, ``warp_max``, ``warp_argmax``; ``lane_group_sum`` / ``lane_group_max`` over
@@ -156,12 +153,6 @@ if SIMULATOR:
     def load_u32x4(a, i):
         return a[i], a[i + 1], a[i + 2], a[i + 3]
 
-    load_u32x4_coherent = load_u32x4
-
-    @device_fn
-    def load_u32_coherent(a, i):
-        return a[i]
-
     def _lane_group(width):
         """(this thread's index, first and one-past-last thread of its aligned group of ``width`` lanes)."""
         t = int(cuda.threadIdx.x)
@@ -267,60 +258,30 @@ else:
         u = u + uint32(0x7FFF) + ((u >> uint32(16)) & uint32(1))
         return uint16(u >> uint32(16))
 
-    def _ld_global_v4_u32(cache: str):
-        """``ld.global.<cache>.v4.u32``: one 16-byte load of a[idx:idx+4] (idx a multiple of 4) of a 1-D uint32
-        array, as an intrinsic."""
-        instruction = f"ld.global.{cache}.v4.u32 {{$0, $1, $2, $3}}, [$4];"
-
-        @intrinsic
-        def load(typingctx, arr, idx):
-            if not (isinstance(arr, types.Array) and arr.dtype == types.uint32 and arr.ndim == 1):
-                return None
-            sig = types.UniTuple(types.uint32, 4)(arr, idx)
-
-            def codegen(context, builder, sig, args):
-                arrty, idxty = sig.args
-                ary = context.make_array(arrty)(context, builder, value=args[0])
-                index = context.cast(builder, args[1], idxty, types.intp)
-                ptr = cgutils.get_item_pointer(context, builder, arrty, ary, [index], wraparound=False)
-                i32 = ir.IntType(32)
-                fnty = ir.FunctionType(ir.LiteralStructType([i32, i32, i32, i32]), [ptr.type])
-                asm = ir.InlineAsm(fnty, instruction, "=r,=r,=r,=r,l", side_effect=cache == "cg")
-                res = builder.call(asm, [ptr])
-                elems = [builder.extract_value(res, k) for k in range(4)]
-                return context.make_tuple(builder, sig.return_type, elems)
-
-            return sig, codegen
-        return load
-
-    _ld_global_nc_v4_u32 = _ld_global_v4_u32("nc")
-    _ld_global_cg_v4_u32 = _ld_global_v4_u32("cg")
-
-    @device_fn
-    def load_u32x4(a, i):
-        return _ld_global_nc_v4_u32(a, i)
-
-    @device_fn
-    def load_u32x4_coherent(a, i):
-        return _ld_global_cg_v4_u32(a, i)
-
     @intrinsic
-    def load_u32_coherent(typingctx, arr, idx):
-        """``ld.global.cg.u32``: a[idx] of a 1-D uint32 array, through L2 only (see ``load_u32x4_coherent``)."""
+    def _ld_global_nc_v4_u32(typingctx, arr, idx):
+        """``ld.global.nc.v4.u32``: one 16-byte read-only load of a[idx:idx+4] (idx a multiple of 4)."""
         if not (isinstance(arr, types.Array) and arr.dtype == types.uint32 and arr.ndim == 1):
             return None
-        sig = types.uint32(arr, idx)
+        sig = types.UniTuple(types.uint32, 4)(arr, idx)
 
         def codegen(context, builder, sig, args):
             arrty, idxty = sig.args
             ary = context.make_array(arrty)(context, builder, value=args[0])
             index = context.cast(builder, args[1], idxty, types.intp)
             ptr = cgutils.get_item_pointer(context, builder, arrty, ary, [index], wraparound=False)
-            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [ptr.type]), "ld.global.cg.u32 $0, [$1];", "=r,l",
-                               side_effect=True)
-            return builder.call(asm, [ptr])
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.LiteralStructType([i32, i32, i32, i32]), [ptr.type])
+            asm = ir.InlineAsm(fnty, "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
+            res = builder.call(asm, [ptr])
+            elems = [builder.extract_value(res, k) for k in range(4)]
+            return context.make_tuple(builder, sig.return_type, elems)
 
         return sig, codegen
+
+    @device_fn
+    def load_u32x4(a, i):
+        return _ld_global_nc_v4_u32(a, i)
 
     @device_fn
     def warp_sum(v):
@@ -557,46 +518,6 @@ def pdl_prologue():
     wait for the previous one (kernels that stream weights meanwhile call the two primitives themselves)."""
     launch_dependents()
     grid_dependency_wait()
-
-
-# ------------------------------------------------------------------------------------------------ grid barrier
-# A kernel whose grid is one resident wave (every block on an SM at once) can make all its blocks meet mid-kernel:
-# the next phase then reads what every block wrote in the last one (``load_u32x4_coherent`` / ``load_u32_coherent``:
-# the read-only and L1 caches are not coherent between SMs).  One int32 counter in global memory counts arrivals;
-# it only grows within a launch (barrier j waits for j · gridDim arrivals) and the last block out resets it
-# (``grid_barrier_release``), so the next launch finds it at 0.  Blocks that are not all resident would wait forever:
-# after ``GRID_BARRIER_SPINS`` polls a block gives up, sets ``status[0] = 1`` and goes on (the results are then
-# wrong, and the host reports it), and later barriers of that launch stop waiting.
-GRID_BARRIER_SPINS = 1 << 20
-
-
-@device_fn
-def grid_barrier(counter, target, status):
-    """Wait until every block of the grid has arrived here: barrier number j of a launch (j = 1, 2, ..) passes
-    ``target = j · gridDim.x``.  Thread 0 fences the block's writes, adds the block's arrival and polls with atomic
-    reads; the rest of the block waits at ``syncthreads``."""
-    cuda.syncthreads()
-    if cuda.threadIdx.x == 0:
-        cuda.threadfence()
-        cuda.atomic.add(counter, 0, 1)
-        spins = 0
-        while cuda.atomic.max(counter, 0, 0) < target:
-            spins += 1
-            if spins >= GRID_BARRIER_SPINS or (spins & 1023) == 0 and cuda.atomic.max(status, 0, 0) != 0:
-                status[0] = 1
-                break
-        cuda.threadfence()
-    cuda.syncthreads()
-
-
-@device_fn
-def grid_barrier_release(counter, barriers):
-    """The end of a launch that passed ``barriers`` grid barriers on ``counter``: each block arrives once more and
-    the last one resets the counter to 0 for the next launch."""
-    cuda.syncthreads()
-    if cuda.threadIdx.x == 0:
-        if cuda.atomic.add(counter, 0, 1) == (barriers + 1) * cuda.gridDim.x - 1:
-            cuda.atomic.exch(counter, 0, 0)
 
 
 # ------------------------------------------------------------------------------------------------ host helpers

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from pegainfer.kernels import attention, linear, rope
+from pegainfer.kernels import attention, rope
 
 BF16 = np.uint16
 
@@ -37,7 +37,6 @@ class DecoderModel:
         self.I = cfg.intermediate_size
         self.V = cfg.vocab_size
         self.L = cfg.num_hidden_layers
-        self.decode_chains = None             # linear.DecodeProjectionChain per layer (linear.DECODE_CHAIN)
 
     def _allocate_decoder(self, num_pages: int, page_size: int, attention_layers: int) -> None:
         """What every decoder allocates: the paged KV cache of its ``attention_layers`` attention layers and the
@@ -60,29 +59,6 @@ class DecoderModel:
         self.logits = e(self.max_rows, self.V)
         ws = attention.attention_workspace_size(T, self.nq, self.D, self.max_model_len, page_size)
         self.attn_workspace = cuda.device_array(max(int(ws), 1), dtype=np.float32)
-
-    def _build_decode_chains(self, outputs, firsts, weight_offset: float = 0.0,
-                             round_before_weight: bool = True) -> None:
-        """One ``linear.DecodeProjectionChain`` per layer for one-token decode steps: layer i's output projection
-        (``outputs[i]`` = (its input ``[1, A]``, its weight)), the MLP, and layer i + 1's first projection
-        (``firsts[i + 1]`` = (input norm weight, weight, output ``[1, N]``)) or, after the last layer, the final
-        norm and the LM head into ``logits``.  The residual stream: the chains read and write the two residual
-        buffers the way ``forward`` leaves them after layer 0's first projection (``residuals[1]`` current)."""
-        self.chain_sync = cuda.to_device(np.zeros(2, np.int32))
-        residual, spare = self.residuals[1][:1], self.residuals[0][:1]
-        chains = []
-        for i, (lw, (x, w_out)) in enumerate(zip(self.layers, outputs)):
-            next_norm, w_next, out3 = ((self.final_norm, self.lm_head, self.logits[:1]) if i + 1 == self.L
-                                       else firsts[i + 1])
-            chains.append(linear.DecodeProjectionChain(
-                x, w_out, residual, spare, self.delta[:1], lw["post_ln"], lw["gate_up"], self.act[:1], lw["down"],
-                next_norm, w_next, out3, self.chain_sync, eps=self.cfg.rms_norm_eps, weight_offset=weight_offset,
-                round_before_weight=round_before_weight, trigger=linear.GEMV_TRIGGER_BEFORE_LATENCY_BOUND))
-        self.decode_chains = chains
-
-    def decode_chains_ok(self) -> bool:
-        """False when a decode chain's grid barrier ever gave up (its grid was not all resident: wrong results)."""
-        return self.decode_chains is None or self.decode_chains[0].status_ok()
 
     def _load_embeddings(self, reader) -> None:
         """``embed`` ``[V, H]``, ``final_norm`` ``[H]`` and ``lm_head`` ``[V, H]`` (the embedding itself when tied, or

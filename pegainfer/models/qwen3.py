@@ -79,10 +79,6 @@ class Qwen3Model(DecoderModel):
     def allocate(self, num_pages: int, page_size: int) -> None:
         """KV cache pages and activation scratch; called once after the memory check."""
         self._allocate_decoder(num_pages, page_size, self.L)
-        if linear.DECODE_CHAIN:
-            attn = self.attn.reshape(self.max_tokens, self.nq * self.D)[:1]
-            self._build_decode_chains([(attn, lw["o"]) for lw in self.layers],
-                                      [(lw["input_ln"], lw["qkv"], self.qkv[:1]) for lw in self.layers])
 
     def reset_slot(self, slot: int) -> None:
         """A new sequence takes ``slot`` (no per-slot state besides KV pages for Qwen3)."""
@@ -104,14 +100,11 @@ class Qwen3Model(DecoderModel):
         attn_flat = self.attn.reshape(self.max_tokens, self.nq * self.D)[:T]
         scale = 1.0 / math.sqrt(self.D)
 
-        logits = self.logits[:B]
-        chained = self.decode_chains is not None and decode and T == 1 and B == 1
         embedding.embedding(ids, self.embed, residual)
         for i, lw in enumerate(self.layers):
-            if not (chained and i > 0):    # (chained: layer i - 1's chain ran this projection)
-                linear.linear_add_rms_norm(residual, delta if i > 0 else None, lw["input_ln"], eps, spare, lw["qkv"],
-                                           qkv, normed_out=normed, before_latency_bound=True)
-                residual, spare = spare, residual
+            linear.linear_add_rms_norm(residual, delta if i > 0 else None, lw["input_ln"], eps, spare, lw["qkv"], qkv,
+                                       normed_out=normed, before_latency_bound=True)
+            residual, spare = spare, residual
             if decode and attention.FUSED_DECODE_ROPE:   # norm + RoPE + KV store inside the attention launch
                 fused = attention.DecodeRope(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, eps,
                                              self.rotary_dim, self.D)
@@ -123,16 +116,12 @@ class Qwen3Model(DecoderModel):
                                         q_head_stride=self.D)
                 attention.paged_attention(q, self.k_cache[i], self.v_cache[i], block_tables, slots, pos, attn,
                                           scale, self.attn_workspace, decode=decode)
-            if chained:                    # o, gate_up, down and the next qkv (or the LM head): one launch
-                self.decode_chains[i]()
-                continue
             linear.linear(attn_flat, lw["o"], delta)
             linear.linear_add_rms_norm(residual, delta, lw["post_ln"], eps, spare, lw["gate_up"], act, gated=True,
                                        normed_out=normed)
             residual, spare = spare, residual
             linear.linear(act, lw["down"], delta)
-        if chained:
-            return logits
+        logits = self.logits[:B]
         if T == 1 and B == 1:
             # one row, which is the logits row: the final norm is the LM head's prologue
             linear.linear_add_rms_norm(residual, delta, self.final_norm, eps, spare, self.lm_head, logits,

@@ -184,13 +184,6 @@ class Qwen35Model(DecoderModel):
         self.chunk_scratch = gated_delta.allocate_chunk_scratch(T, self.Hk, self.Hv, self.chunk_size)
         self.seq_slots = cuda.to_device(np.zeros(self.max_rows, np.int32))
         self.seq_offsets = cuda.to_device(np.zeros(self.max_rows + 1, np.int32))
-        if linear.DECODE_CHAIN:
-            attn = self.attn.reshape(self.max_tokens, self.nq * self.D)[:1]
-            full = set(self.full_layers)
-            self._build_decode_chains(
-                [(attn, lw["o"]) if i in full else (self.core[:1], lw["out_proj"]) for i, lw in enumerate(self.layers)],
-                [(lw["input_ln"], lw["qkv"], self.qkv[:1]) if i in full else (lw["input_ln"], lw["in_proj"], self.proj[:1])
-                 for i, lw in enumerate(self.layers)], **QWEN35_NORM)
 
     def reset_slot(self, slot: int) -> None:
         """A new sequence takes ``slot``: zero its conv windows and delta-rule states in every linear layer."""
@@ -221,34 +214,25 @@ class Qwen35Model(DecoderModel):
             gated_delta.sequence_table(slots, seq_slots, seq_offsets)
         token_by_token = T == B
 
-        logits = self.logits[:B]
-        chained = self.decode_chains is not None and decode and T == 1 and B == 1
         embedding.embedding(ids, self.embed, residual)
         full_index = {layer: j for j, layer in enumerate(self.full_layers)}
         linear_index = {layer: j for j, layer in enumerate(self.linear_layers)}
         for i, lw in enumerate(self.layers):
-            # residual add + input norm + the layer's first projection: one launch for one token (chained: layer
-            # i - 1's chain ran it)
-            if not (chained and i > 0):
-                first_w, first_out = (lw["qkv"], self.qkv[:T]) if i in full_index else (lw["in_proj"], self.proj[:T])
-                linear.linear_add_rms_norm(residual, delta if i > 0 else None, lw["input_ln"], eps, spare, first_w,
-                                           first_out, normed_out=normed, before_latency_bound=True, **QWEN35_NORM)
-                residual, spare = spare, residual
+            # residual add + input norm + the layer's first projection: one launch for one token
+            first_w, first_out = (lw["qkv"], self.qkv[:T]) if i in full_index else (lw["in_proj"], self.proj[:T])
+            linear.linear_add_rms_norm(residual, delta if i > 0 else None, lw["input_ln"], eps, spare, first_w,
+                                       first_out, normed_out=normed, before_latency_bound=True, **QWEN35_NORM)
+            residual, spare = spare, residual
             if i in full_index:
-                self._full_attention(full_index[i], lw, delta, T, pos, slots, block_tables, decode,
-                                     project=not chained)
+                self._full_attention(full_index[i], lw, delta, T, pos, slots, block_tables, decode)
             else:
                 self._linear_attention(linear_index[i], lw, delta, T, pos, seq_slots, seq_offsets, token_by_token,
-                                       slots if decode else None, project=not chained)
-            if chained:   # the output projection, the MLP and the next first projection (or the LM head): one launch
-                self.decode_chains[i]()
-                continue
+                                       slots if decode else None)
             linear.linear_add_rms_norm(residual, delta, lw["post_ln"], eps, spare, lw["gate_up"], act, gated=True,
                                        normed_out=normed, **QWEN35_NORM)
             residual, spare = spare, residual
             linear.linear(act, lw["down"], delta)
-        if chained:
-            return logits
+        logits = self.logits[:B]
         if T == 1 and B == 1:
             linear.linear_add_rms_norm(residual, delta, self.final_norm, eps, spare, self.lm_head, logits,
                                        normed_out=normed, before_latency_bound=True, **QWEN35_NORM)
@@ -259,29 +243,25 @@ class Qwen35Model(DecoderModel):
             linear.linear(last, self.lm_head, logits)
         return logits
 
-    def _full_attention(self, j, lw, delta, T, pos, slots, block_tables, decode: bool = False,
-                        project: bool = True) -> None:
+    def _full_attention(self, j, lw, delta, T, pos, slots, block_tables, decode: bool = False) -> None:
         """Gated full attention of one layer (its q/gate, k, v projection already in ``self.qkv``):
-        ``delta = (attention · sigmoid(gate)) @ W_o^T`` (``project=False``: up to ``self.attn``, the decode chain
-        projects it)."""
+        ``delta = (attention · sigmoid(gate)) @ W_o^T``."""
         qkv, q, attn = self.qkv[:T], self.q[:T], self.attn[:T]
         rope.qk_norm_rope_store(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, pos, slots,
                                 block_tables, self.k_cache[j], self.v_cache[j], q, self.cfg.rms_norm_eps,
                                 self.rotary_dim, q_head_stride=2 * self.D, **QWEN35_NORM)
         attention.paged_attention(q, self.k_cache[j], self.v_cache[j], block_tables, slots, pos, attn,
                                   1.0 / math.sqrt(self.D), self.attn_workspace, decode=decode, gate=qkv)
-        if project:
-            attn_flat = self.attn.reshape(self.max_tokens, self.nq * self.D)[:T]
-            linear.linear(attn_flat, lw["o"], delta)
+        attn_flat = self.attn.reshape(self.max_tokens, self.nq * self.D)[:T]
+        linear.linear(attn_flat, lw["o"], delta)
 
     def _linear_attention(self, j, lw, delta, T, pos, seq_slots, seq_offsets, token_by_token,
-                          decode_slots=None, project: bool = True) -> None:
+                          decode_slots=None) -> None:
         """Gated DeltaNet of one layer (its fused qkv/z/b/a projection already in ``self.proj``):
         ``delta = RMSNormGated(rule(silu(conv(qkv))), z) @ W_out^T``.  Token by token (decode, or a prompt scored
         row by row): conv, rule and gated norm in one launch (``gated_delta_decode_step``); prompt chunks: the
         conv, the chunked rule and the gated norm.  ``decode_slots``: the step's token slots when it is a decode step
-        (the fused step then reads its state before waiting for the projection).  ``project=False``: up to
-        ``self.core``, the decode chain projects it."""
+        (the fused step then reads its state before waiting for the projection)."""
         cd, vd, hv = self.conv_dim, self.value_dim, self.Hv
         proj, mixed, core = self.proj[:T], self.mixed[:T], self.core[:T]
         qkv_in, z = proj[:, :cd], proj[:, cd:cd + vd]
@@ -297,5 +277,4 @@ class Qwen35Model(DecoderModel):
             gated_delta.gated_delta_chunked(mixed, a, b, lw["A_log"], lw["dt_bias"], self.ssm_state[j], seq_slots,
                                             seq_offsets, core, self.chunk_scratch, max_seq_tokens=T)
             gated_delta.gated_rms_norm(core, z, lw["norm"], core, eps)
-        if project:
-            linear.linear(core, lw["out_proj"], delta)
+        linear.linear(core, lw["out_proj"], delta)

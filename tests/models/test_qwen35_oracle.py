@@ -16,8 +16,7 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.util import (assert_chain_matches_launches, assert_pdl_contract, greedy_decode, hf_logits_on_gpu,
-                        launches_during, rel_l2)
+from tests.util import assert_pdl_contract, greedy_decode, hf_logits_on_gpu, launches_during, rel_l2
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -135,19 +134,6 @@ def test_every_step_launch_keeps_the_pdl_contract(tiny):
     one-token GEMV, sampling): every kernel is launched with PDL and waits for its inputs."""
     _, engine = tiny
     assert_pdl_contract(launches_during(lambda: greedy_decode(engine, _prompt(11), 2, "pdl")))
-
-
-def test_decode_projection_chain_gives_the_same_steps(tiny, monkeypatch):
-    """``PEGAINFER_DECODE_CHAIN`` on the hybrid model: each decode step runs a layer's output projection (o or
-    out_proj), the MLP and the next layer's first projection (qkv or in_proj; the LM head after the last layer) as
-    one launch; tokens and logits are bit for bit those of the launch-per-projection step."""
-    from pegainfer.kernels import linear
-
-    _, engine = tiny
-    monkeypatch.setattr(linear, "DECODE_CHAIN", True)
-    chained = _engine(engine.folder)
-    assert len(chained.model.decode_chains) == len(chained.model.layers)
-    assert_chain_matches_launches(engine, chained, _prompt(6), 3, chains_per_step=len(chained.model.layers))
 
 
 def test_greedy_decode_matches_hf(tiny):

@@ -5,8 +5,7 @@ import shutil
 import numpy as np
 import pytest
 
-from tests.util import (assert_chain_matches_launches, assert_pdl_contract, greedy_decode, launches_during,
-                        rel_l2)
+from tests.util import assert_pdl_contract, greedy_decode, launches_during, rel_l2
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -81,17 +80,3 @@ def test_every_step_launch_keeps_the_pdl_contract(tiny):
     """Prefill and decode: every kernel is launched with PDL and waits for its inputs."""
     _, engine = tiny
     assert_pdl_contract(launches_during(lambda: greedy_decode(engine, _prompt(), 2, "pdl")))
-
-
-def test_decode_projection_chain_gives_the_same_steps(tiny, monkeypatch):
-    """``PEGAINFER_DECODE_CHAIN`` (``linear.DECODE_CHAIN``): each decode step's o / gate_up / down and the next
-    layer's qkv (the LM head after the last layer) run as one launch per layer; tokens and logits are bit for bit
-    those of the launch-per-projection step, and the chain launches replace the projections they fuse."""
-    from pegainfer.engine.engine import Engine
-    from pegainfer.kernels import linear
-
-    _, engine = tiny
-    monkeypatch.setattr(linear, "DECODE_CHAIN", True)
-    chained = Engine.from_folder(str(engine.folder), max_model_len=64, use_cuda_graph=False)
-    assert chained.model.decode_chains is not None and len(chained.model.decode_chains) == 2
-    assert_chain_matches_launches(engine, chained, _prompt(), 4, chains_per_step=2)

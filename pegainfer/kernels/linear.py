@@ -24,9 +24,10 @@ simulator the GEMV up to 8 tokens and the FMA tiles above.
   L1 into A fragments, f32 accumulators, split-K across the warps of a block through shared memory, the same
   fused SwiGLU epilogue.  The arithmetic of up to 64 tokens rides on the tensor cores, so a 16-token prompt costs
   about what one decode step's weight stream costs.  ``skinny_geometry`` / ``SKINNY_TUNED`` pick its split.
-* **GEMM with tensor cores** (``"gemm_mma"``, the default for T > 64 on a GPU): block tiles of x and W staged in
-  shared memory (register double buffering: the next K tile's global loads are in flight while the current tile
-  is multiplied), each warp issuing ``mma.sync.m16n8k16`` bf16 → f32 through an inline-PTX ``@intrinsic``.
+* **GEMM with tensor cores** (``"gemm_mma"``, the default for T > 64 on a GPU): block tiles of x and W copied
+  into a ring of shared-memory stages with ``cp.async`` (the next stages' copies are in flight, holding no
+  registers, while the current one is multiplied), each warp issuing ``mma.sync.m16n8k16`` bf16 → f32 through an
+  inline-PTX ``@intrinsic``.
 * **GEMM with FMA tiles** (``"gemm_fma"``): the same tiling with plain f32 multiply-adds on a register micro-tile.
   Portable: it is what runs in the simulator (where inline PTX cannot run) and the reference the mma path is
   checked against.
@@ -71,7 +72,8 @@ from pegainfer.kernels.norm import (add_pair, add_rms_norm_into, check_residual_
                                     normalize_pair, pairs_per_thread)
 from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, bits_f32, block_sum, cuda,
                                           device_fn, f32_to_bf16, float32, grid, kernel, load_u32x4,
-                                          mma_bf16_m16n8k16, pack_bf16x2, uint16, uint32,
+                                          mma_bf16_m16n8k16, pack_bf16x2, uint16, uint32, cp_async_16,
+                                          cp_async_commit, cp_async_wait_group,
                                           warp_sums_to_shared, launch_dependents, grid_dependency_wait,
                                           pdl_prologue)
 
@@ -937,41 +939,38 @@ def gemm_fma(x, w, out, *, gated: bool = False) -> None:
 # tensor-core kernels' indexing is tested without a GPU.
 
 MMA_BK = 32                  # K per shared-memory stage: two m16n8k16 steps
-MMA_ROW_WORDS = MMA_BK // 2 + 4
-"""Shared-memory row stride in uint32 words: 16 words of data + 4 of padding, so that the 8 rows × 4 words a
-fragment load touches fall in 32 different banks."""
+MMA_ROW_WORDS = MMA_BK // 2
+"""Shared-memory row of a stage, in uint32 words (bf16 pairs): 16 words = four 16-byte chunks, stored swizzled
+(``_swizzled``) rather than padded, so that a stage of a 128 × 128 tile is 16 KB and three fit in 48 KB."""
+MMA_SMEM_BYTES = 48 * 1024   # static shared memory of one block: the stage ring of x and W tiles
+MMA_MAX_STAGES = 4
 
 
 @device_fn
-def _fetch_slices(src32, regs, per_thread, tid, nthreads, n_slices, row0, n_rows, n_out, gated, k_words, k0, k):
-    """Registers ← this thread's 16-byte slices of the tile ``[rows row0 .., 32]`` at K offset k0 of a ``[n_rows,
-    K]`` operand (zeros outside it): the x tile (``row0 = m0``, ``n_rows = T``, not gated) or the weight tile
-    (``row0 = n0``, ``n_rows = n_cols`` logical columns, whose rows ``_weight_row`` finds)."""
-    for p in range(per_thread):
-        idx = tid + p * nthreads
-        row = row0 + (idx >> 2)
-        kk = k0 + 8 * (idx & 3)
-        if idx < n_slices and row < n_rows and kk < k:
-            v0, v1, v2, v3 = load_u32x4(src32, _weight_row(row, n_out, gated) * k_words + kk // 2)
-        else:
-            v0 = v1 = v2 = v3 = uint32(0)
-        regs[4 * p] = v0
-        regs[4 * p + 1] = v1
-        regs[4 * p + 2] = v2
-        regs[4 * p + 3] = v3
+def _swizzled(row, word):
+    """Word offset of (row, word) in a stage: 16-byte chunk ``c = word // 4`` of a row is stored at chunk
+    ``c ^ ((row >> 1) & 3)``.  A fragment load reads rows g = 0..7 at one chunk: rows of equal ``g & 1`` then fall
+    in four different chunks, so the 8 × 4 words hit 32 different banks; a 16-byte copy stays one aligned chunk."""
+    return row * MMA_ROW_WORDS + 4 * ((word >> 2) ^ ((row >> 1) & 3)) + (word & 3)
 
 
 @device_fn
-def _store_slices(regs, per_thread, tid, nthreads, n_slices, dst, base):
-    """Shared ``dst[base + row · MMA_ROW_WORDS + 4·s ..]`` ← the slices fetched by ``_fetch_slices``."""
+def _copy_tile_async(src32, dst, base, per_thread, tid, nthreads, n_slices, row0, n_rows, n_out, gated, k_words,
+                     k0, k):
+    """Start ``cp.async`` copies of the tile ``[rows row0 .., 32 of K from k0]`` of a ``[n_rows, K]`` operand into
+    the stage at ``dst[base ..]`` (swizzled); zeros outside the operand.  The x tile: ``row0 = m0``, ``n_rows = T``,
+    not gated; the weight tile: ``row0 = n0``, ``n_rows = n_cols`` logical columns, whose rows ``_weight_row``
+    finds.  Slice ``idx`` of the tile is row ``idx // 4``, 16-byte chunk ``idx % 4``."""
     for p in range(per_thread):
         idx = tid + p * nthreads
         if idx < n_slices:
-            off = base + (idx >> 2) * MMA_ROW_WORDS + 4 * (idx & 3)
-            dst[off] = regs[4 * p]
-            dst[off + 1] = regs[4 * p + 1]
-            dst[off + 2] = regs[4 * p + 2]
-            dst[off + 3] = regs[4 * p + 3]
+            r = idx >> 2
+            c = idx & 3
+            row = row0 + r
+            kk = k0 + 8 * c
+            inside = row < n_rows and kk < k
+            src = _weight_row(min(row, n_rows - 1), n_out, gated) * k_words + min(kk, k - 8) // 2
+            cp_async_16(dst, base + _swizzled(r, 4 * c), src32, src, 16 if inside else 0)
 
 
 @device_fn
@@ -999,17 +998,27 @@ def _store_mma_tiles(out, acc, packed, mt, nt, tok0, col0, gated):
                 _store_packed_pair(out, tok + 8, col, packed[2 * (i * nt + j) + 1], gated)
 
 
+def mma_stages(warps_m: int, warps_n: int, mt: int, nt: int) -> int:
+    """Depth of the GEMM's shared-memory ring: as many stages of x and W tiles as fit in ``MMA_SMEM_BYTES`` (at
+    most ``MMA_MAX_STAGES``): 3 for 128 × 128 tiles, 4 for 64 × 128."""
+    stage_bytes = 4 * MMA_ROW_WORDS * (16 * warps_m * mt + 8 * warps_n * nt)
+    return max(2, min(MMA_MAX_STAGES, MMA_SMEM_BYTES // stage_bytes))
+
+
 @functools.cache
 def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, gated: bool):
     """Build the tensor-core GEMM: ``warps_m × warps_n`` warps, each owning ``mt × nt`` m16n8 accumulator tiles, so
     the block tile is ``bm = 16·warps_m·mt`` tokens × ``bn = 8·warps_n·nt`` logical columns."""
     bm, bn = 16 * warps_m * mt, 8 * warps_n * nt
     nthreads_c = WARP * warps_m * warps_n
+    stages = mma_stages(warps_m, warps_n, mt, nt)
     a_slices, b_slices = 4 * bm, 4 * bn                 # 16-byte slices per 32-wide K stage
     a_pt, b_pt = -(-a_slices // nthreads_c), -(-b_slices // nthreads_c)
     a_stage, b_stage = bm * MMA_ROW_WORDS, bn * MMA_ROW_WORDS
-    a_smem, b_smem = 2 * a_stage, 2 * b_stage
-    a_regs, b_regs, n_acc, a_frag, b_frag, n_packed = 4 * a_pt, 4 * b_pt, 4 * mt * nt, 4 * mt, 2 * nt, 2 * mt * nt
+    a_smem, b_smem = stages * a_stage, stages * b_stage
+    n_acc, a_frag, b_frag, n_packed = 4 * mt * nt, 4 * mt, 2 * nt, 2 * mt * nt
+    wait_oldest = cp_async_wait_group(stages - 2)      # all but the newest stages - 2 copy groups have landed
+    wait_all = cp_async_wait_group(0)
 
     @_bounded_kernel(nthreads_c)
     def gemm_mma(x32, w32, out, k):
@@ -1018,17 +1027,17 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, gated: bool):
         x32 ``[T · K/2]``, w32 ``[rows · K/2]`` (flat uint32 views of the bf16 tensors), out ``[T, n_out]``.
 
         Geometry: 1-D blocks of exactly ``32 · warps_m · warps_n`` threads; blocks grid-stride over the
-        ``ceil(T / bm) · ceil(n_cols / bn)`` tiles, token tiles fastest.  Shared memory (static): two stages of
-        x ``[bm, 32]`` and W ``[bn, 32]`` as uint32 pairs with rows padded to ``MMA_ROW_WORDS``.  K loop: the next
-        stage's global loads go to registers, the current stage feeds ``mma.sync`` (fragments read straight from
-        shared memory in the PTX fragment layout), then the registers are stored into the other stage; one barrier
-        per stage.  Warp (wm, wn) owns tokens ``wm·16·mt ..`` × columns ``wn·8·nt ..`` of the tile.
+        ``ceil(T / bm) · ceil(n_cols / bn)`` tiles, token tiles fastest.  Shared memory (static): a ring of
+        ``stages`` (``mma_stages``) x ``[bm, 32]`` and W ``[bn, 32]`` tiles, rows swizzled (``_swizzled``).  K loop
+        (the usual multistage pipeline): the copies of the first ``stages - 1`` K tiles go out; at K tile ``kt`` a
+        thread waits for its own copies of ``kt``, a barrier makes everyone's visible (and frees the stage read at
+        ``kt - 1``), the copies of ``kt + stages - 1`` go into that freed stage, and ``kt`` feeds ``mma.sync``
+        (fragments read straight from shared memory in the PTX fragment layout).  Warp (wm, wn) owns tokens
+        ``wm·16·mt ..`` × columns ``wn·8·nt ..`` of the tile.
         """
         pdl_prologue()
         a_s = cuda.shared.array(a_smem, uint32)
         b_s = cuda.shared.array(b_smem, uint32)
-        ra = cuda.local.array(a_regs, uint32)
-        rb = cuda.local.array(b_regs, uint32)
         acc = cuda.local.array(n_acc, float32)
         af = cuda.local.array(a_frag, uint32)
         bf = cuda.local.array(b_frag, uint32)
@@ -1044,6 +1053,11 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, gated: bool):
         t4 = lane & 3
         wm = warp % warps_m
         wn = warp // warps_m
+        # fragment rows: A rows wm·16·mt + 16i + g (+ 8), B rows wn·8·nt + 8j + g; their bases are multiples of 8,
+        # so every row a lane reads has the swizzle of row g (``_swizzled``)
+        a_row = (wm * mt * 16 + g) * MMA_ROW_WORDS
+        b_row = (wn * nt * 8 + g) * MMA_ROW_WORDS
+        swizzle = (g >> 1) & 3
         tiles_m = (T + bm - 1) // bm
         tiles_n = (n_cols + bn - 1) // bn
         n_kt = (k + MMA_BK - 1) // MMA_BK
@@ -1052,33 +1066,40 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, gated: bool):
             n0 = (tile // tiles_m) * bn
             for i in range(4 * mt * nt):
                 acc[i] = float32(0.0)
-            _fetch_slices(x32, ra, a_pt, tid, nthreads_c, a_slices, m0, T, 0, False, k_words, 0, k)
-            _fetch_slices(w32, rb, b_pt, tid, nthreads_c, b_slices, n0, n_cols, n_out, gated, k_words, 0, k)
-            _store_slices(ra, a_pt, tid, nthreads_c, a_slices, a_s, 0)
-            _store_slices(rb, b_pt, tid, nthreads_c, b_slices, b_s, 0)
-            cuda.syncthreads()
+            for s in range(stages - 1):
+                if s < n_kt:
+                    _copy_tile_async(x32, a_s, s * a_stage, a_pt, tid, nthreads_c, a_slices, m0, T, 0, False,
+                                     k_words, s * MMA_BK, k)
+                    _copy_tile_async(w32, b_s, s * b_stage, b_pt, tid, nthreads_c, b_slices, n0, n_cols, n_out,
+                                     gated, k_words, s * MMA_BK, k)
+                cp_async_commit()
             for kt in range(n_kt):
-                stage = kt & 1
-                more = kt + 1 < n_kt
-                if more:
-                    k_next = (kt + 1) * MMA_BK
-                    _fetch_slices(x32, ra, a_pt, tid, nthreads_c, a_slices, m0, T, 0, False, k_words, k_next, k)
-                    _fetch_slices(w32, rb, b_pt, tid, nthreads_c, b_slices, n0, n_cols, n_out, gated, k_words,
-                                  k_next, k)
-                a_base = stage * a_stage
-                b_base = stage * b_stage
+                wait_oldest()
+                cuda.syncthreads()
+                ahead = kt + stages - 1
+                if ahead < n_kt:
+                    slot = ahead % stages
+                    _copy_tile_async(x32, a_s, slot * a_stage, a_pt, tid, nthreads_c, a_slices, m0, T, 0, False,
+                                     k_words, ahead * MMA_BK, k)
+                    _copy_tile_async(w32, b_s, slot * b_stage, b_pt, tid, nthreads_c, b_slices, n0, n_cols, n_out,
+                                     gated, k_words, ahead * MMA_BK, k)
+                cp_async_commit()
+                a_base = (kt % stages) * a_stage
+                b_base = (kt % stages) * b_stage
                 for ks in range(MMA_BK // 16):
-                    kw = ks * 8 + t4               # word of k = 16·ks + 2·t4 within a row
+                    # words 8·ks + t4 (k = 16·ks + 2·t4) and 8·ks + 4 + t4 of rows whose swizzle is the lane's
+                    lo = 4 * ((2 * ks) ^ swizzle) + t4
+                    hi = 4 * ((2 * ks + 1) ^ swizzle) + t4
                     for i in range(mt):
-                        r0 = a_base + (wm * mt * 16 + i * 16 + g) * MMA_ROW_WORDS + kw
-                        af[4 * i] = a_s[r0]
-                        af[4 * i + 1] = a_s[r0 + 8 * MMA_ROW_WORDS]
-                        af[4 * i + 2] = a_s[r0 + 4]
-                        af[4 * i + 3] = a_s[r0 + 8 * MMA_ROW_WORDS + 4]
+                        r = a_base + a_row + i * 16 * MMA_ROW_WORDS
+                        af[4 * i] = a_s[r + lo]
+                        af[4 * i + 1] = a_s[r + 8 * MMA_ROW_WORDS + lo]
+                        af[4 * i + 2] = a_s[r + hi]
+                        af[4 * i + 3] = a_s[r + 8 * MMA_ROW_WORDS + hi]
                     for j in range(nt):
-                        c0 = b_base + (wn * nt * 8 + j * 8 + g) * MMA_ROW_WORDS + kw
-                        bf[2 * j] = b_s[c0]
-                        bf[2 * j + 1] = b_s[c0 + 4]
+                        c = b_base + b_row + j * 8 * MMA_ROW_WORDS
+                        bf[2 * j] = b_s[c + lo]
+                        bf[2 * j + 1] = b_s[c + hi]
                     for i in range(mt):
                         for j in range(nt):
                             o = 4 * (i * nt + j)
@@ -1089,10 +1110,8 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, gated: bool):
                             acc[o + 1] = d1
                             acc[o + 2] = d2
                             acc[o + 3] = d3
-                if more:
-                    _store_slices(ra, a_pt, tid, nthreads_c, a_slices, a_s, (1 - stage) * a_stage)
-                    _store_slices(rb, b_pt, tid, nthreads_c, b_slices, b_s, (1 - stage) * b_stage)
-                cuda.syncthreads()
+            wait_all()
+            cuda.syncthreads()                      # every warp is done with the ring before the next tile's copies
             _store_mma_tiles(out, acc, packed, mt, nt, m0 + wm * mt * 16, n0 + wn * nt * 8, gated)
 
     return gemm_mma
@@ -1100,9 +1119,9 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, gated: bool):
 
 def mma_tile(n_tokens: int, n_cols: int = 0) -> tuple[int, int, int, int]:
     """(warps_m, warps_n, mt, nt) for T tokens and ``n_cols`` logical columns.  Prefill: 128×128 tiles of 8 warps
-    (64×32 per warp) for wide weights (n_cols >= 6144: measured 90-98 TFLOP/s on the H200 at T = 2048 against
-    73-85 for 64×128, although ptxas spills ~120 bytes at 128 registers), 64×128 tiles (32×32 per warp, no spill)
-    for the short ones.  For few tokens one warp row of ``ceil(T/16)`` m16 tiles (up to 64 tokens) and 64-column
+    (64×32 per warp, a ring of 3 stages) for wide weights (n_cols >= 6144: on the H200 at T = 2048, Qwen3-4B's
+    gate_up runs at 113.5 TFLOP/s against 96.5 for 64×128, although ptxas spills ~190 bytes at 128 registers),
+    64×128 tiles (32×32 per warp, a ring of 4, no spill) for the short ones (down: 94.1 vs 91.5).  For few tokens one warp row of ``ceil(T/16)`` m16 tiles (up to 64 tokens) and 64-column
     tiles, so that short batches still spread the weight over many blocks."""
     if n_tokens > 64:
         return (2, 4, 4, 4) if n_cols >= 6144 and n_tokens >= 128 else (2, 4, 2, 4)

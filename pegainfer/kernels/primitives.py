@@ -23,6 +23,7 @@ Conventions every kernel in ``pegainfer/kernels`` follows
 """
 from __future__ import annotations
 
+import functools
 import math  # noqa: F401  (re-exported for kernels: math.exp etc. work in both worlds)
 
 import numpy as np
@@ -467,6 +468,70 @@ else:
         return sig, codegen
 
 
+# ------------------------------------------------------------------------------------------------ async copies
+# ``cp_async_16(dst, i, src, j, nbytes)`` starts copying 16 bytes ``src[j:j+4]`` (global uint32) to ``dst[i:i+4]``
+# (shared uint32) without holding registers: ``cp.async.cg`` (through L2 only); ``nbytes`` = 0 writes zeros instead
+# (reads nothing).  Copies issued since the last ``cp_async_commit()`` form a group; ``cp_async_wait_group(n)()``
+# waits until at most ``n`` of the thread's groups are still in flight: the thread's own copies are then visible to
+# it, and to the block after a ``syncthreads``.  In the simulator the copy happens at once.
+if SIMULATOR:
+    @device_fn
+    def cp_async_16(dst, i, src, j, nbytes):
+        for q in range(4):
+            dst[i + q] = src[j + q] if nbytes else np.uint32(0)
+
+    @device_fn
+    def cp_async_commit():
+        pass
+
+    def cp_async_wait_group(n: int):
+        @device_fn
+        def wait():
+            pass
+        return wait
+else:
+    @intrinsic
+    def cp_async_16(typingctx, dst, i, src, j, nbytes):
+        """``cp.async.cg.shared.global [dst + 4i], [src + 4j], 16, nbytes``."""
+        sig = types.void(dst, i, src, j, nbytes)
+
+        def codegen(context, builder, sig, args):
+            def pointer(arrty, arr, idx, idxty):
+                ary = context.make_array(arrty)(context, builder, value=arr)
+                return cgutils.get_item_pointer(context, builder, arrty, ary,
+                                                [context.cast(builder, idx, idxty, types.intp)], wraparound=False)
+            d = pointer(sig.args[0], args[0], args[1], sig.args[1])
+            s = pointer(sig.args[2], args[2], args[3], sig.args[3])
+            n = context.cast(builder, args[4], sig.args[4], types.uint32)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [d.type, s.type, ir.IntType(32)]),
+                               "{ .reg .u64 sa; .reg .u32 sb; cvta.to.shared.u64 sa, $0; cvt.u32.u64 sb, sa; "
+                               "cp.async.cg.shared.global [sb], [$1], 16, $2; }", "l,l,r,~{memory}",
+                               side_effect=True)
+            builder.call(asm, [d, s, n])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    def _asm_statement(text):
+        """An intrinsic ``f()`` that emits one PTX statement with no operands (ordered as a memory access)."""
+        @intrinsic
+        def emit(typingctx):
+            sig = types.void()
+
+            def codegen(context, builder, sig, args):
+                builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}", side_effect=True), [])
+                return context.get_dummy_value()
+
+            return sig, codegen
+        return emit
+
+    cp_async_commit = _asm_statement("cp.async.commit_group;")
+
+    @functools.cache
+    def cp_async_wait_group(n: int):
+        return _asm_statement(f"cp.async.wait_group {int(n)};")
+
+
 # ------------------------------------------------------------------------------------------------ kernel overlap
 # Programmatic dependent launch (PDL, sm_90+).  A kernel launched with ``launch(..., pdl=True)`` may start while the
 # kernel before it on the stream is still running:
@@ -488,21 +553,8 @@ def _grid_dependency_control() -> bool:
 GRID_DEPENDENCY_CONTROL = _grid_dependency_control()
 
 if GRID_DEPENDENCY_CONTROL:
-    def _griddepcontrol(instruction):
-        @intrinsic
-        def emit(typingctx):
-            sig = types.void()
-
-            def codegen(context, builder, sig, args):
-                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), instruction, "~{memory}", side_effect=True)
-                builder.call(asm, [])
-                return context.get_dummy_value()
-
-            return sig, codegen
-        return emit
-
-    grid_dependency_wait = _griddepcontrol("griddepcontrol.wait;")
-    launch_dependents = _griddepcontrol("griddepcontrol.launch_dependents;")
+    grid_dependency_wait = _asm_statement("griddepcontrol.wait;")
+    launch_dependents = _asm_statement("griddepcontrol.launch_dependents;")
 else:
     @device_fn
     def grid_dependency_wait():

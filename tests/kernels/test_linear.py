@@ -125,10 +125,12 @@ def test_rejects_bad_shapes():
     (20, 40, 72, (2, 2, 1, 1), False),   # two warp rows; T, N and K (3 stages of 32, the last partial) all ragged
     (3, 24, 40, (1, 1, 2, 2), False),    # several m16 / n8 tiles per warp
     (5, 40, 64, (1, 2, 1, 2), True),     # SwiGLU epilogue from the accumulator fragment's column pairs
+    (20, 40, 232, (2, 2, 1, 1), False),  # 8 K tiles through a ring of 4 stages: every stage reused, K ragged
+    (9, 48, 160, (1, 2, 1, 2), True),    # 5 K tiles, gated
 ])
 def test_gemm_mma_kernel(T, N, K, tile, gated, rng):
-    """The tensor-core kernel's staging, fragment indexing and epilogue.  In the simulator ``mma.sync`` is
-    emulated from the PTX fragment layout; on a GPU this runs the real instruction."""
+    """The tensor-core kernel's cp.async stage ring, swizzled fragment indexing and epilogue.  In the simulator
+    ``mma.sync`` is emulated from the PTX fragment layout; on a GPU this runs the real instruction."""
     xb, x = bf16_randn((T, K), rng)
     wb, w = bf16_randn((N, K), rng, scale=0.3)
     got = run(lin.gemm_mma, xb, wb, N // 2 if gated else N, gated=gated, tile=tile)

@@ -545,106 +545,139 @@ def gated_delta_chunk_prepare_kernel(qkv, a, b, a_log, dt_bias, token_offsets, k
         cuda.syncthreads()  # l_s, k_s and the scalars are reused by the block's next item
 
 
-@kernel
-def gated_delta_chunk_scan_kernel(qkv, ssm_state, slot_ids, token_offsets, chunk_size, tinv, intra, gcum, beta,
-                                  qk_inv, out):
-    """The state-carrying half of the chunked form: walks each sequence's chunks in order.
+@device_fn
+def _stage_rows(qkv, t0, n, col, rows_s, words):
+    """``rows_s[i, w]`` ← the bf16 pair ``qkv[t0 + i, col + 2w : col + 2w + 2]`` (low half first) for the chunk's
+    ``n`` tokens, ``words`` pairs per token; every thread of the block takes part (the caller syncs)."""
+    for idx in range(cuda.threadIdx.x, n * words, cuda.blockDim.x):
+        i = idx // words
+        w = idx - i * words
+        rows_s[i, w] = (uint32(qkv[t0 + i, col + 2 * w + 1]) << uint32(16)) | uint32(qkv[t0 + i, col + 2 * w])
 
-    qkv ``[tokens, 2·Hk·Dk + Hv·Dv]`` bf16, ssm_state ``[slots, Hv, Dk, Dv]`` f32 (updated in place), the
-    ``ChunkScratch`` arrays written by ``gated_delta_chunk_prepare_kernel``, out ``[tokens, Hv·Dv]`` bf16.  Per
-    chunk ``[t0, t0+n)``, with ``S`` this block's ``[Dk, 32]`` column tile of the state (module docstring)::
 
-        R_i   = beta_i · (v_i − exp(G_i)·Sᵀk_i)            step 1
-        U     = (I+L)⁻¹ · R                                 step 2
-        out_i = bf16(exp(G_i)·Sᵀq_i + Σ_{m≤i} intra[i,m]·U_m)      step 3
-        S     = exp(G_{n−1})·S + Σ_i exp(G_{n−1} − G_i)·k_i ⊗ U_i   step 4
+@functools.cache
+def _chunk_scan_kernel(key_dim: int):
+    """Build the state-carrying kernel for key heads of ``key_dim`` dims (a compile-time constant: its dot products
+    over the key dims are unrolled)."""
+    KD = key_dim
+    KW = key_dim // 2
 
-    Rows of ``out`` after the last sequence (``token_offsets[B] :``, padding tokens) are set to zero.
+    @kernel
+    def gated_delta_chunk_scan_kernel(qkv, ssm_state, slot_ids, token_offsets, chunk_size, tinv, intra, gcum, beta,
+                                      qk_inv, out):
+        """The state-carrying half of the chunked form: walks each sequence's chunks in order.
 
-    Geometry: one block per (sequence, value head, tile of 32 value columns), grid-strided; the tile of S lives in
-    shared memory for the whole sequence.  Lane ``l`` owns column ``l`` of the tile; warps stride over tokens
-    (steps 1-3) or key rows (step 4); a barrier separates the steps.
-    """
-    pdl_prologue()
-    num_v_heads = ssm_state.shape[1]
-    key_dim = ssm_state.shape[2]
-    value_dim = ssm_state.shape[3]
-    num_k_heads = qk_inv.shape[1]
-    heads_per_key = num_v_heads // num_k_heads
-    k_base = num_k_heads * key_dim
-    v_base = 2 * k_base
-    tiles = (value_dim + COL_TILE - 1) // COL_TILE
+        qkv ``[tokens, 2·Hk·Dk + Hv·Dv]`` bf16, ssm_state ``[slots, Hv, Dk, Dv]`` f32 (updated in place), the
+        ``ChunkScratch`` arrays written by ``gated_delta_chunk_prepare_kernel``, out ``[tokens, Hv·Dv]`` bf16.  Per
+        chunk ``[t0, t0+n)``, with ``S`` this block's ``[Dk, 32]`` column tile of the state (module docstring)::
 
-    s_tile = cuda.shared.array((MAX_KEY_DIM, COL_TILE), float32)
-    r_s = cuda.shared.array((MAX_CHUNK, COL_TILE), float32)
-    u_s = cuda.shared.array((MAX_CHUNK, COL_TILE), float32)
-    k_weight = cuda.shared.array(MAX_CHUNK, float32)  # exp(G_{n-1} − G_i) · |k_i|⁻¹ for step 4
+            R_i   = beta_i · (v_i − exp(G_i)·Sᵀk_i)            step 1
+            U     = (I+L)⁻¹ · R                                 step 2
+            out_i = bf16(exp(G_i)·Sᵀq_i + Σ_{m≤i} intra[i,m]·U_m)      step 3
+            S     = exp(G_{n−1})·S + Σ_i exp(G_{n−1} − G_i)·k_i ⊗ U_i   step 4
 
-    zero_rows_from(out, token_offsets[slot_ids.shape[0]])  # padding rows
-    lane = cuda.threadIdx.x % WARP
-    warp = cuda.threadIdx.x // WARP
-    num_warps = cuda.blockDim.x // WARP
-    for item in range(cuda.blockIdx.x, slot_ids.shape[0] * num_v_heads * tiles, cuda.gridDim.x):
-        tile = item % tiles
-        h = (item // tiles) % num_v_heads
-        seq = item // (tiles * num_v_heads)
-        hk = h // heads_per_key
-        seq_start = token_offsets[seq]
-        seq_len = token_offsets[seq + 1] - seq_start
-        if seq_len <= 0:
-            continue  # an empty sequence leaves its slot alone (uniform across the block)
-        slot = slot_ids[seq]
-        j = tile * COL_TILE + lane
-        has_col = j < value_dim
-        for d in range(warp, key_dim, num_warps):
-            s_tile[d, lane] = ssm_state[slot, h, d, j] if has_col else float32(0.0)
-        cuda.syncthreads()
-        for t0 in range(seq_start, seq_start + seq_len, chunk_size):
-            n = min(chunk_size, seq_start + seq_len - t0)
-            g_last = gcum[t0 + n - 1, h]
-            for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
-                k_weight[i] = float32(math.exp(g_last - gcum[t0 + i, h])) * qk_inv[t0 + i, hk, 1]
-            # step 1: targets against the state before the chunk
-            for i in range(warp, n, num_warps):
-                t = t0 + i
-                sk = float32(0.0)
-                for d in range(key_dim):
-                    sk += bf16_to_f32(qkv[t, k_base + hk * key_dim + d]) * s_tile[d, lane]
-                v = bf16_to_f32(qkv[t, v_base + h * value_dim + j]) if has_col else float32(0.0)
-                g_i = gcum[t, h]
-                r_s[i, lane] = beta[t, h] * (v - float32(math.exp(g_i)) * (sk * qk_inv[t, hk, 1]))
-            cuda.syncthreads()
-            # step 2: the deltas actually written, U = (I+L)⁻¹ R
-            for i in range(warp, n, num_warps):
-                u = float32(0.0)
-                for m in range(i + 1):
-                    u += tinv[t0 + i, h, m] * r_s[m, lane]
-                u_s[i, lane] = u
-            cuda.syncthreads()
-            # step 3: outputs = read of the old state + attention inside the chunk
-            for i in range(warp, n, num_warps):
-                t = t0 + i
-                sq = float32(0.0)
-                for d in range(key_dim):
-                    sq += bf16_to_f32(qkv[t, hk * key_dim + d]) * s_tile[d, lane]
-                o = float32(math.exp(gcum[t, h])) * (sq * qk_inv[t, hk, 0])
-                for m in range(i + 1):
-                    o += intra[t, h, m] * u_s[m, lane]
-                if has_col:
-                    out[t, h * value_dim + j] = f32_to_bf16(o)
-            cuda.syncthreads()
-            # step 4: carry the state to the end of the chunk
-            chunk_decay = float32(math.exp(g_last))
-            for d in range(warp, key_dim, num_warps):
-                acc = float32(0.0)
-                for i in range(n):
-                    acc += bf16_to_f32(qkv[t0 + i, k_base + hk * key_dim + d]) * k_weight[i] * u_s[i, lane]
-                s_tile[d, lane] = s_tile[d, lane] * chunk_decay + acc
-            cuda.syncthreads()  # s_tile, r_s, u_s and k_weight are rewritten by the next chunk
-        if has_col:
-            for d in range(warp, key_dim, num_warps):
-                ssm_state[slot, h, d, j] = s_tile[d, lane]
-        cuda.syncthreads()  # s_tile is reloaded by the block's next item
+        Rows of ``out`` after the last sequence (``token_offsets[B] :``, padding tokens) are set to zero.
+
+        Geometry: one block per (sequence, value head, tile of 32 value columns), grid-strided; the tile of S lives
+        in shared memory for the whole sequence.  Lane ``l`` owns column ``l`` of the tile; warps stride over tokens
+        (steps 1-3) or key rows (step 4); a barrier separates the steps.  The chunk's k rows (steps 1 and 4) and q
+        rows (step 3) are staged in shared memory as bf16 pairs, one buffer used in turn, so the dot products over
+        the key dims read shared memory (the same word for every lane) rather than global memory.  Shared memory at
+        Dk = 128: S 16 KB, R and U 8 KB each, the staged rows 16 KB; step 4's weights
+        ``exp(G_{n−1} − G_i)·|k_i|⁻¹`` sit in column 0 of R, which step 4 no longer needs.
+        """
+        pdl_prologue()
+        num_v_heads = ssm_state.shape[1]
+        value_dim = ssm_state.shape[3]
+        num_k_heads = qk_inv.shape[1]
+        heads_per_key = num_v_heads // num_k_heads
+        k_base = num_k_heads * KD
+        v_base = 2 * k_base
+        tiles = (value_dim + COL_TILE - 1) // COL_TILE
+
+        s_tile = cuda.shared.array((KD, COL_TILE), float32)
+        r_s = cuda.shared.array((MAX_CHUNK, COL_TILE), float32)
+        u_s = cuda.shared.array((MAX_CHUNK, COL_TILE), float32)
+        rows_s = cuda.shared.array((MAX_CHUNK, KW), uint32)   # the chunk's k rows, or its q rows (bf16 pairs)
+
+        zero_rows_from(out, token_offsets[slot_ids.shape[0]])  # padding rows
+        lane = cuda.threadIdx.x % WARP
+        warp = cuda.threadIdx.x // WARP
+        num_warps = cuda.blockDim.x // WARP
+        for item in range(cuda.blockIdx.x, slot_ids.shape[0] * num_v_heads * tiles, cuda.gridDim.x):
+            tile = item % tiles
+            h = (item // tiles) % num_v_heads
+            seq = item // (tiles * num_v_heads)
+            hk = h // heads_per_key
+            seq_start = token_offsets[seq]
+            seq_len = token_offsets[seq + 1] - seq_start
+            if seq_len <= 0:
+                continue  # an empty sequence leaves its slot alone (uniform across the block)
+            slot = slot_ids[seq]
+            j = tile * COL_TILE + lane
+            has_col = j < value_dim
+            for d in range(warp, KD, num_warps):
+                s_tile[d, lane] = ssm_state[slot, h, d, j] if has_col else float32(0.0)
+            for t0 in range(seq_start, seq_start + seq_len, chunk_size):
+                n = min(chunk_size, seq_start + seq_len - t0)
+                g_last = gcum[t0 + n - 1, h]
+                _stage_rows(qkv, t0, n, k_base + hk * KD, rows_s, KW)
+                cuda.syncthreads()   # k rows staged; S loaded (first chunk) or carried (step 4 of the last)
+                # step 1: targets against the state before the chunk
+                for i in range(warp, n, num_warps):
+                    t = t0 + i
+                    sk = float32(0.0)
+                    for w in range(KW):
+                        pair = rows_s[i, w]
+                        sk += bf16x2_lo(pair) * s_tile[2 * w, lane]
+                        sk += bf16x2_hi(pair) * s_tile[2 * w + 1, lane]
+                    v = bf16_to_f32(qkv[t, v_base + h * value_dim + j]) if has_col else float32(0.0)
+                    g_i = gcum[t, h]
+                    r_s[i, lane] = beta[t, h] * (v - float32(math.exp(g_i)) * (sk * qk_inv[t, hk, 1]))
+                cuda.syncthreads()
+                # step 2: the deltas actually written, U = (I+L)⁻¹ R
+                for i in range(warp, n, num_warps):
+                    u = float32(0.0)
+                    for m in range(i + 1):
+                        u += tinv[t0 + i, h, m] * r_s[m, lane]
+                    u_s[i, lane] = u
+                _stage_rows(qkv, t0, n, hk * KD, rows_s, KW)   # step 1 is done with the k rows: q rows now
+                cuda.syncthreads()
+                for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):   # step 4's weights, into R's column 0
+                    r_s[i, 0] = float32(math.exp(g_last - gcum[t0 + i, h])) * qk_inv[t0 + i, hk, 1]
+                # step 3: outputs = read of the old state + attention inside the chunk
+                for i in range(warp, n, num_warps):
+                    t = t0 + i
+                    sq = float32(0.0)
+                    for w in range(KW):
+                        pair = rows_s[i, w]
+                        sq += bf16x2_lo(pair) * s_tile[2 * w, lane]
+                        sq += bf16x2_hi(pair) * s_tile[2 * w + 1, lane]
+                    o = float32(math.exp(gcum[t, h])) * (sq * qk_inv[t, hk, 0])
+                    for m in range(i + 1):
+                        o += intra[t, h, m] * u_s[m, lane]
+                    if has_col:
+                        out[t, h * value_dim + j] = f32_to_bf16(o)
+                cuda.syncthreads()
+                _stage_rows(qkv, t0, n, k_base + hk * KD, rows_s, KW)   # k rows again, for step 4
+                cuda.syncthreads()
+                # step 4: carry the state to the end of the chunk
+                chunk_decay = float32(math.exp(g_last))
+                for d in range(warp, KD, num_warps):
+                    acc = float32(0.0)
+                    w = d >> 1
+                    for i in range(n):
+                        pair = rows_s[i, w]
+                        k_d = bf16x2_hi(pair) if d & 1 else bf16x2_lo(pair)
+                        acc += k_d * r_s[i, 0] * u_s[i, lane]
+                    s_tile[d, lane] = s_tile[d, lane] * chunk_decay + acc
+                cuda.syncthreads()  # s_tile, r_s, u_s and rows_s are rewritten by the next chunk
+            if has_col:
+                for d in range(warp, KD, num_warps):
+                    ssm_state[slot, h, d, j] = s_tile[d, lane]
+            cuda.syncthreads()  # s_tile is reloaded by the block's next item
+
+    return gated_delta_chunk_scan_kernel
 
 
 def gated_delta_chunked(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids, token_offsets, out, scratch: ChunkScratch,
@@ -667,7 +700,7 @@ def gated_delta_chunked(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids, token_of
            threads(gpu=128, sim=32), qkv, a, b, a_log, dt_bias, token_offsets, np.int32(key_dim), np.int32(chunk),
            np.int32(max_chunks), s.tinv, s.intra, s.gcum, s.beta, s.qk_inv, pdl=True)
     items = slot_ids.shape[0] * num_v_heads * (-(-value_dim // COL_TILE))
-    launch(gated_delta_chunk_scan_kernel, grid(items, sim_cap=8), threads(gpu=256, sim=32), qkv, ssm_state,
+    launch(_chunk_scan_kernel(key_dim), grid(items, sim_cap=8), threads(gpu=256, sim=32), qkv, ssm_state,
            slot_ids, token_offsets, np.int32(chunk), s.tinv, s.intra, s.gcum, s.beta, s.qk_inv, out, pdl=True)
 
 

@@ -424,6 +424,16 @@ def allocate_chunk_scratch(max_tokens: int, num_k_heads: int, num_v_heads: int,
                         chunk_size=chunk_size)
 
 
+@device_fn
+def _stage_rows(qkv, t0, n, col, rows_s, words):
+    """``rows_s[i, w]`` ← the bf16 pair ``qkv[t0 + i, col + 2w : col + 2w + 2]`` (low half first) for the chunk's
+    ``n`` tokens, ``words`` pairs per token; every thread of the block takes part (the caller syncs)."""
+    for idx in range(cuda.threadIdx.x, n * words, cuda.blockDim.x):
+        i = idx // words
+        w = idx - i * words
+        rows_s[i, w] = (uint32(qkv[t0 + i, col + 2 * w + 1]) << uint32(16)) | uint32(qkv[t0 + i, col + 2 * w])
+
+
 @kernel
 def gated_delta_chunk_prepare_kernel(qkv, a, b, a_log, dt_bias, token_offsets, key_dim, chunk_size, max_chunks,
                                      tinv, intra, gcum, beta, qk_inv):
@@ -473,10 +483,7 @@ def gated_delta_chunk_prepare_kernel(qkv, a, b, a_log, dt_bias, token_offsets, k
         hk = h // heads_per_key
         q_col = hk * key_dim
         k_col = k_base + q_col
-        for e in range(tid, n * half_dim, cuda.blockDim.x):
-            i = e // half_dim
-            w = e % half_dim
-            k_s[i, w] = (uint32(qkv[t0 + i, k_col + 2 * w + 1]) << uint32(16)) | uint32(qkv[t0 + i, k_col + 2 * w])
+        _stage_rows(qkv, t0, n, k_col, k_s, half_dim)
         cuda.syncthreads()
 
         # per-token scalars
@@ -543,16 +550,6 @@ def gated_delta_chunk_prepare_kernel(qkv, a, b, a_log, dt_bias, token_offsets, k
                         x -= l_s[i, p] * tinv[t0 + p, h, m]
                 tinv[t0 + i, h, m] = x
         cuda.syncthreads()  # l_s, k_s and the scalars are reused by the block's next item
-
-
-@device_fn
-def _stage_rows(qkv, t0, n, col, rows_s, words):
-    """``rows_s[i, w]`` ← the bf16 pair ``qkv[t0 + i, col + 2w : col + 2w + 2]`` (low half first) for the chunk's
-    ``n`` tokens, ``words`` pairs per token; every thread of the block takes part (the caller syncs)."""
-    for idx in range(cuda.threadIdx.x, n * words, cuda.blockDim.x):
-        i = idx // words
-        w = idx - i * words
-        rows_s[i, w] = (uint32(qkv[t0 + i, col + 2 * w + 1]) << uint32(16)) | uint32(qkv[t0 + i, col + 2 * w])
 
 
 @functools.cache

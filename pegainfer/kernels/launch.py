@@ -30,6 +30,7 @@ import contextlib
 import os
 from typing import Any, Callable, Optional
 
+from pegainfer.device import SIMULATOR
 from pegainfer.kernels.primitives import GRID_DEPENDENCY_CONTROL
 
 _stream: Any = 0
@@ -83,7 +84,33 @@ def launch(kernel, grid: int, block: int, *args, shared: int = 0, name: str | No
         _launch(kernel, grid, block, args, shared, pdl, name)
 
 
+STATIC_SHARED_LIMIT = 48 * 1024   # shared memory a block may have without opting in
+_shared_opt_ins: dict = {}
+
+
+def _allow_shared(kernel, args, shared: int) -> None:
+    """Let ``kernel`` (compiled for ``args``) launch with ``shared`` bytes of dynamic shared memory, beyond the
+    48 KB a kernel gets by default: set its ``MAX_DYNAMIC_SHARED_SIZE_BYTES`` attribute once (sm_70+; up to
+    227 KB a block on the H200).  Not needed, and not possible, in the simulator."""
+    compiled = kernel._compile_for_args(*args)
+    cufunc = compiled._codelibrary.get_cufunc()
+    key = (id(kernel), id(cufunc))
+    if _shared_opt_ins.get(key, 0) >= shared:
+        return
+    from numba.cuda.cudadrv.driver import binding, driver
+    from numba import cuda
+    optin = int(cuda.get_current_device().MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+    if shared > optin:
+        raise ValueError(f"{getattr(kernel, '__name__', 'kernel')}: {shared} bytes of shared memory asked, the GPU "
+                         f"allows {optin} per block")
+    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.cuKernelSetAttribute(attr, shared, cufunc.handle, cufunc.device.id)
+    _shared_opt_ins[key] = shared
+
+
 def _launch(kernel, grid, block, args, shared, pdl, name):
+    if shared > STATIC_SHARED_LIMIT and not SIMULATOR:
+        _allow_shared(kernel, args, shared)
     if pdl and _launch_pdl is not None and (_PDL_ONLY is None or name in _PDL_ONLY):
         _launch_pdl(kernel, grid, block, _stream, shared, args)
     else:

@@ -70,8 +70,8 @@ from pegainfer.kernels.activation import silu
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.norm import (add_pair, add_rms_norm_into, check_residual_buffers, inverse_rms,
                                     normalize_pair, pairs_per_thread)
-from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, bits_f32, block_sum, cuda,
-                                          device_fn, f32_to_bf16, float32, grid, kernel, load_u32x4,
+from pegainfer.kernels.primitives import (WARP, as_words, bf16_to_f32, bf16x2_hi, bf16x2_lo, bits_f32, block_sum,
+                                          cuda, device_fn, f32_to_bf16, float32, grid, kernel, load_u32x4,
                                           mma_bf16_m16n8k16, pack_bf16x2, uint16, uint32, cp_async_16,
                                           cp_async_commit, cp_async_wait_group,
                                           warp_sums_to_shared, launch_dependents, grid_dependency_wait,
@@ -574,11 +574,6 @@ def _gemv_k_chunk(k: int, geo: GemvGeometry) -> int:
     return max(256, min(fit, -(-k // 256) * 256))
 
 
-def _as_u32(a):
-    """A contiguous bf16 tensor seen as a flat uint32 array (two bf16 per word; works for host and device arrays)."""
-    return a.reshape(-1).view(np.uint32)
-
-
 def _is_contiguous(a) -> bool:
     f = getattr(a, "is_c_contiguous", None)
     return bool(f()) if callable(f) else bool(a.flags["C_CONTIGUOUS"])
@@ -589,7 +584,7 @@ def gemv(x, w, out, *, gated: bool = False, geometry: GemvGeometry | None = None
     when given), each reading W once.  ``geometry`` overrides ``gemv_geometry`` (benchmarks and tests try splits)."""
     T, k = x.shape
     n_cols = w.shape[0]
-    w32 = _as_u32(w)
+    w32 = as_words(w)
     per_pass = geometry.max_tokens if geometry else GEMV_MAX_TOKENS
     for t0 in range(0, T, per_pass):
         t1 = min(T, t0 + per_pass)
@@ -607,7 +602,7 @@ def gemv(x, w, out, *, gated: bool = False, geometry: GemvGeometry | None = None
         kern = _gemv_kernel(geo.rows_per_warp, geo.max_tokens, gated, geo.warps, geo.stage_x, geo.stages)
         n_tiles = -(-n_cols // cols_per_block)
         blocks = _resident_blocks(n_tiles, geo) if geo.persistent else grid(n_cols, cols_per_block, sim_cap=8)
-        launch(kern, blocks, geo.warps * WARP, _as_u32(xp), w32, outp, k, geo.k_split, k_chunk, shared=shared,
+        launch(kern, blocks, geo.warps * WARP, as_words(xp), w32, outp, k, geo.k_split, k_chunk, shared=shared,
                name="gemv", pdl=True)
 
 
@@ -831,13 +826,13 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
         k = residual_in.shape[1]
         assert geo.warps * WARP == NORM_THREADS, f"the fused norm needs blocks of {NORM_THREADS} threads: {geo}"
         norm_pairs = pairs_per_thread(k)
-        r32 = _as_u32(residual_in)
-        d32 = r32 if delta is None else _as_u32(delta)
-        args = (r32, _as_u32(w), out, k, geo.k_split, r32, d32, _as_u32(norm_weight), _as_u32(residual_out))
+        r32 = as_words(residual_in)
+        d32 = r32 if delta is None else as_words(delta)
+        args = (r32, as_words(w), out, k, geo.k_split, r32, d32, as_words(norm_weight), as_words(residual_out))
     else:
         k = x.shape[1]
-        x32 = _as_u32(x)
-        args = (x32, _as_u32(w), out, k, geo.k_split, x32, x32, x32, x32)
+        x32 = as_words(x)
+        args = (x32, as_words(w), out, k, geo.k_split, x32, x32, x32, x32)
     assert k % 8 == 0, f"K must be a multiple of 8, got {k}"
     cols_per_block = geo.warps // geo.k_split * geo.rows_per_warp
     n_tiles = -(-w.shape[0] // cols_per_block)
@@ -930,7 +925,7 @@ def gemm_fma(x, w, out, *, gated: bool = False) -> None:
     T, k = x.shape
     tiles = -(-T // bm) * -(-w.shape[0] // bn)
     launch(_gemm_fma_kernel(bm, bn, bk, tm, tn, gated), grid(tiles, sim_cap=16), (bm // tm) * (bn // tn),
-           _as_u32(x), _as_u32(w), out, k, name="gemm_fma", pdl=True)
+           as_words(x), as_words(w), out, k, name="gemm_fma", pdl=True)
 
 
 # ================================================================================================ GEMM, tensor cores
@@ -942,8 +937,10 @@ MMA_BK = 32                  # K per shared-memory stage: two m16n8k16 steps
 MMA_ROW_WORDS = MMA_BK // 2
 """Shared-memory row of a stage, in uint32 words (bf16 pairs): 16 words = four 16-byte chunks, stored swizzled
 (``_swizzled``) rather than padded, so that a stage of a 128 × 128 tile is 16 KB and three fit in 48 KB."""
-MMA_SMEM_BYTES = 48 * 1024   # static shared memory of one block: the stage ring of x and W tiles
+MMA_SMEM_BYTES = 64 * 1024   # the stage ring of x and W tiles of one block (dynamic shared memory)
 MMA_MAX_STAGES = 4
+"""Ring depth, measured on the H200 at T = 2048 (``RESULTS.md``): 4 stages beat 3 by 1-1.5 % on every Qwen3 /
+Qwen3.5 shape; 6-16 stages, or one block per SM with no spills (up to 12 stages), were slower (to -25 %)."""
 
 
 @device_fn
@@ -998,20 +995,25 @@ def _store_mma_tiles(out, acc, packed, mt, nt, tok0, col0, gated):
                 _store_packed_pair(out, tok + 8, col, packed[2 * (i * nt + j) + 1], gated)
 
 
+def mma_stage_bytes(warps_m: int, warps_n: int, mt: int, nt: int) -> int:
+    """Shared memory of one stage of the GEMM's ring: the x ``[bm, 32]`` and W ``[bn, 32]`` tiles."""
+    return 4 * MMA_ROW_WORDS * (16 * warps_m * mt + 8 * warps_n * nt)
+
+
 def mma_stages(warps_m: int, warps_n: int, mt: int, nt: int) -> int:
     """Depth of the GEMM's shared-memory ring: as many stages of x and W tiles as fit in ``MMA_SMEM_BYTES`` (at
-    most ``MMA_MAX_STAGES``): 3 for 128 × 128 tiles, 4 for 64 × 128."""
-    stage_bytes = 4 * MMA_ROW_WORDS * (16 * warps_m * mt + 8 * warps_n * nt)
-    return max(2, min(MMA_MAX_STAGES, MMA_SMEM_BYTES // stage_bytes))
+    most ``MMA_MAX_STAGES``): 4 for 128 × 128 and 64 × 128 tiles."""
+    return max(2, min(MMA_MAX_STAGES, MMA_SMEM_BYTES // mma_stage_bytes(warps_m, warps_n, mt, nt)))
 
 
 @functools.cache
-def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, gated: bool):
+def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, gated: bool, stages: int,
+                     warps_per_sm: int = WARPS_PER_SM):
     """Build the tensor-core GEMM: ``warps_m × warps_n`` warps, each owning ``mt × nt`` m16n8 accumulator tiles, so
-    the block tile is ``bm = 16·warps_m·mt`` tokens × ``bn = 8·warps_n·nt`` logical columns."""
+    the block tile is ``bm = 16·warps_m·mt`` tokens × ``bn = 8·warps_n·nt`` logical columns; a ring of ``stages``
+    K tiles; registers for ``warps_per_sm`` resident warps (``_bounded_kernel``)."""
     bm, bn = 16 * warps_m * mt, 8 * warps_n * nt
     nthreads_c = WARP * warps_m * warps_n
-    stages = mma_stages(warps_m, warps_n, mt, nt)
     a_slices, b_slices = 4 * bm, 4 * bn                 # 16-byte slices per 32-wide K stage
     a_pt, b_pt = -(-a_slices // nthreads_c), -(-b_slices // nthreads_c)
     a_stage, b_stage = bm * MMA_ROW_WORDS, bn * MMA_ROW_WORDS
@@ -1020,15 +1022,16 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, gated: bool):
     wait_oldest = cp_async_wait_group(stages - 2)      # all but the newest stages - 2 copy groups have landed
     wait_all = cp_async_wait_group(0)
 
-    @_bounded_kernel(nthreads_c)
+    @_bounded_kernel(nthreads_c, warps_per_sm)
     def gemm_mma(x32, w32, out, k):
         """``out = x @ W.T`` (or SwiGLU of column pairs when gated) on tensor cores, f32 accumulation.
 
         x32 ``[T · K/2]``, w32 ``[rows · K/2]`` (flat uint32 views of the bf16 tensors), out ``[T, n_out]``.
 
         Geometry: 1-D blocks of exactly ``32 · warps_m · warps_n`` threads; blocks grid-stride over the
-        ``ceil(T / bm) · ceil(n_cols / bn)`` tiles, token tiles fastest.  Shared memory (static): a ring of
-        ``stages`` (``mma_stages``) x ``[bm, 32]`` and W ``[bn, 32]`` tiles, rows swizzled (``_swizzled``).  K loop
+        ``ceil(T / bm) · ceil(n_cols / bn)`` tiles, token tiles fastest.  Shared memory (dynamic, ``stages`` ×
+        ``mma_stage_bytes``): a ring of ``stages`` x ``[bm, 32]`` tiles, then one of W ``[bn, 32]`` tiles, rows
+        swizzled (``_swizzled``).  K loop
         (the usual multistage pipeline): the copies of the first ``stages - 1`` K tiles go out; at K tile ``kt`` a
         thread waits for its own copies of ``kt``, a barrier makes everyone's visible (and frees the stage read at
         ``kt - 1``), the copies of ``kt + stages - 1`` go into that freed stage, and ``kt`` feeds ``mma.sync``
@@ -1036,8 +1039,7 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, gated: bool):
         ``wm·16·mt ..`` × columns ``wn·8·nt ..`` of the tile.
         """
         pdl_prologue()
-        a_s = cuda.shared.array(a_smem, uint32)
-        b_s = cuda.shared.array(b_smem, uint32)
+        ring = cuda.shared.array(0, nbtypes.uint32)   # dynamic: the x stages, then the W stages from word a_smem
         acc = cuda.local.array(n_acc, float32)
         af = cuda.local.array(a_frag, uint32)
         bf = cuda.local.array(b_frag, uint32)
@@ -1068,10 +1070,10 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, gated: bool):
                 acc[i] = float32(0.0)
             for s in range(stages - 1):
                 if s < n_kt:
-                    _copy_tile_async(x32, a_s, s * a_stage, a_pt, tid, nthreads_c, a_slices, m0, T, 0, False,
+                    _copy_tile_async(x32, ring, s * a_stage, a_pt, tid, nthreads_c, a_slices, m0, T, 0, False,
                                      k_words, s * MMA_BK, k)
-                    _copy_tile_async(w32, b_s, s * b_stage, b_pt, tid, nthreads_c, b_slices, n0, n_cols, n_out,
-                                     gated, k_words, s * MMA_BK, k)
+                    _copy_tile_async(w32, ring, a_smem + s * b_stage, b_pt, tid, nthreads_c, b_slices, n0, n_cols,
+                                     n_out, gated, k_words, s * MMA_BK, k)
                 cp_async_commit()
             for kt in range(n_kt):
                 wait_oldest()
@@ -1079,27 +1081,28 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, gated: bool):
                 ahead = kt + stages - 1
                 if ahead < n_kt:
                     slot = ahead % stages
-                    _copy_tile_async(x32, a_s, slot * a_stage, a_pt, tid, nthreads_c, a_slices, m0, T, 0, False,
+                    _copy_tile_async(x32, ring, slot * a_stage, a_pt, tid, nthreads_c, a_slices, m0, T, 0, False,
                                      k_words, ahead * MMA_BK, k)
-                    _copy_tile_async(w32, b_s, slot * b_stage, b_pt, tid, nthreads_c, b_slices, n0, n_cols, n_out,
-                                     gated, k_words, ahead * MMA_BK, k)
+                    _copy_tile_async(w32, ring, a_smem + slot * b_stage, b_pt, tid, nthreads_c, b_slices, n0, n_cols,
+                                     n_out, gated, k_words, ahead * MMA_BK, k)
                 cp_async_commit()
                 a_base = (kt % stages) * a_stage
-                b_base = (kt % stages) * b_stage
+                b_base = a_smem + (kt % stages) * b_stage
                 for ks in range(MMA_BK // 16):
-                    # words 8·ks + t4 (k = 16·ks + 2·t4) and 8·ks + 4 + t4 of rows whose swizzle is the lane's
+                    # words 8·ks + t4 (k = 16·ks + 2·t4) and 8·ks + 4 + t4 of rows whose swizzle is the lane's;
+                    # unsigned indices (``primitives``: no wraparound code per load; +34 % on the H200)
                     lo = 4 * ((2 * ks) ^ swizzle) + t4
                     hi = 4 * ((2 * ks + 1) ^ swizzle) + t4
                     for i in range(mt):
                         r = a_base + a_row + i * 16 * MMA_ROW_WORDS
-                        af[4 * i] = a_s[r + lo]
-                        af[4 * i + 1] = a_s[r + 8 * MMA_ROW_WORDS + lo]
-                        af[4 * i + 2] = a_s[r + hi]
-                        af[4 * i + 3] = a_s[r + 8 * MMA_ROW_WORDS + hi]
+                        af[4 * i] = ring[uint32(r + lo)]
+                        af[4 * i + 1] = ring[uint32(r + 8 * MMA_ROW_WORDS + lo)]
+                        af[4 * i + 2] = ring[uint32(r + hi)]
+                        af[4 * i + 3] = ring[uint32(r + 8 * MMA_ROW_WORDS + hi)]
                     for j in range(nt):
                         c = b_base + b_row + j * 8 * MMA_ROW_WORDS
-                        bf[2 * j] = b_s[c + lo]
-                        bf[2 * j + 1] = b_s[c + hi]
+                        bf[2 * j] = ring[uint32(c + lo)]
+                        bf[2 * j + 1] = ring[uint32(c + hi)]
                     for i in range(mt):
                         for j in range(nt):
                             o = 4 * (i * nt + j)
@@ -1119,23 +1122,30 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, gated: bool):
 
 def mma_tile(n_tokens: int, n_cols: int = 0) -> tuple[int, int, int, int]:
     """(warps_m, warps_n, mt, nt) for T tokens and ``n_cols`` logical columns.  Prefill: 128×128 tiles of 8 warps
-    (64×32 per warp, a ring of 3 stages) for wide weights (n_cols >= 6144: on the H200 at T = 2048, Qwen3-4B's
-    gate_up runs at 113.5 TFLOP/s against 96.5 for 64×128, although ptxas spills ~190 bytes at 128 registers),
-    64×128 tiles (32×32 per warp, a ring of 4, no spill) for the short ones (down: 94.1 vs 91.5).  For few tokens one warp row of ``ceil(T/16)`` m16 tiles (up to 64 tokens) and 64-column
-    tiles, so that short batches still spread the weight over many blocks."""
+    (64×32 per warp) for wide weights (n_cols >= 6144: on the H200 at T = 2048, Qwen3-4B's gate_up runs at
+    115 TFLOP/s against 96.5 for 64×128, although ptxas spills ~190 bytes at 128 registers) and for long prompts
+    (T >= 1024: the 2560-column o / down projections at T = 2048, 93-96 TFLOP/s against 91-93); 64×128 tiles
+    (32×32 per warp, no spill) for short prompts of narrow weights, where 128×128 tiles would leave SMs idle.  For
+    few tokens one warp row of ``ceil(T/16)`` m16 tiles (up to 64 tokens) and 64-column tiles, so that short
+    batches still spread the weight over many blocks."""
     if n_tokens > 64:
-        return (2, 4, 4, 4) if n_cols >= 6144 and n_tokens >= 128 else (2, 4, 2, 4)
+        wide = (n_cols >= 6144 and n_tokens >= 128) or n_tokens >= 1024
+        return (2, 4, 4, 4) if wide else (2, 4, 2, 4)
     return (1, 4, -(-n_tokens // 16), 2)
 
 
-def gemm_mma(x, w, out, *, gated: bool = False, tile: tuple[int, int, int, int] | None = None) -> None:
-    """Tensor-core GEMM path of ``linear`` / ``linear_silu_mul``.  In the simulator ``mma.sync`` is emulated (slow;
-    for testing the kernel's indexing: ``linear(impl=None)`` uses the FMA tiles there)."""
+def gemm_mma(x, w, out, *, gated: bool = False, tile: tuple[int, int, int, int] | None = None,
+             stages: int | None = None, warps_per_sm: int = WARPS_PER_SM) -> None:
+    """Tensor-core GEMM path of ``linear`` / ``linear_silu_mul`` (``tile``, ``stages``: ``mma_tile``'s and
+    ``mma_stages``' choice unless given).  In the simulator ``mma.sync`` is emulated (slow; for testing the kernel's
+    indexing: ``linear(impl=None)`` uses the FMA tiles there)."""
     warps_m, warps_n, mt, nt = tile or mma_tile(x.shape[0], w.shape[0])
+    stages = stages or mma_stages(warps_m, warps_n, mt, nt)
     T, k = x.shape
     tiles = -(-T // (16 * warps_m * mt)) * -(-w.shape[0] // (8 * warps_n * nt))
-    launch(_gemm_mma_kernel(warps_m, warps_n, mt, nt, gated), grid(tiles, sim_cap=16), 32 * warps_m * warps_n,
-           _as_u32(x), _as_u32(w), out, k, name="gemm_mma", pdl=True)
+    launch(_gemm_mma_kernel(warps_m, warps_n, mt, nt, gated, stages, warps_per_sm), grid(tiles, sim_cap=16),
+           32 * warps_m * warps_n, as_words(x), as_words(w), out, k,
+           shared=stages * mma_stage_bytes(warps_m, warps_n, mt, nt), name="gemm_mma", pdl=True)
 
 
 # ================================================================================================ skinny tensor-core path
@@ -1371,7 +1381,7 @@ def linear_skinny(x, w, out, *, gated: bool = False, geometry: SkinnyGeometry | 
     shared = 4 * geo.warps * 4 * mt * geo.n_tiles * WARP if geo.k_split > 1 else 0
     kern = _skinny_kernel(mt, geo.n_tiles, geo.unroll, geo.warps, gated, geo.warps_per_sm, T > 8, geo.stages)
     launch(kern, grid(n_cols, cols_per_block, sim_cap=8), geo.warps * WARP,
-           _as_u32(x), _as_u32(w), out, k, geo.k_split, shared=shared, name="linear_skinny", pdl=True)
+           as_words(x), as_words(w), out, k, geo.k_split, shared=shared, name="linear_skinny", pdl=True)
 
 
 if os.environ.get(GEMV_TUNING_ENV):

@@ -594,6 +594,28 @@ def _stage_words(src32, first, stride, n, row_words, dst, copy_async):
 _wait_copies = cp_async_wait_group(0)
 
 
+@device_fn
+def _state_dot(rows_s, row, s_tile, lane, words):
+    """``Sᵀx`` for column ``lane`` of the state tile: ``Σ_w`` of the staged bf16 pair ``rows_s[row + w]`` (key dims
+    ``2w, 2w+1`` of a q or k row) times ``s_tile[2w, lane], s_tile[2w+1, lane]``, in that order.  Indices are
+    unsigned (``primitives``: no wraparound code per load)."""
+    acc = float32(0.0)
+    for w in range(words):
+        pair = rows_s[row + uint32(w)]
+        acc += bf16x2_lo(pair) * s_tile[uint32(2 * w), lane]
+        acc += bf16x2_hi(pair) * s_tile[uint32(2 * w + 1), lane]
+    return acc
+
+
+@device_fn
+def _staged_row_times(acc, rows_s, row, count, cols_s, lane):
+    """``acc + Σ_{m<count} rows_s[row + m] · cols_s[m, lane]``, in order: a staged f32 row of ``(I+L)⁻¹`` or
+    ``intra`` (as bits) times column ``lane`` of R or U (unsigned indices)."""
+    for m in range(count):
+        acc += bits_f32(rows_s[row + m]) * cols_s[m, lane]
+    return acc
+
+
 @functools.cache
 def _chunk_scan_kernel(key_dim: int, copy_async: bool):
     """Build the state-carrying kernel for key heads of ``key_dim`` dims (a compile-time constant: its dot products
@@ -680,12 +702,7 @@ def _chunk_scan_kernel(key_dim: int, copy_async: bool):
                     decay = float32(math.exp(gcum[t, h]))
                     strength = beta[t, h]
                     k_inv = qk_inv[t, hk, 1]
-                    sk = float32(0.0)
-                    row = uint32(i * KW)
-                    for w in range(KW):
-                        pair = rows_s[row + uint32(w)]
-                        sk += bf16x2_lo(pair) * s_tile[uint32(2 * w), ulane]
-                        sk += bf16x2_hi(pair) * s_tile[uint32(2 * w + 1), ulane]
+                    sk = _state_dot(rows_s, uint32(i * KW), s_tile, ulane, KW)
                     r_s[i, lane] = strength * (v - decay * (sk * k_inv))
                 cuda.syncthreads()
                 # step 2: the deltas actually written, U = (I+L)⁻¹ R
@@ -694,11 +711,8 @@ def _chunk_scan_kernel(key_dim: int, copy_async: bool):
                 _wait_copies()
                 cuda.syncthreads()
                 for i in range(warp, n, num_warps):
-                    u = float32(0.0)
-                    row = uint32(i * chunk_size)
-                    for m in range(uint32(i + 1)):
-                        u += bits_f32(rows_s[row + m]) * r_s[m, ulane]
-                    u_s[i, lane] = u
+                    u_s[i, lane] = _staged_row_times(float32(0.0), rows_s, uint32(i * chunk_size), uint32(i + 1), r_s,
+                                                     ulane)
                 cuda.syncthreads()
                 # step 3a: what the old state returns for q_i, into R
                 _stage_words(qkv32, t0 * token_words + q_word, token_words, n, KW, rows_s, copy_async)
@@ -708,12 +722,7 @@ def _chunk_scan_kernel(key_dim: int, copy_async: bool):
                     t = t0 + i
                     decay = float32(math.exp(gcum[t, h]))
                     q_inv = qk_inv[t, hk, 0]
-                    sq = float32(0.0)
-                    row = uint32(i * KW)
-                    for w in range(KW):
-                        pair = rows_s[row + uint32(w)]
-                        sq += bf16x2_lo(pair) * s_tile[uint32(2 * w), ulane]
-                        sq += bf16x2_hi(pair) * s_tile[uint32(2 * w + 1), ulane]
+                    sq = _state_dot(rows_s, uint32(i * KW), s_tile, ulane, KW)
                     r_s[i, lane] = decay * (sq * q_inv)
                 cuda.syncthreads()
                 # step 3b: plus attention inside the chunk
@@ -722,10 +731,7 @@ def _chunk_scan_kernel(key_dim: int, copy_async: bool):
                 _wait_copies()
                 cuda.syncthreads()
                 for i in range(warp, n, num_warps):
-                    o = r_s[i, lane]
-                    row = uint32(i * chunk_size)
-                    for m in range(uint32(i + 1)):
-                        o += bits_f32(rows_s[row + m]) * u_s[m, ulane]
+                    o = _staged_row_times(r_s[i, lane], rows_s, uint32(i * chunk_size), uint32(i + 1), u_s, ulane)
                     if has_col:
                         out[t0 + i, h * value_dim + j] = f32_to_bf16(o)
                 cuda.syncthreads()

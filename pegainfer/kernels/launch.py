@@ -37,8 +37,8 @@ _stream: Any = 0
 _tracer: Optional[Callable] = None
 
 
-PDL_BY_DEFAULT = ("gemv", "gemv_add_rms_norm", "linear_skinny", "add_rms_norm_into", "paged_decode_attention",
-                  "gated_delta_decode_step")
+PDL_BY_DEFAULT = ("gemv", "gemv_add_rms_norm", "gemv_preloaded", "linear_skinny", "add_rms_norm_into",
+                  "paged_decode_attention", "gated_delta_decode_step")
 _PDL_SETTING = os.environ.get("PEGAINFER_PDL", ",".join(PDL_BY_DEFAULT))
 _PDL_ONLY = None if _PDL_SETTING in ("0", "1") else frozenset(_PDL_SETTING.split(","))
 

@@ -72,8 +72,9 @@ from pegainfer.kernels.norm import (add_pair, add_rms_norm_into, check_residual_
                                     normalize_pair, pairs_per_thread)
 from pegainfer.kernels.primitives import (WARP, as_words, bf16_to_f32, bf16x2_hi, bf16x2_lo, bits_f32, block_sum,
                                           cuda, device_fn, f32_to_bf16, float32, grid, kernel, load_u32x4,
-                                          mma_bf16_m16n8k16, pack_bf16x2, uint16, uint32, cp_async_16,
-                                          cp_async_commit, cp_async_wait_group,
+                                          mma_bf16_m16n8k16, pack_bf16x2, threads, uint16, uint32, cp_async_16,
+                                          cp_async_commit, cp_async_wait_group, bulk_barrier_init,
+                                          bulk_expect_bytes, bulk_copy, bulk_wait,
                                           warp_sums_to_shared, launch_dependents, grid_dependency_wait,
                                           pdl_prologue)
 
@@ -849,6 +850,170 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
     launch(kern, blocks, geo.warps * WARP, *args, np.float32(eps), np.float32(weight_offset),
            bool(round_before_weight), delta is not None, shared=shared,
            name="gemv_add_rms_norm" if x is None else "gemv", pdl=True)
+
+
+# ============================================================================ GEMV, one token, weights preloaded
+PRELOAD_THREADS = 256
+"""Block size of the preloaded GEMV (8 warps; one block per SM, its shared memory holding the block's rows)."""
+
+PRELOAD = True
+"""Whether ``linear_preloaded`` preloads at all (False: it is ``linear``; for A/B runs)."""
+
+PRELOAD_BULK = True
+"""Copy the preloaded rows with the copy engine (``cp.async.bulk``: a few instructions from one thread) rather than
+with every thread's 16-byte ``cp.async`` (40 per thread for a 160 KB slice, through the SM's load/store pipe, which
+the kernel before shares while it finishes on the same SM)."""
+
+BULK_CHUNK_BYTES = 16384
+"""Bytes per ``cp.async.bulk`` instruction of the preloaded GEMV."""
+
+
+@functools.cache
+def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False):
+    """Build the preloaded one-token GEMV for blocks of ``rows`` weight rows, ``K = k`` and ``nthreads`` threads
+    (all compile-time: the copy and dot loops unroll, and ``K / 2`` must be a multiple of ``nthreads``); ``bulk``:
+    copy with ``cp.async.bulk`` (``PRELOAD_BULK``)."""
+    K_WORDS = k // 2
+    XW = K_WORDS // nthreads                    # x words per lane (and weight words per lane and row)
+    assert XW * nthreads == K_WORDS, (k, nthreads)
+    SLICES = rows * (k // 8)                    # 16-byte pieces of the block's rows
+    COPIES = -(-SLICES // nthreads)             # ... per thread
+    WARPS = nthreads // WARP
+    RED = rows * K_WORDS                        # partial sums follow the rows in shared memory
+    BAR = RED + WARPS * rows + (WARPS * rows) % 2   # then the bulk copies' mbarrier (8-byte aligned)
+    BULK_CHUNKS = -(-rows * k * 2 // BULK_CHUNK_BYTES)
+    wait_copies = cp_async_wait_group(0)
+
+    @_bounded_kernel(nthreads)
+    def gemv_preloaded(x32, w32, out, n_rows):
+        """``out[0, n] = bf16(Σ_k x[k] · W[n, k])`` for one token, with the block's weight rows copied into shared
+        memory *before* the kernel waits for x: the projection after a latency-bound kernel (attention, the Gated
+        DeltaNet step), whose HBM traffic is otherwise idle while that kernel runs.
+
+        x32 ``[K/2]``, w32 ``[N · K/2]`` uint32 (bf16 pairs of x ``[1, K]`` and W ``[N, K]``), out ``[1, N]`` bf16
+        bits, ``n_rows`` = N.  Block b owns rows ``[b·rows, b·rows + rows)``: a contiguous run of ``rows · 2K``
+        bytes, which fits in one SM's shared memory (``preload_rows``: N / #SMs rows, e.g. 20 × 4096 bf16 = 160 KB
+        for the o projection of Qwen3-4B / Qwen3.5-4B: the whole 21 MB matrix sits in 128 SMs at once).
+
+        1. Every thread starts ``cp.async`` copies of its 16-byte pieces of the rows (none waits for them) -- or,
+           with ``bulk``, thread 0 starts ``cp.async.bulk`` copies of 16 KB runs, counted by an mbarrier -- then the
+           block waits for the kernel before (PDL: ``launch`` starts this kernel as soon as that one lets it, so the
+           copies stream while it still runs).
+        2. Lane ``l`` of warp ``w`` reads its ``K / (2 · threads)`` words of x, at ``w · 32 · XW + l + 32 i``
+           (coalesced), then waits for its copies and the block barrier.
+        3. For every row r, ``acc[r] = Σ_i W_r[word] · x[word]`` over the same words (a warp reads 32 consecutive
+           words of a row: no bank conflicts), in word order, low half first.
+        4. ``warp_sums_to_shared``, then thread r sums the warps' partials in warp order and writes ``bf16``.
+        The next kernel may launch once every block has its dot products (``launch_dependents``).
+        """
+        ws = cuda.shared.array(0, nbtypes.uint32)
+        tid = uint32(cuda.threadIdx.x)
+        lane = tid % uint32(WARP)
+        warp = tid // uint32(WARP)
+        row0 = cuda.blockIdx.x * rows
+        n_here = min(rows, n_rows - row0)
+        src = uint32(row0 * K_WORDS)
+        if bulk:
+            n_bytes = uint32(n_here * k * 2)
+            if tid == 0:
+                bulk_barrier_init(ws, BAR)
+                bulk_expect_bytes(ws, BAR, n_bytes)
+                for i in range(BULK_CHUNKS):
+                    at = uint32(i * BULK_CHUNK_BYTES)
+                    if at < n_bytes:
+                        bulk_copy(ws, at // uint32(4), w32, src + at // uint32(4),
+                                  min(uint32(BULK_CHUNK_BYTES), n_bytes - at), ws, BAR)
+            cuda.syncthreads()                  # the barrier is initialised before anyone waits on it
+        else:
+            n_pieces = uint32(n_here * (k // 8))
+            for i in range(COPIES):
+                piece = tid + uint32(i * nthreads)
+                if piece < n_pieces:
+                    cp_async_16(ws, uint32(4) * piece, w32, src + uint32(4) * piece, 16)
+            cp_async_commit()
+        grid_dependency_wait()
+
+        base = warp * uint32(WARP * XW) + lane
+        xlo = cuda.local.array(XW, float32)
+        xhi = cuda.local.array(XW, float32)
+        for i in range(XW):
+            word = x32[base + uint32(32 * i)]
+            xlo[i] = bf16x2_lo(word)
+            xhi[i] = bf16x2_hi(word)
+        if bulk:
+            bulk_wait(ws, BAR)
+        else:
+            wait_copies()
+            cuda.syncthreads()
+
+        acc = cuda.local.array(rows, float32)
+        for r in range(rows):
+            a = float32(0.0)
+            for i in range(XW):
+                word = ws[base + uint32(r * K_WORDS + 32 * i)]
+                a += bf16x2_lo(word) * xlo[i]
+                a += bf16x2_hi(word) * xhi[i]
+            acc[r] = a
+        launch_dependents()
+        warp_sums_to_shared(acc, rows, ws, uint32(RED) + warp * uint32(rows), True)   # f32 bits
+        cuda.syncthreads()
+        if tid < n_here:
+            v = float32(0.0)
+            for w_ in range(WARPS):
+                v += bits_f32(ws[uint32(RED + w_ * rows) + tid])
+            out[0, row0 + tid] = f32_to_bf16(v)
+
+    return gemv_preloaded
+
+
+def _shared_optin() -> int:
+    """Shared memory one block may opt in to (227 KB on the H200; a nominal 227 KB in the simulator)."""
+    if SIMULATOR:
+        return 227 * 1024
+    return int(cuda.get_current_device().MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+
+
+def _preload_shared(rows: int, k: int, nthreads: int) -> int:
+    """Bytes of dynamic shared memory of the preloaded GEMV: the rows, the warps' partial sums, the mbarrier."""
+    partials = rows * nthreads // WARP
+    return 4 * (rows * k // 2 + partials + partials % 2 + 2)
+
+
+def preload_rows(n_rows: int, k: int) -> int:
+    """Rows per block of the preloaded GEMV for a ``[n_rows, k]`` weight: the matrix spread over one block per SM;
+    0 when that does not fit in shared memory (or K does not split evenly over the block's lanes)."""
+    nthreads = threads(gpu=PRELOAD_THREADS, sim=WARP)
+    if k % (2 * nthreads) or n_rows == 0:
+        return 0
+    rows = -(-n_rows // _sm_count())
+    if rows > nthreads or _preload_shared(rows, k, nthreads) > _shared_optin():
+        return 0
+    return rows
+
+
+def linear_preloaded(x, w, out) -> None:
+    """``linear(x, w, out)`` for a projection that follows a latency-bound kernel.  For one token, when the whole
+    matrix fits in the SMs' shared memory (``preload_rows``), it is the preloaded GEMV (``_gemv_preloaded_kernel``):
+    launched with PDL, its blocks copy their weight rows in while the kernel before still runs, so only the dot
+    products from shared memory are left once x is ready.  How early it starts is up to the kernel before: decode
+    attention lets it launch after its last K/V load, the Gated DeltaNet step at its start (attention letting it
+    launch at its start, or right after its own PDL wait, measured no better on the H200: its copies then slow the
+    attention's dependent loads; ``benchmarks/RESULTS.md``, session 11).  Otherwise, and when ``PRELOAD`` is off, it
+    is ``linear``."""
+    _check(x, w, out, False, None)
+    rows = preload_rows(*w.shape) if PRELOAD and x.shape[0] == 1 and default_impl(1) == "gemv" else 0
+    if rows == 0:
+        _run(x, w, out, False, None)
+        return
+    n_rows, k = w.shape
+    nthreads = threads(gpu=PRELOAD_THREADS, sim=WARP)
+    launch(_gemv_preloaded_kernel(rows, k, nthreads, PRELOAD_BULK), -(-n_rows // rows), nthreads, as_words(x),
+           as_words(w), out, n_rows, shared=_preload_shared(rows, k, nthreads), name="gemv_preloaded", pdl=True)
+
+
+def preloads(x_tokens: int, w) -> bool:
+    """Whether ``linear_preloaded`` takes the preloaded GEMV for ``x_tokens`` tokens and weight ``w``."""
+    return bool(PRELOAD and x_tokens == 1 and default_impl(1) == "gemv" and preload_rows(*w.shape))
 
 
 # ================================================================================================ GEMM, FMA tiles

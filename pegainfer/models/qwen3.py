@@ -116,7 +116,7 @@ class Qwen3Model(DecoderModel):
                                         q_head_stride=self.D)
                 attention.paged_attention(q, self.k_cache[i], self.v_cache[i], block_tables, slots, pos, attn,
                                           scale, self.attn_workspace, decode=decode)
-            linear.linear(attn_flat, lw["o"], delta)
+            linear.linear_preloaded(attn_flat, lw["o"], delta)   # its weights copied in while attention ends
             linear.linear_add_rms_norm(residual, delta, lw["post_ln"], eps, spare, lw["gate_up"], act, gated=True,
                                        normed_out=normed)
             residual, spare = spare, residual

@@ -253,7 +253,7 @@ class Qwen35Model(DecoderModel):
         attention.paged_attention(q, self.k_cache[j], self.v_cache[j], block_tables, slots, pos, attn,
                                   1.0 / math.sqrt(self.D), self.attn_workspace, decode=decode, gate=qkv)
         attn_flat = self.attn.reshape(self.max_tokens, self.nq * self.D)[:T]
-        linear.linear(attn_flat, lw["o"], delta)
+        linear.linear_preloaded(attn_flat, lw["o"], delta)   # its weights copied in while attention ends
 
     def _linear_attention(self, j, lw, delta, T, pos, seq_slots, seq_offsets, token_by_token,
                           decode_slots=None) -> None:
@@ -277,4 +277,4 @@ class Qwen35Model(DecoderModel):
             gated_delta.gated_delta_chunked(mixed, a, b, lw["A_log"], lw["dt_bias"], self.ssm_state[j], seq_slots,
                                             seq_offsets, core, self.chunk_scratch, max_seq_tokens=T)
             gated_delta.gated_rms_norm(core, z, lw["norm"], core, eps)
-        linear.linear(core, lw["out_proj"], delta)
+        linear.linear_preloaded(core, lw["out_proj"], delta)   # copied in while the step runs (it releases at once)

@@ -339,6 +339,48 @@ def test_linear_add_rms_norm_rejects(rng):
         linear_add_rms_norm(r[:1], None, cuda.to_device(np.zeros(H - 8, np.uint16)), 1e-6, r[1:], w, out)
 
 
+KP = 2 * lin.threads(gpu=lin.PRELOAD_THREADS, sim=32)
+"""K of the preloaded GEMV is a multiple of this (two bf16 per lane and block thread): 64 here, 512 on a GPU."""
+
+
+@pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "cp_async"])
+@pytest.mark.parametrize("N,k_units", [(40, 1), (9, 2), (64, 3)])
+def test_linear_preloaded_matches_numpy(N, k_units, bulk, rng, monkeypatch):
+    """The preloaded one-token GEMV (weights copied into shared memory before the PDL wait, by the copy engine or
+    by every thread).  In the simulator (4 SMs counted) N = 40 gives 4 blocks of 10 rows, N = 9 gives 3 blocks of
+    3, N = 64 blocks of 16; on a GPU the last block of a run is partial."""
+    monkeypatch.setattr(lin, "PRELOAD_BULK", bulk)
+    K = KP * k_units
+    assert lin.preload_rows(N, K) > 0
+    xb, x = bf16_randn((1, K), rng)
+    wb, w = bf16_randn((N, K), rng, scale=0.1)
+    got = run(lin.linear_preloaded, xb, wb, N)
+    assert rel_l2(got, x @ w.T) < 1e-2
+    assert np.array_equal(got, bf16_round(got)), "outputs must be bf16 values"
+    assert lin.preloads(1, cuda.to_device(wb))
+
+
+def test_linear_preloaded_falls_back(rng, monkeypatch):
+    """More tokens, a K that does not split over the block's lanes, or ``PRELOAD`` off: ``linear`` itself."""
+    for T, N, K in ((3, 40, KP), (1, 40, KP + 8)):
+        xb, x = bf16_randn((T, K), rng)
+        wb, w = bf16_randn((N, K), rng, scale=0.1)
+        assert not lin.preloads(T, cuda.to_device(wb))
+        assert np.array_equal(run(lin.linear_preloaded, xb, wb, N), run(linear, xb, wb, N))
+    monkeypatch.setattr(lin, "PRELOAD", False)
+    assert not lin.preloads(1, cuda.to_device(np.zeros((40, KP), np.uint16)))
+    assert lin.preload_rows(40, KP) > 0          # the shape itself would fit
+
+
+def test_preload_rows_limits(monkeypatch):
+    monkeypatch.setattr(lin, "_sm_count", lambda: 132)
+    monkeypatch.setattr(lin, "_shared_optin", lambda: 227 * 1024)
+    monkeypatch.setattr(lin, "threads", lambda gpu, sim: gpu)
+    assert lin.preload_rows(2560, 4096) == 20      # Qwen3-4B / Qwen3.5-4B o: 160 KB a block, 128 blocks
+    assert lin.preload_rows(4096, 4096) == 0       # Qwen3-8B o: 256 KB a block does not fit
+    assert lin.preload_rows(2560, 4100) == 0       # K / 2 not a multiple of 256
+
+
 # ------------------------------------------------------------------------------------------------ GPU only
 QWEN3_4B = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728),
             "lm_head": (151936, 2560)}
@@ -366,6 +408,21 @@ def test_qwen3_4b_shapes_every_path(name):
             if not err < 1e-2:
                 failures.append((impl, T, err))
     assert not failures, f"{name}: (impl, T, rel L2) over 1e-2: {failures}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "cp_async"])
+def test_linear_preloaded_qwen3_4b_o(bulk, monkeypatch):
+    """The preloaded GEMV on the o projection it serves (2560 × 4096), against NumPy and the streaming GEMV."""
+    monkeypatch.setattr(lin, "PRELOAD_BULK", bulk)
+    rng = np.random.default_rng(5)
+    N, K = QWEN3_4B["o"]
+    assert lin.preloads(1, cuda.to_device(np.zeros((N, K), np.uint16)))
+    wb, w = bf16_randn((N, K), rng, scale=K ** -0.5)
+    xb, x = bf16_randn((1, K), rng)
+    got = run(lin.linear_preloaded, xb, wb, N)
+    assert rel_l2(got, x @ w.T) < 1e-2
+    assert rel_l2(got, run(linear, xb, wb, N)) < 1e-2
 
 
 @pytest.mark.gpu

@@ -108,10 +108,16 @@ def _allow_shared(kernel, args, shared: int) -> None:
     _shared_opt_ins[key] = shared
 
 
+def overlaps(name: str | None) -> bool:
+    """Whether a ``launch(..., name=name, pdl=True)`` really may overlap the kernel before it (PDL available, not
+    turned off, and on for that name)."""
+    return _launch_pdl is not None and (_PDL_ONLY is None or name in _PDL_ONLY)
+
+
 def _launch(kernel, grid, block, args, shared, pdl, name):
     if shared > STATIC_SHARED_LIMIT and not SIMULATOR:
         _allow_shared(kernel, args, shared)
-    if pdl and _launch_pdl is not None and (_PDL_ONLY is None or name in _PDL_ONLY):
+    if pdl and overlaps(name):
         _launch_pdl(kernel, grid, block, _stream, shared, args)
     else:
         kernel[grid, block, _stream, shared](*args)

@@ -67,7 +67,7 @@ from pegainfer.errors import PegainferError
 from numba import types as nbtypes  # noqa: E402  (after pegainfer.device: it picks GPU or simulator)
 from pegainfer.kernels import norm
 from pegainfer.kernels.activation import silu
-from pegainfer.kernels.launch import launch
+from pegainfer.kernels.launch import launch, overlaps
 from pegainfer.kernels.norm import (add_pair, add_rms_norm_into, check_residual_buffers, inverse_rms,
                                     normalize_pair, pairs_per_thread)
 from pegainfer.kernels.primitives import (WARP, as_words, bf16_to_f32, bf16x2_hi, bf16x2_lo, bits_f32, block_sum,
@@ -1001,7 +1001,7 @@ def linear_preloaded(x, w, out) -> None:
     attention's dependent loads; ``benchmarks/RESULTS.md``, session 11).  Otherwise, and when ``PRELOAD`` is off, it
     is ``linear``."""
     _check(x, w, out, False, None)
-    rows = preload_rows(*w.shape) if PRELOAD and x.shape[0] == 1 and default_impl(1) == "gemv" else 0
+    rows = preload_rows(*w.shape) if _preload_on(x.shape[0]) else 0
     if rows == 0:
         _run(x, w, out, False, None)
         return
@@ -1011,9 +1011,15 @@ def linear_preloaded(x, w, out) -> None:
            as_words(w), out, n_rows, shared=_preload_shared(rows, k, nthreads), name="gemv_preloaded", pdl=True)
 
 
+def _preload_on(x_tokens: int) -> bool:
+    """One token on the GEMV path, and its launch overlaps the kernel before (PDL: sm_90+, which the bulk copies
+    need too; without the overlap there is nothing to gain).  The simulator runs the kernel anyway (tests)."""
+    return PRELOAD and x_tokens == 1 and default_impl(1) == "gemv" and (SIMULATOR or overlaps("gemv_preloaded"))
+
+
 def preloads(x_tokens: int, w) -> bool:
     """Whether ``linear_preloaded`` takes the preloaded GEMV for ``x_tokens`` tokens and weight ``w``."""
-    return bool(PRELOAD and x_tokens == 1 and default_impl(1) == "gemv" and preload_rows(*w.shape))
+    return bool(_preload_on(x_tokens) and preload_rows(*w.shape))
 
 
 # ================================================================================================ GEMM, FMA tiles

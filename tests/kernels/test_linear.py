@@ -372,6 +372,16 @@ def test_linear_preloaded_falls_back(rng, monkeypatch):
     assert lin.preload_rows(40, KP) > 0          # the shape itself would fit
 
 
+def test_linear_preloaded_needs_overlap(monkeypatch):
+    """On a GPU without PDL (before sm_90, or ``PEGAINFER_PDL=0``) the copies could overlap nothing: no preload."""
+    monkeypatch.setattr(lin, "SIMULATOR", False)
+    monkeypatch.setattr(lin, "default_impl", lambda n: "gemv")
+    monkeypatch.setattr(lin, "overlaps", lambda name: False)
+    assert not lin._preload_on(1)
+    monkeypatch.setattr(lin, "overlaps", lambda name: name == "gemv_preloaded")
+    assert lin._preload_on(1) and not lin._preload_on(2)
+
+
 def test_preload_rows_limits(monkeypatch):
     monkeypatch.setattr(lin, "_sm_count", lambda: 132)
     monkeypatch.setattr(lin, "_shared_optin", lambda: 227 * 1024)

@@ -32,6 +32,10 @@ simulator the GEMV up to 8 tokens and the FMA tiles above.
   Portable: it is what runs in the simulator (where inline PTX cannot run) and the reference the mma path is
   checked against.
 
+``linear_preloaded`` is the one-token projection that follows a latency-bound kernel (the o projection after
+attention): when the whole matrix fits in the SMs' shared memory, each block copies its rows in before its PDL
+wait, while the kernel before still runs, and only multiplies once x is ready.
+
 ``linear_silu_mul`` fuses the MLP's gate/up projection with SwiGLU.  ``w_gate_up [2I, K]`` holds the gate rows then
 the up rows (as the loader concatenates ``gate_proj`` and ``up_proj``).  Every kernel here sees it as 2I *logical
 columns interleaved in pairs*: logical column ``2j`` is gate row ``j`` and ``2j + 1`` is up row ``I + j``
@@ -900,7 +904,8 @@ def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False)
            block waits for the kernel before (PDL: ``launch`` starts this kernel as soon as that one lets it, so the
            copies stream while it still runs).
         2. Lane ``l`` of warp ``w`` reads its ``K / (2 · threads)`` words of x, at ``w · 32 · XW + l + 32 i``
-           (coalesced), then waits for its copies and the block barrier.
+           (coalesced), then waits for the rows: on the mbarrier (``bulk``), or for its own copies and then the
+           block barrier.
         3. For every row r, ``acc[r] = Σ_i W_r[word] · x[word]`` over the same words (a warp reads 32 consecutive
            words of a row: no bank conflicts), in word order, low half first.
         4. ``warp_sums_to_shared``, then thread r sums the warps' partials in warp order and writes ``bf16``.

@@ -868,15 +868,23 @@ PRELOAD_BULK = True
 with every thread's 16-byte ``cp.async`` (40 per thread for a 160 KB slice, through the SM's load/store pipe, which
 the kernel before shares while it finishes on the same SM)."""
 
+PRELOAD_RELEASES = ("dots", "copies")
+PRELOAD_RELEASE = "dots"
+"""When a block of the preloaded GEMV lets the next kernel launch: once its dot products are done (``dots``, measured
+in session 11), or as soon as its copies are issued (``copies``: the next GEMV's blocks may then take the SM room
+the preloaded kernel leaves and issue their first weight loads during attention; not yet measured)."""
+
 BULK_CHUNK_BYTES = 16384
 """Bytes per ``cp.async.bulk`` instruction of the preloaded GEMV."""
 
 
 @functools.cache
-def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False):
+def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False, release: str = "dots"):
     """Build the preloaded one-token GEMV for blocks of ``rows`` weight rows, ``K = k`` and ``nthreads`` threads
     (all compile-time: the copy and dot loops unroll, and ``K / 2`` must be a multiple of ``nthreads``); ``bulk``:
-    copy with ``cp.async.bulk`` (``PRELOAD_BULK``)."""
+    copy with ``cp.async.bulk`` (``PRELOAD_BULK``); ``release``: ``PRELOAD_RELEASES``."""
+    assert release in PRELOAD_RELEASES, release
+    RELEASE_AT_COPIES = release == "copies"
     K_WORDS = k // 2
     XW = K_WORDS // nthreads                    # x words per lane (and weight words per lane and row)
     assert XW * nthreads == K_WORDS, (k, nthreads)
@@ -909,7 +917,8 @@ def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False)
         3. For every row r, ``acc[r] = Σ_i W_r[word] · x[word]`` over the same words (a warp reads 32 consecutive
            words of a row: no bank conflicts), in word order, low half first.
         4. ``warp_sums_to_shared``, then thread r sums the warps' partials in warp order and writes ``bf16``.
-        The next kernel may launch once every block has its dot products (``launch_dependents``).
+        The next kernel may launch once every block has its dot products (``launch_dependents``), or with
+        ``release="copies"`` once its copies are issued.
         """
         ws = cuda.shared.array(0, nbtypes.uint32)
         tid = uint32(cuda.threadIdx.x)
@@ -936,6 +945,8 @@ def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False)
                 if piece < n_pieces:
                     cp_async_16(ws, uint32(4) * piece, w32, src + uint32(4) * piece, 16)
             cp_async_commit()
+        if RELEASE_AT_COPIES:
+            launch_dependents()
         grid_dependency_wait()
 
         base = warp * uint32(WARP * XW) + lane
@@ -959,7 +970,8 @@ def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False)
                 a += bf16x2_lo(word) * xlo[i]
                 a += bf16x2_hi(word) * xhi[i]
             acc[r] = a
-        launch_dependents()
+        if not RELEASE_AT_COPIES:
+            launch_dependents()
         warp_sums_to_shared(acc, rows, ws, uint32(RED) + warp * uint32(rows), True)   # f32 bits
         cuda.syncthreads()
         if tid < n_here:
@@ -1012,8 +1024,9 @@ def linear_preloaded(x, w, out) -> None:
         return
     n_rows, k = w.shape
     nthreads = threads(gpu=PRELOAD_THREADS, sim=WARP)
-    launch(_gemv_preloaded_kernel(rows, k, nthreads, PRELOAD_BULK), -(-n_rows // rows), nthreads, as_words(x),
-           as_words(w), out, n_rows, shared=_preload_shared(rows, k, nthreads), name="gemv_preloaded", pdl=True)
+    kern = _gemv_preloaded_kernel(rows, k, nthreads, PRELOAD_BULK, PRELOAD_RELEASE)
+    launch(kern, -(-n_rows // rows), nthreads, as_words(x), as_words(w), out, n_rows,
+           shared=_preload_shared(rows, k, nthreads), name="gemv_preloaded", pdl=True)
 
 
 def _preload_on(x_tokens: int) -> bool:

@@ -343,13 +343,14 @@ KP = 2 * lin.threads(gpu=lin.PRELOAD_THREADS, sim=32)
 """K of the preloaded GEMV is a multiple of this (two bf16 per lane and block thread): 64 here, 512 on a GPU."""
 
 
-@pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "cp_async"])
+@pytest.mark.parametrize("bulk,release", [(True, "dots"), (False, "dots"), (True, "copies")])
 @pytest.mark.parametrize("N,k_units", [(40, 1), (9, 2), (64, 3)])
-def test_linear_preloaded_matches_numpy(N, k_units, bulk, rng, monkeypatch):
+def test_linear_preloaded_matches_numpy(N, k_units, bulk, release, rng, monkeypatch):
     """The preloaded one-token GEMV (weights copied into shared memory before the PDL wait, by the copy engine or
     by every thread).  In the simulator (4 SMs counted) N = 40 gives 4 blocks of 10 rows, N = 9 gives 3 blocks of
     3, N = 64 blocks of 16; on a GPU the last block of a run is partial."""
     monkeypatch.setattr(lin, "PRELOAD_BULK", bulk)
+    monkeypatch.setattr(lin, "PRELOAD_RELEASE", release)
     K = KP * k_units
     assert lin.preload_rows(N, K) > 0
     xb, x = bf16_randn((1, K), rng)

@@ -983,6 +983,7 @@ def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False,
     return gemv_preloaded
 
 
+@functools.cache
 def _shared_optin() -> int:
     """Shared memory one block may opt in to (227 KB on the H200; a nominal 227 KB in the simulator)."""
     if SIMULATOR:
@@ -1030,9 +1031,9 @@ def linear_preloaded(x, w, out) -> None:
 
 
 def _preload_on(x_tokens: int) -> bool:
-    """One token on the GEMV path, and its launch overlaps the kernel before (PDL: sm_90+, which the bulk copies
+    """One token, and its launch overlaps the kernel before (PDL: sm_90+, which the bulk copies
     need too; without the overlap there is nothing to gain).  The simulator runs the kernel anyway (tests)."""
-    return PRELOAD and x_tokens == 1 and default_impl(1) == "gemv" and (SIMULATOR or overlaps("gemv_preloaded"))
+    return PRELOAD and x_tokens == 1 and (SIMULATOR or overlaps("gemv_preloaded"))
 
 
 def preloads(x_tokens: int, w) -> bool:

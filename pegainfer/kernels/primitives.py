@@ -520,23 +520,29 @@ if SIMULATOR:
     def bulk_wait(bar, i):
         pass
 else:
+    def _element_pointer(context, builder, arrty, arr, idx, idxty):
+        """LLVM pointer to ``arr[idx]`` (no wraparound)."""
+        ary = context.make_array(arrty)(context, builder, value=arr)
+        return cgutils.get_item_pointer(context, builder, arrty, ary, [context.cast(builder, idx, idxty, types.intp)],
+                                        wraparound=False)
+
+    def _to_shared(operand: str, reg: str) -> str:
+        """PTX declaring the 32-bit register ``reg`` and setting it to the shared-memory address of the generic
+        pointer ``operand``."""
+        return f".reg .u64 {reg}_g; .reg .u32 {reg}; cvta.to.shared.u64 {reg}_g, {operand}; cvt.u32.u64 {reg}, {reg}_g;"
+
     @intrinsic
     def cp_async_16(typingctx, dst, i, src, j, nbytes):
         """``cp.async.cg.shared.global [dst + 4i], [src + 4j], 16, nbytes``."""
         sig = types.void(dst, i, src, j, nbytes)
 
         def codegen(context, builder, sig, args):
-            def pointer(arrty, arr, idx, idxty):
-                ary = context.make_array(arrty)(context, builder, value=arr)
-                return cgutils.get_item_pointer(context, builder, arrty, ary,
-                                                [context.cast(builder, idx, idxty, types.intp)], wraparound=False)
-            d = pointer(sig.args[0], args[0], args[1], sig.args[1])
-            s = pointer(sig.args[2], args[2], args[3], sig.args[3])
+            d = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            s = _element_pointer(context, builder, sig.args[2], args[2], args[3], sig.args[3])
             n = context.cast(builder, args[4], sig.args[4], types.uint32)
             asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [d.type, s.type, ir.IntType(32)]),
-                               "{ .reg .u64 sa; .reg .u32 sb; cvta.to.shared.u64 sa, $0; cvt.u32.u64 sb, sa; "
-                               "cp.async.cg.shared.global [sb], [$1], 16, $2; }", "l,l,r,~{memory}",
-                               side_effect=True)
+                               "{ " + _to_shared("$0", "sb") + " cp.async.cg.shared.global [sb], [$1], 16, $2; }",
+                               "l,l,r,~{memory}", side_effect=True)
             builder.call(asm, [d, s, n])
             return context.get_dummy_value()
 
@@ -557,13 +563,6 @@ else:
 
     cp_async_commit = _asm_statement("cp.async.commit_group;")
 
-    def _shared_pointer(context, builder, arrty, arr, idx, idxty):
-        ary = context.make_array(arrty)(context, builder, value=arr)
-        return cgutils.get_item_pointer(context, builder, arrty, ary, [context.cast(builder, idx, idxty, types.intp)],
-                                        wraparound=False)
-
-    _TO_SHARED = "cvta.to.shared.u64 sa, $0; cvt.u32.u64 sb, sa;"
-
     @intrinsic
     def bulk_barrier_init(typingctx, bar, i):
         """``mbarrier.init`` of the 8-byte barrier at words ``bar[i:i+2]`` (shared, ``i`` even) for one arrival, and
@@ -571,9 +570,9 @@ else:
         sig = types.void(bar, i)
 
         def codegen(context, builder, sig, args):
-            b = _shared_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            b = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
             asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [b.type]),
-                               "{ .reg .u64 sa; .reg .u32 sb; " + _TO_SHARED + " mbarrier.init.shared::cta.b64 [sb], 1; "
+                               "{ " + _to_shared("$0", "sb") + " mbarrier.init.shared::cta.b64 [sb], 1; "
                                "fence.mbarrier_init.release.cluster; fence.proxy.async.shared::cta; }",
                                "l,~{memory}", side_effect=True)
             builder.call(asm, [b])
@@ -588,11 +587,10 @@ else:
         sig = types.void(bar, i, nbytes)
 
         def codegen(context, builder, sig, args):
-            b = _shared_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            b = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
             n = context.cast(builder, args[2], sig.args[2], types.uint32)
             asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [b.type, ir.IntType(32)]),
-                               "{ .reg .u64 sa; .reg .u32 sb; " + _TO_SHARED +
-                               " mbarrier.arrive.expect_tx.shared::cta.b64 _, [sb], $1; }", "l,r,~{memory}",
+                               "{ " + _to_shared("$0", "sb") + " mbarrier.arrive.expect_tx.shared::cta.b64 _, [sb], $1; }", "l,r,~{memory}",
                                side_effect=True)
             builder.call(asm, [b, n])
             return context.get_dummy_value()
@@ -607,14 +605,12 @@ else:
         sig = types.void(dst, i, src, j, nbytes, bar, b)
 
         def codegen(context, builder, sig, args):
-            d = _shared_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            s_ = _shared_pointer(context, builder, sig.args[2], args[2], args[3], sig.args[3])
-            bp = _shared_pointer(context, builder, sig.args[5], args[5], args[6], sig.args[6])
+            d = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            s_ = _element_pointer(context, builder, sig.args[2], args[2], args[3], sig.args[3])
+            bp = _element_pointer(context, builder, sig.args[5], args[5], args[6], sig.args[6])
             n = context.cast(builder, args[4], sig.args[4], types.uint32)
             asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [d.type, s_.type, ir.IntType(32), bp.type]),
-                               "{ .reg .u64 da, ba; .reg .u32 db, bb; cvta.to.shared.u64 da, $0; cvt.u32.u64 db, da; "
-                               "cvta.to.shared.u64 ba, $3; cvt.u32.u64 bb, ba; "
-                               "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [db], [$1], $2, [bb]; }",
+                               "{ " + _to_shared("$0", "db") + " " + _to_shared("$3", "bb") + " cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [db], [$1], $2, [bb]; }",
                                "l,l,r,l,~{memory}", side_effect=True)
             builder.call(asm, [d, s_, n, bp])
             return context.get_dummy_value()
@@ -626,10 +622,9 @@ else:
         sig = types.uint32(bar, i)
 
         def codegen(context, builder, sig, args):
-            b = _shared_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            b = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
             asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [b.type]),
-                               "{ .reg .u64 sa; .reg .u32 sb; .reg .pred p; cvta.to.shared.u64 sa, $1; "
-                               "cvt.u32.u64 sb, sa; mbarrier.try_wait.parity.shared::cta.b64 p, [sb], 0; "
+                               "{ .reg .pred p; " + _to_shared("$1", "sb") + " mbarrier.try_wait.parity.shared::cta.b64 p, [sb], 0; "
                                "selp.u32 $0, 1, 0, p; }", "=r,l,~{memory}", side_effect=True)
             return builder.call(asm, [b])
 

@@ -376,7 +376,6 @@ def test_linear_preloaded_falls_back(rng, monkeypatch):
 def test_linear_preloaded_needs_overlap(monkeypatch):
     """On a GPU without PDL (before sm_90, or ``PEGAINFER_PDL=0``) the copies could overlap nothing: no preload."""
     monkeypatch.setattr(lin, "SIMULATOR", False)
-    monkeypatch.setattr(lin, "default_impl", lambda n: "gemv")
     monkeypatch.setattr(lin, "overlaps", lambda name: False)
     assert not lin._preload_on(1)
     monkeypatch.setattr(lin, "overlaps", lambda name: name == "gemv_preloaded")

@@ -75,11 +75,13 @@ into one kernel with bit-identical results; the three kernels stay for prompts a
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from pegainfer.device import SIMULATOR
+from pegainfer.errors import PegainferError
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.norm import inverse_rms
 from pegainfer.kernels.primitives import (WARP, as_words, bf16_to_f32, bf16x2_hi, bf16x2_lo, bits_f32,
@@ -903,15 +905,19 @@ def _bounded_kernel(threads_per_block: int):
 
 @functools.cache
 def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per_thread: int, decode: bool = False,
-                        taps: int = 4):
+                        taps: int = 4, release: str = "loads"):
     """Build the fused decode step for heads of ``key_dim × value_dim``, ``row_groups`` key-row classes (the
     summation order of ``gated_delta_recurrent`` with that many warps) and ``tiles_per_thread`` 32-column tiles
     per thread.  All four are compile-time constants: the per-thread state is a register array of
     ``ceil(Dk / row_groups) · tiles_per_thread`` f32 whose loops unroll, and with the head dims known every
     state element's address is one base register plus an immediate offset.  ``decode``: every sequence is one
     token and sequence ``b`` is token ``b`` (the PDL early loads below); ``taps``: the conv's kernel size (decode
-    mode holds a thread's conv weights and older inputs in registers)."""
+    mode holds a thread's conv weights and older inputs in registers); ``release``: ``DECODE_STEP_RELEASES``."""
+    assert release in DECODE_STEP_RELEASES, release
     DECODE = decode
+    RELEASE_AT_START = not decode or release == "start"
+    RELEASE_AFTER_LOADS = decode and release == "loads"
+    RELEASE_AFTER_OUTPUTS = decode and release == "outputs"
     KD = key_dim
     VD = value_dim
     R = row_groups
@@ -995,11 +1001,11 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
         a block first loads what no kernel of the step writes for its first item -- its state, its conv weights and
         older ring inputs, the norm weights -- into registers, then waits for the projection and issues its loads
         of ``x``, ``a``, ``b`` and ``z`` together: one memory round trip after the wait.  It lets the next kernel
-        launch at its start (measured on the H200: letting it launch only after the last load instead changed
-        nothing, Qwen3.5-4B 2.921 vs 2.909 ms).
+        launch where ``release`` says (``DECODE_STEP_RELEASE``).
         """
         if DECODE:
-            launch_dependents()
+            if RELEASE_AT_START:
+                launch_dependents()
         else:
             pdl_prologue()
         num_v_heads = a_log.shape[0]
@@ -1126,6 +1132,8 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                                 qk_s[uint64(c)] = val
                             else:
                                 v_s[uint64(c - 2 * KD)] = val
+                    if RELEASE_AFTER_LOADS:
+                        launch_dependents()     # every load that waited for in_proj has arrived
                 else:
                     for c0 in range(0, CONV_CHANNELS, NT):
                         c = c0 + tid
@@ -1214,6 +1222,8 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                             out[t, col] = gated_norm_value(o_s[uint64(j)], inv_rms, nw[r], zin[r])
                         else:
                             out[t, col] = gated_norm_value(o_s[uint64(j)], inv_rms, norm_weight[j], z[t, col])
+                if RELEASE_AFTER_OUTPUTS:
+                    launch_dependents()         # only the state write-back is left
 
                 if t == start + n - 1:  # the head's last token: its state back
                     for m in range(TPT):
@@ -1234,6 +1244,17 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
 
     return gated_delta_decode_step_kernel
 
+
+DECODE_STEP_RELEASES = ("start", "loads", "outputs")
+DECODE_STEP_RELEASE = os.environ.get("PEGAINFER_GDN_RELEASE", "loads")
+"""Where a block of the decode step lets the next kernel (out_proj) launch (PDL): at its ``start``, once the loads
+that wait for in_proj have arrived (``loads``, the default), or once its outputs are written (``outputs``: only the
+state write-back left).  The next kernel is the preloaded out_proj (``linear.linear_preloaded``): its 21 MB of
+weight copies share HBM with whatever loads of this kernel are still in flight, so they should start once this
+kernel's dependent loads are done (as decode attention releases o after its last K/V load).  Measured on the H200
+(Qwen3.5-4B, alternating in one call, ``benchmarks/RESULTS.md`` session 12): TPOT 2.780 ms at the start, 2.758
+after the loads, 2.776 after the outputs.  (Before the preload, the start and after the last load measured the
+same: 2.909 vs 2.921 ms.)"""
 
 DECODE_TILES_PER_THREAD = 4
 """32-column tiles of the state per thread in ``gated_delta_decode_step``.  With Qwen3.5's 128 × 128 heads and
@@ -1277,7 +1298,10 @@ def gated_delta_decode_step(x, conv_weight, conv_state, z, a, b, a_log, dt_bias,
     if decode:
         assert decode_token_slots.dtype == np.int32 and decode_token_slots.shape == (num_tokens,)
         assert slot_ids.shape[0] == num_tokens, "a decode step has one sequence per token"
-    launch(_decode_step_kernel(key_dim, value_dim, row_groups, tiles_per_thread, decode, taps),
+    if DECODE_STEP_RELEASE not in DECODE_STEP_RELEASES:
+        raise PegainferError(f"PEGAINFER_GDN_RELEASE={DECODE_STEP_RELEASE!r} is not one of {DECODE_STEP_RELEASES}: "
+                             "unset it or pick one of those")
+    launch(_decode_step_kernel(key_dim, value_dim, row_groups, tiles_per_thread, decode, taps, DECODE_STEP_RELEASE),
            grid(max(1, slot_ids.shape[0] * num_v_heads), sim_cap=8), warps * WARP, x, conv_weight, conv_state, z,
            a, b, a_log, dt_bias, norm_weight, np.float32(eps), ssm_state.reshape(ssm_state.size), slot_ids,
            token_offsets, positions, decode_token_slots if decode else slot_ids, out,

@@ -869,17 +869,18 @@ with every thread's 16-byte ``cp.async`` (40 per thread for a 160 KB slice, thro
 the kernel before shares while it finishes on the same SM)."""
 
 PRELOAD_RELEASES = ("dots", "copies")
-PRELOAD_RELEASE = "dots"
-"""When a block of the preloaded GEMV lets the next kernel launch: once its dot products are done (``dots``, measured
-in session 11), or as soon as its copies are issued (``copies``: the next GEMV's blocks may then take the SM room
-the preloaded kernel leaves and issue their first weight loads during attention; not yet measured)."""
+PRELOAD_RELEASE = "copies"
+"""When a block of the preloaded GEMV lets the next kernel launch: as soon as its copies are issued (``copies``: the
+next GEMV's blocks take the SM room the preloaded kernel leaves and issue their first weight loads while attention
+finishes), or once its dot products are done (``dots``).  Measured on the H200 (Qwen3-4B, alternating in one call,
+``benchmarks/RESULTS.md`` session 12): TPOT 2.639 ms with ``copies`` vs 2.676 with ``dots``."""
 
 BULK_CHUNK_BYTES = 16384
 """Bytes per ``cp.async.bulk`` instruction of the preloaded GEMV."""
 
 
 @functools.cache
-def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False, release: str = "dots"):
+def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False, release: str = "copies"):
     """Build the preloaded one-token GEMV for blocks of ``rows`` weight rows, ``K = k`` and ``nthreads`` threads
     (all compile-time: the copy and dot loops unroll, and ``K / 2`` must be a multiple of ``nthreads``); ``bulk``:
     copy with ``cp.async.bulk`` (``PRELOAD_BULK``); ``release``: ``PRELOAD_RELEASES``."""

@@ -425,6 +425,35 @@ def test_decode_step_equals_conv_rule_norm(rng, key_dim, value_dim, row_groups):
         np.testing.assert_array_equal(carried[1][slot], state[slot])
 
 
+@pytest.mark.parametrize("release", ["start", "loads", "outputs"])
+def test_decode_step_release_points(rng, monkeypatch, release):
+    """Where the decode step lets out_proj launch (``DECODE_STEP_RELEASE``) changes nothing it computes: a padded
+    decode-mode step of three sequences equals conv → recurrent rule → gated norm bit for bit."""
+    import pegainfer.kernels.gated_delta as gd
+    monkeypatch.setattr(gd, "DECODE_STEP_RELEASE", release)
+    layer = make_decode_layer(rng, key_dim=16, value_dim=16)
+    conv_dim = layer["conv_w"].shape[0]
+    ring = bf16_randn((6, conv_dim, 4), rng)[0]
+    state = (rng.standard_normal((6, layer["num_v_heads"], 16, 16)) * 0.3).astype(np.float32)
+    token_slots = [3, 0, 4, -1]
+    positions = cuda.to_device(np.array([5, 2, 9, 0], np.int32))
+    assert_fused_equals_three_kernels(layer, ring, state, decode_inputs(rng, layer, 4), _table(token_slots, 4),
+                                      positions, label=f"{release}: ", decode_slots=token_slots)
+
+
+def test_decode_step_release_rejects_unknown(rng, monkeypatch):
+    """A misspelt ``PEGAINFER_GDN_RELEASE`` is a one-line error naming the choices, not a kernel build failure."""
+    import pegainfer.kernels.gated_delta as gd
+    from pegainfer.errors import PegainferError
+    monkeypatch.setattr(gd, "DECODE_STEP_RELEASE", "later")
+    layer = make_decode_layer(rng, key_dim=16, value_dim=16)
+    ring = bf16_randn((6, layer["conv_w"].shape[0], 4), rng)[0]
+    state = np.zeros((6, layer["num_v_heads"], 16, 16), np.float32)
+    with pytest.raises(PegainferError, match="PEGAINFER_GDN_RELEASE"):
+        run_linear_step(True, layer, ring, state, decode_inputs(rng, layer, 3), _table([3, 0, 4], 3),
+                        cuda.to_device(np.array([5, 2, 9], np.int32)), decode_slots=[3, 0, 4])
+
+
 def test_decode_step_sequences_of_several_tokens(rng):
     """Token by token with longer sequences (a prompt scored row by row: T == B but one sequence of many tokens):
     lengths 3, 1, 0 (empty: slot 0 untouched) and 5, at positions 6, 0, -, 1.  The block of each key head's first
@@ -725,11 +754,15 @@ def test_gpu_gated_rms_norm_qwen35_shapes(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lengths,decode", [([1, 1, 1, 1], False), ([1, 1, 1, 1], True), ([1, 9, 0, 2], False)])
-def test_gpu_fused_decode_step_qwen35_shapes(rng, lengths, decode):
+@pytest.mark.parametrize("lengths,decode,release", [([1, 1, 1, 1], False, "start"), ([1, 1, 1, 1], True, "start"),
+                                                    ([1, 1, 1, 1], True, "loads"), ([1, 1, 1, 1], True, "outputs"),
+                                                    ([1, 9, 0, 2], False, "start")])
+def test_gpu_fused_decode_step_qwen35_shapes(rng, monkeypatch, lengths, decode, release):
     """Qwen3.5-4B shapes on the GPU (where FMA contraction and the compiled code could differ): the fused step equals
     conv → recurrent rule → gated norm bit for bit, for a decode batch (also in decode mode: state loaded before
-    the PDL wait) and for sequences of several tokens."""
+    the PDL wait, with each place it may let out_proj launch) and for sequences of several tokens."""
+    import pegainfer.kernels.gated_delta as gd
+    monkeypatch.setattr(gd, "DECODE_STEP_RELEASE", release)
     layer = make_decode_layer(rng, **QWEN35_4B)
     conv_dim = layer["conv_w"].shape[0]
     ring = bf16_randn((8, conv_dim, 4), rng)[0]

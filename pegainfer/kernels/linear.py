@@ -918,8 +918,8 @@ def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False,
         3. For every row r, ``acc[r] = Σ_i W_r[word] · x[word]`` over the same words (a warp reads 32 consecutive
            words of a row: no bank conflicts), in word order, low half first.
         4. ``warp_sums_to_shared``, then thread r sums the warps' partials in warp order and writes ``bf16``.
-        The next kernel may launch once every block has its dot products (``launch_dependents``), or with
-        ``release="copies"`` once its copies are issued.
+        The next kernel may launch once every block's copies are issued (``release="copies"``, the default), or
+        once every block has its dot products (``"dots"``).
         """
         ws = cuda.shared.array(0, nbtypes.uint32)
         tid = uint32(cuda.threadIdx.x)
@@ -1015,9 +1015,11 @@ def linear_preloaded(x, w, out) -> None:
     matrix fits in the SMs' shared memory (``preload_rows``), it is the preloaded GEMV (``_gemv_preloaded_kernel``):
     launched with PDL, its blocks copy their weight rows in while the kernel before still runs, so only the dot
     products from shared memory are left once x is ready.  How early it starts is up to the kernel before: decode
-    attention lets it launch after its last K/V load, the Gated DeltaNet step at its start (attention letting it
-    launch at its start, or right after its own PDL wait, measured no better on the H200: its copies then slow the
-    attention's dependent loads; ``benchmarks/RESULTS.md``, session 11).  Otherwise, and when ``PRELOAD`` is off, it
+    attention lets it launch after its last K/V load, the Gated DeltaNet step once its dependent loads are in
+    (earlier, its copies slow those loads: attention letting it launch at its start measured slower on the H200,
+    right after its PDL wait no better, session 11; the Gated DeltaNet step at its start 0.8 % slower per token,
+    session 12; ``benchmarks/RESULTS.md``).  It lets the next GEMV launch once its copies are issued
+    (``PRELOAD_RELEASE``).  Otherwise, and when ``PRELOAD`` is off, it
     is ``linear``."""
     _check(x, w, out, False, None)
     rows = preload_rows(*w.shape) if _preload_on(x.shape[0]) else 0

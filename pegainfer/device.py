@@ -52,6 +52,27 @@ else:
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
 
 
+MIN_COMPUTE_CAPABILITY = (8, 0)
+"""Oldest GPU the kernels run on: bf16 tensor-core ``mma`` and the bf16 conversion instructions are sm_80+."""
+
+
+def require_supported_gpu() -> None:
+    """Raise a one-line ``PegainferError`` on a GPU older than ``MIN_COMPUTE_CAPABILITY`` (its kernels would fail
+    to compile with a long numba traceback); nothing in the simulator."""
+    if SIMULATOR:
+        return
+    from numba import cuda
+    from pegainfer.errors import PegainferError
+    dev = cuda.get_current_device()
+    cc = tuple(dev.compute_capability)
+    if cc < MIN_COMPUTE_CAPABILITY:
+        name = dev.name.decode() if isinstance(dev.name, bytes) else dev.name
+        need = ".".join(map(str, MIN_COMPUTE_CAPABILITY))
+        raise PegainferError(f"GPU {name} has compute capability {cc[0]}.{cc[1]}, and pegainfer's kernels need {need} "
+                             "or newer (bf16 tensor cores: Ampere, Ada, Hopper, Blackwell); use such a GPU, or run "
+                             "without one (PEGAINFER_DEVICE=sim: the simulator, tiny models only)")
+
+
 def describe() -> str:
     """One line saying where kernels run, for the CLI and server logs."""
     if SIMULATOR:

@@ -41,6 +41,7 @@ from pegainfer.engine.scheduler import Scheduler
 from pegainfer.engine.sequence import Sequence, Status
 from pegainfer.engine.stopping import text_and_finish_reason
 from pegainfer.engine.types import RequestOutput, SamplingParams, TokenLogprob
+from pegainfer.device import require_supported_gpu
 from pegainfer.errors import PegainferError, RequestError
 from pegainfer.kernels.launch import traced
 
@@ -104,6 +105,7 @@ class Engine:
         from pegainfer.text.tokenizer import Tokenizer
         from pegainfer.weights import Progress, WeightReader, check_gpu_memory
 
+        require_supported_gpu()
         if model_path is None:
             from pegainfer.demo import ensure_demo_model
             folder = Path(ensure_demo_model())

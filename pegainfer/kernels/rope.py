@@ -390,6 +390,9 @@ def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots
         raise PegainferError(f"PEGAINFER_QK_NORM_RELEASE={QK_NORM_RELEASE!r} is not one of {QK_NORM_RELEASES}: "
                              "unset it or pick one of those")
     kern = _qk_norm_rope_kernel(head_dim, rotary_dim, QK_NORM_RELEASE)
+    for name, a in (("qkv", qkv), ("cos", cos), ("sin", sin), ("block_tables", block_tables), ("k_cache", k_cache),
+                    ("v_cache", v_cache), ("q_out", q_out)):
+        assert a.is_c_contiguous(), f"{name} must be C-contiguous (the kernel indexes it flat)"
     flat = lambda a: a.reshape(a.size)
     launch(kern, grid(items, per_block=warps_per_block, sim_cap=8), block,
            flat(qkv), np.int32(qkv.shape[1]), q_norm_w, k_norm_w, flat(cos), flat(sin), positions, token_slots,

@@ -363,9 +363,9 @@ def block_sum(v):
     s = warp_sum(float32(v))
     cuda.syncthreads()
     if lane == 0:
-        partial[wid] = s
+        partial[uint32(wid)] = s            # (unsigned: no negative-index wraparound code)
     cuda.syncthreads()
-    t = partial[lane] if lane < nwarps else float32(0.0)
+    t = partial[uint32(lane)] if lane < nwarps else float32(0.0)
     t = warp_sum(t)
     return t
 
@@ -380,9 +380,9 @@ def block_max(v):
     m = warp_max(float32(v))
     cuda.syncthreads()
     if lane == 0:
-        partial[wid] = m
+        partial[uint32(wid)] = m
     cuda.syncthreads()
-    t = partial[lane] if lane < nwarps else float32(-math.inf)
+    t = partial[uint32(lane)] if lane < nwarps else float32(-math.inf)
     t = warp_max(t)
     return t
 

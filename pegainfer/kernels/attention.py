@@ -137,6 +137,28 @@ def _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, row_words):
 
 
 @device_fn
+def _step_row(block_tables, slot, key, k0, k_hi, row0, page_shift, num_kv_heads, kvh, row_words):
+    """``_kv_row`` of ``key``, a key of the 16-key step that starts at ``k0``; 0 for a key past ``k_hi`` (not
+    loaded).  ``row0`` is the step's first row when all its keys share a page (``_step_first_row``): then it is
+    one multiply-add, no block-table load."""
+    if key >= k_hi:
+        return 0
+    if row0 >= 0:
+        return row0 + (key - k0) * num_kv_heads * row_words
+    return _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, row_words)
+
+
+@device_fn
+def _step_first_row(block_tables, slot, k0, k_hi, page_shift, num_kv_heads, kvh, row_words):
+    """Row of key ``k0`` when the step's ``DECODE_STEP_KEYS`` keys from ``k0`` lie in one page (pages of at least
+    that many keys and ``k0`` a multiple of it: every split at the default ``MIN_SPLIT_TOKENS``), else -1.  One
+    block-table load per step and warp instead of one per key a lane loads (six)."""
+    if page_shift >= 4 and (k0 & (DECODE_STEP_KEYS - 1)) == 0 and k0 < k_hi:
+        return _kv_row(block_tables, slot, k0, page_shift, num_kv_heads, kvh, row_words)
+    return -1
+
+
+@device_fn
 def _split_range(n_keys, split, num_splits, min_chunk):
     """(first key, end key, number of splits with work) of ``split`` for a token with ``n_keys`` keys: splits of
     ``chunk = ceil(n_keys / num_splits)`` keys rounded up to a multiple of ``min_chunk``; splits past the end are
@@ -376,14 +398,16 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
             for st0 in range(0, n_steps, W):              # same trip count in every warp (simulator reductions)
                 k0 = k_lo + (st0 + warp) * DECODE_STEP_KEYS
                 early = DECODE and st0 == 0                 # before the wait: not the newest key's rows
+                row0 = _step_first_row(block_tables, slot, k0, k_hi, page_shift, num_kv_heads, kvh, ROW_WORDS)
                 for j in range(2):
                     key = k0 + 8 * j + g
-                    row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS) if key < k_hi else 0
+                    row = _step_row(block_tables, slot, key, k0, k_hi, row0, page_shift, num_kv_heads, kvh, ROW_WORDS)
                     _load_words(k32, row + tq * KW, KW, kw, j * KW, key < k_hi and not (early and key == newest))
                 if not LATE_V:
                     for j in range(4):
                         key = k0 + 2 * tq + (j & 1) + 8 * (j >> 1)
-                        row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS) if key < k_hi else 0
+                        row = _step_row(block_tables, slot, key, k0, k_hi, row0, page_shift, num_kv_heads, kvh,
+                                        ROW_WORDS)
                         _load_words(v32, row + g * VW, VW, vw, j * VW, key < k_hi and not (early and key == newest))
                 if early and ROPE:
                     fused_heads(qkv, q_norm_w, k_norm_w, cos, sin, k16, v16, block_tables, t, slot, newest,
@@ -431,7 +455,8 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                 if LATE_V:          # K's registers are free again: fewer live registers, one more memory round trip
                     for j in range(4):
                         key = k0 + 2 * tq + (j & 1) + 8 * (j >> 1)
-                        row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS) if key < k_hi else 0
+                        row = _step_row(block_tables, slot, key, k0, k_hi, row0, page_shift, num_kv_heads, kvh,
+                                        ROW_WORDS)
                         if ROPE and key == newest:        # this kernel's own newest value: from shared memory
                             for i in range(VW):
                                 vw[j * VW + i] = _smem_word(sm_kv, D + 2 * (g * VW + i))

@@ -132,19 +132,43 @@ def _load_words(src, base, n, dst, dst_off, ok):
 @device_fn
 def _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, row_words):
     """Word offset of the K/V row of ``key`` (a position of ``slot``), kv head ``kvh``, in the flat cache."""
-    page = block_tables[slot, key >> page_shift]
+    page = block_tables[uint64(slot), uint64(key >> page_shift)]   # unsigned: no negative-index wraparound code
     return (((page << page_shift) + (key & ((1 << page_shift) - 1))) * num_kv_heads + kvh) * row_words
+
+
+@device_fn
+def _step_row(block_tables, slot, key, k0, k_hi, row0, page_shift, num_kv_heads, kvh, row_words):
+    """``_kv_row`` of ``key``, a key of the 16-key step that starts at ``k0``; 0 for a key past ``k_hi`` (not
+    loaded).  ``row0`` is the step's first row when all its keys share a page (``_step_first_row``): then it is
+    one multiply-add, no block-table load."""
+    if key >= k_hi:
+        return 0
+    if row0 >= 0:
+        return row0 + (key - k0) * num_kv_heads * row_words
+    return _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, row_words)
+
+
+@device_fn
+def _step_first_row(block_tables, slot, k0, k_hi, page_shift, num_kv_heads, kvh, row_words):
+    """Row of key ``k0`` when the step's ``DECODE_STEP_KEYS`` keys from ``k0`` lie in one page (pages of at least
+    that many keys and ``k0`` a multiple of it: every split at the default ``MIN_SPLIT_TOKENS``), else -1.  One
+    block-table load per step and warp instead of one per key a lane loads (six)."""
+    if page_shift >= 4 and (k0 & (DECODE_STEP_KEYS - 1)) == 0 and k0 < k_hi:
+        return _kv_row(block_tables, slot, k0, page_shift, num_kv_heads, kvh, row_words)
+    return -1
 
 
 @device_fn
 def _split_range(n_keys, split, num_splits, min_chunk):
     """(first key, end key, number of splits with work) of ``split`` for a token with ``n_keys`` keys: splits of
     ``chunk = ceil(n_keys / num_splits)`` keys rounded up to a multiple of ``min_chunk``; splits past the end are
-    empty."""
-    chunk = (n_keys + num_splits - 1) // num_splits
-    chunk = (chunk + min_chunk - 1) // min_chunk * min_chunk
-    k_lo = split * chunk
-    return k_lo, min(k_lo + chunk, n_keys), (n_keys + chunk - 1) // chunk
+    empty.  All four are non-negative and < 2^31: the divisions are unsigned 32-bit ones (a 64-bit signed division
+    by a runtime value is ~3x the instructions)."""
+    n, s, m = uint32(n_keys), uint32(num_splits), uint32(min_chunk)
+    chunk = uint32(uint32(n + s - uint32(1)) // s)
+    chunk = uint32(uint32(chunk + m - uint32(1)) // m) * m
+    k_lo = int32(uint32(split) * chunk)
+    return k_lo, min(k_lo + int32(chunk), int32(n_keys)), int32(uint32(n + chunk - uint32(1)) // chunk)
 
 
 @functools.lru_cache(maxsize=None)
@@ -175,6 +199,8 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
     ROWS = G * D
     assert G <= 8 and D % 16 == 0
     KW2, VW4, O_REGS, SM_O, SM_W, SM_ROWS = 2 * KW, 4 * VW, 2 * O_TILES, W * G * D, G * MAX_SPLITS, W * 8
+    ROW_ROUNDS = -(-ROWS // NT)              # the merge's elements per thread
+    ALL_ROUNDS = ROWS % NT == 0
     SM_Q, SM_KV = (G * D, 2 * D) if ROPE else (1, 1)
 
     jit = kernel if SIMULATOR or not min_blocks else cuda.jit(cache=True, launch_bounds=(NT, min_blocks))
@@ -336,16 +362,18 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
         warp = tid // 32
         g = lane >> 2
         tq = lane & 3
+        utid, uwarp, ug, utq = uint32(tid), uint32(warp), uint32(g), uint32(tq)
         nq = num_kv_heads * G
         n_tokens = positions.shape[0]
         zero = uint32(0)
         fzero = float32(0.0)
 
+        per_split = uint32(n_tokens * num_kv_heads)
         for work in range(cuda.blockIdx.x, num_splits * n_tokens * num_kv_heads, cuda.gridDim.x):
-            tk = work % (n_tokens * num_kv_heads)
-            split = work // (n_tokens * num_kv_heads)
-            t = tk // num_kv_heads
-            kvh = tk % num_kv_heads
+            tk = int32(uint32(work) % per_split)            # unsigned 32-bit divisions (see _split_range)
+            split = int32(uint32(work) // per_split)
+            t = int32(uint32(tk) // uint32(num_kv_heads))
+            kvh = int32(uint32(tk) % uint32(num_kv_heads))
             head0 = kvh * G
             out0 = (t * nq + head0) * D
             slot = token_slots[t]
@@ -370,14 +398,16 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
             for st0 in range(0, n_steps, W):              # same trip count in every warp (simulator reductions)
                 k0 = k_lo + (st0 + warp) * DECODE_STEP_KEYS
                 early = DECODE and st0 == 0                 # before the wait: not the newest key's rows
+                row0 = _step_first_row(block_tables, slot, k0, k_hi, page_shift, num_kv_heads, kvh, ROW_WORDS)
                 for j in range(2):
                     key = k0 + 8 * j + g
-                    row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS) if key < k_hi else 0
+                    row = _step_row(block_tables, slot, key, k0, k_hi, row0, page_shift, num_kv_heads, kvh, ROW_WORDS)
                     _load_words(k32, row + tq * KW, KW, kw, j * KW, key < k_hi and not (early and key == newest))
                 if not LATE_V:
                     for j in range(4):
                         key = k0 + 2 * tq + (j & 1) + 8 * (j >> 1)
-                        row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS) if key < k_hi else 0
+                        row = _step_row(block_tables, slot, key, k0, k_hi, row0, page_shift, num_kv_heads, kvh,
+                                        ROW_WORDS)
                         _load_words(v32, row + g * VW, VW, vw, j * VW, key < k_hi and not (early and key == newest))
                 if early and ROPE:
                     fused_heads(qkv, q_norm_w, k_norm_w, cos, sin, k16, v16, block_tables, t, slot, newest,
@@ -425,7 +455,8 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                 if LATE_V:          # K's registers are free again: fewer live registers, one more memory round trip
                     for j in range(4):
                         key = k0 + 2 * tq + (j & 1) + 8 * (j >> 1)
-                        row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS) if key < k_hi else 0
+                        row = _step_row(block_tables, slot, key, k0, k_hi, row0, page_shift, num_kv_heads, kvh,
+                                        ROW_WORDS)
                         if ROPE and key == newest:        # this kernel's own newest value: from shared memory
                             for i in range(VW):
                                 vw[j * VW + i] = _smem_word(sm_kv, D + 2 * (g * VW + i))
@@ -461,43 +492,47 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
             if DECODE:
                 launch_dependents()                       # every K/V load of this block is done
             # ---- merge the W warps of the block
+            # (shared-memory indices are unsigned from here on: no negative-index wraparound code in the chain)
             l = lane_group_sum(l, 4)
             if g < G:
                 if tq == 0:
-                    sm_m[warp * 8 + g] = m
-                    sm_l[warp * 8 + g] = l
-                ob = (warp * G + g) * D
+                    sm_m[uwarp * uint32(8) + ug] = m
+                    sm_l[uwarp * uint32(8) + ug] = l
+                ob = (uwarp * uint32(G) + ug) * uint32(D) + uint32(2 * O_TILES) * utq
                 for jd in range(O_TILES):
-                    sm_o[ob + 2 * tq * O_TILES + jd] = of[2 * jd]
-                    sm_o[ob + (2 * tq + 1) * O_TILES + jd] = of[2 * jd + 1]
+                    sm_o[ob + uint32(jd)] = of[2 * jd]
+                    sm_o[ob + uint32(O_TILES + jd)] = of[2 * jd + 1]
             cuda.syncthreads()
             if tid < G:
                 m_blk = NEG_INF
                 for w in range(W):
-                    m_blk = max(m_blk, sm_m[w * 8 + tid])
+                    m_blk = max(m_blk, sm_m[uint32(w * 8) + utid])
                 l_blk = fzero
                 for w in range(W):
-                    f = rescale_factor2(sm_m[w * 8 + tid], m_blk)
-                    sm_w[tid * W + w] = f
-                    l_blk += f * sm_l[w * 8 + tid]
-                sm_tot[tid] = l_blk
+                    f = rescale_factor2(sm_m[uint32(w * 8) + utid], m_blk)
+                    sm_w[utid * uint32(W) + uint32(w)] = f
+                    l_blk += f * sm_l[uint32(w * 8) + utid]
+                sm_tot[utid] = l_blk
                 if n_active > 1:
-                    ws_m[(t * nq + head0 + tid) * num_splits + split] = m_blk
-                    ws_l[(t * nq + head0 + tid) * num_splits + split] = l_blk
+                    ws_m[uint64((t * nq + head0 + tid) * num_splits + split)] = m_blk
+                    ws_l[uint64((t * nq + head0 + tid) * num_splits + split)] = l_blk
             cuda.syncthreads()
-            for i in range(tid, ROWS, NT):
-                h = i // D
-                total = fzero
-                for w in range(W):
-                    total += sm_w[h * W + w] * sm_o[(w * G + h) * D + i % D]
-                if n_active == 1:
-                    lt = sm_tot[h]
-                    o = f32_to_bf16(total / lt if lt > fzero else fzero)
-                    if GATED:
-                        o = gated_value(o, gate[t, (head0 + h) * 2 * D + D + i % D])
-                    out[out0 + i] = o
-                else:
-                    ws_acc[((t * nq + head0 + h) * num_splits + split) * D + i % D] = total
+            for r in range(ROW_ROUNDS):             # element i of the G heads' rows: head h = i / D, dim i % D
+                i = utid + uint32(r * NT)
+                if ALL_ROUNDS or i < uint32(ROWS):
+                    h = i // uint32(D)
+                    total = fzero
+                    for w in range(W):              # sm_o[w, h, i % D] = sm_o[w·G·D + i]
+                        total += sm_w[h * uint32(W) + uint32(w)] * sm_o[uint32(w * G * D) + i]
+                    if n_active == 1:
+                        lt = sm_tot[h]
+                        o = f32_to_bf16(total / lt if lt > fzero else fzero)
+                        if GATED:               # q head h's gate: column (head0 + h)·2D + D + i % D
+                            o = gated_value(o, gate[uint64(t), uint64(head0 * 2 * D + D) + h * uint32(D) + i])
+                        out[uint64(out0) + uint64(i)] = o
+                    else:
+                        ws_acc[(uint64(t * nq + head0) + uint64(h)) * uint64(num_splits * D) + uint64(split * D)
+                               + (i & uint32(D - 1))] = total
 
             # ---- several splits: the last block of this (token, kv head) merges them
             if n_active > 1:
@@ -514,31 +549,33 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                     cuda.threadfence()
                     for h0 in range(0, G, W):             # one warp per head
                         h = h0 + warp
-                        hrow = (t * nq + head0 + min(h, G - 1)) * num_splits
+                        hrow = uint64((t * nq + head0 + min(h, G - 1)) * num_splits)
                         mm = NEG_INF
                         for sp in range(lane, n_active, 32):
-                            mm = max(mm, ws_m[hrow + sp])
+                            mm = max(mm, ws_m[hrow + uint64(sp)])
                         mm = lane_group_max(mm, 32)
                         ll = fzero
                         for sp in range(lane, n_active, 32):
-                            f = rescale_factor2(ws_m[hrow + sp], mm)
+                            f = rescale_factor2(ws_m[hrow + uint64(sp)], mm)
                             if h < G:
-                                sm_w[h * MAX_SPLITS + sp] = f
-                            ll += f * ws_l[hrow + sp]
+                                sm_w[uint32(h * MAX_SPLITS + sp)] = f
+                            ll += f * ws_l[hrow + uint64(sp)]
                         ll = lane_group_sum(ll, 32)
                         if lane == 0 and h < G:
-                            sm_tot[h] = ll
+                            sm_tot[uint32(h)] = ll
                     cuda.syncthreads()
-                    for i in range(tid, ROWS, NT):
-                        h = i // D
-                        src = (t * nq + head0 + h) * num_splits * D + i % D
-                        total = fzero
-                        for sp in range(n_active):
-                            total += sm_w[h * MAX_SPLITS + sp] * ws_acc[src + sp * D]
-                        o = f32_to_bf16(total / sm_tot[h])
-                        if GATED:
-                            o = gated_value(o, gate[t, (head0 + h) * 2 * D + D + i % D])
-                        out[out0 + i] = o
+                    for r in range(ROW_ROUNDS):
+                        i = utid + uint32(r * NT)
+                        if ALL_ROUNDS or i < uint32(ROWS):
+                            h = i // uint32(D)
+                            src = (uint64(t * nq + head0) + uint64(h)) * uint64(num_splits * D) + (i & uint32(D - 1))
+                            total = fzero
+                            for sp in range(n_active):
+                                total += sm_w[h * uint32(MAX_SPLITS) + uint32(sp)] * ws_acc[src + uint64(sp * D)]
+                            o = f32_to_bf16(total / sm_tot[h])
+                            if GATED:
+                                o = gated_value(o, gate[uint64(t), uint64(head0 * 2 * D + D) + h * uint32(D) + i])
+                            out[uint64(out0) + uint64(i)] = o
             cuda.syncthreads()                            # shared scratch is reused by the next work item
 
     return paged_attention_split_kernel

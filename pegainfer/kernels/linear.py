@@ -719,18 +719,18 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
             d_w = cuda.local.array(U, uint32)
             n_w = cuda.local.array(U, uint32)
             last = k_words - 1
-            for u in range(U):                      # every load of the prologue at once
-                p = min(tid + u * nthreads, last)
-                s_w[u] = residual_in32[p]
-                d_w[u] = delta32[p] if has_delta else uint32(0)
-                n_w[u] = norm_weight32[p]
+            for u in range(U):                      # every load of the prologue at once (unsigned indices here
+                pu = uint64(min(tid + u * nthreads, last))  # and below: no negative-index wraparound code)
+                s_w[u] = residual_in32[pu]
+                d_w[u] = delta32[pu] if has_delta else uint32(0)
+                n_w[u] = norm_weight32[pu]
             ss = float32(0.0)
             for u in range(U):
                 p = tid + u * nthreads
                 s_w[u] = add_pair(s_w[u], d_w[u], has_delta)
                 if p < k_words:
                     if (p // nthreads) % cuda.gridDim.x == cuda.blockIdx.x:
-                        residual_out32[p] = s_w[u]
+                        residual_out32[uint64(p)] = s_w[u]
                     v0 = bf16x2_lo(s_w[u])
                     v1 = bf16x2_hi(s_w[u])
                     ss += v0 * v0
@@ -739,15 +739,15 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
             for u in range(U):
                 p = tid + u * nthreads
                 if p < k_words:
-                    xs[_x_word_index(p >> 2, p & 3)] = normalize_pair(s_w[u], n_w[u], inv_rms, float32(weight_offset),
-                                                                  round_before_weight)
+                    xs[uint64(_x_word_index(p >> 2, p & 3))] = normalize_pair(s_w[u], n_w[u], inv_rms,
+                                                                          float32(weight_offset), round_before_weight)
         else:
             for c in range(tid, n_slices, nthreads):
                 q0, q1, q2, q3 = load_u32x4(x32, 4 * c)
-                xs[_x_word_index(c, 0)] = q0
-                xs[_x_word_index(c, 1)] = q1
-                xs[_x_word_index(c, 2)] = q2
-                xs[_x_word_index(c, 3)] = q3
+                xs[uint64(_x_word_index(c, 0))] = q0
+                xs[uint64(_x_word_index(c, 1))] = q1
+                xs[uint64(_x_word_index(c, 2))] = q2
+                xs[uint64(_x_word_index(c, 3))] = q3
         cuda.syncthreads()
 
         red = 128 * ((n_slices + 31) // 32)         # partial sums follow x (padded to whole 32-slice groups)
@@ -764,8 +764,9 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
                     if c_pre < n_slices:
                         _load_row_slices(w32, wrow, 4 * c_pre, wbuf, ((s + S - 1) % S) * R4, R)
                     if c < n_slices:
-                        xb = 128 * (c >> 5) + (c & 31)
-                        _dot_slices_x_words(acc, wbuf, s * R4, xs[xb], xs[xb + 32], xs[xb + 64], xs[xb + 96], R)
+                        xb = uint64(128 * (c >> 5) + (c & 31))
+                        _dot_slices_x_words(acc, wbuf, s * R4, xs[xb], xs[xb + uint64(32)], xs[xb + uint64(64)],
+                                            xs[xb + uint64(96)], R)
                     c += step
             if LAST_STREAM and tile + cuda.gridDim.x >= n_tiles:
                 launch_dependents()                 # the last tile's weights are all read
@@ -791,14 +792,14 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
                     v0 = float32(0.0)
                     v1 = float32(0.0)
                     for p_ in range(k_split):
-                        base = red + (g_ * k_split + p_) * R + r
+                        base = uint64(red + (g_ * k_split + p_) * R + r)
                         v0 += bits_f32(xs[base])
                         if gated:
-                            v1 += bits_f32(xs[base + 1])
+                            v1 += bits_f32(xs[base + uint64(1)])
                     if gated:
-                        out[0, col >> 1] = _silu_mul_bf16(v0, v1)
+                        out[uint64(0), uint64(col >> 1)] = _silu_mul_bf16(v0, v1)
                     else:
-                        out[0, col] = f32_to_bf16(v0)
+                        out[uint64(0), uint64(col)] = f32_to_bf16(v0)
             cuda.syncthreads()                      # partial sums read before the next tile overwrites them
 
     return gemv_decode

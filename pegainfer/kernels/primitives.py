@@ -254,14 +254,23 @@ else:
     def bits_f32(u):
         return libdevice.int_as_float(int32(u))
 
+    @intrinsic
+    def _cvt_rn_bf16(typingctx, x):
+        """``cvt.rn.bf16.f32``: f32 -> bf16 bits, round to nearest even, in one instruction (NaN: 0x7FFF)."""
+        sig = types.uint16(types.float32)
+
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(16), [ir.FloatType()]), "cvt.rn.bf16.f32 $0, $1;", "=h,f")
+            return builder.call(asm, [args[0]])
+
+        return sig, codegen
+
     @device_fn
     def f32_to_bf16(x):
+        """bf16 bits of ``x``, round to nearest even (the hardware conversion), NaN as PyTorch's 0x7FC0."""
         xf = float32(x)
-        if xf != xf:
-            return uint16(0x7FC0)
-        u = uint32(libdevice.float_as_int(xf))
-        u = u + uint32(0x7FFF) + ((u >> uint32(16)) & uint32(1))
-        return uint16(u >> uint32(16))
+        b = _cvt_rn_bf16(xf)
+        return uint16(0x7FC0) if xf != xf else b
 
     @intrinsic
     def _ld_global_nc_v4_u32(typingctx, arr, idx):
@@ -354,9 +363,9 @@ def block_sum(v):
     s = warp_sum(float32(v))
     cuda.syncthreads()
     if lane == 0:
-        partial[wid] = s
+        partial[uint32(wid)] = s            # (unsigned: no negative-index wraparound code)
     cuda.syncthreads()
-    t = partial[lane] if lane < nwarps else float32(0.0)
+    t = partial[uint32(lane)] if lane < nwarps else float32(0.0)
     t = warp_sum(t)
     return t
 
@@ -371,9 +380,9 @@ def block_max(v):
     m = warp_max(float32(v))
     cuda.syncthreads()
     if lane == 0:
-        partial[wid] = m
+        partial[uint32(wid)] = m
     cuda.syncthreads()
-    t = partial[lane] if lane < nwarps else float32(-math.inf)
+    t = partial[uint32(lane)] if lane < nwarps else float32(-math.inf)
     t = warp_max(t)
     return t
 

@@ -20,13 +20,17 @@ from __future__ import annotations
 
 import functools
 import math as pymath
+import os
 
 import numpy as np
 
+from pegainfer.errors import PegainferError
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.norm import normalize_element
 from pegainfer.kernels.primitives import (grid_dependency_wait, launch_dependents, WARP, bf16_to_f32, cuda, device_fn, f32_to_bf16, float32, grid, int32,
                                           kernel, math, threads, to_bf16_bits, uint16, warp_sum)
+
+uint64 = np.uint64
 
 
 # ------------------------------------------------------------------------------------------------ host: tables
@@ -155,18 +159,41 @@ def head_geometry(head_dim: int, rotary_dim: int) -> tuple[int, int]:
 
 
 @functools.cache
-def _qk_norm_rope_kernel(dims_per_lane: int, pair_shift: int):
-    """Build the kernel for heads of at most ``32 · dims_per_lane`` dims; ``pair_shift`` = ``half / 32`` when the
-    rotary half is a multiple of 32 (the partner of dim ``lane + 32 j`` is register ``j + pair_shift``), else -1.
-    Both are compile-time constants so that the per-lane register arrays stay in registers."""
-    J = dims_per_lane
-    SHIFT = pair_shift
+def _qk_norm_rope_kernel(head_dim: int, rotary_dim: int, release: str = "start"):
+    """Build the kernel for heads of ``head_dim`` dims, the first ``rotary_dim`` rotated (compile-time constants:
+    the per-lane register arrays stay in registers, and every bound on a lane's dims folds away).  ``release``:
+    ``QK_NORM_RELEASES``."""
+    assert release in QK_NORM_RELEASES, release
+    J, SHIFT = head_geometry(head_dim, rotary_dim)
+    D = head_dim
+    HALF = rotary_dim // 2
+    ROT = rotary_dim
+    RELEASE_AT_START = release == "start"
+    # Which of a lane's registers j hold a dim of the head / a rotary pair / a dim past the rotary ones: compile-time
+    # when D, half and rotary_dim are multiples of 32 (every served model), else per lane.
+    ALL_DIMS = D % WARP == 0
+    HALF_WHOLE, HALF_J = HALF % WARP == 0, HALF // WARP
+    ROT_WHOLE, ROT_J = ROT % WARP == 0, ROT // WARP
+
+    @device_fn
+    def in_head(j, lane):
+        return ALL_DIMS or WARP * j < D - lane
+
+    @device_fn
+    def in_half(j, lane):
+        return j < HALF_J if HALF_WHOLE else WARP * j < HALF - lane
+
+    @device_fn
+    def past_rotary(j, lane):
+        return j >= ROT_J if ROT_WHOLE else WARP * j >= ROT - lane
 
     @kernel
-    def qk_norm_rope_store_kernel(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables,
-                                  k_cache, v_cache, q_out, q_head_stride, rotary_dim, eps, weight_offset,
-                                  round_before_weight):
+    def qk_norm_rope_store_kernel(qkv, row, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables,
+                                  pages_per_seq, k_cache, v_cache, page_shift, num_kv_heads, q_out, num_q_heads,
+                                  q_head_stride, eps, weight_offset, round_before_weight):
         """Per-head q/k RMSNorm + RoPE, q to ``q_out``, k and v into the paged KV cache.
+
+        Every tensor is passed flat (1-D, C order), with the sizes its indexing needs:
 
         qkv          ``[tokens, row]`` bf16 bits: q head ``h`` at columns ``h·q_head_stride .. +D`` (``q_head_stride``
                      is ``D``, or ``2·D`` when a gate follows each q head as in Qwen3.5), then ``nkv`` k heads of ``D``
@@ -175,8 +202,8 @@ def _qk_norm_rope_kernel(dims_per_lane: int, pair_shift: int):
         positions    ``[tokens]`` int32: the token's position in its sequence (row of cos/sin, place in the cache)
         token_slots  ``[tokens]`` int32: the token's sequence slot (row of ``block_tables``); a negative slot marks a
                      padding token: its q is still written, its k/v are not stored
-        block_tables ``[num_slots, max_pages_per_seq]`` int32: page ids of each slot's KV cache
-        k_cache, v_cache ``[num_pages, page_size, nkv, D]`` bf16 bits; q_out ``[tokens, num_q_heads, D]`` bf16 bits
+        block_tables ``[num_slots, pages_per_seq]`` int32: page ids of each slot's KV cache
+        k_cache, v_cache ``[num_pages, 2^page_shift, nkv, D]`` bf16 bits; q_out ``[tokens, num_q_heads, D]`` bf16 bits
 
         Math per head (``r = 1/sqrt(mean(x²) + eps)``): q, k: ``n = normalize_element(x, r, w)`` (norm.py's rounding,
         chosen by ``weight_offset``/``round_before_weight``), then RoPE on ``n`` (module docstring); v: copied.
@@ -185,32 +212,34 @@ def _qk_norm_rope_kernel(dims_per_lane: int, pair_shift: int):
 
         Geometry: **one warp per (token, head)**, heads numbered q, then k, then v (``num_q_heads + 2·nkv`` per token);
         a block holds ``blockDim.x / 32`` warps and the grid strides over all (token, head) items.  Lane l holds dims
-        ``l, l + 32, ..`` of its head (``dims_per_lane``) in registers.  The kernel is a chain of
-        dependent memory round trips, so every load that does not depend on another is issued first, together: the
-        head's norm weights, the token's position and slot; then the cos/sin rows and the block-table entry (they
-        need the position); then the head's values; then ``warp_sum`` of the squares and the arithmetic.  Only the
+        ``l, l + 32, ..`` of its head (``J`` = D / 32 registers) in registers.  The kernel is a chain of
+        dependent memory round trips and, with one or two warps per scheduler, of dependent instructions, so:
+        every load that does not depend on another is issued first, together (the head's norm weights, the token's
+        position and slot; then the cos/sin rows and the block-table entry, which need the position; then the
+        head's values), and every index is unsigned (no negative-index wraparound code) and 64-bit from the start,
+        a base per array plus ``32 j`` for register j: one add, or an immediate offset, per access.  Only the
         head's values come from the kernel before (the projection): with PDL (``launch``) everything else is read
         before ``grid_dependency_wait``, while the projection finishes, and the attention kernel after this one may
-        launch at once (``launch_dependents`` first: its early loads are small).  Lane l rotates the pairs
-        ``(p, p + half)``, ``p = l, l + 32, ..``: when ``half`` is a multiple of 32 (every served model) the partner
-        ``p + half`` is in the same lane's registers; otherwise (tiny test heads) it is re-read (an L1 hit).  Every
-        lane of the block runs the same number of items and calls ``warp_sum`` once per item (v heads and idle tail
-        warps too), as the simulator's emulated shuffles require.
+        launch at once (``launch_dependents`` first: its early loads are small), or with ``release="after_wait"``
+        only once the projection is done (``QK_NORM_RELEASE``).  Lane l rotates the pairs ``(p, p + half)``,
+        ``p = l, l + 32, ..``: when ``half`` is a multiple of 32 (every served model) the partner ``p + half`` is
+        in the same lane's registers; otherwise (tiny test heads) it is re-read (an L1 hit).  Every lane of the
+        block runs the same number of items and calls ``warp_sum`` once per item (v heads and idle tail warps too),
+        as the simulator's emulated shuffles require.
         """
-        launch_dependents()                 # PDL: the attention kernel after this one may start its early loads
-        num_q_heads = q_out.shape[1]
-        head_dim = q_out.shape[2]
-        num_kv_heads = k_cache.shape[2]
-        page_size = k_cache.shape[1]
+        if RELEASE_AT_START:
+            launch_dependents()             # PDL: the attention kernel after this one may start its early loads
         heads_per_token = num_q_heads + 2 * num_kv_heads
-        total = qkv.shape[0] * heads_per_token
-        half = rotary_dim // 2
+        total = (qkv.shape[0] // row) * heads_per_token
+        last_token = qkv.shape[0] // row - 1
         eps = float32(eps)
         weight_offset = float32(weight_offset)
         lane = cuda.threadIdx.x % WARP
+        ulane = uint64(lane)
         warps_per_block = cuda.blockDim.x // WARP
         k_col0 = num_q_heads * q_head_stride
-        v_col0 = k_col0 + num_kv_heads * head_dim
+        v_col0 = k_col0 + num_kv_heads * D
+        page_mask = (1 << page_shift) - 1
         x = cuda.local.array(J, uint16)     # dims lane + 32 j of the head
         w = cuda.local.array(J, uint16)     # their norm weights
         cs = cuda.local.array(J, uint16)    # cos / sin of the pairs p = lane + 32 j < half
@@ -219,7 +248,7 @@ def _qk_norm_rope_kernel(dims_per_lane: int, pair_shift: int):
         for first in range(cuda.blockIdx.x * warps_per_block, total, cuda.gridDim.x * warps_per_block):
             item = first + cuda.threadIdx.x // WARP
             active = item < total
-            t = min(item // heads_per_token, qkv.shape[0] - 1)
+            t = min(item // heads_per_token, last_token)
             h = item % heads_per_token
             is_q = active and h < num_q_heads
             is_k = active and h >= num_q_heads and h < num_q_heads + num_kv_heads
@@ -227,86 +256,98 @@ def _qk_norm_rope_kernel(dims_per_lane: int, pair_shift: int):
             if is_q:
                 src = h * q_head_stride
             elif is_k:
-                src = k_col0 + (h - num_q_heads) * head_dim
+                src = k_col0 + (h - num_q_heads) * D
             else:
-                src = v_col0 + (h - num_q_heads - num_kv_heads) * head_dim
+                src = v_col0 + (h - num_q_heads - num_kv_heads) * D
+            kv_head = h - num_q_heads if is_k else h - num_q_heads - num_kv_heads
 
             # 1. independent loads, all at once: norm weights, position and slot
-            pos = int32(positions[t])
-            slot = int32(token_slots[t])
+            pos = int32(positions[uint64(t)])
+            slot = int32(token_slots[uint64(t)])
             for j in range(J):
-                i = lane + WARP * j
-                if active and i < head_dim:
+                if active and in_head(j, lane):
                     if is_q:
-                        w[j] = q_norm_w[i]
+                        w[j] = q_norm_w[ulane + uint64(WARP * j)]
                     elif is_k:
-                        w[j] = k_norm_w[i]
+                        w[j] = k_norm_w[ulane + uint64(WARP * j)]
             # 2. what needs the position: cos / sin of this lane's pairs, the KV page
             if is_q or is_k:
+                trig = uint64(pos) * uint64(HALF) + ulane
                 for j in range(J):
-                    p = lane + WARP * j
-                    if p < half:
-                        cs[j] = cos[pos, p]
-                        sn[j] = sin[pos, p]
+                    if in_half(j, lane):
+                        cs[j] = cos[trig + uint64(WARP * j)]
+                        sn[j] = sin[trig + uint64(WARP * j)]
             page = int32(0)
-            offset = pos % page_size
             if (is_k or is_v) and slot >= 0:
-                page = int32(block_tables[slot, pos // page_size])
+                page = int32(block_tables[uint64(slot) * uint64(pages_per_seq) + uint64(pos >> page_shift)])
             grid_dependency_wait()          # PDL: everything above is read-only in a step; the head is not
+            if not RELEASE_AT_START:
+                launch_dependents()         # the projection is done: attention may launch
+            head = uint64(t) * uint64(row) + uint64(src) + ulane     # qkv index of dim `lane` of the head
             for j in range(J):
-                i = lane + WARP * j
-                if active and i < head_dim:
-                    x[j] = qkv[t, src + i]
+                if active and in_head(j, lane):
+                    x[j] = qkv[head + uint64(WARP * j)]
 
             # 3. sum of squares of the head (q and k only), reduced across the warp
             ss = float32(0.0)
             if is_q or is_k:
                 for j in range(J):
-                    if lane + WARP * j < head_dim:
+                    if in_head(j, lane):
                         v = bf16_to_f32(x[j])
                         ss += v * v
             ss = warp_sum(ss)
             if not active or (not is_q and slot < 0):
                 continue  # idle warp, or a padding token's k/v: nothing to store
 
+            # where dim `lane` of the result goes: q_out row (t, h), or the cache row (page, offset, kv head)
+            if is_q:
+                dst = (uint64(t) * uint64(num_q_heads) + uint64(h)) * uint64(D) + ulane
+            else:
+                dst = (((uint64(page) << uint64(page_shift)) + uint64(pos & page_mask)) * uint64(num_kv_heads)
+                       + uint64(kv_head)) * uint64(D) + ulane
             if is_v:
-                kv_head = h - num_q_heads - num_kv_heads
                 for j in range(J):
-                    i = lane + WARP * j
-                    if i < head_dim:
-                        v_cache[page, offset, kv_head, i] = x[j]
+                    if in_head(j, lane):
+                        v_cache[dst + uint64(WARP * j)] = x[j]
                 continue
 
             # 4. q/k: normalize + rotate the first rotary_dim dims, normalize the rest
-            kv_head = h - num_q_heads
-            inv_rms = head_inverse_rms(ss, head_dim, eps)
+            inv_rms = head_inverse_rms(ss, D, eps)
             for j in range(J):
-                p = lane + WARP * j
-                if p < half:
+                if in_half(j, lane):
                     if SHIFT >= 0:                  # the partner dim p + half is in this lane's registers
                         hi_x = x[min(j + SHIFT, J - 1)]
                         hi_w = w[min(j + SHIFT, J - 1)]
                     else:
-                        hi_x = qkv[t, src + p + half]
-                        hi_w = q_norm_w[p + half] if is_q else k_norm_w[p + half]
+                        hi_x = qkv[head + uint64(WARP * j + HALF)]
+                        hi_w = (q_norm_w if is_q else k_norm_w)[ulane + uint64(WARP * j + HALF)]
                     out_lo, out_hi = norm_rope_pair(x[j], hi_x, w[j], hi_w, inv_rms, weight_offset,
                                                     round_before_weight, cs[j], sn[j])
                     if is_q:
-                        q_out[t, h, p] = out_lo
-                        q_out[t, h, p + half] = out_hi
+                        q_out[dst + uint64(WARP * j)] = out_lo
+                        q_out[dst + uint64(WARP * j + HALF)] = out_hi
                     else:
-                        k_cache[page, offset, kv_head, p] = out_lo
-                        k_cache[page, offset, kv_head, p + half] = out_hi
+                        k_cache[dst + uint64(WARP * j)] = out_lo
+                        k_cache[dst + uint64(WARP * j + HALF)] = out_hi
             for j in range(J):
-                i = lane + WARP * j
-                if i >= rotary_dim and i < head_dim:
+                if past_rotary(j, lane) and in_head(j, lane):
                     n = normalize_element(bf16_to_f32(x[j]), inv_rms, w[j], weight_offset, round_before_weight)
                     if is_q:
-                        q_out[t, h, i] = n
+                        q_out[dst + uint64(WARP * j)] = n
                     else:
-                        k_cache[page, offset, kv_head, i] = n
+                        k_cache[dst + uint64(WARP * j)] = n
 
     return qk_norm_rope_store_kernel
+
+
+QK_NORM_RELEASES = ("start", "after_wait")
+QK_NORM_RELEASE = os.environ.get("PEGAINFER_QK_NORM_RELEASE", "start")
+"""When ``qk_norm_rope_store`` lets the attention kernel after it launch (PDL): at its ``start`` (the default), or
+``after_wait``, once the projection before it is done.  Only matters when this kernel itself is launched with PDL
+(``PEGAINFER_PDL`` naming ``qk_norm_rope_store``; it is not by default): then at the start, attention's blocks
+(one per SM at D = 256) launch while the projection still streams.  PDL on this kernel with the release at the
+start measured slower on the H200 (Qwen3-4B +0.75 %, session 12); ``after_wait`` lets only this kernel's own
+independent loads overlap the projection's tail.  Not yet measured."""
 
 
 def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables, k_cache, v_cache,
@@ -340,11 +381,22 @@ def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots
         (k_cache.shape, v_cache.shape)
     if num_tokens == 0:
         return
+    page_size = k_cache.shape[1]
+    assert page_size & (page_size - 1) == 0, f"page_size {page_size} must be a power of two"
     block = threads(gpu=128, sim=32)
     warps_per_block = block // WARP
     items = num_tokens * (num_q_heads + 2 * num_kv_heads)
-    kern = _qk_norm_rope_kernel(*head_geometry(head_dim, rotary_dim))
+    if QK_NORM_RELEASE not in QK_NORM_RELEASES:
+        raise PegainferError(f"PEGAINFER_QK_NORM_RELEASE={QK_NORM_RELEASE!r} is not one of {QK_NORM_RELEASES}: "
+                             "unset it or pick one of those")
+    kern = _qk_norm_rope_kernel(head_dim, rotary_dim, QK_NORM_RELEASE)
+    for name, a in (("qkv", qkv), ("cos", cos), ("sin", sin), ("block_tables", block_tables), ("k_cache", k_cache),
+                    ("v_cache", v_cache), ("q_out", q_out)):
+        assert a.is_c_contiguous(), f"{name} must be C-contiguous (the kernel indexes it flat)"
+    flat = lambda a: a.reshape(a.size)
     launch(kern, grid(items, per_block=warps_per_block, sim_cap=8), block,
-           qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables, k_cache, v_cache, q_out,
-           np.int32(q_head_stride), np.int32(rotary_dim), np.float32(eps),
-           np.float32(weight_offset), bool(round_before_weight), name="qk_norm_rope_store", pdl=True)
+           flat(qkv), np.int32(qkv.shape[1]), q_norm_w, k_norm_w, flat(cos), flat(sin), positions, token_slots,
+           flat(block_tables), np.int32(block_tables.shape[1]), flat(k_cache), flat(v_cache),
+           np.int32(page_size.bit_length() - 1), np.int32(num_kv_heads), flat(q_out), np.int32(num_q_heads),
+           np.int32(q_head_stride), np.float32(eps), np.float32(weight_offset), bool(round_before_weight),
+           name="qk_norm_rope_store", pdl=True)

@@ -641,9 +641,10 @@ def sample_kernel(words, logits, n_vec, temperature, top_k, top_p, min_p, seed, 
     Geometry: ``parts`` blocks per row (grid-stride over (row, part)), 512 threads, ~37 KB of shared memory.  A
     greedy row (temperature 0) is split: block ``q`` takes groups ``[q·n/parts, (q+1)·n/parts)`` of the row (the
     last also the unaligned tail), writes its (max, first index) and bumps the row's counter; the last block to do
-    so merges the parts in order (a strict ``>`` in index order keeps the smallest index of equal maxima, as one
-    block would) and resets the counter, so a row costs a pass over ``V / parts`` logits instead of ``V``.  A
-    sampled row is one block, ``q = 0`` (the others return at once).  Every branch below depends only on per-row
+    so merges the parts and resets the counter, so a row costs a pass over ``V / parts`` logits instead of ``V``.
+    The merge is one memory round trip (thread 0 used to read the parts one after another): every thread loads
+    one part's (max, index), then one block argmax (ties → the smaller index, i.e. the earlier part's: the token
+    one block would pick).  A sampled row is one block, ``q = 0`` (the others return at once).  Every branch below depends only on per-row
     values all threads share, so the block-wide reductions stay uniform.
     """
     pdl_prologue()
@@ -656,6 +657,7 @@ def sample_kernel(words, logits, n_vec, temperature, top_k, top_p, min_p, seed, 
     tot_masses = cuda.local.array(BUCKETS, float32)
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
+    last_part = cuda.shared.array(1, int32)           # greedy: whether this block is the row's last part
     for work in range(cuda.blockIdx.x, logits.shape[0] * parts, cuda.gridDim.x):
         row = work // parts
         part = work % parts
@@ -671,18 +673,24 @@ def sample_kernel(words, logits, n_vec, temperature, top_k, top_p, min_p, seed, 
                 part_max[row * parts + part] = xmax
                 part_index[row * parts + part] = jmax
                 cuda.threadfence()                          # publish the part before counting it
-                if cuda.atomic.add(counters, row, 1) == parts - 1:
-                    cuda.threadfence()
-                    best = _NEG_INF
-                    best_j = int32(NO_INDEX)
-                    for q in range(parts):
-                        if part_max[row * parts + q] > best:
-                            best = part_max[row * parts + q]
-                            best_j = part_index[row * parts + q]
+                last_part[0] = 1 if cuda.atomic.add(counters, row, 1) == parts - 1 else 0
+            cuda.syncthreads()
+            if last_part[0] == 1:                           # the whole block merges: one round trip for all parts
+                cuda.threadfence()
+                p_max = _NEG_INF
+                p_j = int32(NO_INDEX)
+                for q in range(tid, parts, nt):             # (parts ≤ block size: one each)
+                    if part_max[row * parts + q] > p_max:
+                        p_max = part_max[row * parts + q]
+                        p_j = part_index[row * parts + q]
+                # parts cover increasing index ranges, so the smallest index among equal maxima is the first part's
+                best, best_j = _block_argmax(p_max, p_j)
+                if tid == 0:
                     out_ids[row] = best_j if best_j != NO_INDEX else 0
                     kept_threshold[row] = best
                     kept_count[row] = 1
                     counters[row] = 0                       # at rest again (graph replays)
+            cuda.syncthreads()                              # last_part is reused by the next item
             continue
         if part > 0:
             continue                                        # a sampled row is one block's

@@ -104,7 +104,12 @@ def reference_rope(x, cos, sin, rotary_dim):
     (128, 128, 1, QWEN3),    # the served shapes: half a multiple of 32, the pair partner in the lane's registers
     (256, 64, 2, QWEN3_5),
 ], ids=["qwen3-d32", "qwen3.5-d32-partial", "d16-partial", "d16-odd-half-gated", "qwen3-d128", "qwen3.5-d256"])
-def test_qk_norm_rope_store(rng, head_dim, rotary_dim, stride_heads, form):
+@pytest.mark.parametrize("release", ["start", "after_wait"])
+def test_qk_norm_rope_store(rng, monkeypatch, head_dim, rotary_dim, stride_heads, form, release):
+    """Against float64 with HF's roundings, at either place the kernel lets attention launch
+    (``QK_NORM_RELEASE``: it changes nothing computed)."""
+    import pegainfer.kernels.rope as rope_module
+    monkeypatch.setattr(rope_module, "QK_NORM_RELEASE", release)
     nq, nkv, page_size, num_pages, max_len = 4, 2, 4, 10, 64
     q_head_stride = stride_heads * head_dim
     # two sequences in slots 2 and 0 and one padding token (slot -1); slot 2 spans pages 7 -> 3 -> 9
@@ -156,3 +161,16 @@ def test_qk_norm_rope_store(rng, head_dim, rotary_dim, stride_heads, form):
         np.testing.assert_array_equal(v_got[page, offset], v_bits[t])
     # nothing else in the caches was touched (the padding token stored nothing)
     assert np.all(k_got[~written] == sentinel) and np.all(v_got[~written] == sentinel)
+
+
+def test_qk_norm_rope_store_rejects_unknown_release(monkeypatch):
+    """A misspelt ``PEGAINFER_QK_NORM_RELEASE`` is a one-line error naming the choices."""
+    import pegainfer.kernels.rope as rope_module
+    from pegainfer.errors import PegainferError
+    monkeypatch.setattr(rope_module, "QK_NORM_RELEASE", "early")
+    D, nq, nkv = 16, 2, 1
+    u16 = lambda *shape: cuda.to_device(np.zeros(shape, np.uint16))
+    i32 = lambda *shape: cuda.to_device(np.zeros(shape, np.int32))
+    with pytest.raises(PegainferError, match="PEGAINFER_QK_NORM_RELEASE"):
+        qk_norm_rope_store(u16(1, (nq + 2 * nkv) * D), u16(D), u16(D), u16(8, D // 2), u16(8, D // 2), i32(1),
+                           i32(1), i32(1, 2), u16(2, 4, nkv, D), u16(2, 4, nkv, D), u16(1, nq, D), EPS, D)

@@ -1264,13 +1264,14 @@ spills for sm_90).  Two tiles (512 threads, 32 values each) would have to fit 12
 
 def gated_delta_decode_step(x, conv_weight, conv_state, z, a, b, a_log, dt_bias, norm_weight, eps: float,
                             ssm_state, slot_ids, token_offsets, positions, out, row_groups: int = RULE_WARPS,
-                            tiles_per_thread: int = DECODE_TILES_PER_THREAD, decode_token_slots=None) -> None:
+                            tiles_per_thread: int | None = None, decode_token_slots=None) -> None:
     """The whole Gated DeltaNet step between in_proj and out_proj for a decode batch, in one launch:
     ``out = RMSNormGated(rule(silu(conv(x))), z)``, updating ``conv_state`` and ``ssm_state`` of ``slot_ids``.
 
     Shapes as in ``gated_delta_decode_step_kernel``, except ``ssm_state`` ``[slots, Hv, Dk, Dv]`` (contiguous).
     Bit-identical to ``causal_conv1d_silu`` → ``gated_delta_recurrent(warps=row_groups)`` → ``gated_rms_norm``
-    (``row_groups`` is a test knob: keep the default, the recurrent kernel's own).  Meant for one token per
+    (``row_groups`` is a test knob: keep the default, the recurrent kernel's own).  ``tiles_per_thread``: 32-column
+    tiles of the state per thread (default: ``DECODE_TILES_PER_THREAD``, read at the call).  Meant for one token per
     sequence; longer sequences are exact but run one block per key head.
 
     ``decode_token_slots`` (``[tokens]`` int32, the step's per-token slots as the host wrote them): the batch is a
@@ -1289,6 +1290,8 @@ def gated_delta_decode_step(x, conv_weight, conv_state, z, a, b, a_log, dt_bias,
     assert z.shape == out.shape and norm_weight.shape == (value_dim,), (z.shape, out.shape, norm_weight.shape)
     assert ssm_state.is_c_contiguous(), "the kernel reads the state as one flat array"
     _check_positions(positions, num_tokens)
+    if tiles_per_thread is None:
+        tiles_per_thread = DECODE_TILES_PER_THREAD
     tiles = -(-value_dim // COL_TILE)
     warps = row_groups * -(-tiles // tiles_per_thread)
     assert 1 <= row_groups and 1 <= tiles_per_thread and warps <= MAX_WARPS, (row_groups, tiles_per_thread)

@@ -331,10 +331,11 @@ def decode_inputs(rng, layer, num_tokens):
             bf16_randn((num_tokens, layer["num_v_heads"]), rng, scale=2.0)[0])
 
 
-def run_linear_step(fused, layer, ring, state, inputs, table, positions, row_groups=None, decode_slots=None):
+def run_linear_step(fused, layer, ring, state, inputs, table, positions, row_groups=None, decode_slots=None,
+                    tiles_per_thread=None):
     """One Gated DeltaNet step from host ``ring`` [slots, C, K] / ``state`` [slots, Hv, Dk, Dv]: the fused decode
     step (``decode_slots``: in decode mode, given the per-token slots), or conv → recurrent rule → gated norm
-    (``row_groups`` warps); returns the new (ring, state, out)."""
+    (``row_groups`` warps; ``tiles_per_thread`` for the fused step); returns the new (ring, state, out)."""
     x, z, a, b = (cuda.to_device(v) for v in inputs)
     slot_ids, token_offsets = table
     d_ring, d_state = cuda.to_device(ring), cuda.to_device(state)
@@ -346,7 +347,7 @@ def run_linear_step(fused, layer, ring, state, inputs, table, positions, row_gro
         groups["decode_token_slots"] = cuda.to_device(np.asarray(decode_slots, np.int32))
     if fused:
         gated_delta_decode_step(x, conv_w, d_ring, z, a, b, a_log, dt_bias, norm_w, EPS, d_state, slot_ids,
-                                token_offsets, positions, out, **groups)
+                                token_offsets, positions, out, tiles_per_thread=tiles_per_thread, **groups)
     else:
         mixed = cuda.to_device(np.zeros((num_tokens, conv_w.shape[0]), np.uint16))
         causal_conv1d_silu(x, conv_w, d_ring, slot_ids, token_offsets, positions, mixed, max_seq_tokens=num_tokens,
@@ -358,10 +359,11 @@ def run_linear_step(fused, layer, ring, state, inputs, table, positions, row_gro
 
 
 def assert_fused_equals_three_kernels(layer, ring, state, inputs, table, positions, row_groups=None, label="",
-                                      decode_slots=None):
+                                      decode_slots=None, tiles_per_thread=None):
     """Run the fused step and conv → recurrent rule → gated norm on the same inputs; the new ring, state and
     output must be equal bit for bit.  Returns the fused step's (ring, state, out)."""
-    fused = run_linear_step(True, layer, ring, state, inputs, table, positions, row_groups, decode_slots)
+    fused = run_linear_step(True, layer, ring, state, inputs, table, positions, row_groups, decode_slots,
+                            tiles_per_thread)
     ref = run_linear_step(False, layer, ring, state, inputs, table, positions, row_groups)
     for name, got, want in zip(("conv ring", "delta-rule state", "output"), fused, ref):
         np.testing.assert_array_equal(got, want, err_msg=f"{label}{name}")
@@ -382,19 +384,21 @@ def reference_layer(layer, inputs, history, state):
     return bf16_round(bf16_round(norm_w * normed) * silu(z.reshape(o.shape))).reshape(x.shape[0], -1)
 
 
-@pytest.mark.parametrize("key_dim, value_dim, row_groups", [
-    (16, 16, None),   # the default summation order (the recurrent kernel's own); half a column tile
-    (16, 64, 2),      # two column tiles, two row classes
-    (20, 32, 3),      # key rows not a multiple of the row classes
+@pytest.mark.parametrize("key_dim, value_dim, row_groups, tiles_per_thread", [
+    (16, 16, None, None),   # the default summation order (the recurrent kernel's own); half a column tile
+    (16, 64, 2, None),      # two column tiles, two row classes
+    (16, 64, 2, 1),         # ... one tile per thread: two column groups of warps per row class
+    (20, 32, 3, None),      # key rows not a multiple of the row classes
 ])
-def test_decode_step_equals_conv_rule_norm(rng, key_dim, value_dim, row_groups):
+def test_decode_step_equals_conv_rule_norm(rng, key_dim, value_dim, row_groups, tiles_per_thread):
     """Consecutive decode steps of three sequences (slots 3, 0, 4; GQA ratio 2), from random rings and states:
     the fused step and conv → recurrent rule → gated norm leave bit-identical rings, states and outputs after every
     step.  Positions start at 0 (no history: ring entries must not be read), 2 (< K-1) and 9 (> K), so the ring
     wraps; the last step is padded to a larger batch (slot -1 tokens: the padding rows must match too).  The first
     step is also checked against float64.  ``row_groups``: the fused step against the recurrent kernel with that many
     warps (the simulator's default is one), in two steps.  With the default, steps 1 and 3 run the fused step in
-    decode mode (state read before the PDL wait from the per-token slots; step 3 with padding tokens)."""
+    decode mode (state read before the PDL wait from the per-token slots; step 3 with padding tokens).
+    ``tiles_per_thread``: the fused step's state tiles per thread (default ``DECODE_TILES_PER_THREAD``)."""
     layer = make_decode_layer(rng, key_dim=key_dim, value_dim=value_dim)
     num_slots, taps = 6, 4
     conv_dim = layer["conv_w"].shape[0]
@@ -411,7 +415,8 @@ def test_decode_step_equals_conv_rule_norm(rng, key_dim, value_dim, row_groups):
         inputs = decode_inputs(rng, layer, len(token_slots))
         decode_slots = token_slots if row_groups is None and step % 2 else None
         fused = assert_fused_equals_three_kernels(layer, *carried, inputs, table, positions, row_groups,
-                                                  label=f"step {step}: ", decode_slots=decode_slots)
+                                                  label=f"step {step}: ", decode_slots=decode_slots,
+                                                  tiles_per_thread=tiles_per_thread)
         if step == 0:
             got = from_bf16_bits(fused[2]).astype(np.float64)
             for r, slot in enumerate(slots):
@@ -754,13 +759,15 @@ def test_gpu_gated_rms_norm_qwen35_shapes(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lengths,decode,release", [([1, 1, 1, 1], False, "start"), ([1, 1, 1, 1], True, "start"),
-                                                    ([1, 1, 1, 1], True, "loads"), ([1, 1, 1, 1], True, "outputs"),
-                                                    ([1, 9, 0, 2], False, "start")])
-def test_gpu_fused_decode_step_qwen35_shapes(rng, monkeypatch, lengths, decode, release):
+@pytest.mark.parametrize("lengths,decode,release,tiles", [
+    ([1, 1, 1, 1], False, "start", None), ([1, 1, 1, 1], True, "start", None), ([1, 1, 1, 1], True, "loads", None),
+    ([1, 1, 1, 1], True, "outputs", None), ([1, 9, 0, 2], False, "start", None),
+    ([1, 1, 1, 1], True, "loads", 2), ([1, 1, 1, 1], True, "loads", 1)])
+def test_gpu_fused_decode_step_qwen35_shapes(rng, monkeypatch, lengths, decode, release, tiles):
     """Qwen3.5-4B shapes on the GPU (where FMA contraction and the compiled code could differ): the fused step equals
     conv → recurrent rule → gated norm bit for bit, for a decode batch (also in decode mode: state loaded before
-    the PDL wait, with each place it may let out_proj launch) and for sequences of several tokens."""
+    the PDL wait, with each place it may let out_proj launch, and with 2 or 1 state tiles per thread: 512 or 1024
+    threads) and for sequences of several tokens."""
     import pegainfer.kernels.gated_delta as gd
     monkeypatch.setattr(gd, "DECODE_STEP_RELEASE", release)
     layer = make_decode_layer(rng, **QWEN35_4B)
@@ -772,4 +779,4 @@ def test_gpu_fused_decode_step_qwen35_shapes(rng, monkeypatch, lengths, decode, 
     positions = positions_of(lengths, first_pos)
     inputs = decode_inputs(rng, layer, sum(lengths))
     assert_fused_equals_three_kernels(layer, ring, state, inputs, (slot_ids, token_offsets), positions,
-                                      decode_slots=slots if decode else None)
+                                      decode_slots=slots if decode else None, tiles_per_thread=tiles)

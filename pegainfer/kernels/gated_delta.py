@@ -979,8 +979,9 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
         one block per key head then runs its value heads one after another (below).
 
         Geometry: one block per (sequence, value head), grid-strided, of ``row_groups`` warps per
-        ``tiles_per_thread`` 32-column tiles (Qwen3.5: 8 warps).  Warp ``w`` owns key rows ``d ≡ w mod row_groups``
-        and ``tiles_per_thread`` tiles of 32 columns (lane ``l``: columns ``l + 32·m``), i.e. ``S[d, j]`` for ``d``
+        ``tiles_per_thread`` 32-column tiles (Qwen3.5: 8 row classes × 2 column groups = 16 warps).  Warp ``w``
+        owns key rows ``d ≡ w mod row_groups`` and, in column group ``c = w // row_groups``, ``tiles_per_thread``
+        tiles of 32 columns (lane ``l``: columns ``32·tiles_per_thread·c + l + 32·m``), i.e. ``S[d, j]`` for ``d``
         in its row class: read once into registers (issued before the conv, whose loads they overlap), decayed and
         updated there, written once.  The block first computes the conv of the 2·Dk q/k and Dv v channels it needs
         (threads stride over channels; the two value heads of a key head both compute its q/k: cheap), then every
@@ -1256,10 +1257,14 @@ kernel's dependent loads are done (as decode attention releases o after its last
 after the loads, 2.776 after the outputs.  (Before the preload, the start and after the last load measured the
 same: 2.909 vs 2.921 ms.)"""
 
-DECODE_TILES_PER_THREAD = 4
+DECODE_TILES_PER_THREAD = 2
 """32-column tiles of the state per thread in ``gated_delta_decode_step``.  With Qwen3.5's 128 × 128 heads and
-``RULE_WARPS`` = 8: blocks of 256 threads, each holding 16 rows × 4 columns = 64 state values (195 registers, no
-spills for sm_90).  Two tiles (512 threads, 32 values each) would have to fit 128 registers and spill a little."""
+``RULE_WARPS`` = 8: blocks of 512 threads, each holding 16 rows × 2 columns = 32 state values (127 registers, no
+spills for sm_90).  Measured on the H200 (session 13, Qwen3.5-4B TPOT, two alternating rounds each): 4 tiles (256
+threads, 64 values, 165 registers) 2.605 / 2.607 ms, 2 tiles 2.594 / 2.594, 1 tile (1024 threads, 64 registers,
+246 bytes of spills) 2.626 / 2.626.  One tile also failed the GPU bit-identity check against the three-kernel path
+(same session; the cause was not looked into: a different FMA contraction is one candidate), so the GPU tests
+cover 2 and 4 tiles only."""
 
 
 def gated_delta_decode_step(x, conv_weight, conv_state, z, a, b, a_log, dt_bias, norm_weight, eps: float,

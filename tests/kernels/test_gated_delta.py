@@ -762,12 +762,12 @@ def test_gpu_gated_rms_norm_qwen35_shapes(rng):
 @pytest.mark.parametrize("lengths,decode,release,tiles", [
     ([1, 1, 1, 1], False, "start", None), ([1, 1, 1, 1], True, "start", None), ([1, 1, 1, 1], True, "loads", None),
     ([1, 1, 1, 1], True, "outputs", None), ([1, 9, 0, 2], False, "start", None),
-    ([1, 1, 1, 1], True, "loads", 2), ([1, 1, 1, 1], True, "loads", 1)])
+    ([1, 1, 1, 1], True, "loads", 4)])
 def test_gpu_fused_decode_step_qwen35_shapes(rng, monkeypatch, lengths, decode, release, tiles):
     """Qwen3.5-4B shapes on the GPU (where FMA contraction and the compiled code could differ): the fused step equals
     conv → recurrent rule → gated norm bit for bit, for a decode batch (also in decode mode: state loaded before
-    the PDL wait, with each place it may let out_proj launch, and with 2 or 1 state tiles per thread: 512 or 1024
-    threads) and for sequences of several tokens."""
+    the PDL wait, with each place it may let out_proj launch, and with 4 state tiles per thread besides the
+    default 2: 256 threads) and for sequences of several tokens."""
     import pegainfer.kernels.gated_delta as gd
     monkeypatch.setattr(gd, "DECODE_STEP_RELEASE", release)
     layer = make_decode_layer(rng, **QWEN35_4B)

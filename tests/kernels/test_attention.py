@@ -274,6 +274,20 @@ def test_gpu_decode_long_context(nq, nkv, head_dim, num_tokens, decode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dim_split", [False, True])
+def test_gpu_decode_qwen35_short_contexts(monkeypatch, dim_split):
+    """Qwen3.5's full-attention shape (16 q / 4 kv heads of 256) at the decode benchmark's contexts (one split of
+    1, 5 and 9 16-key steps: one, two and three rounds of the dim-split pairs), with and without the pairs."""
+    from pegainfer.kernels import attention
+
+    monkeypatch.setattr(attention, "DIM_SPLIT_WIDE_HEADS", dim_split)
+    got, want = run_attention(np.random.default_rng(9), 16, 4, 256, slots=[0, 1, 2], positions=[15, 79, 143],
+                              num_slots=3, max_pages=16, num_pages=51, page_size=16, decode=True)
+    for t in range(3):
+        assert rel_l2(got[t], want[t]) <= 1e-2, t
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("positions", [[127], [4095]])
 def test_gpu_sigmoid_gate_epilogue_qwen35(positions):
     """The gated decode attention at Qwen3.5-4B's full-attention shape (16 q / 4 kv heads of 256), one split and

@@ -1091,10 +1091,11 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
         eps = float32(eps)
 
         qk_s = cuda.shared.array(QK_WORDS, float32)              # this token's q then k (f32 of the bf16 conv outputs)
-        v_s = cuda.shared.array(VD, float32)                     # its v for head h
+        # (16-byte aligned: the vector accesses of store_cols / load_cols / add_cols)
+        v_s = cuda.shared.array(VD, float32, alignment=16)       # its v for head h
         o_s = cuda.shared.array(VD, float32)                     # the rule's outputs (bf16 values)
-        partial_kv = cuda.shared.array(PARTIAL, float32)         # [R, Dv] per row class: Σ_d S·decay·k̂
-        partial_out = cuda.shared.array(PARTIAL, float32)        # [R, Dv] per row class: Σ_d S·q̂
+        partial_kv = cuda.shared.array(PARTIAL, float32, alignment=16)    # [R, Dv] per row class: Σ_d S·decay·k̂
+        partial_out = cuda.shared.array(PARTIAL, float32, alignment=16)   # [R, Dv] per row class: Σ_d S·q̂
         state = cuda.local.array(REGS, float32)                  # state[m·ROWS + i] = S[row_class + R·i, col m]
         col_acc = cuda.local.array(TPT, float32)                 # per column of the thread: its partial sum
         col_delta = cuda.local.array(TPT, float32)               # per column: kv_mem, then delta

@@ -300,10 +300,7 @@ else:
         sig = types.UniTuple(types.uint32, 4)(arr, idx)
 
         def codegen(context, builder, sig, args):
-            arrty, idxty = sig.args
-            ary = context.make_array(arrty)(context, builder, value=args[0])
-            index = context.cast(builder, args[1], idxty, types.intp)
-            ptr = cgutils.get_item_pointer(context, builder, arrty, ary, [index], wraparound=False)
+            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
             i32 = ir.IntType(32)
             fnty = ir.FunctionType(ir.LiteralStructType([i32, i32, i32, i32]), [ptr.type])
             asm = ir.InlineAsm(fnty, "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
@@ -323,10 +320,7 @@ else:
         return isinstance(arr, types.Array) and arr.dtype == types.float32 and arr.ndim == 1
 
     def _f32_vector_pointer(context, builder, sig, args, width):
-        arrty, idxty = sig.args[0], sig.args[1]
-        ary = context.make_array(arrty)(context, builder, value=args[0])
-        index = context.cast(builder, args[1], idxty, types.intp)
-        ptr = cgutils.get_item_pointer(context, builder, arrty, ary, [index], wraparound=False)
+        ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])   # (defined below)
         return builder.bitcast(ptr, ir.VectorType(ir.FloatType(), width).as_pointer())
 
     def _f32_vector_load(width):

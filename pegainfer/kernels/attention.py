@@ -173,17 +173,27 @@ def _split_range(n_keys, split, num_splits, min_chunk):
 
 @functools.lru_cache(maxsize=None)
 def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, min_blocks: int = 0,
-                  decode: bool = False, gated: bool = False, rope_rotary_dim: int = 0):
+                  decode: bool = False, gated: bool = False, rope_rotary_dim: int = 0, dim_split: bool = False):
     """Build the split-K kernel for one shape (closure constants size the register fragments).  ``late_v``: load V
     after computing S (K's registers are then free: fewer registers, one more memory round trip per step);
     ``min_blocks``: launch bounds asking for that many resident blocks per SM (0: none); ``decode``: every token is
     its sequence's newest, so only its own key and q come from the kernel before (the early loads below);
     ``gated``: the output is scaled by Qwen3.5's sigmoid gate (``gating.gated_value``) as it is written;
     ``rope_rotary_dim`` > 0 (with ``decode``): the kernel also does ``rope.qk_norm_rope_store``'s work for its
-    heads, from the raw projection (the rotary dims of a head are a compile-time constant of the register layout)."""
+    heads, from the raw projection (the rotary dims of a head are a compile-time constant of the register layout);
+    ``dim_split``: the warps work in pairs, each warp of a pair on one half of the head dims of the same 16 keys
+    (its S is the sum of the pair's two partial products, exchanged through shared memory), so a warp's registers
+    and dependent chain are those of a head half as wide (Qwen3.5's D = 256)."""
     D, G, W, LATE_V, DECODE, GATED = head_dim, group, warps, late_v, decode, gated
     ROPE = rope_rotary_dim > 0
     assert not ROPE or DECODE
+    DS = 2 if dim_split else 1               # warps per 16-key step
+    assert not (dim_split and ROPE), "the dim-split kernel has no fused qk-norm / RoPE path"
+    assert W % DS == 0 and (D // DS) % 16 == 0, (W, D, DS)
+    DH = D // DS                             # head dims one warp handles
+    SW = W // DS                             # 16-key steps per round (warps, or warp pairs)
+    HALF_WORDS = DH // 2                     # word offset of the second half's dims within a row
+    SM_S = 2 * W * 128 if dim_split else 1   # the pairs' partial S, double-buffered by round [2, W, 32 lanes, 4]
     ROT = max(rope_rotary_dim, 2)
     HALF = ROT // 2
     J, SHIFT = head_geometry(D, ROT)         # a warp holds one head: lane l dims l + 32 j
@@ -192,13 +202,13 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
     ROLE_ROUNDS = -(-ROLES // W)
     NT = 32 * W
     ROW_WORDS = D // 2
-    KW = D // 8          # words of a q / K row per lane: lane t (= lane & 3) holds dims [t D/4, (t+1) D/4)
-    VW = D // 16         # words of a V row per lane: lane g (= lane >> 2) holds dims [g D/8, (g+1) D/8)
-    QK_STEPS = D // 16   # k16 steps of S = Q K^T
-    O_TILES = D // 8     # n8 tiles of O = P V
+    KW = DH // 8         # words of a q / K row per lane: lane t (= lane & 3) holds dims [t DH/4, (t+1) DH/4)
+    VW = DH // 16        # words of a V row per lane: lane g (= lane >> 2) holds dims [g DH/8, (g+1) DH/8)
+    QK_STEPS = DH // 16  # k16 steps of S = Q K^T
+    O_TILES = DH // 8    # n8 tiles of O = P V
     ROWS = G * D
     assert G <= 8 and D % 16 == 0
-    KW2, VW4, O_REGS, SM_O, SM_W, SM_ROWS = 2 * KW, 4 * VW, 2 * O_TILES, W * G * D, G * MAX_SPLITS, W * 8
+    KW2, VW4, O_REGS, SM_O, SM_W, SM_ROWS = 2 * KW, 4 * VW, 2 * O_TILES, SW * G * D, G * MAX_SPLITS, SW * 8
     ROW_ROUNDS = -(-ROWS // NT)              # the merge's elements per thread
     ALL_ROUNDS = ROWS % NT == 0
     SM_Q, SM_KV = (G * D, 2 * D) if ROPE else (1, 1)
@@ -343,7 +353,8 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
             pdl_prologue()
         sm_m = cuda.shared.array(SM_ROWS, float32)    # per warp and head row: running max
         sm_l = cuda.shared.array(SM_ROWS, float32)    # ... and sum
-        sm_o = cuda.shared.array(SM_O, float32)      # ... and accumulator [W, G, D]
+        sm_o = cuda.shared.array(SM_O, float32)      # ... and accumulator [SW, G, D]
+        sm_s = cuda.shared.array(SM_S, float32)      # dim split: the pairs' partial S [2 rounds, W, 32, 4]
         sm_w = cuda.shared.array(SM_W, float32)      # merge weights [G, warps or splits]
         sm_tot = cuda.shared.array(8, float32)       # merged sum per head
         sm_last = cuda.shared.array(1, int32)
@@ -360,9 +371,12 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
         tid = cuda.threadIdx.x
         lane = tid % 32
         warp = tid // 32
+        half = warp % DS                  # dim split: this warp's half of the head dims (else 0)
+        sw = warp // DS                   # its step warp: the warp, or the pair
+        dim0 = half * HALF_WORDS          # word offset of this warp's dims within a q / K / V row
         g = lane >> 2
         tq = lane & 3
-        utid, uwarp, ug, utq = uint32(tid), uint32(warp), uint32(g), uint32(tq)
+        utid, usw, ug, utq = uint32(tid), uint32(sw), uint32(g), uint32(tq)
         nq = num_kv_heads * G
         n_tokens = positions.shape[0]
         zero = uint32(0)
@@ -389,26 +403,28 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
 
             newest = positions[t]                         # DECODE: the only key the previous kernel wrote
             if not DECODE:
-                _load_words(q32, (t * nq + head0 + g) * ROW_WORDS + tq * KW, KW, qa, 0, g < G)
+                _load_words(q32, (t * nq + head0 + g) * ROW_WORDS + dim0 + tq * KW, KW, qa, 0, g < G)
             for i in range(O_REGS):
                 of[i] = fzero
             m = NEG_INF
             l = fzero                                     # this lane's share of its row's sum
             n_steps = (k_hi - k_lo + DECODE_STEP_KEYS - 1) // DECODE_STEP_KEYS
-            for st0 in range(0, n_steps, W):              # same trip count in every warp (simulator reductions)
-                k0 = k_lo + (st0 + warp) * DECODE_STEP_KEYS
+            for st0 in range(0, n_steps, SW):             # same trip count in every warp (barriers, simulator)
+                k0 = k_lo + (st0 + sw) * DECODE_STEP_KEYS
                 early = DECODE and st0 == 0                 # before the wait: not the newest key's rows
                 row0 = _step_first_row(block_tables, slot, k0, k_hi, page_shift, num_kv_heads, kvh, ROW_WORDS)
                 for j in range(2):
                     key = k0 + 8 * j + g
                     row = _step_row(block_tables, slot, key, k0, k_hi, row0, page_shift, num_kv_heads, kvh, ROW_WORDS)
-                    _load_words(k32, row + tq * KW, KW, kw, j * KW, key < k_hi and not (early and key == newest))
+                    _load_words(k32, row + dim0 + tq * KW, KW, kw, j * KW,
+                                key < k_hi and not (early and key == newest))
                 if not LATE_V:
                     for j in range(4):
                         key = k0 + 2 * tq + (j & 1) + 8 * (j >> 1)
                         row = _step_row(block_tables, slot, key, k0, k_hi, row0, page_shift, num_kv_heads, kvh,
                                         ROW_WORDS)
-                        _load_words(v32, row + g * VW, VW, vw, j * VW, key < k_hi and not (early and key == newest))
+                        _load_words(v32, row + dim0 + g * VW, VW, vw, j * VW,
+                                    key < k_hi and not (early and key == newest))
                 if early and ROPE:
                     fused_heads(qkv, q_norm_w, k_norm_w, cos, sin, k16, v16, block_tables, t, slot, newest,
                                 k_hi > newest, head0, kvh, num_kv_heads, page_shift, q_head_stride, eps,
@@ -417,7 +433,7 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                         qa[i] = _smem_word(sm_q, g * D + 2 * (tq * KW + i)) if g < G else uint32(0)
                 elif early:
                     grid_dependency_wait()
-                    _load_words(q32, (t * nq + head0 + g) * ROW_WORDS + tq * KW, KW, qa, 0, g < G)
+                    _load_words(q32, (t * nq + head0 + g) * ROW_WORDS + dim0 + tq * KW, KW, qa, 0, g < G)
                 if early or (ROPE and k0 <= newest and newest < k0 + DECODE_STEP_KEYS):
                     for j in range(2):
                         key = k0 + 8 * j + g
@@ -427,7 +443,7 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                                     kw[j * KW + i] = _smem_word(sm_kv, 2 * (tq * KW + i))
                             else:
                                 row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS)
-                                _load_words(k32, row + tq * KW, KW, kw, j * KW, True)
+                                _load_words(k32, row + dim0 + tq * KW, KW, kw, j * KW, True)
                     if not LATE_V:
                         for j in range(4):
                             key = k0 + 2 * tq + (j & 1) + 8 * (j >> 1)
@@ -437,7 +453,7 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                                         vw[j * VW + i] = _smem_word(sm_kv, D + 2 * (g * VW + i))
                                 else:
                                     row = _kv_row(block_tables, slot, key, page_shift, num_kv_heads, kvh, ROW_WORDS)
-                                    _load_words(v32, row + g * VW, VW, vw, j * VW, True)
+                                    _load_words(v32, row + dim0 + g * VW, VW, vw, j * VW, True)
 
                 # S = Q K^T (head g, keys k0 + 8j + 2t, +1), base-2 units, masked past k_hi
                 s0 = s1 = s2 = s3 = fzero
@@ -446,6 +462,20 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                                                      kw[2 * ks], kw[2 * ks + 1], s0, s1, fzero, fzero)
                     s2, s3, _, _ = mma_bf16_m16n8k16(qa[2 * ks], zero, qa[2 * ks + 1], zero,
                                                      kw[KW + 2 * ks], kw[KW + 2 * ks + 1], s2, s3, fzero, fzero)
+                if DS == 2:         # S = the pair's two partial products, summed in the same order by both warps
+                    buf = uint32((st0 // SW) % 2) * uint32(W * 128)
+                    own = buf + uint32(warp * 128) + uint32(lane * 4)
+                    sm_s[own] = s0
+                    sm_s[own + uint32(1)] = s1
+                    sm_s[own + uint32(2)] = s2
+                    sm_s[own + uint32(3)] = s3
+                    cuda.syncthreads()
+                    lo = buf + uint32(2 * sw * 128) + uint32(lane * 4)
+                    hi = lo + uint32(128)
+                    s0 = sm_s[lo] + sm_s[hi]
+                    s1 = sm_s[lo + uint32(1)] + sm_s[hi + uint32(1)]
+                    s2 = sm_s[lo + uint32(2)] + sm_s[hi + uint32(2)]
+                    s3 = sm_s[lo + uint32(3)] + sm_s[hi + uint32(3)]
                 key = k0 + 2 * tq
                 s0 = s0 * scale_log2 if key < k_hi else NEG_INF
                 s1 = s1 * scale_log2 if key + 1 < k_hi else NEG_INF
@@ -461,7 +491,7 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                             for i in range(VW):
                                 vw[j * VW + i] = _smem_word(sm_kv, D + 2 * (g * VW + i))
                         else:
-                            _load_words(v32, row + g * VW, VW, vw, j * VW, key < k_hi)
+                            _load_words(v32, row + dim0 + g * VW, VW, vw, j * VW, key < k_hi)
 
                 # online softmax over the row (the 4 lanes of a row hold its 16 keys)
                 mx = max(m, lane_group_max(max(max(s0, s1), max(s2, s3)), 4))
@@ -491,26 +521,26 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
 
             if DECODE:
                 launch_dependents()                       # every K/V load of this block is done
-            # ---- merge the W warps of the block
+            # ---- merge the SW step warps of the block (a pair's halves hold disjoint dims of one partial)
             # (shared-memory indices are unsigned from here on: no negative-index wraparound code in the chain)
             l = lane_group_sum(l, 4)
             if g < G:
-                if tq == 0:
-                    sm_m[uwarp * uint32(8) + ug] = m
-                    sm_l[uwarp * uint32(8) + ug] = l
-                ob = (uwarp * uint32(G) + ug) * uint32(D) + uint32(2 * O_TILES) * utq
+                if tq == 0 and half == 0:
+                    sm_m[usw * uint32(8) + ug] = m
+                    sm_l[usw * uint32(8) + ug] = l
+                ob = (usw * uint32(G) + ug) * uint32(D) + uint32(half * DH) + uint32(2 * O_TILES) * utq
                 for jd in range(O_TILES):
                     sm_o[ob + uint32(jd)] = of[2 * jd]
                     sm_o[ob + uint32(O_TILES + jd)] = of[2 * jd + 1]
             cuda.syncthreads()
             if tid < G:
                 m_blk = NEG_INF
-                for w in range(W):
+                for w in range(SW):
                     m_blk = max(m_blk, sm_m[uint32(w * 8) + utid])
                 l_blk = fzero
-                for w in range(W):
+                for w in range(SW):
                     f = rescale_factor2(sm_m[uint32(w * 8) + utid], m_blk)
-                    sm_w[utid * uint32(W) + uint32(w)] = f
+                    sm_w[utid * uint32(SW) + uint32(w)] = f
                     l_blk += f * sm_l[uint32(w * 8) + utid]
                 sm_tot[utid] = l_blk
                 if n_active > 1:
@@ -522,8 +552,8 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                 if ALL_ROUNDS or i < uint32(ROWS):
                     h = i // uint32(D)
                     total = fzero
-                    for w in range(W):              # sm_o[w, h, i % D] = sm_o[w·G·D + i]
-                        total += sm_w[h * uint32(W) + uint32(w)] * sm_o[uint32(w * G * D) + i]
+                    for w in range(SW):             # sm_o[w, h, i % D] = sm_o[w·G·D + i]
+                        total += sm_w[h * uint32(SW) + uint32(w)] * sm_o[uint32(w * G * D) + i]
                     if n_active == 1:
                         lt = sm_tot[h]
                         o = f32_to_bf16(total / lt if lt > fzero else fzero)
@@ -1029,14 +1059,28 @@ def _paged_attention_prefill(q, k_cache, v_cache, block_tables, token_slots, pos
            name="paged_attention_prefill", pdl=True)
 
 
-def _split_geometry(head_dim: int, group: int) -> tuple[int, bool, int]:
-    """(warps per block, load V after S, launch-bounds blocks per SM) of the split-K kernel: 8 warps (one 16-key
-    step each per 128 keys), one in the simulator; for D = 256 V is loaded after S (K's and V's fragments together
+DIM_SPLIT_WIDE_HEADS = True
+"""Heads wider than 128 dims (Qwen3.5's 256) take the dim-split kernel on the GPU (``_split_kernel(dim_split=)``):
+warp pairs, each warp holding half of every q / K / V row, so a warp's registers and chains are those of a 128-dim
+head (no spills, V loaded with K), at the price of one exchange of partial S per 16-key step.  Written in session
+13 after that session's device time was spent: NOT yet measured on a GPU (the A/B against the one-warp-per-step
+kernel, ``DIM_SPLIT_WIDE_HEADS = False``, is the next session's)."""
+DIM_SPLIT_WARPS = 8
+"""Warps per block of the dim-split kernel (4 pairs: 64 keys per round).  12 (6 pairs, 96 keys per round) is
+compiled with launch bounds for one block per SM (at most 170 registers)."""
+
+
+def _split_geometry(head_dim: int, group: int) -> tuple[int, bool, int, bool]:
+    """(warps per block, load V after S, launch-bounds blocks per SM, dim split) of the split-K kernel: 8 warps
+    (one 16-key step each per 128 keys), one in the simulator; for D = 256 the dim-split pairs
+    (``DIM_SPLIT_WIDE_HEADS``), or else V loaded after S (K's and V's fragments of a whole 256-dim row together
     would need more than 255 registers).  With ``MIN_SPLIT_TOKENS`` = 256 a decode step up to 256 keys is one
     split, merged in shared memory only (no partials through the workspace): measured on the H200 (Qwen3-4B,
     context 16-144) against 4 warps and 64-key splits, TPOT 3.09 -> 2.94 ms.  ``benchmarks/bench_attention.py
     --sweep`` times the alternatives."""
-    return threads(gpu=8, sim=1), head_dim > 128, 0
+    if head_dim > 128 and DIM_SPLIT_WIDE_HEADS and not SIMULATOR:
+        return DIM_SPLIT_WARPS, False, 1 if DIM_SPLIT_WARPS > 8 else 0, True
+    return threads(gpu=8, sim=1), head_dim > 128, 0, False
 
 
 def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, workspace,
@@ -1061,9 +1105,12 @@ def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, posit
     else:  # one split: the kernel never touches the workspace or the counters
         ws_acc = ws_m = ws_l = _flat(workspace) if workspace is not None else _dummy_f32()
         counters = ws_acc.view(np.int32)
-    warps, late_v, min_blocks = geometry or _split_geometry(D, group)
+    warps, late_v, min_blocks, *dim_split = geometry or _split_geometry(D, group)
+    dim_split = bool(dim_split and dim_split[0])
+    if dim_split and rope is not None:   # the fused qk-norm / RoPE path exists for whole-row warps only
+        warps, late_v, min_blocks, dim_split = threads(gpu=8, sim=1), D > 128, 0, False
     kern = _split_kernel(D, group, warps, late_v, min_blocks, decode, gate is not None,
-                         rope.rotary_dim if rope is not None else 0)
+                         rope.rotary_dim if rope is not None else 0, dim_split)
     q2 = q.reshape(T, nq * D)
     r = rope or DecodeRope(q2, out.reshape(-1)[:D], out.reshape(-1)[:D], q2, q2, 0.0, 2, D)   # unused stand-ins
     launch(kern, grid(num_splits * T * nkv, sim_cap=64), 32 * warps,

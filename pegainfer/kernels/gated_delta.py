@@ -87,7 +87,8 @@ from pegainfer.kernels.norm import inverse_rms
 from pegainfer.kernels.primitives import (WARP, as_words, bf16_to_f32, bf16x2_hi, bf16x2_lo, bits_f32,
                                           cp_async_16, cp_async_commit, cp_async_wait_group, cuda, device_fn,
                                           f32_bits, f32_to_bf16, float32, grid, grid_dependency_wait, int32, kernel,
-                                          launch_dependents, math, pdl_prologue, threads, uint16, uint32, warp_sum)
+                                          launch_dependents, load_f32x2, load_f32x4, math, pdl_prologue,
+                                          store_f32x2, store_f32x4, threads, uint16, uint32, warp_sum)
 
 uint64 = np.uint64
 
@@ -934,6 +935,77 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
     CONV_ROUNDS = -(-CONV_CHANNELS // NT)   # conv channels per thread (block-strided)
     CONV_REGS = CONV_ROUNDS * TAPS
     OUT_ROUNDS = -(-VD // NT)               # output columns per thread (block-strided)
+    VEC = TPT if TPT in (2, 4) and ALL_COLS else 1   # a thread's columns moved by one 8- / 16-byte access
+    PARTIAL = R * VD                        # the per-row-class column sums in shared memory, [R, Dv]
+
+    @device_fn
+    def state_rows(ssm_state, base, state, row_class, first_col, store):
+        """Load (``store`` False) or store this thread's state ``state[m·ROWS + i] = S[row_class + R·i,
+        first_col + m]``, which sits at ``base + R·i·Dv + m``: one ``VEC``-wide access per row."""
+        for i in range(ROWS):
+            if ALL_ROWS or row_class + R * i < KD:
+                at = base + uint64(R * i * VD)
+                if VEC == 4:
+                    if store:
+                        store_f32x4(ssm_state, at, state[i], state[ROWS + i], state[2 * ROWS + i],
+                                    state[3 * ROWS + i])
+                    else:
+                        state[i], state[ROWS + i], state[2 * ROWS + i], state[3 * ROWS + i] = load_f32x4(ssm_state,
+                                                                                                         at)
+                elif VEC == 2:
+                    if store:
+                        store_f32x2(ssm_state, at, state[i], state[ROWS + i])
+                    else:
+                        state[i], state[ROWS + i] = load_f32x2(ssm_state, at)
+                else:
+                    for m in range(TPT):
+                        if ALL_COLS or first_col + m < VD:
+                            if store:
+                                ssm_state[at + uint64(m)] = state[m * ROWS + i]
+                            else:
+                                state[m * ROWS + i] = ssm_state[at + uint64(m)]
+
+    @device_fn
+    def store_cols(dst, at, vals, first_col):
+        """``dst[at + m] = vals[m]`` for this thread's columns ``first_col + m`` (shared memory)."""
+        if VEC == 4:
+            store_f32x4(dst, at, vals[0], vals[1], vals[2], vals[3])
+        elif VEC == 2:
+            store_f32x2(dst, at, vals[0], vals[1])
+        else:
+            for m in range(TPT):
+                if ALL_COLS or first_col + m < VD:
+                    dst[at + uint64(m)] = vals[m]
+
+    @device_fn
+    def load_cols(src, at, vals, first_col):
+        """``vals[m] = src[at + m]`` for this thread's columns ``first_col + m`` (shared memory)."""
+        if VEC == 4:
+            vals[0], vals[1], vals[2], vals[3] = load_f32x4(src, at)
+        elif VEC == 2:
+            vals[0], vals[1] = load_f32x2(src, at)
+        else:
+            for m in range(TPT):
+                if ALL_COLS or first_col + m < VD:
+                    vals[m] = src[at + uint64(m)]
+
+    @device_fn
+    def add_cols(src, at, vals, first_col):
+        """``vals[m] += src[at + m]`` for this thread's columns ``first_col + m`` (shared memory)."""
+        if VEC == 4:
+            x0, x1, x2, x3 = load_f32x4(src, at)
+            vals[0] += x0
+            vals[1] += x1
+            vals[2] += x2
+            vals[3] += x3
+        elif VEC == 2:
+            x0, x1 = load_f32x2(src, at)
+            vals[0] += x0
+            vals[1] += x1
+        else:
+            for m in range(TPT):
+                if ALL_COLS or first_col + m < VD:
+                    vals[m] += src[at + uint64(m)]
 
     @device_fn
     def decode_prefetch(conv_weight, conv_state, norm_weight, slot, pos, h, hk, k_base, v_base, wts, hist, nw):
@@ -981,7 +1053,8 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
         Geometry: one block per (sequence, value head), grid-strided, of ``row_groups`` warps per
         ``tiles_per_thread`` 32-column tiles (Qwen3.5: 8 row classes × 2 column groups = 16 warps).  Warp ``w``
         owns key rows ``d ≡ w mod row_groups`` and, in column group ``c = w // row_groups``, ``tiles_per_thread``
-        tiles of 32 columns (lane ``l``: columns ``32·tiles_per_thread·c + l + 32·m``), i.e. ``S[d, j]`` for ``d``
+        tiles of 32 columns: lane ``l`` holds the ``T = tiles_per_thread`` consecutive columns ``32·T·c + T·l + m``,
+        which it loads and stores with one 8- or 16-byte access per row (T = 2 or 4), i.e. ``S[d, j]`` for ``d``
         in its row class: read once into registers (issued before the conv, whose loads they overlap), decayed and
         updated there, written once.  The block first computes the conv of the 2·Dk q/k and Dv v channels it needs
         (threads stride over channels; the two value heads of a key head both compute its q/k: cheap), then every
@@ -1018,13 +1091,15 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
         eps = float32(eps)
 
         qk_s = cuda.shared.array(QK_WORDS, float32)              # this token's q then k (f32 of the bf16 conv outputs)
-        v_s = cuda.shared.array(VD, float32)                     # its v for head h
+        # (16-byte aligned: the vector accesses of store_cols / load_cols / add_cols)
+        v_s = cuda.shared.array(VD, float32, alignment=16)       # its v for head h
         o_s = cuda.shared.array(VD, float32)                     # the rule's outputs (bf16 values)
-        partial_kv = cuda.shared.array((R, VD), float32)         # per row class: Σ_d S·decay·k̂
-        partial_out = cuda.shared.array((R, VD), float32)        # per row class: Σ_d S·q̂
+        partial_kv = cuda.shared.array(PARTIAL, float32, alignment=16)    # [R, Dv] per row class: Σ_d S·decay·k̂
+        partial_out = cuda.shared.array(PARTIAL, float32, alignment=16)   # [R, Dv] per row class: Σ_d S·q̂
         state = cuda.local.array(REGS, float32)                  # state[m·ROWS + i] = S[row_class + R·i, col m]
         col_acc = cuda.local.array(TPT, float32)                 # per column of the thread: its partial sum
-        col_delta = cuda.local.array(TPT, float32)               # per column: delta
+        col_delta = cuda.local.array(TPT, float32)               # per column: kv_mem, then delta
+        col_v = cuda.local.array(TPT, float32)                   # per column: v
 
         # Indices into shared memory and the state are unsigned (no negative-index wraparound code) and the
         # block-stride loops step by the compile-time block size: every address is then a base register plus an
@@ -1033,7 +1108,7 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
         lane = tid % WARP
         warp = tid // WARP
         row_class = warp % R
-        first_col = (warp // R) * (TPT * WARP) + lane
+        first_col = (warp // R) * (TPT * WARP) + lane * TPT     # this thread's columns: first_col + m
         u_tid = uint64(tid)
         u_row = uint64(row_class)
         u_col = uint64(first_col)
@@ -1055,10 +1130,7 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                     pre = True
                     pre_h = cuda.blockIdx.x % num_v_heads
                     base = uint64(((pre_slot * num_v_heads + pre_h) * KD + row_class) * VD + first_col)
-                    for m in range(TPT):
-                        for i in range(ROWS):
-                            if (ALL_COLS or first_col + m * WARP < VD) and (ALL_ROWS or row_class + R * i < KD):
-                                state[m * ROWS + i] = ssm_state[base + uint64(R * i * VD + m * WARP)]
+                    state_rows(ssm_state, base, state, row_class, first_col, False)
                     decode_prefetch(conv_weight, conv_state, norm_weight, pre_slot, positions[pre_seq], pre_h,
                                     pre_h // heads_per_key, k_base, v_base, wts, hist, nw)
             grid_dependency_wait()
@@ -1101,14 +1173,11 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
             for step in range(heads * n):
                 h = first_head + step // n
                 t = start + step % n
-                # this thread's S[row_class + R·i, first_col + 32·m] sits at base + R·i·Dv + 32·m
+                # this thread's S[row_class + R·i, first_col + m] sits at base + R·i·Dv + m
                 base = uint64(((slot * num_v_heads + h) * KD + row_class) * VD + first_col)
                 loaded = pre and item == cuda.blockIdx.x
                 if t == start and not loaded:  # the head's first token: its state into registers, ahead of the conv
-                    for m in range(TPT):
-                        for i in range(ROWS):
-                            if (ALL_COLS or first_col + m * WARP < VD) and (ALL_ROWS or row_class + R * i < KD):
-                                state[m * ROWS + i] = ssm_state[base + uint64(R * i * VD + m * WARP)]
+                    state_rows(ssm_state, base, state, row_class, first_col, False)
                 # conv + SiLU of the channels this head reads
                 if DECODE:
                     if not loaded:    # a later item of a grid-strided block (the simulator's capped grids)
@@ -1168,43 +1237,40 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                     if ALL_ROWS or row_class + R * i < KD:
                         k_d = qk_s[u_row + uint64(KD + R * i)] * k_mul
                         for m in range(TPT):
-                            if ALL_COLS or first_col + m * WARP < VD:
+                            if ALL_COLS or first_col + m < VD:
                                 col_acc[m] += state[m * ROWS + i] * decay * k_d
-                for m in range(TPT):
-                    if ALL_COLS or first_col + m * WARP < VD:
-                        partial_kv[u_row, u_col + uint64(m * WARP)] = col_acc[m]
+                store_cols(partial_kv, u_row * uint64(VD) + u_col, col_acc, first_col)
                 cuda.syncthreads()
 
                 # pass 2: S = S·decay + k̂ ⊗ delta and this thread's part of Sᵀq̂.  ``opaque``: the recurrent
                 # kernel reloads S here, so its S·decay is a product of its own, contracted with the add
                 # (fma(S, decay, k̂·delta)); merged with pass 1's S·decay it would be rounded first instead.
                 for m in range(TPT):
-                    if ALL_COLS or first_col + m * WARP < VD:
-                        j = u_col + uint64(m * WARP)
-                        kv_mem = float32(0.0)
-                        for w in range(R):
-                            kv_mem += partial_kv[uint64(w), j]
-                        col_delta[m] = (v_s[j] - kv_mem) * beta
+                    col_delta[m] = float32(0.0)
+                    col_v[m] = float32(0.0)
+                for w in range(R):              # kv_mem of each column: the row classes' parts, in order
+                    add_cols(partial_kv, uint64(w * VD) + u_col, col_delta, first_col)
+                load_cols(v_s, u_col, col_v, first_col)
+                for m in range(TPT):
+                    col_delta[m] = (col_v[m] - col_delta[m]) * beta
                     col_acc[m] = float32(0.0)
                 for i in range(ROWS):
                     if ALL_ROWS or row_class + R * i < KD:
                         k_d = qk_s[u_row + uint64(KD + R * i)] * k_mul
                         q_d = qk_s[u_row + uint64(R * i)] * q_mul
                         for m in range(TPT):
-                            if ALL_COLS or first_col + m * WARP < VD:
+                            if ALL_COLS or first_col + m < VD:
                                 s_new = opaque(state[m * ROWS + i]) * decay + k_d * col_delta[m]
                                 state[m * ROWS + i] = s_new
                                 col_acc[m] += s_new * q_d
-                for m in range(TPT):
-                    if ALL_COLS or first_col + m * WARP < VD:
-                        partial_out[u_row, u_col + uint64(m * WARP)] = col_acc[m]
+                store_cols(partial_out, u_row * uint64(VD) + u_col, col_acc, first_col)
                 cuda.syncthreads()
                 for j0 in range(0, VD, NT):
                     if j0 + tid < VD:
                         j = uint64(j0) + u_tid
                         o = float32(0.0)
                         for w in range(R):
-                            o += partial_out[uint64(w), j]
+                            o += partial_out[uint64(w * VD) + j]
                         o_s[j] = bf16_to_f32(f32_to_bf16(o))
                 cuda.syncthreads()
 
@@ -1227,10 +1293,7 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                     launch_dependents()         # only the state write-back is left
 
                 if t == start + n - 1:  # the head's last token: its state back
-                    for m in range(TPT):
-                        for i in range(ROWS):
-                            if (ALL_COLS or first_col + m * WARP < VD) and (ALL_ROWS or row_class + R * i < KD):
-                                ssm_state[base + uint64(R * i * VD + m * WARP)] = state[m * ROWS + i]
+                    state_rows(ssm_state, base, state, row_class, first_col, True)
             cuda.syncthreads()  # every read of the slot's old ring entries by this block is done
             if DECODE:          # the token's inputs, still in registers, at entry position % K
                 for r in range(CONV_ROUNDS):

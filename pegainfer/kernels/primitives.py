@@ -158,6 +158,26 @@ if SIMULATOR:
     def load_u32x4(a, i):
         return a[i], a[i + 1], a[i + 2], a[i + 3]
 
+    @device_fn
+    def load_f32x2(a, i):
+        return a[i], a[i + 1]
+
+    @device_fn
+    def store_f32x2(a, i, x, y):
+        a[i] = x
+        a[i + 1] = y
+
+    @device_fn
+    def load_f32x4(a, i):
+        return a[i], a[i + 1], a[i + 2], a[i + 3]
+
+    @device_fn
+    def store_f32x4(a, i, x, y, z, w):
+        a[i] = x
+        a[i + 1] = y
+        a[i + 2] = z
+        a[i + 3] = w
+
     def _lane_group(width):
         """(this thread's index, first and one-past-last thread of its aligned group of ``width`` lanes)."""
         t = int(cuda.threadIdx.x)
@@ -280,10 +300,7 @@ else:
         sig = types.UniTuple(types.uint32, 4)(arr, idx)
 
         def codegen(context, builder, sig, args):
-            arrty, idxty = sig.args
-            ary = context.make_array(arrty)(context, builder, value=args[0])
-            index = context.cast(builder, args[1], idxty, types.intp)
-            ptr = cgutils.get_item_pointer(context, builder, arrty, ary, [index], wraparound=False)
+            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
             i32 = ir.IntType(32)
             fnty = ir.FunctionType(ir.LiteralStructType([i32, i32, i32, i32]), [ptr.type])
             asm = ir.InlineAsm(fnty, "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
@@ -296,6 +313,78 @@ else:
     @device_fn
     def load_u32x4(a, i):
         return _ld_global_nc_v4_u32(a, i)
+
+    # f32 vector loads and stores (global or shared memory: the address is generic): plain LLVM vector accesses,
+    # so the compiler orders them against barriers and other accesses as it does any load or store.
+    def _f32_vector_args_ok(arr):
+        return isinstance(arr, types.Array) and arr.dtype == types.float32 and arr.ndim == 1
+
+    def _f32_vector_pointer(context, builder, sig, args, width):
+        ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])   # (defined below)
+        return builder.bitcast(ptr, ir.VectorType(ir.FloatType(), width).as_pointer())
+
+    def _f32_vector_load(width):
+        def typer(typingctx, arr, idx):
+            if not _f32_vector_args_ok(arr):
+                return None
+            sig = types.UniTuple(types.float32, width)(arr, idx)
+
+            def codegen(context, builder, sig, args):
+                v = builder.load(_f32_vector_pointer(context, builder, sig, args, width), align=4 * width)
+                elems = [builder.extract_element(v, ir.Constant(ir.IntType(32), k)) for k in range(width)]
+                return context.make_tuple(builder, sig.return_type, elems)
+
+            return sig, codegen
+        return typer
+
+    def _f32_vector_store(width):
+        def codegen(context, builder, sig, args):
+            v = ir.Constant(ir.VectorType(ir.FloatType(), width), ir.Undefined)
+            for k in range(width):
+                v = builder.insert_element(v, args[2 + k], ir.Constant(ir.IntType(32), k))
+            builder.store(v, _f32_vector_pointer(context, builder, sig, args, width), align=4 * width)
+            return context.get_dummy_value()
+        return codegen
+
+    @intrinsic
+    def _ld_f32x2(typingctx, arr, idx):
+        """One 8-byte load of a[idx], a[idx + 1] (idx even)."""
+        return _f32_vector_load(2)(typingctx, arr, idx)
+
+    @intrinsic
+    def _ld_f32x4(typingctx, arr, idx):
+        """One 16-byte load of a[idx : idx + 4] (idx a multiple of 4)."""
+        return _f32_vector_load(4)(typingctx, arr, idx)
+
+    @intrinsic
+    def _st_f32x2(typingctx, arr, idx, x, y):
+        """One 8-byte store of (x, y) to a[idx], a[idx + 1] (idx even)."""
+        if not _f32_vector_args_ok(arr):
+            return None
+        return types.void(arr, idx, types.float32, types.float32), _f32_vector_store(2)
+
+    @intrinsic
+    def _st_f32x4(typingctx, arr, idx, x, y, z, w):
+        """One 16-byte store of (x, y, z, w) to a[idx : idx + 4] (idx a multiple of 4)."""
+        if not _f32_vector_args_ok(arr):
+            return None
+        return types.void(arr, idx, types.float32, types.float32, types.float32, types.float32), _f32_vector_store(4)
+
+    @device_fn
+    def load_f32x2(a, i):
+        return _ld_f32x2(a, i)
+
+    @device_fn
+    def store_f32x2(a, i, x, y):
+        _st_f32x2(a, i, x, y)
+
+    @device_fn
+    def load_f32x4(a, i):
+        return _ld_f32x4(a, i)
+
+    @device_fn
+    def store_f32x4(a, i, x, y, z, w):
+        _st_f32x4(a, i, x, y, z, w)
 
     @device_fn
     def warp_sum(v):

@@ -209,6 +209,30 @@ def test_split_k_two_warps(rng, monkeypatch, late_v):
             assert rel_l2(got[t], want[t]) <= 1e-2, (kwargs, t)
 
 
+@pytest.mark.parametrize("warps,head_dim", [(2, 32), (4, 64)])
+def test_split_k_dim_split(rng, monkeypatch, warps, head_dim):
+    """Warp pairs that split the head dims (the GPU's geometry for Qwen3.5's D = 256): one split and several,
+    keys over more rounds than the block has pairs; decode mode gives the very bits of the plain kernel, and the
+    gated output those of the separate gate kernel."""
+    from pegainfer.kernels import attention
+
+    monkeypatch.setattr(attention, "_split_geometry", lambda head_dim, group: (warps, False, 0, True))
+    for kwargs in (dict(), dict(num_splits=2, min_split_tokens=16)):
+        got, want = run_attention(rng, 4, 2, head_dim, slots=[1, 0], positions=[19, 35], max_pages=10, num_pages=21,
+                                  method="split", **kwargs)
+        for t in range(2):
+            assert rel_l2(got[t], want[t]) <= 1e-2, (kwargs, t)
+    outs = []
+    for decode in (False, True):
+        got, want = run_attention(np.random.default_rng(5), 4, 2, head_dim, slots=[1, 0, 2], positions=[40, 0, 16],
+                                  num_slots=3, max_pages=11, num_pages=34, method="split", decode=decode)
+        assert rel_l2(got, want) <= 1e-2
+        outs.append(got)
+    np.testing.assert_array_equal(outs[0], outs[1])
+    gated_equals_attention_then_gate(4, 2, head_dim, slots=[1, 0], positions=[9, 3], num_splits=1, method="split",
+                                     decode=True)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_padding_tokens(rng, method):
     """Tokens with ``token_slots[t] < 0`` (padding of a fixed-size batch) get zeros and read no block table row;
@@ -247,6 +271,20 @@ def test_gpu_decode_long_context(nq, nkv, head_dim, num_tokens, decode):
     got, want = run_attention(rng, nq, nkv, head_dim, slots=slots, positions=positions, num_slots=3,
                               max_pages=max_pages, num_pages=3 * max_pages + 7, page_size=page_size, decode=decode)
     assert rel_l2(got, want) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim_split", [False, True])
+def test_gpu_decode_qwen35_short_contexts(monkeypatch, dim_split):
+    """Qwen3.5's full-attention shape (16 q / 4 kv heads of 256) at the decode benchmark's contexts (one split of
+    1, 5 and 9 16-key steps: one, two and three rounds of the dim-split pairs), with and without the pairs."""
+    from pegainfer.kernels import attention
+
+    monkeypatch.setattr(attention, "DIM_SPLIT_WIDE_HEADS", dim_split)
+    got, want = run_attention(np.random.default_rng(9), 16, 4, 256, slots=[0, 1, 2], positions=[15, 79, 143],
+                              num_slots=3, max_pages=16, num_pages=51, page_size=16, decode=True)
+    for t in range(3):
+        assert rel_l2(got[t], want[t]) <= 1e-2, t
 
 
 @pytest.mark.gpu

@@ -388,6 +388,7 @@ def reference_layer(layer, inputs, history, state):
     (16, 16, None, None),   # the default summation order (the recurrent kernel's own); half a column tile
     (16, 64, 2, None),      # two column tiles, two row classes
     (16, 64, 2, 1),         # ... one tile per thread: two column groups of warps per row class
+    (16, 128, 2, 4),        # four tiles per thread: its state rows and shared sums moved by 16-byte accesses
     (20, 32, 3, None),      # key rows not a multiple of the row classes
 ])
 def test_decode_step_equals_conv_rule_norm(rng, key_dim, value_dim, row_groups, tiles_per_thread):

@@ -101,8 +101,8 @@ def bench_decode(rng, read_bw, rows, geometry=None, num_splits=None, min_split_t
             calls = [call(i % L.n) for i in range(max(L.n, 1 if SIM else 64))]
             sec = time_calls(calls)
             kv_bytes = 2 * ctx * nkv * D * 2
-            splits = num_splits or att.attention_num_splits(1, nq, MAX_MODEL_LEN, PAGE)
-            min_chunk = att._min_chunk(min_split_tokens)
+            splits = num_splits or att.attention_num_splits(1, nq, MAX_MODEL_LEN, PAGE, D)
+            min_chunk = att._min_chunk(min_split_tokens, D)
             chunk = -(-(-(-ctx // splits)) // min_chunk) * min_chunk
             row = dict(kind=label, model=model, nq=nq, nkv=nkv, D=D, ctx=ctx, splits=splits,
                        active_splits=-(-ctx // chunk), min_split_tokens=min_chunk,

@@ -13,12 +13,13 @@ import json
 
 import pegainfer  # noqa: F401
 from graph_timing import last_decode_step, time_calls
-from pegainfer.kernels import attention, embedding, rope, sampling
+from pegainfer.kernels import attention, embedding, gated_delta, rope, sampling
 from pegainfer.kernels.launch import on_stream
 
 FAMILIES = {
     "qk_norm_rope": (rope, "qk_norm_rope_store"),
     "attention": (attention, "paged_attention"),
+    "gated_delta_step": (gated_delta, "gated_delta_decode_step"),
     "embedding": (embedding, "embedding"),
     "sampling": (sampling, "sample"),
 }
@@ -45,9 +46,10 @@ def main() -> int:
     args = ap.parse_args()
     engine, step = last_decode_step(args.model_path, args.context)
     runner = engine.runner
-    variants = [("full step", ()), ("- qk_norm_rope", ("qk_norm_rope",)), ("- attention", ("attention",)),
-                ("- qk_norm_rope - attention", ("qk_norm_rope", "attention")),
-                ("projections + norms only", ("qk_norm_rope", "attention", "embedding", "sampling"))]
+    latency_bound = ("qk_norm_rope", "attention") + (("gated_delta_step",) if engine.model.arch == "qwen3_5" else ())
+    variants = [("full step", ())] + [(f"- {n}", (n,)) for n in latency_bound] + [
+        ("- " + " - ".join(latency_bound), latency_bound),
+        ("projections + norms only", latency_bound + ("embedding", "sampling"))]
     res = {}
     with on_stream(runner.stream):
         for label, names in variants:

@@ -27,7 +27,7 @@ Two paths:
   for 16 keys per step with K/V fragments loaded straight from the cache into registers (no shared-memory
   staging).  The launch provides ``num_splits`` splits per (token, kv head), chosen from shapes known before
   capture (``T``, ``nq``, the block table's capacity); how many of them do work is computed *on the device* from
-  ``positions[t]`` (splits of a multiple of ``MIN_SPLIT_TOKENS`` keys), so a short context uses few blocks and a
+  ``positions[t]`` (splits of a multiple of ``_min_chunk`` keys), so a short context uses few blocks and a
   long one fills the GPU, and the launch is identical for every step (CUDA graphs).  One split with work writes the
   output directly; otherwise every split writes a partial ``(m, l, acc)`` to the workspace and the *last* block of
   the (token, kv head) to finish -- an atomic counter in the workspace, reset to 0 by that block -- merges them.
@@ -89,6 +89,7 @@ uint64 = np.uint64
 # Split-K policy (see ``attention_num_splits``).
 SPLIT_TARGET_ROWS = 2048   # aim for ~this many (token, q head, split) rows per launch: ~512 blocks at G = 4
 MIN_SPLIT_TOKENS = 256     # split lengths are multiples of this many keys (two passes of 8 warps × 16 keys)
+MIN_SPLIT_TOKENS_WIDE = 64  # ... for heads wider than 128 dims (one pass of the dim-split kernel's 4 warp pairs)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 PREFILL_MIN_TOKENS = 128   # "auto" takes the tiled prefill kernel from this many query tokens up
 
@@ -851,17 +852,28 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _min_chunk(min_split_tokens: int | None = None) -> int:
-    """Fewest keys a split covers: ``MIN_SPLIT_TOKENS`` (or the forced value), at least one key."""
-    return max(1, MIN_SPLIT_TOKENS if min_split_tokens is None else min_split_tokens)
+def _min_chunk(min_split_tokens: int | None = None, head_dim: int = 128) -> int:
+    """Fewest keys a split covers: the forced value, else ``MIN_SPLIT_TOKENS`` (``MIN_SPLIT_TOKENS_WIDE`` for heads
+    wider than 128 dims); at least one key.
+
+    Why two values (H200, decode attention alone, Qwen3.5's 16 q / 4 kv heads of 256 dims, dim-split kernel,
+    ``benchmarks/RESULTS.md`` session 14): a (token, kv head) of a 256-dim head is only 4 blocks per token, and one
+    block covers 64 keys per round, so long contexts want more blocks: 18.7 µs at 512 keys with 256-key splits,
+    12.3 with 64-key ones (11.8 / 11.4 at 144 keys, 6.7 / 6.7 at 16; 32-key splits: 13.6 at 512).  End to end at
+    contexts 16-80 the two were equal (2.563 / 2.566 ms).  For 128-dim heads 256 was measured best (session 5)."""
+    if min_split_tokens is None:
+        min_split_tokens = MIN_SPLIT_TOKENS_WIDE if head_dim > 128 else MIN_SPLIT_TOKENS
+    return max(1, min_split_tokens)
 
 
-def attention_num_splits(num_tokens: int, nq: int, max_model_len: int, page_size: int = 16) -> int:
+def attention_num_splits(num_tokens: int, nq: int, max_model_len: int, page_size: int = 16,
+                         head_dim: int = 128) -> int:
     """Splits per (token, kv head) the split-K launch provides: enough (token, head, split) rows to fill the GPU
-    (``SPLIT_TARGET_ROWS``), but no more than one ``MIN_SPLIT_TOKENS``-key split per ``max_model_len``.  Depends only
-    on shapes fixed before CUDA-graph capture; how many of them do work is decided on the device from each token's
-    length (``_split_range``), so short contexts use few blocks.  (``page_size`` is accepted for compatibility.)"""
-    max_splits = max(1, _ceil_div(max_model_len, _min_chunk()))
+    (``SPLIT_TARGET_ROWS``), but no more than one ``_min_chunk(head_dim=)``-key split per ``max_model_len``.  Depends
+    only on shapes fixed before CUDA-graph capture; how many of them do work is decided on the device from each
+    token's length (``_split_range``), so short contexts use few blocks.  (``page_size`` is accepted for
+    compatibility.)"""
+    max_splits = max(1, _ceil_div(max_model_len, _min_chunk(head_dim=head_dim)))
     want = _ceil_div(SPLIT_TARGET_ROWS, max(1, num_tokens * nq))
     return max(1, min(want, max_splits, MAX_SPLITS))
 
@@ -882,7 +894,7 @@ def attention_workspace_size(max_tokens: int, nq: int, head_dim: int, max_model_
     kernel)."""
     need = 0
     for t in range(1, max_tokens + 1):
-        s = num_splits if num_splits is not None else attention_num_splits(t, nq, max_model_len, page_size)
+        s = num_splits if num_splits is not None else attention_num_splits(t, nq, max_model_len, page_size, head_dim)
         a, mm = _workspace_parts(t, nq, head_dim, s)
         need = max(need, a + 2 * mm)
     return need + max_tokens * nq
@@ -1062,9 +1074,9 @@ def _paged_attention_prefill(q, k_cache, v_cache, block_tables, token_slots, pos
 DIM_SPLIT_WIDE_HEADS = True
 """Heads wider than 128 dims (Qwen3.5's 256) take the dim-split kernel on the GPU (``_split_kernel(dim_split=)``):
 warp pairs, each warp holding half of every q / K / V row, so a warp's registers and chains are those of a 128-dim
-head (no spills, V loaded with K), at the price of one exchange of partial S per 16-key step.  Written in session
-13 after that session's device time was spent: NOT yet measured on a GPU (the A/B against the one-warp-per-step
-kernel, ``DIM_SPLIT_WIDE_HEADS = False``, is the next session's)."""
+head (no spills, V loaded with K), at the price of one exchange of partial S per 16-key step.  Measured on the H200
+(session 14, Qwen3.5-4B, ``benchmarks/ab_bench.py`` alternating in one call): TPOT 2.548 ms with the pairs against
+2.577 with one warp per 16-key step (−1.1 %)."""
 DIM_SPLIT_WARPS = 8
 """Warps per block of the dim-split kernel (4 pairs: 64 keys per round).  12 (6 pairs, 96 keys per round) is
 compiled with launch bounds for one block per SM (at most 170 registers)."""
@@ -1090,7 +1102,7 @@ def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, posit
         raise ValueError(f"the split-K kernel serves at most 8 q heads per kv head, got {group}")
     capacity = block_tables.shape[1] * page_size
     if num_splits is None:
-        num_splits = attention_num_splits(T, nq, capacity, page_size)
+        num_splits = attention_num_splits(T, nq, capacity, page_size, D)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits {num_splits} outside 1..{MAX_SPLITS}")
     n_acc, n_m = _workspace_parts(T, nq, D, num_splits)
@@ -1116,7 +1128,7 @@ def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, posit
     launch(kern, grid(num_splits * T * nkv, sim_cap=64), 32 * warps,
            _flat_u32(q), _flat_u32(k_cache), _flat_u32(v_cache), block_tables, token_slots, positions,
            _flat(out), ws_acc, ws_m, ws_l, counters, np.float32(scale * LOG2E), np.int32(nkv),
-           np.int32(page_size.bit_length() - 1), np.int32(num_splits), np.int32(_min_chunk(min_split_tokens)),
+           np.int32(page_size.bit_length() - 1), np.int32(num_splits), np.int32(_min_chunk(min_split_tokens, D)),
            gate if gate is not None else q2, r.qkv, r.q_norm_w, r.k_norm_w, r.cos, r.sin, _flat(k_cache),
            _flat(v_cache), np.int32(r.q_head_stride), np.float32(r.eps), np.float32(r.weight_offset),
            bool(r.round_before_weight), name="paged_decode_attention" if decode else "paged_attention_split", pdl=True)

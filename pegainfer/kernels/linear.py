@@ -1021,7 +1021,12 @@ def linear_preloaded(x, w, out) -> None:
     right after its PDL wait no better, session 11; the Gated DeltaNet step at its start 0.8 % slower per token,
     session 12; ``benchmarks/RESULTS.md``).  It lets the next GEMV launch once its copies are issued
     (``PRELOAD_RELEASE``).  Otherwise, and when ``PRELOAD`` is off, it
-    is ``linear``."""
+    is ``linear``.
+
+    Tried and dropped (session 14): spreading out_proj's rows over only the 100 SMs that the Gated DeltaNet step
+    leaves free (26 rows, 208 KB a block, 99 blocks), so that no block waits for the step's SMs before it can start
+    its copies.  Qwen3.5-4B's TPOT went from 2.550 to 2.755 ms (two alternating rounds on the H200).  The compiled
+    26-row kernel also keeps its 26 sums in local memory (104-byte stack frame; 20 rows stay in registers)."""
     _check(x, w, out, False, None)
     rows = preload_rows(*w.shape) if _preload_on(x.shape[0]) else 0
     if rows == 0:

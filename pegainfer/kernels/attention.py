@@ -152,7 +152,7 @@ def _step_row(block_tables, slot, key, k0, k_hi, row0, page_shift, num_kv_heads,
 @device_fn
 def _step_first_row(block_tables, slot, k0, k_hi, page_shift, num_kv_heads, kvh, row_words):
     """Row of key ``k0`` when the step's ``DECODE_STEP_KEYS`` keys from ``k0`` lie in one page (pages of at least
-    that many keys and ``k0`` a multiple of it: every split at the default ``MIN_SPLIT_TOKENS``), else -1.  One
+    that many keys and ``k0`` a multiple of it: every split at the default split lengths, ``_min_chunk``), else -1.  One
     block-table load per step and warp instead of one per key a lane loads (six)."""
     if page_shift >= 4 and (k0 & (DECODE_STEP_KEYS - 1)) == 0 and k0 < k_hi:
         return _kv_row(block_tables, slot, k0, page_shift, num_kv_heads, kvh, row_words)
@@ -1086,10 +1086,11 @@ def _split_geometry(head_dim: int, group: int) -> tuple[int, bool, int, bool]:
     """(warps per block, load V after S, launch-bounds blocks per SM, dim split) of the split-K kernel: 8 warps
     (one 16-key step each per 128 keys), one in the simulator; for D = 256 the dim-split pairs
     (``DIM_SPLIT_WIDE_HEADS``), or else V loaded after S (K's and V's fragments of a whole 256-dim row together
-    would need more than 255 registers).  With ``MIN_SPLIT_TOKENS`` = 256 a decode step up to 256 keys is one
-    split, merged in shared memory only (no partials through the workspace): measured on the H200 (Qwen3-4B,
-    context 16-144) against 4 warps and 64-key splits, TPOT 3.09 -> 2.94 ms.  ``benchmarks/bench_attention.py
-    --sweep`` times the alternatives."""
+    would need more than 255 registers).  With ``MIN_SPLIT_TOKENS`` = 256 a decode step of 128-dim heads up to 256
+    keys is one split, merged in shared memory only (no partials through the workspace): measured on the H200
+    (Qwen3-4B, context 16-144) against 4 warps and 64-key splits, TPOT 3.09 -> 2.94 ms.  Wider heads split every
+    ``MIN_SPLIT_TOKENS_WIDE`` keys (``_min_chunk``).  ``benchmarks/bench_attention.py --sweep`` times the
+    alternatives."""
     if head_dim > 128 and DIM_SPLIT_WIDE_HEADS and not SIMULATOR:
         return DIM_SPLIT_WARPS, False, 1 if DIM_SPLIT_WARPS > 8 else 0, True
     return threads(gpu=8, sim=1), head_dim > 128, 0, False

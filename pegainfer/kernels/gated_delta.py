@@ -1329,7 +1329,8 @@ threads, 64 values, 165 registers) 2.605 / 2.607 ms, 2 tiles 2.594 / 2.594, 1 ti
 (same session; the cause was not looked into: a different FMA contraction is one candidate), so the GPU tests
 cover 2 and 4 tiles only.  Session 14 made each thread's columns consecutive, moved by one 8-byte access per state
 row (``VEC``): TPOT 2.548 against 2.549 ms with the 4-byte accesses (equal; kept: fewer instructions, and the GPU
-tests pass bit-identical)."""
+tests pass bit-identical).  Session 15 capped the step at 88 registers (no spills), so that the preloaded
+out_proj's blocks fit beside its 512-thread blocks and all start their copies at once: 2.552 vs 2.552 ms, dropped."""
 
 
 def gated_delta_decode_step(x, conv_weight, conv_state, z, a, b, a_log, dt_bias, norm_weight, eps: float,

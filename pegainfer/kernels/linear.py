@@ -1026,7 +1026,13 @@ def linear_preloaded(x, w, out) -> None:
     Tried and dropped (session 14): spreading out_proj's rows over only the 100 SMs that the Gated DeltaNet step
     leaves free (26 rows, 208 KB a block, 99 blocks), so that no block waits for the step's SMs before it can start
     its copies.  Qwen3.5-4B's TPOT went from 2.550 to 2.755 ms (two alternating rounds on the H200).  The compiled
-    26-row kernel also keeps its 26 sums in local memory (104-byte stack frame; 20 rows stay in registers)."""
+    26-row kernel also keeps its 26 sums in local memory (104-byte stack frame; 20 rows stay in registers).
+
+    Tried and dropped (session 15): taking x through a counter handoff instead of the PDL wait.  Every block of
+    decode attention or of the Gated DeltaNet step (before its state write-back) arrived at a counter once its
+    outputs were written; this kernel spun on the count after issuing its copies and waited for the grid only at
+    its end.  Correct on the GPU, but slower: Qwen3.5-4B TPOT +0.25 % (attention → o), +0.6 % (step → out_proj),
+    +0.9 % both (``benchmarks/RESULTS.md``)."""
     _check(x, w, out, False, None)
     rows = preload_rows(*w.shape) if _preload_on(x.shape[0]) else 0
     if rows == 0:
@@ -1705,7 +1711,11 @@ def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_ou
 
     One token (T = 1, the GEMV path): a single launch; the norm is the GEMV's x-staging prologue, computed by every
     block from the whole row (``_stage_add_rms_norm``); n is never written to memory and ``normed_out`` is not
-    touched.  ``geometry`` (tests, benchmarks) overrides ``fused_norm_geometry`` and must keep its block size.
+    touched.  (Tried and dropped, session 15: the MLP's down projection in the gate/up launch -- each block
+    streaming the rows of ``W_downᵀ`` its SwiGLU outputs meet, then a grid barrier and a reduction of the blocks'
+    partial rows.  Correct on the GPU, but Qwen3.5-4B TPOT +4.8 %; with no down rows read at all it was only 6.7 %
+    faster than two launches that do read them, less than their 1.5 GB take at full bandwidth:
+    ``benchmarks/RESULTS.md``.)  ``geometry`` (tests, benchmarks) overrides ``fused_norm_geometry`` and must keep its block size.
     ``before_latency_bound``: the next kernel is not a weight-streaming one (``GEMV_TRIGGER_BEFORE_LATENCY_BOUND``).
     Otherwise: ``add_rms_norm_into`` into ``normed_out`` (required then: a ``[T, H]`` scratch), then ``linear`` with
     ``impl``.  Nothing is allocated; every launch can be captured in a CUDA graph.

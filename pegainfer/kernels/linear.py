@@ -1715,7 +1715,8 @@ def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_ou
     streaming the rows of ``W_downᵀ`` its SwiGLU outputs meet, then a grid barrier and a reduction of the blocks'
     partial rows.  Correct on the GPU, but Qwen3.5-4B TPOT +4.8 %; with no down rows read at all it was only 6.7 %
     faster than two launches that do read them, less than their 1.5 GB take at full bandwidth:
-    ``benchmarks/RESULTS.md``.)  ``geometry`` (tests, benchmarks) overrides ``fused_norm_geometry`` and must keep its block size.
+    ``benchmarks/RESULTS.md``.)  ``geometry`` (tests, benchmarks) overrides ``fused_norm_geometry`` and must keep
+    its block size.
     ``before_latency_bound``: the next kernel is not a weight-streaming one (``GEMV_TRIGGER_BEFORE_LATENCY_BOUND``).
     Otherwise: ``add_rms_norm_into`` into ``normed_out`` (required then: a ``[T, H]`` scratch), then ``linear`` with
     ``impl``.  Nothing is allocated; every launch can be captured in a CUDA graph.

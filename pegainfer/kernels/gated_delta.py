@@ -1330,7 +1330,12 @@ threads, 64 values, 165 registers) 2.605 / 2.607 ms, 2 tiles 2.594 / 2.594, 1 ti
 cover 2 and 4 tiles only.  Session 14 made each thread's columns consecutive, moved by one 8-byte access per state
 row (``VEC``): TPOT 2.548 against 2.549 ms with the 4-byte accesses (equal; kept: fewer instructions, and the GPU
 tests pass bit-identical).  Session 15 capped the step at 88 registers (no spills), so that the preloaded
-out_proj's blocks fit beside its 512-thread blocks and all start their copies at once: 2.552 vs 2.552 ms, dropped."""
+out_proj's blocks fit beside its 512-thread blocks and all start their copies at once: 2.552 vs 2.552 ms, dropped.
+Session 16 moved the gated norm into out_proj's prologue and split each head's 128 columns over 1, 2 or 4 blocks
+(32 → 128 blocks at batch 1, each block's columns a compile-time slice, bit-identical at 2 tiles): TPOT 2.627
+(1 block), 2.633 (2), 2.621 (4) against 2.555 ms with the norm here; the split itself is worth only ~0.25 µs a
+layer, the moved norm costs ~3 µs (``linear.linear_preloaded``'s docstring).  One tile per thread failed the GPU
+bit-identity check again (2 blocks × 1 tile and 4 blocks), as in session 13; still not looked into."""
 
 
 def gated_delta_decode_step(x, conv_weight, conv_state, z, a, b, a_log, dt_bias, norm_weight, eps: float,

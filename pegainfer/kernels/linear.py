@@ -859,7 +859,11 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
 
 # ============================================================================ GEMV, one token, weights preloaded
 PRELOAD_THREADS = 256
-"""Block size of the preloaded GEMV (8 warps; one block per SM, its shared memory holding the block's rows)."""
+"""Block size of the preloaded GEMV (8 warps; one block per SM, its shared memory holding the block's rows).
+Swept on the H200 (session 16, ``benchmarks/ab_bench.py``, two alternating rounds, TPOT vs 256 threads):
+128 threads +2.45 % (Qwen3.5-4B) / +3.06 % (Qwen3-4B), 512 +0.31 % / +0.57 % (one round), 1024 +1.22 % / +1.64 %
+(one round).  The dot products after the wait matter (16 words a lane at 128 threads cost ~2 µs a launch), but
+more warps per block do not buy that back."""
 
 PRELOAD = True
 """Whether ``linear_preloaded`` preloads at all (False: it is ``linear``; for A/B runs)."""
@@ -1027,6 +1031,13 @@ def linear_preloaded(x, w, out) -> None:
     leaves free (26 rows, 208 KB a block, 99 blocks), so that no block waits for the step's SMs before it can start
     its copies.  Qwen3.5-4B's TPOT went from 2.550 to 2.755 ms (two alternating rounds on the H200).  The compiled
     26-row kernel also keeps its 26 sums in local memory (104-byte stack frame; 20 rows stay in registers).
+
+    Tried and dropped (session 16): the Gated DeltaNet's gated RMSNorm in this kernel's prologue (every block
+    normalising all 32 heads of x after its wait, bit-identical to ``gated_rms_norm``; GPU test passed), so that the
+    decode step could leave it out and split each head over 1, 2 or 4 blocks.  Qwen3.5-4B TPOT +2.8 % with the
+    step's geometry unchanged, +2.6 % with 4 column blocks per head (``benchmarks/RESULTS.md``): 16 gated-norm
+    values a thread (an IEEE division each, in SiLU) on this kernel's post-wait path cost ~3 µs a layer, and the
+    split won back only ~0.25 µs.
 
     Tried and dropped (session 15): taking x through a counter handoff instead of the PDL wait.  Every block of
     decode attention or of the Gated DeltaNet step (before its state write-back) arrived at a counter once its

@@ -79,8 +79,8 @@ from pegainfer.kernels.primitives import (WARP, as_words, bf16_to_f32, bf16x2_hi
                                           mma_bf16_m16n8k16, pack_bf16x2, threads, uint16, uint32, cp_async_16,
                                           cp_async_commit, cp_async_wait_group, bulk_barrier_init,
                                           bulk_expect_bytes, bulk_copy, bulk_wait,
-                                          warp_sums_to_shared, launch_dependents, grid_dependency_wait,
-                                          pdl_prologue)
+                                          warp_sums_to_shared, warp_row_sums_to_shared, launch_dependents,
+                                          grid_dependency_wait, pdl_prologue)
 
 int64, uint64 = np.int64, np.uint64
 
@@ -880,6 +880,10 @@ next GEMV's blocks take the SM room the preloaded kernel leaves and issue their 
 finishes), or once its dot products are done (``dots``).  Measured on the H200 (Qwen3-4B, alternating in one call,
 ``benchmarks/RESULTS.md`` session 12): TPOT 2.639 ms with ``copies`` vs 2.676 with ``dots``."""
 
+PRELOAD_ROW_SUMS = True
+"""Whether the preloaded GEMV sums its rows' lane partials with ``warp_row_sums_to_shared`` (31 shuffles for up to
+32 rows) rather than ``warp_sums_to_shared`` (5 a row)."""
+
 BULK_CHUNK_BYTES = 16384
 """Bytes per ``cp.async.bulk`` instruction of the preloaded GEMV."""
 
@@ -900,6 +904,7 @@ def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False,
     RED = rows * K_WORDS                        # partial sums follow the rows in shared memory
     BAR = RED + WARPS * rows + (WARPS * rows) % 2   # then the bulk copies' mbarrier (8-byte aligned)
     BULK_CHUNKS = -(-rows * k * 2 // BULK_CHUNK_BYTES)
+    ROW_SUMS = PRELOAD_ROW_SUMS and rows <= WARP
     wait_copies = cp_async_wait_group(0)
 
     @_bounded_kernel(nthreads)
@@ -978,7 +983,10 @@ def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False,
             acc[r] = a
         if not RELEASE_AT_COPIES:
             launch_dependents()
-        warp_sums_to_shared(acc, rows, ws, uint32(RED) + warp * uint32(rows), True)   # f32 bits
+        if ROW_SUMS:
+            warp_row_sums_to_shared(acc, rows, ws, uint32(RED) + warp * uint32(rows), True)   # f32 bits
+        else:
+            warp_sums_to_shared(acc, rows, ws, uint32(RED) + warp * uint32(rows), True)
         cuda.syncthreads()
         if tid < n_here:
             v = float32(0.0)

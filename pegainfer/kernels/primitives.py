@@ -254,6 +254,9 @@ if SIMULATOR:
         cuda.syncthreads()
         return np.float32(best_v), np.int32(best_i)
 
+    warp_row_sums_to_shared = warp_sums_to_shared   # the emulation has one order for both
+
+
 else:
     # ---------------------------------------------------------------- GPU
     from llvmlite import ir
@@ -429,6 +432,35 @@ else:
                     dst[base + i] = f32_bits(s)
                 else:
                     dst[base + i] = s
+
+    @device_fn
+    def _halve_rows(t, h, o, upper):
+        """One level of ``warp_row_sums_to_shared``: rows ``[0, 2h)`` of ``t`` → ``[0, h)``, this lane keeping the
+        upper half (``upper``) or the lower one and adding its xor-``o`` partner's copy of it."""
+        for j in range(h):
+            a = t[j]
+            b = t[j + h]
+            t[j] = (b if upper else a) + cuda.shfl_xor_sync(FULL_MASK, a if upper else b, o)
+
+    @device_fn
+    def warp_row_sums_to_shared(vals, n, dst, base, as_bits):
+        """``warp_sums_to_shared`` for ``n <= 32`` values a lane, by recursive halving: at each of five levels a
+        lane keeps half of its rows and adds its partner's copies of them, so 31 shuffles sum 32 rows (against 5 a
+        row) and lane ``i`` ends with row ``i``'s sum, which it writes.  A different f32 summation order."""
+        lane = cuda.threadIdx.x % WARP
+        t = cuda.local.array(WARP, float32)
+        for r in range(WARP):
+            t[r] = vals[r] if r < n else float32(0.0)
+        _halve_rows(t, 16, 16, (lane & 16) != 0)
+        _halve_rows(t, 8, 8, (lane & 8) != 0)
+        _halve_rows(t, 4, 4, (lane & 4) != 0)
+        _halve_rows(t, 2, 2, (lane & 2) != 0)
+        _halve_rows(t, 1, 1, (lane & 1) != 0)
+        if lane < n:
+            if as_bits:
+                dst[base + lane] = f32_bits(t[0])
+            else:
+                dst[base + lane] = t[0]
 
     @device_fn
     def warp_argmax(v, i):

@@ -80,6 +80,7 @@ from pegainfer.kernels.primitives import (WARP, as_words, bf16_to_f32, bf16x2_hi
                                           cp_async_commit, cp_async_wait_group, bulk_barrier_init,
                                           bulk_expect_bytes, bulk_copy, bulk_wait,
                                           warp_sums_to_shared, warp_row_sums_to_shared, launch_dependents,
+                                          load_u32x2, load_u32x4_any, f32_bits,
                                           grid_dependency_wait, pdl_prologue)
 
 int64, uint64 = np.int64, np.uint64
@@ -889,24 +890,61 @@ Measured on the H200 (session 16, two alternating rounds, ``benchmarks/RESULTS.m
 BULK_CHUNK_BYTES = 16384
 """Bytes per ``cp.async.bulk`` instruction of the preloaded GEMV."""
 
+PRELOAD_MMA = os.environ.get("PEGAINFER_PRELOAD_MMA", "0") == "1"
+"""Whether the preloaded GEMV takes its dot products on the tensor cores (``mma.m16n8k16``, rows padded in shared
+memory: ``_preload_layout``) rather than with f32 multiply-adds.  Off: written in session 16 after that session's
+device time was spent, so never measured on a GPU (the simulator checks it against NumPy)."""
+
+
+def _preload_mma(rows: int, k: int, nthreads: int) -> bool:
+    """Whether the preloaded GEMV for this shape takes the tensor cores: ``PRELOAD_MMA`` and whole 16-wide K chunks
+    spread evenly over the block's warps, four at a time."""
+    return PRELOAD_MMA and k % 16 == 0 and (k // 16) % (4 * (nthreads // WARP)) == 0
+
+
+def _preload_layout(rows: int, k: int, nthreads: int, mma: bool) -> tuple[int, int, int, int, int]:
+    """Dynamic shared memory of the preloaded GEMV, in uint32 words: (row stride, x offset, partial sums offset,
+    mbarrier offset, total bytes).  The rows come first, ``K/2`` words apart, or ``K/2 + 8`` with ``mma`` (so the
+    8 rows one ``mma`` fragment load touches start 8 banks apart: no bank conflicts); then x (``mma`` only: ``K``
+    words, each 16-wide K chunk as 4 lanes' A fragments ``(x0, x0, x1, x1)``, one 16-byte load each), the
+    warps' partial sums (per row, or per padded 16-row tile with ``mma``), the mbarrier (8-byte aligned)."""
+    warps = nthreads // WARP
+    row_words = k // 2 + (8 if mma else 0)
+    xs = rows * row_words
+    red = xs + (k if mma else 0)        # mma: x staged as A fragments, each word twice
+    partials = warps * (8 * -(-rows // 8) if mma else rows)
+    bar = red + partials + partials % 2
+    return row_words, xs, red, bar, 4 * (bar + 2)
+
 
 @functools.cache
-def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False, release: str = "copies"):
+def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False, release: str = "copies",
+                           mma: bool = False):
     """Build the preloaded one-token GEMV for blocks of ``rows`` weight rows, ``K = k`` and ``nthreads`` threads
     (all compile-time: the copy and dot loops unroll, and ``K / 2`` must be a multiple of ``nthreads``); ``bulk``:
-    copy with ``cp.async.bulk`` (``PRELOAD_BULK``); ``release``: ``PRELOAD_RELEASES``."""
+    copy with ``cp.async.bulk`` (``PRELOAD_BULK``); ``release``: ``PRELOAD_RELEASES``; ``mma``: the dot products on
+    the tensor cores (``PRELOAD_MMA``)."""
     assert release in PRELOAD_RELEASES, release
     RELEASE_AT_COPIES = release == "copies"
+    MMA = mma
     K_WORDS = k // 2
     XW = K_WORDS // nthreads                    # x words per lane (and weight words per lane and row)
     assert XW * nthreads == K_WORDS, (k, nthreads)
-    SLICES = rows * (k // 8)                    # 16-byte pieces of the block's rows
+    PIECES = k // 8                             # 16-byte pieces of a row
+    SLICES = rows * PIECES                      # ... of the block's rows
     COPIES = -(-SLICES // nthreads)             # ... per thread
     WARPS = nthreads // WARP
-    RED = rows * K_WORDS                        # partial sums follow the rows in shared memory
-    BAR = RED + WARPS * rows + (WARPS * rows) % 2   # then the bulk copies' mbarrier (8-byte aligned)
+    ROW_WORDS, XS, RED, BAR, _ = _preload_layout(rows, k, nthreads, mma)
+    ROW_CHUNKS = -(-k * 2 // BULK_CHUNK_BYTES)  # bulk copies per row (mma: rows are not contiguous in shared memory)
     BULK_CHUNKS = -(-rows * k * 2 // BULK_CHUNK_BYTES)
     ROW_SUMS = PRELOAD_ROW_SUMS and rows <= WARP
+    NT = -(-rows // 8)                          # mma: 8-row tiles (the n dimension)
+    UNROLL = 4                                  # mma: K chunks per step of the loop (unrolled), each its own
+    DACC = 4 * NT * UNROLL                      # accumulators (so 4 mma chains run side by side; an array size)
+    CPW = (k // 16) // WARPS                    # mma: 16-wide K chunks per warp
+    assert not MMA or (CPW * WARPS * 16 == k and CPW % UNROLL == 0), (k, nthreads)
+    STEPS = CPW // UNROLL
+    PARTS = 8 * NT if MMA else rows             # partial sums per warp
     wait_copies = cp_async_wait_group(0)
 
     @_bounded_kernel(nthreads)
@@ -932,6 +970,16 @@ def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False,
         4. ``warp_sums_to_shared``, then thread r sums the warps' partials in warp order and writes ``bf16``.
         The next kernel may launch once every block's copies are issued (``release="copies"``, the default), or
         once every block has its dot products (``"dots"``).
+
+        With ``mma`` the rows sit ``K/2 + 8`` words apart and steps 2-4 differ: the block stages x in shared memory,
+        and warp w takes the 16-wide K chunks ``w, w + warps, ..``: per chunk one ``mma.m16n8k16`` per 8-row tile
+        with A = x in every row and B = the tile's rows as columns.  Lane (g, t) = (lane // 4, lane % 4) holds words
+        2t, 2t + 1 of the chunk, of x (a0 = a1, a2 = a3) and of row g of the tile (b0, b1: one 8-byte load), so
+        the products' K order is permuted within the chunk, the same way for A and B.  D's rows are all equal: lane
+        t of the first group holds D[0, 2t], D[0, 2t + 1], the warp's partial sums of the tile's rows 2t, 2t + 1;
+        thread r sums the warps' in warp order.  About 3 instructions a chunk and tile per lane, against 40 per
+        row and 8 words of K; the loop takes ``UNROLL`` chunks a step into as many accumulators, so that many
+        ``mma`` chains (each ~30 cycles a link) run side by side.
         """
         ws = cuda.shared.array(0, nbtypes.uint32)
         tid = uint32(cuda.threadIdx.x)
@@ -945,24 +993,88 @@ def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False,
             if tid == 0:
                 bulk_barrier_init(ws, BAR)
                 bulk_expect_bytes(ws, BAR, n_bytes)
-                for i in range(BULK_CHUNKS):
-                    at = uint32(i * BULK_CHUNK_BYTES)
-                    if at < n_bytes:
-                        bulk_copy(ws, at // uint32(4), w32, src + at // uint32(4),
-                                  min(uint32(BULK_CHUNK_BYTES), n_bytes - at), ws, BAR)
+                if MMA:                         # row by row: padded rows
+                    for r in range(rows):
+                        for i in range(ROW_CHUNKS):
+                            at = uint32(i * BULK_CHUNK_BYTES)
+                            if r < n_here:
+                                bulk_copy(ws, uint32(r * ROW_WORDS) + at // uint32(4), w32,
+                                          src + uint32(r * K_WORDS) + at // uint32(4),
+                                          min(uint32(BULK_CHUNK_BYTES), uint32(k * 2) - at), ws, BAR)
+                else:
+                    for i in range(BULK_CHUNKS):
+                        at = uint32(i * BULK_CHUNK_BYTES)
+                        if at < n_bytes:
+                            bulk_copy(ws, at // uint32(4), w32, src + at // uint32(4),
+                                      min(uint32(BULK_CHUNK_BYTES), n_bytes - at), ws, BAR)
             cuda.syncthreads()                  # the barrier is initialised before anyone waits on it
         else:
-            n_pieces = uint32(n_here * (k // 8))
+            n_pieces = uint32(n_here * PIECES)
             for i in range(COPIES):
                 piece = tid + uint32(i * nthreads)
                 if piece < n_pieces:
-                    cp_async_16(ws, uint32(4) * piece, w32, src + uint32(4) * piece, 16)
+                    at = uint32(4) * piece      # (mma: row piece // PIECES, padded)
+                    if MMA:
+                        at += uint32(8) * (piece // uint32(PIECES))
+                    cp_async_16(ws, at, w32, src + uint32(4) * piece, 16)
             cp_async_commit()
         if RELEASE_AT_COPIES:
             launch_dependents()
         grid_dependency_wait()
 
         base = warp * uint32(WARP * XW) + lane
+        if MMA:
+            for i in range(XW):                 # x staged in shared memory as the A fragments (each word twice)
+                word_at = base + uint32(32 * i)
+                word = x32[word_at]
+                at = uint32(XS) + (word_at >> uint32(1)) * uint32(4) + (word_at & uint32(1)) * uint32(2)
+                ws[at] = word
+                ws[at + uint32(1)] = word
+            if bulk:
+                bulk_wait(ws, BAR)
+            else:
+                wait_copies()
+            cuda.syncthreads()
+            g = lane >> uint32(2)
+            t2 = (lane & uint32(3)) * uint32(2)
+            dacc = cuda.local.array(DACC, float32)
+            for i in range(DACC):
+                dacc[i] = float32(0.0)
+            for j0 in range(STEPS):
+                for u in range(UNROLL):
+                    # this lane's two words of chunk warp + warps·j
+                    chunk = warp + uint32((j0 * UNROLL + u) * WARPS)
+                    kw = chunk * uint32(8) + t2
+                    a0, a1, a2, a3 = load_u32x4_any(ws, uint32(XS) + chunk * uint32(16) + t2 * uint32(2))
+                    for nt in range(NT):
+                        r = uint32(8 * nt) + g
+                        b0 = uint32(0)
+                        b1 = uint32(0)
+                        if r < uint32(rows):
+                            b0, b1 = load_u32x2(ws, r * uint32(ROW_WORDS) + kw)
+                        d = 4 * (u * NT + nt)
+                        dacc[d], dacc[d + 1], dacc[d + 2], dacc[d + 3] = mma_bf16_m16n8k16(
+                            a0, a1, a2, a3, b0, b1, dacc[d], dacc[d + 1], dacc[d + 2], dacc[d + 3])
+            if not RELEASE_AT_COPIES:
+                launch_dependents()
+            if g == uint32(0):                  # D[0, 2t], D[0, 2t + 1] of each tile: rows 8·nt + 2t (+ 1)
+                for nt in range(NT):
+                    d0 = dacc[4 * nt]
+                    d1 = dacc[4 * nt + 1]
+                    for u in range(1, UNROLL):  # the chains' sums, in order
+                        d0 += dacc[4 * (u * NT + nt)]
+                        d1 += dacc[4 * (u * NT + nt) + 1]
+                    at = uint32(RED) + warp * uint32(PARTS) + uint32(8 * nt) + t2
+                    ws[at] = f32_bits(d0)
+                    ws[at + uint32(1)] = f32_bits(d1)
+            cuda.syncthreads()
+            if tid < n_here:
+                v = float32(0.0)
+                for w_ in range(WARPS):
+                    v += bits_f32(ws[uint32(RED + w_ * PARTS) + tid])
+                out[0, row0 + tid] = f32_to_bf16(v)
+            return
+
         xlo = cuda.local.array(XW, float32)
         xhi = cuda.local.array(XW, float32)
         for i in range(XW):
@@ -1008,9 +1120,8 @@ def _shared_optin() -> int:
 
 
 def _preload_shared(rows: int, k: int, nthreads: int) -> int:
-    """Bytes of dynamic shared memory of the preloaded GEMV: the rows, the warps' partial sums, the mbarrier."""
-    partials = rows * nthreads // WARP
-    return 4 * (rows * k // 2 + partials + partials % 2 + 2)
+    """Bytes of dynamic shared memory of the preloaded GEMV (``_preload_layout``)."""
+    return _preload_layout(rows, k, nthreads, _preload_mma(rows, k, nthreads))[-1]
 
 
 def preload_rows(n_rows: int, k: int) -> int:
@@ -1061,7 +1172,7 @@ def linear_preloaded(x, w, out) -> None:
         return
     n_rows, k = w.shape
     nthreads = threads(gpu=PRELOAD_THREADS, sim=WARP)
-    kern = _gemv_preloaded_kernel(rows, k, nthreads, PRELOAD_BULK, PRELOAD_RELEASE)
+    kern = _gemv_preloaded_kernel(rows, k, nthreads, PRELOAD_BULK, PRELOAD_RELEASE, _preload_mma(rows, k, nthreads))
     launch(kern, -(-n_rows // rows), nthreads, as_words(x), as_words(w), out, n_rows,
            shared=_preload_shared(rows, k, nthreads), name="gemv_preloaded", pdl=True)
 

@@ -163,6 +163,14 @@ if SIMULATOR:
         return a[i], a[i + 1]
 
     @device_fn
+    def load_u32x2(a, i):
+        return a[i], a[i + 1]
+
+    @device_fn
+    def load_u32x4_any(a, i):
+        return a[i], a[i + 1], a[i + 2], a[i + 3]
+
+    @device_fn
     def store_f32x2(a, i, x, y):
         a[i] = x
         a[i + 1] = y
@@ -376,6 +384,43 @@ else:
     @device_fn
     def load_f32x2(a, i):
         return _ld_f32x2(a, i)
+
+    def _u32_vector_load(width):
+        """Typer of one ``4 · width``-byte load of ``a[idx : idx + width]`` (uint32, idx a multiple of ``width``):
+        a plain LLVM vector load, so the address may be global or shared."""
+        def typer(typingctx, arr, idx):
+            if not (isinstance(arr, types.Array) and arr.dtype == types.uint32 and arr.ndim == 1):
+                return None
+            sig = types.UniTuple(types.uint32, width)(arr, idx)
+
+            def codegen(context, builder, sig, args):
+                ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+                v = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(32), width).as_pointer()),
+                                 align=4 * width)
+                elems = [builder.extract_element(v, ir.Constant(ir.IntType(32), k)) for k in range(width)]
+                return context.make_tuple(builder, sig.return_type, elems)
+
+            return sig, codegen
+        return typer
+
+    @intrinsic
+    def _ld_u32x2(typingctx, arr, idx):
+        return _u32_vector_load(2)(typingctx, arr, idx)
+
+    @intrinsic
+    def _ld_u32x4(typingctx, arr, idx):
+        return _u32_vector_load(4)(typingctx, arr, idx)
+
+    @device_fn
+    def load_u32x2(a, i):
+        """``a[i], a[i + 1]`` (uint32, i even) in one 8-byte load, from global or shared memory."""
+        return _ld_u32x2(a, i)
+
+    @device_fn
+    def load_u32x4_any(a, i):
+        """``a[i : i + 4]`` (uint32, i a multiple of 4) in one 16-byte load, from global or shared memory
+        (``load_u32x4`` is the read-only global one)."""
+        return _ld_u32x4(a, i)
 
     @device_fn
     def store_f32x2(a, i, x, y):

@@ -34,7 +34,8 @@ simulator the GEMV up to 8 tokens and the FMA tiles above.
 
 ``linear_preloaded`` is the one-token projection that follows a latency-bound kernel (the o projection after
 attention): when the whole matrix fits in the SMs' shared memory, each block copies its rows in before its PDL
-wait, while the kernel before still runs, and only multiplies once x is ready.
+wait, while the kernel before still runs, and only multiplies once x is ready (with f32 multiply-adds, or on the
+tensor cores with ``PRELOAD_MMA``).
 
 ``linear_silu_mul`` fuses the MLP's gate/up projection with SwiGLU.  ``w_gate_up [2I, K]`` holds the gate rows then
 the up rows (as the loader concatenates ``gate_proj`` and ``up_proj``).  Every kernel here sees it as 2I *logical

@@ -1056,8 +1056,6 @@ def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False,
                         d = 4 * (u * NT + nt)
                         dacc[d], dacc[d + 1], dacc[d + 2], dacc[d + 3] = mma_bf16_m16n8k16(
                             a0, a1, a2, a3, b0, b1, dacc[d], dacc[d + 1], dacc[d + 2], dacc[d + 3])
-            if not RELEASE_AT_COPIES:
-                launch_dependents()
             if g == uint32(0):                  # D[0, 2t], D[0, 2t + 1] of each tile: rows 8·nt + 2t (+ 1)
                 for nt in range(NT):
                     d0 = dacc[4 * nt]
@@ -1068,45 +1066,38 @@ def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False,
                     at = uint32(RED) + warp * uint32(PARTS) + uint32(8 * nt) + t2
                     ws[at] = f32_bits(d0)
                     ws[at + uint32(1)] = f32_bits(d1)
-            cuda.syncthreads()
-            if tid < n_here:
-                v = float32(0.0)
-                for w_ in range(WARPS):
-                    v += bits_f32(ws[uint32(RED + w_ * PARTS) + tid])
-                out[0, row0 + tid] = f32_to_bf16(v)
-            return
-
-        xlo = cuda.local.array(XW, float32)
-        xhi = cuda.local.array(XW, float32)
-        for i in range(XW):
-            word = x32[base + uint32(32 * i)]
-            xlo[i] = bf16x2_lo(word)
-            xhi[i] = bf16x2_hi(word)
-        if bulk:
-            bulk_wait(ws, BAR)
         else:
-            wait_copies()
-            cuda.syncthreads()
-
-        acc = cuda.local.array(rows, float32)
-        for r in range(rows):
-            a = float32(0.0)
+            xlo = cuda.local.array(XW, float32)
+            xhi = cuda.local.array(XW, float32)
             for i in range(XW):
-                word = ws[base + uint32(r * K_WORDS + 32 * i)]
-                a += bf16x2_lo(word) * xlo[i]
-                a += bf16x2_hi(word) * xhi[i]
-            acc[r] = a
+                word = x32[base + uint32(32 * i)]
+                xlo[i] = bf16x2_lo(word)
+                xhi[i] = bf16x2_hi(word)
+            if bulk:
+                bulk_wait(ws, BAR)
+            else:
+                wait_copies()
+                cuda.syncthreads()
+
+            acc = cuda.local.array(rows, float32)
+            for r in range(rows):
+                a = float32(0.0)
+                for i in range(XW):
+                    word = ws[base + uint32(r * K_WORDS + 32 * i)]
+                    a += bf16x2_lo(word) * xlo[i]
+                    a += bf16x2_hi(word) * xhi[i]
+                acc[r] = a
+            if ROW_SUMS:
+                warp_row_sums_to_shared(acc, rows, ws, uint32(RED) + warp * uint32(rows), True)   # f32 bits
+            else:
+                warp_sums_to_shared(acc, rows, ws, uint32(RED) + warp * uint32(rows), True)
         if not RELEASE_AT_COPIES:
             launch_dependents()
-        if ROW_SUMS:
-            warp_row_sums_to_shared(acc, rows, ws, uint32(RED) + warp * uint32(rows), True)   # f32 bits
-        else:
-            warp_sums_to_shared(acc, rows, ws, uint32(RED) + warp * uint32(rows), True)
         cuda.syncthreads()
-        if tid < n_here:
+        if tid < n_here:                        # the warps' partial sums of row tid, in warp order
             v = float32(0.0)
             for w_ in range(WARPS):
-                v += bits_f32(ws[uint32(RED + w_ * rows) + tid])
+                v += bits_f32(ws[uint32(RED + w_ * PARTS) + tid])
             out[0, row0 + tid] = f32_to_bf16(v)
 
     return gemv_preloaded

@@ -325,8 +325,8 @@ else:
     def load_u32x4(a, i):
         return _ld_global_nc_v4_u32(a, i)
 
-    # f32 vector loads and stores (global or shared memory: the address is generic): plain LLVM vector accesses,
-    # so the compiler orders them against barriers and other accesses as it does any load or store.
+    # f32 (and uint32) vector loads and f32 stores (global or shared memory: the address is generic): plain LLVM
+    # vector accesses, so the compiler orders them against barriers and other accesses as it does any load or store.
     def _f32_vector_args_ok(arr):
         return isinstance(arr, types.Array) and arr.dtype == types.float32 and arr.ndim == 1
 
@@ -334,14 +334,19 @@ else:
         ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])   # (defined below)
         return builder.bitcast(ptr, ir.VectorType(ir.FloatType(), width).as_pointer())
 
-    def _f32_vector_load(width):
+    def _vector_load(width, elem=types.float32):
+        """Typer of one ``4 · width``-byte load of ``a[idx : idx + width]`` (1-D, dtype ``elem``: float32 or
+        uint32; idx a multiple of ``width``): a plain LLVM vector load, so the address may be global or shared."""
+        lanes = ir.FloatType() if elem == types.float32 else ir.IntType(32)
+
         def typer(typingctx, arr, idx):
-            if not _f32_vector_args_ok(arr):
+            if not (isinstance(arr, types.Array) and arr.dtype == elem and arr.ndim == 1):
                 return None
-            sig = types.UniTuple(types.float32, width)(arr, idx)
+            sig = types.UniTuple(elem, width)(arr, idx)
 
             def codegen(context, builder, sig, args):
-                v = builder.load(_f32_vector_pointer(context, builder, sig, args, width), align=4 * width)
+                ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+                v = builder.load(builder.bitcast(ptr, ir.VectorType(lanes, width).as_pointer()), align=4 * width)
                 elems = [builder.extract_element(v, ir.Constant(ir.IntType(32), k)) for k in range(width)]
                 return context.make_tuple(builder, sig.return_type, elems)
 
@@ -360,12 +365,12 @@ else:
     @intrinsic
     def _ld_f32x2(typingctx, arr, idx):
         """One 8-byte load of a[idx], a[idx + 1] (idx even)."""
-        return _f32_vector_load(2)(typingctx, arr, idx)
+        return _vector_load(2)(typingctx, arr, idx)
 
     @intrinsic
     def _ld_f32x4(typingctx, arr, idx):
         """One 16-byte load of a[idx : idx + 4] (idx a multiple of 4)."""
-        return _f32_vector_load(4)(typingctx, arr, idx)
+        return _vector_load(4)(typingctx, arr, idx)
 
     @intrinsic
     def _st_f32x2(typingctx, arr, idx, x, y):
@@ -385,31 +390,13 @@ else:
     def load_f32x2(a, i):
         return _ld_f32x2(a, i)
 
-    def _u32_vector_load(width):
-        """Typer of one ``4 · width``-byte load of ``a[idx : idx + width]`` (uint32, idx a multiple of ``width``):
-        a plain LLVM vector load, so the address may be global or shared."""
-        def typer(typingctx, arr, idx):
-            if not (isinstance(arr, types.Array) and arr.dtype == types.uint32 and arr.ndim == 1):
-                return None
-            sig = types.UniTuple(types.uint32, width)(arr, idx)
-
-            def codegen(context, builder, sig, args):
-                ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-                v = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(32), width).as_pointer()),
-                                 align=4 * width)
-                elems = [builder.extract_element(v, ir.Constant(ir.IntType(32), k)) for k in range(width)]
-                return context.make_tuple(builder, sig.return_type, elems)
-
-            return sig, codegen
-        return typer
-
     @intrinsic
     def _ld_u32x2(typingctx, arr, idx):
-        return _u32_vector_load(2)(typingctx, arr, idx)
+        return _vector_load(2, types.uint32)(typingctx, arr, idx)
 
     @intrinsic
     def _ld_u32x4(typingctx, arr, idx):
-        return _u32_vector_load(4)(typingctx, arr, idx)
+        return _vector_load(4, types.uint32)(typingctx, arr, idx)
 
     @device_fn
     def load_u32x2(a, i):

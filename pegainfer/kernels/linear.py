@@ -34,8 +34,7 @@ simulator the GEMV up to 8 tokens and the FMA tiles above.
 
 ``linear_preloaded`` is the one-token projection that follows a latency-bound kernel (the o projection after
 attention): when the whole matrix fits in the SMs' shared memory, each block copies its rows in before its PDL
-wait, while the kernel before still runs, and only multiplies once x is ready (with f32 multiply-adds, or on the
-tensor cores with ``PRELOAD_MMA``).
+wait, while the kernel before still runs, and only multiplies once x is ready.
 
 ``linear_silu_mul`` fuses the MLP's gate/up projection with SwiGLU.  ``w_gate_up [2I, K]`` holds the gate rows then
 the up rows (as the loader concatenates ``gate_proj`` and ``up_proj``).  Every kernel here sees it as 2I *logical
@@ -81,7 +80,6 @@ from pegainfer.kernels.primitives import (WARP, as_words, bf16_to_f32, bf16x2_hi
                                           cp_async_commit, cp_async_wait_group, bulk_barrier_init,
                                           bulk_expect_bytes, bulk_copy, bulk_wait,
                                           warp_sums_to_shared, warp_row_sums_to_shared, launch_dependents,
-                                          load_u32x2, load_u32x4_any, f32_bits,
                                           grid_dependency_wait, pdl_prologue)
 
 int64, uint64 = np.int64, np.uint64
@@ -676,7 +674,10 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
            *before* ``grid_dependency_wait``, i.e. while the previous kernel is still finishing: the weights do not
            depend on it, x does.  (Also moving the rest of the first tile into L2 there with ``prefetch.global.L2``
            was measured slower on the H200: +0.2 ms per Qwen3-4B token; so was copying two more steps of it into
-           shared memory with ``cp.async``.)  The block lets the next kernel launch (``launch_dependents``) when it
+           shared memory with ``cp.async``.  So were weight loads with an L2 ``evict_first`` policy, meant to keep
+           the Gated DeltaNet state and the KV cache in L2 across steps (session 17:
+           ``ld.global.nc.L1::no_allocate.L2::cache_hint``, and the preloaded GEMV's bulk copies likewise): TPOT
+           +12.9 % on Qwen3.5-4B, +11.1 % on Qwen3-4B.)  The block lets the next kernel launch (``launch_dependents``) when it
            starts its last tile (``GEMV_TRIGGER``), not at its start: blocks launched early wait on SM slots for
            the whole kernel, and doing so cost 0.2 ms per Qwen3-4B step.
         3. *Reduce*: ``warp_sum`` per row, the ``k_split`` partial sums through shared memory, one thread per
@@ -891,61 +892,24 @@ Measured on the H200 (session 16, two alternating rounds, ``benchmarks/RESULTS.m
 BULK_CHUNK_BYTES = 16384
 """Bytes per ``cp.async.bulk`` instruction of the preloaded GEMV."""
 
-PRELOAD_MMA = os.environ.get("PEGAINFER_PRELOAD_MMA", "0") == "1"
-"""Whether the preloaded GEMV takes its dot products on the tensor cores (``mma.m16n8k16``, rows padded in shared
-memory: ``_preload_layout``) rather than with f32 multiply-adds.  Off: written in session 16 after that session's
-device time was spent, so never measured on a GPU (the simulator checks it against NumPy)."""
-
-
-def _preload_mma(rows: int, k: int, nthreads: int) -> bool:
-    """Whether the preloaded GEMV for this shape takes the tensor cores: ``PRELOAD_MMA`` and whole 16-wide K chunks
-    spread evenly over the block's warps, four at a time."""
-    return PRELOAD_MMA and k % 16 == 0 and (k // 16) % (4 * (nthreads // WARP)) == 0
-
-
-def _preload_layout(rows: int, k: int, nthreads: int, mma: bool) -> tuple[int, int, int, int, int]:
-    """Dynamic shared memory of the preloaded GEMV, in uint32 words: (row stride, x offset, partial sums offset,
-    mbarrier offset, total bytes).  The rows come first, ``K/2`` words apart, or ``K/2 + 8`` with ``mma`` (so the
-    8 rows one ``mma`` fragment load touches start 8 banks apart: no bank conflicts); then x (``mma`` only: ``K``
-    words, each 16-wide K chunk as 4 lanes' A fragments ``(x0, x0, x1, x1)``, one 16-byte load each), the
-    warps' partial sums (per row, or per padded 16-row tile with ``mma``), the mbarrier (8-byte aligned)."""
-    warps = nthreads // WARP
-    row_words = k // 2 + (8 if mma else 0)
-    xs = rows * row_words
-    red = xs + (k if mma else 0)        # mma: x staged as A fragments, each word twice
-    partials = warps * (8 * -(-rows // 8) if mma else rows)
-    bar = red + partials + partials % 2
-    return row_words, xs, red, bar, 4 * (bar + 2)
-
 
 @functools.cache
-def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False, release: str = "copies",
-                           mma: bool = False):
+def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False, release: str = "copies"):
     """Build the preloaded one-token GEMV for blocks of ``rows`` weight rows, ``K = k`` and ``nthreads`` threads
     (all compile-time: the copy and dot loops unroll, and ``K / 2`` must be a multiple of ``nthreads``); ``bulk``:
-    copy with ``cp.async.bulk`` (``PRELOAD_BULK``); ``release``: ``PRELOAD_RELEASES``; ``mma``: the dot products on
-    the tensor cores (``PRELOAD_MMA``)."""
+    copy with ``cp.async.bulk`` (``PRELOAD_BULK``); ``release``: ``PRELOAD_RELEASES``."""
     assert release in PRELOAD_RELEASES, release
     RELEASE_AT_COPIES = release == "copies"
-    MMA = mma
     K_WORDS = k // 2
     XW = K_WORDS // nthreads                    # x words per lane (and weight words per lane and row)
     assert XW * nthreads == K_WORDS, (k, nthreads)
-    PIECES = k // 8                             # 16-byte pieces of a row
-    SLICES = rows * PIECES                      # ... of the block's rows
+    SLICES = rows * (k // 8)                    # 16-byte pieces of the block's rows
     COPIES = -(-SLICES // nthreads)             # ... per thread
     WARPS = nthreads // WARP
-    ROW_WORDS, XS, RED, BAR, _ = _preload_layout(rows, k, nthreads, mma)
-    ROW_CHUNKS = -(-k * 2 // BULK_CHUNK_BYTES)  # bulk copies per row (mma: rows are not contiguous in shared memory)
+    RED = rows * K_WORDS                        # partial sums follow the rows in shared memory
+    BAR = RED + WARPS * rows + (WARPS * rows) % 2   # then the bulk copies' mbarrier (8-byte aligned)
     BULK_CHUNKS = -(-rows * k * 2 // BULK_CHUNK_BYTES)
     ROW_SUMS = PRELOAD_ROW_SUMS and rows <= WARP
-    NT = -(-rows // 8)                          # mma: 8-row tiles (the n dimension)
-    UNROLL = 4                                  # mma: K chunks per step of the loop (unrolled), each its own
-    DACC = 4 * NT * UNROLL                      # accumulators (so 4 mma chains run side by side; an array size)
-    CPW = (k // 16) // WARPS                    # mma: 16-wide K chunks per warp
-    assert not MMA or (CPW * WARPS * 16 == k and CPW % UNROLL == 0), (k, nthreads)
-    STEPS = CPW // UNROLL
-    PARTS = 8 * NT if MMA else rows             # partial sums per warp
     wait_copies = cp_async_wait_group(0)
 
     @_bounded_kernel(nthreads)
@@ -971,16 +935,6 @@ def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False,
         4. ``warp_sums_to_shared``, then thread r sums the warps' partials in warp order and writes ``bf16``.
         The next kernel may launch once every block's copies are issued (``release="copies"``, the default), or
         once every block has its dot products (``"dots"``).
-
-        With ``mma`` the rows sit ``K/2 + 8`` words apart and steps 2-4 differ: the block stages x in shared memory,
-        and warp w takes the 16-wide K chunks ``w, w + warps, ..``: per chunk one ``mma.m16n8k16`` per 8-row tile
-        with A = x in every row and B = the tile's rows as columns.  Lane (g, t) = (lane // 4, lane % 4) holds words
-        2t, 2t + 1 of the chunk, of x (a0 = a1, a2 = a3) and of row g of the tile (b0, b1: one 8-byte load), so
-        the products' K order is permuted within the chunk, the same way for A and B.  D's rows are all equal: lane
-        t of the first group holds D[0, 2t], D[0, 2t + 1], the warp's partial sums of the tile's rows 2t, 2t + 1;
-        thread r sums the warps' in warp order.  About 3 instructions a chunk and tile per lane, against 40 per
-        row and 8 words of K; the loop takes ``UNROLL`` chunks a step into as many accumulators, so that many
-        ``mma`` chains (each ~30 cycles a link) run side by side.
         """
         ws = cuda.shared.array(0, nbtypes.uint32)
         tid = uint32(cuda.threadIdx.x)
@@ -994,110 +948,55 @@ def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False,
             if tid == 0:
                 bulk_barrier_init(ws, BAR)
                 bulk_expect_bytes(ws, BAR, n_bytes)
-                if MMA:                         # row by row: padded rows
-                    for r in range(rows):
-                        for i in range(ROW_CHUNKS):
-                            at = uint32(i * BULK_CHUNK_BYTES)
-                            if r < n_here:
-                                bulk_copy(ws, uint32(r * ROW_WORDS) + at // uint32(4), w32,
-                                          src + uint32(r * K_WORDS) + at // uint32(4),
-                                          min(uint32(BULK_CHUNK_BYTES), uint32(k * 2) - at), ws, BAR)
-                else:
-                    for i in range(BULK_CHUNKS):
-                        at = uint32(i * BULK_CHUNK_BYTES)
-                        if at < n_bytes:
-                            bulk_copy(ws, at // uint32(4), w32, src + at // uint32(4),
-                                      min(uint32(BULK_CHUNK_BYTES), n_bytes - at), ws, BAR)
+                for i in range(BULK_CHUNKS):
+                    at = uint32(i * BULK_CHUNK_BYTES)
+                    if at < n_bytes:
+                        bulk_copy(ws, at // uint32(4), w32, src + at // uint32(4),
+                                  min(uint32(BULK_CHUNK_BYTES), n_bytes - at), ws, BAR)
             cuda.syncthreads()                  # the barrier is initialised before anyone waits on it
         else:
-            n_pieces = uint32(n_here * PIECES)
+            n_pieces = uint32(n_here * (k // 8))
             for i in range(COPIES):
                 piece = tid + uint32(i * nthreads)
                 if piece < n_pieces:
-                    at = uint32(4) * piece      # (mma: row piece // PIECES, padded)
-                    if MMA:
-                        at += uint32(8) * (piece // uint32(PIECES))
-                    cp_async_16(ws, at, w32, src + uint32(4) * piece, 16)
+                    cp_async_16(ws, uint32(4) * piece, w32, src + uint32(4) * piece, 16)
             cp_async_commit()
         if RELEASE_AT_COPIES:
             launch_dependents()
         grid_dependency_wait()
 
         base = warp * uint32(WARP * XW) + lane
-        if MMA:
-            for i in range(XW):                 # x staged in shared memory as the A fragments (each word twice)
-                word_at = base + uint32(32 * i)
-                word = x32[word_at]
-                at = uint32(XS) + (word_at >> uint32(1)) * uint32(4) + (word_at & uint32(1)) * uint32(2)
-                ws[at] = word
-                ws[at + uint32(1)] = word
-            if bulk:
-                bulk_wait(ws, BAR)
-            else:
-                wait_copies()
-            cuda.syncthreads()
-            g = lane >> uint32(2)
-            t2 = (lane & uint32(3)) * uint32(2)
-            dacc = cuda.local.array(DACC, float32)
-            for i in range(DACC):
-                dacc[i] = float32(0.0)
-            for j0 in range(STEPS):
-                for u in range(UNROLL):
-                    # this lane's two words of chunk warp + warps·j
-                    chunk = warp + uint32((j0 * UNROLL + u) * WARPS)
-                    kw = chunk * uint32(8) + t2
-                    a0, a1, a2, a3 = load_u32x4_any(ws, uint32(XS) + chunk * uint32(16) + t2 * uint32(2))
-                    for nt in range(NT):
-                        r = uint32(8 * nt) + g
-                        b0 = uint32(0)
-                        b1 = uint32(0)
-                        if r < uint32(rows):
-                            b0, b1 = load_u32x2(ws, r * uint32(ROW_WORDS) + kw)
-                        d = 4 * (u * NT + nt)
-                        dacc[d], dacc[d + 1], dacc[d + 2], dacc[d + 3] = mma_bf16_m16n8k16(
-                            a0, a1, a2, a3, b0, b1, dacc[d], dacc[d + 1], dacc[d + 2], dacc[d + 3])
-            if g == uint32(0):                  # D[0, 2t], D[0, 2t + 1] of each tile: rows 8·nt + 2t (+ 1)
-                for nt in range(NT):
-                    d0 = dacc[4 * nt]
-                    d1 = dacc[4 * nt + 1]
-                    for u in range(1, UNROLL):  # the chains' sums, in order
-                        d0 += dacc[4 * (u * NT + nt)]
-                        d1 += dacc[4 * (u * NT + nt) + 1]
-                    at = uint32(RED) + warp * uint32(PARTS) + uint32(8 * nt) + t2
-                    ws[at] = f32_bits(d0)
-                    ws[at + uint32(1)] = f32_bits(d1)
+        xlo = cuda.local.array(XW, float32)
+        xhi = cuda.local.array(XW, float32)
+        for i in range(XW):
+            word = x32[base + uint32(32 * i)]
+            xlo[i] = bf16x2_lo(word)
+            xhi[i] = bf16x2_hi(word)
+        if bulk:
+            bulk_wait(ws, BAR)
         else:
-            xlo = cuda.local.array(XW, float32)
-            xhi = cuda.local.array(XW, float32)
-            for i in range(XW):
-                word = x32[base + uint32(32 * i)]
-                xlo[i] = bf16x2_lo(word)
-                xhi[i] = bf16x2_hi(word)
-            if bulk:
-                bulk_wait(ws, BAR)
-            else:
-                wait_copies()
-                cuda.syncthreads()
+            wait_copies()
+            cuda.syncthreads()
 
-            acc = cuda.local.array(rows, float32)
-            for r in range(rows):
-                a = float32(0.0)
-                for i in range(XW):
-                    word = ws[base + uint32(r * K_WORDS + 32 * i)]
-                    a += bf16x2_lo(word) * xlo[i]
-                    a += bf16x2_hi(word) * xhi[i]
-                acc[r] = a
-            if ROW_SUMS:
-                warp_row_sums_to_shared(acc, rows, ws, uint32(RED) + warp * uint32(rows), True)   # f32 bits
-            else:
-                warp_sums_to_shared(acc, rows, ws, uint32(RED) + warp * uint32(rows), True)
+        acc = cuda.local.array(rows, float32)
+        for r in range(rows):
+            a = float32(0.0)
+            for i in range(XW):
+                word = ws[base + uint32(r * K_WORDS + 32 * i)]
+                a += bf16x2_lo(word) * xlo[i]
+                a += bf16x2_hi(word) * xhi[i]
+            acc[r] = a
         if not RELEASE_AT_COPIES:
             launch_dependents()
+        if ROW_SUMS:
+            warp_row_sums_to_shared(acc, rows, ws, uint32(RED) + warp * uint32(rows), True)   # f32 bits
+        else:
+            warp_sums_to_shared(acc, rows, ws, uint32(RED) + warp * uint32(rows), True)
         cuda.syncthreads()
-        if tid < n_here:                        # the warps' partial sums of row tid, in warp order
+        if tid < n_here:
             v = float32(0.0)
             for w_ in range(WARPS):
-                v += bits_f32(ws[uint32(RED + w_ * PARTS) + tid])
+                v += bits_f32(ws[uint32(RED + w_ * rows) + tid])
             out[0, row0 + tid] = f32_to_bf16(v)
 
     return gemv_preloaded
@@ -1112,8 +1011,9 @@ def _shared_optin() -> int:
 
 
 def _preload_shared(rows: int, k: int, nthreads: int) -> int:
-    """Bytes of dynamic shared memory of the preloaded GEMV (``_preload_layout``)."""
-    return _preload_layout(rows, k, nthreads, _preload_mma(rows, k, nthreads))[-1]
+    """Bytes of dynamic shared memory of the preloaded GEMV: the rows, the warps' partial sums, the mbarrier."""
+    partials = rows * nthreads // WARP
+    return 4 * (rows * k // 2 + partials + partials % 2 + 2)
 
 
 def preload_rows(n_rows: int, k: int) -> int:
@@ -1152,6 +1052,13 @@ def linear_preloaded(x, w, out) -> None:
     values a thread (an IEEE division each, in SiLU) on this kernel's post-wait path cost ~3 µs a layer, and the
     split won back only ~0.25 µs.
 
+    Tried and dropped (session 17): the dot products on the tensor cores (commit 4ad2d03, ``PRELOAD_MMA``: rows
+    ``K/2 + 8`` words apart in shared memory, x staged as ``mma.m16n8k16`` A fragments, one ``mma`` per 16-wide K
+    chunk and 8-row tile, four accumulator sets; ~290 dot instructions a lane against ~800).  Correct on the GPU
+    (``test_linear_preloaded_mma_qwen3_4b_o``), but TPOT +1.15 % on Qwen3.5-4B and +0.88 % on Qwen3-4B (two
+    alternating rounds, ``benchmarks/RESULTS.md``).  Not profiled; what it adds to the post-wait path is x staged
+    through shared memory and a block barrier, and the padded rows take 20 bulk copies instead of 10.  Removed.
+
     Tried and dropped (session 15): taking x through a counter handoff instead of the PDL wait.  Every block of
     decode attention or of the Gated DeltaNet step (before its state write-back) arrived at a counter once its
     outputs were written; this kernel spun on the count after issuing its copies and waited for the grid only at
@@ -1164,7 +1071,7 @@ def linear_preloaded(x, w, out) -> None:
         return
     n_rows, k = w.shape
     nthreads = threads(gpu=PRELOAD_THREADS, sim=WARP)
-    kern = _gemv_preloaded_kernel(rows, k, nthreads, PRELOAD_BULK, PRELOAD_RELEASE, _preload_mma(rows, k, nthreads))
+    kern = _gemv_preloaded_kernel(rows, k, nthreads, PRELOAD_BULK, PRELOAD_RELEASE)
     launch(kern, -(-n_rows // rows), nthreads, as_words(x), as_words(w), out, n_rows,
            shared=_preload_shared(rows, k, nthreads), name="gemv_preloaded", pdl=True)
 

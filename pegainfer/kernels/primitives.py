@@ -9,6 +9,9 @@ Conventions every kernel in ``pegainfer/kernels`` follows
   bf16 exactly where Hugging Face's bf16 forward rounds them, so logits line up with the reference.
 * **Wide loads.**  ``load_u32x4(a, i)`` reads ``a[i:i+4]`` of a ``uint32`` array as one 16-byte load (8 bf16
   values); ``i`` is an *element* index and must be a multiple of 4 (the address 16-byte aligned).
+* **L2 eviction priority** (``createpolicy`` + ``.L2::cache_hint``; plain accesses in the simulator):
+  ``load_f32x2_evict_last`` / ``store_f32x2_evict_last`` mark the lines they touch as the last L2 gives up (state
+  that the next decode step reads again).
 * **1-D blocks whose size is a multiple of 32**, and grid-/block-stride loops, so the same kernel runs with any
   geometry.  Launch wrappers pick small geometries in the simulator via ``threads(gpu=..)`` and ``grid(...)``.
 * **Warp reductions** (``warp_sum``, ``warp_max``, ``warp_argmax``; ``lane_group_sum`` / ``lane_group_max`` over
@@ -163,12 +166,13 @@ if SIMULATOR:
         return a[i], a[i + 1]
 
     @device_fn
-    def load_u32x2(a, i):
+    def load_f32x2_evict_last(a, i):
         return a[i], a[i + 1]
 
     @device_fn
-    def load_u32x4_any(a, i):
-        return a[i], a[i + 1], a[i + 2], a[i + 3]
+    def store_f32x2_evict_last(a, i, x, y):
+        a[i] = x
+        a[i + 1] = y
 
     @device_fn
     def store_f32x2(a, i, x, y):
@@ -325,8 +329,13 @@ else:
     def load_u32x4(a, i):
         return _ld_global_nc_v4_u32(a, i)
 
-    # f32 (and uint32) vector loads and f32 stores (global or shared memory: the address is generic): plain LLVM
-    # vector accesses, so the compiler orders them against barriers and other accesses as it does any load or store.
+    def _l2_policy(priority: str) -> str:
+        """PTX declaring the 64-bit register ``pol``: an L2 eviction policy giving every line an access touches the
+        eviction priority ``priority`` (``evict_first`` / ``evict_last``), for an access's ``.L2::cache_hint``."""
+        return f".reg .b64 pol; createpolicy.fractional.L2::{priority}.b64 pol, 1.0;"
+
+    # f32 vector loads and stores (global or shared memory: the address is generic): plain LLVM vector accesses,
+    # so the compiler orders them against barriers and other accesses as it does any load or store.
     def _f32_vector_args_ok(arr):
         return isinstance(arr, types.Array) and arr.dtype == types.float32 and arr.ndim == 1
 
@@ -334,19 +343,14 @@ else:
         ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])   # (defined below)
         return builder.bitcast(ptr, ir.VectorType(ir.FloatType(), width).as_pointer())
 
-    def _vector_load(width, elem=types.float32):
-        """Typer of one ``4 · width``-byte load of ``a[idx : idx + width]`` (1-D, dtype ``elem``: float32 or
-        uint32; idx a multiple of ``width``): a plain LLVM vector load, so the address may be global or shared."""
-        lanes = ir.FloatType() if elem == types.float32 else ir.IntType(32)
-
+    def _f32_vector_load(width):
         def typer(typingctx, arr, idx):
-            if not (isinstance(arr, types.Array) and arr.dtype == elem and arr.ndim == 1):
+            if not _f32_vector_args_ok(arr):
                 return None
-            sig = types.UniTuple(elem, width)(arr, idx)
+            sig = types.UniTuple(types.float32, width)(arr, idx)
 
             def codegen(context, builder, sig, args):
-                ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-                v = builder.load(builder.bitcast(ptr, ir.VectorType(lanes, width).as_pointer()), align=4 * width)
+                v = builder.load(_f32_vector_pointer(context, builder, sig, args, width), align=4 * width)
                 elems = [builder.extract_element(v, ir.Constant(ir.IntType(32), k)) for k in range(width)]
                 return context.make_tuple(builder, sig.return_type, elems)
 
@@ -365,12 +369,12 @@ else:
     @intrinsic
     def _ld_f32x2(typingctx, arr, idx):
         """One 8-byte load of a[idx], a[idx + 1] (idx even)."""
-        return _vector_load(2)(typingctx, arr, idx)
+        return _f32_vector_load(2)(typingctx, arr, idx)
 
     @intrinsic
     def _ld_f32x4(typingctx, arr, idx):
         """One 16-byte load of a[idx : idx + 4] (idx a multiple of 4)."""
-        return _vector_load(4)(typingctx, arr, idx)
+        return _f32_vector_load(4)(typingctx, arr, idx)
 
     @intrinsic
     def _st_f32x2(typingctx, arr, idx, x, y):
@@ -390,25 +394,6 @@ else:
     def load_f32x2(a, i):
         return _ld_f32x2(a, i)
 
-    @intrinsic
-    def _ld_u32x2(typingctx, arr, idx):
-        return _vector_load(2, types.uint32)(typingctx, arr, idx)
-
-    @intrinsic
-    def _ld_u32x4(typingctx, arr, idx):
-        return _vector_load(4, types.uint32)(typingctx, arr, idx)
-
-    @device_fn
-    def load_u32x2(a, i):
-        """``a[i], a[i + 1]`` (uint32, i even) in one 8-byte load, from global or shared memory."""
-        return _ld_u32x2(a, i)
-
-    @device_fn
-    def load_u32x4_any(a, i):
-        """``a[i : i + 4]`` (uint32, i a multiple of 4) in one 16-byte load, from global or shared memory
-        (``load_u32x4`` is the read-only global one)."""
-        return _ld_u32x4(a, i)
-
     @device_fn
     def store_f32x2(a, i, x, y):
         _st_f32x2(a, i, x, y)
@@ -416,6 +401,54 @@ else:
     @device_fn
     def load_f32x4(a, i):
         return _ld_f32x4(a, i)
+
+    @intrinsic
+    def _ld_f32x2_evict_last(typingctx, arr, idx):
+        """``ld.global.L2::cache_hint.v2.f32`` with an ``evict_last`` policy (global memory only)."""
+        if not _f32_vector_args_ok(arr):
+            return None
+        sig = types.UniTuple(types.float32, 2)(arr, idx)
+
+        def codegen(context, builder, sig, args):
+            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            f32 = ir.FloatType()
+            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([f32, f32]), [ptr.type]),
+                               "{ " + _l2_policy("evict_last") + " ld.global.L2::cache_hint.v2.f32 {$0, $1}, [$2], pol; }",
+                               "=f,=f,l,~{memory}", side_effect=True)
+            res = builder.call(asm, [ptr])
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, k) for k in range(2)])
+
+        return sig, codegen
+
+    @intrinsic
+    def _st_f32x2_evict_last(typingctx, arr, idx, x, y):
+        """``st.global.L2::cache_hint.v2.f32`` with an ``evict_last`` policy (global memory only)."""
+        if not _f32_vector_args_ok(arr):
+            return None
+        sig = types.void(arr, idx, types.float32, types.float32)
+
+        def codegen(context, builder, sig, args):
+            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            x_ = context.cast(builder, args[2], sig.args[2], types.float32)
+            y_ = context.cast(builder, args[3], sig.args[3], types.float32)
+            f32 = ir.FloatType()
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ptr.type, f32, f32]),
+                               "{ " + _l2_policy("evict_last") + " st.global.L2::cache_hint.v2.f32 [$0], {$1, $2}, pol; }",
+                               "l,f,f,~{memory}", side_effect=True)
+            builder.call(asm, [ptr, x_, y_])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @device_fn
+    def load_f32x2_evict_last(a, i):
+        """``load_f32x2`` from global memory, its lines kept in L2 ahead of others (``evict_last``)."""
+        return _ld_f32x2_evict_last(a, i)
+
+    @device_fn
+    def store_f32x2_evict_last(a, i, x, y):
+        """``store_f32x2`` to global memory, its lines kept in L2 ahead of others (``evict_last``)."""
+        _st_f32x2_evict_last(a, i, x, y)
 
     @device_fn
     def store_f32x4(a, i, x, y, z, w):

@@ -361,27 +361,6 @@ def test_linear_preloaded_matches_numpy(N, k_units, bulk, release, rng, monkeypa
     assert lin.preloads(1, cuda.to_device(wb))
 
 
-@pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "cp_async"])
-@pytest.mark.parametrize("N,k_units", [(40, 1), (80, 2), (9, 3)])
-def test_linear_preloaded_mma_matches_numpy(N, k_units, bulk, rng, monkeypatch):
-    """The preloaded GEMV's tensor-core dot products (``PRELOAD_MMA``; the simulator emulates ``mma.sync``): rows
-    padded in shared memory, copied row by row or piece by piece; N = 80 gives 4 blocks of 20 rows (two 16-row
-    tiles, the second partial, as Qwen3-4B's o), N = 9 blocks of 3.  Against NumPy, and the layout is the
-    padded one."""
-    monkeypatch.setattr(lin, "PRELOAD_BULK", bulk)
-    monkeypatch.setattr(lin, "PRELOAD_MMA", True)
-    K = KP * k_units
-    rows = lin.preload_rows(N, K)
-    nthreads = lin.threads(gpu=lin.PRELOAD_THREADS, sim=32)
-    assert rows > 0 and lin._preload_mma(rows, K, nthreads)
-    assert lin._preload_layout(rows, K, nthreads, True)[0] == K // 2 + 8
-    xb, x = bf16_randn((1, K), rng)
-    wb, w = bf16_randn((N, K), rng, scale=0.1)
-    got = run(lin.linear_preloaded, xb, wb, N)
-    assert rel_l2(got, x @ w.T) < 1e-2
-    assert np.array_equal(got, bf16_round(got)), "outputs must be bf16 values"
-
-
 def test_linear_preloaded_falls_back(rng, monkeypatch):
     """More tokens, a K that does not split over the block's lanes, or ``PRELOAD`` off: ``linear`` itself."""
     for T, N, K in ((3, 40, KP), (1, 40, KP + 8)):
@@ -457,27 +436,6 @@ def test_linear_preloaded_qwen3_4b_o(bulk, monkeypatch):
     got = run(lin.linear_preloaded, xb, wb, N)
     assert rel_l2(got, x @ w.T) < 1e-2
     assert rel_l2(got, run(linear, xb, wb, N)) < 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "cp_async"])
-def test_linear_preloaded_mma_qwen3_4b_o(bulk, monkeypatch):
-    """The preloaded GEMV with its dot products on the tensor cores (``PRELOAD_MMA``) on the o projection
-    (2560 × 4096: 20 rows a block, 2 tiles): against NumPy and the f32 multiply-add path."""
-    if cuda.get_current_device().compute_capability < (9, 0):
-        pytest.skip("cp.async.bulk and the preloaded path need sm_90")
-    monkeypatch.setattr(lin, "PRELOAD_BULK", bulk)
-    monkeypatch.setattr(lin, "overlaps", lambda name: True)
-    rng = np.random.default_rng(5)
-    N, K = QWEN3_4B["o"]
-    wb, w = bf16_randn((N, K), rng, scale=K ** -0.5)
-    xb, x = bf16_randn((1, K), rng)
-    plain = run(lin.linear_preloaded, xb, wb, N)
-    monkeypatch.setattr(lin, "PRELOAD_MMA", True)
-    assert lin._preload_mma(lin.preload_rows(N, K), K, lin.PRELOAD_THREADS)
-    got = run(lin.linear_preloaded, xb, wb, N)
-    assert rel_l2(got, x @ w.T) < 1e-2
-    assert rel_l2(got, plain) < 1e-2
 
 
 @pytest.mark.gpu

@@ -31,6 +31,7 @@ def greedy_decode(engine, prompt, steps, request_id="greedy"):
     (the new token ids, the logits row of each step that produced a token, as float32 arrays)."""
     from pegainfer.engine.types import SamplingParams
 
+    engine.runner.keep_logits = True      # logits_host below, also while a step launched ahead is unread
     engine.add_request(request_id, prompt, SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
     tokens, step_logits = [], []
     while engine.has_unfinished():

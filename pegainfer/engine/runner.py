@@ -7,8 +7,10 @@ before each replay, so the graph itself never changes.
 
 Decode steps can also be *launched* without being waited for (``launch_decode`` → ``PendingStep``, read later by
 ``wait``), which is what the engine's async scheduling builds on: a step launched with ``ahead=1`` takes its input
-token ids from the device (the previous step's ``out_ids``, copied device-to-device after the input upload, so
-stream order makes it correct) and its positions and sampling counters one further than the host knows. Two
+token ids from the device -- the sampler writes the ids it draws over its step's input ids (``step.ids``), which
+the forward pass has consumed by then, and the step ahead uploads all its other inputs but not those -- and its
+positions and sampling counters one further than the host knows.  So between two decode steps the stream holds
+one upload and the ids' copy to the host, nothing else (``keep_logits`` adds a copy of the logits).  Two
 pinned output buffers alternate between launches, so the result of the step being read is never overwritten by
 the copy of the step launched after it; the pinned input mirrors are only rewritten once the previous upload
 from them has completed (``_wait_inputs_free``).
@@ -46,8 +48,8 @@ class ModelRunner:
         self.step = StepInputs(T, R)
         self.h_ids, self.h_pos, self.h_slots, self.h_rows = (self.step.h_ids, self.step.h_pos, self.step.h_slots,
                                                              self.step.h_rows)
-        self.sampling = sampling.SamplingBuffers(R)
-        self.out_ids = cuda.to_device(np.zeros(R, dtype=np.int32))
+        self.sampling = self.step.sampling
+        self.out_ids = self.step.ids[:R]    # the sampled ids (over the consumed input ids: ``forward_and_sample``)
         # Two pinned output buffers (and their copy-done events), used alternately by successive launches: the
         # host may read step N's ids while step N+1's ids are being copied into the other buffer.
         self.h_outs = [_pinned(R), _pinned(R)]
@@ -57,10 +59,13 @@ class ModelRunner:
         # be rewritten once it has completed, since an asynchronous copy reads pinned memory when it executes.
         self.inputs_uploaded = cuda.event(timing=False) if not SIMULATOR else None
         self._uploaded_recorded = False
-        # A step launched ahead overwrites the model's logits before the host has read the previous step's tokens,
-        # so the previous step's logits rows are first copied (on the device, in stream order) here; logits_host
-        # reads them while that ahead step is unread. Allocated at the first ahead launch.
+        # A step launched ahead overwrites the model's logits before the host has read the previous step's tokens.
+        # With ``keep_logits`` (tests, tools: the engine never launches ahead for a request that wants logprobs)
+        # the previous step's logits rows are first copied (on the device, in stream order) here, and logits_host
+        # reads them while that ahead step is unread.  Allocated at the first such copy.
+        self.keep_logits = False
         self.prev_logits = None
+        self._prev_logits_kept = False
         self._unread_ahead: "PendingStep | None" = None
         self.sample_workspace = sampling.allocate_sample_workspace(R, model.V)
         # Called once a step's ids are on their way to the host, right before the host waits for them (the GIL is
@@ -78,11 +83,10 @@ class ModelRunner:
             wait_event(self.inputs_uploaded)
             self._uploaded_recorded = False
 
-    def _upload(self) -> None:
+    def _upload(self, with_ids: bool = True) -> None:
         s = self.stream
         self.pool.sync(s)
-        self.step.upload(s)
-        self.sampling.upload(s)
+        self.step.upload(s, with_ids)     # with the sampling parameters: one copy
         if self.inputs_uploaded is not None:
             self.inputs_uploaded.record(s)
             self._uploaded_recorded = True
@@ -92,8 +96,10 @@ class ModelRunner:
         self.sampling.set_row(row, p.temperature, p.top_k, p.top_p, p.min_p, seq.seed, len(seq.output_ids) + ahead)
 
     def forward_and_sample(self, T: int, B: int, decode: bool = False):
-        """Run the model on the uploaded step and sample B tokens (device); returns the logits view.  ``decode``:
-        T = B sequences, one newest token each (the model's ``forward``)."""
+        """Run the model on the uploaded step and sample B tokens (device) into ``out_ids`` -- the step's first B
+        input ids, which the forward pass has consumed (so a decode step launched next on the device finds its
+        ids in place); returns the logits view.  ``decode``: T = B sequences, one newest token each (the model's
+        ``forward``)."""
         logits = self.model.forward(self.step, self.pool.block_tables, T, B, decode=decode)
         sampling.sample(logits, self.sampling, self.out_ids[:B], self.sample_workspace)
         return logits
@@ -180,9 +186,10 @@ class ModelRunner:
 
         ``ahead=0``: each sequence's last host token goes in at position ``num_tokens - 1``.
         ``ahead=1``: the step right after the one last launched, for the very same ``seqs`` in the same order,
-        launched before the host has read that step's tokens: the input ids are that step's ``out_ids``, copied on
-        the device (stream order: after that step's sampler, before this step's forward), positions and sampling
-        counters are one further. The caller must have reserved pages for position ``num_tokens``."""
+        launched before the host has read that step's tokens: the input ids are that step's ``out_ids``, already
+        in place on the device (its sampler wrote them over its input ids; this step's upload leaves them alone),
+        positions and sampling counters are one further. The caller must have reserved pages for position
+        ``num_tokens``."""
         B = len(seqs)
         self._wait_inputs_free()
         for r, seq in enumerate(seqs):
@@ -193,14 +200,12 @@ class ModelRunner:
             self.h_rows[r] = r
             self._set_sampling(r, seq, ahead)
         with on_stream(self.stream):
-            if ahead:
+            self._prev_logits_kept = bool(ahead and self.keep_logits)
+            if self._prev_logits_kept:
                 if self.prev_logits is None:
                     self.prev_logits = cuda.device_array(self.model.logits.shape, self.model.logits.dtype)
                 self.prev_logits[:B].copy_to_device(self.model.logits[:B], stream=self.stream)
-            self._upload()
-            if ahead:
-                # ids[r] ← out_ids[r] of the previous step (the upload above wrote stale values there first)
-                self.step.ids[:B].copy_to_device(self.out_ids[:B], stream=self.stream)
+            self._upload(with_ids=not ahead)
             if self.graphs is not None and not force_eager and self.graphs.has(B, B):
                 self.graphs.replay(B, B)
             else:
@@ -222,6 +227,9 @@ class ModelRunner:
         from pegainfer.kernels.primitives import from_bf16_bits
         logits = self.model.logits
         if self._unread_ahead is not None:
+            if not self._prev_logits_kept:
+                raise RuntimeError("the step whose logits were asked for was overwritten by a step launched ahead: "
+                                   "set runner.keep_logits = True before decoding")
             logits = self.prev_logits
             self._wait_inputs_free()    # the copy into prev_logits precedes the ahead step's upload on the stream
         return from_bf16_bits(logits[:B].copy_to_host())

@@ -1,8 +1,13 @@
-"""The per-step inputs of a forward pass, staged in one pinned host array and copied to the device in one copy.
+"""The per-step inputs of a forward pass and of its sampler, staged in one pinned host buffer and copied to the
+device in one copy.
 
-Rows of ``[4, max_tokens]`` int32: token ids, positions, slots (-1 = padding token), and — in the first
-``max_rows`` entries of the last row — which token rows produce logits. The device views stay fixed for the life
-of the engine, so CUDA graphs captured over them remain valid; only their contents change between replays.
+Layout (one byte buffer): the sampling parameters (``SamplingBuffers``' fields for ``max_rows`` rows) first, then
+int32 rows of ``max(max_tokens, max_rows)``: positions, slots (-1 = padding token), which token rows produce
+logits (first ``max_rows`` entries), and last the token ids.  The ids come last because a decode step launched
+ahead already has its ids on the device -- the sampler of the step before writes the ids it draws over that step's
+input ids (``ModelRunner.forward_and_sample``) -- so it uploads everything before them, one prefix of the buffer.
+The device views stay fixed for the life of the engine, so CUDA graphs captured over them remain valid; only their
+contents change between replays.
 """
 from __future__ import annotations
 
@@ -10,16 +15,23 @@ import numpy as np
 from numba import cuda
 
 from pegainfer.device import SIMULATOR
+from pegainfer.kernels.sampling import SamplingBuffers
 
 
 class StepInputs:
-    IDS, POSITIONS, SLOTS, LOGIT_ROWS = range(4)
+    POSITIONS, SLOTS, LOGIT_ROWS, IDS = range(4)
 
     def __init__(self, max_tokens: int, max_rows: int):
-        shape = (4, max(max_tokens, max_rows))
-        self.host = np.zeros(shape, np.int32) if SIMULATOR else cuda.pinned_array(shape, dtype=np.int32)
-        self.device = cuda.to_device(np.zeros(shape, np.int32))
-        # device views read by the model
+        n = max(max_tokens, max_rows)
+        head = SamplingBuffers.nbytes(max_rows)                  # a multiple of 8
+        nbytes = head + 4 * 4 * n
+        self.host_bytes = np.zeros(nbytes, np.uint8) if SIMULATOR else cuda.pinned_array(nbytes, dtype=np.uint8)
+        self.device_bytes = cuda.to_device(np.zeros(nbytes, np.uint8))
+        self.sampling = SamplingBuffers(max_rows, storage=(self.host_bytes[:head], self.device_bytes[:head]))
+        self.host = self.host_bytes[head:].view(np.int32).reshape(4, n)
+        self.device = self.device_bytes[head:].view(np.int32).reshape(4, n)
+        self._ids_at = head + 4 * self.IDS * n                   # bytes before the ids row
+        # device views read by the model (and ``ids`` written by the sampler)
         self.ids = self.device[self.IDS]
         self.positions = self.device[self.POSITIONS]
         self.token_slots = self.device[self.SLOTS]
@@ -30,9 +42,11 @@ class StepInputs:
         self.h_slots = self.host[self.SLOTS]
         self.h_rows = self.host[self.LOGIT_ROWS, :max_rows]
 
-    def upload(self, stream=0) -> None:
-        """One asynchronous host→device copy of every input (a few KB)."""
-        self.device.copy_to_device(self.host, stream=stream)
+    def upload(self, stream=0, with_ids: bool = True) -> None:
+        """One asynchronous host→device copy of every input (a few KB), or of all but the ids (``with_ids=False``:
+        a step whose ids the previous step's sampler wrote on the device)."""
+        end = self.host_bytes.nbytes if with_ids else self._ids_at
+        self.device_bytes[:end].copy_to_device(self.host_bytes[:end], stream=stream)
 
 
 def wait_event(event) -> None:

@@ -635,10 +635,12 @@ else:
 
 @functools.cache
 def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool, norm_pairs: int,
-                        trigger: str = "last_tile"):
+                        trigger: str = "last_tile", gather: bool = False):
     """Build the one-token GEMV (batch-1 decode) for ``rows_per_warp`` rows per warp, a load ring ``stages`` deep,
     blocks of ``warps`` warps (all compile-time: they size the register arrays and set the launch bounds) and,
-    when ``norm_pairs`` > 0, the add + RMSNorm prologue with that many element pairs per thread."""
+    when ``norm_pairs`` > 0, the add + RMSNorm prologue with that many element pairs per thread; ``gather``: that
+    prologue reads row ``row_ids[0]`` of an embedding table as the residual (the first layer's embedding lookup)."""
+    GATHER = gather
     R, S, U = rows_per_warp, stages, max(1, norm_pairs)
     assert trigger in GEMV_TRIGGERS, trigger
     LAST_TILE, LAST_STREAM = trigger == "last_tile", trigger == "last_stream"
@@ -649,7 +651,7 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
 
     @_bounded_kernel(nthreads)
     def gemv_decode(x32, w32, out, k, k_split, residual_in32, delta32, norm_weight32, residual_out32, eps,
-                    weight_offset, round_before_weight, has_delta):
+                    weight_offset, round_before_weight, has_delta, row_ids):
         """``out[0, n] = bf16(Σ_k x[k] · W[row(n), k])`` for one token (or SwiGLU of column pairs when gated), the
         decode step's projection: a stream over W at memory bandwidth, nothing else.
 
@@ -663,6 +665,9 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
            ``norm_weight`` and the norm's ``eps`` / ``weight_offset`` / ``round_before_weight``, from the whole row
            (L2 hits): thread t holds pairs t, t + B, ... (``norm.SUM_ORDER``: bit-identical to ``norm``'s kernels),
            all its loads issued at once; block b writes pairs p with ``(p // B) % grid == b`` of ``residual_out``.
+           With ``gather`` the residual is row ``row_ids[0]`` of ``residual_in`` (the embedding table ``[V, K]``;
+           an id outside ``[0, V)`` reads as zeros, as ``embedding`` does): the first layer's lookup costs one more
+           dependent load here instead of a launch of its own.
         2. *Stream W*: blocks grid-stride over tiles of ``warps / k_split · rows_per_warp`` logical columns (the
            grid is at most one resident wave: ``_resident_blocks``).  Warp ``group · k_split + part`` takes
            ``rows_per_warp`` rows and the 16-byte slices ``c ≡ part · 32 + lane (mod 32 · k_split)`` of each (a warp
@@ -722,9 +727,15 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
             d_w = cuda.local.array(U, uint32)
             n_w = cuda.local.array(U, uint32)
             last = k_words - 1
+            row0 = uint64(0)
+            valid = True
+            if GATHER:                              # (the ids are read after the wait, as the residual would be)
+                token = row_ids[0]
+                valid = token >= 0 and token < residual_in32.shape[0] // k_words
+                row0 = uint64(token if valid else 0) * uint64(k_words)
             for u in range(U):                      # every load of the prologue at once (unsigned indices here
                 pu = uint64(min(tid + u * nthreads, last))  # and below: no negative-index wraparound code)
-                s_w[u] = residual_in32[pu]
+                s_w[u] = residual_in32[row0 + pu] if valid else uint32(0)
                 d_w[u] = delta32[pu] if has_delta else uint32(0)
                 n_w[u] = norm_weight32[pu]
             ss = float32(0.0)
@@ -824,10 +835,11 @@ before_latency_bound=True)``: the qkv projection before qk-norm/RoPE, the LM hea
 
 
 def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, gated, weight_offset,
-                 round_before_weight, geo: GemvGeometry, trigger: str | None = None) -> None:
+                 round_before_weight, geo: GemvGeometry, trigger: str | None = None, row_ids=None) -> None:
     """Launch the one-token GEMV: ``x [1, K]`` given, or (``x=None``) the add + RMSNorm prologue over
     ``residual_in`` / ``delta`` / ``norm_weight`` writing ``residual_out`` (blocks of ``NORM_THREADS``);
-    ``trigger``: ``GEMV_TRIGGERS`` entry (None: ``GEMV_TRIGGER``)."""
+    ``trigger``: ``GEMV_TRIGGERS`` entry (None: ``GEMV_TRIGGER``); ``row_ids`` (with the prologue): the residual is
+    row ``row_ids[0]`` of the table ``residual_in``."""
     assert not gated or geo.rows_per_warp % 2 == 0, f"the gated GEMV needs an even rows_per_warp: {geo}"
     assert geo.warps % geo.k_split == 0, f"warps must be a multiple of k_split: {geo}"
     norm_pairs = 0
@@ -850,14 +862,21 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
     if trigger not in GEMV_TRIGGERS:
         raise PegainferError(f"GEMV trigger {trigger!r} (PEGAINFER_GEMV_TRIGGER / PEGAINFER_GEMV_TRIGGER_LB) is not "
                              f"one of {', '.join(GEMV_TRIGGERS)}: set one of those or unset the variable")
-    kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs, trigger)
+    kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs, trigger,
+                               row_ids is not None)
     # the fused norm prologue runs once per block, so that path is always persistent; a bare projection may take one
     # block per tile (``persistent=False``: the hardware scheduler balances blocks, e.g. when a kernel still
     # running holds some SMs that a persistent grid counts on)
     blocks = _resident_blocks(n_tiles, geo) if geo.persistent or x is None else grid(n_tiles, sim_cap=2)
     launch(kern, blocks, geo.warps * WARP, *args, np.float32(eps), np.float32(weight_offset),
-           bool(round_before_weight), delta is not None, shared=shared,
-           name="gemv_add_rms_norm" if x is None else "gemv", pdl=True)
+           bool(round_before_weight), delta is not None, _no_row_ids() if row_ids is None else row_ids,
+           shared=shared, name="gemv_add_rms_norm" if x is None else "gemv", pdl=True)
+
+
+@functools.cache
+def _no_row_ids():
+    """The ``row_ids`` argument of a one-token GEMV that gathers nothing (never read)."""
+    return cuda.to_device(np.zeros(1, np.int32))
 
 
 # ============================================================================ GEMV, one token, weights preloaded
@@ -1725,10 +1744,17 @@ def _fusable(n_tokens: int, k: int, impl, geo: GemvGeometry) -> bool:
             and geo.stage_x and _gemv_k_chunk(k, geo) >= k)
 
 
+def fuses_add_rms_norm(n_tokens: int, w, gated: bool = False) -> bool:
+    """Whether ``linear_add_rms_norm`` over ``n_tokens`` tokens and weight ``w`` is one launch (the one-token GEMV
+    with the norm as its prologue), which is also when it takes ``row_ids``."""
+    n, k = w.shape
+    return n > 0 and _fusable(n_tokens, k, None, fused_norm_geometry(n, k, gated))
+
+
 def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_out, w, out, *, gated: bool = False,
                         weight_offset: float = 0.0, round_before_weight: bool = True, normed_out=None,
                         impl: str | None = None, geometry: GemvGeometry | None = None,
-                        before_latency_bound: bool = False) -> None:
+                        before_latency_bound: bool = False, row_ids=None) -> None:
     """The decoder's residual add and RMSNorm followed by a projection:
 
         s = bf16(residual_in + delta)       (delta=None: s = residual_in)      -> residual_out
@@ -1749,9 +1775,28 @@ def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_ou
     ``benchmarks/RESULTS.md``.)  ``geometry`` (tests, benchmarks) overrides ``fused_norm_geometry`` and must keep
     its block size.
     ``before_latency_bound``: the next kernel is not a weight-streaming one (``GEMV_TRIGGER_BEFORE_LATENCY_BOUND``).
+    ``row_ids`` ``[1]`` int32 (one-token path only, ``fuses_add_rms_norm``; ``delta`` None): ``residual_in`` is an
+    embedding table ``[V, H]`` and the residual its row ``row_ids[0]`` -- the first layer's embedding lookup, done
+    by the GEMV's prologue instead of a launch of its own (bit-identical to ``embedding`` first).
     Otherwise: ``add_rms_norm_into`` into ``normed_out`` (required then: a ``[T, H]`` scratch), then ``linear`` with
     ``impl``.  Nothing is allocated; every launch can be captured in a CUDA graph.
     """
+    if row_ids is not None:
+        if delta is not None or row_ids.shape != (1,) or row_ids.dtype != np.int32 or not fuses_add_rms_norm(
+                1, w, gated) or impl not in (None, "gemv") or geometry is not None:
+            raise ValueError("row_ids: one token, no delta, the one-token GEMV path (fuses_add_rms_norm)")
+        _check(residual_out, w, out, gated, impl)                 # residual_out [1, H] as the x of the GEMV
+        if (residual_in.ndim != 2 or residual_in.dtype != np.uint16 or not _is_contiguous(residual_in)
+                or residual_in.shape[1] != residual_out.shape[1]):
+            raise ValueError(f"with row_ids, residual_in is the embedding table: a contiguous [V, "
+                             f"{residual_out.shape[1]}] uint16 array, got {residual_in.shape} {residual_in.dtype}")
+        if norm_weight.shape != (residual_out.shape[1],) or norm_weight.dtype != np.uint16:
+            raise ValueError(f"norm_weight {norm_weight.shape} {norm_weight.dtype} must be [{residual_out.shape[1]}] "
+                             "uint16")
+        _gemv_decode(None, residual_in, None, norm_weight, eps, residual_out, w, out, gated, weight_offset,
+                     round_before_weight, fused_norm_geometry(*w.shape, gated),
+                     GEMV_TRIGGER_BEFORE_LATENCY_BOUND if before_latency_bound else None, row_ids)
+        return
     check_residual_buffers(residual_in, delta, norm_weight, residual_out)
     _check(residual_in, w, out, gated, impl)
     T, k = residual_in.shape

@@ -850,22 +850,39 @@ class SamplingBuffers:
     Device arrays ``[max_batch]``: ``temperature`` f32 (0 = greedy), ``top_k`` i32 (0 = off), ``top_p`` f32
     (1 = off), ``min_p`` f32 (0 = off), ``seed`` uint64, ``step`` i32 (the draw's position, so every step of a
     seeded request gets a fresh but reproducible variate).  The host mirror is ``host.<same name>``.  Rows start
-    greedy.
+    greedy.  ``storage``: (pinned host bytes, device bytes) of ``nbytes(max_batch)`` each to lay the fields out in
+    (the engine's ``StepInputs`` passes a prefix of its own buffer, so one copy uploads a whole step's inputs);
+    by default the buffers allocate their own.
     """
 
     FIELDS = (("temperature", np.float32, 0.0), ("top_k", np.int32, 0), ("top_p", np.float32, 1.0),
               ("min_p", np.float32, 0.0), ("seed", np.uint64, 0), ("step", np.int32, 0))
 
-    def __init__(self, max_batch: int):
+    @classmethod
+    def _layout(cls, max_batch: int) -> tuple[list[int], int]:
+        """Byte offset of each field (8-byte aligned slices) and the total."""
+        offsets, nbytes = [], 0
+        for _, dtype, _ in cls.FIELDS:
+            offsets.append(nbytes)
+            nbytes += -(-int(max_batch) * np.dtype(dtype).itemsize // 8) * 8
+        return offsets, nbytes
+
+    @classmethod
+    def nbytes(cls, max_batch: int) -> int:
+        """Bytes of the fields for ``max_batch`` rows (the size of ``storage``)."""
+        return cls._layout(max_batch)[1]
+
+    def __init__(self, max_batch: int, storage=None):
         self.max_batch = int(max_batch)
         self.host = _pytypes.SimpleNamespace()
-        # All fields live in one byte buffer (8-byte aligned slices) so ``upload`` is a single copy per step.
-        offsets, nbytes = [], 0
-        for _, dtype, _ in self.FIELDS:
-            offsets.append(nbytes)
-            nbytes += -(-self.max_batch * np.dtype(dtype).itemsize // 8) * 8
-        self._host_bytes = cuda.pinned_array(nbytes, dtype=np.uint8)
-        self._device_bytes = cuda.to_device(self._host_bytes)
+        # All fields live in one byte buffer so ``upload`` is a single copy per step.
+        offsets, nbytes = self._layout(self.max_batch)
+        if storage is None:
+            self._host_bytes = cuda.pinned_array(nbytes, dtype=np.uint8)
+            self._device_bytes = cuda.to_device(self._host_bytes)
+        else:
+            self._host_bytes, self._device_bytes = storage
+            assert self._host_bytes.nbytes == nbytes == self._device_bytes.nbytes, (nbytes, self._host_bytes.nbytes)
         for (name, dtype, default), off in zip(self.FIELDS, offsets):
             n = self.max_batch * np.dtype(dtype).itemsize
             mirror = self._host_bytes[off:off + n].view(dtype)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from pegainfer.kernels import attention, rope
+from pegainfer.kernels import attention, embedding, linear, rope
 
 BF16 = np.uint16
 
@@ -70,6 +70,15 @@ class DecoderModel:
             self.lm_head = self.embed
         else:
             self.lm_head = reader.upload("lm_head.weight", (self.V, H))
+
+    def _embed(self, ids, residual, first_w):
+        """The token embeddings as the first layer's residual input: ``(residual_in, row_ids)`` for its
+        ``linear.linear_add_rms_norm``.  For one token the lookup rides in that projection's launch (the table and
+        ``ids``: its prologue reads the row); otherwise the embedding kernel writes ``residual`` (and None)."""
+        if ids.shape[0] == 1 and linear.fuses_add_rms_norm(1, first_w):
+            return self.embed, ids
+        embedding.embedding(ids, self.embed, residual)
+        return residual, None
 
     def _load_mlp(self, reader, layer_prefix: str) -> dict:
         """The layer's MLP: ``gate_up`` ``[2I, H]`` (gate rows then up rows, the layout of

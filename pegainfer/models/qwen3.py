@@ -100,10 +100,11 @@ class Qwen3Model(DecoderModel):
         attn_flat = self.attn.reshape(self.max_tokens, self.nq * self.D)[:T]
         scale = 1.0 / math.sqrt(self.D)
 
-        embedding.embedding(ids, self.embed, residual)
+        stream_in, row_ids = self._embed(ids, residual, self.layers[0]["qkv"])
         for i, lw in enumerate(self.layers):
-            linear.linear_add_rms_norm(residual, delta if i > 0 else None, lw["input_ln"], eps, spare, lw["qkv"], qkv,
-                                       normed_out=normed, before_latency_bound=True)
+            linear.linear_add_rms_norm(stream_in if i == 0 else residual, delta if i > 0 else None, lw["input_ln"],
+                                       eps, spare, lw["qkv"], qkv, normed_out=normed, before_latency_bound=True,
+                                       row_ids=row_ids if i == 0 else None)
             residual, spare = spare, residual
             if decode and attention.FUSED_DECODE_ROPE:   # norm + RoPE + KV store inside the attention launch
                 fused = attention.DecodeRope(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, eps,

@@ -214,14 +214,16 @@ class Qwen35Model(DecoderModel):
             gated_delta.sequence_table(slots, seq_slots, seq_offsets)
         token_by_token = T == B
 
-        embedding.embedding(ids, self.embed, residual)
+        first = self.layers[0]
+        stream_in, row_ids = self._embed(ids, residual, first["qkv"] if 0 in self.full_layers else first["in_proj"])
         full_index = {layer: j for j, layer in enumerate(self.full_layers)}
         linear_index = {layer: j for j, layer in enumerate(self.linear_layers)}
         for i, lw in enumerate(self.layers):
             # residual add + input norm + the layer's first projection: one launch for one token
             first_w, first_out = (lw["qkv"], self.qkv[:T]) if i in full_index else (lw["in_proj"], self.proj[:T])
-            linear.linear_add_rms_norm(residual, delta if i > 0 else None, lw["input_ln"], eps, spare, first_w,
-                                       first_out, normed_out=normed, before_latency_bound=True, **QWEN35_NORM)
+            linear.linear_add_rms_norm(stream_in if i == 0 else residual, delta if i > 0 else None, lw["input_ln"],
+                                       eps, spare, first_w, first_out, normed_out=normed, before_latency_bound=True,
+                                       row_ids=row_ids if i == 0 else None, **QWEN35_NORM)
             residual, spare = spare, residual
             if i in full_index:
                 self._full_attention(full_index[i], lw, delta, T, pos, slots, block_tables, decode)

@@ -190,6 +190,7 @@ def test_logits_host_gives_the_returned_steps_logits():
 
     def logits_per_token(async_scheduling):
         engine = counting(tiny_engine(async_scheduling))
+        engine.runner.keep_logits = True
         engine.add_request("a", [1, 2, 3], greedy(9, ignore_eos=True))
         engine.add_request("b", [4], seeded(6, 3, ignore_eos=True))
         rows = []
@@ -203,3 +204,19 @@ def test_logits_host_gives_the_returned_steps_logits():
     assert engine.ahead_launches > 0 and len(sync) == len(overlap)
     for x, y in zip(sync, overlap):
         np.testing.assert_array_equal(x, y)
+
+
+def test_logits_host_refuses_logits_a_step_ahead_overwrote():
+    """Without ``keep_logits`` a step launched ahead takes no copy of the logits it overwrites (nothing in the
+    engine reads them: a request that wants logprobs is never decoded ahead), so logits_host says so rather than
+    returning the newer step's rows."""
+    import pytest
+    engine = counting(tiny_engine(True))
+    engine.add_request("a", [1, 2, 3], greedy(6, ignore_eos=True))
+    while engine.ahead_launches == 0 and engine.has_unfinished():
+        engine.step()
+    assert engine.ahead_launches > 0 and engine._inflight is not None
+    with pytest.raises(RuntimeError, match="keep_logits"):
+        engine.runner.logits_host(1)
+    while engine.has_unfinished():
+        engine.step()

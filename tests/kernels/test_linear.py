@@ -248,6 +248,38 @@ def test_linear_add_rms_norm(T, H, with_delta, gated, form, rng):
         assert np.array_equal(normed, ref_normed)
 
 
+@pytest.mark.parametrize("form", list(NORM_FORMS))
+@pytest.mark.parametrize("gated", [False, True], ids=["linear", "gated"])
+def test_linear_add_rms_norm_gathers_the_embedding_row(gated, form, rng):
+    """``row_ids`` (the first layer of a one-token step): the prologue reads row ``ids[0]`` of the embedding table
+    as the residual -- bit for bit ``embedding`` then the fused op; an id outside the table reads as zeros, as
+    ``embedding`` gives them."""
+    from pegainfer.kernels.embedding import embedding
+    V, H, n_cols = 11, 72, 40
+    tb, _ = bf16_randn((V, H), rng)
+    wnb, _ = bf16_randn((H,), rng, scale=0.2 if form == "qwen35" else 1.0)
+    wb, _ = bf16_randn((n_cols, H), rng, scale=0.2)
+    table = cuda.to_device(tb)
+    assert lin.fuses_add_rms_norm(1, wb, gated) and not lin.fuses_add_rms_norm(2, wb, gated)
+    for token in (7, V, -1):
+        ids = cuda.to_device(np.array([token], np.int32))
+        residual_out = cuda.to_device(np.full((1, H), 0x7FC1, np.uint16))
+        out = cuda.to_device(np.zeros((1, n_cols // 2 if gated else n_cols), np.uint16))
+        linear_add_rms_norm(table, None, cuda.to_device(wnb), 1e-6, residual_out, cuda.to_device(wb), out,
+                            gated=gated, row_ids=ids, **NORM_FORMS[form])
+        looked_up = cuda.to_device(np.zeros((1, H), np.uint16))
+        embedding(ids, table, looked_up)
+        assert np.array_equal(looked_up.copy_to_host(), tb[token:token + 1] if 0 <= token < V else 0 * tb[:1])
+        _, ref_res, _, ref_out = _fused(looked_up.copy_to_host(), None, wnb, wb, gated, form, 1e-6)
+        assert np.array_equal(residual_out.copy_to_host(), ref_res)
+        assert np.array_equal(out.copy_to_host(), ref_out)
+    with pytest.raises(ValueError, match="row_ids"):
+        linear_add_rms_norm(table, None, cuda.to_device(wnb), 1e-6, cuda.to_device(np.zeros((2, H), np.uint16)),
+                            cuda.to_device(wb), cuda.to_device(np.zeros((2, n_cols // 2 if gated else n_cols),
+                                                                        np.uint16)),
+                            gated=gated, row_ids=cuda.to_device(np.zeros(2, np.int32)), **NORM_FORMS[form])
+
+
 @pytest.mark.parametrize("gated", [False, True], ids=["linear", "gated"])
 def test_linear_add_rms_norm_geometries(gated, rng):
     """The fused path with other splits of the same block size: two rows per warp (many tiles per block)."""

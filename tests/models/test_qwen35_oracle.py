@@ -143,6 +143,7 @@ def test_greedy_decode_matches_hf(tiny):
     from pegainfer.engine.types import SamplingParams
 
     ref, engine = tiny
+    engine.runner.keep_logits = True
     prompts = [_prompt(PROMPT_LENGTHS[0], seed=1), _prompt(PROMPT_LENGTHS[1], seed=2)]
     for k, p in enumerate(prompts):
         engine.add_request(f"seq{k}", p, SamplingParams(max_tokens=DECODE_STEPS, temperature=0.0, ignore_eos=True))

@@ -74,7 +74,8 @@ from pegainfer.kernels.activation import silu
 from pegainfer.kernels.launch import launch, overlaps
 from pegainfer.kernels.norm import (add_pair, add_rms_norm_into, check_residual_buffers, inverse_rms,
                                     normalize_pair, pairs_per_thread)
-from pegainfer.kernels.primitives import (WARP, as_words, bf16_to_f32, bf16x2_hi, bf16x2_lo, bits_f32, block_sum,
+from pegainfer.kernels.primitives import (WARP, as_words, bf16_to_f32, bf16x2_hi, bf16x2_lo, bits_f32, block_argmax,
+                                          block_sum, math,
                                           cuda, device_fn, f32_to_bf16, float32, grid, kernel, load_u32x4,
                                           mma_bf16_m16n8k16, pack_bf16x2, threads, uint16, uint32, cp_async_16,
                                           cp_async_commit, cp_async_wait_group, bulk_barrier_init,
@@ -82,7 +83,7 @@ from pegainfer.kernels.primitives import (WARP, as_words, bf16_to_f32, bf16x2_hi
                                           warp_sums_to_shared, warp_row_sums_to_shared, launch_dependents,
                                           grid_dependency_wait, pdl_prologue)
 
-int64, uint64 = np.int64, np.uint64
+int32, int64, uint64 = np.int32, np.int64, np.uint64
 
 GEMV_MAX_TOKENS = 8
 """Largest token count the GEMV path takes by default (``linear(..., impl=None)``); above it, the GEMM."""
@@ -635,12 +636,15 @@ else:
 
 @functools.cache
 def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool, norm_pairs: int,
-                        trigger: str = "last_tile", gather: bool = False):
+                        trigger: str = "last_tile", gather: bool = False, argmax: bool = False):
     """Build the one-token GEMV (batch-1 decode) for ``rows_per_warp`` rows per warp, a load ring ``stages`` deep,
     blocks of ``warps`` warps (all compile-time: they size the register arrays and set the launch bounds) and,
     when ``norm_pairs`` > 0, the add + RMSNorm prologue with that many element pairs per thread; ``gather``: that
-    prologue reads row ``row_ids[0]`` of an embedding table as the residual (the first layer's embedding lookup)."""
+    prologue reads row ``row_ids[0]`` of an embedding table as the residual (the first layer's embedding lookup);
+    ``argmax``: the kernel also finds the greedy token of its one output row (``HeadArgmax``)."""
     GATHER = gather
+    ARGMAX = argmax
+    assert not (argmax and gated)
     R, S, U = rows_per_warp, stages, max(1, norm_pairs)
     assert trigger in GEMV_TRIGGERS, trigger
     LAST_TILE, LAST_STREAM = trigger == "last_tile", trigger == "last_stream"
@@ -651,7 +655,8 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
 
     @_bounded_kernel(nthreads)
     def gemv_decode(x32, w32, out, k, k_split, residual_in32, delta32, norm_weight32, residual_out32, eps,
-                    weight_offset, round_before_weight, has_delta, row_ids):
+                    weight_offset, round_before_weight, has_delta, row_ids, head_max, head_index, head_token,
+                    head_threshold, head_kept):
         """``out[0, n] = bf16(Σ_k x[k] · W[row(n), k])`` for one token (or SwiGLU of column pairs when gated), the
         decode step's projection: a stream over W at memory bandwidth, nothing else.
 
@@ -687,6 +692,13 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
            the whole kernel, and doing so cost 0.2 ms per Qwen3-4B step.
         3. *Reduce*: ``warp_sum`` per row, the ``k_split`` partial sums through shared memory, one thread per
            output writes ``bf16(sum)`` (gated: ``_silu_mul_bf16`` of the gate/up pair).
+        4. With ``argmax`` (the LM head of a one-sequence step, ``HeadArgmax``): every thread keeps the largest
+           output it wrote and its column (the first of equals; NaN never wins), the block reduces them
+           (``block_argmax``: ties → the smaller column) into ``head_max[b]``, ``head_index[b]`` and counts itself
+           on ``head_index[-1]``; the block that counts last merges the blocks' pairs the same way and writes the
+           greedy token to ``head_token[0]`` (0 when no output beats -inf, as ``sampling.sample``), the max to
+           ``head_threshold[0]``, 1 to ``head_kept[0]``, and zeroes the counter.  The sampler then has nothing left
+           to do for a greedy row.
         Shared memory (dynamic, uint32 words): ``128 · ceil(K / 256)`` for x, then ``warps · rows_per_warp`` f32
         partial sums (bits).
         """
@@ -766,6 +778,8 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
 
         red = 128 * ((n_slices + 31) // 32)         # partial sums follow x (padded to whole 32-slice groups)
         per_out = 2 if gated else 1
+        t_best = float32(-math.inf)                 # argmax: this thread's largest output and its column
+        t_col = int32(ARGMAX_NONE)
         if LAST_TILE and tile + cuda.gridDim.x >= n_tiles:
             launch_dependents()                     # this block's only tile
         while tile < n_tiles:
@@ -813,8 +827,41 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
                     if gated:
                         out[uint64(0), uint64(col >> 1)] = _silu_mul_bf16(v0, v1)
                     else:
-                        out[uint64(0), uint64(col)] = f32_to_bf16(v0)
+                        bits = f32_to_bf16(v0)
+                        out[uint64(0), uint64(col)] = bits
+                        if ARGMAX:
+                            logit = bits_f32(uint32(bits) << uint32(16))
+                            if logit > t_best:
+                                t_best = logit
+                                t_col = int32(col)
             cuda.syncthreads()                      # partial sums read before the next tile overwrites them
+
+        if ARGMAX:
+            last_block = cuda.shared.array(1, int32)
+            b_best, b_col = block_argmax(t_best, t_col)
+            counter = head_index.shape[0] - 1
+            if tid == 0:
+                head_max[cuda.blockIdx.x] = b_best
+                head_index[cuda.blockIdx.x] = b_col
+                cuda.threadfence()                  # publish the pair before counting it
+                last_block[0] = 1 if cuda.atomic.add(head_index, counter, 1) == cuda.gridDim.x - 1 else 0
+            cuda.syncthreads()
+            if last_block[0] == 1:
+                cuda.threadfence()
+                m_best = float32(-math.inf)
+                m_col = int32(ARGMAX_NONE)
+                for q in range(tid, cuda.gridDim.x, nthreads):
+                    v = head_max[q]
+                    j = head_index[q]
+                    if v > m_best or (v == m_best and j < m_col):
+                        m_best = v
+                        m_col = j
+                m_best, m_col = block_argmax(m_best, m_col)
+                if tid == 0:
+                    head_token[0] = m_col if m_col != ARGMAX_NONE else 0
+                    head_threshold[0] = m_best
+                    head_kept[0] = 1
+                    head_index[counter] = 0         # at rest again (graph replays)
 
     return gemv_decode
 
@@ -834,12 +881,17 @@ before_latency_bound=True)``: the qkv projection before qk-norm/RoPE, the LM hea
 ``PEGAINFER_PDL``, would let that kernel's launch and early loads overlap only the projection's tail)."""
 
 
+ARGMAX_NONE = 2**31 - 1   # "no column yet" in the LM head's argmax (``sampling.NO_INDEX``)
+
+
 def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, gated, weight_offset,
-                 round_before_weight, geo: GemvGeometry, trigger: str | None = None, row_ids=None) -> None:
+                 round_before_weight, geo: GemvGeometry, trigger: str | None = None, row_ids=None,
+                 head=None) -> None:
     """Launch the one-token GEMV: ``x [1, K]`` given, or (``x=None``) the add + RMSNorm prologue over
     ``residual_in`` / ``delta`` / ``norm_weight`` writing ``residual_out`` (blocks of ``NORM_THREADS``);
     ``trigger``: ``GEMV_TRIGGERS`` entry (None: ``GEMV_TRIGGER``); ``row_ids`` (with the prologue): the residual is
-    row ``row_ids[0]`` of the table ``residual_in``."""
+    row ``row_ids[0]`` of the table ``residual_in``; ``head``: ``sampling.HeadArgmax`` (its arrays ``part_max``,
+    ``part_index``, ``token``, ``threshold``, ``kept``) to write the greedy token of the output row into."""
     assert not gated or geo.rows_per_warp % 2 == 0, f"the gated GEMV needs an even rows_per_warp: {geo}"
     assert geo.warps % geo.k_split == 0, f"warps must be a multiple of k_split: {geo}"
     norm_pairs = 0
@@ -863,20 +915,26 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
         raise PegainferError(f"GEMV trigger {trigger!r} (PEGAINFER_GEMV_TRIGGER / PEGAINFER_GEMV_TRIGGER_LB) is not "
                              f"one of {', '.join(GEMV_TRIGGERS)}: set one of those or unset the variable")
     kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs, trigger,
-                               row_ids is not None)
+                               row_ids is not None, head is not None)
     # the fused norm prologue runs once per block, so that path is always persistent; a bare projection may take one
     # block per tile (``persistent=False``: the hardware scheduler balances blocks, e.g. when a kernel still
     # running holds some SMs that a persistent grid counts on)
     blocks = _resident_blocks(n_tiles, geo) if geo.persistent or x is None else grid(n_tiles, sim_cap=2)
+    if head is None:
+        head_args = (_unused(np.float32), _unused(np.int32), _unused(np.int32), _unused(np.float32), _unused(np.int32))
+    else:
+        assert not gated and out.shape[0] == 1 and blocks < head.part_index.shape[0], (out.shape, blocks)
+        head_args = (head.part_max, head.part_index, head.token, head.threshold, head.kept)
     launch(kern, blocks, geo.warps * WARP, *args, np.float32(eps), np.float32(weight_offset),
-           bool(round_before_weight), delta is not None, _no_row_ids() if row_ids is None else row_ids,
-           shared=shared, name="gemv_add_rms_norm" if x is None else "gemv", pdl=True)
+           bool(round_before_weight), delta is not None, _unused(np.int32) if row_ids is None else row_ids,
+           *head_args, shared=shared, name="gemv_add_rms_norm" if x is None else "gemv", pdl=True)
 
 
 @functools.cache
-def _no_row_ids():
-    """The ``row_ids`` argument of a one-token GEMV that gathers nothing (never read)."""
-    return cuda.to_device(np.zeros(1, np.int32))
+def _unused(dtype):
+    """A one-element device array for a one-token GEMV argument the launch does not use (``row_ids`` of a GEMV that
+    gathers nothing, the argmax outputs of one that finds no token): never read or written."""
+    return cuda.to_device(np.zeros(1, dtype))
 
 
 # ============================================================================ GEMV, one token, weights preloaded
@@ -1754,7 +1812,7 @@ def fuses_add_rms_norm(n_tokens: int, w, gated: bool = False) -> bool:
 def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_out, w, out, *, gated: bool = False,
                         weight_offset: float = 0.0, round_before_weight: bool = True, normed_out=None,
                         impl: str | None = None, geometry: GemvGeometry | None = None,
-                        before_latency_bound: bool = False, row_ids=None) -> None:
+                        before_latency_bound: bool = False, row_ids=None, head=None) -> None:
     """The decoder's residual add and RMSNorm followed by a projection:
 
         s = bf16(residual_in + delta)       (delta=None: s = residual_in)      -> residual_out
@@ -1778,6 +1836,9 @@ def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_ou
     ``row_ids`` ``[1]`` int32 (one-token path only, ``fuses_add_rms_norm``; ``delta`` None): ``residual_in`` is an
     embedding table ``[V, H]`` and the residual its row ``row_ids[0]`` -- the first layer's embedding lookup, done
     by the GEMV's prologue instead of a launch of its own (bit-identical to ``embedding`` first).
+    ``head`` (``sampling.HeadArgmax``; one-token path only, not gated): the launch is the LM head of a one-sequence
+    step, and also writes the greedy token of its logits row (``_gemv_decode_kernel``'s step 4), which the sampler
+    then takes as it is (``sampling.sample(head=)``).
     Otherwise: ``add_rms_norm_into`` into ``normed_out`` (required then: a ``[T, H]`` scratch), then ``linear`` with
     ``impl``.  Nothing is allocated; every launch can be captured in a CUDA graph.
     """
@@ -1795,7 +1856,7 @@ def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_ou
                              "uint16")
         _gemv_decode(None, residual_in, None, norm_weight, eps, residual_out, w, out, gated, weight_offset,
                      round_before_weight, fused_norm_geometry(*w.shape, gated),
-                     GEMV_TRIGGER_BEFORE_LATENCY_BOUND if before_latency_bound else None, row_ids)
+                     GEMV_TRIGGER_BEFORE_LATENCY_BOUND if before_latency_bound else None, row_ids, head)
         return
     check_residual_buffers(residual_in, delta, norm_weight, residual_out)
     _check(residual_in, w, out, gated, impl)
@@ -1808,8 +1869,11 @@ def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_ou
         raise ValueError(f"geometry {geometry} does not give the fused one-token path (T = {T}, impl = {impl!r})")
     if fused and out.shape[1] > 0:         # (no columns: no blocks, which would leave residual_out unwritten)
         _gemv_decode(None, residual_in, delta, norm_weight, eps, residual_out, w, out, gated, weight_offset,
-                     round_before_weight, geo, GEMV_TRIGGER_BEFORE_LATENCY_BOUND if before_latency_bound else None)
+                     round_before_weight, geo, GEMV_TRIGGER_BEFORE_LATENCY_BOUND if before_latency_bound else None,
+                     head=head)
         return
+    if head is not None:
+        raise ValueError(f"head: the one-token path only (fuses_add_rms_norm), got T = {T}")
     if normed_out is None:
         raise ValueError(f"normed_out (a [{T}, {k}] scratch) is needed: T = {T} takes the unfused path")
     add_rms_norm_into(residual_in, delta, norm_weight, residual_out, normed_out, eps, weight_offset,

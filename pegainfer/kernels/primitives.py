@@ -19,7 +19,7 @@ Conventions every kernel in ``pegainfer/kernels`` follows
   reduces n values per lane at once into shared memory (lane 0 writes).  In the simulator they are emulated with block-shared scratch and the block barrier, so *every thread of
   the block must call them the same number of times* (keep loop trip counts uniform across the block and guard the
   work inside the loop, not the reduction).
-* ``block_sum`` / ``block_max`` reduce over the whole block (same rule: every thread calls them).
+* ``block_sum`` / ``block_max`` / ``block_argmax`` reduce over the whole block (same rule: every thread calls them).
 * **Unsigned indices in hot loops.**  numba wraps negative indices around (``a[-1]``), so every access with a
   signed index costs a compare, a select and 64-bit address arithmetic.  In an inner loop that reads shared memory
   this made the integer ALU the busiest pipe (Nsight Compute, H200); indexing with ``uint32`` values skips the
@@ -574,6 +574,28 @@ def block_max(v):
 
 
 @device_fn
+def block_argmax(v, i):
+    """(max of ``v``, its int32 index ``i``) over every thread of the block, ties → the smaller index (NaN never
+    wins; no candidate at all gives (-inf, 2³¹ - 1)); every thread gets the result."""
+    part_v = cuda.shared.array(32, float32)
+    part_i = cuda.shared.array(32, int32)
+    lane = cuda.threadIdx.x % WARP
+    wid = cuda.threadIdx.x // WARP
+    v, i = warp_argmax(float32(v), int32(i))
+    cuda.syncthreads()
+    if lane == 0:
+        part_v[uint32(wid)] = v
+        part_i[uint32(wid)] = i
+    cuda.syncthreads()
+    v = float32(-math.inf)
+    i = int32(2**31 - 1)
+    if lane < (cuda.blockDim.x + WARP - 1) // WARP:
+        v = part_v[uint32(lane)]
+        i = part_i[uint32(lane)]
+    return warp_argmax(v, i)
+
+
+@device_fn
 def bf16x2_lo(word):
     """f32 value of the low bf16 of a packed pair (``uint32`` holding two bf16, lower index in the low half)."""
     return bits_f32(uint32(word) << uint32(16))
@@ -682,6 +704,7 @@ def as_words(a):
 # Bulk copies (sm_90's copy engine, ``cp.async.bulk``): one thread ``bulk_barrier_init``s an mbarrier in shared memory,
 # announces the bytes with ``bulk_expect_bytes`` and issues ``bulk_copy``s of whole runs; after a ``syncthreads`` (the
 # barrier initialised) every thread may ``bulk_wait`` for them.  One-shot: each barrier serves one batch of copies.
+# ``bulk_prefetch_l2`` only warms L2 (a no-op in the simulator).
 if SIMULATOR:
     @device_fn
     def cp_async_16(dst, i, src, j, nbytes):
@@ -713,6 +736,10 @@ if SIMULATOR:
 
     @device_fn
     def bulk_wait(bar, i):
+        pass
+
+    @device_fn
+    def bulk_prefetch_l2(src, j, nbytes):
         pass
 else:
     def _element_pointer(context, builder, arrty, arr, idx, idxty):
@@ -831,6 +858,22 @@ else:
         has landed and is visible to the calling thread."""
         while _bulk_try_wait(bar, i) == 0:
             pass
+
+    @intrinsic
+    def bulk_prefetch_l2(typingctx, src, j, nbytes):
+        """``cp.async.bulk.prefetch.L2.global``: ask the copy engine to bring ``nbytes`` (a multiple of 16, both ends
+        16-byte aligned) of ``src[j:]`` (global uint32) into L2; returns at once, nothing waits for it."""
+        sig = types.void(src, j, nbytes)
+
+        def codegen(context, builder, sig, args):
+            s_ = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            n = context.cast(builder, args[2], sig.args[2], types.uint32)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [s_.type, ir.IntType(32)]),
+                               "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r,~{memory}", side_effect=True)
+            builder.call(asm, [s_, n])
+            return context.get_dummy_value()
+
+        return sig, codegen
 
     @functools.cache
     def cp_async_wait_group(n: int):

@@ -68,15 +68,19 @@ increasing index order (so a strict ``>`` keeps the first of equal values).
 """
 from __future__ import annotations
 
+import os
 import types as _pytypes
 
 import numpy as np
 
 from pegainfer.device import SIMULATOR
 from pegainfer.kernels.launch import current_stream, launch
-from pegainfer.kernels.primitives import (pdl_prologue, FULL_MASK, WARP, bf16x2_hi, bf16x2_lo, bits_f32, block_sum,
-                                          cuda, device_fn, f32_bits, float32, from_bf16_bits, grid, int32, kernel,
-                                          load_u32x4, math, threads, uint32, warp_argmax, warp_sum)
+from pegainfer.kernels.primitives import (pdl_prologue, FULL_MASK, WARP, as_words, bf16x2_hi, bf16x2_lo, bits_f32,
+                                          block_argmax, block_sum, bulk_prefetch_l2, cuda, device_fn, f32_bits,
+                                          float32, from_bf16_bits, grid, int32, kernel, load_u32x4, math, threads,
+                                          uint32, warp_argmax, warp_sum)
+
+uint64 = np.uint64
 
 CANDIDATE_CAPACITY = 4096          # tokens a sampling block can hold in shared memory (logit f32 + index i32)
 NO_INDEX = 2**31 - 1               # "no token yet" in argmax states
@@ -346,25 +350,7 @@ else:
         """The sampling block's shared candidate arrays: logits (f32) and indices (i32), CANDIDATE_CAPACITY each."""
         return cuda.shared.array(CANDIDATE_CAPACITY, float32), cuda.shared.array(CANDIDATE_CAPACITY, int32)
 
-    @device_fn
-    def _block_argmax(v, i):
-        """(max of ``v``, its index ``i``) over the block, ties → the smaller index."""
-        part_v = cuda.shared.array(32, float32)
-        part_i = cuda.shared.array(32, int32)
-        lane = cuda.threadIdx.x % WARP
-        wid = cuda.threadIdx.x // WARP
-        v, i = warp_argmax(float32(v), int32(i))
-        cuda.syncthreads()
-        if lane == 0:
-            part_v[wid] = v
-            part_i[wid] = i
-        cuda.syncthreads()
-        v = _NEG_INF
-        i = int32(NO_INDEX)
-        if lane < (cuda.blockDim.x + WARP - 1) // WARP:
-            v = part_v[lane]
-            i = part_i[lane]
-        return warp_argmax(v, i)
+    _block_argmax = block_argmax
 
     @device_fn
     def _block_sum(v):
@@ -629,7 +615,8 @@ def logsumexp_kernel(words, logits, n_vec, out_lse):
 
 @_kernel_with_block(SAMPLE_THREADS)
 def sample_kernel(words, logits, n_vec, temperature, top_k, top_p, min_p, seed, step, capacity,
-                  out_ids, kept_threshold, kept_count, parts, part_max, part_index, counters):
+                  out_ids, kept_threshold, kept_count, parts, part_max, part_index, counters, head_done,
+                  prefetch_w32, prefetch_words):
     """Draw one token per row (module docstring: filters, threshold search, Gumbel-max draw, cost).
 
     words / logits / n_vec as in ``argmax_kernel``; per-row parameters ``[≥B]``: temperature f32, top_k i32 (≤ 0
@@ -637,6 +624,11 @@ def sample_kernel(words, logits, n_vec, temperature, top_k, top_p, min_p, seed, 
     is how many candidates the block may keep in shared memory.  Outputs ``[≥B]``: out_ids int32, kept_threshold
     f32 (a token is kept iff its logit ≥ it; the max for greedy rows), kept_count int32 (1 for greedy rows).
     Greedy scratch: part_max f32 / part_index i32 ``[B · parts]``, counters i32 ``[B]`` (zero at rest).
+    ``head_done`` (int32, only with B = 1): the LM head already wrote row 0's greedy token, threshold and count
+    (``HeadArgmax``), so a greedy row 0 has nothing left to do here.
+    ``prefetch_w32`` ``[≥ prefetch_words]`` uint32: blocks past the rows' parts ask the copy engine to bring these
+    words into L2 once the kernel before has finished (the next decode step's first weights, read while the GPU's
+    memory would otherwise idle between the steps: ``NEXT_STEP_PREFETCH_MB``), then leave.
 
     Geometry: ``parts`` blocks per row (grid-stride over (row, part)), 512 threads, ~37 KB of shared memory.  A
     greedy row (temperature 0) is split: block ``q`` takes groups ``[q·n/parts, (q+1)·n/parts)`` of the row (the
@@ -658,10 +650,19 @@ def sample_kernel(words, logits, n_vec, temperature, top_k, top_p, min_p, seed, 
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     last_part = cuda.shared.array(1, int32)           # greedy: whether this block is the row's last part
+    n_work = logits.shape[0] * parts
+    if cuda.blockIdx.x >= n_work:                     # a prefetch block
+        n_chunks = (prefetch_words + PREFETCH_CHUNK_WORDS - 1) // PREFETCH_CHUNK_WORDS
+        for c in range((cuda.blockIdx.x - n_work) * nt + tid, n_chunks, (cuda.gridDim.x - n_work) * nt):
+            at = c * PREFETCH_CHUNK_WORDS
+            bulk_prefetch_l2(prefetch_w32, uint64(at), uint32(4 * min(PREFETCH_CHUNK_WORDS, prefetch_words - at)))
+        return
     for work in range(cuda.blockIdx.x, logits.shape[0] * parts, cuda.gridDim.x):
         row = work // parts
         part = work % parts
         words_row = words[row]
+        if head_done != 0 and row == 0 and not (temperature[row] > float32(0.0)):
+            continue                                        # the LM head picked it (uniform across the block)
         if not (temperature[row] > float32(0.0)):
             # -- greedy: this block's slice, then the last block of the row merges the parts
             g_end = n_vec * (part + 1) // parts
@@ -952,13 +953,40 @@ def workspace_views(workspace):
     return _workspace_parts(workspace)[:2]
 
 
+MAX_HEAD_BLOCKS = 1024
+NEXT_STEP_PREFETCH_MB = float(os.environ.get("PEGAINFER_NEXT_STEP_PREFETCH_MB", "0"))
+"""MB of the next decode step's first weights that ``sample`` asks into L2 once the logits are done (0: none).
+Not yet measured."""
+PREFETCH_CHUNK_WORDS = 8192   # 32 KB per ``cp.async.bulk.prefetch``
+HEAD_ARGMAX = os.environ.get("PEGAINFER_HEAD_ARGMAX", "1") == "1"
+"""Whether the engine lets the LM head of a one-sequence step pick a greedy row's token (``HeadArgmax``) instead
+of this module's sampler pass over the logits (read by ``ModelRunner`` when it is built)."""
+
+
+class HeadArgmax:
+    """Where the LM head of a one-sequence step (``linear.linear_add_rms_norm(head=)``) writes the greedy token of
+    its logits row, so that ``sample(head=)`` has nothing left to do for a greedy row: the head's blocks' (max,
+    column) pairs with a counter after them (zero at rest), and views of what ``sample`` writes for a greedy row 0
+    -- the token (``out_ids[0]``), the workspace's threshold and kept count.  The head's blocks merge the pairs
+    with ``sample``'s rules (the first index of the largest logit, NaN never wins), so the token is the same."""
+
+    def __init__(self, out_ids, workspace):
+        threshold, kept, *_ = _workspace_parts(workspace)
+        self.token, self.threshold, self.kept = out_ids[:1], threshold[:1], kept[:1]
+        self.part_max = cuda.to_device(np.zeros(MAX_HEAD_BLOCKS, np.float32))
+        self.part_index = cuda.to_device(np.zeros(MAX_HEAD_BLOCKS + 1, np.int32))
+
+
 def sample(logits, params: SamplingBuffers, out_ids, workspace, *,
-           candidate_capacity: int = CANDIDATE_CAPACITY) -> None:
+           candidate_capacity: int = CANDIDATE_CAPACITY, head: HeadArgmax | None = None, prefetch=None) -> None:
     """Draw one token per row of logits ``[B, V]`` (bf16 bits) with row ``r``'s parameters from ``params``
     (temperature 0 → greedy; top-k / top-p / min-p; seeded Gumbel-max draw) into out_ids ``[≥B]`` int32.
     ``workspace``: from ``allocate_sample_workspace(≥ B)`` (``workspace_views`` reads it).
     ``candidate_capacity`` (≤ CANDIDATE_CAPACITY) only changes speed, never the token: tests lower it to take the
-    full-pass search path.  One kernel launch, no host round trip, no allocation: safe to capture in a CUDA graph."""
+    full-pass search path.  ``head``: one row, whose greedy token (if its temperature is 0) the LM head launch
+    before already wrote through ``head`` (built over these ``out_ids`` and ``workspace``).  One kernel launch, no
+    host round trip, no allocation: safe to capture in a CUDA graph.  ``prefetch`` (a contiguous bf16 weight):
+    its first ``NEXT_STEP_PREFETCH_MB`` go into L2 once the logits are done (extra blocks; none when 0)."""
     words, n_vec = _row_words(logits)
     n_rows = logits.shape[0]
     _check_rows_out("out_ids", out_ids, np.int32, n_rows)
@@ -968,10 +996,17 @@ def sample(logits, params: SamplingBuffers, out_ids, workspace, *,
     capacity = int(min(max(int(candidate_capacity), 1), CANDIDATE_CAPACITY))
     if n_rows == 0:
         return
-    launch(sample_kernel, grid(n_rows * GREEDY_PARTS), threads(gpu=SAMPLE_THREADS, sim=SAMPLE_THREADS_SIM), words,
-           logits, n_vec, params.temperature, params.top_k, params.top_p, params.min_p, params.seed, params.step,
-           capacity, out_ids, threshold, kept, np.int32(GREEDY_PARTS), part_max, part_index, counters,
-           name="sample", pdl=True)
+    if head is not None:
+        assert n_rows == 1, "the LM head's argmax serves one row"
+    pre_words, pre_blocks = 0, 0
+    if prefetch is not None and NEXT_STEP_PREFETCH_MB > 0:
+        pre_words = min(prefetch.size // 2, int(NEXT_STEP_PREFETCH_MB * 2**20) // 4) // 4 * 4   # whole 16 bytes
+        pre_blocks = -(-pre_words // (PREFETCH_CHUNK_WORDS * SAMPLE_THREADS))
+    pre_w32 = as_words(prefetch) if pre_words else part_index.view(np.uint32)
+    launch(sample_kernel, grid(n_rows * GREEDY_PARTS + pre_blocks), threads(gpu=SAMPLE_THREADS, sim=SAMPLE_THREADS_SIM),
+           words, logits, n_vec, params.temperature, params.top_k, params.top_p, params.min_p, params.seed,
+           params.step, capacity, out_ids, threshold, kept, np.int32(GREEDY_PARTS), part_max, part_index, counters,
+           np.int32(head is not None), pre_w32, np.int64(pre_words), name="sample", pdl=True)
 
 
 def top_logprobs(logits_row, lse: float, token_id: int, n: int):

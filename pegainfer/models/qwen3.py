@@ -84,13 +84,15 @@ class Qwen3Model(DecoderModel):
         """A new sequence takes ``slot`` (no per-slot state besides KV pages for Qwen3)."""
 
     # ------------------------------------------------------------------------------------------------ forward
-    def forward(self, step, block_tables, T: int, B: int, decode: bool = False):
+    def forward(self, step, block_tables, T: int, B: int, decode: bool = False, head=None):
         """Run T tokens through the model; return the device logits view ``[B, V]`` for ``step.logit_rows[:B]``.
 
         ``step`` holds the step's device inputs (``engine.step_inputs.StepInputs``): int32 ``ids``, ``positions``,
         ``token_slots`` (first T entries used) and ``logit_rows`` (first B: which token rows produce logits).
         ``decode``: every token is its sequence's newest (a decode step, not a prompt chunk), which lets attention
-        read the older keys before the kernel storing the new one has finished (``attention.paged_attention``)."""
+        read the older keys before the kernel storing the new one has finished (``attention.paged_attention``).
+        ``head`` (``sampling.HeadArgmax``, only where ``lm_head_argmax(T, B)``): the LM head also writes the row's
+        greedy token there."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         ids, pos, slots = step.ids[:T], step.positions[:T], step.token_slots[:T]
@@ -126,8 +128,9 @@ class Qwen3Model(DecoderModel):
         if T == 1 and B == 1:
             # one row, which is the logits row: the final norm is the LM head's prologue
             linear.linear_add_rms_norm(residual, delta, self.final_norm, eps, spare, self.lm_head, logits,
-                                       normed_out=normed, before_latency_bound=True)
+                                       normed_out=normed, before_latency_bound=True, head=head)
         else:
+            assert head is None, "the LM head's argmax is for one token (lm_head_argmax)"
             norm.add_rms_norm(residual, delta, self.final_norm, normed, eps)
             last = self.last_hidden[:B]
             embedding.embedding(step.logit_rows[:B], normed, last)   # gather the rows that need logits

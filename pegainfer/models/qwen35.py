@@ -201,10 +201,10 @@ class Qwen35Model(DecoderModel):
                 self.ssm_state.reshape(rows, self.Hv, self.Dk, self.Dv))
 
     # ------------------------------------------------------------------------------------------------ forward
-    def forward(self, step, block_tables, T: int, B: int, decode: bool = False):
+    def forward(self, step, block_tables, T: int, B: int, decode: bool = False, head=None):
         """Run T tokens through the model; return the device logits view ``[B, V]`` for ``step.logit_rows[:B]``.
         ``step``: the step's device inputs (``engine.step_inputs.StepInputs``, as in ``Qwen3Model.forward``);
-        ``decode`` as there."""
+        ``decode`` and ``head`` as there."""
         eps = self.cfg.rms_norm_eps
         ids, pos, slots = step.ids[:T], step.positions[:T], step.token_slots[:T]
         residual, spare = self.residuals[0][:T], self.residuals[1][:T]
@@ -237,8 +237,9 @@ class Qwen35Model(DecoderModel):
         logits = self.logits[:B]
         if T == 1 and B == 1:
             linear.linear_add_rms_norm(residual, delta, self.final_norm, eps, spare, self.lm_head, logits,
-                                       normed_out=normed, before_latency_bound=True, **QWEN35_NORM)
+                                       normed_out=normed, before_latency_bound=True, head=head, **QWEN35_NORM)
         else:
+            assert head is None, "the LM head's argmax is for one token (lm_head_argmax)"
             norm.add_rms_norm(residual, delta, self.final_norm, normed, eps, **QWEN35_NORM)
             last = self.last_hidden[:B]
             embedding.embedding(step.logit_rows[:B], normed, last)   # gather the rows that need logits

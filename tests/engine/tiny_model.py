@@ -69,7 +69,16 @@ class TinyHistoryModel:
     def reset_slot(self, slot: int) -> None:
         """No per-slot state besides KV pages."""
 
-    def forward(self, step, block_tables, T: int, B: int, decode: bool = False):
+    def lm_head_argmax(self, T: int, B: int) -> bool:
+        """No LM head here: the sampler always picks (``DecoderModel.lm_head_argmax``)."""
+        return False
+
+    def first_weight(self):
+        """No weights here (``DecoderModel.first_weight``)."""
+        return None
+
+    def forward(self, step, block_tables, T: int, B: int, decode: bool = False, head=None):
+        assert head is None
         launch(write_cache_kernel, grid(T), threads(gpu=128, sim=32), step.ids, step.positions, step.token_slots,
                block_tables, self.cache, T, self.page_size)
         launch(history_logits_kernel, grid(B), threads(gpu=128, sim=32), step.positions, step.token_slots,

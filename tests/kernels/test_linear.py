@@ -280,6 +280,38 @@ def test_linear_add_rms_norm_gathers_the_embedding_row(gated, form, rng):
                             gated=gated, row_ids=cuda.to_device(np.zeros(2, np.int32)), **NORM_FORMS[form])
 
 
+@pytest.mark.parametrize("tie", [False, True], ids=["distinct", "tied"])
+def test_lm_head_argmax(tie, rng):
+    """``head=`` (the LM head of a one-sequence step): besides the logits, the launch writes the greedy token --
+    the first index of the largest bf16 logit, over every block's columns -- with the sampler's threshold and kept
+    count, and leaves its counter at zero for the next replay; the logits are the same bits as without it."""
+    from pegainfer.kernels.sampling import HeadArgmax, allocate_sample_workspace, workspace_views
+    V, H = 300, 64
+    rb, _ = bf16_randn((1, H), rng)
+    db, _ = bf16_randn((1, H), rng)
+    wnb, _ = bf16_randn((H,), rng)
+    wb, _ = bf16_randn((V, H), rng, scale=0.3)
+    if tie:      # the same row at several columns, the largest logit among them: the first must win
+        _, _, _, plain = _fused(rb, db, wnb, wb, False, "qwen3", 1e-6)
+        top = int(np.argmax(from_bf16_bits(plain[0])))
+        for j in (3, top, 250):
+            wb[j] = wb[top]
+    out_ids = cuda.to_device(np.full(1, -5, np.int32))
+    workspace = allocate_sample_workspace(1, V)
+    head = HeadArgmax(out_ids, workspace)
+    _, _, _, ref = _fused(rb, db, wnb, wb, False, "qwen3", 1e-6)
+    for replay in range(2):
+        _, _, _, got = _fused(rb, db, wnb, wb, False, "qwen3", 1e-6, head=head)
+        assert np.array_equal(got, ref)
+        logits = from_bf16_bits(ref[0]).astype(np.float32)
+        assert out_ids.copy_to_host()[0] == int(np.argmax(logits))
+        threshold, kept = workspace_views(workspace)
+        assert threshold.copy_to_host()[0] == logits.max() and kept.copy_to_host()[0] == 1
+        assert head.part_index.copy_to_host()[-1] == 0, "the counter must be back at zero"
+    if tie:
+        assert out_ids.copy_to_host()[0] == 3
+
+
 @pytest.mark.parametrize("gated", [False, True], ids=["linear", "gated"])
 def test_linear_add_rms_norm_geometries(gated, rng):
     """The fused path with other splits of the same block size: two rows per warp (many tiles per block)."""

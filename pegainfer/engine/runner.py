@@ -104,8 +104,7 @@ class ModelRunner:
         ``forward``)."""
         head = self.head_argmax if self.head_argmax is not None and self.model.lm_head_argmax(T, B) else None
         logits = self.model.forward(self.step, self.pool.block_tables, T, B, decode=decode, head=head)
-        sampling.sample(logits, self.sampling, self.out_ids[:B], self.sample_workspace, head=head,
-                        prefetch=self.model.first_weight() if decode else None)
+        sampling.sample(logits, self.sampling, self.out_ids[:B], self.sample_workspace, head=head)
         return logits
 
     def _copy_out(self, B: int) -> int:

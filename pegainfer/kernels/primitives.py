@@ -704,7 +704,6 @@ def as_words(a):
 # Bulk copies (sm_90's copy engine, ``cp.async.bulk``): one thread ``bulk_barrier_init``s an mbarrier in shared memory,
 # announces the bytes with ``bulk_expect_bytes`` and issues ``bulk_copy``s of whole runs; after a ``syncthreads`` (the
 # barrier initialised) every thread may ``bulk_wait`` for them.  One-shot: each barrier serves one batch of copies.
-# ``bulk_prefetch_l2`` only warms L2 (a no-op in the simulator).
 if SIMULATOR:
     @device_fn
     def cp_async_16(dst, i, src, j, nbytes):
@@ -736,10 +735,6 @@ if SIMULATOR:
 
     @device_fn
     def bulk_wait(bar, i):
-        pass
-
-    @device_fn
-    def bulk_prefetch_l2(src, j, nbytes):
         pass
 else:
     def _element_pointer(context, builder, arrty, arr, idx, idxty):
@@ -858,22 +853,6 @@ else:
         has landed and is visible to the calling thread."""
         while _bulk_try_wait(bar, i) == 0:
             pass
-
-    @intrinsic
-    def bulk_prefetch_l2(typingctx, src, j, nbytes):
-        """``cp.async.bulk.prefetch.L2.global``: ask the copy engine to bring ``nbytes`` (a multiple of 16, both ends
-        16-byte aligned) of ``src[j:]`` (global uint32) into L2; returns at once, nothing waits for it."""
-        sig = types.void(src, j, nbytes)
-
-        def codegen(context, builder, sig, args):
-            s_ = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            n = context.cast(builder, args[2], sig.args[2], types.uint32)
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [s_.type, ir.IntType(32)]),
-                               "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r,~{memory}", side_effect=True)
-            builder.call(asm, [s_, n])
-            return context.get_dummy_value()
-
-        return sig, codegen
 
     @functools.cache
     def cp_async_wait_group(n: int):

@@ -75,12 +75,10 @@ import numpy as np
 
 from pegainfer.device import SIMULATOR
 from pegainfer.kernels.launch import current_stream, launch
-from pegainfer.kernels.primitives import (pdl_prologue, FULL_MASK, WARP, as_words, bf16x2_hi, bf16x2_lo, bits_f32,
-                                          block_argmax, block_sum, bulk_prefetch_l2, cuda, device_fn, f32_bits,
-                                          float32, from_bf16_bits, grid, int32, kernel, load_u32x4, math, threads,
-                                          uint32, warp_argmax, warp_sum)
-
-uint64 = np.uint64
+from pegainfer.kernels.primitives import (pdl_prologue, FULL_MASK, WARP, bf16x2_hi, bf16x2_lo, bits_f32,
+                                          block_argmax, block_sum, cuda, device_fn, f32_bits, float32, from_bf16_bits,
+                                          grid, int32, kernel, load_u32x4, math, threads, uint32, warp_argmax,
+                                          warp_sum)
 
 CANDIDATE_CAPACITY = 4096          # tokens a sampling block can hold in shared memory (logit f32 + index i32)
 NO_INDEX = 2**31 - 1               # "no token yet" in argmax states
@@ -615,8 +613,7 @@ def logsumexp_kernel(words, logits, n_vec, out_lse):
 
 @_kernel_with_block(SAMPLE_THREADS)
 def sample_kernel(words, logits, n_vec, temperature, top_k, top_p, min_p, seed, step, capacity,
-                  out_ids, kept_threshold, kept_count, parts, part_max, part_index, counters, head_done,
-                  prefetch_w32, prefetch_words):
+                  out_ids, kept_threshold, kept_count, parts, part_max, part_index, counters, head_done):
     """Draw one token per row (module docstring: filters, threshold search, Gumbel-max draw, cost).
 
     words / logits / n_vec as in ``argmax_kernel``; per-row parameters ``[≥B]``: temperature f32, top_k i32 (≤ 0
@@ -626,9 +623,6 @@ def sample_kernel(words, logits, n_vec, temperature, top_k, top_p, min_p, seed, 
     Greedy scratch: part_max f32 / part_index i32 ``[B · parts]``, counters i32 ``[B]`` (zero at rest).
     ``head_done`` (int32, only with B = 1): the LM head already wrote row 0's greedy token, threshold and count
     (``HeadArgmax``), so a greedy row 0 has nothing left to do here.
-    ``prefetch_w32`` ``[≥ prefetch_words]`` uint32: blocks past the rows' parts ask the copy engine to bring these
-    words into L2 once the kernel before has finished (the next decode step's first weights, read while the GPU's
-    memory would otherwise idle between the steps: ``NEXT_STEP_PREFETCH_MB``), then leave.
 
     Geometry: ``parts`` blocks per row (grid-stride over (row, part)), 512 threads, ~37 KB of shared memory.  A
     greedy row (temperature 0) is split: block ``q`` takes groups ``[q·n/parts, (q+1)·n/parts)`` of the row (the
@@ -650,13 +644,6 @@ def sample_kernel(words, logits, n_vec, temperature, top_k, top_p, min_p, seed, 
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     last_part = cuda.shared.array(1, int32)           # greedy: whether this block is the row's last part
-    n_work = logits.shape[0] * parts
-    if cuda.blockIdx.x >= n_work:                     # a prefetch block
-        n_chunks = (prefetch_words + PREFETCH_CHUNK_WORDS - 1) // PREFETCH_CHUNK_WORDS
-        for c in range((cuda.blockIdx.x - n_work) * nt + tid, n_chunks, (cuda.gridDim.x - n_work) * nt):
-            at = c * PREFETCH_CHUNK_WORDS
-            bulk_prefetch_l2(prefetch_w32, uint64(at), uint32(4 * min(PREFETCH_CHUNK_WORDS, prefetch_words - at)))
-        return
     for work in range(cuda.blockIdx.x, logits.shape[0] * parts, cuda.gridDim.x):
         row = work // parts
         part = work % parts
@@ -954,13 +941,13 @@ def workspace_views(workspace):
 
 
 MAX_HEAD_BLOCKS = 1024
-NEXT_STEP_PREFETCH_MB = float(os.environ.get("PEGAINFER_NEXT_STEP_PREFETCH_MB", "0"))
-"""MB of the next decode step's first weights that ``sample`` asks into L2 once the logits are done (0: none).
-Not yet measured."""
-PREFETCH_CHUNK_WORDS = 8192   # 32 KB per ``cp.async.bulk.prefetch``
 HEAD_ARGMAX = os.environ.get("PEGAINFER_HEAD_ARGMAX", "1") == "1"
 """Whether the engine lets the LM head of a one-sequence step pick a greedy row's token (``HeadArgmax``) instead
-of this module's sampler pass over the logits (read by ``ModelRunner`` when it is built)."""
+of this module's sampler pass over the logits (read by ``ModelRunner`` when it is built).  Measured on the H200
+(session 17, two alternating rounds, ``benchmarks/RESULTS.md``): Qwen3.5-4B TPOT 2.532 / 2.530 ms against
+2.534 / 2.534 without (−0.15 %); Qwen3-4B 2.523 against 2.524 (one round).  So of the sampler's ~7 µs only
+~3 µs come off the step: the head's block reductions, counter and last-block merge cost most of the rest (not
+profiled)."""
 
 
 class HeadArgmax:
@@ -978,15 +965,18 @@ class HeadArgmax:
 
 
 def sample(logits, params: SamplingBuffers, out_ids, workspace, *,
-           candidate_capacity: int = CANDIDATE_CAPACITY, head: HeadArgmax | None = None, prefetch=None) -> None:
+           candidate_capacity: int = CANDIDATE_CAPACITY, head: HeadArgmax | None = None) -> None:
     """Draw one token per row of logits ``[B, V]`` (bf16 bits) with row ``r``'s parameters from ``params``
     (temperature 0 → greedy; top-k / top-p / min-p; seeded Gumbel-max draw) into out_ids ``[≥B]`` int32.
     ``workspace``: from ``allocate_sample_workspace(≥ B)`` (``workspace_views`` reads it).
     ``candidate_capacity`` (≤ CANDIDATE_CAPACITY) only changes speed, never the token: tests lower it to take the
     full-pass search path.  ``head``: one row, whose greedy token (if its temperature is 0) the LM head launch
     before already wrote through ``head`` (built over these ``out_ids`` and ``workspace``).  One kernel launch, no
-    host round trip, no allocation: safe to capture in a CUDA graph.  ``prefetch`` (a contiguous bf16 weight):
-    its first ``NEXT_STEP_PREFETCH_MB`` go into L2 once the logits are done (extra blocks; none when 0)."""
+    host round trip, no allocation: safe to capture in a CUDA graph.
+
+    Tried and dropped (session 17): extra blocks of this launch asking the copy engine to bring the next decode
+    step's first 24 MB of weights into L2 (``cp.async.bulk.prefetch.L2``, after the wait), meant to use the GPU
+    memory's idle time between two steps: TPOT +2.5 % on both 4B models (``benchmarks/RESULTS.md``)."""
     words, n_vec = _row_words(logits)
     n_rows = logits.shape[0]
     _check_rows_out("out_ids", out_ids, np.int32, n_rows)
@@ -998,15 +988,10 @@ def sample(logits, params: SamplingBuffers, out_ids, workspace, *,
         return
     if head is not None:
         assert n_rows == 1, "the LM head's argmax serves one row"
-    pre_words, pre_blocks = 0, 0
-    if prefetch is not None and NEXT_STEP_PREFETCH_MB > 0:
-        pre_words = min(prefetch.size // 2, int(NEXT_STEP_PREFETCH_MB * 2**20) // 4) // 4 * 4   # whole 16 bytes
-        pre_blocks = -(-pre_words // (PREFETCH_CHUNK_WORDS * SAMPLE_THREADS))
-    pre_w32 = as_words(prefetch) if pre_words else part_index.view(np.uint32)
-    launch(sample_kernel, grid(n_rows * GREEDY_PARTS + pre_blocks), threads(gpu=SAMPLE_THREADS, sim=SAMPLE_THREADS_SIM),
-           words, logits, n_vec, params.temperature, params.top_k, params.top_p, params.min_p, params.seed,
-           params.step, capacity, out_ids, threshold, kept, np.int32(GREEDY_PARTS), part_max, part_index, counters,
-           np.int32(head is not None), pre_w32, np.int64(pre_words), name="sample", pdl=True)
+    launch(sample_kernel, grid(n_rows * GREEDY_PARTS), threads(gpu=SAMPLE_THREADS, sim=SAMPLE_THREADS_SIM), words,
+           logits, n_vec, params.temperature, params.top_k, params.top_p, params.min_p, params.seed, params.step,
+           capacity, out_ids, threshold, kept, np.int32(GREEDY_PARTS), part_max, part_index, counters,
+           np.int32(head is not None), name="sample", pdl=True)
 
 
 def top_logprobs(logits_row, lse: float, token_id: int, n: int):

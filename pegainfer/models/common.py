@@ -76,12 +76,6 @@ class DecoderModel:
         logits row, where the LM head is the fused one-token GEMV (``linear.linear_add_rms_norm(head=)``)."""
         return T == 1 and B == 1 and linear.fuses_add_rms_norm(1, self.lm_head)
 
-    def first_weight(self):
-        """The weight the next step streams first (layer 0's first projection): what ``sampling.sample(prefetch=)``
-        may warm L2 with between two decode steps."""
-        first = self.layers[0]
-        return first["in_proj"] if "in_proj" in first else first["qkv"]
-
     def _embed(self, ids, residual, first_w):
         """The token embeddings as the first layer's residual input: ``(residual_in, row_ids)`` for its
         ``linear.linear_add_rms_norm``.  For one token the lookup rides in that projection's launch (the table and

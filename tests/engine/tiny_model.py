@@ -73,10 +73,6 @@ class TinyHistoryModel:
         """No LM head here: the sampler always picks (``DecoderModel.lm_head_argmax``)."""
         return False
 
-    def first_weight(self):
-        """No weights here (``DecoderModel.first_weight``)."""
-        return None
-
     def forward(self, step, block_tables, T: int, B: int, decode: bool = False, head=None):
         assert head is None
         launch(write_cache_kernel, grid(T), threads(gpu=128, sim=32), step.ids, step.positions, step.token_slots,

@@ -339,26 +339,3 @@ def test_sample_takes_the_lm_heads_greedy_pick(rng):
         else:
             assert out.copy_to_host()[0] == plain_out.copy_to_host()[0]
 
-
-def test_prefetch_blocks_leave_the_draw_alone(rng, monkeypatch):
-    """``sample(prefetch=)`` adds blocks that only warm L2 with a weight (a no-op in the simulator): the tokens,
-    thresholds and counts are those of the launch without them."""
-    import pegainfer.kernels.sampling as smp
-    monkeypatch.setattr(smp, "NEXT_STEP_PREFETCH_MB", 0.05)
-    vocab = 64
-    bits, _ = bf16_randn((2, vocab), rng, scale=2.0)
-    weight = cuda.to_device(np.zeros((40, 1024), np.uint16))       # 80 KB: more than one block's chunks
-    rows = [{}, {"temperature": 0.8, "seed": 5}]
-    params = SamplingBuffers(2)
-    for i, r in enumerate(rows):
-        params.set_row(i, **r)
-    params.upload()
-    got = []
-    for prefetch in (None, weight):
-        out = cuda.to_device(np.full(2, -1, np.int32))
-        workspace = allocate_sample_workspace(2, vocab)
-        sample(strided_rows(bits), params, out, workspace, prefetch=prefetch)
-        threshold, kept = workspace_views(workspace)
-        got.append((out.copy_to_host(), threshold.copy_to_host(), kept.copy_to_host()))
-    for a, b in zip(*got):
-        np.testing.assert_array_equal(a, b)

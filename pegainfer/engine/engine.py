@@ -6,7 +6,8 @@ Async scheduling (``async_scheduling=True``, the default) hides the host's per-s
 and uploading the step inputs, launching the graph, reading the ids back, ``_append`` with detokenisation and stop
 checks — behind the GPU's work. While decode step N runs, step N+1 of the same batch is launched before N's tokens
 reach the host: its input ids are N's ``out_ids``, which N's sampler wrote in place on the device (stream order
-makes that correct), its positions and sampling counters one further, its pages reserved beforehand. Then the host reads and processes N::
+makes that correct), its positions and sampling counters one further, its pages reserved beforehand. Then the host
+reads and processes N::
 
     host:  launch N │ launch N+1 │ wait N, append N │ launch N+2 │ wait N+1, append N+1 │ ...
     GPU:   ═══ N ═══════════════╪═══ N+1 ═════════════════╪═══ N+2 ══════════════════════ ...

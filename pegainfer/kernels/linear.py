@@ -74,9 +74,9 @@ from pegainfer.kernels.activation import silu
 from pegainfer.kernels.launch import launch, overlaps
 from pegainfer.kernels.norm import (add_pair, add_rms_norm_into, check_residual_buffers, inverse_rms,
                                     normalize_pair, pairs_per_thread)
-from pegainfer.kernels.primitives import (WARP, as_words, bf16_to_f32, bf16x2_hi, bf16x2_lo, bits_f32, block_argmax,
-                                          block_sum, math,
-                                          cuda, device_fn, f32_to_bf16, float32, grid, kernel, load_u32x4,
+from pegainfer.kernels.primitives import (NO_INDEX, WARP, as_words, bf16_to_f32, bf16x2_hi, bf16x2_lo, bits_f32,
+                                          block_argmax, block_sum, math, cuda, device_fn, f32_to_bf16, float32,
+                                          grid, kernel, load_u32x4,
                                           mma_bf16_m16n8k16, pack_bf16x2, threads, uint16, uint32, cp_async_16,
                                           cp_async_commit, cp_async_wait_group, bulk_barrier_init,
                                           bulk_expect_bytes, bulk_copy, bulk_wait,
@@ -779,7 +779,7 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
         red = 128 * ((n_slices + 31) // 32)         # partial sums follow x (padded to whole 32-slice groups)
         per_out = 2 if gated else 1
         t_best = float32(-math.inf)                 # argmax: this thread's largest output and its column
-        t_col = int32(ARGMAX_NONE)
+        t_col = int32(NO_INDEX)
         if LAST_TILE and tile + cuda.gridDim.x >= n_tiles:
             launch_dependents()                     # this block's only tile
         while tile < n_tiles:
@@ -849,7 +849,7 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
             if last_block[0] == 1:
                 cuda.threadfence()
                 m_best = float32(-math.inf)
-                m_col = int32(ARGMAX_NONE)
+                m_col = int32(NO_INDEX)
                 for q in range(tid, cuda.gridDim.x, nthreads):
                     v = head_max[q]
                     j = head_index[q]
@@ -858,7 +858,7 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
                         m_col = j
                 m_best, m_col = block_argmax(m_best, m_col)
                 if tid == 0:
-                    head_token[0] = m_col if m_col != ARGMAX_NONE else 0
+                    head_token[0] = m_col if m_col != NO_INDEX else 0
                     head_threshold[0] = m_best
                     head_kept[0] = 1
                     head_index[counter] = 0         # at rest again (graph replays)
@@ -879,9 +879,6 @@ GEMV_TRIGGER_BEFORE_LATENCY_BOUND = os.environ.get("PEGAINFER_GEMV_TRIGGER_LB", 
 before_latency_bound=True)``: the qkv projection before qk-norm/RoPE, the LM head before the sampler).  The same as
 ``GEMV_TRIGGER`` unless set: not yet measured apart (``last_stream`` here together with PDL on qk-norm/RoPE,
 ``PEGAINFER_PDL``, would let that kernel's launch and early loads overlap only the projection's tail)."""
-
-
-ARGMAX_NONE = 2**31 - 1   # "no column yet" in the LM head's argmax (``sampling.NO_INDEX``)
 
 
 def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, gated, weight_offset,

@@ -42,6 +42,7 @@ float32, int32, uint16, uint32 = np.float32, np.int32, np.uint16, np.uint32
 
 WARP = 32
 FULL_MASK = 0xFFFFFFFF
+NO_INDEX = 2**31 - 1      # "no index yet" in an argmax state (``block_argmax``, the sampler, the LM head's argmax)
 
 if SIMULATOR:
     kernel = cuda.jit
@@ -576,7 +577,7 @@ def block_max(v):
 @device_fn
 def block_argmax(v, i):
     """(max of ``v``, its int32 index ``i``) over every thread of the block, ties → the smaller index (NaN never
-    wins; no candidate at all gives (-inf, 2³¹ - 1)); every thread gets the result."""
+    wins; no candidate at all gives (-inf, ``NO_INDEX``)); every thread gets the result."""
     part_v = cuda.shared.array(32, float32)
     part_i = cuda.shared.array(32, int32)
     lane = cuda.threadIdx.x % WARP
@@ -588,7 +589,7 @@ def block_argmax(v, i):
         part_i[uint32(wid)] = i
     cuda.syncthreads()
     v = float32(-math.inf)
-    i = int32(2**31 - 1)
+    i = int32(NO_INDEX)
     if lane < (cuda.blockDim.x + WARP - 1) // WARP:
         v = part_v[uint32(lane)]
         i = part_i[uint32(lane)]

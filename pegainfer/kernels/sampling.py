@@ -75,13 +75,12 @@ import numpy as np
 
 from pegainfer.device import SIMULATOR
 from pegainfer.kernels.launch import current_stream, launch
-from pegainfer.kernels.primitives import (pdl_prologue, FULL_MASK, WARP, bf16x2_hi, bf16x2_lo, bits_f32,
+from pegainfer.kernels.primitives import (pdl_prologue, FULL_MASK, NO_INDEX, WARP, bf16x2_hi, bf16x2_lo, bits_f32,
                                           block_argmax, block_sum, cuda, device_fn, f32_bits, float32, from_bf16_bits,
                                           grid, int32, kernel, load_u32x4, math, threads, uint32, warp_argmax,
                                           warp_sum)
 
 CANDIDATE_CAPACITY = 4096          # tokens a sampling block can hold in shared memory (logit f32 + index i32)
-NO_INDEX = 2**31 - 1               # "no token yet" in argmax states
 GUMBEL_MAX = 17.0                  # > the largest Gumbel value the 23-bit uniforms can give (16.64)
 GREEDY_BELOW = 1e-5                # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 EXACT_TOP_P_MARGIN = 1e-4          # the top-p lower bound is used only when 1 - p leaves room for f32 sums

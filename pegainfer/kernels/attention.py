@@ -174,7 +174,8 @@ def _split_range(n_keys, split, num_splits, min_chunk):
 
 @functools.lru_cache(maxsize=None)
 def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, min_blocks: int = 0,
-                  decode: bool = False, gated: bool = False, rope_rotary_dim: int = 0, dim_split: bool = False):
+                  decode: bool = False, gated: bool = False, rope_rotary_dim: int = 0, dim_split: bool = False,
+                  gate_early: bool = False):
     """Build the split-K kernel for one shape (closure constants size the register fragments).  ``late_v``: load V
     after computing S (K's registers are then free: fewer registers, one more memory round trip per step);
     ``min_blocks``: launch bounds asking for that many resident blocks per SM (0: none); ``decode``: every token is
@@ -184,8 +185,11 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
     heads, from the raw projection (the rotary dims of a head are a compile-time constant of the register layout);
     ``dim_split``: the warps work in pairs, each warp of a pair on one half of the head dims of the same 16 keys
     (its S is the sum of the pair's two partial products, exchanged through shared memory), so a warp's registers
-    and dependent chain are those of a head half as wide (Qwen3.5's D = 256)."""
+    and dependent chain are those of a head half as wide (Qwen3.5's D = 256); ``gate_early`` (with ``gated``): each
+    thread loads the gate values of the output elements it will write right after the PDL wait, into registers,
+    rather than as a dependent load after the merge (``GATE_EARLY``)."""
     D, G, W, LATE_V, DECODE, GATED = head_dim, group, warps, late_v, decode, gated
+    GATE_EARLY_ = gated and gate_early
     ROPE = rope_rotary_dim > 0
     assert not ROPE or DECODE
     DS = 2 if dim_split else 1               # warps per 16-key step
@@ -306,6 +310,16 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                             k16[row16 + i] = n
         cuda.syncthreads()
 
+    @device_fn
+    def load_gates(gate, t, head0, utid, gv):
+        """``gate_early``: gv[r] = the gate of output element ``i = tid + r·NT`` of the block's G heads (head
+        ``h = i / D``: column ``(head0 + h)·2D + D + i % D`` of row t, which is ``head0·2D + D + h·D + i``)."""
+        for r in range(ROW_ROUNDS):
+            i = utid + uint32(r * NT)
+            if ALL_ROUNDS or i < uint32(ROWS):
+                h = i // uint32(D)
+                gv[r] = gate[uint64(t), uint64(head0 * 2 * D + D) + h * uint32(D) + i]
+
     @jit
     def paged_attention_split_kernel(q32, k32, v32, block_tables, token_slots, positions, out, ws_acc, ws_m, ws_l,
                                      counters, scale_log2, num_kv_heads, page_shift, num_splits, min_chunk, gate,
@@ -369,6 +383,7 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
         kw = cuda.local.array(KW2, uint32)           # K words of keys k0 + g, k0 + 8 + g
         vw = cuda.local.array(VW4, uint32)           # V words of keys k0 + 2t, 2t + 1, 2t + 8, 2t + 9
         of = cuda.local.array(O_REGS, float32)       # O[head g, dims 2t D/8 + jd, (2t+1) D/8 + jd]
+        gv = cuda.local.array(ROW_ROUNDS, uint16)    # gate_early: the gates of the output elements this thread writes
         tid = cuda.threadIdx.x
         lane = tid % 32
         warp = tid // 32
@@ -405,6 +420,8 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
             newest = positions[t]                         # DECODE: the only key the previous kernel wrote
             if not DECODE:
                 _load_words(q32, (t * nq + head0 + g) * ROW_WORDS + dim0 + tq * KW, KW, qa, 0, g < G)
+                if GATE_EARLY_:
+                    load_gates(gate, t, head0, utid, gv)
             for i in range(O_REGS):
                 of[i] = fzero
             m = NEG_INF
@@ -435,6 +452,8 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                 elif early:
                     grid_dependency_wait()
                     _load_words(q32, (t * nq + head0 + g) * ROW_WORDS + dim0 + tq * KW, KW, qa, 0, g < G)
+                if early and GATE_EARLY_:                 # written by the projection before qk-norm: visible now
+                    load_gates(gate, t, head0, utid, gv)
                 if early or (ROPE and k0 <= newest and newest < k0 + DECODE_STEP_KEYS):
                     for j in range(2):
                         key = k0 + 8 * j + g
@@ -558,7 +577,9 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                     if n_active == 1:
                         lt = sm_tot[h]
                         o = f32_to_bf16(total / lt if lt > fzero else fzero)
-                        if GATED:               # q head h's gate: column (head0 + h)·2D + D + i % D
+                        if GATE_EARLY_:
+                            o = gated_value(o, gv[r])
+                        elif GATED:             # q head h's gate: column (head0 + h)·2D + D + i % D
                             o = gated_value(o, gate[uint64(t), uint64(head0 * 2 * D + D) + h * uint32(D) + i])
                         out[uint64(out0) + uint64(i)] = o
                     else:
@@ -604,7 +625,9 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                             for sp in range(n_active):
                                 total += sm_w[h * uint32(MAX_SPLITS) + uint32(sp)] * ws_acc[src + uint64(sp * D)]
                             o = f32_to_bf16(total / sm_tot[h])
-                            if GATED:
+                            if GATE_EARLY_:
+                                o = gated_value(o, gv[r])
+                            elif GATED:
                                 o = gated_value(o, gate[uint64(t), uint64(head0 * 2 * D + D) + h * uint32(D) + i])
                             out[uint64(out0) + uint64(i)] = o
             cuda.syncthreads()                            # shared scratch is reused by the next work item
@@ -1083,6 +1106,12 @@ compiled with launch bounds for one block per SM (at most 170 registers).  4 war
 Qwen3.5-4B TPOT on the H200 at contexts 16-80 (session 16, two alternating rounds)."""
 
 
+GATE_EARLY = True
+"""Whether the gated (Qwen3.5) split-K kernel loads its output elements' gates right after its PDL wait, into
+registers (``_split_kernel(gate_early=)``), rather than each as a dependent load after the merge.  Measured on the
+H200 (session 18, ``benchmarks/graph_sweep.py``, Qwen3.5-4B decode graph at context 48): −0.22 %."""
+
+
 def _split_geometry(head_dim: int, group: int) -> tuple[int, bool, int, bool]:
     """(warps per block, load V after S, launch-bounds blocks per SM, dim split) of the split-K kernel: 8 warps
     (one 16-key step each per 128 keys), one in the simulator; for D = 256 the dim-split pairs
@@ -1124,7 +1153,7 @@ def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, posit
     if dim_split and rope is not None:   # the fused qk-norm / RoPE path exists for whole-row warps only
         warps, late_v, min_blocks, dim_split = threads(gpu=8, sim=1), D > 128, 0, False
     kern = _split_kernel(D, group, warps, late_v, min_blocks, decode, gate is not None,
-                         rope.rotary_dim if rope is not None else 0, dim_split)
+                         rope.rotary_dim if rope is not None else 0, dim_split, GATE_EARLY)
     q2 = q.reshape(T, nq * D)
     r = rope or DecodeRope(q2, out.reshape(-1)[:D], out.reshape(-1)[:D], q2, q2, 0.0, 2, D)   # unused stand-ins
     launch(kern, grid(num_splits * T * nkv, sim_cap=64), 32 * warps,

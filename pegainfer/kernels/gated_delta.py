@@ -153,10 +153,22 @@ def token_gates(lane_ssq, lane_ssk, q_scale, a_bits, b_bits, a_log_h, dt_bias_h)
     ``a[t, h]``, ``b[t, h]``; ``a_log_h``, ``dt_bias_h``: head ``h``'s parameters), from each lane's partial sums of
     q² and k²: ``(q_mul, k_mul, decay, beta)`` = (l2norm factor of q times ``q_scale``, l2norm factor of k,
     ``exp(g)``, ``beta``).  Every lane of the warp calls it (a warp reduction) and gets the same values."""
-    q_mul = inverse_l2_norm(warp_sum(lane_ssq)) * q_scale
-    k_mul = inverse_l2_norm(warp_sum(lane_ssk))
-    decay = float32(math.exp(log_decay(a_bits, a_log_h, dt_bias_h)))
-    return q_mul, k_mul, decay, write_strength(b_bits)
+    q_mul, k_mul = token_qk_scales(lane_ssq, lane_ssk, q_scale)
+    decay, beta = token_decay_beta(a_bits, b_bits, a_log_h, dt_bias_h)
+    return q_mul, k_mul, decay, beta
+
+
+@device_fn
+def token_qk_scales(lane_ssq, lane_ssk, q_scale):
+    """``token_gates``'s ``(q_mul, k_mul)``: the l2norm factors of q (times ``q_scale``) and k, from each lane's
+    partial sums of q² and k² (a warp reduction: every lane calls it)."""
+    return inverse_l2_norm(warp_sum(lane_ssq)) * q_scale, inverse_l2_norm(warp_sum(lane_ssk))
+
+
+@device_fn
+def token_decay_beta(a_bits, b_bits, a_log_h, dt_bias_h):
+    """``token_gates``'s ``(decay, beta)`` = ``(exp(g), sigmoid(b))`` of a token and value head: no q or k needed."""
+    return float32(math.exp(log_decay(a_bits, a_log_h, dt_bias_h))), write_strength(b_bits)
 
 
 @device_fn
@@ -907,7 +919,8 @@ def _bounded_kernel(threads_per_block: int):
 
 @functools.cache
 def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per_thread: int, decode: bool = False,
-                        taps: int = 4, release: str = "loads", state_evict_last: bool = False):
+                        taps: int = 4, release: str = "loads", state_evict_last: bool = False,
+                        early_gates: bool = False):
     """Build the fused decode step for heads of ``key_dim × value_dim``, ``row_groups`` key-row classes (the
     summation order of ``gated_delta_recurrent`` with that many warps) and ``tiles_per_thread`` 32-column tiles
     per thread.  All four are compile-time constants: the per-thread state is a register array of
@@ -915,9 +928,14 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
     state element's address is one base register plus an immediate offset.  ``decode``: every sequence is one
     token and sequence ``b`` is token ``b`` (the PDL early loads below); ``taps``: the conv's kernel size (decode
     mode holds a thread's conv weights and older inputs in registers); ``release``: ``DECODE_STEP_RELEASES``;
-    ``state_evict_last``: the 8-byte state accesses carry an L2 ``evict_last`` policy (``STATE_EVICT_LAST``)."""
+    ``state_evict_last``: the 8-byte state accesses carry an L2 ``evict_last`` policy (``STATE_EVICT_LAST``);
+    ``early_gates`` (decode): the block's first item keeps what it read before the PDL wait (its sequence, slot,
+    position, head) instead of recomputing and re-reading it after the wait, also reads its head's ``A_log`` and
+    ``dt_bias`` there, and computes the token's decay and write strength as soon as ``a`` and ``b`` arrive, before
+    the conv's barrier rather than after it (``DECODE_EARLY_GATES``; the same operations: the same bits)."""
     assert release in DECODE_STEP_RELEASES, release
     DECODE = decode
+    EARLY_GATES = decode and early_gates
     RELEASE_AT_START = not decode or release == "start"
     RELEASE_AFTER_LOADS = decode and release == "loads"
     RELEASE_AFTER_OUTPUTS = decode and release == "outputs"
@@ -1126,6 +1144,9 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
         inv_rms_zero = inverse_rms(float32(0.0), VD, eps)
 
         pre = False  # decode: the block's first item was loaded before the wait
+        pre_seq = pre_h = 0
+        pre_slot = pre_pos = int32(0)
+        pre_a_log = pre_dt_bias = decay = beta = float32(0.0)
         if DECODE:
             if cuda.blockIdx.x < num_seqs * num_v_heads:
                 pre_seq = cuda.blockIdx.x // num_v_heads
@@ -1133,9 +1154,13 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                 if pre_slot >= 0:
                     pre = True
                     pre_h = cuda.blockIdx.x % num_v_heads
+                    pre_pos = positions[pre_seq]
+                    if EARLY_GATES:
+                        pre_a_log = float32(a_log[pre_h])
+                        pre_dt_bias = float32(dt_bias[pre_h])
                     base = uint64(((pre_slot * num_v_heads + pre_h) * KD + row_class) * VD + first_col)
                     state_rows(ssm_state, base, state, row_class, first_col, False)
-                    decode_prefetch(conv_weight, conv_state, norm_weight, pre_slot, positions[pre_seq], pre_h,
+                    decode_prefetch(conv_weight, conv_state, norm_weight, pre_slot, pre_pos, pre_h,
                                     pre_h // heads_per_key, k_base, v_base, wts, hist, nw)
             grid_dependency_wait()
         else:
@@ -1148,11 +1173,16 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                 out[row, col] = gated_norm_value(float32(0.0), inv_rms_zero, norm_weight[col % VD], z[row, col])
 
         for item in range(cuda.blockIdx.x, num_seqs * num_v_heads, cuda.gridDim.x):
-            first_head = item % num_v_heads
-            seq = item // num_v_heads
+            kept = EARLY_GATES and pre and item == cuda.blockIdx.x   # what was read before the wait still holds
+            if kept:
+                first_head = pre_h
+                seq = pre_seq
+            else:
+                first_head = item % num_v_heads
+                seq = item // num_v_heads
             heads = 1
             if DECODE:
-                slot = token_slots[seq]
+                slot = pre_slot if kept else token_slots[seq]
                 if slot < 0:  # a padding token: the rule's zeros through the gated norm
                     for r in range(OUT_ROUNDS):
                         j = r * NT + tid
@@ -1171,7 +1201,7 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                 if n <= 0 or heads == 0:
                     continue  # uniform across the block: an empty sequence leaves its slot alone
                 slot = slot_ids[seq]
-            first_pos = positions[start]
+            first_pos = pre_pos if kept else positions[start]
             hk = first_head // heads_per_key
             # one (head, token) per step: a single step for a decode token
             for step in range(heads * n):
@@ -1189,6 +1219,9 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                                         v_base, wts, hist, nw)
                     a_t = a[t, h]
                     b_t = b[t, h]
+                    if EARLY_GATES:       # the token's decay and write strength while the conv runs
+                        decay, beta = token_decay_beta(a_t, b_t, pre_a_log if kept else a_log[h],
+                                                       pre_dt_bias if kept else dt_bias[h])
                     for r in range(OUT_ROUNDS):
                         if r * NT + tid < VD:
                             zin[r] = z[t, h * VD + r * NT + tid]
@@ -1231,7 +1264,10 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                         kv = qk_s[uint64(KD + d0 + lane)]
                         ssq += qv * qv
                         ssk += kv * kv
-                q_mul, k_mul, decay, beta = token_gates(ssq, ssk, q_scale, a_t, b_t, a_log[h], dt_bias[h])
+                if EARLY_GATES:
+                    q_mul, k_mul = token_qk_scales(ssq, ssk, q_scale)
+                else:
+                    q_mul, k_mul, decay, beta = token_gates(ssq, ssk, q_scale, a_t, b_t, a_log[h], dt_bias[h])
 
                 # pass 1: this thread's part of kv_mem = (S·decay)ᵀ k̂ (expressions as in the recurrent kernel).  Rows
                 # outermost: each k̂_d is read once for all of the thread's columns (summed in row order per column).
@@ -1330,6 +1366,11 @@ kernel's dependent loads are done (as decode attention releases o after its last
 after the loads, 2.776 after the outputs.  (Before the preload, the start and after the last load measured the
 same: 2.909 vs 2.921 ms.)"""
 
+DECODE_EARLY_GATES = False
+"""Whether the decode step keeps its first item's sequence, slot, position and head from before the PDL wait,
+reads ``A_log`` / ``dt_bias`` there too, and computes the token's decay and write strength before the conv's barrier
+(``_decode_step_kernel(early_gates=)``): fewer instructions and no parameter loads after the wait, the same bits."""
+
 DECODE_TILES_PER_THREAD = 2
 """32-column tiles of the state per thread in ``gated_delta_decode_step``.  With Qwen3.5's 128 × 128 heads and
 ``RULE_WARPS`` = 8: blocks of 512 threads, each holding 16 rows × 2 columns = 32 state values (127 registers, no
@@ -1391,7 +1432,7 @@ def gated_delta_decode_step(x, conv_weight, conv_state, z, a, b, a_log, dt_bias,
         raise PegainferError(f"PEGAINFER_GDN_RELEASE={DECODE_STEP_RELEASE!r} is not one of {DECODE_STEP_RELEASES}: "
                              "unset it or pick one of those")
     launch(_decode_step_kernel(key_dim, value_dim, row_groups, tiles_per_thread, decode, taps, DECODE_STEP_RELEASE,
-                               STATE_EVICT_LAST),
+                               STATE_EVICT_LAST, DECODE_EARLY_GATES),
            grid(max(1, slot_ids.shape[0] * num_v_heads), sim_cap=8), warps * WARP, x, conv_weight, conv_state, z,
            a, b, a_log, dt_bias, norm_weight, np.float32(eps), ssm_state.reshape(ssm_state.size), slot_ids,
            token_offsets, positions, decode_token_slots if decode else slot_ids, out,

@@ -20,7 +20,12 @@ qk-norm/RoPE, attention, sampling kernels too) made it 3.41 ms: a kernel launche
 a weight-streaming kernel launched early floods the memory system with its first loads while a latency-bound
 kernel before it waits on a chain of dependent ones.  So a latency-bound kernel calls ``launch_dependents()`` only
 after its last load (decode attention), and the decode attention itself is launched early (its reads of the older
-keys overlap qk-norm/RoPE): 3.16 -> 3.10 ms.  ``PEGAINFER_PDL=1`` overlaps every launch,
+keys overlap qk-norm/RoPE): 3.16 -> 3.10 ms.  Since session 18 qk-norm/RoPE (``qk_norm_rope_store``) is launched
+early too (``qk_norm_rope_store_decode``; a prompt chunk's stays ordered after its projection, a skinny GEMM
+whose SMs an early launch would take): its reads of positions, norm weights, cos/sin and the block table overlap the
+qkv projection's tail, and attention launches at its start.  Measured slower in session 12 (+0.75 %, before the preloaded o, the late
+GEMV triggers and the lean step copies), it measured −2.65 % (Qwen3-4B) and −0.52 % (Qwen3.5-4B) in session 18
+(``benchmarks/graph_sweep.py``, decode graph replays alternating in one call).  ``PEGAINFER_PDL=1`` overlaps every launch,
 ``PEGAINFER_PDL=0`` none (every launch then orders fully after the one before), ``PEGAINFER_PDL=name,name`` the
 launches of those names (``launch(..., name=)``).  It is off in the simulator and before sm_90.
 """
@@ -38,7 +43,7 @@ _tracer: Optional[Callable] = None
 
 
 PDL_BY_DEFAULT = ("gemv", "gemv_add_rms_norm", "gemv_preloaded", "linear_skinny", "add_rms_norm_into",
-                  "paged_decode_attention", "gated_delta_decode_step")
+                  "qk_norm_rope_store_decode", "paged_decode_attention", "gated_delta_decode_step")
 _PDL_SETTING = os.environ.get("PEGAINFER_PDL", ",".join(PDL_BY_DEFAULT))
 _PDL_ONLY = None if _PDL_SETTING in ("0", "1") else frozenset(_PDL_SETTING.split(","))
 

@@ -343,17 +343,19 @@ def _qk_norm_rope_kernel(head_dim: int, rotary_dim: int, release: str = "start")
 QK_NORM_RELEASES = ("start", "after_wait")
 QK_NORM_RELEASE = os.environ.get("PEGAINFER_QK_NORM_RELEASE", "start")
 """When ``qk_norm_rope_store`` lets the attention kernel after it launch (PDL): at its ``start`` (the default), or
-``after_wait``, once the projection before it is done.  Only matters when this kernel itself is launched with PDL
-(``PEGAINFER_PDL`` naming ``qk_norm_rope_store``; it is not by default): then at the start, attention's blocks
-(one per SM at D = 256) launch while the projection still streams.  PDL on this kernel with the release at the
-start measured slower on the H200 (Qwen3-4B +0.75 %, session 12); ``after_wait`` lets only this kernel's own
-independent loads overlap the projection's tail.  Not yet measured."""
+``after_wait``, once the projection before it is done.  This kernel itself is launched with PDL
+(``launch.PDL_BY_DEFAULT``), so at the start attention's blocks launch while the projection still streams and
+issue their reads of the older keys.  PDL on this kernel with the release at the start measured slower on the H200
+in session 12 (Qwen3-4B +0.75 %) and faster in session 18 (−2.65 % Qwen3-4B, −0.52 % Qwen3.5-4B,
+``benchmarks/RESULTS.md``).  Without PDL on this kernel, ``after_wait`` measured +2.06 % / +0.64 %."""
 
 
 def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables, k_cache, v_cache,
                        q_out, eps: float, rotary_dim: int, q_head_stride: int | None = None,
-                       weight_offset: float = 0.0, round_before_weight: bool = True) -> None:
-    """Fused q/k norm + RoPE + paged KV store (see ``qk_norm_rope_store_kernel``).
+                       weight_offset: float = 0.0, round_before_weight: bool = True, decode: bool = False) -> None:
+    """Fused q/k norm + RoPE + paged KV store (see ``qk_norm_rope_store_kernel``).  ``decode``: a decode step's
+    launch (``qk_norm_rope_store_decode``, launched early with PDL by default, ``launch.PDL_BY_DEFAULT``); a prompt
+    chunk's is ``qk_norm_rope_store``, which waits for the projection before it launches.
 
     Shapes: qkv ``[T, row]``, q_norm_w/k_norm_w ``[D]``, cos/sin ``[max_len, rotary_dim/2]``, positions/token_slots
     ``[T]`` int32, block_tables ``[slots, pages_per_seq]`` int32, k_cache/v_cache ``[pages, page_size, nkv, D]``,
@@ -399,4 +401,4 @@ def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots
            flat(block_tables), np.int32(block_tables.shape[1]), flat(k_cache), flat(v_cache),
            np.int32(page_size.bit_length() - 1), np.int32(num_kv_heads), flat(q_out), np.int32(num_q_heads),
            np.int32(q_head_stride), np.float32(eps), np.float32(weight_offset), bool(round_before_weight),
-           name="qk_norm_rope_store", pdl=True)
+           name="qk_norm_rope_store_decode" if decode else "qk_norm_rope_store", pdl=True)

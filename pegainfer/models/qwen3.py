@@ -116,7 +116,7 @@ class Qwen3Model(DecoderModel):
             else:
                 rope.qk_norm_rope_store(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, pos, slots,
                                         block_tables, self.k_cache[i], self.v_cache[i], q, eps, self.rotary_dim,
-                                        q_head_stride=self.D)
+                                        q_head_stride=self.D, decode=decode)
                 attention.paged_attention(q, self.k_cache[i], self.v_cache[i], block_tables, slots, pos, attn,
                                           scale, self.attn_workspace, decode=decode)
             linear.linear_preloaded(attn_flat, lw["o"], delta)   # its weights copied in while attention ends

@@ -252,7 +252,7 @@ class Qwen35Model(DecoderModel):
         qkv, q, attn = self.qkv[:T], self.q[:T], self.attn[:T]
         rope.qk_norm_rope_store(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, pos, slots,
                                 block_tables, self.k_cache[j], self.v_cache[j], q, self.cfg.rms_norm_eps,
-                                self.rotary_dim, q_head_stride=2 * self.D, **QWEN35_NORM)
+                                self.rotary_dim, q_head_stride=2 * self.D, decode=decode, **QWEN35_NORM)
         attention.paged_attention(q, self.k_cache[j], self.v_cache[j], block_tables, slots, pos, attn,
                                   1.0 / math.sqrt(self.D), self.attn_workspace, decode=decode, gate=qkv)
         attn_flat = self.attn.reshape(self.max_tokens, self.nq * self.D)[:T]

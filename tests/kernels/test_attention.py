@@ -7,6 +7,7 @@ import pytest
 import pegainfer  # noqa: F401  (before numba)
 from numba import cuda
 
+from pegainfer.kernels import attention
 from pegainfer.kernels.attention import DecodeRope, attention_workspace_size, paged_attention
 from pegainfer.kernels.rope import qk_norm_rope_store, rope_tables
 from pegainfer.kernels.gating import sigmoid_gate_mul
@@ -161,10 +162,14 @@ def gated_equals_attention_then_gate(nq, nkv, head_dim, slots, positions, **kwar
     assert rel_l2(plain, want) <= 1e-2
 
 
-@pytest.mark.parametrize("method,num_splits,decode", [("split", 1, True), ("split", 3, False), ("prefill", None, False)])
-def test_sigmoid_gate_epilogue(method, num_splits, decode):
+@pytest.mark.parametrize("gate_early", [False, True])
+@pytest.mark.parametrize("method,num_splits,decode", [("split", 1, True), ("split", 3, False), ("prefill", None, False),
+                                                      ("split", 3, True)])
+def test_sigmoid_gate_epilogue(method, num_splits, decode, gate_early, monkeypatch):
     """Qwen3.5's output gate applied by the attention call (the split-K kernel as it writes, one split or merged
-    from several; the prefill path through ``sigmoid_gate_mul``) gives the bits of the separate gate kernel."""
+    from several, its gates loaded late or early: ``GATE_EARLY``; the prefill path through ``sigmoid_gate_mul``)
+    gives the bits of the separate gate kernel."""
+    monkeypatch.setattr(attention, "GATE_EARLY", gate_early)
     gated_equals_attention_then_gate(4, 2, 16, slots=[1, 0], positions=[9, 3], num_splits=num_splits,
                                      min_split_tokens=PAGE if num_splits else None, method=method, decode=decode)
 
@@ -288,10 +293,12 @@ def test_gpu_decode_qwen35_short_contexts(monkeypatch, dim_split):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gate_early", [False, True])
 @pytest.mark.parametrize("positions", [[127], [4095]])
-def test_gpu_sigmoid_gate_epilogue_qwen35(positions):
+def test_gpu_sigmoid_gate_epilogue_qwen35(positions, gate_early, monkeypatch):
     """The gated decode attention at Qwen3.5-4B's full-attention shape (16 q / 4 kv heads of 256), one split and
-    several: the bits of attention followed by ``sigmoid_gate_mul``."""
+    several, gates loaded late or early: the bits of attention followed by ``sigmoid_gate_mul``."""
+    monkeypatch.setattr(attention, "GATE_EARLY", gate_early)
     gated_equals_attention_then_gate(16, 4, 256, slots=[0], positions=positions, num_slots=1, max_pages=260,
                                      num_pages=267, page_size=16, decode=True)
 

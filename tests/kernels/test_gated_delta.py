@@ -431,12 +431,16 @@ def test_decode_step_equals_conv_rule_norm(rng, key_dim, value_dim, row_groups, 
         np.testing.assert_array_equal(carried[1][slot], state[slot])
 
 
-@pytest.mark.parametrize("release", ["start", "loads", "outputs"])
-def test_decode_step_release_points(rng, monkeypatch, release):
-    """Where the decode step lets out_proj launch (``DECODE_STEP_RELEASE``) changes nothing it computes: a padded
-    decode-mode step of three sequences equals conv → recurrent rule → gated norm bit for bit."""
+@pytest.mark.parametrize("release,early_gates", [("start", False), ("loads", False), ("outputs", False),
+                                                 ("loads", True)])
+def test_decode_step_release_points(rng, monkeypatch, release, early_gates):
+    """Where the decode step lets out_proj launch (``DECODE_STEP_RELEASE``), and whether it keeps its first item's
+    reads from before the PDL wait and computes the decay early (``DECODE_EARLY_GATES``), changes nothing it
+    computes: a padded decode-mode step of three sequences equals conv → recurrent rule → gated norm bit for bit
+    (the simulator's capped grid also runs later items, which recompute what the first one kept)."""
     import pegainfer.kernels.gated_delta as gd
     monkeypatch.setattr(gd, "DECODE_STEP_RELEASE", release)
+    monkeypatch.setattr(gd, "DECODE_EARLY_GATES", early_gates)
     layer = make_decode_layer(rng, key_dim=16, value_dim=16)
     conv_dim = layer["conv_w"].shape[0]
     ring = bf16_randn((6, conv_dim, 4), rng)[0]
@@ -760,19 +764,23 @@ def test_gpu_gated_rms_norm_qwen35_shapes(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lengths,decode,release,tiles,evict_last", [
-    ([1, 1, 1, 1], False, "start", None, False), ([1, 1, 1, 1], True, "start", None, False),
-    ([1, 1, 1, 1], True, "loads", None, False), ([1, 1, 1, 1], True, "outputs", None, False),
-    ([1, 9, 0, 2], False, "start", None, False), ([1, 1, 1, 1], True, "loads", 4, False),
-    ([1, 1, 1, 1], True, "loads", None, True)])
-def test_gpu_fused_decode_step_qwen35_shapes(rng, monkeypatch, lengths, decode, release, tiles, evict_last):
+@pytest.mark.parametrize("lengths,decode,release,tiles,evict_last,early_gates", [
+    ([1, 1, 1, 1], False, "start", None, False, False), ([1, 1, 1, 1], True, "start", None, False, False),
+    ([1, 1, 1, 1], True, "loads", None, False, False), ([1, 1, 1, 1], True, "outputs", None, False, False),
+    ([1, 9, 0, 2], False, "start", None, False, False), ([1, 1, 1, 1], True, "loads", 4, False, False),
+    ([1, 1, 1, 1], True, "loads", None, True, False), ([1, 1, 1, 1], True, "loads", None, False, True),
+    ([1, 1, 1, 1], True, "loads", 4, False, True)])
+def test_gpu_fused_decode_step_qwen35_shapes(rng, monkeypatch, lengths, decode, release, tiles, evict_last,
+                                             early_gates):
     """Qwen3.5-4B shapes on the GPU (where FMA contraction and the compiled code could differ): the fused step equals
     conv → recurrent rule → gated norm bit for bit, for a decode batch (also in decode mode: state loaded before
     the PDL wait, with each place it may let out_proj launch, with 4 state tiles per thread besides the default 2:
-    256 threads, and with the state accesses' L2 ``evict_last`` hint) and for sequences of several tokens."""
+    256 threads, with the state accesses' L2 ``evict_last`` hint, and keeping the first item's pre-wait reads with
+    the decay computed early) and for sequences of several tokens."""
     import pegainfer.kernels.gated_delta as gd
     monkeypatch.setattr(gd, "DECODE_STEP_RELEASE", release)
     monkeypatch.setattr(gd, "STATE_EVICT_LAST", evict_last)
+    monkeypatch.setattr(gd, "DECODE_EARLY_GATES", early_gates)
     layer = make_decode_layer(rng, **QWEN35_4B)
     conv_dim = layer["conv_w"].shape[0]
     ring = bf16_randn((8, conv_dim, 4), rng)[0]

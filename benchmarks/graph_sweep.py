@@ -12,9 +12,10 @@ all variants alike.
 
 Replays reuse the last step's inputs: the same position, the sampled id fed back as the next input, a recurrent
 state that keeps evolving. Timing does not depend on those values.  A variant is ``LABEL=STATEMENTS`` as in
-``ab_bench.py``; every upper-case module setting of ``pegainfer`` (and each ``*_TUNED`` table) is restored before the
-next variant's statements run, so variants do not add up.  Confirm a winner with ``ab_bench.py``, whose TPOT is
-the engine's own.
+``ab_bench.py``; every module-level name of ``pegainfer``'s modules is put back before the next variant's statements
+run (upper-case tables such as ``linear.GEMV_TUNED`` by their contents, everything else -- settings, a patched
+function -- by rebinding), so variants do not add up.  Confirm a winner with ``ab_bench.py``, whose TPOT is the
+engine's own.
 
 Usage (GPU):
     python benchmarks/graph_sweep.py --model-path DIR --rounds 8 --variant base= \\
@@ -33,31 +34,26 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))   # (after PYTHONPA
 sys.path.append(str(Path(__file__).resolve().parent))
 
 
-def settings_snapshot() -> list[tuple[object, str, object]]:
-    """(module, name, value) of every upper-case module-level setting of the loaded ``pegainfer`` modules: scalars,
-    strings and tuples as they are, dicts copied."""
+def settings_snapshot() -> list[tuple[object, str, object, object]]:
+    """(module, name, value, contents) of every module-level name of the loaded ``pegainfer`` modules; ``contents``
+    is a copy of an upper-case dict (a table such as ``GEMV_TUNED``, patched in place by variants), else None."""
     out = []
     for name, mod in list(sys.modules.items()):
         if not name.startswith("pegainfer") or mod is None:
             continue
-        for attr, val in vars(mod).items():
-            if not attr.isupper():
-                continue
-            if isinstance(val, (bool, int, float, str, tuple, frozenset, type(None))):
-                out.append((mod, attr, val))
-            elif isinstance(val, dict):
-                out.append((mod, attr, copy.copy(val)))
+        for attr, val in list(vars(mod).items()):
+            contents = copy.copy(val) if attr.isupper() and isinstance(val, dict) else None
+            out.append((mod, attr, val, contents))
     return out
 
 
 def restore(snapshot) -> None:
-    for mod, attr, val in snapshot:
-        cur = getattr(mod, attr)
-        if isinstance(val, dict) and isinstance(cur, dict):
-            cur.clear()
-            cur.update(val)
-        else:
+    for mod, attr, val, contents in snapshot:
+        if getattr(mod, attr, None) is not val:
             setattr(mod, attr, val)
+        if contents is not None and val != contents:
+            val.clear()
+            val.update(contents)
 
 
 def main(argv=None) -> int:

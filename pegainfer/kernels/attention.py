@@ -175,7 +175,7 @@ def _split_range(n_keys, split, num_splits, min_chunk):
 @functools.lru_cache(maxsize=None)
 def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, min_blocks: int = 0,
                   decode: bool = False, gated: bool = False, rope_rotary_dim: int = 0, dim_split: bool = False,
-                  gate_early: bool = False):
+                  gate_early: bool = False, release: str = "last_load"):
     """Build the split-K kernel for one shape (closure constants size the register fragments).  ``late_v``: load V
     after computing S (K's registers are then free: fewer registers, one more memory round trip per step);
     ``min_blocks``: launch bounds asking for that many resident blocks per SM (0: none); ``decode``: every token is
@@ -187,8 +187,13 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
     (its S is the sum of the pair's two partial products, exchanged through shared memory), so a warp's registers
     and dependent chain are those of a head half as wide (Qwen3.5's D = 256); ``gate_early`` (with ``gated``): each
     thread loads the gate values of the output elements it will write right after the PDL wait, into registers,
-    rather than as a dependent load after the merge (``GATE_EARLY``)."""
+    rather than as a dependent load after the merge (``GATE_EARLY``); ``release`` (with ``decode``): where a block
+    lets the next kernel launch (``DECODE_RELEASES``)."""
+    assert release in DECODE_RELEASES, release
     D, G, W, LATE_V, DECODE, GATED = head_dim, group, warps, late_v, decode, gated
+    RELEASE_START = DECODE and release == "start"
+    RELEASE_AFTER_WAIT = DECODE and release == "after_wait"
+    RELEASE_LAST_LOAD = DECODE and release == "last_load"
     GATE_EARLY_ = gated and gate_early
     ROPE = rope_rotary_dim > 0
     assert not ROPE or DECODE
@@ -366,6 +371,8 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
         """
         if not DECODE:
             pdl_prologue()
+        if RELEASE_START:
+            launch_dependents()
         sm_m = cuda.shared.array(SM_ROWS, float32)    # per warp and head row: running max
         sm_l = cuda.shared.array(SM_ROWS, float32)    # ... and sum
         sm_o = cuda.shared.array(SM_O, float32)      # ... and accumulator [SW, G, D]
@@ -454,6 +461,8 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                     _load_words(q32, (t * nq + head0 + g) * ROW_WORDS + dim0 + tq * KW, KW, qa, 0, g < G)
                 if early and GATE_EARLY_:                 # written by the projection before qk-norm: visible now
                     load_gates(gate, t, head0, utid, gv)
+                if early and RELEASE_AFTER_WAIT:
+                    launch_dependents()
                 if early or (ROPE and k0 <= newest and newest < k0 + DECODE_STEP_KEYS):
                     for j in range(2):
                         key = k0 + 8 * j + g
@@ -539,7 +548,7 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                     of[2 * jd], of[2 * jd + 1], _, _ = mma_bf16_m16n8k16(
                         a0, zero, a2, zero, b0, b1, of[2 * jd] * alpha, of[2 * jd + 1] * alpha, fzero, fzero)
 
-            if DECODE:
+            if RELEASE_LAST_LOAD:
                 launch_dependents()                       # every K/V load of this block is done
             # ---- merge the SW step warps of the block (a pair's halves hold disjoint dims of one partial)
             # (shared-memory indices are unsigned from here on: no negative-index wraparound code in the chain)
@@ -1106,6 +1115,14 @@ compiled with launch bounds for one block per SM (at most 170 registers).  4 war
 Qwen3.5-4B TPOT on the H200 at contexts 16-80 (session 16, two alternating rounds)."""
 
 
+DECODE_RELEASES = ("start", "after_wait", "last_load")
+DECODE_RELEASE = "last_load"
+"""Where a block of the decode attention lets the next kernel (the preloaded o / out_proj GEMV, whose blocks then
+issue their weight copies) launch: at its ``start``, right ``after_wait`` (once the kernel before it is done), or
+after its ``last_load`` of K / V (the default).  Session 11 measured the start slower (Qwen3-4B 2.725–2.745 vs
+2.689–2.711 ms) and after the wait equal, before qk-norm/RoPE was launched early (session 18); not re-measured
+since."""
+
 GATE_EARLY = True
 """Whether the gated (Qwen3.5) split-K kernel loads its output elements' gates right after its PDL wait, into
 registers (``_split_kernel(gate_early=)``), rather than each as a dependent load after the merge.  Measured on the
@@ -1153,7 +1170,7 @@ def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, posit
     if dim_split and rope is not None:   # the fused qk-norm / RoPE path exists for whole-row warps only
         warps, late_v, min_blocks, dim_split = threads(gpu=8, sim=1), D > 128, 0, False
     kern = _split_kernel(D, group, warps, late_v, min_blocks, decode, gate is not None,
-                         rope.rotary_dim if rope is not None else 0, dim_split, GATE_EARLY)
+                         rope.rotary_dim if rope is not None else 0, dim_split, GATE_EARLY, DECODE_RELEASE)
     q2 = q.reshape(T, nq * D)
     r = rope or DecodeRope(q2, out.reshape(-1)[:D], out.reshape(-1)[:D], q2, q2, 0.0, 2, D)   # unused stand-ins
     launch(kern, grid(num_splits * T * nkv, sim_cap=64), 32 * warps,

@@ -340,6 +340,10 @@ def _qk_norm_rope_kernel(head_dim: int, rotary_dim: int, release: str = "start")
     return qk_norm_rope_store_kernel
 
 
+QK_NORM_THREADS = 128
+"""Threads per block of ``qk_norm_rope_store`` on the GPU (one warp per head: 4 heads a block; Qwen3-4B's 48 heads
+of a token are 12 blocks).  Not swept since the kernel's decode launch became early (session 18)."""
+
 QK_NORM_RELEASES = ("start", "after_wait")
 QK_NORM_RELEASE = os.environ.get("PEGAINFER_QK_NORM_RELEASE", "start")
 """When ``qk_norm_rope_store`` lets the attention kernel after it launch (PDL): at its ``start`` (the default), or
@@ -385,7 +389,7 @@ def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots
         return
     page_size = k_cache.shape[1]
     assert page_size & (page_size - 1) == 0, f"page_size {page_size} must be a power of two"
-    block = threads(gpu=128, sim=32)
+    block = threads(gpu=QK_NORM_THREADS, sim=32)
     warps_per_block = block // WARP
     items = num_tokens * (num_q_heads + 2 * num_kv_heads)
     if QK_NORM_RELEASE not in QK_NORM_RELEASES:

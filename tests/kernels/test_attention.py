@@ -133,10 +133,13 @@ def test_split_k_forced(rng, head_dim, num_splits):
         assert rel_l2(got[t], want[t]) <= 1e-2, t
 
 
+@pytest.mark.parametrize("release", attention.DECODE_RELEASES)
 @pytest.mark.parametrize("head_dim,num_splits,min_split", [(16, 1, None), (32, 4, PAGE)])
-def test_decode_mode_bit_identical(head_dim, num_splits, min_split):
-    """``decode=True`` (older keys read before the PDL wait, the newest key and q after it) gives the very bits of
-    the plain split kernel: three decode tokens, each its slot's newest, one split or several."""
+def test_decode_mode_bit_identical(head_dim, num_splits, min_split, release, monkeypatch):
+    """``decode=True`` (older keys read before the PDL wait, the newest key and q after it; the next kernel let
+    launch where ``DECODE_RELEASE`` says) gives the very bits of the plain split kernel: three decode tokens, each its
+    slot's newest, one split or several."""
+    monkeypatch.setattr(attention, "DECODE_RELEASE", release)
     outs = []
     for decode in (False, True):
         got, want = run_attention(np.random.default_rng(5), 4, 2, head_dim, slots=[1, 0, 2], positions=[9, 0, 16],

@@ -124,6 +124,43 @@ def test_ab_bench_rejects_a_variant_without_label():
     assert r.returncode != 0 and "Traceback" not in r.stderr and "LABEL=STATEMENTS" in r.stderr
 
 
+def test_graph_sweep_puts_every_setting_back_between_variants(monkeypatch):
+    """``benchmarks/graph_sweep.py``: what one variant patches -- a setting, an entry of a tuning table, a module
+    function -- is back as it was before the next variant's statements run."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(os.path.join(root, "benchmarks"))
+    import graph_sweep
+    import pegainfer.kernels.attention as attention
+    import pegainfer.kernels.gated_delta as gated_delta
+    import pegainfer.kernels.linear as linear
+
+    geometry, tuned = attention._split_geometry, dict(linear.GEMV_TUNED)
+    early, chunk = gated_delta.DECODE_EARLY_GATES, linear.BULK_CHUNK_BYTES
+    snapshot = graph_sweep.settings_snapshot()
+    exec("import pegainfer.kernels.linear as l; l.GEMV_TUNED[1, 2, 1, True] = l._tuned_t1(2, 8, 1, 4); "
+         "l.GEMV_TUNED.pop(next(iter(l.GEMV_TUNED))); l.BULK_CHUNK_BYTES = 1\n"
+         "import pegainfer.kernels.gated_delta as g; g.DECODE_EARLY_GATES = not g.DECODE_EARLY_GATES\n"
+         "import pegainfer.kernels.attention as a; a._split_geometry = lambda d, g: (8, True, 0, False)", {})
+    assert linear.BULK_CHUNK_BYTES == 1 and attention._split_geometry is not geometry
+    graph_sweep.restore(snapshot)
+    assert linear.GEMV_TUNED == tuned and linear.BULK_CHUNK_BYTES == chunk
+    assert gated_delta.DECODE_EARLY_GATES == early and attention._split_geometry is geometry
+
+
+def test_graph_sweep_says_it_needs_a_gpu():
+    """Without a GPU (the simulator has no CUDA graphs) ``graph_sweep.py`` says so and exits 0; a variant without a
+    label is refused first, with the expected form."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "benchmarks", "graph_sweep.py")
+    r = subprocess.run([sys.executable, script, "--model-path", "unused", "--variant", "no label"],
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=root))
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "LABEL=STATEMENTS" in r.stderr
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        r = subprocess.run([sys.executable, script, "--model-path", "unused", "--variant", "base="],
+                           capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=root))
+        assert r.returncode == 0 and "needs a GPU" in r.stdout, r.stderr
+
+
 def test_bench_decode_stream_sweeps_only_the_given_geometries(monkeypatch):
     """``benchmarks/bench_decode_stream.py --geometry NAME=R,WARPS,K_SPLIT,STAGES`` replaces that projection's
     candidate list; its Qwen3.5-4B shapes are the ones the model streams."""

@@ -87,8 +87,8 @@ from pegainfer.kernels.norm import inverse_rms
 from pegainfer.kernels.primitives import (WARP, as_words, bf16_to_f32, bf16x2_hi, bf16x2_lo, bits_f32,
                                           cp_async_16, cp_async_commit, cp_async_wait_group, cuda, device_fn,
                                           f32_bits, f32_to_bf16, float32, grid, grid_dependency_wait, int32, kernel,
-                                          launch_dependents, load_f32x2, load_f32x2_evict_last, load_f32x4, math,
-                                          pdl_prologue, store_f32x2, store_f32x2_evict_last, store_f32x4, threads,
+                                          launch_dependents, load_f32x2, load_f32x4, math,
+                                          pdl_prologue, store_f32x2, store_f32x4, threads,
                                           uint16, uint32, warp_sum)
 
 uint64 = np.uint64
@@ -919,8 +919,7 @@ def _bounded_kernel(threads_per_block: int):
 
 @functools.cache
 def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per_thread: int, decode: bool = False,
-                        taps: int = 4, release: str = "loads", state_evict_last: bool = False,
-                        early_gates: bool = False):
+                        taps: int = 4, release: str = "loads", early_gates: bool = False):
     """Build the fused decode step for heads of ``key_dim × value_dim``, ``row_groups`` key-row classes (the
     summation order of ``gated_delta_recurrent`` with that many warps) and ``tiles_per_thread`` 32-column tiles
     per thread.  All four are compile-time constants: the per-thread state is a register array of
@@ -928,7 +927,6 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
     state element's address is one base register plus an immediate offset.  ``decode``: every sequence is one
     token and sequence ``b`` is token ``b`` (the PDL early loads below); ``taps``: the conv's kernel size (decode
     mode holds a thread's conv weights and older inputs in registers); ``release``: ``DECODE_STEP_RELEASES``;
-    ``state_evict_last``: the 8-byte state accesses carry an L2 ``evict_last`` policy (``STATE_EVICT_LAST``);
     ``early_gates`` (decode): the block's first item keeps what it read before the PDL wait (its sequence, slot,
     position, head) instead of recomputing and re-reading it after the wait, also reads its head's ``A_log`` and
     ``dt_bias`` there, and computes the token's decay and write strength as soon as ``a`` and ``b`` arrive, before
@@ -957,8 +955,6 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
     OUT_ROUNDS = -(-VD // NT)               # output columns per thread (block-strided)
     VEC = TPT if TPT in (2, 4) and ALL_COLS else 1   # a thread's columns moved by one 8- / 16-byte access
     PARTIAL = R * VD                        # the per-row-class column sums in shared memory, [R, Dv]
-    load_pair = load_f32x2_evict_last if state_evict_last else load_f32x2
-    store_pair = store_f32x2_evict_last if state_evict_last else store_f32x2
 
     @device_fn
     def state_rows(ssm_state, base, state, row_class, first_col, store):
@@ -976,9 +972,9 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                                                                                                          at)
                 elif VEC == 2:
                     if store:
-                        store_pair(ssm_state, at, state[i], state[ROWS + i])
+                        store_f32x2(ssm_state, at, state[i], state[ROWS + i])
                     else:
-                        state[i], state[ROWS + i] = load_pair(ssm_state, at)
+                        state[i], state[ROWS + i] = load_f32x2(ssm_state, at)
                 else:
                     for m in range(TPT):
                         if ALL_COLS or first_col + m < VD:
@@ -1350,11 +1346,9 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
 
 
 DECODE_STEP_RELEASES = ("start", "loads", "outputs")
-STATE_EVICT_LAST = os.environ.get("PEGAINFER_GDN_STATE_EVICT_LAST", "0") == "1"
-"""Whether the decode step reads and writes the recurrent state (8-byte accesses: 2 tiles a thread) with an L2
-``evict_last`` policy, so that a layer's 2 MB of state may still be in L2 when the next step reads it.  Measured
-on the H200 only together with the weights read ``evict_first`` (session 17, ``benchmarks/RESULTS.md``): that pair
-was 12.7 % slower than neither, and 0.15 % faster than the weight policy alone.  On its own: not yet measured."""
+# (Sessions 17-18 also read and wrote the state with an L2 ``evict_last`` policy, so that a layer's 2 MB might
+# still be in L2 when the next step reads it: +2.15 % Qwen3.5-4B TPOT on the H200 (``benchmarks/RESULTS.md``).
+# Removed.)
 
 DECODE_STEP_RELEASE = os.environ.get("PEGAINFER_GDN_RELEASE", "loads")
 """Where a block of the decode step lets the next kernel (out_proj) launch (PDL): at its ``start``, once the loads
@@ -1435,7 +1429,7 @@ def gated_delta_decode_step(x, conv_weight, conv_state, z, a, b, a_log, dt_bias,
         raise PegainferError(f"PEGAINFER_GDN_RELEASE={DECODE_STEP_RELEASE!r} is not one of {DECODE_STEP_RELEASES}: "
                              "unset it or pick one of those")
     launch(_decode_step_kernel(key_dim, value_dim, row_groups, tiles_per_thread, decode, taps, DECODE_STEP_RELEASE,
-                               STATE_EVICT_LAST, DECODE_EARLY_GATES),
+                               DECODE_EARLY_GATES),
            grid(max(1, slot_ids.shape[0] * num_v_heads), sim_cap=8), warps * WARP, x, conv_weight, conv_state, z,
            a, b, a_log, dt_bias, norm_weight, np.float32(eps), ssm_state.reshape(ssm_state.size), slot_ids,
            token_offsets, positions, decode_token_slots if decode else slot_ids, out,

@@ -9,9 +9,6 @@ Conventions every kernel in ``pegainfer/kernels`` follows
   bf16 exactly where Hugging Face's bf16 forward rounds them, so logits line up with the reference.
 * **Wide loads.**  ``load_u32x4(a, i)`` reads ``a[i:i+4]`` of a ``uint32`` array as one 16-byte load (8 bf16
   values); ``i`` is an *element* index and must be a multiple of 4 (the address 16-byte aligned).
-* **L2 eviction priority** (``createpolicy`` + ``.L2::cache_hint``; plain accesses in the simulator):
-  ``load_f32x2_evict_last`` / ``store_f32x2_evict_last`` mark the lines they touch as the last L2 gives up (state
-  that the next decode step reads again).
 * **1-D blocks whose size is a multiple of 32**, and grid-/block-stride loops, so the same kernel runs with any
   geometry.  Launch wrappers pick small geometries in the simulator via ``threads(gpu=..)`` and ``grid(...)``.
 * **Warp reductions** (``warp_sum``, ``warp_max``, ``warp_argmax``; ``lane_group_sum`` / ``lane_group_max`` over
@@ -165,15 +162,6 @@ if SIMULATOR:
     @device_fn
     def load_f32x2(a, i):
         return a[i], a[i + 1]
-
-    @device_fn
-    def load_f32x2_evict_last(a, i):
-        return a[i], a[i + 1]
-
-    @device_fn
-    def store_f32x2_evict_last(a, i, x, y):
-        a[i] = x
-        a[i + 1] = y
 
     @device_fn
     def store_f32x2(a, i, x, y):
@@ -330,11 +318,6 @@ else:
     def load_u32x4(a, i):
         return _ld_global_nc_v4_u32(a, i)
 
-    def _l2_policy(priority: str) -> str:
-        """PTX declaring the 64-bit register ``pol``: an L2 eviction policy giving every line an access touches the
-        eviction priority ``priority`` (``evict_first`` / ``evict_last``), for an access's ``.L2::cache_hint``."""
-        return f".reg .b64 pol; createpolicy.fractional.L2::{priority}.b64 pol, 1.0;"
-
     # f32 vector loads and stores (global or shared memory: the address is generic): plain LLVM vector accesses,
     # so the compiler orders them against barriers and other accesses as it does any load or store.
     def _f32_vector_args_ok(arr):
@@ -402,54 +385,6 @@ else:
     @device_fn
     def load_f32x4(a, i):
         return _ld_f32x4(a, i)
-
-    @intrinsic
-    def _ld_f32x2_evict_last(typingctx, arr, idx):
-        """``ld.global.L2::cache_hint.v2.f32`` with an ``evict_last`` policy (global memory only)."""
-        if not _f32_vector_args_ok(arr):
-            return None
-        sig = types.UniTuple(types.float32, 2)(arr, idx)
-
-        def codegen(context, builder, sig, args):
-            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            f32 = ir.FloatType()
-            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([f32, f32]), [ptr.type]),
-                               "{ " + _l2_policy("evict_last") + " ld.global.L2::cache_hint.v2.f32 {$0, $1}, [$2], pol; }",
-                               "=f,=f,l,~{memory}", side_effect=True)
-            res = builder.call(asm, [ptr])
-            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, k) for k in range(2)])
-
-        return sig, codegen
-
-    @intrinsic
-    def _st_f32x2_evict_last(typingctx, arr, idx, x, y):
-        """``st.global.L2::cache_hint.v2.f32`` with an ``evict_last`` policy (global memory only)."""
-        if not _f32_vector_args_ok(arr):
-            return None
-        sig = types.void(arr, idx, types.float32, types.float32)
-
-        def codegen(context, builder, sig, args):
-            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            x_ = context.cast(builder, args[2], sig.args[2], types.float32)
-            y_ = context.cast(builder, args[3], sig.args[3], types.float32)
-            f32 = ir.FloatType()
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ptr.type, f32, f32]),
-                               "{ " + _l2_policy("evict_last") + " st.global.L2::cache_hint.v2.f32 [$0], {$1, $2}, pol; }",
-                               "l,f,f,~{memory}", side_effect=True)
-            builder.call(asm, [ptr, x_, y_])
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @device_fn
-    def load_f32x2_evict_last(a, i):
-        """``load_f32x2`` from global memory, its lines kept in L2 ahead of others (``evict_last``)."""
-        return _ld_f32x2_evict_last(a, i)
-
-    @device_fn
-    def store_f32x2_evict_last(a, i, x, y):
-        """``store_f32x2`` to global memory, its lines kept in L2 ahead of others (``evict_last``)."""
-        _st_f32x2_evict_last(a, i, x, y)
 
     @device_fn
     def store_f32x4(a, i, x, y, z, w):

@@ -764,22 +764,19 @@ def test_gpu_gated_rms_norm_qwen35_shapes(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lengths,decode,release,tiles,evict_last,early_gates", [
-    ([1, 1, 1, 1], False, "start", None, False, False), ([1, 1, 1, 1], True, "start", None, False, False),
-    ([1, 1, 1, 1], True, "loads", None, False, False), ([1, 1, 1, 1], True, "outputs", None, False, False),
-    ([1, 9, 0, 2], False, "start", None, False, False), ([1, 1, 1, 1], True, "loads", 4, False, False),
-    ([1, 1, 1, 1], True, "loads", None, True, False), ([1, 1, 1, 1], True, "loads", None, False, True),
-    ([1, 1, 1, 1], True, "loads", 4, False, True)])
-def test_gpu_fused_decode_step_qwen35_shapes(rng, monkeypatch, lengths, decode, release, tiles, evict_last,
-                                             early_gates):
+@pytest.mark.parametrize("lengths,decode,release,tiles,early_gates", [
+    ([1, 1, 1, 1], False, "start", None, False), ([1, 1, 1, 1], True, "start", None, False),
+    ([1, 1, 1, 1], True, "loads", None, False), ([1, 1, 1, 1], True, "outputs", None, False),
+    ([1, 9, 0, 2], False, "start", None, False), ([1, 1, 1, 1], True, "loads", 4, False),
+    ([1, 1, 1, 1], True, "loads", None, True), ([1, 1, 1, 1], True, "loads", 4, True)])
+def test_gpu_fused_decode_step_qwen35_shapes(rng, monkeypatch, lengths, decode, release, tiles, early_gates):
     """Qwen3.5-4B shapes on the GPU (where FMA contraction and the compiled code could differ): the fused step equals
     conv → recurrent rule → gated norm bit for bit, for a decode batch (also in decode mode: state loaded before
     the PDL wait, with each place it may let out_proj launch, with 4 state tiles per thread besides the default 2:
-    256 threads, with the state accesses' L2 ``evict_last`` hint, and keeping the first item's pre-wait reads with
-    the decay computed early) and for sequences of several tokens."""
+    256 threads, and keeping the first item's pre-wait reads with the decay computed early) and for sequences of
+    several tokens."""
     import pegainfer.kernels.gated_delta as gd
     monkeypatch.setattr(gd, "DECODE_STEP_RELEASE", release)
-    monkeypatch.setattr(gd, "STATE_EVICT_LAST", evict_last)
     monkeypatch.setattr(gd, "DECODE_EARLY_GATES", early_gates)
     layer = make_decode_layer(rng, **QWEN35_4B)
     conv_dim = layer["conv_w"].shape[0]

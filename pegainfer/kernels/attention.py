@@ -366,8 +366,8 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
         its start.  With ``DECODE`` (every token is its sequence's newest, so the previous kernel wrote only q and
         the key / value at ``positions[t]``) the block first reads what no kernel of the step writes -- slot,
         position, block table and the first pass's K/V rows of the older keys -- then waits, then reads q and the
-        newest key's rows; it lets the next kernel launch only after its last K/V load (the next kernel is a
-        weight-streaming GEMV whose early loads would otherwise queue ahead of this kernel's dependent ones).
+        newest key's rows; it lets the next kernel (a weight-streaming GEMV) launch where ``release`` says: by
+        default right after that wait, so the GEMV's weight copies overlap this kernel's post-wait chain.
         """
         if not DECODE:
             pdl_prologue()
@@ -892,7 +892,11 @@ def _min_chunk(min_split_tokens: int | None = None, head_dim: int = 128) -> int:
     ``benchmarks/RESULTS.md`` session 14): a (token, kv head) of a 256-dim head is only 4 blocks per token, and one
     block covers 64 keys per round, so long contexts want more blocks: 18.7 µs at 512 keys with 256-key splits,
     12.3 with 64-key ones (11.8 / 11.4 at 144 keys, 6.7 / 6.7 at 16; 32-key splits: 13.6 at 512).  End to end at
-    contexts 16-80 the two were equal (2.563 / 2.566 ms).  For 128-dim heads 256 was measured best (session 5)."""
+    contexts 16-80 the two were equal (2.563 / 2.566 ms).  For 128-dim heads 256 was measured best (session 5).
+    Session 19 (Qwen3.5-4B decode graph, ``benchmarks/graph_sweep.py``): 128-key splits −0.18 % at context 80 (one
+    split of two rounds instead of two merged) but +1.49 % at 144; 12-warp pairs with 96-key splits +0.07 % / +1.12 %;
+    a merge loading every partial at once (one L2 round trip instead of three; ptxas: 255 registers and spills)
+    +0.6 % at both.  The step costs the same at contexts 80 and 144 (2.4844 / 2.4843 ms)."""
     if min_split_tokens is None:
         min_split_tokens = MIN_SPLIT_TOKENS_WIDE if head_dim > 128 else MIN_SPLIT_TOKENS
     return max(1, min_split_tokens)
@@ -1116,12 +1120,13 @@ Qwen3.5-4B TPOT on the H200 at contexts 16-80 (session 16, two alternating round
 
 
 DECODE_RELEASES = ("start", "after_wait", "last_load")
-DECODE_RELEASE = "last_load"
+DECODE_RELEASE = "after_wait"
 """Where a block of the decode attention lets the next kernel (the preloaded o / out_proj GEMV, whose blocks then
-issue their weight copies) launch: at its ``start``, right ``after_wait`` (once the kernel before it is done), or
-after its ``last_load`` of K / V (the default).  Session 11 measured the start slower (Qwen3-4B 2.725–2.745 vs
-2.689–2.711 ms) and after the wait equal, before qk-norm/RoPE was launched early (session 18); not re-measured
-since."""
+issue their weight copies) launch: at its ``start``, right ``after_wait`` (once the kernel before it is done: the
+default), or after its ``last_load`` of K / V.  Session 11 measured the start slower (Qwen3-4B 2.725–2.745 vs
+2.689–2.711 ms) and after the wait equal to the last load.  Re-measured once qk-norm/RoPE launched early (session 19,
+``benchmarks/graph_sweep.py``, decode graphs at context 48, one call): after the wait −0.21 % (Qwen3.5-4B) and
+−0.96 % (Qwen3-4B) against the last load; the start +0.24 % / +2.95 %."""
 
 GATE_EARLY = True
 """Whether the gated (Qwen3.5) split-K kernel loads its output elements' gates right after its PDL wait, into

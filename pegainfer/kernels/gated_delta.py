@@ -1355,10 +1355,10 @@ DECODE_STEP_RELEASE = os.environ.get("PEGAINFER_GDN_RELEASE", "loads")
 that wait for in_proj have arrived (``loads``, the default), or once its outputs are written (``outputs``: only the
 state write-back left).  The next kernel is the preloaded out_proj (``linear.linear_preloaded``): its 21 MB of
 weight copies share HBM with whatever loads of this kernel are still in flight, so they should start once this
-kernel's dependent loads are done (as decode attention releases o after its last K/V load).  Measured on the H200
-(Qwen3.5-4B, alternating in one call, ``benchmarks/RESULTS.md`` session 12): TPOT 2.780 ms at the start, 2.758
-after the loads, 2.776 after the outputs.  (Before the preload, the start and after the last load measured the
-same: 2.909 vs 2.921 ms.)"""
+kernel's dependent loads are done.  Measured on the H200 (Qwen3.5-4B, alternating in one call,
+``benchmarks/RESULTS.md`` session 12): TPOT 2.780 ms at the start, 2.758 after the loads, 2.776 after the outputs.
+(Before the preload, the start and after the last load measured the same: 2.909 vs 2.921 ms.)  Session 19's
+``graph_sweep.py`` had the start +1.22 % in the decode graph."""
 
 DECODE_EARLY_GATES = True
 """Whether the decode step keeps its first item's sequence, slot, position and head from before the PDL wait,

@@ -1107,12 +1107,10 @@ def linear_preloaded(x, w, out) -> None:
     matrix fits in the SMs' shared memory (``preload_rows``), it is the preloaded GEMV (``_gemv_preloaded_kernel``):
     launched with PDL, its blocks copy their weight rows in while the kernel before still runs, so only the dot
     products from shared memory are left once x is ready.  How early it starts is up to the kernel before: decode
-    attention lets it launch after its last K/V load, the Gated DeltaNet step once its dependent loads are in
-    (earlier, its copies slow those loads: attention letting it launch at its start measured slower on the H200,
-    right after its PDL wait no better, session 11; the Gated DeltaNet step at its start 0.8 % slower per token,
-    session 12; ``benchmarks/RESULTS.md``).  It lets the next GEMV launch once its copies are issued
-    (``PRELOAD_RELEASE``).  Otherwise, and when ``PRELOAD`` is off, it
-    is ``linear``.
+    attention lets it launch right after its PDL wait (``attention.DECODE_RELEASE``: at its start slower, after
+    its last K/V load 0.2–1 % slower, session 19), the Gated DeltaNet step once its dependent loads are in (at its
+    start 0.8 % slower per token, session 12; ``benchmarks/RESULTS.md``).  It lets the next GEMV launch once its
+    copies are issued (``PRELOAD_RELEASE``).  Otherwise, and when ``PRELOAD`` is off, it is ``linear``.
 
     Tried and dropped (session 14): spreading out_proj's rows over only the 100 SMs that the Gated DeltaNet step
     leaves free (26 rows, 208 KB a block, 99 blocks), so that no block waits for the step's SMs before it can start

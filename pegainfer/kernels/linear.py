@@ -935,12 +935,13 @@ def _unused(dtype):
 
 
 # ============================================================================ GEMV, one token, weights preloaded
-PRELOAD_THREADS = 256
-"""Block size of the preloaded GEMV (8 warps; one block per SM, its shared memory holding the block's rows).
+PRELOAD_THREADS = 512
+"""Block size of the preloaded GEMV (16 warps; one block per SM, its shared memory holding the block's rows).
 Swept on the H200 (session 16, ``benchmarks/ab_bench.py``, two alternating rounds, TPOT vs 256 threads):
 128 threads +2.45 % (Qwen3.5-4B) / +3.06 % (Qwen3-4B), 512 +0.31 % / +0.57 % (one round), 1024 +1.22 % / +1.64 %
-(one round).  The dot products after the wait matter (16 words a lane at 128 threads cost ~2 µs a launch), but
-more warps per block do not buy that back."""
+(one round).  The dot products after the wait matter (16 words a lane at 128 threads cost ~2 µs a launch).
+Re-measured once attention released o right after its wait (session 19, ``benchmarks/graph_sweep.py``, decode
+graphs at context 80): 512 against 256 −0.57 % (Qwen3-4B), −0.02 % / −0.00 % (Qwen3.5-4B, two pairs): 512 since."""
 
 PRELOAD = True
 """Whether ``linear_preloaded`` preloads at all (False: it is ``linear``; for A/B runs)."""

@@ -81,7 +81,9 @@ from pegainfer.kernels.primitives import (
     uint16,
     uint32,
     warp_sum,
+    global_timer,
 )
+from pegainfer.kernels import timeline
 
 NEG_INF = float32(-math.inf)
 uint64 = np.uint64
@@ -175,7 +177,7 @@ def _split_range(n_keys, split, num_splits, min_chunk):
 @functools.lru_cache(maxsize=None)
 def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, min_blocks: int = 0,
                   decode: bool = False, gated: bool = False, rope_rotary_dim: int = 0, dim_split: bool = False,
-                  gate_early: bool = False, release: str = "last_load"):
+                  gate_early: bool = False, release: str = "last_load", stamps: bool = False):
     """Build the split-K kernel for one shape (closure constants size the register fragments).  ``late_v``: load V
     after computing S (K's registers are then free: fewer registers, one more memory round trip per step);
     ``min_blocks``: launch bounds asking for that many resident blocks per SM (0: none); ``decode``: every token is
@@ -188,8 +190,10 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
     and dependent chain are those of a head half as wide (Qwen3.5's D = 256); ``gate_early`` (with ``gated``): each
     thread loads the gate values of the output elements it will write right after the PDL wait, into registers,
     rather than as a dependent load after the merge (``GATE_EARLY``); ``release`` (with ``decode``): where a block
-    lets the next kernel launch (``DECODE_RELEASES``)."""
+    lets the next kernel launch (``DECODE_RELEASES``); ``stamps``: each block appends its ``timeline`` record (the
+    wait stamp of a decode launch: its first work item's)."""
     assert release in DECODE_RELEASES, release
+    STAMPS = stamps
     D, G, W, LATE_V, DECODE, GATED = head_dim, group, warps, late_v, decode, gated
     RELEASE_START = DECODE and release == "start"
     RELEASE_AFTER_WAIT = DECODE and release == "after_wait"
@@ -329,7 +333,7 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
     def paged_attention_split_kernel(q32, k32, v32, block_tables, token_slots, positions, out, ws_acc, ws_m, ws_l,
                                      counters, scale_log2, num_kv_heads, page_shift, num_splits, min_chunk, gate,
                                      qkv, q_norm_w, k_norm_w, cos, sin, k16, v16, q_head_stride, eps, weight_offset,
-                                     round_before_weight):
+                                     round_before_weight, stamp_buf):
         """Attention of one (token, kv head, split) per block for the ``G`` q heads of that kv head, on tensor
         cores; the last block of a (token, kv head) to finish merges the splits (no second launch).
 
@@ -369,6 +373,9 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
         newest key's rows; it lets the next kernel (a weight-streaming GEMV) launch where ``release`` says: by
         default right after that wait, so the GEMV's weight copies overlap this kernel's post-wait chain.
         """
+        t_entry = t_wait = uint64(0)
+        if STAMPS:
+            t_entry = global_timer()
         if not DECODE:
             pdl_prologue()
         if RELEASE_START:
@@ -458,6 +465,8 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                         qa[i] = _smem_word(sm_q, g * D + 2 * (tq * KW + i)) if g < G else uint32(0)
                 elif early:
                     grid_dependency_wait()
+                    if STAMPS and t_wait == uint64(0):
+                        t_wait = global_timer()
                     _load_words(q32, (t * nq + head0 + g) * ROW_WORDS + dim0 + tq * KW, KW, qa, 0, g < G)
                 if early and GATE_EARLY_:                 # written by the projection before qk-norm: visible now
                     load_gates(gate, t, head0, utid, gv)
@@ -640,6 +649,8 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                                 o = gated_value(o, gate[uint64(t), uint64(head0 * 2 * D + D) + h * uint32(D) + i])
                             out[uint64(out0) + uint64(i)] = o
             cuda.syncthreads()                            # shared scratch is reused by the next work item
+        if STAMPS and cuda.threadIdx.x == 0:
+            timeline.record(stamp_buf, 5, t_entry, t_wait, t_wait, 0)
 
     return paged_attention_split_kernel
 
@@ -1175,7 +1186,8 @@ def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, posit
     if dim_split and rope is not None:   # the fused qk-norm / RoPE path exists for whole-row warps only
         warps, late_v, min_blocks, dim_split = threads(gpu=8, sim=1), D > 128, 0, False
     kern = _split_kernel(D, group, warps, late_v, min_blocks, decode, gate is not None,
-                         rope.rotary_dim if rope is not None else 0, dim_split, GATE_EARLY, DECODE_RELEASE)
+                         rope.rotary_dim if rope is not None else 0, dim_split, GATE_EARLY, DECODE_RELEASE,
+                         timeline.ENABLED)
     q2 = q.reshape(T, nq * D)
     r = rope or DecodeRope(q2, out.reshape(-1)[:D], out.reshape(-1)[:D], q2, q2, 0.0, 2, D)   # unused stand-ins
     launch(kern, grid(num_splits * T * nkv, sim_cap=64), 32 * warps,
@@ -1184,7 +1196,8 @@ def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, posit
            np.int32(page_size.bit_length() - 1), np.int32(num_splits), np.int32(_min_chunk(min_split_tokens, D)),
            gate if gate is not None else q2, r.qkv, r.q_norm_w, r.k_norm_w, r.cos, r.sin, _flat(k_cache),
            _flat(v_cache), np.int32(r.q_head_stride), np.float32(r.eps), np.float32(r.weight_offset),
-           bool(r.round_before_weight), name="paged_decode_attention" if decode else "paged_attention_split", pdl=True)
+           bool(r.round_before_weight), timeline.stamps_arg(),
+           name="paged_decode_attention" if decode else "paged_attention_split", pdl=True)
 
 
 @functools.lru_cache(maxsize=None)

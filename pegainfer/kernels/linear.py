@@ -76,12 +76,13 @@ from pegainfer.kernels.norm import (add_pair, add_rms_norm_into, check_residual_
                                     normalize_pair, pairs_per_thread)
 from pegainfer.kernels.primitives import (NO_INDEX, WARP, as_words, bf16_to_f32, bf16x2_hi, bf16x2_lo, bits_f32,
                                           block_argmax, block_sum, math, cuda, device_fn, f32_to_bf16, float32,
-                                          grid, kernel, load_u32x4,
+                                          grid, kernel, load_u32x4, load_u32_l2,
                                           mma_bf16_m16n8k16, pack_bf16x2, threads, uint16, uint32, cp_async_16,
                                           cp_async_commit, cp_async_wait_group, bulk_barrier_init,
                                           bulk_expect_bytes, bulk_copy, bulk_wait,
                                           warp_sums_to_shared, warp_row_sums_to_shared, launch_dependents,
-                                          grid_dependency_wait, pdl_prologue)
+                                          grid_dependency_wait, pdl_prologue, global_timer)
+from pegainfer.kernels import timeline
 
 int32, int64, uint64 = np.int32, np.int64, np.uint64
 
@@ -636,13 +637,24 @@ else:
 
 @functools.cache
 def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool, norm_pairs: int,
-                        trigger: str = "last_tile", gather: bool = False, argmax: bool = False):
+                        trigger: str = "last_tile", gather: bool = False, argmax: bool = False,
+                        stamps: bool = False, norm_early: bool = True, residual_early: bool = False,
+                        prewait_stages: int = -1):
     """Build the one-token GEMV (batch-1 decode) for ``rows_per_warp`` rows per warp, a load ring ``stages`` deep,
     blocks of ``warps`` warps (all compile-time: they size the register arrays and set the launch bounds) and,
     when ``norm_pairs`` > 0, the add + RMSNorm prologue with that many element pairs per thread; ``gather``: that
     prologue reads row ``row_ids[0]`` of an embedding table as the residual (the first layer's embedding lookup);
-    ``argmax``: the kernel also finds the greedy token of its one output row (``HeadArgmax``)."""
+    ``argmax``: the kernel also finds the greedy token of its one output row (``HeadArgmax``); ``stamps``: each
+    block appends its ``timeline`` record; ``norm_early``: the prologue's norm weights are loaded before the PDL wait
+    (``NORM_WEIGHT_EARLY``); ``residual_early`` (with the prologue, not ``gather``): the residual is read before
+    the PDL wait too (``linear_add_rms_norm(residual_ready=True)``); ``prewait_stages``: ring steps loaded before the
+    PDL wait (the rest right after x is staged; -1: all ``stages - 1``; ``PREWAIT_STAGES``)."""
+    PRE = stages - 1 if prewait_stages < 0 else min(prewait_stages, stages - 1)
     GATHER = gather
+    STAMPS = stamps
+    NORM_EARLY = norm_early and norm_pairs > 0
+    RESIDUAL_EARLY = residual_early and norm_pairs > 0 and not gather
+    KIND = 2 if norm_pairs > 0 else 1
     ARGMAX = argmax
     assert not (argmax and gated)
     R, S, U = rows_per_warp, stages, max(1, norm_pairs)
@@ -656,7 +668,7 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
     @_bounded_kernel(nthreads)
     def gemv_decode(x32, w32, out, k, k_split, residual_in32, delta32, norm_weight32, residual_out32, eps,
                     weight_offset, round_before_weight, has_delta, row_ids, head_max, head_index, head_token,
-                    head_threshold, head_kept):
+                    head_threshold, head_kept, stamp_buf):
         """``out[0, n] = bf16(Σ_k x[k] · W[row(n), k])`` for one token (or SwiGLU of column pairs when gated), the
         decode step's projection: a stream over W at memory bandwidth, nothing else.
 
@@ -720,6 +732,18 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
         acc = cuda.local.array(R, float32)
         wrow = cuda.local.array(R, int64)           # word offset of each of the warp's rows
         wbuf = cuda.local.array(SR4, uint32)        # the load ring: S slots × 16 bytes per row
+        t_entry = t_wait = t_ready = uint64(0)
+        if STAMPS:
+            t_entry = global_timer()
+
+        n_w = cuda.local.array(U, uint32)           # the norm weights of the prologue's pairs
+        s_w = cuda.local.array(U, uint32)           # ... its residual pairs (then the sums)
+        if NORM_EARLY:                              # weights: first in the SM's queue, ahead of the ring's loads
+            for u in range(U):
+                n_w[u] = norm_weight32[uint64(min(tid + u * nthreads, k_words - 1))]
+        if RESIDUAL_EARLY:                          # written by a kernel that has completed (the caller's word)
+            for u in range(U):
+                s_w[u] = load_u32_l2(residual_in32, uint64(min(tid + u * nthreads, k_words - 1)))
 
         if trigger == "start":
             launch_dependents()                     # PDL (launch.py): the next kernel may take SMs as ours free
@@ -727,17 +751,17 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
         if tile < n_tiles:                          # the first tile's loads fly while x is staged
             for r in range(R):
                 wrow[r] = _weight_row(min(tile * cols_per_block + group * R + r, n_cols - 1), n_out, gated) * k_words
-            for s in range(S - 1):
+            for s in range(PRE):
                 cs = first + s * step
                 if cs < n_slices:
                     _load_row_slices(w32, wrow, 4 * cs, wbuf, s * R4, R)
         # Weights only so far: from here on x / the residual, which the previous kernel writes.
         grid_dependency_wait()
+        if STAMPS:
+            t_wait = global_timer()
 
         if NORM:
-            s_w = cuda.local.array(U, uint32)
             d_w = cuda.local.array(U, uint32)
-            n_w = cuda.local.array(U, uint32)
             last = k_words - 1
             row0 = uint64(0)
             valid = True
@@ -747,9 +771,11 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
                 row0 = uint64(token if valid else 0) * uint64(k_words)
             for u in range(U):                      # every load of the prologue at once (unsigned indices here
                 pu = uint64(min(tid + u * nthreads, last))  # and below: no negative-index wraparound code)
-                s_w[u] = residual_in32[row0 + pu] if valid else uint32(0)
+                if not RESIDUAL_EARLY:
+                    s_w[u] = residual_in32[row0 + pu] if valid else uint32(0)
                 d_w[u] = delta32[pu] if has_delta else uint32(0)
-                n_w[u] = norm_weight32[pu]
+                if not NORM_EARLY:
+                    n_w[u] = norm_weight32[pu]
             ss = float32(0.0)
             for u in range(U):
                 p = tid + u * nthreads
@@ -775,6 +801,13 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
                 xs[uint64(_x_word_index(c, 2))] = q2
                 xs[uint64(_x_word_index(c, 3))] = q3
         cuda.syncthreads()
+        if STAMPS:
+            t_ready = global_timer()
+        if PRE < S - 1 and tile < n_tiles:          # the first tile's ring steps not loaded before the wait
+            for s in range(PRE, S - 1):
+                cs = first + s * step
+                if cs < n_slices:
+                    _load_row_slices(w32, wrow, 4 * cs, wbuf, s * R4, R)
 
         red = 128 * ((n_slices + 31) // 32)         # partial sums follow x (padded to whole 32-slice groups)
         per_out = 2 if gated else 1
@@ -862,9 +895,29 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
                     head_threshold[0] = m_best
                     head_kept[0] = 1
                     head_index[counter] = 0         # at rest again (graph replays)
+        if STAMPS and tid == 0:
+            timeline.record(stamp_buf, KIND, t_entry, t_wait, t_ready, n_out)
 
     return gemv_decode
 
+
+NORM_WEIGHT_EARLY = True
+"""Whether the one-token GEMV's add + RMSNorm prologue loads its norm weights before the PDL wait, ahead of the
+first tile's weight loads (they are weights: no kernel writes them), rather than after the wait beside the residual.
+The step timeline (``benchmarks/step_timeline.py``, session 20) showed that prologue taking 2.7 µs (qkv) and 3.7 µs
+(gate_up) per layer on Qwen3-4B against 1.0 µs for the down projection's plain x read: the norm weights come from
+HBM, queued behind the ring's weight loads."""
+
+RESIDUAL_EARLY = True
+"""Whether a one-token GEMV whose caller passes ``residual_ready`` reads the residual before its PDL wait (ahead of
+the ring's weight loads, at L2: ``load_u32_l2``).  The step timeline (session 20) showed the add + RMSNorm prologue
+taking 2.7 µs (qkv) and 3.7 µs (gate_up) per Qwen3-4B layer against 1.0 µs for the down projection's x read: the
+residual, written tens of µs before, comes back from HBM behind the first tile's weight loads."""
+
+PREWAIT_STAGES = -1
+"""Ring steps of its first tile the one-token GEMV loads before its PDL wait (-1: all ``stages - 1``); the rest go
+out once x is staged.  (A knob for measuring: loads issued before the wait are returned ahead of the prologue's
+own reads of x.)"""
 
 GEMV_TRIGGERS = ("start", "last_tile", "last_stream")
 GEMV_TRIGGER = os.environ.get("PEGAINFER_GEMV_TRIGGER", "last_tile")
@@ -883,7 +936,7 @@ before_latency_bound=True)``: the qkv projection before qk-norm/RoPE, the LM hea
 
 def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, gated, weight_offset,
                  round_before_weight, geo: GemvGeometry, trigger: str | None = None, row_ids=None,
-                 head=None) -> None:
+                 head=None, residual_early: bool = False) -> None:
     """Launch the one-token GEMV: ``x [1, K]`` given, or (``x=None``) the add + RMSNorm prologue over
     ``residual_in`` / ``delta`` / ``norm_weight`` writing ``residual_out`` (blocks of ``NORM_THREADS``);
     ``trigger``: ``GEMV_TRIGGERS`` entry (None: ``GEMV_TRIGGER``); ``row_ids`` (with the prologue): the residual is
@@ -912,7 +965,8 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
         raise PegainferError(f"GEMV trigger {trigger!r} (PEGAINFER_GEMV_TRIGGER / PEGAINFER_GEMV_TRIGGER_LB) is not "
                              f"one of {', '.join(GEMV_TRIGGERS)}: set one of those or unset the variable")
     kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs, trigger,
-                               row_ids is not None, head is not None)
+                               row_ids is not None, head is not None, timeline.ENABLED, NORM_WEIGHT_EARLY,
+                               residual_early and RESIDUAL_EARLY and row_ids is None, PREWAIT_STAGES)
     # the fused norm prologue runs once per block, so that path is always persistent; a bare projection may take one
     # block per tile (``persistent=False``: the hardware scheduler balances blocks, e.g. when a kernel still
     # running holds some SMs that a persistent grid counts on)
@@ -924,7 +978,8 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
         head_args = (head.part_max, head.part_index, head.token, head.threshold, head.kept)
     launch(kern, blocks, geo.warps * WARP, *args, np.float32(eps), np.float32(weight_offset),
            bool(round_before_weight), delta is not None, _unused(np.int32) if row_ids is None else row_ids,
-           *head_args, shared=shared, name="gemv_add_rms_norm" if x is None else "gemv", pdl=True)
+           *head_args, timeline.stamps_arg(), shared=shared, name="gemv_add_rms_norm" if x is None else "gemv",
+           pdl=True)
 
 
 @functools.cache
@@ -969,10 +1024,13 @@ BULK_CHUNK_BYTES = 16384
 
 
 @functools.cache
-def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False, release: str = "copies"):
+def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False, release: str = "copies",
+                           stamps: bool = False):
     """Build the preloaded one-token GEMV for blocks of ``rows`` weight rows, ``K = k`` and ``nthreads`` threads
     (all compile-time: the copy and dot loops unroll, and ``K / 2`` must be a multiple of ``nthreads``); ``bulk``:
-    copy with ``cp.async.bulk`` (``PRELOAD_BULK``); ``release``: ``PRELOAD_RELEASES``."""
+    copy with ``cp.async.bulk`` (``PRELOAD_BULK``); ``release``: ``PRELOAD_RELEASES``; ``stamps``: each block
+    appends its ``timeline`` record."""
+    STAMPS = stamps
     assert release in PRELOAD_RELEASES, release
     RELEASE_AT_COPIES = release == "copies"
     K_WORDS = k // 2
@@ -988,7 +1046,7 @@ def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False,
     wait_copies = cp_async_wait_group(0)
 
     @_bounded_kernel(nthreads)
-    def gemv_preloaded(x32, w32, out, n_rows):
+    def gemv_preloaded(x32, w32, out, n_rows, stamp_buf):
         """``out[0, n] = bf16(Σ_k x[k] · W[n, k])`` for one token, with the block's weight rows copied into shared
         memory *before* the kernel waits for x: the projection after a latency-bound kernel (attention, the Gated
         DeltaNet step), whose HBM traffic is otherwise idle while that kernel runs.
@@ -1011,6 +1069,9 @@ def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False,
         The next kernel may launch once every block's copies are issued (``release="copies"``, the default), or
         once every block has its dot products (``"dots"``).
         """
+        t_entry = t_wait = t_ready = uint64(0)
+        if STAMPS:
+            t_entry = global_timer()
         ws = cuda.shared.array(0, nbtypes.uint32)
         tid = uint32(cuda.threadIdx.x)
         lane = tid % uint32(WARP)
@@ -1039,6 +1100,8 @@ def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False,
         if RELEASE_AT_COPIES:
             launch_dependents()
         grid_dependency_wait()
+        if STAMPS:
+            t_wait = global_timer()
 
         base = warp * uint32(WARP * XW) + lane
         xlo = cuda.local.array(XW, float32)
@@ -1052,6 +1115,8 @@ def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False,
         else:
             wait_copies()
             cuda.syncthreads()
+        if STAMPS:
+            t_ready = global_timer()
 
         acc = cuda.local.array(rows, float32)
         for r in range(rows):
@@ -1073,6 +1138,8 @@ def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False,
             for w_ in range(WARPS):
                 v += bits_f32(ws[uint32(RED + w_ * rows) + tid])
             out[0, row0 + tid] = f32_to_bf16(v)
+        if STAMPS and tid == 0:
+            timeline.record(stamp_buf, 3, t_entry, t_wait, t_ready, n_rows)
 
     return gemv_preloaded
 
@@ -1144,8 +1211,8 @@ def linear_preloaded(x, w, out) -> None:
         return
     n_rows, k = w.shape
     nthreads = threads(gpu=PRELOAD_THREADS, sim=WARP)
-    kern = _gemv_preloaded_kernel(rows, k, nthreads, PRELOAD_BULK, PRELOAD_RELEASE)
-    launch(kern, -(-n_rows // rows), nthreads, as_words(x), as_words(w), out, n_rows,
+    kern = _gemv_preloaded_kernel(rows, k, nthreads, PRELOAD_BULK, PRELOAD_RELEASE, timeline.ENABLED)
+    launch(kern, -(-n_rows // rows), nthreads, as_words(x), as_words(w), out, n_rows, timeline.stamps_arg(),
            shared=_preload_shared(rows, k, nthreads), name="gemv_preloaded", pdl=True)
 
 
@@ -1808,7 +1875,8 @@ def fuses_add_rms_norm(n_tokens: int, w, gated: bool = False) -> bool:
 def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_out, w, out, *, gated: bool = False,
                         weight_offset: float = 0.0, round_before_weight: bool = True, normed_out=None,
                         impl: str | None = None, geometry: GemvGeometry | None = None,
-                        before_latency_bound: bool = False, row_ids=None, head=None) -> None:
+                        before_latency_bound: bool = False, row_ids=None, head=None,
+                        residual_ready: bool = False) -> None:
     """The decoder's residual add and RMSNorm followed by a projection:
 
         s = bf16(residual_in + delta)       (delta=None: s = residual_in)      -> residual_out
@@ -1835,6 +1903,11 @@ def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_ou
     ``head`` (``sampling.HeadArgmax``; one-token path only, not gated): the launch is the LM head of a one-sequence
     step, and also writes the greedy token of its logits row (``_gemv_decode_kernel``'s step 4), which the sampler
     then takes as it is (``sampling.sample(head=)``).
+    ``residual_ready`` (one-token path): ``residual_in`` was written by a kernel that has completed by the time this
+    launch starts -- two or more launches back, with a kernel between that lets its dependents launch only after
+    its own PDL wait (the decoder's ping-ponged residual: the MLP's gate/up reads what the layer's first projection
+    wrote, the next layer's first projection what gate/up wrote) -- so the prologue reads it before its PDL wait
+    (``RESIDUAL_EARLY``), leaving only ``delta`` for after it.
     Otherwise: ``add_rms_norm_into`` into ``normed_out`` (required then: a ``[T, H]`` scratch), then ``linear`` with
     ``impl``.  Nothing is allocated; every launch can be captured in a CUDA graph.
     """
@@ -1866,7 +1939,7 @@ def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_ou
     if fused and out.shape[1] > 0:         # (no columns: no blocks, which would leave residual_out unwritten)
         _gemv_decode(None, residual_in, delta, norm_weight, eps, residual_out, w, out, gated, weight_offset,
                      round_before_weight, geo, GEMV_TRIGGER_BEFORE_LATENCY_BOUND if before_latency_bound else None,
-                     head=head)
+                     head=head, residual_early=residual_ready)
         return
     if head is not None:
         raise ValueError(f"head: the one-token path only (fuses_add_rms_norm), got T = {T}")

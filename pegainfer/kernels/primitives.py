@@ -160,6 +160,10 @@ if SIMULATOR:
         return a[i], a[i + 1], a[i + 2], a[i + 3]
 
     @device_fn
+    def load_u32_l2(a, i):
+        return a[i]
+
+    @device_fn
     def load_f32x2(a, i):
         return a[i], a[i + 1]
 
@@ -317,6 +321,22 @@ else:
     @device_fn
     def load_u32x4(a, i):
         return _ld_global_nc_v4_u32(a, i)
+
+    @intrinsic
+    def load_u32_l2(typingctx, arr, idx):
+        """``ld.global.cg.u32``: ``a[idx]`` read at L2, the point where every SM's writes meet (no L1 line, so no
+        stale copy): for data an earlier, completed kernel wrote, read before this kernel's PDL wait."""
+        if not (isinstance(arr, types.Array) and arr.dtype == types.uint32 and arr.ndim == 1):
+            return None
+        sig = types.uint32(arr, idx)
+
+        def codegen(context, builder, sig, args):
+            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [ptr.type]), "ld.global.cg.u32 $0, [$1];", "=r,l",
+                               side_effect=True)
+            return builder.call(asm, [ptr])
+
+        return sig, codegen
 
     # f32 vector loads and stores (global or shared memory: the address is generic): plain LLVM vector accesses,
     # so the compiler orders them against barriers and other accesses as it does any load or store.
@@ -826,6 +846,38 @@ else:
     @device_fn
     def launch_dependents():
         pass
+
+# Timeline stamps (``pegainfer/kernels/timeline.py``): when a block reached a point of its kernel, and on which SM.
+if SIMULATOR:
+    import time as _time
+
+    @device_fn
+    def global_timer():
+        """Nanoseconds of a clock every SM shares (the simulator: the host's ``perf_counter_ns``)."""
+        return np.uint64(_time.perf_counter_ns())
+
+    @device_fn
+    def sm_id():
+        """The SM this block runs on (0 in the simulator)."""
+        return np.uint32(0)
+else:
+    def _read_register(ptx_type: str, register: str, nbtype, bits: int):
+        @intrinsic
+        def read(typingctx):
+            sig = nbtype()
+
+            def codegen(context, builder, sig, args):
+                # volatile (side effect): every call reads the register anew, in program order
+                asm = ir.InlineAsm(ir.FunctionType(ir.IntType(bits), []), f"mov.{ptx_type} $0, {register};", "=l"
+                                   if bits == 64 else "=r", side_effect=True)
+                return builder.call(asm, [])
+
+            return sig, codegen
+        return read
+
+    global_timer = _read_register("u64", "%globaltimer", types.uint64, 64)   # ns of a clock every SM shares
+    sm_id = _read_register("u32", "%smid", types.uint32, 32)                 # the SM this block runs on
+
 
 @device_fn
 def pdl_prologue():

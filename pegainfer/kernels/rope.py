@@ -28,7 +28,8 @@ from pegainfer.errors import PegainferError
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.norm import normalize_element
 from pegainfer.kernels.primitives import (grid_dependency_wait, launch_dependents, WARP, bf16_to_f32, cuda, device_fn, f32_to_bf16, float32, grid, int32,
-                                          kernel, math, threads, to_bf16_bits, uint16, warp_sum)
+                                          kernel, math, threads, to_bf16_bits, uint16, warp_sum, global_timer)
+from pegainfer.kernels import timeline
 
 uint64 = np.uint64
 
@@ -159,10 +160,11 @@ def head_geometry(head_dim: int, rotary_dim: int) -> tuple[int, int]:
 
 
 @functools.cache
-def _qk_norm_rope_kernel(head_dim: int, rotary_dim: int, release: str = "start"):
+def _qk_norm_rope_kernel(head_dim: int, rotary_dim: int, release: str = "start", stamps: bool = False):
     """Build the kernel for heads of ``head_dim`` dims, the first ``rotary_dim`` rotated (compile-time constants:
     the per-lane register arrays stay in registers, and every bound on a lane's dims folds away).  ``release``:
-    ``QK_NORM_RELEASES``."""
+    ``QK_NORM_RELEASES``; ``stamps``: each block appends its ``timeline`` record."""
+    STAMPS = stamps
     assert release in QK_NORM_RELEASES, release
     J, SHIFT = head_geometry(head_dim, rotary_dim)
     D = head_dim
@@ -190,7 +192,7 @@ def _qk_norm_rope_kernel(head_dim: int, rotary_dim: int, release: str = "start")
     @kernel
     def qk_norm_rope_store_kernel(qkv, row, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables,
                                   pages_per_seq, k_cache, v_cache, page_shift, num_kv_heads, q_out, num_q_heads,
-                                  q_head_stride, eps, weight_offset, round_before_weight):
+                                  q_head_stride, eps, weight_offset, round_before_weight, stamp_buf):
         """Per-head q/k RMSNorm + RoPE, q to ``q_out``, k and v into the paged KV cache.
 
         Every tensor is passed flat (1-D, C order), with the sizes its indexing needs:
@@ -227,6 +229,9 @@ def _qk_norm_rope_kernel(head_dim: int, rotary_dim: int, release: str = "start")
         block runs the same number of items and calls ``warp_sum`` once per item (v heads and idle tail warps too),
         as the simulator's emulated shuffles require.
         """
+        t_entry = t_wait = uint64(0)
+        if STAMPS:
+            t_entry = global_timer()
         if RELEASE_AT_START:
             launch_dependents()             # PDL: the attention kernel after this one may start its early loads
         heads_per_token = num_q_heads + 2 * num_kv_heads
@@ -281,6 +286,8 @@ def _qk_norm_rope_kernel(head_dim: int, rotary_dim: int, release: str = "start")
             if (is_k or is_v) and slot >= 0:
                 page = int32(block_tables[uint64(slot) * uint64(pages_per_seq) + uint64(pos >> page_shift)])
             grid_dependency_wait()          # PDL: everything above is read-only in a step; the head is not
+            if STAMPS and t_wait == uint64(0):
+                t_wait = global_timer()
             if not RELEASE_AT_START:
                 launch_dependents()         # the projection is done: attention may launch
             head = uint64(t) * uint64(row) + uint64(src) + ulane     # qkv index of dim `lane` of the head
@@ -336,6 +343,8 @@ def _qk_norm_rope_kernel(head_dim: int, rotary_dim: int, release: str = "start")
                         q_out[dst + uint64(WARP * j)] = n
                     else:
                         k_cache[dst + uint64(WARP * j)] = n
+        if STAMPS and cuda.threadIdx.x == 0:
+            timeline.record(stamp_buf, 4, t_entry, t_wait, t_wait, 0)
 
     return qk_norm_rope_store_kernel
 
@@ -395,7 +404,7 @@ def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots
     if QK_NORM_RELEASE not in QK_NORM_RELEASES:
         raise PegainferError(f"PEGAINFER_QK_NORM_RELEASE={QK_NORM_RELEASE!r} is not one of {QK_NORM_RELEASES}: "
                              "unset it or pick one of those")
-    kern = _qk_norm_rope_kernel(head_dim, rotary_dim, QK_NORM_RELEASE)
+    kern = _qk_norm_rope_kernel(head_dim, rotary_dim, QK_NORM_RELEASE, timeline.ENABLED)
     for name, a in (("qkv", qkv), ("cos", cos), ("sin", sin), ("block_tables", block_tables), ("k_cache", k_cache),
                     ("v_cache", v_cache), ("q_out", q_out)):
         assert a.is_c_contiguous(), f"{name} must be C-contiguous (the kernel indexes it flat)"
@@ -405,4 +414,4 @@ def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots
            flat(block_tables), np.int32(block_tables.shape[1]), flat(k_cache), flat(v_cache),
            np.int32(page_size.bit_length() - 1), np.int32(num_kv_heads), flat(q_out), np.int32(num_q_heads),
            np.int32(q_head_stride), np.float32(eps), np.float32(weight_offset), bool(round_before_weight),
-           name="qk_norm_rope_store_decode" if decode else "qk_norm_rope_store", pdl=True)
+           timeline.stamps_arg(), name="qk_norm_rope_store_decode" if decode else "qk_norm_rope_store", pdl=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from pegainfer.kernels import attention, embedding, linear, rope
+from pegainfer.kernels import attention, embedding, gated_delta, linear, rope
 
 BF16 = np.uint16
 
@@ -20,6 +20,19 @@ def upload_stacked(reader, parts, cols: int):
         reader.upload(name, (rows, cols), dest=stacked[row:row + rows])
         row += rows
     return stacked
+
+
+def residual_ready(after: str, decode: bool) -> bool:
+    """Whether the residual a one-token ``linear_add_rms_norm`` reads was written by a kernel that has completed when
+    that launch starts (``linear_add_rms_norm(residual_ready=)``: it may then read it before its PDL wait).
+    ``after="down"``: the launch follows the MLP's down projection, whose GEMV lets it launch only past its own wait
+    (unless ``GEMV_TRIGGER`` is "start"), so the gate/up launch that wrote the residual is done.  ``after="mixer"``:
+    the MLP's gate/up after the attention (or Gated DeltaNet) block of a decode step; the preloaded o / out_proj
+    before it launches once decode attention (or the Gated DeltaNet step) has passed its wait, so the layer's first
+    projection, which wrote the residual, is done -- unless those kernels release at their start."""
+    if after == "down":
+        return linear.GEMV_TRIGGER != "start"
+    return decode and attention.DECODE_RELEASE != "start" and gated_delta.DECODE_STEP_RELEASE != "start"
 
 
 class DecoderModel:

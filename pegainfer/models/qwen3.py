@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 
 from pegainfer.kernels import attention, embedding, linear, norm, rope
-from pegainfer.models.common import DecoderModel, upload_stacked
+from pegainfer.models.common import residual_ready, DecoderModel, upload_stacked
 
 
 class Qwen3Model(DecoderModel):
@@ -106,7 +106,8 @@ class Qwen3Model(DecoderModel):
         for i, lw in enumerate(self.layers):
             linear.linear_add_rms_norm(stream_in if i == 0 else residual, delta if i > 0 else None, lw["input_ln"],
                                        eps, spare, lw["qkv"], qkv, normed_out=normed, before_latency_bound=True,
-                                       row_ids=row_ids if i == 0 else None)
+                                       row_ids=row_ids if i == 0 else None,
+                                       residual_ready=i > 0 and residual_ready("down", decode))
             residual, spare = spare, residual
             if decode and attention.FUSED_DECODE_ROPE:   # norm + RoPE + KV store inside the attention launch
                 fused = attention.DecodeRope(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, eps,
@@ -121,14 +122,15 @@ class Qwen3Model(DecoderModel):
                                           scale, self.attn_workspace, decode=decode)
             linear.linear_preloaded(attn_flat, lw["o"], delta)   # its weights copied in while attention ends
             linear.linear_add_rms_norm(residual, delta, lw["post_ln"], eps, spare, lw["gate_up"], act, gated=True,
-                                       normed_out=normed)
+                                       normed_out=normed, residual_ready=residual_ready("mixer", decode))
             residual, spare = spare, residual
             linear.linear(act, lw["down"], delta)
         logits = self.logits[:B]
         if T == 1 and B == 1:
             # one row, which is the logits row: the final norm is the LM head's prologue
             linear.linear_add_rms_norm(residual, delta, self.final_norm, eps, spare, self.lm_head, logits,
-                                       normed_out=normed, before_latency_bound=True, head=head)
+                                       normed_out=normed, before_latency_bound=True, head=head,
+                                       residual_ready=residual_ready("down", decode))
         else:
             assert head is None, "the LM head's argmax is for one token (lm_head_argmax)"
             norm.add_rms_norm(residual, delta, self.final_norm, normed, eps)

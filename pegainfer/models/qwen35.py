@@ -48,7 +48,7 @@ from numba import cuda
 
 from pegainfer.kernels import attention, embedding, gated_delta, gating, linear, norm, rope
 from pegainfer.kernels.primitives import from_bf16_bits
-from pegainfer.models.common import BF16, DecoderModel, upload_stacked
+from pegainfer.models.common import residual_ready, BF16, DecoderModel, upload_stacked
 
 QWEN35_NORM = dict(weight_offset=1.0, round_before_weight=False)  # HF Qwen3_5RMSNorm: bf16(x·r·(1 + w))
 PREFILL_CONV_TOKENS_PER_THREAD = 8
@@ -223,7 +223,8 @@ class Qwen35Model(DecoderModel):
             first_w, first_out = (lw["qkv"], self.qkv[:T]) if i in full_index else (lw["in_proj"], self.proj[:T])
             linear.linear_add_rms_norm(stream_in if i == 0 else residual, delta if i > 0 else None, lw["input_ln"],
                                        eps, spare, first_w, first_out, normed_out=normed, before_latency_bound=True,
-                                       row_ids=row_ids if i == 0 else None, **QWEN35_NORM)
+                                       row_ids=row_ids if i == 0 else None,
+                                       residual_ready=i > 0 and residual_ready("down", decode), **QWEN35_NORM)
             residual, spare = spare, residual
             if i in full_index:
                 self._full_attention(full_index[i], lw, delta, T, pos, slots, block_tables, decode)
@@ -231,13 +232,14 @@ class Qwen35Model(DecoderModel):
                 self._linear_attention(linear_index[i], lw, delta, T, pos, seq_slots, seq_offsets, token_by_token,
                                        slots if decode else None)
             linear.linear_add_rms_norm(residual, delta, lw["post_ln"], eps, spare, lw["gate_up"], act, gated=True,
-                                       normed_out=normed, **QWEN35_NORM)
+                                       normed_out=normed, residual_ready=residual_ready("mixer", decode), **QWEN35_NORM)
             residual, spare = spare, residual
             linear.linear(act, lw["down"], delta)
         logits = self.logits[:B]
         if T == 1 and B == 1:
             linear.linear_add_rms_norm(residual, delta, self.final_norm, eps, spare, self.lm_head, logits,
-                                       normed_out=normed, before_latency_bound=True, head=head, **QWEN35_NORM)
+                                       normed_out=normed, before_latency_bound=True, head=head,
+                                       residual_ready=residual_ready("down", decode), **QWEN35_NORM)
         else:
             assert head is None, "the LM head's argmax is for one token (lm_head_argmax)"
             norm.add_rms_norm(residual, delta, self.final_norm, normed, eps, **QWEN35_NORM)

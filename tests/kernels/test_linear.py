@@ -549,3 +549,37 @@ def test_gemv_tuning_file(tmp_path, monkeypatch):
     assert lin.load_gemv_tuning(str(path)) == 2
     assert lin.gemv_geometry(777, 512, 1) == GemvGeometry(**geo)
     assert lin.skinny_geometry(777, 512, 16, gated=True) == lin.SkinnyGeometry(**skinny)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("form", ["qwen3", "qwen35"])
+def test_linear_add_rms_norm_residual_ready_is_bit_identical(gated, form, rng, monkeypatch):
+    """``residual_ready``: the one-token prologue reads the residual before its PDL wait (at L2); the same bits as
+    reading it after, with ``RESIDUAL_EARLY`` on and off."""
+    H, n_cols = 72, 40
+    rb, _ = bf16_randn((1, H), rng)
+    db, _ = bf16_randn((1, H), rng)
+    wnb, _ = bf16_randn((H,), rng, scale=0.2)
+    wb, _ = bf16_randn((n_cols, H), rng, scale=0.2)
+    late = _fused(rb, db, wnb, wb, gated, form, 1e-6)
+    early = _fused(rb, db, wnb, wb, gated, form, 1e-6, residual_ready=True)
+    monkeypatch.setattr(lin, "RESIDUAL_EARLY", False)
+    ignored = _fused(rb, db, wnb, wb, gated, form, 1e-6, residual_ready=True)
+    for a, b, c in zip(late, early, ignored):
+        assert np.array_equal(a, b) and np.array_equal(a, c)
+
+
+@pytest.mark.parametrize("prewait", [0, 1, 2])
+def test_gemv_prewait_stages_are_bit_identical(prewait, rng, monkeypatch):
+    """``PREWAIT_STAGES``: however many ring steps go out before the PDL wait, the rest right after x is staged,
+    the one-token GEMV gives the same bits (a ring 4 deep, several tiles per block)."""
+    xb, x = bf16_randn((1, 512), rng)
+    wb, w = bf16_randn((24, 512), rng, scale=0.1)
+    geo = GemvGeometry(rows_per_warp=2, warps=1, k_split=1, max_tokens=1, stages=4, persistent=True)
+
+    def one_token_gemv(x_, w_, out):
+        lin._gemv_decode(x_, None, None, None, 0.0, None, w_, out, False, 0.0, True, geo)
+    base = run(one_token_gemv, xb, wb, 24)
+    monkeypatch.setattr(lin, "PREWAIT_STAGES", prewait)
+    got = run(one_token_gemv, xb, wb, 24)
+    assert np.array_equal(got, base) and rel_l2(got, x @ w.T) < 1e-2

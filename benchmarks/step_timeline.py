@@ -1,0 +1,146 @@
+"""Where the time between a decode step's kernels goes, block by block, inside the CUDA graph.
+
+Captures the batch-1 decode graph with ``pegainfer.kernels.timeline`` on (the GEMVs, qk-norm/RoPE and decode
+attention append one record per block: entry, PDL wait returned, inputs staged, end, SM), replays it, and prints
+per kernel of the step, medians over the layers:
+
+  wall     its last block's end minus the previous kernel's last block's end (sums to the step)
+  wait     its first block's wait return minus the previous kernel's last block's end (the PDL handoff)
+  early    how long its blocks ran before that wait returned (the loads they issued meanwhile)
+  prologue median of ``t_ready - t_wait`` (x read, norm, staged)
+  tail     its last block's end minus its median block's end
+
+``--save FILE.npy`` keeps the raw records (``timeline.records()`` of the last replay) for a closer look.
+
+Usage (GPU):  python benchmarks/step_timeline.py --model-path DIR [--output-len 64] [--save t.npy]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+
+
+def launches(rec: np.ndarray) -> list[np.ndarray]:
+    """The records grouped into launches (same kind, output size and grid; blocks of one launch are ``grid``
+    consecutive records in entry order), in completion order (each kernel waits for the one before)."""
+    groups = defaultdict(list)
+    for r in np.sort(rec, order="t_entry"):
+        groups[int(r["kind"]), int(r["extra"]), int(r["grid"])].append(r)
+    out = []
+    for (_, _, grid), rows in groups.items():
+        for i in range(0, len(rows) - grid + 1, grid):
+            out.append(np.array(rows[i:i + grid], dtype=rec.dtype))
+    out.sort(key=lambda blocks: int(blocks["t_end"].max()))
+    return out
+
+
+def label(blocks: np.ndarray) -> str:
+    from pegainfer.kernels.timeline import KINDS
+    kind, extra = KINDS[int(blocks["kind"][0])], int(blocks["extra"][0])
+    return f"{kind}[{extra}]x{int(blocks['grid'][0])}" if extra else f"{kind}x{int(blocks['grid'][0])}"
+
+
+def summarize(rec: np.ndarray) -> list[dict]:
+    rows, prev_end = [], None
+    for blocks in launches(rec):
+        end = int(blocks["t_end"].max())
+        first_wait = int(blocks["t_wait"].min())
+        row = {"label": label(blocks), "end": end,
+               "early": float(np.median(blocks["t_wait"] - blocks["t_entry"])) / 1e3,
+               "prologue": float(np.median(blocks["t_ready"] - blocks["t_wait"])) / 1e3,
+               "tail": (end - float(np.median(blocks["t_end"]))) / 1e3,
+               "wall": None if prev_end is None else (end - prev_end) / 1e3,
+               "wait": None if prev_end is None else (first_wait - prev_end) / 1e3}
+        rows.append(row)
+        prev_end = end
+    return rows
+
+
+def report(rows: list[dict]) -> None:
+    by = defaultdict(list)
+    order = []
+    for r in rows:
+        if r["label"] not in by:
+            order.append(r["label"])
+        by[r["label"]].append(r)
+    print(f"{'kernel':40s} {'n':>3s} {'wall µs':>8s} {'wait':>6s} {'early':>6s} {'prologue':>8s} {'tail':>6s}")
+    total = 0.0
+    for lab in order:
+        rs = by[lab]
+        med = lambda key: statistics.median([r[key] for r in rs if r[key] is not None] or [float("nan")])
+        walls = [r["wall"] for r in rs if r["wall"] is not None]
+        total += sum(walls)
+        print(f"{lab:40s} {len(rs):3d} {med('wall'):8.2f} {med('wait'):6.2f} {med('early'):6.2f} "
+              f"{med('prologue'):8.2f} {med('tail'):6.2f}")
+    print(f"sum of walls (first kernel's excluded): {total:.1f} µs")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--output-len", type=int, default=64, help="tokens generated before capture (context length)")
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--save", default=None)
+    args = ap.parse_args(argv)
+
+    from cuda.bindings import driver as drv
+    from numba import cuda
+
+    from pegainfer.bench import time_generation
+    from pegainfer.device import SIMULATOR
+    from pegainfer.engine.engine import Engine
+    from pegainfer.kernels import timeline
+    if SIMULATOR:
+        print("step_timeline needs a GPU (the simulator has no CUDA graphs)")
+        return 0
+    engine = Engine.from_folder(args.model_path, args.max_model_len, max_batch=1)
+    runner = engine.runner
+    rng = np.random.default_rng(0)
+    vocab = min(engine.model.V, engine.tokenizer.vocab_size)
+    time_generation(engine, rng.integers(0, vocab, size=args.prompt_len).tolist(), args.output_len)
+    runner.stream.synchronize()
+
+    stream = drv.CUstream(int(runner.stream.handle))
+    start, end = cuda.event(), cuda.event()
+
+    def replay_ms(n):
+        start.record(runner.stream)
+        for _ in range(n):
+            drv.cuGraphLaunch(runner.graphs.execs[(1, 1)], stream)
+        end.record(runner.stream)
+        end.synchronize()
+        return cuda.event_elapsed_time(start, end) / n
+
+    plain = replay_ms(args.replays)
+    timeline.buffer()                   # allocated outside the capture
+    timeline.ENABLED = True
+    runner.graphs.capture(1, 1, decode=True)
+    runner.stream.synchronize()
+    stamped = replay_ms(args.replays)
+    timeline.reset()
+    replay_ms(1)
+    rec = timeline.records()
+    print(f"decode graph: {plain:.4f} ms plain, {stamped:.4f} ms stamped; {len(rec)} block records")
+    ticks = np.diff(np.unique(np.concatenate([rec["t_entry"], rec["t_end"]])))
+    print(f"globaltimer: smallest step between distinct stamps {int(ticks.min()) if len(ticks) else 0} ns")
+    step = (int(rec["t_end"].max()) - int(rec["t_entry"].min())) / 1e3
+    print(f"first block entry to last block end: {step:.1f} µs")
+    report(summarize(rec))
+    if args.save:
+        np.save(args.save, rec)
+        print(f"records saved to {args.save}")
+    timeline.ENABLED = False
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

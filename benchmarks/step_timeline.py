@@ -51,10 +51,12 @@ def summarize(rec: np.ndarray) -> list[dict]:
     rows, prev_end = [], None
     for blocks in launches(rec):
         end = int(blocks["t_end"].max())
-        first_wait = int(blocks["t_wait"].min())
+        waited = blocks[blocks["t_wait"] > 0]       # (a decode attention block without work never waits)
+        waited = waited if len(waited) else blocks
+        first_wait = int(waited["t_wait"].min())
         row = {"label": label(blocks), "end": end,
-               "early": float(np.median(blocks["t_wait"] - blocks["t_entry"])) / 1e3,
-               "prologue": float(np.median(blocks["t_ready"] - blocks["t_wait"])) / 1e3,
+               "early": float(np.median(waited["t_wait"] - waited["t_entry"])) / 1e3,
+               "prologue": float(np.median(waited["t_ready"] - waited["t_wait"])) / 1e3,
                "tail": (end - float(np.median(blocks["t_end"]))) / 1e3,
                "wall": None if prev_end is None else (end - prev_end) / 1e3,
                "wait": None if prev_end is None else (first_wait - prev_end) / 1e3}

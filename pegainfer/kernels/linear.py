@@ -638,21 +638,18 @@ else:
 @functools.cache
 def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool, norm_pairs: int,
                         trigger: str = "last_tile", gather: bool = False, argmax: bool = False,
-                        stamps: bool = False, norm_early: bool = True, residual_early: bool = False,
-                        prewait_stages: int = -1):
+                        stamps: bool = False, residual_early: bool = False, dynamic: bool = False):
     """Build the one-token GEMV (batch-1 decode) for ``rows_per_warp`` rows per warp, a load ring ``stages`` deep,
     blocks of ``warps`` warps (all compile-time: they size the register arrays and set the launch bounds) and,
     when ``norm_pairs`` > 0, the add + RMSNorm prologue with that many element pairs per thread; ``gather``: that
     prologue reads row ``row_ids[0]`` of an embedding table as the residual (the first layer's embedding lookup);
     ``argmax``: the kernel also finds the greedy token of its one output row (``HeadArgmax``); ``stamps``: each
-    block appends its ``timeline`` record; ``norm_early``: the prologue's norm weights are loaded before the PDL wait
-    (``NORM_WEIGHT_EARLY``); ``residual_early`` (with the prologue, not ``gather``): the residual is read before
-    the PDL wait too (``linear_add_rms_norm(residual_ready=True)``); ``prewait_stages``: ring steps loaded before the
-    PDL wait (the rest right after x is staged; -1: all ``stages - 1``; ``PREWAIT_STAGES``)."""
-    PRE = stages - 1 if prewait_stages < 0 else min(prewait_stages, stages - 1)
+    block appends its ``timeline`` record; ``residual_early`` (with the prologue, not ``gather``): the residual is
+    read before the PDL wait (``linear_add_rms_norm(residual_ready=True)``); ``dynamic``: tiles after a block's
+    first two are claimed from a counter (``GEMV_DYNAMIC_TILES``)."""
+    DYN = dynamic
     GATHER = gather
     STAMPS = stamps
-    NORM_EARLY = norm_early and norm_pairs > 0
     RESIDUAL_EARLY = residual_early and norm_pairs > 0 and not gather
     KIND = 2 if norm_pairs > 0 else 1
     ARGMAX = argmax
@@ -668,7 +665,7 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
     @_bounded_kernel(nthreads)
     def gemv_decode(x32, w32, out, k, k_split, residual_in32, delta32, norm_weight32, residual_out32, eps,
                     weight_offset, round_before_weight, has_delta, row_ids, head_max, head_index, head_token,
-                    head_threshold, head_kept, stamp_buf):
+                    head_threshold, head_kept, stamp_buf, tile_counters, counter_base):
         """``out[0, n] = bf16(Σ_k x[k] · W[row(n), k])`` for one token (or SwiGLU of column pairs when gated), the
         decode step's projection: a stream over W at memory bandwidth, nothing else.
 
@@ -699,7 +696,11 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
            shared memory with ``cp.async``.  So were weight loads with an L2 ``evict_first`` policy, meant to keep
            the Gated DeltaNet state and the KV cache in L2 across steps (session 17:
            ``ld.global.nc.L1::no_allocate.L2::cache_hint``, and the preloaded GEMV's bulk copies likewise): TPOT
-           +12.9 % on Qwen3.5-4B, +11.1 % on Qwen3-4B.)  The block lets the next kernel launch (``launch_dependents``) when it
+           +12.9 % on Qwen3.5-4B, +11.1 % on Qwen3-4B.  Session 20 measured what those first loads are worth:
+           issuing 0, 1 or 2 of the ``stages - 1`` steps before the wait (the rest after x is staged) made the
+           decode graph 15.0 / 9.6 / 5.3 % slower on Qwen3-4B; copying 2 or 4 more steps of every row of the
+           first tile into shared memory with ``cp.async.bulk`` before the wait, the ring refilling from there,
+           made it 5.6 / 8.2 % slower (Qwen3.5-4B 5.7 / 8.6 %).)  The block lets the next kernel launch (``launch_dependents``) when it
            starts its last tile (``GEMV_TRIGGER``), not at its start: blocks launched early wait on SM slots for
            the whole kernel, and doing so cost 0.2 ms per Qwen3-4B step.
         3. *Reduce*: ``warp_sum`` per row, the ``k_split`` partial sums through shared memory, one thread per
@@ -738,7 +739,7 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
 
         n_w = cuda.local.array(U, uint32)           # the norm weights of the prologue's pairs
         s_w = cuda.local.array(U, uint32)           # ... its residual pairs (then the sums)
-        if NORM_EARLY:                              # weights: first in the SM's queue, ahead of the ring's loads
+        if NORM:                                    # weights (no kernel writes them): before the wait
             for u in range(U):
                 n_w[u] = norm_weight32[uint64(min(tid + u * nthreads, k_words - 1))]
         if RESIDUAL_EARLY:                          # written by a kernel that has completed (the caller's word)
@@ -751,7 +752,7 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
         if tile < n_tiles:                          # the first tile's loads fly while x is staged
             for r in range(R):
                 wrow[r] = _weight_row(min(tile * cols_per_block + group * R + r, n_cols - 1), n_out, gated) * k_words
-            for s in range(PRE):
+            for s in range(S - 1):
                 cs = first + s * step
                 if cs < n_slices:
                     _load_row_slices(w32, wrow, 4 * cs, wbuf, s * R4, R)
@@ -774,8 +775,6 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
                 if not RESIDUAL_EARLY:
                     s_w[u] = residual_in32[row0 + pu] if valid else uint32(0)
                 d_w[u] = delta32[pu] if has_delta else uint32(0)
-                if not NORM_EARLY:
-                    n_w[u] = norm_weight32[pu]
             ss = float32(0.0)
             for u in range(U):
                 p = tid + u * nthreads
@@ -803,11 +802,6 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
         cuda.syncthreads()
         if STAMPS:
             t_ready = global_timer()
-        if PRE < S - 1 and tile < n_tiles:          # the first tile's ring steps not loaded before the wait
-            for s in range(PRE, S - 1):
-                cs = first + s * step
-                if cs < n_slices:
-                    _load_row_slices(w32, wrow, 4 * cs, wbuf, s * R4, R)
 
         red = 128 * ((n_slices + 31) // 32)         # partial sums follow x (padded to whole 32-slice groups)
         per_out = 2 if gated else 1
@@ -815,7 +809,19 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
         t_col = int32(NO_INDEX)
         if LAST_TILE and tile + cuda.gridDim.x >= n_tiles:
             launch_dependents()                     # this block's only tile
+        # dynamic: the block's n-th tile (n = 0, 1, ...) in shared slot n % 2, written by thread 0 before the barrier
+        # that ends tile n - 1 (so before anyone reads it), claimed at the start of tile n - 2
+        ahead = cuda.shared.array(2, int32)
+        n_th = uint32(0)
+        claim = int32(-1)
+        if DYN and tid == 0:
+            ahead[1] = tile + cuda.gridDim.x        # the block's second tile: static
+        if DYN:
+            cuda.syncthreads()
         while tile < n_tiles:
+            if DYN and tid == 0:                    # claim the tile after next; the answer is wanted only after
+                claim = (cuda.atomic.add(tile_counters, counter_base, 1)    # this tile's dot products
+                         if ahead[(n_th + uint32(1)) % uint32(2)] < n_tiles else int32(-1))
             for r in range(R):
                 acc[r] = float32(0.0)
             c = first
@@ -833,9 +839,15 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
                 launch_dependents()                 # the last tile's weights are all read
             warp_sums_to_shared(acc, R, xs, red + warp * R, True)   # f32 bits (xs is uint32)
             this_tile = tile
-            tile += cuda.gridDim.x
-            if LAST_TILE and tile < n_tiles and tile + cuda.gridDim.x >= n_tiles:
-                launch_dependents()                 # entering the last tile
+            if DYN:
+                if tid == 0:
+                    ahead[n_th % uint32(2)] = 2 * cuda.gridDim.x + claim if claim >= 0 else n_tiles
+                n_th += uint32(1)
+                tile = ahead[n_th % uint32(2)]
+            else:
+                tile += cuda.gridDim.x
+                if LAST_TILE and tile < n_tiles and tile + cuda.gridDim.x >= n_tiles:
+                    launch_dependents()             # entering the last tile
             if tile < n_tiles:                      # the next tile's loads fly through the reduction
                 for r in range(R):
                     wrow[r] = _weight_row(min(tile * cols_per_block + group * R + r, n_cols - 1), n_out,
@@ -845,6 +857,8 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
                     if cs < n_slices:
                         _load_row_slices(w32, wrow, 4 * cs, wbuf, s * R4, R)
             cuda.syncthreads()
+            if DYN and LAST_TILE and tile < n_tiles and ahead[(n_th + uint32(1)) % uint32(2)] >= n_tiles:
+                launch_dependents()                 # entering the last tile
             for item in range(tid, groups * (R // per_out), nthreads):
                 g_ = item // (R // per_out)
                 r = (item - g_ * (R // per_out)) * per_out
@@ -869,6 +883,11 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
                                 t_col = int32(col)
             cuda.syncthreads()                      # partial sums read before the next tile overwrites them
 
+        if DYN and tid == 0:                        # the last block out puts the counters back to rest (replays)
+            cuda.threadfence()
+            if cuda.atomic.add(tile_counters, counter_base + 1, 1) == cuda.gridDim.x - 1:
+                tile_counters[counter_base] = 0
+                tile_counters[counter_base + 1] = 0
         if ARGMAX:
             last_block = cuda.shared.array(1, int32)
             b_best, b_col = block_argmax(t_best, t_col)
@@ -901,23 +920,26 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
     return gemv_decode
 
 
-NORM_WEIGHT_EARLY = True
-"""Whether the one-token GEMV's add + RMSNorm prologue loads its norm weights before the PDL wait, ahead of the
-first tile's weight loads (they are weights: no kernel writes them), rather than after the wait beside the residual.
-The step timeline (``benchmarks/step_timeline.py``, session 20) showed that prologue taking 2.7 µs (qkv) and 3.7 µs
-(gate_up) per layer on Qwen3-4B against 1.0 µs for the down projection's plain x read: the norm weights come from
-HBM, queued behind the ring's weight loads."""
-
 RESIDUAL_EARLY = True
 """Whether a one-token GEMV whose caller passes ``residual_ready`` reads the residual before its PDL wait (ahead of
-the ring's weight loads, at L2: ``load_u32_l2``).  The step timeline (session 20) showed the add + RMSNorm prologue
-taking 2.7 µs (qkv) and 3.7 µs (gate_up) per Qwen3-4B layer against 1.0 µs for the down projection's x read: the
-residual, written tens of µs before, comes back from HBM behind the first tile's weight loads."""
+the ring's weight loads, at L2: ``load_u32_l2``), as it does the norm weights; only ``delta`` is read after the wait.
+The step timeline (``benchmarks/step_timeline.py``, session 20) showed the add + RMSNorm prologue taking 2.7 µs (qkv)
+and 3.7 µs (gate_up) per Qwen3-4B layer from the wait to x staged, against 1.0 µs for the down projection's plain x
+read.  Measured on the H200 (``benchmarks/graph_sweep.py``, decode graphs, two pairs each): off +0.38 / +0.34 %
+(Qwen3-4B), +0.59 / +0.60 % (Qwen3.5-4B).  The qkv prologue went to 2.3 µs; gate/up's stayed at 3.7 µs, whose blocks
+enter ~0.5 µs before their wait and whose x reads return behind their own first ring loads."""
 
-PREWAIT_STAGES = -1
-"""Ring steps of its first tile the one-token GEMV loads before its PDL wait (-1: all ``stages - 1``); the rest go
-out once x is staged.  (A knob for measuring: loads issued before the wait are returned ahead of the prologue's
-own reads of x.)"""
+GEMV_DYNAMIC_TILES = False
+"""Whether the persistent one-token GEMV hands out tiles dynamically: a block's first two tiles are fixed
+(``blockIdx``, ``blockIdx + gridDim``), every later one is claimed from a counter (one ``atomic.add`` by thread 0 at
+the start of each tile, for the tile after the next: its answer is needed only after this tile's dot products, when
+thread 0 puts it in shared memory, and the other threads read it after the next tile's).  Every tile is computed as in the
+static order, so the outputs are the same bits.  Why: the step timeline (session 20, Qwen3-4B) showed gate/up's
+blocks ending 5 µs apart at the median and 9.6 µs at most, mostly because they start up to 3 µs apart (correlation
+0.75 between a block's start and end); SMs whose blocks are done sit idle until every block has reached its last
+tile and the next kernel may launch.  Only the gated GEMV (gate/up) takes it: with it the sm_90 build of gate/up
+needs 144 registers unbounded (128 without) and spills 8 bytes at its 128-register bound; down's spills 64 bytes.
+Not yet measured on a GPU: off."""
 
 GEMV_TRIGGERS = ("start", "last_tile", "last_stream")
 GEMV_TRIGGER = os.environ.get("PEGAINFER_GEMV_TRIGGER", "last_tile")
@@ -965,8 +987,9 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
         raise PegainferError(f"GEMV trigger {trigger!r} (PEGAINFER_GEMV_TRIGGER / PEGAINFER_GEMV_TRIGGER_LB) is not "
                              f"one of {', '.join(GEMV_TRIGGERS)}: set one of those or unset the variable")
     kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs, trigger,
-                               row_ids is not None, head is not None, timeline.ENABLED, NORM_WEIGHT_EARLY,
-                               residual_early and RESIDUAL_EARLY and row_ids is None, PREWAIT_STAGES)
+                               row_ids is not None, head is not None, timeline.ENABLED,
+                               residual_early and RESIDUAL_EARLY and row_ids is None,
+                               GEMV_DYNAMIC_TILES and gated and (geo.persistent or x is None))
     # the fused norm prologue runs once per block, so that path is always persistent; a bare projection may take one
     # block per tile (``persistent=False``: the hardware scheduler balances blocks, e.g. when a kernel still
     # running holds some SMs that a persistent grid counts on)
@@ -978,8 +1001,28 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
         head_args = (head.part_max, head.part_index, head.token, head.threshold, head.kept)
     launch(kern, blocks, geo.warps * WARP, *args, np.float32(eps), np.float32(weight_offset),
            bool(round_before_weight), delta is not None, _unused(np.int32) if row_ids is None else row_ids,
-           *head_args, timeline.stamps_arg(), shared=shared, name="gemv_add_rms_norm" if x is None else "gemv",
-           pdl=True)
+           *head_args, timeline.stamps_arg(), _tile_counters(), np.int32(_next_counter_pair()), shared=shared,
+           name="gemv_add_rms_norm" if x is None else "gemv", pdl=True)
+
+
+TILE_COUNTER_PAIRS = 64
+"""Counter pairs of the dynamic one-token GEMV (``GEMV_DYNAMIC_TILES``), handed to launches in turn: kernels that
+overlap (PDL: a GEMV and the next one or two) never share a pair."""
+
+_counter_pair = 0
+
+
+def _next_counter_pair() -> int:
+    """Word offset of the next launch's counter pair (claims, blocks done) in ``_tile_counters()``."""
+    global _counter_pair
+    _counter_pair = (_counter_pair + 1) % TILE_COUNTER_PAIRS
+    return 2 * _counter_pair
+
+
+@functools.cache
+def _tile_counters():
+    """The dynamic GEMV's counters, zero at rest (each launch's last block puts its pair back to zero)."""
+    return cuda.to_device(np.zeros(2 * TILE_COUNTER_PAIRS, np.int32))
 
 
 @functools.cache

@@ -12,7 +12,7 @@ per kernel of the step, medians over the layers:
 
 ``--save FILE.npy`` keeps the raw records (``timeline.records()`` of the last replay) for a closer look.
 
-Usage (GPU):  python benchmarks/step_timeline.py --model-path DIR [--output-len 64] [--save t.npy]
+Usage (GPU):  python benchmarks/step_timeline.py --model-path DIR [--output-len 64] [--save t.npy] [--set CODE]
 """
 from __future__ import annotations
 
@@ -92,7 +92,12 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=int, default=64, help="tokens generated before capture (context length)")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--save", default=None)
+    ap.add_argument("--set", default="", metavar="STATEMENTS",
+                    help="Python run before the engine is built, e.g. 'import pegainfer.kernels.linear as l; "
+                         "l.GEMV_DYNAMIC_TILES = True' (a variant as graph_sweep.py takes them)")
     args = ap.parse_args(argv)
+    if args.set:
+        exec(compile(args.set, "<--set>", "exec"), {"__name__": "variant"})
 
     from cuda.bindings import driver as drv
     from numba import cuda

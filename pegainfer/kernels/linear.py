@@ -1201,20 +1201,33 @@ def _preload_shared(rows: int, k: int, nthreads: int) -> int:
     return 4 * (rows * k // 2 + partials + partials % 2 + 2)
 
 
-def preload_rows(n_rows: int, k: int) -> int:
-    """Rows per block of the preloaded GEMV for a ``[n_rows, k]`` weight: the matrix spread over one block per SM;
-    0 when that does not fit in shared memory (or K does not split evenly over the block's lanes)."""
+def preload_rows(n_rows: int, k: int, busy_sms: int = 0) -> int:
+    """Rows per block of the preloaded GEMV for a ``[n_rows, k]`` weight: the matrix spread over one block per SM
+    (per SM but ``busy_sms``); 0 when that does not fit in shared memory (or K does not split evenly over the block's
+    lanes)."""
     nthreads = threads(gpu=PRELOAD_THREADS, sim=WARP)
-    if k % (2 * nthreads) or n_rows == 0:
+    if k % (2 * nthreads) or n_rows == 0 or busy_sms >= _sm_count():
         return 0
-    rows = -(-n_rows // _sm_count())
+    rows = -(-n_rows // (_sm_count() - busy_sms))
     if rows > nthreads or _preload_shared(rows, k, nthreads) > _shared_optin():
         return 0
     return rows
 
 
-def linear_preloaded(x, w, out) -> None:
-    """``linear(x, w, out)`` for a projection that follows a latency-bound kernel.  For one token, when the whole
+PRELOAD_AROUND_BUSY_SMS = False
+"""Whether ``linear_preloaded(busy_sms=n)`` spreads the matrix over all SMs but ``n`` (the decode attention's blocks
+with work: ``n_kv_heads`` at contexts of one split), so that no block of it waits for an SM that the kernel before
+still holds.  The step timeline (session 20, Qwen3-4B) showed the o kernel's blocks entering over 4.8 µs: attention
+(210 registers × 256 threads) and an o block (40 × 512) do not fit one SM's registers together, so the o blocks of
+the 8 SMs holding attention's working blocks start their copies only when those end -- and gate/up, which the
+preloaded GEMV lets launch once *every* block has issued its copies, launches after attention rather than during
+it.  (Session 14 measured the same idea for the Gated DeltaNet step's out_proj -- 99 blocks of 26 rows, whose
+sums then sat in local memory -- 8 % slower.)  Not yet measured here: off."""
+
+
+def linear_preloaded(x, w, out, busy_sms: int = 0) -> None:
+    """``linear(x, w, out)`` for a projection that follows a latency-bound kernel (whose working blocks hold
+    ``busy_sms`` SMs: ``PRELOAD_AROUND_BUSY_SMS``).  For one token, when the whole
     matrix fits in the SMs' shared memory (``preload_rows``), it is the preloaded GEMV (``_gemv_preloaded_kernel``):
     launched with PDL, its blocks copy their weight rows in while the kernel before still runs, so only the dot
     products from shared memory are left once x is ready.  How early it starts is up to the kernel before: decode
@@ -1248,7 +1261,8 @@ def linear_preloaded(x, w, out) -> None:
     its end.  Correct on the GPU, but slower: Qwen3.5-4B TPOT +0.25 % (attention → o), +0.6 % (step → out_proj),
     +0.9 % both (``benchmarks/RESULTS.md``)."""
     _check(x, w, out, False, None)
-    rows = preload_rows(*w.shape) if _preload_on(x.shape[0]) else 0
+    busy = busy_sms if PRELOAD_AROUND_BUSY_SMS else 0
+    rows = (preload_rows(*w.shape, busy) or preload_rows(*w.shape)) if _preload_on(x.shape[0]) else 0
     if rows == 0:
         _run(x, w, out, False, None)
         return

@@ -120,7 +120,8 @@ class Qwen3Model(DecoderModel):
                                         q_head_stride=self.D, decode=decode)
                 attention.paged_attention(q, self.k_cache[i], self.v_cache[i], block_tables, slots, pos, attn,
                                           scale, self.attn_workspace, decode=decode)
-            linear.linear_preloaded(attn_flat, lw["o"], delta)   # its weights copied in while attention ends
+            linear.linear_preloaded(attn_flat, lw["o"], delta,   # its weights copied in while attention ends
+                                    busy_sms=self.nkv)
             linear.linear_add_rms_norm(residual, delta, lw["post_ln"], eps, spare, lw["gate_up"], act, gated=True,
                                        normed_out=normed, residual_ready=residual_ready("mixer", decode))
             residual, spare = spare, residual

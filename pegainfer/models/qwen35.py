@@ -258,7 +258,8 @@ class Qwen35Model(DecoderModel):
         attention.paged_attention(q, self.k_cache[j], self.v_cache[j], block_tables, slots, pos, attn,
                                   1.0 / math.sqrt(self.D), self.attn_workspace, decode=decode, gate=qkv)
         attn_flat = self.attn.reshape(self.max_tokens, self.nq * self.D)[:T]
-        linear.linear_preloaded(attn_flat, lw["o"], delta)   # its weights copied in while attention ends
+        linear.linear_preloaded(attn_flat, lw["o"], delta,   # its weights copied in while attention ends
+                                busy_sms=self.nkv)
 
     def _linear_attention(self, j, lw, delta, T, pos, seq_slots, seq_offsets, token_by_token,
                           decode_slots=None) -> None:

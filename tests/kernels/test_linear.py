@@ -605,3 +605,17 @@ def test_linear_add_rms_norm_dynamic_tiles_is_bit_identical(rng, monkeypatch):
     got = _fused(rb, db, wnb, wb, True, "qwen3", 1e-6, residual_ready=True)
     for a, b in zip(base, got):
         assert np.array_equal(a, b)
+
+
+def test_linear_preloaded_around_busy_sms(rng, monkeypatch):
+    """``PRELOAD_AROUND_BUSY_SMS``: the matrix spread over all SMs but ``busy_sms`` (more rows a block, fewer
+    blocks), the same bits; off, ``busy_sms`` changes nothing; a count that leaves no SM falls back to all SMs."""
+    N, K = 40, KP
+    assert lin.preload_rows(N, K, 1) > lin.preload_rows(N, K) and lin.preload_rows(N, K, lin._sm_count()) == 0
+    xb, x = bf16_randn((1, K), rng)
+    wb, w = bf16_randn((N, K), rng, scale=0.1)
+    base = run(lin.linear_preloaded, xb, wb, N)
+    assert np.array_equal(run(lin.linear_preloaded, xb, wb, N, busy_sms=1), base)
+    monkeypatch.setattr(lin, "PRELOAD_AROUND_BUSY_SMS", True)
+    for busy in (1, 2, lin._sm_count()):
+        assert np.array_equal(run(lin.linear_preloaded, xb, wb, N, busy_sms=busy), base)

@@ -933,13 +933,16 @@ GEMV_DYNAMIC_TILES = False
 """Whether the persistent one-token GEMV hands out tiles dynamically: a block's first two tiles are fixed
 (``blockIdx``, ``blockIdx + gridDim``), every later one is claimed from a counter (one ``atomic.add`` by thread 0 at
 the start of each tile, for the tile after the next: its answer is needed only after this tile's dot products, when
-thread 0 puts it in shared memory, and the other threads read it after the next tile's).  Every tile is computed as in the
-static order, so the outputs are the same bits.  Why: the step timeline (session 20, Qwen3-4B) showed gate/up's
-blocks ending 5 µs apart at the median and 9.6 µs at most, mostly because they start up to 3 µs apart (correlation
-0.75 between a block's start and end); SMs whose blocks are done sit idle until every block has reached its last
-tile and the next kernel may launch.  Only the gated GEMV (gate/up) takes it: with it the sm_90 build of gate/up
-needs 144 registers unbounded (128 without) and spills 8 bytes at its 128-register bound; down's spills 64 bytes.
-Not yet measured on a GPU: off."""
+thread 0 puts it in shared memory, and the other threads read it after the next tile's).  Every tile is computed as
+in the static order, so the outputs are the same bits.  The grid is then the whole resident wave (Qwen3-4B's
+gate/up: 264 blocks, two on every SM, rather than the 244 that split its 1216 tiles evenly).
+
+Why: the step timeline (session 20, Qwen3-4B) showed gate/up's blocks ending 5 µs apart at the median and 9.6 µs
+at most, mostly because they start up to 3 µs apart (correlation 0.75 between a block's start and end); SMs whose
+blocks are done sit idle until every block has reached its last tile and the next kernel may launch.  Only the
+gated GEMV (gate/up) takes it: with it the sm_90 build of gate/up needs 144 registers unbounded (128 without) and
+spills 8 bytes at its 128-register bound, outside the dot loop (two local loads a tile, SASS); down's would spill
+64 bytes.  Not yet measured on a GPU: off."""
 
 GEMV_TRIGGERS = ("start", "last_tile", "last_stream")
 GEMV_TRIGGER = os.environ.get("PEGAINFER_GEMV_TRIGGER", "last_tile")
@@ -986,14 +989,15 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
     if trigger not in GEMV_TRIGGERS:
         raise PegainferError(f"GEMV trigger {trigger!r} (PEGAINFER_GEMV_TRIGGER / PEGAINFER_GEMV_TRIGGER_LB) is not "
                              f"one of {', '.join(GEMV_TRIGGERS)}: set one of those or unset the variable")
+    dynamic = GEMV_DYNAMIC_TILES and gated and (geo.persistent or x is None)
     kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs, trigger,
                                row_ids is not None, head is not None, timeline.ENABLED,
-                               residual_early and RESIDUAL_EARLY and row_ids is None,
-                               GEMV_DYNAMIC_TILES and gated and (geo.persistent or x is None))
+                               residual_early and RESIDUAL_EARLY and row_ids is None, dynamic)
     # the fused norm prologue runs once per block, so that path is always persistent; a bare projection may take one
     # block per tile (``persistent=False``: the hardware scheduler balances blocks, e.g. when a kernel still
     # running holds some SMs that a persistent grid counts on)
-    blocks = _resident_blocks(n_tiles, geo) if geo.persistent or x is None else grid(n_tiles, sim_cap=2)
+    blocks = _resident_blocks(n_tiles, geo, balanced=not dynamic) if geo.persistent or x is None else \
+        grid(n_tiles, sim_cap=2)
     if head is None:
         head_args = (_unused(np.float32), _unused(np.int32), _unused(np.int32), _unused(np.float32), _unused(np.int32))
     else:
@@ -1904,11 +1908,14 @@ def fused_norm_geometry(n_cols: int, k: int, gated: bool = False) -> GemvGeometr
                         stages=geo.stages, persistent=True)
 
 
-def _resident_blocks(n_tiles: int, geo: GemvGeometry) -> int:
+def _resident_blocks(n_tiles: int, geo: GemvGeometry, balanced: bool = True) -> int:
     """Grid of a persistent GEMV: at most one resident wave of blocks (``WARPS_PER_SM // warps`` per SM), which then
     grid-stride over the tiles.  The fused GEMV always launches so, so that the norm prologue (a whole-row pass and
-    a block reduction) runs once per block rather than once per tile."""
+    a block reduction) runs once per block rather than once per tile.  ``balanced``: no more blocks than give
+    every block the same number of tiles (a static order needs that; dynamic tiles take the whole wave)."""
     resident = _sm_count() * max(1, WARPS_PER_SM // geo.warps)
+    if not balanced:
+        return grid(min(n_tiles, resident), sim_cap=2)
     # every block the same number of tiles: 608 tiles on 264 resident blocks would leave 80 blocks a third tile to
     # stream alone (a tail at a third of the bandwidth); 203 blocks of 3 tiles finish together (H200, Qwen3-4B:
     # the step's projections 2.769 -> 2.743 ms)

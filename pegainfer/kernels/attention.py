@@ -177,7 +177,8 @@ def _split_range(n_keys, split, num_splits, min_chunk):
 @functools.lru_cache(maxsize=None)
 def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, min_blocks: int = 0,
                   decode: bool = False, gated: bool = False, rope_rotary_dim: int = 0, dim_split: bool = False,
-                  gate_early: bool = False, release: str = "last_load", stamps: bool = False):
+                  gate_early: bool = False, release: str = "last_load", stamps: bool = False,
+                  max_registers: int = 0):
     """Build the split-K kernel for one shape (closure constants size the register fragments).  ``late_v``: load V
     after computing S (K's registers are then free: fewer registers, one more memory round trip per step);
     ``min_blocks``: launch bounds asking for that many resident blocks per SM (0: none); ``decode``: every token is
@@ -191,7 +192,8 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
     thread loads the gate values of the output elements it will write right after the PDL wait, into registers,
     rather than as a dependent load after the merge (``GATE_EARLY``); ``release`` (with ``decode``): where a block
     lets the next kernel launch (``DECODE_RELEASES``); ``stamps``: each block appends its ``timeline`` record (the
-    wait stamp of a decode launch: its first work item's)."""
+    wait stamp of a decode launch: its first work item's); ``max_registers`` > 0: the build's register cap
+    (``DECODE_MAX_REGISTERS``)."""
     assert release in DECODE_RELEASES, release
     STAMPS = stamps
     D, G, W, LATE_V, DECODE, GATED = head_dim, group, warps, late_v, decode, gated
@@ -227,7 +229,11 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
     ALL_ROUNDS = ROWS % NT == 0
     SM_Q, SM_KV = (G * D, 2 * D) if ROPE else (1, 1)
 
-    jit = kernel if SIMULATOR or not min_blocks else cuda.jit(cache=True, launch_bounds=(NT, min_blocks))
+    if SIMULATOR or not (min_blocks or max_registers):
+        jit = kernel
+    else:
+        jit = cuda.jit(cache=True, **({"launch_bounds": (NT, min_blocks)} if min_blocks else {}),
+                       **({"max_registers": max_registers} if max_registers else {}))
 
     @device_fn
     def role_constants(role, pos, q_norm_w, k_norm_w, cos, sin, hw, hc, hs):
@@ -1139,6 +1145,13 @@ default), or after its ``last_load`` of K / V.  Session 11 measured the start sl
 ``benchmarks/graph_sweep.py``, decode graphs at context 48, one call): after the wait −0.21 % (Qwen3.5-4B) and
 −0.96 % (Qwen3-4B) against the last load; the start +0.24 % / +2.95 %."""
 
+DECODE_MAX_REGISTERS = 0
+"""A register cap for the decode split-K kernel's build (0: none).  Its sm_90 build for Qwen3-4B's heads uses 210
+registers × 256 threads, so a block of the preloaded o (40 × 512) cannot share its SM: the step timeline (session 20)
+showed the o blocks of attention's 8 busy SMs starting their copies only once attention ends.  At 176 registers
+(ptxas: 12 bytes spilled) both fit one SM's 64 K registers exactly.  An alternative to
+``linear.PRELOAD_AROUND_BUSY_SMS``; not yet measured on a GPU."""
+
 GATE_EARLY = True
 """Whether the gated (Qwen3.5) split-K kernel loads its output elements' gates right after its PDL wait, into
 registers (``_split_kernel(gate_early=)``), rather than each as a dependent load after the merge.  Measured on the
@@ -1187,7 +1200,7 @@ def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, posit
         warps, late_v, min_blocks, dim_split = threads(gpu=8, sim=1), D > 128, 0, False
     kern = _split_kernel(D, group, warps, late_v, min_blocks, decode, gate is not None,
                          rope.rotary_dim if rope is not None else 0, dim_split, GATE_EARLY, DECODE_RELEASE,
-                         timeline.ENABLED)
+                         timeline.ENABLED, DECODE_MAX_REGISTERS if decode else 0)
     q2 = q.reshape(T, nq * D)
     r = rope or DecodeRope(q2, out.reshape(-1)[:D], out.reshape(-1)[:D], q2, q2, 0.0, 2, D)   # unused stand-ins
     launch(kern, grid(num_splits * T * nkv, sim_cap=64), 32 * warps,

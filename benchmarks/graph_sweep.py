@@ -56,6 +56,26 @@ def restore(snapshot) -> None:
             val.update(contents)
 
 
+def warmed_engine(args, tool: str):
+    """A batch-1 engine on ``args.model_path`` that has generated ``args.output_len`` tokens after a random
+    ``args.prompt_len``-token prompt (kernels compiled, decode graph captured, context at that length); None in the
+    simulator, which has no CUDA graphs (``tool`` names the script in the message)."""
+    import numpy as np
+
+    from pegainfer.bench import time_generation
+    from pegainfer.device import SIMULATOR
+    from pegainfer.engine.engine import Engine
+    if SIMULATOR:
+        print(f"{tool} needs a GPU (the simulator has no CUDA graphs)")
+        return None
+    engine = Engine.from_folder(args.model_path, args.max_model_len, max_batch=1)
+    rng = np.random.default_rng(0)
+    vocab = min(engine.model.V, engine.tokenizer.vocab_size)
+    time_generation(engine, rng.integers(0, vocab, size=args.prompt_len).tolist(), args.output_len)
+    engine.runner.stream.synchronize()
+    return engine
+
+
 def main(argv=None) -> int:
     from ab_bench import parse_variant
 
@@ -73,22 +93,13 @@ def main(argv=None) -> int:
     if len({label for label, _ in variants}) != len(variants):
         raise SystemExit("error: two --variant share a label; give each its own")
 
-    import numpy as np
     from cuda.bindings import driver as drv
     from numba import cuda
 
-    from pegainfer.bench import time_generation
-    from pegainfer.device import SIMULATOR
-    from pegainfer.engine.engine import Engine
-    if SIMULATOR:
-        print("graph_sweep needs a GPU (the simulator has no CUDA graphs)")
+    engine = warmed_engine(args, "graph_sweep")
+    if engine is None:
         return 0
-    engine = Engine.from_folder(args.model_path, args.max_model_len, max_batch=1)
     runner = engine.runner
-    rng = np.random.default_rng(0)
-    vocab = min(engine.model.V, engine.tokenizer.vocab_size)
-    time_generation(engine, rng.integers(0, vocab, size=args.prompt_len).tolist(), args.output_len)
-    runner.stream.synchronize()
 
     import pegainfer.kernels  # noqa: F401  (every kernel module loaded before the snapshot)
     snapshot = settings_snapshot()

@@ -23,6 +23,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent))
 
 import numpy as np
 
@@ -102,19 +103,12 @@ def main(argv=None) -> int:
     from cuda.bindings import driver as drv
     from numba import cuda
 
-    from pegainfer.bench import time_generation
-    from pegainfer.device import SIMULATOR
-    from pegainfer.engine.engine import Engine
+    from graph_sweep import warmed_engine
     from pegainfer.kernels import timeline
-    if SIMULATOR:
-        print("step_timeline needs a GPU (the simulator has no CUDA graphs)")
+    engine = warmed_engine(args, "step_timeline")
+    if engine is None:
         return 0
-    engine = Engine.from_folder(args.model_path, args.max_model_len, max_batch=1)
     runner = engine.runner
-    rng = np.random.default_rng(0)
-    vocab = min(engine.model.V, engine.tokenizer.vocab_size)
-    time_generation(engine, rng.integers(0, vocab, size=args.prompt_len).tolist(), args.output_len)
-    runner.stream.synchronize()
 
     stream = drv.CUstream(int(runner.stream.handle))
     start, end = cuda.event(), cuda.event()

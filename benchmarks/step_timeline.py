@@ -7,7 +7,7 @@ per kernel of the step, medians over the layers:
   wall     its last block's end minus the previous kernel's last block's end (sums to the step)
   wait     its first block's wait return minus the previous kernel's last block's end (the PDL handoff)
   early    how long its blocks ran before that wait returned (the loads they issued meanwhile)
-  prologue median of ``t_ready - t_wait`` (x read, norm, staged)
+  prologue median of ``t_ready - t_wait`` (x read, norm, staged; decode attention: to its first P V products)
   tail     its last block's end minus its median block's end
 
 ``--save FILE.npy`` keeps the raw records (``timeline.records()`` of the last replay) for a closer look.
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     ap.add_argument("--save", default=None)
     ap.add_argument("--set", default="", metavar="STATEMENTS",
                     help="Python run before the engine is built, e.g. 'import pegainfer.kernels.linear as l; "
-                         "l.GEMV_DYNAMIC_TILES = True' (a variant as graph_sweep.py takes them)")
+                         "l.PRELOAD_AROUND_BUSY_SMS = False' (a variant as graph_sweep.py takes them)")
     args = ap.parse_args(argv)
     if args.set:
         exec(compile(args.set, "<--set>", "exec"), {"__name__": "variant"})

@@ -177,8 +177,7 @@ def _split_range(n_keys, split, num_splits, min_chunk):
 @functools.lru_cache(maxsize=None)
 def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, min_blocks: int = 0,
                   decode: bool = False, gated: bool = False, rope_rotary_dim: int = 0, dim_split: bool = False,
-                  gate_early: bool = False, release: str = "last_load", stamps: bool = False,
-                  max_registers: int = 0):
+                  gate_early: bool = False, release: str = "last_load", stamps: bool = False):
     """Build the split-K kernel for one shape (closure constants size the register fragments).  ``late_v``: load V
     after computing S (K's registers are then free: fewer registers, one more memory round trip per step);
     ``min_blocks``: launch bounds asking for that many resident blocks per SM (0: none); ``decode``: every token is
@@ -192,8 +191,7 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
     thread loads the gate values of the output elements it will write right after the PDL wait, into registers,
     rather than as a dependent load after the merge (``GATE_EARLY``); ``release`` (with ``decode``): where a block
     lets the next kernel launch (``DECODE_RELEASES``); ``stamps``: each block appends its ``timeline`` record (the
-    wait stamp of a decode launch: its first work item's); ``max_registers`` > 0: the build's register cap
-    (``DECODE_MAX_REGISTERS``)."""
+    wait stamp of a decode launch: its first work item's)."""
     assert release in DECODE_RELEASES, release
     STAMPS = stamps
     D, G, W, LATE_V, DECODE, GATED = head_dim, group, warps, late_v, decode, gated
@@ -224,16 +222,38 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
     O_TILES = DH // 8    # n8 tiles of O = P V
     ROWS = G * D
     assert G <= 8 and D % 16 == 0
-    KW2, VW4, O_REGS, SM_O, SM_W, SM_ROWS = 2 * KW, 4 * VW, 2 * O_TILES, SW * G * D, G * MAX_SPLITS, SW * 8
+    KW2, VW4, O_REGS, SM_W, SM_ROWS = 2 * KW, 4 * VW, 2 * O_TILES, G * MAX_SPLITS, SW * 8
     ROW_ROUNDS = -(-ROWS // NT)              # the merge's elements per thread
     ALL_ROUNDS = ROWS % NT == 0
     SM_Q, SM_KV = (G * D, 2 * D) if ROPE else (1, 1)
+    # sm_o's padded layout (o_index): a row [sw, head] of D floats in chunks of CH dims, each chunk CH + 1 words,
+    # the row RS words with RS = 8 (mod 32) for D >= 128
+    CH = min(32, D)
+    NCH = D // CH
+    RS = NCH * (CH + 1) + ((8 - NCH) % 32 if CH == 32 else 0)
+    SM_O = SW * G * RS
 
-    if SIMULATOR or not (min_blocks or max_registers):
+    if SIMULATOR or not min_blocks:
         jit = kernel
     else:
-        jit = cuda.jit(cache=True, **({"launch_bounds": (NT, min_blocks)} if min_blocks else {}),
-                       **({"max_registers": max_registers} if max_registers else {}))
+        jit = cuda.jit(cache=True, launch_bounds=(NT, min_blocks))
+
+    @device_fn
+    def o_index(row, d):
+        """Word of ``sm_o`` holding dim ``d`` of row ``row = sw·G + head``: rows of ``RS`` words, chunks of ``CH``
+        dims padded to ``CH + 1``.  The merge stores one O register per instruction from the lanes ``(g, t)`` of a
+        warp, i.e. dims ``32t + c`` of head ``g`` (D = 128).  Unpadded ([SW, G, D]) those are all one bank, a 16-way
+        conflict: 32 stores × 16 cycles per warp.  Padded, lane ``(g, t)`` is at bank ``8g + t + c``: 16 banks.  A warp
+        reading 32 consecutive dims reads 32 banks.  (For a lane's dims ``d0 + c``, ``c`` a compile-time constant,
+        the offset from ``o_index(row, d0)`` is a constant too: ``d0`` is a multiple of the lane's dim span, which
+        divides ``CH`` or is a multiple of it.)
+
+        Found with the step timeline (session 21, Qwen3-4B, context 80): 3.3 µs from a working block's last P V
+        product to its end; padded, decode attention's wall per layer went 5.15 → 3.33 µs.  End to end (decode
+        graphs, ``graph_sweep.py``): Qwen3.5-4B −0.15 %, Qwen3-4B −0.3 to +0.1 % -- the preloaded o's weight
+        copies, not attention, bound that stretch of the step: o now waits ~3.2 µs after attention ends for its
+        rows to land."""
+        return row * uint32(RS) + (d // uint32(CH)) * uint32(CH + 1) + (d & uint32(CH - 1))
 
     @device_fn
     def role_constants(role, pos, q_norm_w, k_norm_w, cos, sin, hw, hc, hs):
@@ -257,9 +277,12 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
         """Fused path, after the block's early K/V loads: ``qk_norm_rope_store``'s work for this block's heads.
         Role ``r`` (warp ``r mod W``, rounds of W): q head ``head0 + r`` for ``r < G`` -> ``sm_q``; with
         ``has_newest``, the k head (``r = G``) and the v head (``r = G + 1``) -> ``sm_kv`` and the cache at
-        ``pos``.  Waits for the projection (PDL) first: the norm weights and cos/sin (which no kernel of the step
-        writes) are loaded after it anyway, together with the head values -- one round trip either way, and not
-        held in registers across the wait beside the early K/V fragments.  Ends in a barrier."""
+        ``pos``.  When every warp has at most one role (``G + 2 <= W``: Qwen3's 4 q heads on 8 warps) its norm
+        weights and cos/sin, which no kernel of the step writes, are loaded *before* the PDL wait (as
+        ``qk_norm_rope_store`` does; after the wait they are HBM misses behind the o projection's copies);
+        otherwise after it, with the head values.  Then waits for the projection, lets the next kernel launch
+        (``RELEASE_AFTER_WAIT``), and returns the wait's ``timeline`` stamp (0 without stamps).  Ends in a
+        barrier."""
         lane = cuda.threadIdx.x % 32
         warp = cuda.threadIdx.x // 32
         nq = num_kv_heads * G
@@ -267,10 +290,18 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
         v_col0 = k_col0 + num_kv_heads * D
         page = block_tables[slot, pos >> page_shift]
         row16 = (((page << page_shift) + (pos & ((1 << page_shift) - 1))) * num_kv_heads + kvh) * D
+        if ROLE_ROUNDS == 1:
+            role_constants(warp, pos, q_norm_w, k_norm_w, cos, sin, hw, hc, hs)
         grid_dependency_wait()
+        t_wait = uint64(0)
+        if STAMPS:
+            t_wait = global_timer()
+        if RELEASE_AFTER_WAIT:
+            launch_dependents()
         for rr in range(ROLE_ROUNDS):                 # same trip count in every warp (simulator shuffles)
             role = rr * W + warp
-            role_constants(role, pos, q_norm_w, k_norm_w, cos, sin, hw, hc, hs)
+            if ROLE_ROUNDS > 1:
+                role_constants(role, pos, q_norm_w, k_norm_w, cos, sin, hw, hc, hs)
             is_q = role < G
             is_k = role == G and has_newest
             is_v = role == G + 1 and has_newest
@@ -324,6 +355,7 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                             sm_kv[i] = n
                             k16[row16 + i] = n
         cuda.syncthreads()
+        return t_wait
 
     @device_fn
     def load_gates(gate, t, head0, utid, gv):
@@ -379,7 +411,7 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
         newest key's rows; it lets the next kernel (a weight-streaming GEMV) launch where ``release`` says: by
         default right after that wait, so the GEMV's weight copies overlap this kernel's post-wait chain.
         """
-        t_entry = t_wait = uint64(0)
+        t_entry = t_wait = t_ready = uint64(0)
         if STAMPS:
             t_entry = global_timer()
         if not DECODE:
@@ -388,7 +420,7 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
             launch_dependents()
         sm_m = cuda.shared.array(SM_ROWS, float32)    # per warp and head row: running max
         sm_l = cuda.shared.array(SM_ROWS, float32)    # ... and sum
-        sm_o = cuda.shared.array(SM_O, float32)      # ... and accumulator [SW, G, D]
+        sm_o = cuda.shared.array(SM_O, float32)      # ... and accumulator [SW, G, D] (padded: o_index)
         sm_s = cuda.shared.array(SM_S, float32)      # dim split: the pairs' partial S [2 rounds, W, 32, 4]
         sm_w = cuda.shared.array(SM_W, float32)      # merge weights [G, warps or splits]
         sm_tot = cuda.shared.array(8, float32)       # merged sum per head
@@ -464,9 +496,11 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                         _load_words(v32, row + dim0 + g * VW, VW, vw, j * VW,
                                     key < k_hi and not (early and key == newest))
                 if early and ROPE:
-                    fused_heads(qkv, q_norm_w, k_norm_w, cos, sin, k16, v16, block_tables, t, slot, newest,
+                    tw = fused_heads(qkv, q_norm_w, k_norm_w, cos, sin, k16, v16, block_tables, t, slot, newest,
                                 k_hi > newest, head0, kvh, num_kv_heads, page_shift, q_head_stride, eps,
                                 weight_offset, round_before_weight, sm_q, sm_kv, hx, hw, hc, hs)
+                    if STAMPS and t_wait == uint64(0):
+                        t_wait = tw
                     for i in range(KW):                   # q fragments (rows g < G) from shared memory
                         qa[i] = _smem_word(sm_q, g * D + 2 * (tq * KW + i)) if g < G else uint32(0)
                 elif early:
@@ -476,7 +510,7 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                     _load_words(q32, (t * nq + head0 + g) * ROW_WORDS + dim0 + tq * KW, KW, qa, 0, g < G)
                 if early and GATE_EARLY_:                 # written by the projection before qk-norm: visible now
                     load_gates(gate, t, head0, utid, gv)
-                if early and RELEASE_AFTER_WAIT:
+                if early and RELEASE_AFTER_WAIT and not ROPE:      # (the fused path released in fused_heads)
                     launch_dependents()
                 if early or (ROPE and k0 <= newest and newest < k0 + DECODE_STEP_KEYS):
                     for j in range(2):
@@ -565,6 +599,8 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
 
             if RELEASE_LAST_LOAD:
                 launch_dependents()                       # every K/V load of this block is done
+            if STAMPS and t_ready == uint64(0) and of[0] != float32(-1.25e-38):   # (after the last P V product)
+                t_ready = global_timer()
             # ---- merge the SW step warps of the block (a pair's halves hold disjoint dims of one partial)
             # (shared-memory indices are unsigned from here on: no negative-index wraparound code in the chain)
             l = lane_group_sum(l, 4)
@@ -572,10 +608,11 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                 if tq == 0 and half == 0:
                     sm_m[usw * uint32(8) + ug] = m
                     sm_l[usw * uint32(8) + ug] = l
-                ob = (usw * uint32(G) + ug) * uint32(D) + uint32(half * DH) + uint32(2 * O_TILES) * utq
+                ob = o_index(usw * uint32(G) + ug, uint32(half * DH) + uint32(2 * O_TILES) * utq)  # this lane's dim 0
                 for jd in range(O_TILES):
-                    sm_o[ob + uint32(jd)] = of[2 * jd]
-                    sm_o[ob + uint32(O_TILES + jd)] = of[2 * jd + 1]
+                    sm_o[ob + uint32((jd // CH) * (CH + 1) + jd % CH)] = of[2 * jd]
+                    c = O_TILES + jd
+                    sm_o[ob + uint32((c // CH) * (CH + 1) + c % CH)] = of[2 * jd + 1]
             cuda.syncthreads()
             if tid < G:
                 m_blk = NEG_INF
@@ -596,8 +633,9 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                 if ALL_ROUNDS or i < uint32(ROWS):
                     h = i // uint32(D)
                     total = fzero
-                    for w in range(SW):             # sm_o[w, h, i % D] = sm_o[w·G·D + i]
-                        total += sm_w[h * uint32(SW) + uint32(w)] * sm_o[uint32(w * G * D) + i]
+                    at = o_index(h, i & uint32(D - 1))             # sm_o[w, h, i % D] at at + w·G·RS
+                    for w in range(SW):
+                        total += sm_w[h * uint32(SW) + uint32(w)] * sm_o[uint32(w * G * RS) + at]
                     if n_active == 1:
                         lt = sm_tot[h]
                         o = f32_to_bf16(total / lt if lt > fzero else fzero)
@@ -656,7 +694,7 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                             out[uint64(out0) + uint64(i)] = o
             cuda.syncthreads()                            # shared scratch is reused by the next work item
         if STAMPS and cuda.threadIdx.x == 0:
-            timeline.record(stamp_buf, 5, t_entry, t_wait, t_wait, 0)
+            timeline.record(stamp_buf, 5, t_entry, t_wait, t_ready if t_ready != uint64(0) else t_wait, 0)
 
     return paged_attention_split_kernel
 
@@ -997,7 +1035,11 @@ FUSED_DECODE_ROPE = os.environ.get("PEGAINFER_DECODE_ROPE", "separate") == "fuse
 (the default) or inside the attention launch (``PEGAINFER_DECODE_ROPE=fused``, ``paged_attention(rope=)``).
 Measured on the H200 (session 5): fused Qwen3-4B 2.835 / 2.837 ms vs separate 2.804 ms TPOT, Qwen3-8B 4.664 vs
 4.680 ms; the fused kernel's wall time per layer (12.9 µs) exceeds the two launches' (4.8 + 6.8 µs): at D = 128
-it needs 255 registers and spills 80 bytes (sm_90), and its norm phase sits on the post-wait critical path."""
+it needs 255 registers and spills 80 bytes (sm_90), and its norm phase sits on the post-wait critical path.
+Session 21 (decode graph, ``graph_sweep.py``, Qwen3-4B, context 80), with the norm weights and cos/sin read before
+the wait and o released right after it (250 registers, no spills): +5.6 / +5.7 %.  The step timeline shows why: the
+fused kernel releases o at its wait, so o's 21 MB of copies stream while its norm phase does its dependent loads
+(wait to the first block's last P V product 3.3 µs, against 0.8 µs for the separate attention after qk-norm)."""
 
 
 @dataclass(frozen=True)
@@ -1145,13 +1187,6 @@ default), or after its ``last_load`` of K / V.  Session 11 measured the start sl
 ``benchmarks/graph_sweep.py``, decode graphs at context 48, one call): after the wait −0.21 % (Qwen3.5-4B) and
 −0.96 % (Qwen3-4B) against the last load; the start +0.24 % / +2.95 %."""
 
-DECODE_MAX_REGISTERS = 0
-"""A register cap for the decode split-K kernel's build (0: none).  Its sm_90 build for Qwen3-4B's heads uses 210
-registers × 256 threads, so a block of the preloaded o (40 × 512) cannot share its SM: the step timeline (session 20)
-showed the o blocks of attention's 8 busy SMs starting their copies only once attention ends.  At 176 registers
-(ptxas: 12 bytes spilled) both fit one SM's 64 K registers exactly.  An alternative to
-``linear.PRELOAD_AROUND_BUSY_SMS``; not yet measured on a GPU."""
-
 GATE_EARLY = True
 """Whether the gated (Qwen3.5) split-K kernel loads its output elements' gates right after its PDL wait, into
 registers (``_split_kernel(gate_early=)``), rather than each as a dependent load after the merge.  Measured on the
@@ -1200,7 +1235,7 @@ def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, posit
         warps, late_v, min_blocks, dim_split = threads(gpu=8, sim=1), D > 128, 0, False
     kern = _split_kernel(D, group, warps, late_v, min_blocks, decode, gate is not None,
                          rope.rotary_dim if rope is not None else 0, dim_split, GATE_EARLY, DECODE_RELEASE,
-                         timeline.ENABLED, DECODE_MAX_REGISTERS if decode else 0)
+                         timeline.ENABLED)
     q2 = q.reshape(T, nq * D)
     r = rope or DecodeRope(q2, out.reshape(-1)[:D], out.reshape(-1)[:D], q2, q2, 0.0, 2, D)   # unused stand-ins
     launch(kern, grid(num_splits * T * nkv, sim_cap=64), 32 * warps,

@@ -638,16 +638,14 @@ else:
 @functools.cache
 def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool, norm_pairs: int,
                         trigger: str = "last_tile", gather: bool = False, argmax: bool = False,
-                        stamps: bool = False, residual_early: bool = False, dynamic: bool = False):
+                        stamps: bool = False, residual_early: bool = False):
     """Build the one-token GEMV (batch-1 decode) for ``rows_per_warp`` rows per warp, a load ring ``stages`` deep,
     blocks of ``warps`` warps (all compile-time: they size the register arrays and set the launch bounds) and,
     when ``norm_pairs`` > 0, the add + RMSNorm prologue with that many element pairs per thread; ``gather``: that
     prologue reads row ``row_ids[0]`` of an embedding table as the residual (the first layer's embedding lookup);
     ``argmax``: the kernel also finds the greedy token of its one output row (``HeadArgmax``); ``stamps``: each
     block appends its ``timeline`` record; ``residual_early`` (with the prologue, not ``gather``): the residual is
-    read before the PDL wait (``linear_add_rms_norm(residual_ready=True)``); ``dynamic``: tiles after a block's
-    first two are claimed from a counter (``GEMV_DYNAMIC_TILES``)."""
-    DYN = dynamic
+    read before the PDL wait (``linear_add_rms_norm(residual_ready=True)``)."""
     GATHER = gather
     STAMPS = stamps
     RESIDUAL_EARLY = residual_early and norm_pairs > 0 and not gather
@@ -665,7 +663,7 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
     @_bounded_kernel(nthreads)
     def gemv_decode(x32, w32, out, k, k_split, residual_in32, delta32, norm_weight32, residual_out32, eps,
                     weight_offset, round_before_weight, has_delta, row_ids, head_max, head_index, head_token,
-                    head_threshold, head_kept, stamp_buf, tile_counters, counter_base):
+                    head_threshold, head_kept, stamp_buf):
         """``out[0, n] = bf16(Σ_k x[k] · W[row(n), k])`` for one token (or SwiGLU of column pairs when gated), the
         decode step's projection: a stream over W at memory bandwidth, nothing else.
 
@@ -809,19 +807,7 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
         t_col = int32(NO_INDEX)
         if LAST_TILE and tile + cuda.gridDim.x >= n_tiles:
             launch_dependents()                     # this block's only tile
-        # dynamic: the block's n-th tile (n = 0, 1, ...) in shared slot n % 2, written by thread 0 before the barrier
-        # that ends tile n - 1 (so before anyone reads it), claimed at the start of tile n - 2
-        ahead = cuda.shared.array(2, int32)
-        n_th = uint32(0)
-        claim = int32(-1)
-        if DYN and tid == 0:
-            ahead[1] = tile + cuda.gridDim.x        # the block's second tile: static
-        if DYN:
-            cuda.syncthreads()
         while tile < n_tiles:
-            if DYN and tid == 0:                    # claim the tile after next; the answer is wanted only after
-                claim = (cuda.atomic.add(tile_counters, counter_base, 1)    # this tile's dot products
-                         if ahead[(n_th + uint32(1)) % uint32(2)] < n_tiles else int32(-1))
             for r in range(R):
                 acc[r] = float32(0.0)
             c = first
@@ -839,15 +825,9 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
                 launch_dependents()                 # the last tile's weights are all read
             warp_sums_to_shared(acc, R, xs, red + warp * R, True)   # f32 bits (xs is uint32)
             this_tile = tile
-            if DYN:
-                if tid == 0:
-                    ahead[n_th % uint32(2)] = 2 * cuda.gridDim.x + claim if claim >= 0 else n_tiles
-                n_th += uint32(1)
-                tile = ahead[n_th % uint32(2)]
-            else:
-                tile += cuda.gridDim.x
-                if LAST_TILE and tile < n_tiles and tile + cuda.gridDim.x >= n_tiles:
-                    launch_dependents()             # entering the last tile
+            tile += cuda.gridDim.x
+            if LAST_TILE and tile < n_tiles and tile + cuda.gridDim.x >= n_tiles:
+                launch_dependents()                 # entering the last tile
             if tile < n_tiles:                      # the next tile's loads fly through the reduction
                 for r in range(R):
                     wrow[r] = _weight_row(min(tile * cols_per_block + group * R + r, n_cols - 1), n_out,
@@ -857,8 +837,6 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
                     if cs < n_slices:
                         _load_row_slices(w32, wrow, 4 * cs, wbuf, s * R4, R)
             cuda.syncthreads()
-            if DYN and LAST_TILE and tile < n_tiles and ahead[(n_th + uint32(1)) % uint32(2)] >= n_tiles:
-                launch_dependents()                 # entering the last tile
             for item in range(tid, groups * (R // per_out), nthreads):
                 g_ = item // (R // per_out)
                 r = (item - g_ * (R // per_out)) * per_out
@@ -883,11 +861,6 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
                                 t_col = int32(col)
             cuda.syncthreads()                      # partial sums read before the next tile overwrites them
 
-        if DYN and tid == 0:                        # the last block out puts the counters back to rest (replays)
-            cuda.threadfence()
-            if cuda.atomic.add(tile_counters, counter_base + 1, 1) == cuda.gridDim.x - 1:
-                tile_counters[counter_base] = 0
-                tile_counters[counter_base + 1] = 0
         if ARGMAX:
             last_block = cuda.shared.array(1, int32)
             b_best, b_col = block_argmax(t_best, t_col)
@@ -928,21 +901,6 @@ and 3.7 µs (gate_up) per Qwen3-4B layer from the wait to x staged, against 1.0 
 read.  Measured on the H200 (``benchmarks/graph_sweep.py``, decode graphs, two pairs each): off +0.38 / +0.34 %
 (Qwen3-4B), +0.59 / +0.60 % (Qwen3.5-4B).  The qkv prologue went to 2.3 µs; gate/up's stayed at 3.7 µs, whose blocks
 enter ~0.5 µs before their wait and whose x reads return behind their own first ring loads."""
-
-GEMV_DYNAMIC_TILES = False
-"""Whether the persistent one-token GEMV hands out tiles dynamically: a block's first two tiles are fixed
-(``blockIdx``, ``blockIdx + gridDim``), every later one is claimed from a counter (one ``atomic.add`` by thread 0 at
-the start of each tile, for the tile after the next: its answer is needed only after this tile's dot products, when
-thread 0 puts it in shared memory, and the other threads read it after the next tile's).  Every tile is computed as
-in the static order, so the outputs are the same bits.  The grid is then the whole resident wave (Qwen3-4B's
-gate/up: 264 blocks, two on every SM, rather than the 244 that split its 1216 tiles evenly).
-
-Why: the step timeline (session 20, Qwen3-4B) showed gate/up's blocks ending 5 µs apart at the median and 9.6 µs
-at most, mostly because they start up to 3 µs apart (correlation 0.75 between a block's start and end); SMs whose
-blocks are done sit idle until every block has reached its last tile and the next kernel may launch.  Only the
-gated GEMV (gate/up) takes it: with it the sm_90 build of gate/up needs 144 registers unbounded (128 without) and
-spills 8 bytes at its 128-register bound, outside the dot loop (two local loads a tile, SASS); down's would spill
-64 bytes.  Not yet measured on a GPU: off."""
 
 GEMV_TRIGGERS = ("start", "last_tile", "last_stream")
 GEMV_TRIGGER = os.environ.get("PEGAINFER_GEMV_TRIGGER", "last_tile")
@@ -989,14 +947,13 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
     if trigger not in GEMV_TRIGGERS:
         raise PegainferError(f"GEMV trigger {trigger!r} (PEGAINFER_GEMV_TRIGGER / PEGAINFER_GEMV_TRIGGER_LB) is not "
                              f"one of {', '.join(GEMV_TRIGGERS)}: set one of those or unset the variable")
-    dynamic = GEMV_DYNAMIC_TILES and gated and (geo.persistent or x is None)
     kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs, trigger,
                                row_ids is not None, head is not None, timeline.ENABLED,
-                               residual_early and RESIDUAL_EARLY and row_ids is None, dynamic)
+                               residual_early and RESIDUAL_EARLY and row_ids is None)
     # the fused norm prologue runs once per block, so that path is always persistent; a bare projection may take one
     # block per tile (``persistent=False``: the hardware scheduler balances blocks, e.g. when a kernel still
     # running holds some SMs that a persistent grid counts on)
-    blocks = _resident_blocks(n_tiles, geo, balanced=not dynamic) if geo.persistent or x is None else \
+    blocks = _resident_blocks(n_tiles, geo) if geo.persistent or x is None else \
         grid(n_tiles, sim_cap=2)
     if head is None:
         head_args = (_unused(np.float32), _unused(np.int32), _unused(np.int32), _unused(np.float32), _unused(np.int32))
@@ -1005,28 +962,8 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
         head_args = (head.part_max, head.part_index, head.token, head.threshold, head.kept)
     launch(kern, blocks, geo.warps * WARP, *args, np.float32(eps), np.float32(weight_offset),
            bool(round_before_weight), delta is not None, _unused(np.int32) if row_ids is None else row_ids,
-           *head_args, timeline.stamps_arg(), _tile_counters(), np.int32(_next_counter_pair()), shared=shared,
+           *head_args, timeline.stamps_arg(), shared=shared,
            name="gemv_add_rms_norm" if x is None else "gemv", pdl=True)
-
-
-TILE_COUNTER_PAIRS = 64
-"""Counter pairs of the dynamic one-token GEMV (``GEMV_DYNAMIC_TILES``), handed to launches in turn: kernels that
-overlap (PDL: a GEMV and the next one or two) never share a pair."""
-
-_counter_pair = 0
-
-
-def _next_counter_pair() -> int:
-    """Word offset of the next launch's counter pair (claims, blocks done) in ``_tile_counters()``."""
-    global _counter_pair
-    _counter_pair = (_counter_pair + 1) % TILE_COUNTER_PAIRS
-    return 2 * _counter_pair
-
-
-@functools.cache
-def _tile_counters():
-    """The dynamic GEMV's counters, zero at rest (each launch's last block puts its pair back to zero)."""
-    return cuda.to_device(np.zeros(2 * TILE_COUNTER_PAIRS, np.int32))
 
 
 @functools.cache
@@ -1069,7 +1006,6 @@ Measured on the H200 (session 16, two alternating rounds, ``benchmarks/RESULTS.m
 BULK_CHUNK_BYTES = 16384
 """Bytes per ``cp.async.bulk`` instruction of the preloaded GEMV."""
 
-
 @functools.cache
 def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False, release: str = "copies",
                            stamps: bool = False):
@@ -1109,7 +1045,8 @@ def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False,
            copies stream while it still runs).
         2. Lane ``l`` of warp ``w`` reads its ``K / (2 · threads)`` words of x, at ``w · 32 · XW + l + 32 i``
            (coalesced), then waits for the rows: on the mbarrier (``bulk``), or for its own copies and then the
-           block barrier.
+           block barrier.  (Session 21 measured one mbarrier per 3 rows or per row, the dots of landed rows
+           overlapping the rest of the copies: +0.55 / +1.1 % on the Qwen3-4B decode graph; removed.)
         3. For every row r, ``acc[r] = Σ_i W_r[word] · x[word]`` over the same words (a warp reads 32 consecutive
            words of a row: no bank conflicts), in word order, low half first.
         4. ``warp_sums_to_shared``, then thread r sums the warps' partials in warp order and writes ``bf16``.
@@ -1218,15 +1155,18 @@ def preload_rows(n_rows: int, k: int, busy_sms: int = 0) -> int:
     return rows
 
 
-PRELOAD_AROUND_BUSY_SMS = False
+PRELOAD_AROUND_BUSY_SMS = True
 """Whether ``linear_preloaded(busy_sms=n)`` spreads the matrix over all SMs but ``n`` (the decode attention's blocks
 with work: ``n_kv_heads`` at contexts of one split), so that no block of it waits for an SM that the kernel before
 still holds.  The step timeline (session 20, Qwen3-4B) showed the o kernel's blocks entering over 4.8 µs: attention
 (210 registers × 256 threads) and an o block (40 × 512) do not fit one SM's registers together, so the o blocks of
-the 8 SMs holding attention's working blocks start their copies only when those end -- and gate/up, which the
-preloaded GEMV lets launch once *every* block has issued its copies, launches after attention rather than during
-it.  (Session 14 measured the same idea for the Gated DeltaNet step's out_proj -- 99 blocks of 26 rows, whose
-sums then sat in local memory -- 8 % slower.)  Not yet measured here: off."""
+the 8 SMs holding attention's working blocks started their copies only when those ended.  Measured on the H200
+(session 21, ``benchmarks/graph_sweep.py``, decode graphs at context 80, one call): −0.61 % Qwen3-4B (122 blocks of
+21 rows; its blocks now enter within 0.3 µs), +0.03 % Qwen3.5-4B (only its 8 full-attention layers take it).
+gate/up still launches at attention's end, not during it: a block of it fits beside an o block, but the second of
+its two per SM only once o ends.  (Session 14 measured the same idea for the Gated DeltaNet step's out_proj -- 99
+blocks of 26 rows, whose sums then sat in local memory -- 8 % slower.  A register cap on attention so that it and
+an o block share an SM instead, 176 registers, measured −0.02 %: removed.)"""
 
 
 def linear_preloaded(x, w, out, busy_sms: int = 0) -> None:
@@ -1908,14 +1848,13 @@ def fused_norm_geometry(n_cols: int, k: int, gated: bool = False) -> GemvGeometr
                         stages=geo.stages, persistent=True)
 
 
-def _resident_blocks(n_tiles: int, geo: GemvGeometry, balanced: bool = True) -> int:
+def _resident_blocks(n_tiles: int, geo: GemvGeometry) -> int:
     """Grid of a persistent GEMV: at most one resident wave of blocks (``WARPS_PER_SM // warps`` per SM), which then
     grid-stride over the tiles.  The fused GEMV always launches so, so that the norm prologue (a whole-row pass and
-    a block reduction) runs once per block rather than once per tile.  ``balanced``: no more blocks than give
-    every block the same number of tiles (a static order needs that; dynamic tiles take the whole wave)."""
+    a block reduction) runs once per block rather than once per tile.  (Session 21 measured handing tiles after a
+    block's first two out from a counter, over the whole resident wave, for gate/up's 5-10 µs spread of block ends:
+    +0.69 % on the Qwen3-4B decode graph, +0.11 % Qwen3.5-4B; removed.)"""
     resident = _sm_count() * max(1, WARPS_PER_SM // geo.warps)
-    if not balanced:
-        return grid(min(n_tiles, resident), sim_cap=2)
     # every block the same number of tiles: 608 tiles on 264 resident blocks would leave 80 blocks a third tile to
     # stream alone (a tail at a third of the bandwidth); 203 blocks of 3 tiles finish together (H200, Qwen3-4B:
     # the step's projections 2.769 -> 2.743 ms)

@@ -14,8 +14,9 @@ contain no stamping code.  When on, each instrumented block's thread 0 appends o
     [t_entry, t_wait, t_ready, t_end, kind, block, grid, sm | extra << 8]
 
 ``t_entry``: the block's first instruction; ``t_wait``: its ``grid_dependency_wait`` returned; ``t_ready``: its
-inputs are staged (the GEMV's x in shared memory, the preloaded rows landed; kernels without a prologue repeat
-``t_wait``); ``t_end``: its last instruction.  ``kind``: one of ``KINDS``; ``extra``: the GEMV's output columns.
+inputs are staged (the GEMV's x in shared memory, the preloaded rows landed; decode attention: its first work item's
+last ``P V`` product done, before the merge; kernels without a prologue repeat ``t_wait``); ``t_end``: its last
+instruction.  ``kind``: one of ``KINDS``; ``extra``: the GEMV's output columns.
 """
 from __future__ import annotations
 

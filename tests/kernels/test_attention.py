@@ -217,6 +217,20 @@ def test_split_k_two_warps(rng, monkeypatch, late_v):
             assert rel_l2(got[t], want[t]) <= 1e-2, (kwargs, t)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_split_k_merge_padded_rows(rng, monkeypatch, head_dim):
+    """Head dims of 64 and 128 over two warps: the block's merge goes through ``sm_o``'s padded rows (chunks of 32
+    dims plus one word, rows of 8 (mod 32) words at D = 128), one split and several, decode and not."""
+    from pegainfer.kernels import attention
+
+    monkeypatch.setattr(attention, "_split_geometry", lambda head_dim, group: (2, False, 0))
+    for kwargs in (dict(), dict(num_splits=2, min_split_tokens=16), dict(decode=True)):
+        got, want = run_attention(rng, 4, 2, head_dim, slots=[1, 0], positions=[19, 35], max_pages=10, num_pages=21,
+                                  method="split", **kwargs)
+        for t in range(2):
+            assert rel_l2(got[t], want[t]) <= 1e-2, (kwargs, t)
+
+
 @pytest.mark.parametrize("warps,head_dim", [(2, 32), (4, 64)])
 def test_split_k_dim_split(rng, monkeypatch, warps, head_dim):
     """Warp pairs that split the head dims (the GPU's geometry for Qwen3.5's D = 256): one split and several,
@@ -424,6 +438,17 @@ def test_decode_rope_fused_equals_separate(head_dim, rotary_dim, q_stride_mult, 
     out = assert_decode_rope_fused_equals_separate(head_dim, rotary_dim, q_stride_mult, weight_offset, rbw,
                                                    [9, 0, 20, 0], [1, 0, 2, -1], num_splits, min_split)[0]
     assert np.any(out[:3] != 0) and np.all(out[3] == 0)
+
+
+def test_decode_rope_fused_one_role_per_warp(monkeypatch):
+    """The fused path when every warp has at most one role (the GPU's 8 warps for Qwen3's 4 q heads + k + v; here
+    4 warps for 2 q heads + k + v) loads its norm weights and cos/sin before the PDL wait: still the very bits of
+    the separate kernels, one split and several."""
+    monkeypatch.setattr(attention, "_split_geometry", lambda head_dim, group: (4, False, 0, False))
+    for num_splits, min_split in ((None, None), (3, PAGE)):
+        out = assert_decode_rope_fused_equals_separate(16, 16, 1, 0.0, True, [9, 20], [1, 0], num_splits,
+                                                       min_split)[0]
+        assert np.any(out != 0)
 
 
 @pytest.mark.gpu

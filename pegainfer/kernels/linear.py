@@ -614,11 +614,26 @@ def gemv(x, w, out, *, gated: bool = False, geometry: GemvGeometry | None = None
 
 
 # ================================================================================================ GEMV, one token
+X_STAGE_PADDED = False
+"""Whether the one-token GEMV stages x in groups of 160 words rather than 128 (``_x_word_index``).  Unpadded, the add +
+RMSNorm prologue's stores (thread p writes pair p: slice ``p // 4``, word ``p % 4``) put a warp's 32 lanes on 8
+banks, a 4-way conflict on 5 stores a thread between the PDL wait and the barrier that starts the dot products
+(a static audit of the sm_90 build, session 21: ~0.1 µs a launch); padded they take 32 banks, and the dot loop's
+reads stay 32 consecutive words.  x's staging grows by a quarter.  Not yet measured on a GPU: off."""
+
+
+def x_group_words(padded: bool) -> int:
+    """Words of shared memory per 32 staged 16-byte slices of x (``X_STAGE_PADDED``)."""
+    return 160 if padded else 128
+
+
 @device_fn
-def _x_word_index(c, j):
+def _x_word_index(c, j, group_words):
     """Shared-memory word of bf16 pair ``j`` (0..3) of 16-byte slice ``c`` of the one-token GEMV's staged x:
-    ``128·(c // 32) + 32·j + c % 32``, so the 32 lanes of a step (consecutive c) read 32 consecutive words."""
-    return 128 * (c >> 5) + 32 * j + (c & 31)
+    ``G·(c // 32) + (G / 4)·j + c % 32`` with ``G = group_words`` (128, or 160 padded), so the 32 lanes of a step
+    (consecutive c) read 32 consecutive words; padded, the prologue's 32 lanes (8 slices × 4 words) write 32 banks
+    too."""
+    return group_words * (c >> 5) + (group_words // 4) * j + (c & 31)
 
 
 if SIMULATOR:
@@ -638,14 +653,16 @@ else:
 @functools.cache
 def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool, norm_pairs: int,
                         trigger: str = "last_tile", gather: bool = False, argmax: bool = False,
-                        stamps: bool = False, residual_early: bool = False):
+                        stamps: bool = False, residual_early: bool = False, x_padded: bool = False):
     """Build the one-token GEMV (batch-1 decode) for ``rows_per_warp`` rows per warp, a load ring ``stages`` deep,
     blocks of ``warps`` warps (all compile-time: they size the register arrays and set the launch bounds) and,
     when ``norm_pairs`` > 0, the add + RMSNorm prologue with that many element pairs per thread; ``gather``: that
     prologue reads row ``row_ids[0]`` of an embedding table as the residual (the first layer's embedding lookup);
     ``argmax``: the kernel also finds the greedy token of its one output row (``HeadArgmax``); ``stamps``: each
     block appends its ``timeline`` record; ``residual_early`` (with the prologue, not ``gather``): the residual is
-    read before the PDL wait (``linear_add_rms_norm(residual_ready=True)``)."""
+    read before the PDL wait (``linear_add_rms_norm(residual_ready=True)``); ``x_padded``: ``X_STAGE_PADDED``."""
+    XG = x_group_words(x_padded)
+    XQ = XG // 4
     GATHER = gather
     STAMPS = stamps
     RESIDUAL_EARLY = residual_early and norm_pairs > 0 and not gather
@@ -710,8 +727,8 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
            greedy token to ``head_token[0]`` (0 when no output beats -inf, as ``sampling.sample``), the max to
            ``head_threshold[0]``, 1 to ``head_kept[0]``, and zeroes the counter.  The sampler then has nothing left
            to do for a greedy row.
-        Shared memory (dynamic, uint32 words): ``128 · ceil(K / 256)`` for x, then ``warps · rows_per_warp`` f32
-        partial sums (bits).
+        Shared memory (dynamic, uint32 words): ``128 · ceil(K / 256)`` for x (160 with ``x_padded``), then
+        ``warps · rows_per_warp`` f32 partial sums (bits).
         """
         xs = cuda.shared.array(0, nbtypes.uint32)
         n_out = out.shape[1]
@@ -788,20 +805,20 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
             for u in range(U):
                 p = tid + u * nthreads
                 if p < k_words:
-                    xs[uint64(_x_word_index(p >> 2, p & 3))] = normalize_pair(s_w[u], n_w[u], inv_rms,
+                    xs[uint64(_x_word_index(p >> 2, p & 3, XG))] = normalize_pair(s_w[u], n_w[u], inv_rms,
                                                                           float32(weight_offset), round_before_weight)
         else:
             for c in range(tid, n_slices, nthreads):
                 q0, q1, q2, q3 = load_u32x4(x32, 4 * c)
-                xs[uint64(_x_word_index(c, 0))] = q0
-                xs[uint64(_x_word_index(c, 1))] = q1
-                xs[uint64(_x_word_index(c, 2))] = q2
-                xs[uint64(_x_word_index(c, 3))] = q3
+                xs[uint64(_x_word_index(c, 0, XG))] = q0
+                xs[uint64(_x_word_index(c, 1, XG))] = q1
+                xs[uint64(_x_word_index(c, 2, XG))] = q2
+                xs[uint64(_x_word_index(c, 3, XG))] = q3
         cuda.syncthreads()
         if STAMPS:
             t_ready = global_timer()
 
-        red = 128 * ((n_slices + 31) // 32)         # partial sums follow x (padded to whole 32-slice groups)
+        red = XG * ((n_slices + 31) // 32)          # partial sums follow x (padded to whole 32-slice groups)
         per_out = 2 if gated else 1
         t_best = float32(-math.inf)                 # argmax: this thread's largest output and its column
         t_col = int32(NO_INDEX)
@@ -817,9 +834,9 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
                     if c_pre < n_slices:
                         _load_row_slices(w32, wrow, 4 * c_pre, wbuf, ((s + S - 1) % S) * R4, R)
                     if c < n_slices:
-                        xb = uint64(128 * (c >> 5) + (c & 31))
-                        _dot_slices_x_words(acc, wbuf, s * R4, xs[xb], xs[xb + uint64(32)], xs[xb + uint64(64)],
-                                            xs[xb + uint64(96)], R)
+                        xb = uint64(XG * (c >> 5) + (c & 31))
+                        _dot_slices_x_words(acc, wbuf, s * R4, xs[xb], xs[xb + uint64(XQ)],
+                                            xs[xb + uint64(2 * XQ)], xs[xb + uint64(3 * XQ)], R)
                     c += step
             if LAST_STREAM and tile + cuda.gridDim.x >= n_tiles:
                 launch_dependents()                 # the last tile's weights are all read
@@ -942,14 +959,14 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
     assert k % 8 == 0, f"K must be a multiple of 8, got {k}"
     cols_per_block = geo.warps // geo.k_split * geo.rows_per_warp
     n_tiles = -(-w.shape[0] // cols_per_block)
-    shared = 4 * (128 * -(-k // 256) + geo.warps * geo.rows_per_warp)
+    shared = 4 * (x_group_words(X_STAGE_PADDED) * -(-k // 256) + geo.warps * geo.rows_per_warp)
     trigger = trigger or GEMV_TRIGGER
     if trigger not in GEMV_TRIGGERS:
         raise PegainferError(f"GEMV trigger {trigger!r} (PEGAINFER_GEMV_TRIGGER / PEGAINFER_GEMV_TRIGGER_LB) is not "
                              f"one of {', '.join(GEMV_TRIGGERS)}: set one of those or unset the variable")
     kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs, trigger,
                                row_ids is not None, head is not None, timeline.ENABLED,
-                               residual_early and RESIDUAL_EARLY and row_ids is None)
+                               residual_early and RESIDUAL_EARLY and row_ids is None, X_STAGE_PADDED)
     # the fused norm prologue runs once per block, so that path is always persistent; a bare projection may take one
     # block per tile (``persistent=False``: the hardware scheduler balances blocks, e.g. when a kernel still
     # running holds some SMs that a persistent grid counts on)

@@ -533,6 +533,49 @@ def test_linear_add_rms_norm_qwen3_4b(name, with_delta):
     assert np.array_equal(out, ref_out), np.mean(out != ref_out)
 
 
+@pytest.mark.parametrize("gated", [False, True], ids=["linear", "gated"])
+def test_x_stage_padded_is_bit_identical(gated, rng, monkeypatch):
+    """``X_STAGE_PADDED`` (x staged in 160-word groups of 32 slices): the fused add + RMSNorm GEMV and the plain
+    one-token GEMV give the same bits as the 128-word layout; K = 264 is 33 slices, a second, partial group."""
+    H, n_cols = 264, 24
+    rb, _ = bf16_randn((1, H), rng)
+    db, _ = bf16_randn((1, H), rng)
+    wnb, _ = bf16_randn((H,), rng, scale=0.2)
+    wb, _ = bf16_randn((n_cols, H), rng, scale=0.2)
+    xb, _ = bf16_randn((1, H), rng)
+    plain = linear_silu_mul if gated else linear
+    results = []
+    for padded in (False, True):
+        monkeypatch.setattr(lin, "X_STAGE_PADDED", padded)
+        fused = _fused(rb, db, wnb, wb, gated, "qwen3", 1e-6, residual_ready=True)
+        results.append(fused + (run(plain, xb, wb, n_cols // 2 if gated else n_cols, impl="gemv"),))
+    for a, b in zip(*results):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qkv", "gate_up", "down"])
+def test_x_stage_padded_qwen3_4b(name, monkeypatch):
+    """``X_STAGE_PADDED`` on the Qwen3-4B shapes: the same bits as the 128-word layout (fused path for qkv and
+    gate/up, plain x for down)."""
+    rng = np.random.default_rng(13)
+    N, H = QWEN3_4B[name]
+    gated = name == "gate_up"
+    wb, _ = bf16_randn((N, H), rng, scale=H ** -0.5)
+    rb, _ = bf16_randn((1, H), rng)
+    db, _ = bf16_randn((1, H), rng)
+    wnb, _ = bf16_randn((H,), rng)
+    outs = []
+    for padded in (False, True):
+        monkeypatch.setattr(lin, "X_STAGE_PADDED", padded)
+        if name == "down":
+            outs.append((run(linear, rb, wb, N, impl="gemv"),))
+        else:
+            outs.append(_fused(rb, db, wnb, wb, gated, "qwen3", 1e-6, residual_ready=True))
+    for a, b in zip(*outs):
+        assert np.array_equal(a, b)
+
+
 def test_gemv_tuning_file(tmp_path, monkeypatch):
     """A tuning file (what benchmarks/bench_decode_stream.py --tuning-out writes) overrides the geometry picker."""
     import json

@@ -177,7 +177,8 @@ def _split_range(n_keys, split, num_splits, min_chunk):
 @functools.lru_cache(maxsize=None)
 def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, min_blocks: int = 0,
                   decode: bool = False, gated: bool = False, rope_rotary_dim: int = 0, dim_split: bool = False,
-                  gate_early: bool = False, release: str = "last_load", stamps: bool = False):
+                  gate_early: bool = False, release: str = "last_load", stamps: bool = False,
+                  rope_release_late: bool = False):
     """Build the split-K kernel for one shape (closure constants size the register fragments).  ``late_v``: load V
     after computing S (K's registers are then free: fewer registers, one more memory round trip per step);
     ``min_blocks``: launch bounds asking for that many resident blocks per SM (0: none); ``decode``: every token is
@@ -191,7 +192,9 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
     thread loads the gate values of the output elements it will write right after the PDL wait, into registers,
     rather than as a dependent load after the merge (``GATE_EARLY``); ``release`` (with ``decode``): where a block
     lets the next kernel launch (``DECODE_RELEASES``); ``stamps``: each block appends its ``timeline`` record (the
-    wait stamp of a decode launch: its first work item's)."""
+    wait stamp of a decode launch: its first work item's); ``rope_release_late`` (fused path, ``release`` after the
+    wait): the next kernel is released once the norm / RoPE phase is done rather than right after the wait
+    (``FUSED_DECODE_ROPE_RELEASE``)."""
     assert release in DECODE_RELEASES, release
     STAMPS = stamps
     D, G, W, LATE_V, DECODE, GATED = head_dim, group, warps, late_v, decode, gated
@@ -200,6 +203,7 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
     RELEASE_LAST_LOAD = DECODE and release == "last_load"
     GATE_EARLY_ = gated and gate_early
     ROPE = rope_rotary_dim > 0
+    ROPE_RELEASE_LATE = ROPE and rope_release_late
     assert not ROPE or DECODE
     DS = 2 if dim_split else 1               # warps per 16-key step
     assert not (dim_split and ROPE), "the dim-split kernel has no fused qk-norm / RoPE path"
@@ -281,7 +285,7 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
         weights and cos/sin, which no kernel of the step writes, are loaded *before* the PDL wait (as
         ``qk_norm_rope_store`` does; after the wait they are HBM misses behind the o projection's copies);
         otherwise after it, with the head values.  Then waits for the projection, lets the next kernel launch
-        (``RELEASE_AFTER_WAIT``), and returns the wait's ``timeline`` stamp (0 without stamps).  Ends in a
+        (``RELEASE_AFTER_WAIT``, unless ``ROPE_RELEASE_LATE``), and returns the wait's ``timeline`` stamp (0 without stamps).  Ends in a
         barrier."""
         lane = cuda.threadIdx.x % 32
         warp = cuda.threadIdx.x // 32
@@ -296,7 +300,7 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
         t_wait = uint64(0)
         if STAMPS:
             t_wait = global_timer()
-        if RELEASE_AFTER_WAIT:
+        if RELEASE_AFTER_WAIT and not ROPE_RELEASE_LATE:
             launch_dependents()
         for rr in range(ROLE_ROUNDS):                 # same trip count in every warp (simulator shuffles)
             role = rr * W + warp
@@ -510,7 +514,7 @@ def _split_kernel(head_dim: int, group: int, warps: int, late_v: bool = False, m
                     _load_words(q32, (t * nq + head0 + g) * ROW_WORDS + dim0 + tq * KW, KW, qa, 0, g < G)
                 if early and GATE_EARLY_:                 # written by the projection before qk-norm: visible now
                     load_gates(gate, t, head0, utid, gv)
-                if early and RELEASE_AFTER_WAIT and not ROPE:      # (the fused path released in fused_heads)
+                if early and RELEASE_AFTER_WAIT and (not ROPE or ROPE_RELEASE_LATE):   # (else in fused_heads)
                     launch_dependents()
                 if early or (ROPE and k0 <= newest and newest < k0 + DECODE_STEP_KEYS):
                     for j in range(2):
@@ -1042,6 +1046,17 @@ fused kernel releases o at its wait, so o's 21 MB of copies stream while its nor
 (wait to the first block's last P V product 3.3 µs, against 0.8 µs for the separate attention after qk-norm)."""
 
 
+FUSED_DECODE_ROPE_RELEASE = "after_wait"
+"""Where the fused qk-norm/RoPE + attention launch (``FUSED_DECODE_ROPE``) lets o launch: right ``after_wait`` (as the
+separate attention does), or ``after_norm``, once its norm / RoPE phase -- the dependent loads of the raw
+projection -- is done.  Session 21's timeline showed the fused kernel's norm phase slowed by o's 21 MB of copies
+streaming beside it (wait to the first P V products 3.3 µs, 0.8 µs in the separate attention): ``after_norm`` keeps
+them apart as the separate kernels do, while saving qk-norm's launch and its q / K / V round trip through L2.  Not
+yet measured.  (A static audit of the sm_90 build, session 21, also found the fused path's q-fragment reads from
+``sm_q`` 8-way bank-conflicted -- word ``64g + 16t + i`` over a warp's 16 lanes, ~0.9 µs a block -- padding its
+rows in chunks of ``KW + 1`` words fixed that but cost 4 registers and 32 bytes of spills at 254: not applied.)"""
+
+
 @dataclass(frozen=True)
 class DecodeRope:
     """What ``paged_attention(..., decode=True, rope=)`` needs to do ``rope.qk_norm_rope_store``'s work itself: the
@@ -1233,9 +1248,10 @@ def _paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, posit
     dim_split = bool(dim_split and dim_split[0])
     if dim_split and rope is not None:   # the fused qk-norm / RoPE path exists for whole-row warps only
         warps, late_v, min_blocks, dim_split = threads(gpu=8, sim=1), D > 128, 0, False
+    assert FUSED_DECODE_ROPE_RELEASE in ("after_wait", "after_norm"), FUSED_DECODE_ROPE_RELEASE
     kern = _split_kernel(D, group, warps, late_v, min_blocks, decode, gate is not None,
                          rope.rotary_dim if rope is not None else 0, dim_split, GATE_EARLY, DECODE_RELEASE,
-                         timeline.ENABLED)
+                         timeline.ENABLED, rope is not None and FUSED_DECODE_ROPE_RELEASE == "after_norm")
     q2 = q.reshape(T, nq * D)
     r = rope or DecodeRope(q2, out.reshape(-1)[:D], out.reshape(-1)[:D], q2, q2, 0.0, 2, D)   # unused stand-ins
     launch(kern, grid(num_splits * T * nkv, sim_cap=64), 32 * warps,

@@ -443,12 +443,14 @@ def test_decode_rope_fused_equals_separate(head_dim, rotary_dim, q_stride_mult, 
 def test_decode_rope_fused_one_role_per_warp(monkeypatch):
     """The fused path when every warp has at most one role (the GPU's 8 warps for Qwen3's 4 q heads + k + v; here
     4 warps for 2 q heads + k + v) loads its norm weights and cos/sin before the PDL wait: still the very bits of
-    the separate kernels, one split and several."""
+    the separate kernels, one split and several, o released after the wait or after the norm phase."""
     monkeypatch.setattr(attention, "_split_geometry", lambda head_dim, group: (4, False, 0, False))
-    for num_splits, min_split in ((None, None), (3, PAGE)):
-        out = assert_decode_rope_fused_equals_separate(16, 16, 1, 0.0, True, [9, 20], [1, 0], num_splits,
-                                                       min_split)[0]
-        assert np.any(out != 0)
+    for release in ("after_wait", "after_norm"):     # where o may launch: FUSED_DECODE_ROPE_RELEASE
+        monkeypatch.setattr(attention, "FUSED_DECODE_ROPE_RELEASE", release)
+        for num_splits, min_split in ((None, None), (3, PAGE)):
+            out = assert_decode_rope_fused_equals_separate(16, 16, 1, 0.0, True, [9, 20], [1, 0], num_splits,
+                                                           min_split)[0]
+            assert np.any(out != 0)
 
 
 @pytest.mark.gpu

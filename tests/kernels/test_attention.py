@@ -455,8 +455,10 @@ def test_decode_rope_fused_one_role_per_warp(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("positions", [[127], [4095], [300, 17]])
-def test_gpu_decode_rope_fused_qwen3_shapes(positions):
-    """Qwen3-4B's attention shape (32 q / 8 kv heads of 128) on the GPU, one split and several: fused and separate
-    give the same bits in the output and both caches."""
-    assert_decode_rope_fused_equals_separate(128, 128, 1, 0.0, True, positions, list(range(len(positions))),
-                                             nq=32, nkv=8, page_size=16, max_pages=260)
+def test_gpu_decode_rope_fused_qwen3_shapes(positions, monkeypatch):
+    """Qwen3-4B's attention shape (32 q / 8 kv heads of 128) on the GPU, one split and several, o released after
+    the wait or after the norm phase: fused and separate give the same bits in the output and both caches."""
+    for release in ("after_wait", "after_norm"):
+        monkeypatch.setattr(attention, "FUSED_DECODE_ROPE_RELEASE", release)
+        assert_decode_rope_fused_equals_separate(128, 128, 1, 0.0, True, positions, list(range(len(positions))),
+                                                 nq=32, nkv=8, page_size=16, max_pages=260)

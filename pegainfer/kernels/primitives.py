@@ -691,7 +691,9 @@ if SIMULATOR:
 
     @device_fn
     def bulk_wait(bar, i):
-        pass
+        # every caller waits with its whole block (a block-uniform call), and the simulator's bulk_copy copied at
+        # once in the issuing thread: a block barrier is what makes the bytes visible to the others
+        cuda.syncthreads()
 else:
     def _element_pointer(context, builder, arrty, arr, idx, idxty):
         """LLVM pointer to ``arr[idx]`` (no wraparound)."""

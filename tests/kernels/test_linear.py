@@ -626,3 +626,44 @@ def test_linear_preloaded_around_busy_sms(rng, monkeypatch):
     monkeypatch.setattr(lin, "PRELOAD_AROUND_BUSY_SMS", True)
     for busy in (1, 2, lin._sm_count()):
         assert np.array_equal(run(lin.linear_preloaded, xb, wb, N, busy_sms=busy), base)
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["linear", "gated"])
+def test_delta_bulk_is_bit_identical(gated, rng, monkeypatch):
+    """``DELTA_BULK`` (delta fetched into shared memory by one bulk copy after the wait, residual read early): the
+    same bits as per-thread loads, with and without a delta, with x staged plain and padded; a GEMV whose residual
+    is not ready ignores it."""
+    H, n_cols = 264, 24
+    rb, _ = bf16_randn((1, H), rng)
+    db, _ = bf16_randn((1, H), rng)
+    wnb, _ = bf16_randn((H,), rng, scale=0.2)
+    wb, _ = bf16_randn((n_cols, H), rng, scale=0.2)
+    for delta in (db, None):
+        for padded in (False, True):
+            monkeypatch.setattr(lin, "X_STAGE_PADDED", padded)
+            monkeypatch.setattr(lin, "DELTA_BULK", False)
+            base = _fused(rb, delta, wnb, wb, gated, "qwen3", 1e-6, residual_ready=True)
+            monkeypatch.setattr(lin, "DELTA_BULK", True)
+            for ready in (True, False):
+                got = _fused(rb, delta, wnb, wb, gated, "qwen3", 1e-6, residual_ready=ready)
+                for a, b in zip(base, got):
+                    assert np.array_equal(a, b), (delta is None, padded, ready)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qkv", "gate_up", "lm_head"])
+def test_delta_bulk_qwen3_4b(name, monkeypatch):
+    """``DELTA_BULK`` on the Qwen3-4B shapes it would serve: the same bits as per-thread delta loads."""
+    rng = np.random.default_rng(17)
+    N, H = QWEN3_4B[name]
+    gated = name == "gate_up"
+    wb, _ = bf16_randn((N, H), rng, scale=H ** -0.5)
+    rb, _ = bf16_randn((1, H), rng)
+    db, _ = bf16_randn((1, H), rng)
+    wnb, _ = bf16_randn((H,), rng)
+    outs = []
+    for bulk in (False, True):
+        monkeypatch.setattr(lin, "DELTA_BULK", bulk)
+        outs.append(_fused(rb, db, wnb, wb, gated, "qwen3", 1e-6, residual_ready=True))
+    for a, b in zip(*outs):
+        assert np.array_equal(a, b)

@@ -10,9 +10,13 @@ per kernel of the step, medians over the layers:
   prologue median of ``t_ready - t_wait`` (x read, norm, staged; decode attention: to its first P V products)
   tail     its last block's end minus its median block's end
 
-``--save FILE.npy`` keeps the raw records (``timeline.records()`` of the last replay) for a closer look.
+A second table gives each kernel's moments relative to the previous kernel's last block end (medians over the
+layers): its first and last block entry, its first wait return, its median block's inputs staged, and its first,
+median and last block end.  ``--save FILE.npy`` keeps the raw records (``timeline.records()`` of the last replay);
+``--load FILE.npy`` prints both tables from saved records, without a GPU.
 
 Usage (GPU):  python benchmarks/step_timeline.py --model-path DIR [--output-len 64] [--save t.npy] [--set CODE]
+       (any): python benchmarks/step_timeline.py --load t.npy
 """
 from __future__ import annotations
 
@@ -66,6 +70,39 @@ def summarize(rec: np.ndarray) -> list[dict]:
     return rows
 
 
+def moments(rec: np.ndarray) -> dict[str, dict[str, float]]:
+    """Per kernel label, medians over its launches of its moments (µs) after the previous launch's last block end:
+    ``enter``, ``enter_last``, ``wait`` (first wait return), ``ready`` (median block), ``end_first``, ``end``
+    (median block), ``end_last``.  (Differences are taken in integer nanoseconds before any float arithmetic.)"""
+    per = defaultdict(lambda: defaultdict(list))
+    order = []
+    blocks_list = launches(rec)
+    for prev, blocks in zip(blocks_list, blocks_list[1:]):
+        lab = label(blocks)
+        if lab not in per:
+            order.append(lab)
+        t0 = int(prev["t_end"].max())
+        rel = lambda a: (np.asarray(a, np.int64) - t0) / 1e3
+        waited = blocks[blocks["t_wait"] > 0]
+        waited = waited if len(waited) else blocks
+        m = per[lab]
+        m["enter"].append(rel(blocks["t_entry"].min()))
+        m["enter_last"].append(rel(blocks["t_entry"].max()))
+        m["wait"].append(rel(waited["t_wait"].min()))
+        m["ready"].append(float(np.median(rel(waited["t_ready"]))))
+        m["end_first"].append(rel(blocks["t_end"].min()))
+        m["end"].append(float(np.median(rel(blocks["t_end"]))))
+        m["end_last"].append(rel(blocks["t_end"].max()))
+    return {lab: {k: float(np.median(v)) for k, v in per[lab].items()} for lab in order}
+
+
+def report_moments(table: dict[str, dict[str, float]]) -> None:
+    keys = ("enter", "enter_last", "wait", "ready", "end_first", "end", "end_last")
+    print(f"\n{'µs after the previous kernel ended':40s} " + " ".join(f"{k:>10s}" for k in keys))
+    for lab, m in table.items():
+        print(f"{lab:40s} " + " ".join(f"{m[k]:10.2f}" for k in keys))
+
+
 def report(rows: list[dict]) -> None:
     by = defaultdict(list)
     order = []
@@ -87,7 +124,8 @@ def report(rows: list[dict]) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--model-path")
+    ap.add_argument("--load", default=None, metavar="FILE.npy", help="print the tables of saved records (no GPU)")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=64, help="tokens generated before capture (context length)")
@@ -97,6 +135,13 @@ def main(argv=None) -> int:
                     help="Python run before the engine is built, e.g. 'import pegainfer.kernels.linear as l; "
                          "l.PRELOAD_AROUND_BUSY_SMS = False' (a variant as graph_sweep.py takes them)")
     args = ap.parse_args(argv)
+    if args.load:
+        rec = np.load(args.load)
+        report(summarize(rec))
+        report_moments(moments(rec))
+        return 0
+    if not args.model_path:
+        ap.error("--model-path is required (or --load FILE.npy)")
     if args.set:
         exec(compile(args.set, "<--set>", "exec"), {"__name__": "variant"})
 
@@ -136,6 +181,7 @@ def main(argv=None) -> int:
     step = (int(rec["t_end"].max()) - int(rec["t_entry"].min())) / 1e3
     print(f"first block entry to last block end: {step:.1f} µs")
     report(summarize(rec))
+    report_moments(moments(rec))
     if args.save:
         np.save(args.save, rec)
         print(f"records saved to {args.save}")

@@ -55,3 +55,38 @@ def test_nothing_recorded_when_off(rng):
     timeline.reset()
     _one_token_gemv(rng)
     assert len(timeline.records()) == 0
+
+
+def _records(rows):
+    """Timeline records from ``(t_entry, t_wait, t_ready, t_end, kind, block, grid, extra)`` tuples (ns)."""
+    dtype = [("t_entry", np.int64), ("t_wait", np.int64), ("t_ready", np.int64), ("t_end", np.int64),
+             ("kind", np.int32), ("block", np.int32), ("grid", np.int32), ("sm", np.int32), ("extra", np.int64)]
+    return np.array([(e, w, r, d, k, b, g, 0, x) for e, w, r, d, k, b, g, x in rows], dtype=dtype)
+
+
+def test_step_timeline_moments_from_saved_records(tmp_path, monkeypatch, capsys):
+    """``benchmarks/step_timeline.py``: each kernel's moments after the previous kernel's last block end (medians
+    over its launches), its walls, and ``--load`` printing both tables from saved records without a GPU."""
+    import os
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    monkeypatch.syspath_prepend(os.path.join(root, "benchmarks"))
+    import step_timeline
+    base = 10**18                       # globaltimer-sized values: differences must stay exact
+    rows = []
+    for layer in range(2):
+        t = base + layer * 100_000
+        rows += [(t, t + 100, t + 200, t + 1_000, 1, b, 2, 64) for b in range(2)]             # a GEMV ends at +1 µs
+        rows += [(t + 500, t + 1_700, t + 2_000, t + 3_000 + 500 * b, 5, b, 2, 0) for b in range(2)]  # attention
+    rec = _records(rows)
+    table = step_timeline.moments(rec)
+    att = table["attentionx2"]
+    assert (att["enter"], att["wait"], att["ready"]) == (-0.5, 0.7, 1.0)
+    assert (att["end_first"], att["end"], att["end_last"]) == (2.0, 2.25, 2.5)
+    walls = [r["wall"] for r in step_timeline.summarize(rec) if r["label"] == "attentionx2"]
+    assert walls == [2.5, 2.5]
+    path = tmp_path / "t.npy"
+    np.save(path, rec)
+    assert step_timeline.main(["--load", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "attentionx2" in out and "end_last" in out

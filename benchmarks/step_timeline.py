@@ -1,13 +1,15 @@
 """Where the time between a decode step's kernels goes, block by block, inside the CUDA graph.
 
-Captures the batch-1 decode graph with ``pegainfer.kernels.timeline`` on (the GEMVs, qk-norm/RoPE and decode
-attention append one record per block: entry, PDL wait returned, inputs staged, end, SM), replays it, and prints
+Captures the batch-1 decode graph with ``pegainfer.kernels.timeline`` on (the GEMVs, qk-norm/RoPE, decode
+attention and the Gated DeltaNet step append one record per block: entry, PDL wait returned, inputs staged, end,
+SM), replays it, and prints
 per kernel of the step, medians over the layers:
 
   wall     its last block's end minus the previous kernel's last block's end (sums to the step)
   wait     its first block's wait return minus the previous kernel's last block's end (the PDL handoff)
   early    how long its blocks ran before that wait returned (the loads they issued meanwhile)
-  prologue median of ``t_ready - t_wait`` (x read, norm, staged; decode attention: to its first P V products)
+  prologue median of ``t_ready - t_wait`` (x read, norm, staged; decode attention: to its first P V products;
+           the Gated DeltaNet step: to its first item's outputs)
   tail     its last block's end minus its median block's end
 
 A second table gives each kernel's moments relative to the previous kernel's last block end (medians over the

@@ -86,10 +86,13 @@ from pegainfer.kernels.launch import launch
 from pegainfer.kernels.norm import inverse_rms
 from pegainfer.kernels.primitives import (WARP, as_words, bf16_to_f32, bf16x2_hi, bf16x2_lo, bits_f32,
                                           cp_async_16, cp_async_commit, cp_async_wait_group, cuda, device_fn,
-                                          f32_bits, f32_to_bf16, float32, grid, grid_dependency_wait, int32, kernel,
+                                          f32_bits, f32_to_bf16, float32, global_timer, grid, grid_dependency_wait,
+                                          int32, kernel,
                                           launch_dependents, load_f32x2, load_f32x4, math,
                                           pdl_prologue, store_f32x2, store_f32x4, threads,
                                           uint16, uint32, warp_sum)
+
+from pegainfer.kernels import timeline
 
 uint64 = np.uint64
 
@@ -919,7 +922,7 @@ def _bounded_kernel(threads_per_block: int):
 
 @functools.cache
 def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per_thread: int, decode: bool = False,
-                        taps: int = 4, release: str = "loads", early_gates: bool = False):
+                        taps: int = 4, release: str = "loads", early_gates: bool = False, stamps: bool = False):
     """Build the fused decode step for heads of ``key_dim × value_dim``, ``row_groups`` key-row classes (the
     summation order of ``gated_delta_recurrent`` with that many warps) and ``tiles_per_thread`` 32-column tiles
     per thread.  All four are compile-time constants: the per-thread state is a register array of
@@ -930,8 +933,10 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
     ``early_gates`` (decode): the block's first item keeps what it read before the PDL wait (its sequence, slot,
     position, head) instead of recomputing and re-reading it after the wait, also reads its head's ``A_log`` and
     ``dt_bias`` there, and computes the token's decay and write strength as soon as ``a`` and ``b`` arrive, before
-    the conv's barrier rather than after it (``DECODE_EARLY_GATES``; the same operations: the same bits)."""
+    the conv's barrier rather than after it (``DECODE_EARLY_GATES``; the same operations: the same bits);
+    ``stamps``: each block appends its ``timeline`` record (ready: its first item's outputs written)."""
     assert release in DECODE_STEP_RELEASES, release
+    STAMPS = stamps
     DECODE = decode
     EARLY_GATES = decode and early_gates
     RELEASE_AT_START = not decode or release == "start"
@@ -1048,7 +1053,7 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
 
     @_bounded_kernel(NT)
     def gated_delta_decode_step_kernel(x, conv_weight, conv_state, z, a, b, a_log, dt_bias, norm_weight, eps,
-                                       ssm_state, slot_ids, token_offsets, positions, token_slots, out):
+                                       ssm_state, slot_ids, token_offsets, positions, token_slots, out, stamp_buf):
         """One Gated DeltaNet step after in_proj, for sequences of one token: conv + SiLU, the delta rule and the
         gated RMSNorm in one launch, bit-identical to ``causal_conv1d_silu`` → ``gated_delta_recurrent`` (with
         ``row_groups`` warps) → ``gated_rms_norm``.
@@ -1095,6 +1100,9 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
         of ``x``, ``a``, ``b`` and ``z`` together: one memory round trip after the wait.  It lets the next kernel
         launch where ``release`` says (``DECODE_STEP_RELEASE``).
         """
+        t_entry = t_wait = t_ready = uint64(0)
+        if STAMPS:
+            t_entry = global_timer()
         if DECODE:
             if RELEASE_AT_START:
                 launch_dependents()
@@ -1159,6 +1167,8 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                     decode_prefetch(conv_weight, conv_state, norm_weight, pre_slot, pre_pos, pre_h,
                                     pre_h // heads_per_key, k_base, v_base, wts, hist, nw)
             grid_dependency_wait()
+            if STAMPS:
+                t_wait = global_timer()
         else:
             # padding rows: the rule's zeros through the gated norm
             first_pad = token_offsets[num_seqs]
@@ -1327,6 +1337,8 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                             out[t, col] = gated_norm_value(o_s[uint64(j)], inv_rms, norm_weight[j], z[t, col])
                 if RELEASE_AFTER_OUTPUTS:
                     launch_dependents()         # only the state write-back is left
+                if STAMPS and t_ready == uint64(0):
+                    t_ready = global_timer()
 
                 if t == start + n - 1:  # the head's last token: its state back
                     state_rows(ssm_state, base, state, row_class, first_col, True)
@@ -1341,6 +1353,9 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                 for c in range(tid, 2 * KD + heads * VD, NT):
                     ch = _head_channel(c, hk, first_head, KD, VD, k_base, v_base)
                     conv_ring_store(x, conv_state, slot, ch, start, n, first_pos)
+        if STAMPS and tid == 0:
+            t_wait = t_wait if t_wait != uint64(0) else t_entry
+            timeline.record(stamp_buf, 6, t_entry, t_wait, t_ready if t_ready != uint64(0) else t_wait, 0)
 
     return gated_delta_decode_step_kernel
 
@@ -1429,10 +1444,10 @@ def gated_delta_decode_step(x, conv_weight, conv_state, z, a, b, a_log, dt_bias,
         raise PegainferError(f"PEGAINFER_GDN_RELEASE={DECODE_STEP_RELEASE!r} is not one of {DECODE_STEP_RELEASES}: "
                              "unset it or pick one of those")
     launch(_decode_step_kernel(key_dim, value_dim, row_groups, tiles_per_thread, decode, taps, DECODE_STEP_RELEASE,
-                               DECODE_EARLY_GATES),
+                               DECODE_EARLY_GATES, timeline.ENABLED),
            grid(max(1, slot_ids.shape[0] * num_v_heads), sim_cap=8), warps * WARP, x, conv_weight, conv_state, z,
            a, b, a_log, dt_bias, norm_weight, np.float32(eps), ssm_state.reshape(ssm_state.size), slot_ids,
-           token_offsets, positions, decode_token_slots if decode else slot_ids, out,
+           token_offsets, positions, decode_token_slots if decode else slot_ids, out, timeline.stamps_arg(),
            name="gated_delta_decode_step" if decode else None, pdl=True)
 
 

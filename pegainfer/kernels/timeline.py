@@ -14,9 +14,9 @@ contain no stamping code.  When on, each instrumented block's thread 0 appends o
     [t_entry, t_wait, t_ready, t_end, kind, block, grid, sm | extra << 8]
 
 ``t_entry``: the block's first instruction; ``t_wait``: its ``grid_dependency_wait`` returned; ``t_ready``: its
-inputs are staged (the GEMV's x in shared memory, the preloaded rows landed; decode attention: its first work item's
-last ``P V`` product done, before the merge; kernels without a prologue repeat ``t_wait``); ``t_end``: its last
-instruction.  ``kind``: one of ``KINDS``; ``extra``: the GEMV's output columns.
+inputs are staged (the GEMV's x in shared memory, the preloaded rows landed; decode attention: its first work
+item's last ``P V`` product done, before the merge; the Gated DeltaNet decode step: its first item's outputs
+written; kernels without a prologue repeat ``t_wait``); ``t_end``: its last instruction.  ``kind``: one of ``KINDS``; ``extra``: the GEMV's output columns.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ ENABLED = False
 CAPACITY = 1 << 16
 """Records the buffer holds; later ones are dropped (a Qwen3-4B decode step appends ~35k)."""
 
-KINDS = {1: "gemv", 2: "gemv_norm", 3: "gemv_preloaded", 4: "qk_norm_rope", 5: "attention"}
+KINDS = {1: "gemv", 2: "gemv_norm", 3: "gemv_preloaded", 4: "qk_norm_rope", 5: "attention", 6: "gdn_step"}
 WORDS = 8
 
 _buffer = None

@@ -90,3 +90,25 @@ def test_step_timeline_moments_from_saved_records(tmp_path, monkeypatch, capsys)
     assert step_timeline.main(["--load", str(path)]) == 0
     out = capsys.readouterr().out
     assert "attentionx2" in out and "end_last" in out
+
+
+def test_gated_delta_decode_step_records(stamping, rng):
+    """The Gated DeltaNet decode step (kind ``gdn_step``): one record per block, ordered stamps, the same bits as
+    without stamping."""
+    from tests.kernels.test_gated_delta import (_table, assert_fused_equals_three_kernels, decode_inputs,
+                                                make_decode_layer)
+    layer = make_decode_layer(rng)
+    num_slots, taps = 3, 4
+    conv_dim = layer["conv_w"].shape[0]
+    ring = bf16_randn((num_slots, conv_dim, taps), rng)[0]
+    state = (rng.standard_normal((num_slots, layer["num_v_heads"], 16, 16)) * 0.3).astype(np.float32)
+    slots = [2, 0]
+    positions = cuda.to_device(np.array([5, 1], np.int32))
+    assert_fused_equals_three_kernels(layer, ring, state, decode_inputs(rng, layer, 2), _table(slots, 2), positions,
+                                      decode_slots=slots)
+    rec = timeline.records()
+    rec = rec[rec["kind"] == 6]
+    assert len(rec) == int(rec["grid"][0]) > 0, "one record per block of the decode step"
+    assert sorted(rec["block"].tolist()) == list(range(len(rec)))
+    assert np.all(rec["t_entry"] <= rec["t_wait"]) and np.all(rec["t_wait"] <= rec["t_ready"])
+    assert np.all(rec["t_ready"] <= rec["t_end"])

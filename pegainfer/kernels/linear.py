@@ -993,7 +993,8 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
     assert k % 8 == 0, f"K must be a multiple of 8, got {k}"
     cols_per_block = geo.warps // geo.k_split * geo.rows_per_warp
     n_tiles = -(-w.shape[0] // cols_per_block)
-    delta_bulk = DELTA_BULK and x is None and residual_early and RESIDUAL_EARLY and row_ids is None
+    early = residual_early and RESIDUAL_EARLY and row_ids is None   # the residual read before the wait
+    delta_bulk = DELTA_BULK and x is None and early
     shared = 4 * (x_group_words(X_STAGE_PADDED) * -(-k // 256) + geo.warps * geo.rows_per_warp)
     if delta_bulk:
         shared = 4 * (delta_words_offset(k, geo.warps * geo.rows_per_warp, x_group_words(X_STAGE_PADDED))
@@ -1004,7 +1005,7 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
                              f"one of {', '.join(GEMV_TRIGGERS)}: set one of those or unset the variable")
     kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs, trigger,
                                row_ids is not None, head is not None, timeline.ENABLED,
-                               residual_early and RESIDUAL_EARLY and row_ids is None, X_STAGE_PADDED, delta_bulk)
+                               early, X_STAGE_PADDED, delta_bulk)
     # the fused norm prologue runs once per block, so that path is always persistent; a bare projection may take one
     # block per tile (``persistent=False``: the hardware scheduler balances blocks, e.g. when a kernel still
     # running holds some SMs that a persistent grid counts on)

@@ -553,12 +553,10 @@ def test_x_stage_padded_is_bit_identical(gated, rng, monkeypatch):
         assert np.array_equal(a, b)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["qkv", "gate_up", "down"])
-def test_x_stage_padded_qwen3_4b(name, monkeypatch):
-    """``X_STAGE_PADDED`` on the Qwen3-4B shapes: the same bits as the 128-word layout (fused path for qkv and
-    gate/up, plain x for down)."""
-    rng = np.random.default_rng(13)
+def assert_knob_keeps_qwen3_4b_bits(name, knob, seed, monkeypatch):
+    """The one-token GEMV on Qwen3-4B's ``name`` projection gives the same bits with ``lin.<knob>`` off and on:
+    the fused add + RMSNorm path (residual read early) for qkv, gate/up and the LM head, plain x for down."""
+    rng = np.random.default_rng(seed)
     N, H = QWEN3_4B[name]
     gated = name == "gate_up"
     wb, _ = bf16_randn((N, H), rng, scale=H ** -0.5)
@@ -566,14 +564,21 @@ def test_x_stage_padded_qwen3_4b(name, monkeypatch):
     db, _ = bf16_randn((1, H), rng)
     wnb, _ = bf16_randn((H,), rng)
     outs = []
-    for padded in (False, True):
-        monkeypatch.setattr(lin, "X_STAGE_PADDED", padded)
+    for on in (False, True):
+        monkeypatch.setattr(lin, knob, on)
         if name == "down":
             outs.append((run(linear, rb, wb, N, impl="gemv"),))
         else:
             outs.append(_fused(rb, db, wnb, wb, gated, "qwen3", 1e-6, residual_ready=True))
     for a, b in zip(*outs):
-        assert np.array_equal(a, b)
+        assert np.array_equal(a, b), (name, knob)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qkv", "gate_up", "down"])
+def test_x_stage_padded_qwen3_4b(name, monkeypatch):
+    """``X_STAGE_PADDED`` on the Qwen3-4B shapes: the same bits as the 128-word layout."""
+    assert_knob_keeps_qwen3_4b_bits(name, "X_STAGE_PADDED", 13, monkeypatch)
 
 
 def test_gemv_tuning_file(tmp_path, monkeypatch):
@@ -654,16 +659,4 @@ def test_delta_bulk_is_bit_identical(gated, rng, monkeypatch):
 @pytest.mark.parametrize("name", ["qkv", "gate_up", "lm_head"])
 def test_delta_bulk_qwen3_4b(name, monkeypatch):
     """``DELTA_BULK`` on the Qwen3-4B shapes it would serve: the same bits as per-thread delta loads."""
-    rng = np.random.default_rng(17)
-    N, H = QWEN3_4B[name]
-    gated = name == "gate_up"
-    wb, _ = bf16_randn((N, H), rng, scale=H ** -0.5)
-    rb, _ = bf16_randn((1, H), rng)
-    db, _ = bf16_randn((1, H), rng)
-    wnb, _ = bf16_randn((H,), rng)
-    outs = []
-    for bulk in (False, True):
-        monkeypatch.setattr(lin, "DELTA_BULK", bulk)
-        outs.append(_fused(rb, db, wnb, wb, gated, "qwen3", 1e-6, residual_ready=True))
-    for a, b in zip(*outs):
-        assert np.array_equal(a, b)
+    assert_knob_keeps_qwen3_4b_bits(name, "DELTA_BULK", 17, monkeypatch)

@@ -1051,8 +1051,9 @@ FUSED_DECODE_ROPE_RELEASE = "after_wait"
 separate attention does), or ``after_norm``, once its norm / RoPE phase -- the dependent loads of the raw
 projection -- is done.  Session 21's timeline showed the fused kernel's norm phase slowed by o's 21 MB of copies
 streaming beside it (wait to the first P V products 3.3 µs, 0.8 µs in the separate attention): ``after_norm`` keeps
-them apart as the separate kernels do, while saving qk-norm's launch and its q / K / V round trip through L2.  Not
-yet measured.  (A static audit of the sm_90 build, session 21, also found the fused path's q-fragment reads from
+them apart as the separate kernels do, while saving qk-norm's launch and its q / K / V round trip through L2.
+Measured in session 22 (decode graph, Qwen3-4B, context 80): the fused launch with ``after_norm`` +2.67 % against
+the separate kernels (``after_wait`` was +5.6 % in session 21, on another machine).  (A static audit of the sm_90 build, session 21, also found the fused path's q-fragment reads from
 ``sm_q`` 8-way bank-conflicted -- word ``64g + 16t + i`` over a warp's 16 lanes, ~0.9 µs a block -- padding its
 rows in chunks of ``KW + 1`` words fixed that but cost 4 registers and 32 bytes of spills at 254: not applied.)"""
 
@@ -1200,7 +1201,9 @@ issue their weight copies) launch: at its ``start``, right ``after_wait`` (once 
 default), or after its ``last_load`` of K / V.  Session 11 measured the start slower (Qwen3-4B 2.725–2.745 vs
 2.689–2.711 ms) and after the wait equal to the last load.  Re-measured once qk-norm/RoPE launched early (session 19,
 ``benchmarks/graph_sweep.py``, decode graphs at context 48, one call): after the wait −0.21 % (Qwen3.5-4B) and
-−0.96 % (Qwen3-4B) against the last load; the start +0.24 % / +2.95 %."""
+−0.96 % (Qwen3-4B) against the last load; the start +0.24 % / +2.95 %.  Session 22, once the split-K merge was
+1.8 µs shorter (context 80): the start +1.57 % (Qwen3-4B), −0.09 % (Qwen3.5-4B); its timeline put attention's end
+3.8 µs later (o's copies slowing its loads) and o's end 3.2 µs earlier."""
 
 GATE_EARLY = True
 """Whether the gated (Qwen3.5) split-K kernel loads its output elements' gates right after its PDL wait, into

@@ -614,39 +614,17 @@ def gemv(x, w, out, *, gated: bool = False, geometry: GemvGeometry | None = None
 
 
 # ================================================================================================ GEMV, one token
-X_STAGE_PADDED = False
-"""Whether the one-token GEMV stages x in groups of 160 words rather than 128 (``_x_word_index``).  Unpadded, the add +
-RMSNorm prologue's stores (thread p writes pair p: slice ``p // 4``, word ``p % 4``) put a warp's 32 lanes on 8
-banks, a 4-way conflict on 5 stores a thread between the PDL wait and the barrier that starts the dot products
-(a static audit of the sm_90 build, session 21: ~0.1 µs a launch); padded they take 32 banks, and the dot loop's
-reads stay 32 consecutive words.  x's staging grows by a quarter.  Not yet measured on a GPU: off."""
-
-
-DELTA_BULK = False
-"""Whether the add + RMSNorm GEMV whose residual is read before its PDL wait (``residual_ready``) fetches ``delta``
-(the previous kernel's output) after the wait with one ``cp.async.bulk`` into shared memory, through the copy engine,
-instead of one load per thread.  The step timeline (sessions 20-21) puts 2.4 µs (qkv) and 2.9 µs (gate/up) between
-the wait and x staged, against ~0.3 µs of arithmetic: the delta loads queue behind the first-tile weight loads the
-block's LSUs issued before the wait.  Not yet measured on a GPU: off."""
-
-
-def delta_words_offset(k: int, partials: int, group_words: int) -> int:
-    """``DELTA_BULK``: the shared-memory word where the one-token GEMV keeps delta (``k / 2`` words, then its 8-byte
-    mbarrier), after x's staging and the ``partials`` sums, 16-byte aligned."""
-    return -(-(group_words * -(-k // 256) + partials) // 4) * 4
-
-
-def x_group_words(padded: bool) -> int:
-    """Words of shared memory per 32 staged 16-byte slices of x (``X_STAGE_PADDED``)."""
-    return 160 if padded else 128
+X_GROUP_WORDS = 128
+"""Shared-memory words per 32 staged 16-byte slices of x in the one-token GEMV (``_x_word_index``).  (Session 22
+measured 160-word groups, which take the add + RMSNorm prologue's stores from 8 banks to 32: −0.13 % on the
+Qwen3-4B decode graph, +0.15 % on Qwen3.5-4B; dropped.)"""
 
 
 @device_fn
 def _x_word_index(c, j, group_words):
     """Shared-memory word of bf16 pair ``j`` (0..3) of 16-byte slice ``c`` of the one-token GEMV's staged x:
-    ``G·(c // 32) + (G / 4)·j + c % 32`` with ``G = group_words`` (128, or 160 padded), so the 32 lanes of a step
-    (consecutive c) read 32 consecutive words; padded, the prologue's 32 lanes (8 slices × 4 words) write 32 banks
-    too."""
+    ``G·(c // 32) + (G / 4)·j + c % 32`` with ``G = group_words`` (``X_GROUP_WORDS``), so the 32 lanes of a step
+    (consecutive c) read 32 consecutive words."""
     return group_words * (c >> 5) + (group_words // 4) * j + (c & 31)
 
 
@@ -667,23 +645,19 @@ else:
 @functools.cache
 def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool, norm_pairs: int,
                         trigger: str = "last_tile", gather: bool = False, argmax: bool = False,
-                        stamps: bool = False, residual_early: bool = False, x_padded: bool = False,
-                        delta_bulk: bool = False):
+                        stamps: bool = False, residual_early: bool = False):
     """Build the one-token GEMV (batch-1 decode) for ``rows_per_warp`` rows per warp, a load ring ``stages`` deep,
     blocks of ``warps`` warps (all compile-time: they size the register arrays and set the launch bounds) and,
     when ``norm_pairs`` > 0, the add + RMSNorm prologue with that many element pairs per thread; ``gather``: that
     prologue reads row ``row_ids[0]`` of an embedding table as the residual (the first layer's embedding lookup);
     ``argmax``: the kernel also finds the greedy token of its one output row (``HeadArgmax``); ``stamps``: each
     block appends its ``timeline`` record; ``residual_early`` (with the prologue, not ``gather``): the residual is
-    read before the PDL wait (``linear_add_rms_norm(residual_ready=True)``); ``x_padded``: ``X_STAGE_PADDED``;
-    ``delta_bulk`` (with ``residual_early``): the prologue's delta comes into shared memory by one ``cp.async.bulk``
-    after the wait (``DELTA_BULK``)."""
-    XG = x_group_words(x_padded)
+    read before the PDL wait (``linear_add_rms_norm(residual_ready=True)``)."""
+    XG = X_GROUP_WORDS
     XQ = XG // 4
     GATHER = gather
     STAMPS = stamps
     RESIDUAL_EARLY = residual_early and norm_pairs > 0 and not gather
-    DELTA_BULK = delta_bulk and RESIDUAL_EARLY
     KIND = 2 if norm_pairs > 0 else 1
     ARGMAX = argmax
     assert not (argmax and gated)
@@ -733,7 +707,11 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
            issuing 0, 1 or 2 of the ``stages - 1`` steps before the wait (the rest after x is staged) made the
            decode graph 15.0 / 9.6 / 5.3 % slower on Qwen3-4B; copying 2 or 4 more steps of every row of the
            first tile into shared memory with ``cp.async.bulk`` before the wait, the ring refilling from there,
-           made it 5.6 / 8.2 % slower (Qwen3.5-4B 5.7 / 8.6 %).)  The block lets the next kernel launch (``launch_dependents``) when it
+           made it 5.6 / 8.2 % slower (Qwen3.5-4B 5.7 / 8.6 %).  Session 22 issued such copies (2, 3 or 5 steps)
+           right *after* the wait instead, behind the prologue's reads or after its sum of squares: +1.7 to +4.8 %
+           on Qwen3-4B, +1.4 to +4.9 % on Qwen3.5-4B; gate/up's prologue went from 3.0 to 5.2 µs, its reads of
+           delta queued behind the copies.  Fetching delta itself with one ``cp.async.bulk`` after the wait: +0.86 /
+           +0.44 %.)  The block lets the next kernel launch (``launch_dependents``) when it
            starts its last tile (``GEMV_TRIGGER``), not at its start: blocks launched early wait on SM slots for
            the whole kernel, and doing so cost 0.2 ms per Qwen3-4B step.
         3. *Reduce*: ``warp_sum`` per row, the ``k_split`` partial sums through shared memory, one thread per
@@ -745,8 +723,8 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
            greedy token to ``head_token[0]`` (0 when no output beats -inf, as ``sampling.sample``), the max to
            ``head_threshold[0]``, 1 to ``head_kept[0]``, and zeroes the counter.  The sampler then has nothing left
            to do for a greedy row.
-        Shared memory (dynamic, uint32 words): ``128 · ceil(K / 256)`` for x (160 with ``x_padded``), then
-        ``warps · rows_per_warp`` f32 partial sums (bits).
+        Shared memory (dynamic, uint32 words): ``128 · ceil(K / 256)`` for x, then ``warps · rows_per_warp`` f32
+        partial sums (bits).
         """
         xs = cuda.shared.array(0, nbtypes.uint32)
         n_out = out.shape[1]
@@ -779,14 +757,6 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
             for u in range(U):
                 s_w[u] = load_u32_l2(residual_in32, uint64(min(tid + u * nthreads, k_words - 1)))
 
-        d_off = uint32(0)                           # DELTA_BULK: delta's words in shared memory, then its mbarrier
-        if DELTA_BULK:
-            d_off = uint32((XG * ((k + 255) // 256) + warps * R + 3) // 4 * 4)     # (delta_words_offset)
-            if has_delta:
-                if tid == 0:
-                    bulk_barrier_init(xs, d_off + uint32(k_words))
-                cuda.syncthreads()                  # initialised before anyone waits on it
-
         if trigger == "start":
             launch_dependents()                     # PDL (launch.py): the next kernel may take SMs as ours free
         tile = cuda.blockIdx.x
@@ -805,11 +775,6 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
         if NORM:
             d_w = cuda.local.array(U, uint32)
             last = k_words - 1
-            if DELTA_BULK and has_delta:            # the copy engine fetches delta; the LSUs hold the ring's loads
-                if tid == 0:
-                    bulk_expect_bytes(xs, d_off + uint32(k_words), uint32(4 * k_words))
-                    bulk_copy(xs, d_off, delta32, uint32(0), uint32(4 * k_words), xs, d_off + uint32(k_words))
-                bulk_wait(xs, d_off + uint32(k_words))
             row0 = uint64(0)
             valid = True
             if GATHER:                              # (the ids are read after the wait, as the residual would be)
@@ -820,10 +785,7 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
                 pu = uint64(min(tid + u * nthreads, last))  # and below: no negative-index wraparound code)
                 if not RESIDUAL_EARLY:
                     s_w[u] = residual_in32[row0 + pu] if valid else uint32(0)
-                if DELTA_BULK:
-                    d_w[u] = xs[uint64(d_off) + pu] if has_delta else uint32(0)
-                else:
-                    d_w[u] = delta32[pu] if has_delta else uint32(0)
+                d_w[u] = delta32[pu] if has_delta else uint32(0)
             ss = float32(0.0)
             for u in range(U):
                 p = tid + u * nthreads
@@ -994,18 +956,14 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
     cols_per_block = geo.warps // geo.k_split * geo.rows_per_warp
     n_tiles = -(-w.shape[0] // cols_per_block)
     early = residual_early and RESIDUAL_EARLY and row_ids is None   # the residual read before the wait
-    delta_bulk = DELTA_BULK and x is None and early
-    shared = 4 * (x_group_words(X_STAGE_PADDED) * -(-k // 256) + geo.warps * geo.rows_per_warp)
-    if delta_bulk:
-        shared = 4 * (delta_words_offset(k, geo.warps * geo.rows_per_warp, x_group_words(X_STAGE_PADDED))
-                      + k // 2 + 2)
+    shared = 4 * (X_GROUP_WORDS * -(-k // 256) + geo.warps * geo.rows_per_warp)
     trigger = trigger or GEMV_TRIGGER
     if trigger not in GEMV_TRIGGERS:
         raise PegainferError(f"GEMV trigger {trigger!r} (PEGAINFER_GEMV_TRIGGER / PEGAINFER_GEMV_TRIGGER_LB) is not "
                              f"one of {', '.join(GEMV_TRIGGERS)}: set one of those or unset the variable")
     kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs, trigger,
                                row_ids is not None, head is not None, timeline.ENABLED,
-                               early, X_STAGE_PADDED, delta_bulk)
+                               early)
     # the fused norm prologue runs once per block, so that path is always persistent; a bare projection may take one
     # block per tile (``persistent=False``: the hardware scheduler balances blocks, e.g. when a kernel still
     # running holds some SMs that a persistent grid counts on)

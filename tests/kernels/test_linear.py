@@ -533,54 +533,6 @@ def test_linear_add_rms_norm_qwen3_4b(name, with_delta):
     assert np.array_equal(out, ref_out), np.mean(out != ref_out)
 
 
-@pytest.mark.parametrize("gated", [False, True], ids=["linear", "gated"])
-def test_x_stage_padded_is_bit_identical(gated, rng, monkeypatch):
-    """``X_STAGE_PADDED`` (x staged in 160-word groups of 32 slices): the fused add + RMSNorm GEMV and the plain
-    one-token GEMV give the same bits as the 128-word layout; K = 264 is 33 slices, a second, partial group."""
-    H, n_cols = 264, 24
-    rb, _ = bf16_randn((1, H), rng)
-    db, _ = bf16_randn((1, H), rng)
-    wnb, _ = bf16_randn((H,), rng, scale=0.2)
-    wb, _ = bf16_randn((n_cols, H), rng, scale=0.2)
-    xb, _ = bf16_randn((1, H), rng)
-    plain = linear_silu_mul if gated else linear
-    results = []
-    for padded in (False, True):
-        monkeypatch.setattr(lin, "X_STAGE_PADDED", padded)
-        fused = _fused(rb, db, wnb, wb, gated, "qwen3", 1e-6, residual_ready=True)
-        results.append(fused + (run(plain, xb, wb, n_cols // 2 if gated else n_cols, impl="gemv"),))
-    for a, b in zip(*results):
-        assert np.array_equal(a, b)
-
-
-def assert_knob_keeps_qwen3_4b_bits(name, knob, seed, monkeypatch):
-    """The one-token GEMV on Qwen3-4B's ``name`` projection gives the same bits with ``lin.<knob>`` off and on:
-    the fused add + RMSNorm path (residual read early) for qkv, gate/up and the LM head, plain x for down."""
-    rng = np.random.default_rng(seed)
-    N, H = QWEN3_4B[name]
-    gated = name == "gate_up"
-    wb, _ = bf16_randn((N, H), rng, scale=H ** -0.5)
-    rb, _ = bf16_randn((1, H), rng)
-    db, _ = bf16_randn((1, H), rng)
-    wnb, _ = bf16_randn((H,), rng)
-    outs = []
-    for on in (False, True):
-        monkeypatch.setattr(lin, knob, on)
-        if name == "down":
-            outs.append((run(linear, rb, wb, N, impl="gemv"),))
-        else:
-            outs.append(_fused(rb, db, wnb, wb, gated, "qwen3", 1e-6, residual_ready=True))
-    for a, b in zip(*outs):
-        assert np.array_equal(a, b), (name, knob)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["qkv", "gate_up", "down"])
-def test_x_stage_padded_qwen3_4b(name, monkeypatch):
-    """``X_STAGE_PADDED`` on the Qwen3-4B shapes: the same bits as the 128-word layout."""
-    assert_knob_keeps_qwen3_4b_bits(name, "X_STAGE_PADDED", 13, monkeypatch)
-
-
 def test_gemv_tuning_file(tmp_path, monkeypatch):
     """A tuning file (what benchmarks/bench_decode_stream.py --tuning-out writes) overrides the geometry picker."""
     import json
@@ -631,32 +583,3 @@ def test_linear_preloaded_around_busy_sms(rng, monkeypatch):
     monkeypatch.setattr(lin, "PRELOAD_AROUND_BUSY_SMS", True)
     for busy in (1, 2, lin._sm_count()):
         assert np.array_equal(run(lin.linear_preloaded, xb, wb, N, busy_sms=busy), base)
-
-
-@pytest.mark.parametrize("gated", [False, True], ids=["linear", "gated"])
-def test_delta_bulk_is_bit_identical(gated, rng, monkeypatch):
-    """``DELTA_BULK`` (delta fetched into shared memory by one bulk copy after the wait, residual read early): the
-    same bits as per-thread loads, with and without a delta, with x staged plain and padded; a GEMV whose residual
-    is not ready ignores it."""
-    H, n_cols = 264, 24
-    rb, _ = bf16_randn((1, H), rng)
-    db, _ = bf16_randn((1, H), rng)
-    wnb, _ = bf16_randn((H,), rng, scale=0.2)
-    wb, _ = bf16_randn((n_cols, H), rng, scale=0.2)
-    for delta in (db, None):
-        for padded in (False, True):
-            monkeypatch.setattr(lin, "X_STAGE_PADDED", padded)
-            monkeypatch.setattr(lin, "DELTA_BULK", False)
-            base = _fused(rb, delta, wnb, wb, gated, "qwen3", 1e-6, residual_ready=True)
-            monkeypatch.setattr(lin, "DELTA_BULK", True)
-            for ready in (True, False):
-                got = _fused(rb, delta, wnb, wb, gated, "qwen3", 1e-6, residual_ready=ready)
-                for a, b in zip(base, got):
-                    assert np.array_equal(a, b), (delta is None, padded, ready)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["qkv", "gate_up", "lm_head"])
-def test_delta_bulk_qwen3_4b(name, monkeypatch):
-    """``DELTA_BULK`` on the Qwen3-4B shapes it would serve: the same bits as per-thread delta loads."""
-    assert_knob_keeps_qwen3_4b_bits(name, "DELTA_BULK", 17, monkeypatch)

@@ -487,7 +487,8 @@ GEMV_TUNED: dict[tuple[int, int, int, bool], GemvGeometry] = {
     # fused norm), then confirmed end to end with ``benchmarks/ab_bench.py`` (``benchmarks/RESULTS.md``, session 8).
     # µs per launch: this geometry / the one before session 8's sweep
     # Qwen3-4B
-    (6144, 2560, 1, False): _tuned_t1(4, 8, 1, 3),     # qkv      (stages 4 before session 18: −0.14 % in the step)
+    # qkv: stages 4 measured +0.14 % in session 18; in session 22 −0.15 / −0.18 % on one machine, +0.37 % on the next
+    (6144, 2560, 1, False): _tuned_t1(4, 8, 1, 3),     # qkv
     (2560, 4096, 1, False): _tuned_t1(2, 4, 4, 6),     # o         9.5 (also Qwen3.5's o and out_proj)
     (19456, 2560, 1, True): _tuned_t1(2, 8, 1, 6),     # gate_up  26.8 / 30.6
     (2560, 9728, 1, False): _tuned_t1(2, 8, 8, 6),     # down     14.9

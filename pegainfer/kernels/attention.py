@@ -1053,9 +1053,10 @@ projection -- is done.  Session 21's timeline showed the fused kernel's norm pha
 streaming beside it (wait to the first P V products 3.3 µs, 0.8 µs in the separate attention): ``after_norm`` keeps
 them apart as the separate kernels do, while saving qk-norm's launch and its q / K / V round trip through L2.
 Measured in session 22 (decode graph, Qwen3-4B, context 80): the fused launch with ``after_norm`` +2.67 % against
-the separate kernels (``after_wait`` was +5.6 % in session 21, on another machine).  (A static audit of the sm_90 build, session 21, also found the fused path's q-fragment reads from
-``sm_q`` 8-way bank-conflicted -- word ``64g + 16t + i`` over a warp's 16 lanes, ~0.9 µs a block -- padding its
-rows in chunks of ``KW + 1`` words fixed that but cost 4 registers and 32 bytes of spills at 254: not applied.)"""
+the separate kernels (``after_wait`` was +5.6 % in session 21, on another machine).  (A static audit of the sm_90
+build, session 21, also found the fused path's q-fragment reads from ``sm_q`` 8-way bank-conflicted -- word
+``64g + 16t + i`` over a warp's 16 lanes, ~0.9 µs a block -- padding its rows in chunks of ``KW + 1`` words fixed
+that but cost 4 registers and 32 bytes of spills at 254: not applied.)"""
 
 
 @dataclass(frozen=True)

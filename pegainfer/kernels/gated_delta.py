@@ -87,11 +87,9 @@ from pegainfer.kernels.norm import inverse_rms
 from pegainfer.kernels.primitives import (WARP, as_words, bf16_to_f32, bf16x2_hi, bf16x2_lo, bits_f32,
                                           cp_async_16, cp_async_commit, cp_async_wait_group, cuda, device_fn,
                                           f32_bits, f32_to_bf16, float32, global_timer, grid, grid_dependency_wait,
-                                          int32, kernel,
-                                          launch_dependents, load_f32x2, load_f32x4, math,
+                                          int32, kernel, launch_dependents, load_f32x2, load_f32x4, math,
                                           pdl_prologue, store_f32x2, store_f32x4, threads,
                                           uint16, uint32, warp_sum)
-
 from pegainfer.kernels import timeline
 
 uint64 = np.uint64

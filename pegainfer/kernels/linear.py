@@ -615,18 +615,13 @@ def gemv(x, w, out, *, gated: bool = False, geometry: GemvGeometry | None = None
 
 
 # ================================================================================================ GEMV, one token
-X_GROUP_WORDS = 128
-"""Shared-memory words per 32 staged 16-byte slices of x in the one-token GEMV (``_x_word_index``).  (Session 22
-measured 160-word groups, which take the add + RMSNorm prologue's stores from 8 banks to 32: −0.13 % on the
-Qwen3-4B decode graph, +0.15 % on Qwen3.5-4B; dropped.)"""
-
-
 @device_fn
-def _x_word_index(c, j, group_words):
+def _x_word_index(c, j):
     """Shared-memory word of bf16 pair ``j`` (0..3) of 16-byte slice ``c`` of the one-token GEMV's staged x:
-    ``G·(c // 32) + (G / 4)·j + c % 32`` with ``G = group_words`` (``X_GROUP_WORDS``), so the 32 lanes of a step
-    (consecutive c) read 32 consecutive words."""
-    return group_words * (c >> 5) + (group_words // 4) * j + (c & 31)
+    ``128·(c // 32) + 32·j + c % 32``, so the 32 lanes of a step (consecutive c) read 32 consecutive words.  (Session
+    22 measured groups of 160 words, which take the add + RMSNorm prologue's stores from 8 banks to 32: −0.13 % on
+    the Qwen3-4B decode graph, +0.15 % on Qwen3.5-4B; dropped.)"""
+    return 128 * (c >> 5) + 32 * j + (c & 31)
 
 
 if SIMULATOR:
@@ -654,8 +649,6 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
     ``argmax``: the kernel also finds the greedy token of its one output row (``HeadArgmax``); ``stamps``: each
     block appends its ``timeline`` record; ``residual_early`` (with the prologue, not ``gather``): the residual is
     read before the PDL wait (``linear_add_rms_norm(residual_ready=True)``)."""
-    XG = X_GROUP_WORDS
-    XQ = XG // 4
     GATHER = gather
     STAMPS = stamps
     RESIDUAL_EARLY = residual_early and norm_pairs > 0 and not gather
@@ -802,20 +795,20 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
             for u in range(U):
                 p = tid + u * nthreads
                 if p < k_words:
-                    xs[uint64(_x_word_index(p >> 2, p & 3, XG))] = normalize_pair(s_w[u], n_w[u], inv_rms,
+                    xs[uint64(_x_word_index(p >> 2, p & 3))] = normalize_pair(s_w[u], n_w[u], inv_rms,
                                                                           float32(weight_offset), round_before_weight)
         else:
             for c in range(tid, n_slices, nthreads):
                 q0, q1, q2, q3 = load_u32x4(x32, 4 * c)
-                xs[uint64(_x_word_index(c, 0, XG))] = q0
-                xs[uint64(_x_word_index(c, 1, XG))] = q1
-                xs[uint64(_x_word_index(c, 2, XG))] = q2
-                xs[uint64(_x_word_index(c, 3, XG))] = q3
+                xs[uint64(_x_word_index(c, 0))] = q0
+                xs[uint64(_x_word_index(c, 1))] = q1
+                xs[uint64(_x_word_index(c, 2))] = q2
+                xs[uint64(_x_word_index(c, 3))] = q3
         cuda.syncthreads()
         if STAMPS:
             t_ready = global_timer()
 
-        red = XG * ((n_slices + 31) // 32)          # partial sums follow x (padded to whole 32-slice groups)
+        red = 128 * ((n_slices + 31) // 32)         # partial sums follow x (padded to whole 32-slice groups)
         per_out = 2 if gated else 1
         t_best = float32(-math.inf)                 # argmax: this thread's largest output and its column
         t_col = int32(NO_INDEX)
@@ -831,9 +824,9 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
                     if c_pre < n_slices:
                         _load_row_slices(w32, wrow, 4 * c_pre, wbuf, ((s + S - 1) % S) * R4, R)
                     if c < n_slices:
-                        xb = uint64(XG * (c >> 5) + (c & 31))
-                        _dot_slices_x_words(acc, wbuf, s * R4, xs[xb], xs[xb + uint64(XQ)],
-                                            xs[xb + uint64(2 * XQ)], xs[xb + uint64(3 * XQ)], R)
+                        xb = uint64(128 * (c >> 5) + (c & 31))
+                        _dot_slices_x_words(acc, wbuf, s * R4, xs[xb], xs[xb + uint64(32)], xs[xb + uint64(64)],
+                                            xs[xb + uint64(96)], R)
                     c += step
             if LAST_STREAM and tile + cuda.gridDim.x >= n_tiles:
                 launch_dependents()                 # the last tile's weights are all read
@@ -957,19 +950,17 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
     cols_per_block = geo.warps // geo.k_split * geo.rows_per_warp
     n_tiles = -(-w.shape[0] // cols_per_block)
     early = residual_early and RESIDUAL_EARLY and row_ids is None   # the residual read before the wait
-    shared = 4 * (X_GROUP_WORDS * -(-k // 256) + geo.warps * geo.rows_per_warp)
+    shared = 4 * (128 * -(-k // 256) + geo.warps * geo.rows_per_warp)
     trigger = trigger or GEMV_TRIGGER
     if trigger not in GEMV_TRIGGERS:
         raise PegainferError(f"GEMV trigger {trigger!r} (PEGAINFER_GEMV_TRIGGER / PEGAINFER_GEMV_TRIGGER_LB) is not "
                              f"one of {', '.join(GEMV_TRIGGERS)}: set one of those or unset the variable")
     kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs, trigger,
-                               row_ids is not None, head is not None, timeline.ENABLED,
-                               early)
+                               row_ids is not None, head is not None, timeline.ENABLED, early)
     # the fused norm prologue runs once per block, so that path is always persistent; a bare projection may take one
     # block per tile (``persistent=False``: the hardware scheduler balances blocks, e.g. when a kernel still
     # running holds some SMs that a persistent grid counts on)
-    blocks = _resident_blocks(n_tiles, geo) if geo.persistent or x is None else \
-        grid(n_tiles, sim_cap=2)
+    blocks = _resident_blocks(n_tiles, geo) if geo.persistent or x is None else grid(n_tiles, sim_cap=2)
     if head is None:
         head_args = (_unused(np.float32), _unused(np.int32), _unused(np.int32), _unused(np.float32), _unused(np.int32))
     else:
@@ -1020,6 +1011,7 @@ Measured on the H200 (session 16, two alternating rounds, ``benchmarks/RESULTS.m
 
 BULK_CHUNK_BYTES = 16384
 """Bytes per ``cp.async.bulk`` instruction of the preloaded GEMV."""
+
 
 @functools.cache
 def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, bulk: bool = False, release: str = "copies",

@@ -641,14 +641,17 @@ else:
 @functools.cache
 def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool, norm_pairs: int,
                         trigger: str = "last_tile", gather: bool = False, argmax: bool = False,
-                        stamps: bool = False, residual_early: bool = False):
+                        stamps: bool = False, residual_early: bool = False, whole_pairs: bool = False,
+                        x_slices: int = 0):
     """Build the one-token GEMV (batch-1 decode) for ``rows_per_warp`` rows per warp, a load ring ``stages`` deep,
     blocks of ``warps`` warps (all compile-time: they size the register arrays and set the launch bounds) and,
     when ``norm_pairs`` > 0, the add + RMSNorm prologue with that many element pairs per thread; ``gather``: that
     prologue reads row ``row_ids[0]`` of an embedding table as the residual (the first layer's embedding lookup);
     ``argmax``: the kernel also finds the greedy token of its one output row (``HeadArgmax``); ``stamps``: each
     block appends its ``timeline`` record; ``residual_early`` (with the prologue, not ``gather``): the residual is
-    read before the PDL wait (``linear_add_rms_norm(residual_ready=True)``)."""
+    read before the PDL wait (``linear_add_rms_norm(residual_ready=True)``); ``whole_pairs``: K / 2 is exactly
+    ``norm_pairs`` · threads, so the prologue needs no bounds checks; ``x_slices`` (without the prologue; 0: a
+    loop): the 16-byte slices of x each thread stages, at most (all its loads then go out at once)."""
     GATHER = gather
     STAMPS = stamps
     RESIDUAL_EARLY = residual_early and norm_pairs > 0 and not gather
@@ -662,6 +665,9 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
     SR4 = S * R4
     NORM = norm_pairs > 0
     nthreads = warps * WARP
+    WHOLE = whole_pairs and NORM
+    XS = x_slices if not NORM else 0
+    XQ = 4 * max(1, XS)
 
     @_bounded_kernel(nthreads)
     def gemv_decode(x32, w32, out, k, k_split, residual_in32, delta32, norm_weight32, residual_out32, eps,
@@ -775,28 +781,56 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
                 token = row_ids[0]
                 valid = token >= 0 and token < residual_in32.shape[0] // k_words
                 row0 = uint64(token if valid else 0) * uint64(k_words)
-            for u in range(U):                      # every load of the prologue at once (unsigned indices here
-                pu = uint64(min(tid + u * nthreads, last))  # and below: no negative-index wraparound code)
+            # Everything after the wait runs on every warp of the SM at once, so it is written for few instructions:
+            # 32-bit unsigned indices (numba widens integer arithmetic to 64 bits: hence the casts; no
+            # negative-index code either), and the owner of pair group u of residual_out (block u mod grid) kept
+            # as a running count instead of a division per pair.
+            utid = uint32(tid)
+            uk_words = uint32(k_words)
+            ulast = uint32(uk_words - uint32(1))
+            for u in range(U):                      # every load of the prologue at once
+                pu = uint32(utid + uint32(u * nthreads)) if WHOLE else uint32(min(uint32(utid + uint32(u * nthreads)),
+                                                                                  ulast))
                 if not RESIDUAL_EARLY:
-                    s_w[u] = residual_in32[row0 + pu] if valid else uint32(0)
+                    s_w[u] = residual_in32[row0 + uint64(pu)] if valid else uint32(0)
                 d_w[u] = delta32[pu] if has_delta else uint32(0)
             ss = float32(0.0)
+            owner = uint32(0)                       # the block that writes pair group u: u mod grid
+            bid = uint32(cuda.blockIdx.x)
+            n_blocks = uint32(cuda.gridDim.x)
             for u in range(U):
-                p = tid + u * nthreads
+                p = uint32(utid + uint32(u * nthreads))
                 s_w[u] = add_pair(s_w[u], d_w[u], has_delta)
-                if p < k_words:
-                    if (p // nthreads) % cuda.gridDim.x == cuda.blockIdx.x:
-                        residual_out32[uint64(p)] = s_w[u]
+                if WHOLE or p < uk_words:
+                    if owner == bid:
+                        residual_out32[p] = s_w[u]
                     v0 = bf16x2_lo(s_w[u])
                     v1 = bf16x2_hi(s_w[u])
                     ss += v0 * v0
                     ss += v1 * v1
+                owner = uint32(owner + uint32(1))
+                if owner == n_blocks:
+                    owner = uint32(0)
             inv_rms = inverse_rms(block_sum(ss), k, float32(eps))
             for u in range(U):
-                p = tid + u * nthreads
-                if p < k_words:
-                    xs[uint64(_x_word_index(p >> 2, p & 3))] = normalize_pair(s_w[u], n_w[u], inv_rms,
-                                                                          float32(weight_offset), round_before_weight)
+                p = uint32(utid + uint32(u * nthreads))
+                if WHOLE or p < uk_words:           # _x_word_index(p / 4, p % 4), in 32 bits
+                    at = uint32(uint32(uint32(p >> uint32(7)) << uint32(7)) | uint32(uint32(p & uint32(3)) << uint32(5))
+                                | uint32(uint32(p >> uint32(2)) & uint32(31)))
+                    xs[at] = normalize_pair(s_w[u], n_w[u], inv_rms, float32(weight_offset), round_before_weight)
+        elif XS:                                    # every thread's loads of x at once, then its stores
+            xq = cuda.local.array(XQ, uint32)
+            un_slices = uint32(n_slices)
+            for i in range(XS):
+                c = uint32(uint32(tid) + uint32(i * nthreads))
+                if c < un_slices:
+                    xq[4 * i], xq[4 * i + 1], xq[4 * i + 2], xq[4 * i + 3] = load_u32x4(x32, uint32(4) * c)
+            for i in range(XS):
+                c = uint32(uint32(tid) + uint32(i * nthreads))
+                if c < un_slices:                   # _x_word_index(c, j), in 32 bits
+                    at = uint32(uint32(uint32(c >> uint32(5)) << uint32(7)) | uint32(c & uint32(31)))
+                    for j in range(4):
+                        xs[uint32(at + uint32(32 * j))] = xq[4 * i + j]
         else:
             for c in range(tid, n_slices, nthreads):
                 q0, q1, q2, q3 = load_u32x4(x32, 4 * c)
@@ -900,6 +934,11 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
     return gemv_decode
 
 
+X_SLICES_AT_ONCE = 8
+"""A one-token GEMV without the norm prologue stages x with every thread's loads issued at once when it has at most
+this many 16-byte slices to stage (the down projection: 5 a thread); otherwise in a loop, which the compiler
+splits into a remainder of single load-then-store trips and groups of four: two round trips where one does."""
+
 RESIDUAL_EARLY = True
 """Whether a one-token GEMV whose caller passes ``residual_ready`` reads the residual before its PDL wait (ahead of
 the ring's weight loads, at L2: ``load_u32_l2``), as it does the norm weights; only ``delta`` is read after the wait.
@@ -956,7 +995,9 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
         raise PegainferError(f"GEMV trigger {trigger!r} (PEGAINFER_GEMV_TRIGGER / PEGAINFER_GEMV_TRIGGER_LB) is not "
                              f"one of {', '.join(GEMV_TRIGGERS)}: set one of those or unset the variable")
     kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs, trigger,
-                               row_ids is not None, head is not None, timeline.ENABLED, early)
+                               row_ids is not None, head is not None, timeline.ENABLED, early,
+                               norm_pairs > 0 and k // 2 == norm_pairs * NORM_THREADS,
+                               0 if norm_pairs else min(X_SLICES_AT_ONCE, -(-k // (8 * geo.warps * WARP))))
     # the fused norm prologue runs once per block, so that path is always persistent; a bare projection may take one
     # block per tile (``persistent=False``: the hardware scheduler balances blocks, e.g. when a kernel still
     # running holds some SMs that a persistent grid counts on)

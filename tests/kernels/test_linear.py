@@ -218,11 +218,12 @@ def _fused(rb, db, wnb, wb, gated, form, eps, **kw):
 @pytest.mark.parametrize("form", list(NORM_FORMS))
 @pytest.mark.parametrize("gated", [False, True], ids=["linear", "gated"])
 @pytest.mark.parametrize("with_delta", [True, False], ids=["delta", "no_delta"])
-@pytest.mark.parametrize("T,H", [(1, 72), (1, 128), (3, 64)])
+@pytest.mark.parametrize("T,H", [(1, 72), (1, 128), (1, 320), (3, 64)])
 def test_linear_add_rms_norm(T, H, with_delta, gated, form, rng):
     """Against float64 NumPy, and bit for bit against the separate ops.  T = 1 is the fused GEMV (in the simulator
-    two blocks over several tiles; H = 72 leaves a partial stride of the row, H = 128 gives each block two slices
-    of the residual to write); T = 3 the unfused path (``add_rms_norm_into`` + ``linear``)."""
+    two blocks over several tiles; H = 72 leaves a partial stride of the row, H = 128 fills whole strides, one per
+    block, H = 320 five, more than there are blocks: block b writes strides b, b + 2, ... of the residual); T = 3
+    the unfused path (``add_rms_norm_into`` + ``linear``)."""
     eps = 1e-6
     n_cols = 40
     rb, r = bf16_randn((T, H), rng)

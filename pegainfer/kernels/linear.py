@@ -711,9 +711,15 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
            right *after* the wait instead, behind the prologue's reads or after its sum of squares: +1.7 to +4.8 %
            on Qwen3-4B, +1.4 to +4.9 % on Qwen3.5-4B; gate/up's prologue went from 3.0 to 5.2 µs, its reads of
            delta queued behind the copies.  Fetching delta itself with one ``cp.async.bulk`` after the wait: +0.86 /
-           +0.44 %.)  The block lets the next kernel launch (``launch_dependents``) when it
+           +0.44 %.  Session 23: the first steps split around the prologue's reads of delta -- some before the
+           wait, the rest right after those reads are issued, so that the reads queue behind fewer bytes -- gate/up
+           2 / 3 / 4 of 5 before: +0.34 / +0.03 / +0.05 %, qkv 1 of 2: +0.66 %.)  The block lets the next kernel launch (``launch_dependents``) when it
            starts its last tile (``GEMV_TRIGGER``), not at its start: blocks launched early wait on SM slots for
            the whole kernel, and doing so cost 0.2 ms per Qwen3-4B step.
+           (Session 23 also copied the end of every row of a block's *last* tile into shared memory with
+           ``cp.async.bulk`` once the block had finished the tile one to three before it, so that tile streams
+           only the rest through the ring, aimed at gate/up's 5-8 µs spread of block ends: gate/up +3.0 to
+           +4.2 %, down +0.6 / +2.4 % on the Qwen3-4B decode graph; the spread stayed.)
         3. *Reduce*: ``warp_sum`` per row, the ``k_split`` partial sums through shared memory, one thread per
            output writes ``bf16(sum)`` (gated: ``_silu_mul_bf16`` of the gate/up pair).
         4. With ``argmax`` (the LM head of a one-sequence step, ``HeadArgmax``): every thread keeps the largest
@@ -1051,7 +1057,11 @@ Measured on the H200 (session 16, two alternating rounds, ``benchmarks/RESULTS.m
 2.554 ms (−0.4 %), Qwen3-4B 2.522 vs 2.529 ms (−0.3 %)."""
 
 BULK_CHUNK_BYTES = 16384
-"""Bytes per ``cp.async.bulk`` instruction of the preloaded GEMV."""
+"""Bytes per ``cp.async.bulk`` instruction of the preloaded GEMV.  All of a block's copies go out at once: session 23
+measured them paced (copy ``i + p`` issued once copy ``i`` had landed, one mbarrier per copy, so ~``p`` · 16 KB a
+block in flight instead of a 21 MB queue in front of attention's dependent reads): Qwen3-4B decode graph +10.0 /
++6.0 / +5.0 / +2.0 % for p = 1 / 2 / 3 / 5, and two bursts (the first 2-6 copies, the rest once those had landed)
++2.1 to +2.3 % with attention releasing o at its start, +2.3 % without; the copies are o's critical path."""
 
 
 @functools.cache

@@ -1000,10 +1000,11 @@ def _gemv_decode(x, residual_in, delta, norm_weight, eps, residual_out, w, out, 
     if trigger not in GEMV_TRIGGERS:
         raise PegainferError(f"GEMV trigger {trigger!r} (PEGAINFER_GEMV_TRIGGER / PEGAINFER_GEMV_TRIGGER_LB) is not "
                              f"one of {', '.join(GEMV_TRIGGERS)}: set one of those or unset the variable")
+    x_slices = -(-k // (8 * geo.warps * WARP))     # the plain GEMV: 16-byte slices of x a thread stages
     kern = _gemv_decode_kernel(geo.rows_per_warp, geo.stages, geo.warps, gated, norm_pairs, trigger,
                                row_ids is not None, head is not None, timeline.ENABLED, early,
                                norm_pairs > 0 and k // 2 == norm_pairs * NORM_THREADS,
-                               0 if norm_pairs else min(X_SLICES_AT_ONCE, -(-k // (8 * geo.warps * WARP))))
+                               0 if norm_pairs or x_slices > X_SLICES_AT_ONCE else x_slices)
     # the fused norm prologue runs once per block, so that path is always persistent; a bare projection may take one
     # block per tile (``persistent=False``: the hardware scheduler balances blocks, e.g. when a kernel still
     # running holds some SMs that a persistent grid counts on)

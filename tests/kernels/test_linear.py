@@ -584,3 +584,18 @@ def test_linear_preloaded_around_busy_sms(rng, monkeypatch):
     monkeypatch.setattr(lin, "PRELOAD_AROUND_BUSY_SMS", True)
     for busy in (1, 2, lin._sm_count()):
         assert np.array_equal(run(lin.linear_preloaded, xb, wb, N, busy_sms=busy), base)
+
+
+@pytest.mark.parametrize("K", [2040, 2400])
+def test_gemv_x_staged_at_once_or_in_a_loop(K, rng, monkeypatch):
+    """The plain one-token GEMV stages x with all of a thread's loads at once (``X_SLICES_AT_ONCE``) or, with more
+    slices a thread than that, in a loop: the same bits either way (one warp: K = 2040 is 8 slices a thread, the
+    last partial; K = 2400 is 10, past the default 8, so the loop)."""
+    geo = GemvGeometry(rows_per_warp=2, warps=1, k_split=1, max_tokens=1, stages=3, persistent=True)
+    xb, x = bf16_randn((1, K), rng)
+    wb, w = bf16_randn((6, K), rng, scale=0.05)
+    got = run(gemv, xb, wb, 6, geometry=geo)
+    assert rel_l2(got, x @ w.T) < 1e-2
+    for at_once in (0, 16):
+        monkeypatch.setattr(lin, "X_SLICES_AT_ONCE", at_once)
+        assert np.array_equal(run(gemv, xb, wb, 6, geometry=geo), got)

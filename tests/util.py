@@ -57,14 +57,14 @@ def hf_logits_on_gpu(model_class, folder, ids, attn: str, dtype=None):
 
 def launches_during(fn):
     """Run ``fn()`` and return ``[(kernel, pdl), ...]``: every kernel it launched through ``launch`` and whether
-    the launch asked for programmatic dependent launch."""
+    the launch declared the PDL contract (launched with a policy, so it may overlap the kernel before it)."""
     from pegainfer.kernels import launch as launch_module
 
     seen, real = [], launch_module._launch
 
-    def record(kernel, grid, block, args, shared, pdl, name):
-        seen.append((kernel, pdl))
-        real(kernel, grid, block, args, shared, pdl, name)
+    def record(kernel, grid, block, args, shared, policy, name):
+        seen.append((kernel, policy is not None))
+        real(kernel, grid, block, args, shared, policy, name)
 
     launch_module._launch = record
     try:
@@ -84,6 +84,6 @@ def assert_pdl_contract(launched):
     for kernel, pdl in launched:
         fn = getattr(kernel, "py_func", None) or getattr(kernel, "fn")
         name = fn.__name__
-        assert pdl, f"{name} was launched without pdl=True"
+        assert pdl, f"{name} was launched without a policy (outside the PDL contract)"
         src = inspect.getsource(fn)
         assert "pdl_prologue()" in src or "grid_dependency_wait()" in src, f"{name} never waits for its inputs"

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -45,6 +46,7 @@ from pegainfer.engine.types import RequestOutput, SamplingParams, TokenLogprob
 from pegainfer.device import require_supported_gpu
 from pegainfer.errors import PegainferError, RequestError
 from pegainfer.kernels.launch import traced
+from pegainfer.kernels.policy import LaunchPolicy
 
 log = logging.getLogger("pegainfer.engine")
 
@@ -99,7 +101,11 @@ class Engine:
     @classmethod
     def from_folder(cls, model_path: Optional[str] = None, max_model_len: Optional[int] = None,
                     max_batch: int = 1, max_prefill_tokens: int = 2048, use_cuda_graph: bool = True,
-                    verbose: bool = False, async_scheduling: bool = True) -> "Engine":
+                    verbose: bool = False, async_scheduling: bool = True,
+                    policy: "LaunchPolicy | None" = None) -> "Engine":
+        """Load a model folder (the demo model when ``model_path`` is None) and build the engine around it.
+        ``policy``: how the kernels launch (``kernels/policy.py``); None: ``LaunchPolicy.from_options()`` with the
+        tuning file ``PEGAINFER_GEMV_TUNING`` names, if set."""
         from pegainfer.config import load_generation_config, load_model_config
         from pegainfer.models import model_class
         from pegainfer.text.chat import ChatTemplate
@@ -107,6 +113,8 @@ class Engine:
         from pegainfer.weights import Progress, WeightReader, check_gpu_memory
 
         require_supported_gpu()
+        if policy is None:
+            policy = LaunchPolicy.from_options(tuning_file=os.environ.get("PEGAINFER_GEMV_TUNING") or None)
         if model_path is None:
             from pegainfer.demo import ensure_demo_model
             folder = Path(ensure_demo_model())
@@ -126,7 +134,8 @@ class Engine:
         Model = model_class(cfg.arch)
 
         def plan(mml: int):
-            m = Model(cfg, mml, max_tokens=min(max_prefill_tokens, mml), max_rows=max(max_batch, SCORE_ROWS))
+            m = Model(cfg, mml, max_tokens=min(max_prefill_tokens, mml), max_rows=max(max_batch, SCORE_ROWS),
+                      policy=policy)
             pages = max_batch * -(-mml // PAGE_SIZE)
             need = m.weight_bytes() + m.scratch_bytes() + pages * PAGE_SIZE * m.kv_bytes_per_token()
             need += getattr(m, "state_bytes", lambda n: 0)(max_batch)

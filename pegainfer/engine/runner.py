@@ -72,8 +72,9 @@ class ModelRunner:
         self._prev_logits_kept = False
         self._unread_ahead: "PendingStep | None" = None
         self.sample_workspace = sampling.allocate_sample_workspace(R, model.V)
-        # one-sequence steps: the LM head picks a greedy row's token itself (sampling.HEAD_ARGMAX)
-        self.head_argmax = sampling.HeadArgmax(self.out_ids, self.sample_workspace) if sampling.HEAD_ARGMAX else None
+        # one-sequence steps: the LM head picks a greedy row's token itself (``LaunchPolicy.head_argmax``)
+        self.head_argmax = (sampling.HeadArgmax(self.out_ids, self.sample_workspace) if model.policy.head_argmax
+                            else None)
         # Called once a step's ids are on their way to the host, right before the host waits for them (the GIL is
         # free during that wait): AsyncEngine hands the previous step's outputs to the server's event loop there.
         self.before_wait = None
@@ -108,7 +109,8 @@ class ModelRunner:
         ``forward``)."""
         head = self.head_argmax if self.head_argmax is not None and self.model.lm_head_argmax(T, B) else None
         logits = self.model.forward(self.step, self.pool.block_tables, T, B, decode=decode, head=head)
-        sampling.sample(logits, self.sampling, self.out_ids[:B], self.sample_workspace, head=head)
+        sampling.sample(logits, self.sampling, self.out_ids[:B], self.sample_workspace, head=head,
+                        policy=self.model.policy)
         return logits
 
     def _copy_out(self, B: int) -> int:

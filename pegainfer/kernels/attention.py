@@ -1079,7 +1079,7 @@ class DecodeRope:
 
 def paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, workspace, *,
                     num_splits: int | None = None, min_split_tokens: int | None = None,
-                    method: str = "auto", decode: bool = False, gate=None, rope: DecodeRope | None = None) -> None:
+                    method: str = "auto", decode: bool = False, gate=None, rope: DecodeRope | None = None, policy=None) -> None:
     """``out[t, h] = bf16(softmax(scale * q[t, h] . K_slot^T) V_slot)`` over keys ``0 .. positions[t]`` of slot
     ``token_slots[t]`` (see the module docstring).
 

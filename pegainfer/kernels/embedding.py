@@ -99,7 +99,7 @@ def _sixteen_byte_rows(a) -> bool:
     return ptr % 16 == 0
 
 
-def embedding(ids, table, out) -> None:
+def embedding(ids, table, out, *, policy=None) -> None:
     """``out[t] = table[ids[t]]`` for every token ``t`` (ids ``[T]`` int32, table ``[V, H]`` and out ``[T, H]``
     uint16 bf16 bits, all device arrays).  Out-of-range ids give zero rows."""
     assert ids.ndim == 1 and ids.dtype == np.int32, (ids.shape, ids.dtype)

@@ -278,7 +278,7 @@ def causal_conv1d_silu_kernel(x, weight, conv_state, slot_ids, token_offsets, po
 
 
 def causal_conv1d_silu(x, weight, conv_state, slot_ids, token_offsets, positions, out,
-                       max_seq_tokens: int | None = None, tokens_per_thread: int = 8) -> None:
+                       max_seq_tokens: int | None = None, tokens_per_thread: int = 8, *, policy=None) -> None:
     """``out = silu(causal_conv1d(x))`` per sequence, continuing from and updating the ring ``conv_state[slot_ids]``.
 
     x, out ``[T, C]`` bf16 bits; weight ``[C, K]`` bf16; conv_state ``[slots, C, K]`` bf16; slot_ids ``[B]``,
@@ -787,7 +787,7 @@ def _aligned_16(a) -> bool:
 
 
 def gated_delta_chunked(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids, token_offsets, out, scratch: ChunkScratch,
-                        max_seq_tokens: int | None = None) -> None:
+                        max_seq_tokens: int | None = None, *, policy=None) -> None:
     """Gated delta rule for prompts, chunk by chunk (same result as ``gated_delta_recurrent``).  Shapes as in
     ``gated_delta_recurrent`` (``qkv`` contiguous); ``scratch`` from ``allocate_chunk_scratch`` (its chunk size is
     used); ``max_seq_tokens`` bounds any sequence's length (grid sizing only; defaults to T)."""
@@ -851,7 +851,7 @@ def gated_rms_norm_kernel(x, z, weight, out, eps):
                 out[t, base + i] = gated_norm_value(bf16_to_f32(x[t, base + i]), inv_rms, weight[i], z[t, base + i])
 
 
-def gated_rms_norm(x, z, weight, out, eps: float) -> None:
+def gated_rms_norm(x, z, weight, out, eps: float, *, policy=None) -> None:
     """``out = RMSNormGated(x, gate=z)`` per head of ``Dv = weight.shape[0]`` values; x, z, out ``[T, Hv·Dv]``,
     weight ``[Dv]`` bf16 bits (out may be x)."""
     _check_bf16(x, 2)
@@ -1401,7 +1401,7 @@ bit-identity check again (2 blocks × 1 tile and 4 blocks), as in session 13; st
 
 def gated_delta_decode_step(x, conv_weight, conv_state, z, a, b, a_log, dt_bias, norm_weight, eps: float,
                             ssm_state, slot_ids, token_offsets, positions, out, row_groups: int = RULE_WARPS,
-                            tiles_per_thread: int | None = None, decode_token_slots=None) -> None:
+                            tiles_per_thread: int | None = None, decode_token_slots=None, *, policy=None) -> None:
     """The whole Gated DeltaNet step between in_proj and out_proj for a decode batch, in one launch:
     ``out = RMSNormGated(rule(silu(conv(x))), z)``, updating ``conv_state`` and ``ssm_state`` of ``slot_ids``.
 
@@ -1471,7 +1471,7 @@ def clear_state_slots_kernel(conv_state, ssm_state, slot_ids):
             ssm_state[slot, r // plane, (r % plane) // ssm_state.shape[3], r % ssm_state.shape[3]] = float32(0.0)
 
 
-def clear_state_slots(conv_state, ssm_state, slot_ids) -> None:
+def clear_state_slots(conv_state, ssm_state, slot_ids, *, policy=None) -> None:
     """Reset the recurrent state of the slots in ``slot_ids`` (``[B]`` int32 device array) to zeros."""
     _check_bf16(conv_state, 3)
     assert ssm_state.ndim == 4 and ssm_state.dtype == np.float32, (ssm_state.shape, ssm_state.dtype)
@@ -1529,7 +1529,7 @@ def sequence_table_kernel(token_slots, seq_slots, seq_offsets):
                 seq_slots[run] = token_slots[t]
 
 
-def sequence_table(token_slots, seq_slots, seq_offsets) -> None:
+def sequence_table(token_slots, seq_slots, seq_offsets, *, policy=None) -> None:
     """Fill ``seq_slots [S]`` / ``seq_offsets [S+1]`` (int32 device arrays) from ``token_slots [T]``: one sequence
     per run of equal slots up to the first padding token (slot < 0), then empty sequences.  ``S`` must be ≥ the
     number of sequences in the step."""

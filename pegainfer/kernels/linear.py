@@ -71,7 +71,8 @@ from pegainfer.errors import PegainferError
 from numba import types as nbtypes  # noqa: E402  (after pegainfer.device: it picks GPU or simulator)
 from pegainfer.kernels import norm
 from pegainfer.kernels.activation import silu
-from pegainfer.kernels.launch import launch, overlaps
+from pegainfer.kernels.launch import can_overlap, launch
+from pegainfer.kernels.policy import DEFAULT_POLICY
 from pegainfer.kernels.norm import (add_pair, add_rms_norm_into, check_residual_buffers, inverse_rms,
                                     normalize_pair, pairs_per_thread)
 from pegainfer.kernels.primitives import (NO_INDEX, WARP, as_words, bf16_to_f32, bf16x2_hi, bf16x2_lo, bits_f32,
@@ -1228,7 +1229,7 @@ blocks of 26 rows, whose sums then sat in local memory -- 8 % slower.  A registe
 an o block share an SM instead, 176 registers, measured −0.02 %: removed.)"""
 
 
-def linear_preloaded(x, w, out, busy_sms: int = 0) -> None:
+def linear_preloaded(x, w, out, busy_sms: int = 0, *, policy=None) -> None:
     """``linear(x, w, out)`` for a projection that follows a latency-bound kernel (whose working blocks hold
     ``busy_sms`` SMs: ``PRELOAD_AROUND_BUSY_SMS``).  For one token, when the whole
     matrix fits in the SMs' shared memory (``preload_rows``), it is the preloaded GEMV (``_gemv_preloaded_kernel``):
@@ -1279,7 +1280,7 @@ def linear_preloaded(x, w, out, busy_sms: int = 0) -> None:
 def _preload_on(x_tokens: int) -> bool:
     """One token, and its launch overlaps the kernel before (PDL: sm_90+, which the bulk copies
     need too; without the overlap there is nothing to gain).  The simulator runs the kernel anyway (tests)."""
-    return PRELOAD and x_tokens == 1 and (SIMULATOR or overlaps("gemv_preloaded"))
+    return PRELOAD and x_tokens == 1 and (SIMULATOR or (can_overlap() and DEFAULT_POLICY.overlaps("gemv_preloaded")))
 
 
 def preloads(x_tokens: int, w) -> bool:
@@ -1820,10 +1821,6 @@ def linear_skinny(x, w, out, *, gated: bool = False, geometry: SkinnyGeometry | 
            as_words(x), as_words(w), out, k, geo.k_split, shared=shared, name="linear_skinny", pdl=True)
 
 
-if os.environ.get(GEMV_TUNING_ENV):
-    load_gemv_tuning(os.environ[GEMV_TUNING_ENV])
-
-
 # ================================================================================================ public API
 def _check(x, w, out, gated: bool, impl):
     for name, a in (("x", x), ("w", w), ("out", out)):
@@ -1872,7 +1869,7 @@ def _run(x, w, out, gated: bool, impl) -> None:
         gemm_mma(x, w, out, gated=gated)
 
 
-def linear(x, w, out, impl: str | None = None) -> None:
+def linear(x, w, out, impl: str | None = None, *, policy=None) -> None:
     """``out = bf16(x @ w.T)`` with f32 accumulation.
 
     x ``[T, K]``, w ``[N, K]``, out ``[T, N]``: contiguous uint16 bf16 bits; K a multiple of 8.
@@ -1882,7 +1879,7 @@ def linear(x, w, out, impl: str | None = None) -> None:
     _run(x, w, out, False, impl)
 
 
-def linear_silu_mul(x, w_gate_up, out, impl: str | None = None) -> None:
+def linear_silu_mul(x, w_gate_up, out, impl: str | None = None, *, policy=None) -> None:
     """The MLP's fused gate/up projection + SwiGLU: ``out = bf16(bf16(silu(g)) · u)`` with ``g = bf16(x @ Wg.T)``,
     ``u = bf16(x @ Wu.T)``.
 
@@ -1938,7 +1935,7 @@ def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_ou
                         weight_offset: float = 0.0, round_before_weight: bool = True, normed_out=None,
                         impl: str | None = None, geometry: GemvGeometry | None = None,
                         before_latency_bound: bool = False, row_ids=None, head=None,
-                        residual_ready: bool = False) -> None:
+                        residual_ready: bool = False, policy=None) -> None:
     """The decoder's residual add and RMSNorm followed by a projection:
 
         s = bf16(residual_in + delta)       (delta=None: s = residual_in)      -> residual_out

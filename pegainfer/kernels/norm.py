@@ -181,7 +181,7 @@ def _launch_add_rms_norm(residual_in, delta, weight, residual_out, out, eps, wei
 
 
 def add_rms_norm(residual, delta, weight, out, eps: float, weight_offset: float = 0.0,
-                 round_before_weight: bool = True) -> None:
+                 round_before_weight: bool = True, *, policy=None) -> None:
     """``residual = bf16(residual + delta)`` in place, then ``out = rms_norm(residual)`` (same flags as
     ``rms_norm``); residual, delta, out ``[T, H]``, weight ``[H]`` bf16 bits."""
     _check(residual, weight, out)

@@ -365,7 +365,7 @@ in session 12 (Qwen3-4B +0.75 %) and faster in session 18 (âˆ’2.65 % Qwen3-4B, â
 
 def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables, k_cache, v_cache,
                        q_out, eps: float, rotary_dim: int, q_head_stride: int | None = None,
-                       weight_offset: float = 0.0, round_before_weight: bool = True, decode: bool = False) -> None:
+                       weight_offset: float = 0.0, round_before_weight: bool = True, decode: bool = False, *, policy=None) -> None:
     """Fused q/k norm + RoPE + paged KV store (see ``qk_norm_rope_store_kernel``).  ``decode``: a decode step's
     launch (``qk_norm_rope_store_decode``, launched early with PDL by default, ``launch.PDL_BY_DEFAULT``); a prompt
     chunk's is ``qk_norm_rope_store``, which waits for the projection before it launches.

@@ -68,7 +68,6 @@ increasing index order (so a strict ``>`` keeps the first of equal values).
 """
 from __future__ import annotations
 
-import os
 import types as _pytypes
 
 import numpy as np
@@ -940,15 +939,6 @@ def workspace_views(workspace):
 
 
 MAX_HEAD_BLOCKS = 1024
-HEAD_ARGMAX = os.environ.get("PEGAINFER_HEAD_ARGMAX", "1") == "1"
-"""Whether the engine lets the LM head of a one-sequence step pick a greedy row's token (``HeadArgmax``) instead
-of this module's sampler pass over the logits (read by ``ModelRunner`` when it is built).  Measured on the H200
-(session 17, two alternating rounds, ``benchmarks/RESULTS.md``): Qwen3.5-4B TPOT 2.532 / 2.530 ms against
-2.534 / 2.534 without (−0.15 %); Qwen3-4B 2.523 against 2.524 (one round).  So of the sampler's ~7 µs only
-~3 µs come off the step: the head's block reductions, counter and last-block merge cost most of the rest (not
-profiled)."""
-
-
 class HeadArgmax:
     """Where the LM head of a one-sequence step (``linear.linear_add_rms_norm(head=)``) writes the greedy token of
     its logits row, so that ``sample(head=)`` has nothing left to do for a greedy row: the head's blocks' (max,
@@ -964,7 +954,7 @@ class HeadArgmax:
 
 
 def sample(logits, params: SamplingBuffers, out_ids, workspace, *,
-           candidate_capacity: int = CANDIDATE_CAPACITY, head: HeadArgmax | None = None) -> None:
+           candidate_capacity: int = CANDIDATE_CAPACITY, head: HeadArgmax | None = None, policy=None) -> None:
     """Draw one token per row of logits ``[B, V]`` (bf16 bits) with row ``r``'s parameters from ``params``
     (temperature 0 → greedy; top-k / top-p / min-p; seeded Gumbel-max draw) into out_ids ``[≥B]`` int32.
     ``workspace``: from ``allocate_sample_workspace(≥ B)`` (``workspace_views`` reads it).

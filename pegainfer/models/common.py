@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from pegainfer.kernels import attention, embedding, gated_delta, linear, rope
+from pegainfer.kernels import attention, embedding, linear, rope
+from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
 
 BF16 = np.uint16
 
@@ -22,24 +23,13 @@ def upload_stacked(reader, parts, cols: int):
     return stacked
 
 
-def residual_ready(after: str, decode: bool) -> bool:
-    """Whether the residual a one-token ``linear_add_rms_norm`` reads was written by a kernel that has completed when
-    that launch starts (``linear_add_rms_norm(residual_ready=)``: it may then read it before its PDL wait).
-    ``after="down"``: the launch follows the MLP's down projection, whose GEMV lets it launch only past its own wait
-    (unless ``GEMV_TRIGGER`` is "start"), so the gate/up launch that wrote the residual is done.  ``after="mixer"``:
-    the MLP's gate/up after the attention (or Gated DeltaNet) block of a decode step; the preloaded o / out_proj
-    before it launches once decode attention (or the Gated DeltaNet step) has passed its wait, so the layer's first
-    projection, which wrote the residual, is done -- unless those kernels release at their start."""
-    if after == "down":
-        return linear.GEMV_TRIGGER != "start"
-    return decode and attention.DECODE_RELEASE != "start" and gated_delta.DECODE_STEP_RELEASE != "start"
-
-
 class DecoderModel:
     """The dimensions of a decoder-only model and the loading of the weights every such model has."""
 
-    def __init__(self, cfg, max_model_len: int, max_tokens: int, max_rows: int):
+    def __init__(self, cfg, max_model_len: int, max_tokens: int, max_rows: int,
+                 policy: LaunchPolicy = DEFAULT_POLICY):
         self.cfg = cfg
+        self.policy = policy                  # how the kernels launch (``kernels/policy.py``), passed to each
         self.max_model_len = max_model_len
         self.max_tokens = max_tokens          # most tokens in one step (prefill chunk)
         self.max_rows = max_rows              # most logits rows in one step (sequences in a decode batch)
@@ -87,7 +77,7 @@ class DecoderModel:
     def lm_head_argmax(self, T: int, B: int) -> bool:
         """Whether ``forward(T, B, head=...)`` writes row 0's greedy token in its LM head launch: one token and one
         logits row, where the LM head is the fused one-token GEMV (``linear.linear_add_rms_norm(head=)``)."""
-        return T == 1 and B == 1 and linear.fuses_add_rms_norm(1, self.lm_head)
+        return self.policy.head_argmax and T == 1 and B == 1 and linear.fuses_add_rms_norm(1, self.lm_head)
 
     def _embed(self, ids, residual, first_w):
         """The token embeddings as the first layer's residual input: ``(residual_in, row_ids)`` for its
@@ -95,7 +85,7 @@ class DecoderModel:
         ``ids``: its prologue reads the row); otherwise the embedding kernel writes ``residual`` (and None)."""
         if ids.shape[0] == 1 and linear.fuses_add_rms_norm(1, first_w):
             return self.embed, ids
-        embedding.embedding(ids, self.embed, residual)
+        embedding.embedding(ids, self.embed, residual, policy=self.policy)
         return residual, None
 
     def _load_mlp(self, reader, layer_prefix: str) -> dict:

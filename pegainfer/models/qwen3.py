@@ -25,7 +25,8 @@ from __future__ import annotations
 import math
 
 from pegainfer.kernels import attention, embedding, linear, norm, rope
-from pegainfer.models.common import residual_ready, DecoderModel, upload_stacked
+from pegainfer.kernels.policy import DEFAULT_POLICY
+from pegainfer.models.common import DecoderModel, upload_stacked
 
 
 class Qwen3Model(DecoderModel):
@@ -34,8 +35,8 @@ class Qwen3Model(DecoderModel):
     arch = "qwen3"
     pads_prefill = True    # every kernel skips tokens with slot -1, so prefill chunks can be padded to graph sizes
 
-    def __init__(self, cfg, max_model_len: int, max_tokens: int, max_rows: int):
-        super().__init__(cfg, max_model_len, max_tokens, max_rows)
+    def __init__(self, cfg, max_model_len: int, max_tokens: int, max_rows: int, policy=DEFAULT_POLICY):
+        super().__init__(cfg, max_model_len, max_tokens, max_rows, policy)
         self.qkv_rows = (self.nq + 2 * self.nkv) * self.D
         self.rotary_dim = self.D
 
@@ -102,40 +103,36 @@ class Qwen3Model(DecoderModel):
         attn_flat = self.attn.reshape(self.max_tokens, self.nq * self.D)[:T]
         scale = 1.0 / math.sqrt(self.D)
 
+        policy = self.policy
         stream_in, row_ids = self._embed(ids, residual, self.layers[0]["qkv"])
         for i, lw in enumerate(self.layers):
             linear.linear_add_rms_norm(stream_in if i == 0 else residual, delta if i > 0 else None, lw["input_ln"],
                                        eps, spare, lw["qkv"], qkv, normed_out=normed, before_latency_bound=True,
                                        row_ids=row_ids if i == 0 else None,
-                                       residual_ready=i > 0 and residual_ready("down", decode))
+                                       residual_ready=i > 0 and policy.residual_ready("down", decode), policy=policy)
             residual, spare = spare, residual
-            if decode and attention.FUSED_DECODE_ROPE:   # norm + RoPE + KV store inside the attention launch
-                fused = attention.DecodeRope(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, eps,
-                                             self.rotary_dim, self.D)
-                attention.paged_attention(q, self.k_cache[i], self.v_cache[i], block_tables, slots, pos, attn,
-                                          scale, self.attn_workspace, decode=True, rope=fused)
-            else:
-                rope.qk_norm_rope_store(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, pos, slots,
-                                        block_tables, self.k_cache[i], self.v_cache[i], q, eps, self.rotary_dim,
-                                        q_head_stride=self.D, decode=decode)
-                attention.paged_attention(q, self.k_cache[i], self.v_cache[i], block_tables, slots, pos, attn,
-                                          scale, self.attn_workspace, decode=decode)
+            rope.qk_norm_rope_store(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, pos, slots,
+                                    block_tables, self.k_cache[i], self.v_cache[i], q, eps, self.rotary_dim,
+                                    q_head_stride=self.D, decode=decode, policy=policy)
+            attention.paged_attention(q, self.k_cache[i], self.v_cache[i], block_tables, slots, pos, attn,
+                                      scale, self.attn_workspace, decode=decode, policy=policy)
             linear.linear_preloaded(attn_flat, lw["o"], delta,   # its weights copied in while attention ends
-                                    busy_sms=self.nkv)
+                                    busy_sms=self.nkv, policy=policy)
             linear.linear_add_rms_norm(residual, delta, lw["post_ln"], eps, spare, lw["gate_up"], act, gated=True,
-                                       normed_out=normed, residual_ready=residual_ready("mixer", decode))
+                                       normed_out=normed, residual_ready=policy.residual_ready("mixer", decode),
+                                       policy=policy)
             residual, spare = spare, residual
-            linear.linear(act, lw["down"], delta)
+            linear.linear(act, lw["down"], delta, policy=policy)
         logits = self.logits[:B]
         if T == 1 and B == 1:
             # one row, which is the logits row: the final norm is the LM head's prologue
             linear.linear_add_rms_norm(residual, delta, self.final_norm, eps, spare, self.lm_head, logits,
                                        normed_out=normed, before_latency_bound=True, head=head,
-                                       residual_ready=residual_ready("down", decode))
+                                       residual_ready=policy.residual_ready("down", decode), policy=policy)
         else:
             assert head is None, "the LM head's argmax is for one token (lm_head_argmax)"
-            norm.add_rms_norm(residual, delta, self.final_norm, normed, eps)
+            norm.add_rms_norm(residual, delta, self.final_norm, normed, eps, policy=policy)
             last = self.last_hidden[:B]
-            embedding.embedding(step.logit_rows[:B], normed, last)   # gather the rows that need logits
-            linear.linear(last, self.lm_head, logits)
+            embedding.embedding(step.logit_rows[:B], normed, last, policy=policy)   # the rows that need logits
+            linear.linear(last, self.lm_head, logits, policy=policy)
         return logits

@@ -48,7 +48,8 @@ from numba import cuda
 
 from pegainfer.kernels import attention, embedding, gated_delta, gating, linear, norm, rope
 from pegainfer.kernels.primitives import from_bf16_bits
-from pegainfer.models.common import residual_ready, BF16, DecoderModel, upload_stacked
+from pegainfer.kernels.policy import DEFAULT_POLICY
+from pegainfer.models.common import BF16, DecoderModel, upload_stacked
 
 QWEN35_NORM = dict(weight_offset=1.0, round_before_weight=False)  # HF Qwen3_5RMSNorm: bf16(x·r·(1 + w))
 PREFILL_CONV_TOKENS_PER_THREAD = 8
@@ -65,8 +66,8 @@ class Qwen35Model(DecoderModel):
     pads_prefill = True
     chunk_size = gated_delta.MAX_CHUNK  # tokens per chunk of the chunked delta rule (tests may lower it)
 
-    def __init__(self, cfg, max_model_len: int, max_tokens: int, max_rows: int):
-        super().__init__(cfg, max_model_len, max_tokens, max_rows)
+    def __init__(self, cfg, max_model_len: int, max_tokens: int, max_rows: int, policy=DEFAULT_POLICY):
+        super().__init__(cfg, max_model_len, max_tokens, max_rows, policy)
         self.rotary_dim = cfg.rotary_dim
         self.full_layers = list(cfg.full_attention_layers)
         self.linear_layers = list(cfg.linear_attention_layers)
@@ -173,7 +174,7 @@ class Qwen35Model(DecoderModel):
         self.ssm_state = cuda.device_array((n_lin, num_slots, self.Hv, self.Dk, self.Dv), np.float32)
         if n_lin:
             every_slot = cuda.to_device(np.arange(n_lin * num_slots, dtype=np.int32))
-            gated_delta.clear_state_slots(*self._states_by_layer_slot(), every_slot)
+            gated_delta.clear_state_slots(*self._states_by_layer_slot(), every_slot, policy=self.policy)
         self._reset_ids = cuda.to_device(np.zeros(max(1, n_lin), np.int32))
 
         T = self.max_tokens
@@ -192,7 +193,7 @@ class Qwen35Model(DecoderModel):
             return
         ids = (np.arange(n_lin, dtype=np.int32) * self.num_slots + slot).astype(np.int32)
         self._reset_ids.copy_to_device(ids)
-        gated_delta.clear_state_slots(*self._states_by_layer_slot(), self._reset_ids)
+        gated_delta.clear_state_slots(*self._states_by_layer_slot(), self._reset_ids, policy=self.policy)
 
     def _states_by_layer_slot(self):
         """Both state arrays viewed as ``[layers·slots, ...]``: row ``j·slots + s`` is linear layer j, slot s."""
@@ -205,13 +206,13 @@ class Qwen35Model(DecoderModel):
         """Run T tokens through the model; return the device logits view ``[B, V]`` for ``step.logit_rows[:B]``.
         ``step``: the step's device inputs (``engine.step_inputs.StepInputs``, as in ``Qwen3Model.forward``);
         ``decode`` and ``head`` as there."""
-        eps = self.cfg.rms_norm_eps
+        eps, policy = self.cfg.rms_norm_eps, self.policy
         ids, pos, slots = step.ids[:T], step.positions[:T], step.token_slots[:T]
         residual, spare = self.residuals[0][:T], self.residuals[1][:T]
         normed, delta, act = self.normed[:T], self.delta[:T], self.act[:T]
         seq_slots, seq_offsets = self.seq_slots[:B], self.seq_offsets[:B + 1]
         if self.linear_layers and not decode:   # a decode step's Gated DeltaNet reads the token slots instead
-            gated_delta.sequence_table(slots, seq_slots, seq_offsets)
+            gated_delta.sequence_table(slots, seq_slots, seq_offsets, policy=policy)
         token_by_token = T == B
 
         first = self.layers[0]
@@ -224,7 +225,8 @@ class Qwen35Model(DecoderModel):
             linear.linear_add_rms_norm(stream_in if i == 0 else residual, delta if i > 0 else None, lw["input_ln"],
                                        eps, spare, first_w, first_out, normed_out=normed, before_latency_bound=True,
                                        row_ids=row_ids if i == 0 else None,
-                                       residual_ready=i > 0 and residual_ready("down", decode), **QWEN35_NORM)
+                                       residual_ready=i > 0 and policy.residual_ready("down", decode), policy=policy,
+                                       **QWEN35_NORM)
             residual, spare = spare, residual
             if i in full_index:
                 self._full_attention(full_index[i], lw, delta, T, pos, slots, block_tables, decode)
@@ -232,20 +234,22 @@ class Qwen35Model(DecoderModel):
                 self._linear_attention(linear_index[i], lw, delta, T, pos, seq_slots, seq_offsets, token_by_token,
                                        slots if decode else None)
             linear.linear_add_rms_norm(residual, delta, lw["post_ln"], eps, spare, lw["gate_up"], act, gated=True,
-                                       normed_out=normed, residual_ready=residual_ready("mixer", decode), **QWEN35_NORM)
+                                       normed_out=normed, residual_ready=policy.residual_ready("mixer", decode),
+                                       policy=policy, **QWEN35_NORM)
             residual, spare = spare, residual
-            linear.linear(act, lw["down"], delta)
+            linear.linear(act, lw["down"], delta, policy=policy)
         logits = self.logits[:B]
         if T == 1 and B == 1:
             linear.linear_add_rms_norm(residual, delta, self.final_norm, eps, spare, self.lm_head, logits,
                                        normed_out=normed, before_latency_bound=True, head=head,
-                                       residual_ready=residual_ready("down", decode), **QWEN35_NORM)
+                                       residual_ready=policy.residual_ready("down", decode), policy=policy,
+                                       **QWEN35_NORM)
         else:
             assert head is None, "the LM head's argmax is for one token (lm_head_argmax)"
-            norm.add_rms_norm(residual, delta, self.final_norm, normed, eps, **QWEN35_NORM)
+            norm.add_rms_norm(residual, delta, self.final_norm, normed, eps, policy=policy, **QWEN35_NORM)
             last = self.last_hidden[:B]
-            embedding.embedding(step.logit_rows[:B], normed, last)   # gather the rows that need logits
-            linear.linear(last, self.lm_head, logits)
+            embedding.embedding(step.logit_rows[:B], normed, last, policy=policy)   # the rows that need logits
+            linear.linear(last, self.lm_head, logits, policy=policy)
         return logits
 
     def _full_attention(self, j, lw, delta, T, pos, slots, block_tables, decode: bool = False) -> None:
@@ -254,12 +258,14 @@ class Qwen35Model(DecoderModel):
         qkv, q, attn = self.qkv[:T], self.q[:T], self.attn[:T]
         rope.qk_norm_rope_store(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, pos, slots,
                                 block_tables, self.k_cache[j], self.v_cache[j], q, self.cfg.rms_norm_eps,
-                                self.rotary_dim, q_head_stride=2 * self.D, decode=decode, **QWEN35_NORM)
+                                self.rotary_dim, q_head_stride=2 * self.D, decode=decode, policy=self.policy,
+                                **QWEN35_NORM)
         attention.paged_attention(q, self.k_cache[j], self.v_cache[j], block_tables, slots, pos, attn,
-                                  1.0 / math.sqrt(self.D), self.attn_workspace, decode=decode, gate=qkv)
+                                  1.0 / math.sqrt(self.D), self.attn_workspace, decode=decode, gate=qkv,
+                                  policy=self.policy)
         attn_flat = self.attn.reshape(self.max_tokens, self.nq * self.D)[:T]
         linear.linear_preloaded(attn_flat, lw["o"], delta,   # its weights copied in while attention ends
-                                busy_sms=self.nkv)
+                                busy_sms=self.nkv, policy=self.policy)
 
     def _linear_attention(self, j, lw, delta, T, pos, seq_slots, seq_offsets, token_by_token,
                           decode_slots=None) -> None:
@@ -276,11 +282,15 @@ class Qwen35Model(DecoderModel):
         if token_by_token:
             gated_delta.gated_delta_decode_step(qkv_in, lw["conv_w"], self.conv_state[j], z, a, b, lw["A_log"],
                                                 lw["dt_bias"], lw["norm"], eps, self.ssm_state[j], seq_slots,
-                                                seq_offsets, pos, core, decode_token_slots=decode_slots)
+                                                seq_offsets, pos, core, decode_token_slots=decode_slots,
+                                                policy=self.policy)
         else:
             gated_delta.causal_conv1d_silu(qkv_in, lw["conv_w"], self.conv_state[j], seq_slots, seq_offsets, pos,
-                                           mixed, max_seq_tokens=T, tokens_per_thread=PREFILL_CONV_TOKENS_PER_THREAD)
+                                           mixed, max_seq_tokens=T, tokens_per_thread=PREFILL_CONV_TOKENS_PER_THREAD,
+                                           policy=self.policy)
             gated_delta.gated_delta_chunked(mixed, a, b, lw["A_log"], lw["dt_bias"], self.ssm_state[j], seq_slots,
-                                            seq_offsets, core, self.chunk_scratch, max_seq_tokens=T)
-            gated_delta.gated_rms_norm(core, z, lw["norm"], core, eps)
-        linear.linear_preloaded(core, lw["out_proj"], delta)   # copied in while the step runs (it releases at once)
+                                            seq_offsets, core, self.chunk_scratch, max_seq_tokens=T,
+                                            policy=self.policy)
+            gated_delta.gated_rms_norm(core, z, lw["norm"], core, eps, policy=self.policy)
+        linear.linear_preloaded(core, lw["out_proj"], delta,   # copied in while the step runs (released early)
+                                policy=self.policy)

@@ -98,7 +98,7 @@ def hf_model_class(folder):
     named class reads the checkpoint as saved, on every release."""
     import transformers
 
-    from pegainfer.config import read_json
+    from pegainfer.jsonfile import read_json
     archs = read_json(Path(folder) / "config.json").get("architectures") or []
     for name in archs:
         cls = getattr(transformers, str(name), None)

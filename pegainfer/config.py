@@ -14,13 +14,12 @@ dropped: for text-only input all three M-RoPE position streams are equal, which 
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from pegainfer.errors import ModelFolderError, UnsupportedModelError
+from pegainfer.jsonfile import read_json
 
 SUPPORTED = ("Qwen3ForCausalLM (qwen3), Qwen3_5ForCausalLM and Qwen3_5ForConditionalGeneration (qwen3_5); "
              "dense models only")
@@ -118,21 +117,6 @@ def _check_folder(folder) -> Path:
         raise ModelFolderError(f"{path} is not a directory: pass the folder that holds config.json and the "
                                f"*.safetensors files")
     return path
-
-
-def read_json(path: Path, what: str = "") -> Any:
-    """Parse a JSON file, turning every failure into a one-line ``ModelFolderError`` that names the file."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ModelFolderError(f"{path.name} not found in {path.parent}{what}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ModelFolderError(f"cannot read {path}: {e}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ModelFolderError(f"{path.name} in {path.parent} is not valid JSON (line {e.lineno} column {e.colno}: "
-                               f"{e.msg}): fix or re-download the file") from None
 
 
 class _Fields:

@@ -27,6 +27,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from pegainfer.errors import OutOfMemoryError, WeightError
+from pegainfer.jsonfile import read_json
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -65,8 +66,6 @@ def find_safetensors(folder) -> tuple[list[Path], Path | None]:
     folder = Path(folder)
     index = folder / INDEX_NAME
     if index.exists():
-        from pegainfer.config import read_json
-
         data = read_json(index)
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
@@ -135,8 +134,6 @@ def list_tensor_names(folder) -> list[str]:
     """All tensor names of a model folder, cheaply (the index's ``weight_map``, or the files' headers)."""
     files, index = find_safetensors(folder)
     if index is not None:
-        from pegainfer.config import read_json
-
         return list(read_json(index)["weight_map"])
     return [name for f in files for name in read_header(f)]
 

@@ -27,6 +27,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pegainfer.errors import ModelFolderError, RequestError
+from pegainfer.text.folder import read_chat_template_source, read_tokenizer_config, special_tokens
 
 
 def _raise_exception(message):
@@ -50,46 +51,6 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
-def _pick_template(value, where: str) -> Optional[str]:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):  # [{"name": "default", "template": "..."}, {"name": "tool_use", ...}]
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        chosen = named.get("default", next(iter(named.values()), None))
-        if isinstance(chosen, str):
-            return chosen
-    raise ModelFolderError(f"chat_template in {where} must be a string or a list of {{name, template}} objects: "
-                           f"fix or re-download the file")
-
-
-def read_chat_template_source(folder: Union[str, Path], tokenizer_config: Optional[dict] = None) -> Optional[str]:
-    """The chat template text of a model folder, or None when it has none."""
-    folder = Path(folder)
-    jinja_file = folder / "chat_template.jinja"
-    if jinja_file.is_file():
-        try:
-            return jinja_file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ModelFolderError(f"cannot read {jinja_file} ({e}): check the file") from None
-    json_file = folder / "chat_template.json"
-    if json_file.is_file():
-        try:
-            data = json.loads(json_file.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ModelFolderError(f"cannot read {json_file} ({e}): fix or re-download the file") from None
-        if isinstance(data, dict) and "chat_template" in data:
-            return _pick_template(data["chat_template"], str(json_file))
-    if tokenizer_config is None:
-        cfg_file = folder / "tokenizer_config.json"
-        if not cfg_file.is_file():
-            return None
-        from pegainfer.text.tokenizer import _read_json
-        tokenizer_config = _read_json(cfg_file, "tokenizer config")
-    return _pick_template(tokenizer_config.get("chat_template"), str(folder / "tokenizer_config.json"))
-
-
 class ChatTemplate:
     """A compiled chat template.  ``render`` is safe to call from many threads (Jinja templates are reentrant)."""
 
@@ -105,16 +66,12 @@ class ChatTemplate:
     @classmethod
     def from_folder(cls, folder: Union[str, Path]) -> Optional["ChatTemplate"]:
         """The folder's template with its special-token strings, or None when the folder has no template."""
-        from pegainfer.text.tokenizer import _SPECIAL_TOKEN_KEYS, _read_json, _token_content
-
         folder = Path(folder)
-        cfg_file = folder / "tokenizer_config.json"
-        config = _read_json(cfg_file, "tokenizer config") if cfg_file.is_file() else {}
+        config = read_tokenizer_config(folder)
         source = read_chat_template_source(folder, config)
         if source is None:
             return None
-        special = {k: _token_content(config.get(k)) for k in _SPECIAL_TOKEN_KEYS}
-        return cls(source, {k: v for k, v in special.items() if v is not None})
+        return cls(source, special_tokens(config))
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                tools: Optional[list] = None, documents: Optional[list] = None, **template_kwargs) -> str:

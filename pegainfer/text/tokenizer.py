@@ -11,7 +11,6 @@ Qwen3.5 checkpoint ships one.  Two details the rest of pegainfer relies on:
 """
 from __future__ import annotations
 
-import json
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -21,8 +20,8 @@ import tokenizers
 from tokenizers import decoders
 
 from pegainfer.errors import ModelFolderError
+from pegainfer.text.folder import read_chat_template_source, read_tokenizer_config, special_tokens
 
-_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
@@ -39,30 +38,6 @@ def _byte_level_decoder() -> dict[str, int]:
             chars.append(256 + extra)
             extra += 1
     return {chr(c): b for b, c in zip(printable, chars)}
-
-
-def _read_json(path: Path, what: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ModelFolderError(f"{what} {path} is not valid JSON (line {e.lineno} column {e.colno}: {e.msg}): "
-                               f"fix or re-download the file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ModelFolderError(f"cannot read {what} {path} ({e}): check the file and its permissions") from None
-    if not isinstance(data, dict):
-        raise ModelFolderError(f"{what} {path} must hold a JSON object, found {type(data).__name__}: "
-                               f"fix or re-download the file")
-    return data
-
-
-def _token_content(value) -> Optional[str]:
-    """``tokenizer_config.json`` writes a special token as a string or as ``{"content": "...", ...}``."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
 
 
 class Tokenizer:
@@ -86,11 +61,7 @@ class Tokenizer:
         self.special_ids = frozenset(i for i, t in added.items() if t.special)
         self._added_ids = frozenset(added)
         # special token strings (for chat templates: HF passes bos_token, eos_token, ... into the template)
-        self.special_tokens: dict[str, str] = {}
-        for key in _SPECIAL_TOKEN_KEYS:
-            content = _token_content(self.config.get(key))
-            if content is not None:
-                self.special_tokens[key] = content
+        self.special_tokens: dict[str, str] = special_tokens(self.config)
         self.eos_token_id = self.token_to_id(self.special_tokens.get("eos_token"))
         self.bos_token_id = self.token_to_id(self.special_tokens.get("bos_token"))
         self.pad_token_id = self.token_to_id(self.special_tokens.get("pad_token"))
@@ -108,8 +79,6 @@ class Tokenizer:
     @classmethod
     def from_folder(cls, folder: Union[str, Path]) -> "Tokenizer":
         """Load ``tokenizer.json`` and (optionally) ``tokenizer_config.json`` / ``chat_template.jinja``."""
-        from pegainfer.text.chat import read_chat_template_source
-
         folder = Path(folder).expanduser()
         if not folder.is_dir():
             raise ModelFolderError(f"model folder {folder} does not exist or is not a directory")
@@ -122,8 +91,7 @@ class Tokenizer:
         except Exception as e:  # the library raises a bare Exception for every parse problem
             raise ModelFolderError(f"tokenizer.json in {folder} cannot be read by the tokenizers library "
                                    f"({str(e).strip() or type(e).__name__}): fix or re-download the file") from None
-        cfg_path = folder / "tokenizer_config.json"
-        config = _read_json(cfg_path, "tokenizer config") if cfg_path.is_file() else {}
+        config = read_tokenizer_config(folder)
         return cls(tk, config, read_chat_template_source(folder, config), name=folder.name)
 
     # ------------------------------------------------------------------------------------------------ ids

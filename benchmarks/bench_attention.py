@@ -1,19 +1,18 @@
-"""How fast is pegainfer's paged attention on the H200?
+"""How fast is pegainfer's paged attention, decode and prefill, and which split / tile geometry should it take?
 
-* Decode (batch 1, the split-K path: one launch, the last block of each kv head merges the splits): time per call and the bandwidth it achieves reading the K/V of the
-  context, for contexts 512, 4096 and 32768, with Qwen3-4B shapes (32 q / 8 kv heads x 128) and Qwen3.5's
-  full-attention shapes (16 / 4 x 256), page size 16, pages shuffled, ``max_model_len`` 32768 (which, with T, fixes
-  the number of splits).  Each "layer" has its own cache, and a CUDA graph replays calls round-robin over enough
-  layers (>= 256 MB of K/V) that the K/V comes from HBM, not from the 50 MB L2 — as in a real decode step.
+* Decode (batch 1, the split-K path as a decode step runs it: one launch, the last block of each kv head merges the
+  splits): time per call and the bandwidth it reaches reading the K/V of the context, for contexts 512, 4096 and
+  32768, with Qwen3-4B shapes (32 q / 8 kv heads x 128) and Qwen3.5's full-attention shapes (16 / 4 x 256), page
+  size 16, pages shuffled, ``max_model_len`` 32768 (which, with T, fixes the number of splits).  Each "layer" has
+  its own cache, and a CUDA graph replays calls round-robin over enough layers (>= 256 MB of K/V) that the K/V
+  comes from HBM, not from the 50 MB L2 -- as in a real decode step.
 * Prefill: one 2048-token prompt (positions 0..2047, one slot), tiled tensor-core kernel and, for reference, the
   split-K kernel; causal TFLOP/s, and the relative L2 difference between the two paths' outputs as a sanity check.
-* ``--sweep`` (a few minutes: each geometry is a compile): decode geometries (warps per block, V loaded with K or
-  after S, launch bounds), split counts and minimum split sizes, prefill tile shapes, and the split-vs-tiled
-  crossover for chunks of T tokens after a 4096-token prefix -- the numbers needed to retune
-  ``attention._split_geometry``, ``SPLIT_TARGET_ROWS`` / ``MIN_SPLIT_TOKENS``, ``_prefill_geometry`` and
-  ``PREFILL_MIN_TOKENS``.
+* ``--sweep`` (minutes: each geometry is a compile): decode geometries (warps per block, V loaded with K or after
+  S, launch bounds), split counts and minimum split sizes, prefill tile shapes, and the split-vs-tiled crossover
+  for chunks of T tokens after a 4096-token prefix -- the numbers behind the split geometry, ``SPLIT_TARGET_ROWS``
+  / ``MIN_SPLIT_TOKENS``, the prefill geometry and ``PREFILL_MIN_TOKENS``.
 
-Usage (on the GPU host):  python benchmarks/bench_attention.py [--json out.json] [--sweep]
 Times come from CUDA-graph replays (an eager numba launch costs ~20 us of host time, more than the kernels).
 Without a GPU it runs as a smoke test in the simulator (tiny shapes, wall-clock times, no graphs).
 """
@@ -24,17 +23,16 @@ import json
 import math
 import sys
 import time
-
 from pathlib import Path
+from types import SimpleNamespace
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import graph_timing  # noqa: E402  (puts the checkout on sys.path)
+from graph_timing import time_calls  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout without installing
-import pegainfer
-from graph_timing import time_calls  # noqa: E402  (before numba)
-from pegainfer.kernels import attention as att  # noqa: E402
+import numpy as np  # noqa: E402
 
-from numba import cuda  # noqa: E402
+import pegainfer  # noqa: E402
 
 SIM = pegainfer.SIMULATOR
 PAGE = 16
@@ -48,8 +46,37 @@ if SIM:
     MODELS = {"tiny": (4, 2, 32)}
 
 
+def attention_api() -> SimpleNamespace:
+    """The ``pegainfer.kernels.attention`` names this script uses.  Beyond the public ``paged_attention``,
+    ``attention_workspace_size``, ``attention_num_splits`` and the split constants, the sweep forces geometries
+    through the launchers and pickers behind ``paged_attention`` (``paged_attention_split`` /
+    ``paged_attention_prefill`` with ``geometry=``, ``split_geometry``, ``prefill_geometry``), found wherever the
+    package keeps them (``graph_timing.kernel_name``, underscore or not)."""
+    pkg = "pegainfer.kernels.attention"
+    find = lambda *names: graph_timing.kernel_name(pkg, *names)  # noqa: E731
+    return SimpleNamespace(
+        paged_attention=find("paged_attention"), workspace_size=find("attention_workspace_size"),
+        num_splits=find("attention_num_splits"), min_split_tokens=find("MIN_SPLIT_TOKENS"),
+        min_split_tokens_wide=find("MIN_SPLIT_TOKENS_WIDE"),
+        split=find("paged_attention_split", "_paged_attention_split"),
+        prefill=find("paged_attention_prefill", "_paged_attention_prefill"),
+        split_geometry=find("split_geometry", "_split_geometry"),
+        prefill_geometry=find("prefill_geometry", "_prefill_geometry"))
+
+
+A = None   # attention_api(), set by main
+
+
+def min_chunk(min_split_tokens, D) -> int:
+    """Fewest keys a split covers (the forced value, else the kernel's default for this head width)."""
+    if min_split_tokens is None:
+        min_split_tokens = A.min_split_tokens_wide if D > 128 else A.min_split_tokens
+    return max(1, min_split_tokens)
+
+
 def random_bf16(shape, rng):
     """Device bf16 bits of N(0, 1) values (rounded), so that softmax sees realistic, non-degenerate scores."""
+    from numba import cuda
     bits = (rng.standard_normal(shape, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
     return cuda.to_device(bits)
 
@@ -58,6 +85,7 @@ class Layers:
     """``n`` independent K/V caches holding one slot of ``ctx`` tokens on shuffled pages, one block table."""
 
     def __init__(self, n, ctx, nkv, D, rng):
+        from numba import cuda
         pages = -(-ctx // PAGE)
         self.k = [random_bf16((pages, PAGE, nkv, D), rng) for _ in range(n)]
         self.v = [random_bf16((pages, PAGE, nkv, D), rng) for _ in range(n)]
@@ -83,9 +111,9 @@ def layers_for(ctx, nkv, D, rng, cap=128):
 
 def bench_decode(rng, read_bw, rows, geometry=None, num_splits=None, min_split_tokens=None, models=None,
                  contexts=CONTEXTS, label="decode", quiet=False):
+    from numba import cuda
     for model, (nq, nkv, D) in (models or MODELS).items():
-        ws = cuda.device_array(att.attention_workspace_size(1, nq, D, MAX_MODEL_LEN, PAGE, num_splits=num_splits),
-                               np.float32)
+        ws = cuda.device_array(A.workspace_size(1, nq, D, MAX_MODEL_LEN, PAGE, num_splits=num_splits), np.float32)
         q = random_bf16((1, nq, D), rng)
         out = cuda.device_array((1, nq, D), np.uint16)
         slots = cuda.to_device(np.zeros(1, np.int32))
@@ -94,19 +122,22 @@ def bench_decode(rng, read_bw, rows, geometry=None, num_splits=None, min_split_t
             pos = cuda.to_device(np.array([ctx - 1], np.int32))
 
             def call(i):
-                return lambda: att._paged_attention_split(
-                    q, L.k[i], L.v[i], L.tables, slots, pos, out, 1 / math.sqrt(D), ws, 1, nq, nkv, D, nq // nkv,
-                    PAGE, num_splits, min_split_tokens, geometry)
+                if geometry is None:        # the public entry point, as a decode step calls it
+                    return lambda: A.paged_attention(q, L.k[i], L.v[i], L.tables, slots, pos, out, 1 / math.sqrt(D),
+                                                     ws, num_splits=num_splits, min_split_tokens=min_split_tokens,
+                                                     method="split", decode=True)
+                return lambda: A.split(q, L.k[i], L.v[i], L.tables, slots, pos, out, 1 / math.sqrt(D), ws, 1, nq,
+                                       nkv, D, nq // nkv, PAGE, num_splits, min_split_tokens, geometry)
 
             calls = [call(i % L.n) for i in range(max(L.n, 1 if SIM else 64))]
             sec = time_calls(calls)
             kv_bytes = 2 * ctx * nkv * D * 2
-            splits = num_splits or att.attention_num_splits(1, nq, MAX_MODEL_LEN, PAGE, D)
-            min_chunk = att._min_chunk(min_split_tokens, D)
-            chunk = -(-(-(-ctx // splits)) // min_chunk) * min_chunk
+            splits = num_splits or A.num_splits(1, nq, MAX_MODEL_LEN, PAGE, D)
+            least = min_chunk(min_split_tokens, D)
+            chunk = -(-(-(-ctx // splits)) // least) * least
             row = dict(kind=label, model=model, nq=nq, nkv=nkv, D=D, ctx=ctx, splits=splits,
-                       active_splits=-(-ctx // chunk), min_split_tokens=min_chunk,
-                       geometry=list(geometry or att._split_geometry(D, nq // nkv)), layers=L.n, us=sec * 1e6,
+                       active_splits=-(-ctx // chunk), min_split_tokens=least,
+                       geometry=list(geometry or A.split_geometry(D, nq // nkv)), layers=L.n, us=sec * 1e6,
                        GBps=kv_bytes / sec / 1e9, pct_of_read=100 * kv_bytes / sec / read_bw if read_bw else None)
             rows.append(row)
             if not quiet:
@@ -122,12 +153,13 @@ def print_decode_row(r):
 
 
 def prefill_inputs(rng, T, prefix, nq, nkv, D):
+    from numba import cuda
     ctx = prefix + T
     L = Layers(1, ctx, nkv, D, rng)
     q = random_bf16((T, nq, D), rng)
     pos = cuda.to_device(np.arange(prefix, ctx, dtype=np.int32))
     slots = cuda.to_device(np.zeros(T, np.int32))
-    ws = cuda.device_array(att.attention_workspace_size(T, nq, D, MAX_MODEL_LEN, PAGE), np.float32)
+    ws = cuda.device_array(A.workspace_size(T, nq, D, MAX_MODEL_LEN, PAGE), np.float32)
     return L, q, pos, slots, ws
 
 
@@ -138,23 +170,22 @@ def causal_flops(T, prefix, nq, D):
 
 def bench_prefill(rng, rows, T=PREFILL_T, prefix=0, methods=("prefill", "split"), prefill_geometry=None,
                   label="prefill", models=None, quiet=False):
+    from numba import cuda
     for model, (nq, nkv, D) in (models or MODELS).items():
         L, q, pos, slots, ws = prefill_inputs(rng, T, prefix, nq, nkv, D)
         outs = {}
         for method in methods:
             out = cuda.device_array((T, nq, D), np.uint16)
-            if method == "prefill":
-                fn = (lambda out=out: att._paged_attention_prefill(
-                    q, L.k[0], L.v[0], L.tables, slots, pos, out, 1 / math.sqrt(D), T, nkv, D, nq // nkv, PAGE,
-                    prefill_geometry))
+            if method == "prefill" and prefill_geometry is not None:
+                fn = (lambda out=out, L=L: A.prefill(q, L.k[0], L.v[0], L.tables, slots, pos, out, 1 / math.sqrt(D),
+                                                     T, nkv, D, nq // nkv, PAGE, prefill_geometry))
             else:
-                fn = (lambda out=out: att._paged_attention_split(
-                    q, L.k[0], L.v[0], L.tables, slots, pos, out, 1 / math.sqrt(D), ws, T, nq, nkv, D, nq // nkv,
-                    PAGE, None, None, None))
+                fn = (lambda out=out, method=method, L=L: A.paged_attention(
+                    q, L.k[0], L.v[0], L.tables, slots, pos, out, 1 / math.sqrt(D), ws, method=method))
             sec = time_calls([fn] * (1 if SIM else 5))
             outs[method] = out
             row = dict(kind=label, model=model, nq=nq, nkv=nkv, D=D, T=T, prefix=prefix, method=method,
-                       geometry=list(prefill_geometry or att._prefill_geometry(D)) if method == "prefill" else None,
+                       geometry=list(prefill_geometry or A.prefill_geometry(D)) if method == "prefill" else None,
                        us=sec * 1e6, TFLOPs=causal_flops(T, prefix, nq, D) / sec / 1e12)
             rows.append(row)
         if "prefill" in outs and "split" in outs:
@@ -213,10 +244,12 @@ def sweep(rng, read_bw, rows):
 
 
 def main(argv=None) -> int:
+    global A
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--sweep", action="store_true", help="also sweep geometries / splits / crossover (minutes)")
     args = ap.parse_args(argv)
+    A = attention_api()
     t_start = time.perf_counter()
     print(pegainfer.device.describe(), flush=True)
     if SIM:

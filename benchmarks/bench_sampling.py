@@ -1,4 +1,4 @@
-"""How long does token selection take on the H200?
+"""How long does token selection take on this GPU?
 
 µs per call of ``argmax``, ``sample`` (top-p 0.9 and a few other settings) and ``logsumexp`` at the Qwen3
 (151936) and Qwen3.5 (248320) vocabularies, for B = 1, 8 and 64 rows, on two kinds of logits:
@@ -20,14 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from graph_timing import time_calls, time_eager  # noqa: E402  (puts the checkout on sys.path)
 
-import pegainfer
-from graph_timing import time_calls, time_eager
-from pegainfer.kernels import sampling
-from pegainfer.kernels.primitives import to_bf16_bits
-from numba import cuda
+import numpy as np  # noqa: E402
+
+import pegainfer  # noqa: E402
 
 SIM = pegainfer.SIMULATOR
 VOCABS = [("qwen3", 151936), ("qwen3.5", 248320)] if not SIM else [("sim", 512)]
@@ -50,6 +50,7 @@ def time_per_call(fn, launches: int, reps: int = 5) -> tuple[float, float]:
 
 def make_logits(kind: str, rows: int, vocab: int, rng) -> np.ndarray:
     """Host bf16 bits ``[rows, vocab]`` of the given kind (module docstring)."""
+    from pegainfer.kernels.primitives import to_bf16_bits
     if kind == "lm":
         ranks = np.arange(vocab)
         base = 18.0 - 1.5 * np.log1p(ranks)
@@ -60,6 +61,9 @@ def make_logits(kind: str, rows: int, vocab: int, rng) -> np.ndarray:
 
 
 def run(launches: int) -> list[dict]:
+    from numba import cuda
+
+    from pegainfer.kernels import sampling
     rng = np.random.default_rng(0)
     results = []
     for vocab_name, vocab in VOCABS:
@@ -102,7 +106,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the results (a list of rows) here")
     ap.add_argument("--launches", type=int, default=50, help="calls per CUDA graph (default 50)")
     args = ap.parse_args(argv)
-    print(f"{pegainfer.device.describe() if hasattr(pegainfer, 'device') else ''}")
+    print(pegainfer.device.describe())
     print(f"{'kernel':9s} {'V':>7s} {'kind':5s} {'B':5s} {'setting':24s} {'µs/call':>12s} {'(eager)':>15s} "
           f"{'logits':>13s} {'kept':>8s}")
     results = run(1 if SIM else args.launches)

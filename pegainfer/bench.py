@@ -185,11 +185,28 @@ def hf_reference(folder, prompt_len, output_len, runs, device="cuda"):
 
 
 # ------------------------------------------------------------------------------------------------ the command
-def run_bench(args) -> int:
+def policy_summary(policy) -> dict:
+    """The launch policy as JSON values: ``pdl`` the sorted launch names that may overlap (None: every launch),
+    ``tuning`` the number of measured geometries, the other fields as they are."""
+    import dataclasses
+    out = {}
+    for field in dataclasses.fields(policy):
+        name, value = field.name, getattr(policy, field.name)
+        if name == "pdl":
+            value = None if value is None else sorted(value)
+        elif name == "tuning":
+            value = len(value)
+        out[name] = value
+    return out
+
+
+def run_bench(args, policy=None) -> int:
+    """The ``bench`` command on parsed ``args``; ``policy``: the engine's ``LaunchPolicy`` (None: its default;
+    ``benchmarks/ab_policy.py --mode bench`` passes each variant's)."""
     from pegainfer.engine.engine import Engine
     t0 = time.perf_counter()
     engine = Engine.from_folder(args.model_path, args.max_model_len, max_batch=1, use_cuda_graph=args.cuda_graph,
-                                async_scheduling=getattr(args, "async_scheduling", True))
+                                async_scheduling=getattr(args, "async_scheduling", True), policy=policy)
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     vocab = min(engine.model.V, engine.tokenizer.vocab_size)
@@ -211,6 +228,7 @@ def run_bench(args) -> int:
         "load_s": load_s, "weights_load_s": engine.weights_load_s, "warmup_s": engine.warmup_s,
         "ttft_ms": {f"p{q}": 1e3 * _pct(ttfts, q) for q in (50, 90, 99)},
         "tpot_ms": {f"p{q}": 1e3 * _pct(tpots, q) for q in (50, 90, 99)},
+        "policy": policy_summary(engine.model.policy),
         "weight_bytes": engine.model.weight_bytes(),
         "floor_bytes": decode_floor_bytes(engine.model, args.prompt_len + args.output_len / 2),
     }

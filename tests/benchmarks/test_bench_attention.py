@@ -1,0 +1,19 @@
+"""``benchmarks/bench_attention.py`` as a smoke run in the simulator: it finds the attention names it uses and runs
+the decode and prefill paths (the tiled prefill and split-K outputs agree)."""
+import json
+import os
+
+import pytest
+
+SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="a smoke run of the simulator's tiny shapes")
+def test_smoke_run(bench_modules, tmp_path):
+    import bench_attention
+    out = tmp_path / "att.json"
+    assert bench_attention.main(["--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["kind"] for r in rows} == {"decode", "prefill"}
+    assert all(r["us"] > 0 for r in rows)
+    assert all(r["rel_l2_prefill_vs_split"] < 1e-2 for r in rows if r["kind"] == "prefill")

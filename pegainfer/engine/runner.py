@@ -10,12 +10,8 @@ Decode steps can also be *launched* without being waited for (``launch_decode`` 
 token ids from the device -- the sampler writes the ids it draws over its step's input ids (``step.ids``), which
 the forward pass has consumed by then, and the step ahead uploads all its other inputs but not those -- and its
 positions and sampling counters one further than the host knows.  So between two decode steps the stream holds
-one upload and the ids' copy to the host, nothing else (``keep_logits`` adds a copy of the logits).  (Until
-session 17 it also held a second upload, a device copy of the ids and a copy of the logits; removing them, together
-with the embedding lookup moved into the first projection, took TPOT from 2.536 to 2.518 ms on Qwen3.5-4B and
-2.521 to 2.512 on Qwen3-4B, and a token now takes what its graph replayed back to back takes:
-``benchmarks/step_gap.py``, ``benchmarks/RESULTS.md``.)  Two
-pinned output buffers alternate between launches, so the result of the step being read is never overwritten by
+one upload and the ids' copy to the host, nothing else (``keep_logits`` adds a copy of the logits), and a token
+costs what its graph does (``docs/perf/launch.md``; ``benchmarks/step_profile.py gaps``).  Two pinned output buffers alternate between launches, so the result of the step being read is never overwritten by
 the copy of the step launched after it; the pinned input mirrors are only rewritten once the previous upload
 from them has completed (``_wait_inputs_free``).
 """

@@ -17,8 +17,8 @@ What the policy decides:
 * ``head_argmax`` -- the LM head of a one-sequence step also picks the greedy token (``linear.linear_add_rms_norm``
   with ``head=``), so the sampler has nothing left to do for a greedy row.
 * ``tuning`` -- measured projection geometries for this GPU, overriding the built-in tables
-  (``linear.geometry``); read from a tuning file (``load_tuning``) that ``benchmarks/bench_decode_stream.py``
-  writes.
+  (``linear.geometry``); read from a tuning file (``load_tuning``) that ``benchmarks/bench_gemv.py --cold
+  --tuning-out`` writes.
 * ``timeline`` -- the decode kernels stamp every block's entry, wait, ready and end (``kernels/timeline.py``,
   ``benchmarks/step_profile.py``); off for serving.
 
@@ -96,7 +96,7 @@ class LaunchPolicy:
 def load_tuning(path: str) -> tuple[TuningEntry, ...]:
     """Read a tuning file: ``[{"n_cols", "k", "max_tokens", "gated", "geometry": {...}}, ...]`` for GEMV entries,
     with ``"m_tiles"`` instead of ``"max_tokens"`` for skinny tensor-core entries (what
-    ``benchmarks/bench_decode_stream.py --tuning-out`` writes)."""
+    ``benchmarks/bench_gemv.py --cold --tuning-out`` writes)."""
     from pegainfer.errors import PegainferError
     try:
         with open(path) as f:
@@ -110,7 +110,7 @@ def load_tuning(path: str) -> tuple[TuningEntry, ...]:
         return tuple(out)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise PegainferError(f"tuning file {path}: {exc} -- expected the JSON list that "
-                             "benchmarks/bench_decode_stream.py --tuning-out writes") from None
+                             "benchmarks/bench_gemv.py --cold --tuning-out writes") from None
 
 
 DEFAULT_POLICY = LaunchPolicy()

@@ -2,7 +2,7 @@
 against Hugging Face bf16 on the same GPU. Skipped without a GPU.
 
 Folders are written under $PEGAINFER_GPU_MODELS (default: a pytest tmp dir) and reused when present. Results are
-appended as JSON lines to $PEGAINFER_GPU_RESULTS when set (the lead copies them into benchmarks/RESULTS.md)."""
+appended as JSON lines to $PEGAINFER_GPU_RESULTS when set (copied into docs/perf/accuracy.md)."""
 import json
 import os
 import time
@@ -69,7 +69,7 @@ def test_qwen3_matches_hf_bf16_on_gpu(name, tmp_path_factory):
     (sdpa attention, its default on GPU).
 
     Random-weight 36-layer models are close to chaotic: two *valid* bf16 implementations — Hugging Face with sdpa
-    and with eager attention — already differ by ~4% relative L2 (measured, see benchmarks/RESULTS.md). So the
+    and with eager attention — already differ by ~4% relative L2 (measured, see docs/perf/accuracy.md). So the
     bound is 2e-2 or, when larger, 1.1x that measured HF-vs-HF distance; the same goes for greedy agreement."""
     from pegainfer.engine.engine import Engine
 

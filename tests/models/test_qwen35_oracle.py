@@ -262,7 +262,7 @@ def test_qwen35_4b_shapes_match_hf_bf16_on_gpu(tmp_path_factory):
     steps (CUDA graphs) against Hugging Face on the same GPU.
 
     On random 32-layer weights bf16 noise is large: HF bf16 itself is ~6% relative L2 from HF fp32 (measured, see
-    benchmarks/RESULTS.md), and HF's two bf16 attention backends share the linear-attention path, so their mutual
+    docs/perf/accuracy.md), and HF's two bf16 attention backends share the linear-attention path, so their mutual
     distance (~2.7%) understates it. The test therefore checks (1) pegainfer is at least as close to HF fp32 as HF
     bf16 is (within 10%), (2) pegainfer is within max(2e-2, 1.1 x that HF-bf16-to-fp32 distance) of HF bf16, and
     (3) greedy tokens agree with HF fp32's argmax at least as often as HF bf16's do, minus 5 points."""

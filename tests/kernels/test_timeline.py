@@ -92,11 +92,12 @@ def test_step_timeline_moments_from_saved_records(tmp_path, monkeypatch, capsys)
     assert "attentionx2" in out and "end_last" in out
 
 
-def test_gated_delta_decode_step_records(stamping, rng):
-    """The Gated DeltaNet decode step (kind ``gdn_step``): one record per block, ordered stamps, the same bits as
-    without stamping."""
-    from tests.kernels.test_gated_delta import (_table, assert_fused_equals_three_kernels, decode_inputs,
-                                                make_decode_layer)
+def test_gated_delta_decode_step_records(rng):
+    """The Gated DeltaNet decode step under a policy with ``timeline`` (kind ``gdn_step``): one record per block,
+    ordered stamps, the same bits as without stamping."""
+    from pegainfer.kernels.policy import LaunchPolicy
+    from tests.kernels.gated_delta_helpers import (assert_fused_equals_three_kernels, decode_inputs,
+                                                   make_decode_layer, table_of)
     layer = make_decode_layer(rng)
     num_slots, taps = 3, 4
     conv_dim = layer["conv_w"].shape[0]
@@ -104,9 +105,13 @@ def test_gated_delta_decode_step_records(stamping, rng):
     state = (rng.standard_normal((num_slots, layer["num_v_heads"], 16, 16)) * 0.3).astype(np.float32)
     slots = [2, 0]
     positions = cuda.to_device(np.array([5, 1], np.int32))
-    assert_fused_equals_three_kernels(layer, ring, state, decode_inputs(rng, layer, 2), _table(slots, 2), positions,
-                                      decode_slots=slots)
-    rec = timeline.records()
+    timeline.reset()
+    try:
+        assert_fused_equals_three_kernels(layer, ring, state, decode_inputs(rng, layer, 2), table_of(slots, 2),
+                                          positions, decode_slots=slots, policy=LaunchPolicy(timeline=True))
+        rec = timeline.records()
+    finally:
+        timeline.reset()
     rec = rec[rec["kind"] == 6]
     assert len(rec) == int(rec["grid"][0]) > 0, "one record per block of the decode step"
     assert sorted(rec["block"].tolist()) == list(range(len(rec)))

@@ -25,7 +25,7 @@ the others are **full attention** (HF ``Qwen3_5Attention``) with a sigmoid outpu
 and every layer ends with the SwiGLU MLP.  All RMSNorms except the gated one are Qwen3.5's ``x·r·(1 + w)`` form.
 
 **Recurrent state.**  Each linear-attention layer keeps, per engine slot, the conv window ``[conv_dim, K]``
-(bf16, a ring indexed by position: ``gated_delta``'s docstring) and the delta-rule state ``[Hv, Dk, Dv]`` (f32).
+(bf16, a ring indexed by position: ``gated_delta.conv``'s docstring) and the delta-rule state ``[Hv, Dk, Dv]`` (f32).
 ``reset_slot`` zeroes a slot for a new sequence; a prompt prefilled in several chunks continues from the state the
 previous chunk left.
 

@@ -67,7 +67,7 @@ def test_bad_model_folder_is_one_line_without_traceback():
     assert len(err) == 1 and "/nonexistent/model" in err[0], r.stderr
 
 
-@pytest.mark.parametrize("args, says", [
+BAD_VALUES = [
     (("generate", "--temperature", "-1"), "must be >= 0"),
     (("generate", "--temperature", "nan"), "finite"),
     (("generate", "--top-p", "2"), "(0, 1]"),
@@ -85,15 +85,29 @@ def test_bad_model_folder_is_one_line_without_traceback():
     (("bench", "--runs", "0"), "at least 1"),
     (("bench", "--prompt-len", "0"), "at least 1"),
     (("bench", "--output-len", "-3"), "at least 1"),
-])
-def test_bad_values_stop_before_anything_loads(args, says):
-    """Every value is checked while parsing: argparse's one ``error: argument --flag: ...`` line, exit status 2,
-    nothing loaded (the device line and the model load come later)."""
+]
+
+
+@pytest.mark.parametrize("args, says", BAD_VALUES)
+def test_bad_values_are_refused_while_parsing(args, says, capsys):
+    """Every value is checked by the parser itself: argparse's one ``error: argument --flag: ...`` line, exit
+    status 2 (in-process: a subprocess per value would cost seconds each)."""
+    from pegainfer.__main__ import build_parser
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args(list(args))
+    assert stop.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(err) == 1 and f"error: argument {args[1]}: " in err[0] and says in err[0], err
+
+
+@pytest.mark.parametrize("args", [("generate", "--temperature", "-1"), ("serve", "--port", "99999"),
+                                  ("bench", "--runs", "0")], ids=["generate", "serve", "bench"])
+def test_a_bad_value_stops_the_command_before_anything_loads(args):
     r = run_cli(*args, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     err = [line for line in r.stderr.splitlines() if "error:" in line]
-    assert len(err) == 1 and f"error: argument {args[1]}: " in err[0] and says in err[0], r.stderr
-    assert "[pegainfer]" not in r.stderr and not r.stdout
+    assert len(err) == 1 and err[0].startswith(f"python -m pegainfer {args[0]}: error: argument {args[1]}: ")
+    assert "[pegainfer]" not in r.stderr and not r.stdout    # the device line and the model load come later
 
 
 def test_serve_on_a_port_in_use_fails_at_once():

@@ -36,7 +36,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                    help="capture the decode step in a CUDA graph (default on; --no-cuda-graph launches kernels "
                         "one by one, for debugging — same tokens)")
-    p.add_argument("--trace-output-path", default=None,
+    p.add_argument("--trace-output-path", type=argtypes.output_folder, default=None,
                    help="write a Chrome trace (open in https://ui.perfetto.dev) of per-kernel GPU times and "
                         "per-request spans into this folder")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
@@ -169,6 +169,16 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def check_model_folder(args) -> None:
+    """Read ``--model-path``'s config.json before the engine is imported (importing it imports numba and builds the
+    kernels: seconds, ten in the simulator), so a missing folder or an unsupported model is a one-line error at
+    once.  The engine reads the folder again, in full, when it loads."""
+    if args.model_path is not None:
+        from pathlib import Path
+        from pegainfer.config import load_model_config
+        load_model_config(Path(args.model_path).expanduser())
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -179,6 +189,7 @@ def main(argv=None) -> int:
     logging.getLogger("numba").setLevel(logging.WARNING)   # numba logs every device free at INFO
     from pegainfer.errors import PegainferError
     try:
+        check_model_folder(args)
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "serve":

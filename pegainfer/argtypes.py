@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from typing import Callable, Optional
 
 
@@ -40,7 +41,6 @@ def int_in(lo: Optional[int] = None, hi: Optional[int] = None, note: str = "") -
                 allowed = f"between {lo} and {hi}"
             raise argparse.ArgumentTypeError(f"must be {allowed}{' ' + note if note else ''}, got {value}")
         return value
-    check.__name__ = "integer"   # argparse names the type in its "invalid <type> value" message
     return check
 
 
@@ -63,6 +63,35 @@ def min_p(text: str) -> float:
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"must be in [0, 1] (0 = off), got {text}")
     return value
+
+
+def output_file(text: str) -> str:
+    """A file the command writes when it is done: its folder must exist and be writable (checked now, not after a
+    run of minutes)."""
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a folder: give a file name")
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"the folder {folder} does not exist: create it first")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"the folder {folder} is not writable")
+    return text
+
+
+def output_folder(text: str) -> str:
+    """A folder the command writes into when it is done (created if missing): it must not be a file, and the
+    nearest folder that exists must be writable."""
+    path = os.path.abspath(text)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text} is a file: give a folder")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise argparse.ArgumentTypeError(f"cannot create a folder under the file {existing}")
+    if not os.access(existing, os.W_OK):
+        raise argparse.ArgumentTypeError(f"the folder {existing} is not writable")
+    return text
 
 
 positive = int_in(1)

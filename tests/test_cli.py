@@ -59,12 +59,12 @@ def test_seeded_sampling_is_reproducible():
     assert a.stdout == b.stdout
 
 
-def test_bad_model_folder_is_one_line_without_traceback():
-    r = run_cli("generate", "--model-path", "/nonexistent/model")
-    assert r.returncode != 0
-    assert "Traceback" not in r.stderr
-    err = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert len(err) == 1 and "/nonexistent/model" in err[0], r.stderr
+@pytest.mark.parametrize("command", ["generate", "serve", "bench"])
+def test_bad_model_folder_is_one_line_without_traceback(command):
+    r = run_cli(command, "--model-path", "/nonexistent/model", "--port", "0") if command == "serve" else \
+        run_cli(command, "--model-path", "/nonexistent/model")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == ["error: model folder /nonexistent/model does not exist"]
 
 
 BAD_VALUES = [
@@ -85,6 +85,10 @@ BAD_VALUES = [
     (("bench", "--runs", "0"), "at least 1"),
     (("bench", "--prompt-len", "0"), "at least 1"),
     (("bench", "--output-len", "-3"), "at least 1"),
+    (("bench", "--json", "/nonexistent/folder/out.json"), "does not exist"),
+    (("bench", "--json", "/"), "is a folder"),
+    (("generate", "--trace-output-path", "/dev/null"), "is a file"),
+    (("generate", "--trace-output-path", "/dev/null/trace"), "under the file /dev/null"),
 ]
 
 

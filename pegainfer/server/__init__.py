@@ -50,26 +50,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host``:``port`` (IPv4 or IPv6, as ``host`` resolves), or a one-line
+    """A listening TCP socket on ``host``:``port`` (IPv6 when ``host`` has a colon, as uvicorn binds), or a one-line
     ``PegainferError`` naming the address (a port in use, a host that is not this machine's, ...)."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise PegainferError(f"--host {host}: cannot resolve it ({e.strerror})") from None
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # (a port in TIME_WAIT is free; one in use not)
-        if family == socket.AF_INET6 and host in ("::", ""):
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        sock.bind(address)
+        sock.bind((host, port))
         sock.listen(2048)
     except OSError as e:
         sock.close()
         hint = (": is another server running there? Stop it, or choose another port with --port"
                 if e.errno == errno.EADDRINUSE else "")
         raise PegainferError(f"cannot listen on {host}:{port} ({e.strerror}){hint}") from None
-    sock.set_inheritable(True)
     return sock
 
 

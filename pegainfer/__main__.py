@@ -1,18 +1,33 @@
-"""Command line: ``python -m pegainfer {generate,serve,bench}``. Run with ``--help`` for everything."""
+"""Command line: ``python -m pegainfer {generate,serve,bench}``. Run with ``--help`` for everything.
+
+Every flag's value is checked while the arguments are parsed (``argtypes``), so a bad one ends the command with
+one ``error:`` line before anything loads."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
 import time
 
 import pegainfer
+
+if getattr(pegainfer, "__file__", None) is None:
+    # ``python -m pegainfer`` run from the folder that holds the clone: Python took the clone's folder (also named
+    # pegainfer, without an __init__.py) for a namespace package, and only this module came from the real one.
+    sys.exit(f"error: 'pegainfer' here is the folder {list(pegainfer.__path__)[0]}, not the installed package: "
+             f"run python -m pegainfer from another folder (e.g. cd into the clone)")
+
+from pegainfer import argtypes  # noqa: E402
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-path", default=None,
                    help="Hugging Face model folder (config.json, *.safetensors, tokenizer.json). "
                         "Default: a built-in tiny demo Qwen3 with RANDOM weights (gibberish output), made on first use")
-    p.add_argument("--max-model-len", type=int, default=None,
+    p.add_argument("--max-model-len", type=argtypes.max_model_len, default=None,
                    help="context length (prompt + output) to reserve KV cache for; default: the model's limit, "
                         "halved until it fits in GPU memory")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
@@ -21,19 +36,26 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                    help="capture the decode step in a CUDA graph (default on; --no-cuda-graph launches kernels "
                         "one by one, for debugging — same tokens)")
-    p.add_argument("--trace-output-path", default=None,
+    p.add_argument("--trace-output-path", type=argtypes.output_folder, default=None,
                    help="write a Chrome trace (open in https://ui.perfetto.dev) of per-kernel GPU times and "
                         "per-request spans into this folder")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="least severe log messages shown on stderr (default info)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="0 = greedy; default: the model folder's generation_config.json, else 1.0")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
-    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
-    p.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p × the top probability")
-    p.add_argument("--seed", type=int, default=None, help="random seed: the same seed gives the same tokens")
+    p.add_argument("--max-tokens", type=argtypes.positive, default=128, help="most tokens to generate (default 128)")
+    p.add_argument("--temperature", type=argtypes.temperature, default=None,
+                   help=">= 0, 0 = greedy; default: the model folder's generation_config.json, else 1.0")
+    p.add_argument("--top-p", type=argtypes.top_p, default=None,
+                   help="nucleus sampling mass in (0, 1], 1 = off; default: generation_config.json, else 1")
+    p.add_argument("--top-k", type=argtypes.top_k, default=None,
+                   help="keep the k most likely tokens, 0 = off; default: generation_config.json, else 0")
+    p.add_argument("--min-p", type=argtypes.min_p, default=None,
+                   help="drop tokens below min_p × the top probability, in [0, 1], 0 = off; default: "
+                        "generation_config.json, else 0")
+    p.add_argument("--seed", type=argtypes.seed, default=None,
+                   help="random seed: the same seed gives the same tokens (default: a fresh one per run)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
 
 
@@ -49,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Stream a completion of --prompt to stdout, then print one summary line "
                                    "(prompt tokens, generated tokens, TTFT ms, TPOT ms, tok/s) on stderr.")
     _add_model_args(g)
-    g.add_argument("--prompt", default="Hello, my name is", help="the prompt text (raw, no chat template)")
+    g.add_argument("--prompt", default="Hello, my name is",
+                   help="the prompt text (raw, no chat template; default: %(default)r)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as one user message with the chat template")
     _add_sampling_args(g)
 
@@ -57,12 +80,20 @@ def build_parser() -> argparse.ArgumentParser:
         from pegainfer.server import add_serve_arguments
     except ImportError:  # pragma: no cover - server package missing
         add_serve_arguments = None
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
+                       description="Serve the model over HTTP with the OpenAI API: POST /v1/completions, "
+                                   "POST /v1/chat/completions (SSE streaming with \"stream\": true), GET /v1/models, "
+                                   "GET /health (503 while the model loads, 200 when ready), GET /version. The port is "
+                                   "bound before the model loads; Ctrl-C stops the server.")
     _add_model_args(s)
     if add_serve_arguments is not None:
         add_serve_arguments(s)
 
-    b = sub.add_parser("bench", help="measure TTFT / TPOT percentiles and the memory-bandwidth floor")
+    b = sub.add_parser("bench", help="measure TTFT / TPOT percentiles and the memory-bandwidth floor",
+                       description="Time --runs greedy generations of --output-len tokens from a --prompt-len prompt "
+                                   "of random token ids (after one warm-up run): TTFT and TPOT percentiles, tok/s, "
+                                   "and the memory-bandwidth floor of a decode step (the bytes it must read / the read "
+                                   "bandwidth measured in the same run). --hf times Hugging Face transformers too.")
     _add_model_args(b)
     from pegainfer.bench import add_bench_arguments
     add_bench_arguments(b)
@@ -87,8 +118,6 @@ def cmd_generate(args) -> int:
     from pegainfer.errors import PegainferError
 
     print(f"[pegainfer] {pegainfer.device.describe()}", file=sys.stderr)
-    if args.max_tokens < 1:
-        raise PegainferError("--max-tokens must be at least 1")
     t0 = time.perf_counter()
     engine = Engine.from_folder(args.model_path, args.max_model_len, max_batch=1,
                                 use_cuda_graph=args.cuda_graph, async_scheduling=args.async_scheduling,
@@ -107,8 +136,11 @@ def cmd_generate(args) -> int:
     ids = engine.tokenizer.encode(prompt)
     if not ids:
         raise PegainferError("the prompt is empty after tokenization: pass some text with --prompt")
+    from pegainfer.engine.progress import PrefillProgress
     from pegainfer.trace import maybe_trace
-    with maybe_trace(args.trace_output_path, engine):
+    # in the simulator a prefill takes seconds: show it kernel by kernel on a terminal until the first token
+    progress = PrefillProgress(len(ids), engine.prefill_launches) if pegainfer.SIMULATOR else contextlib.nullcontext()
+    with maybe_trace(args.trace_output_path, engine), progress as prefill:
         t_start = time.perf_counter()
         engine.add_request("cli", ids, params)
         t_first = None
@@ -118,6 +150,8 @@ def cmd_generate(args) -> int:
             for out in engine.step():
                 if out.new_token_ids and t_first is None:
                     t_first = time.perf_counter()
+                    if prefill is not None:
+                        prefill.close()
                 n_out = out.completion_tokens or n_out
                 if out.delta_text:
                     sys.stdout.write(out.delta_text)
@@ -135,17 +169,27 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def check_model_folder(args) -> None:
+    """Read ``--model-path``'s config.json before the engine is imported (importing it imports numba and builds the
+    kernels: seconds, ten in the simulator), so a missing folder or an unsupported model is a one-line error at
+    once.  The engine reads the folder again, in full, when it loads."""
+    if args.model_path is not None:
+        from pathlib import Path
+        from pegainfer.config import load_model_config
+        load_model_config(Path(args.model_path).expanduser())
+
+
 def main(argv=None) -> int:
-    import logging
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("numba").setLevel(logging.WARNING)   # numba logs every device free at INFO
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("numba").setLevel(logging.WARNING)   # numba logs every device free at INFO
     from pegainfer.errors import PegainferError
     try:
+        check_model_folder(args)
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "serve":

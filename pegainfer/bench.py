@@ -32,13 +32,14 @@ from pegainfer.device import SIMULATOR
 
 
 def add_bench_arguments(p) -> None:
-    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (random ids) per run (default 16)")
-    p.add_argument("--output-len", type=int, default=128, help="tokens generated per run (default 128)")
-    p.add_argument("--runs", type=int, default=5, help="timed runs after one warm-up run (default 5)")
+    from pegainfer.argtypes import output_file, positive
+    p.add_argument("--prompt-len", type=positive, default=16, help="prompt tokens (random ids) per run (default 16)")
+    p.add_argument("--output-len", type=positive, default=128, help="tokens generated per run (default 128)")
+    p.add_argument("--runs", type=positive, default=5, help="timed runs after one warm-up run (default 5)")
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=False,
                    help="also time Hugging Face transformers on the same weights and prompt length (needs torch + "
                         "a GPU)")
-    p.add_argument("--json", default=None, help="write the results as JSON to this path")
+    p.add_argument("--json", type=output_file, default=None, help="write the results as JSON to this path")
 
 
 def _pct(xs, q):

@@ -6,6 +6,12 @@ standard tensor names, a byte-level BPE ``tokenizer.json`` trained on the short 
 ``tokenizer_config.json`` with a Qwen3-style ChatML chat template — that ``transformers`` loads as well, which is
 what lets tests compare pegainfer against it.  The text it generates is gibberish: the weights are random.
 
+So that the gibberish is at least visible, the embedding rows (tied: also the LM head's) of tokens that print
+nothing on their own — lone bytes of multi-byte characters (shown as ``�``), control characters, whitespace,
+special and added tokens, the spare ids the tokenizer does not know — are scaled down by ``QUIET_ROW_SCALE``:
+their logits stay near 0 while a printable word piece's reach several units, so greedy decoding and the default
+top-k sampling pick printable pieces, and sampling from the whole vocabulary almost always does.
+
 Shape (deliberately small so the CUDA simulator can run it): hidden 64, 2 layers, 4 query heads and 2 KV heads
 of 16 dims, MLP 128, tied embeddings, 512 positions.  As in real Qwen3 the embedding has more rows than the
 tokenizer has tokens, so a model can emit ids the tokenizer does not know.
@@ -21,10 +27,11 @@ from pathlib import Path
 import numpy as np
 
 DEMO_NAME = "demo-qwen3"
-DEMO_VERSION = 1   # bump when the demo's content changes: older cached copies are rebuilt
+DEMO_VERSION = 2   # bump when the demo's content changes: older cached copies are rebuilt
 TOKENIZER_VOCAB = 448  # target size of the trained BPE vocabulary (256 bytes + merges), before special tokens
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EXTRA_TOKENS = ("<think>", "</think>")  # added (not special) tokens, as in Qwen3
+QUIET_ROW_SCALE = 1 / 32  # embedding rows of tokens that print nothing visible are scaled by this (module docstring)
 
 # Qwen2/Qwen3's pre-tokenizer split (contractions, letters, single digits, punctuation runs, whitespace)
 PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -187,14 +194,16 @@ def qwen3_tensor_shapes(cfg: dict, tie: bool) -> dict[str, tuple[int, ...]]:
 
 
 def write_random_qwen3(folder, config_overrides: dict | None = None, seed: int = 0, tie: bool = True,
-                       dtype: str = "bfloat16", shards: int = 1) -> Path:
+                       dtype: str = "bfloat16", shards: int = 1, quiet_rows=()) -> Path:
     """Write ``config.json`` and random weights of a tiny dense Qwen3 into ``folder`` (created if needed).
 
     ``config_overrides`` update ``TINY_QWEN3`` (e.g. ``{"num_hidden_layers": 3, "vocab_size": 256}``).
     Weights: projections ~ N(0, 1/fan_in) so activations stay O(1); embeddings ~ N(0, 0.5²) so logits are
     peaked enough for greedy decoding to be stable under bf16 rounding; norm weights 1 + N(0, 0.1²) so a norm
-    whose weight is ignored is caught.  ``dtype``: "bfloat16" | "float16" | "float32" on disk.  ``shards > 1``
-    writes ``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``.  Returns the folder."""
+    whose weight is ignored is caught.  ``quiet_rows``: token ids whose embedding (and LM head) rows are scaled by
+    ``QUIET_ROW_SCALE``, so the model rarely emits them.  ``dtype``: "bfloat16" | "float16" | "float32" on disk.
+    ``shards > 1`` writes ``model-0000k-of-0000n.safetensors`` with ``model.safetensors.index.json``.  Returns the
+    folder."""
     import ml_dtypes
     from safetensors.numpy import save_file
 
@@ -209,6 +218,7 @@ def write_random_qwen3(folder, config_overrides: dict | None = None, seed: int =
             w = 1.0 + 0.1 * rng.standard_normal(shape)
         elif "embed_tokens" in name or "lm_head" in name:
             w = 0.5 * rng.standard_normal(shape)
+            w[list(quiet_rows)] *= QUIET_ROW_SCALE
         else:
             w = rng.standard_normal(shape) / np.sqrt(shape[1])
         tensors[name] = np.ascontiguousarray(w.astype(np.float32).astype(np_dtype))
@@ -246,12 +256,29 @@ def _is_current(folder: Path) -> bool:
                                                      "tokenizer_config.json", "generation_config.json")))
 
 
+def prints_visibly(text: str) -> bool:
+    """Whether a token's text shows something on its own: whole characters (no ``�``), at least one that is not
+    whitespace, none that is a control character (a newline is allowed)."""
+    return (bool(text) and "\ufffd" not in text and any(not c.isspace() for c in text)
+            and all(c.isprintable() or c == "\n" for c in text))
+
+
+def quiet_token_ids(tok, vocab_size: int) -> list[int]:
+    """The ids below ``vocab_size`` that print nothing visible on their own: the tokenizer's tokens that fail
+    ``prints_visibly``, its special and added tokens, and the spare ids it does not know."""
+    n_tokens = tok.get_vocab_size(with_added_tokens=True)
+    added = {tok.token_to_id(t) for t in (*SPECIAL_TOKENS, *EXTRA_TOKENS)}
+    return [i for i in range(vocab_size)
+            if i >= n_tokens or i in added or not prints_visibly(tok.decode([i], skip_special_tokens=False))]
+
+
 def _build(folder: Path) -> None:
     tok = train_tokenizer(DEMO_CORPUS, TOKENIZER_VOCAB, folder / "tokenizer.json")
     n_tokens = tok.get_vocab_size(with_added_tokens=True)
     vocab = -(-(n_tokens + 16) // 64) * 64  # ≥ 16 spare ids, a multiple of 64, as Qwen3 pads its embedding
     endoftext, im_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
-    write_random_qwen3(folder, {"vocab_size": vocab, "bos_token_id": endoftext, "eos_token_id": im_end}, seed=0)
+    write_random_qwen3(folder, {"vocab_size": vocab, "bos_token_id": endoftext, "eos_token_id": im_end}, seed=0,
+                       quiet_rows=quiet_token_ids(tok, vocab))
     cfg = json.loads((folder / "config.json").read_text())
     cfg.update({"pegainfer_demo": True, "pegainfer_demo_version": DEMO_VERSION})
     _write_json(folder / "config.json", cfg)
@@ -264,7 +291,9 @@ def _build(folder: Path) -> None:
         "A tiny Qwen3 (hidden 64, 2 layers, 4 query / 2 KV heads, vocabulary "
         f"{vocab} with {n_tokens} tokenizer tokens) built by `pegainfer.demo.ensure_demo_model()`.\n\n"
         "**The weights are random**: the model produces gibberish.  It exists so pegainfer's CLI, server and tests\n"
-        "run without downloading anything.  The tokenizer is a byte-level BPE trained on a few English paragraphs.\n"
+        "run without downloading anything.  The tokenizer is a byte-level BPE trained on a few English paragraphs;\n"
+        "the embedding rows of tokens that print nothing visible on their own are scaled down, so the gibberish is\n"
+        "made of printable word pieces.\n"
         "Delete this folder to rebuild it.\n", encoding="utf-8")
 
 

@@ -2,16 +2,18 @@
 (in the simulator on CI)."""
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
 
-def run_cli(*args, timeout=900):
+def run_cli(*args, timeout=900, cwd=None):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run([sys.executable, "-m", "pegainfer", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+                          timeout=timeout, env=env, cwd=cwd)
 
 
 def test_help_explains_commands():
@@ -22,8 +24,19 @@ def test_help_explains_commands():
     r = run_cli("generate", "--help")
     assert r.returncode == 0
     for flag in ("--model-path", "--prompt", "--max-tokens", "--temperature", "--top-p", "--top-k", "--min-p",
-                 "--seed", "--ignore-eos", "--max-model-len", "--cuda-graph"):
+                 "--seed", "--ignore-eos", "--max-model-len", "--cuda-graph", "--log-level"):
         assert flag in r.stdout
+    assert "default: 'Hello, my name is'" in " ".join(r.stdout.split())    # the default prompt is shown
+    r = run_cli("serve", "--help")
+    assert r.returncode == 0
+    serve_help = " ".join(r.stdout.split())
+    assert "Serve the model over HTTP with the OpenAI API" in serve_help          # a description line
+    for flag in ("--port", "--max-waiting", "--max-batch", "--max-body-bytes", "--served-model-name", "--api-key",
+                 "--access-log", "--log-level"):
+        assert flag in serve_help
+    assert "not yet admitted" in serve_help    # what --max-waiting counts
+    r = run_cli("bench", "--help")
+    assert r.returncode == 0 and "Time --runs greedy generations" in " ".join(r.stdout.split())
 
 
 def test_generate_on_demo_model_streams_and_summarises():
@@ -32,6 +45,8 @@ def test_generate_on_demo_model_streams_and_summarises():
     assert "random" in r.stderr.lower()                     # the demo model is labelled as random
     summary = [line for line in r.stderr.splitlines() if "TTFT" in line]
     assert summary and "generated tokens 3" in summary[-1] and "TPOT" in summary[-1] and "tok/s" in summary[-1]
+    assert r.stdout.strip() and "\ufffd" not in r.stdout, repr(r.stdout)   # the demo prints visible text
+    assert "\r" not in r.stderr                             # no progress line when stderr is not a terminal
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" or "simulator" in r.stderr:
         assert "simulator" in r.stderr.lower()
 
@@ -44,16 +59,111 @@ def test_seeded_sampling_is_reproducible():
     assert a.stdout == b.stdout
 
 
-@pytest.mark.parametrize("args, needle", [
-    (("generate", "--model-path", "/nonexistent/model"), "/nonexistent/model"),
-    (("generate", "--max-tokens", "0"), "--max-tokens"),
-])
-def test_bad_input_is_one_line_without_traceback(args, needle):
-    r = run_cli(*args)
-    assert r.returncode != 0
-    assert "Traceback" not in r.stderr
-    err = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert len(err) == 1 and needle in err[0], r.stderr
+@pytest.mark.parametrize("command", ["generate", "serve", "bench"])
+def test_bad_model_folder_is_one_line_without_traceback(command):
+    r = run_cli(command, "--model-path", "/nonexistent/model", "--port", "0") if command == "serve" else \
+        run_cli(command, "--model-path", "/nonexistent/model")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == ["error: model folder /nonexistent/model does not exist"]
+
+
+BAD_VALUES = [
+    (("generate", "--temperature", "-1"), "must be >= 0"),
+    (("generate", "--temperature", "nan"), "finite"),
+    (("generate", "--top-p", "2"), "(0, 1]"),
+    (("generate", "--top-p", "0"), "(0, 1]"),
+    (("generate", "--min-p", "5"), "[0, 1]"),
+    (("generate", "--top-k", "-1"), "at least 0"),
+    (("generate", "--max-tokens", "0"), "at least 1"),
+    (("generate", "--max-model-len", "1"), "at least 2"),
+    (("generate", "--seed", "1.5"), "whole number"),
+    (("generate", "--log-level", "loud"), "invalid choice"),
+    (("serve", "--port", "99999"), "between 0 and 65535"),
+    (("serve", "--max-batch", "0"), "at least 1"),
+    (("serve", "--max-waiting", "-1"), "at least 0"),
+    (("serve", "--max-body-bytes", "0"), "at least 1"),
+    (("bench", "--runs", "0"), "at least 1"),
+    (("bench", "--prompt-len", "0"), "at least 1"),
+    (("bench", "--output-len", "-3"), "at least 1"),
+    (("bench", "--json", "/nonexistent/folder/out.json"), "does not exist"),
+    (("bench", "--json", "/"), "is a folder"),
+    (("generate", "--trace-output-path", "/dev/null"), "is a file"),
+    (("generate", "--trace-output-path", "/dev/null/trace"), "under the file /dev/null"),
+]
+
+
+@pytest.mark.parametrize("args, says", BAD_VALUES)
+def test_bad_values_are_refused_while_parsing(args, says, capsys):
+    """Every value is checked by the parser itself: argparse's one ``error: argument --flag: ...`` line, exit
+    status 2 (in-process: a subprocess per value would cost seconds each)."""
+    from pegainfer.__main__ import build_parser
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args(list(args))
+    assert stop.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(err) == 1 and f"error: argument {args[1]}: " in err[0] and says in err[0], err
+
+
+@pytest.mark.parametrize("args", [("generate", "--temperature", "-1"), ("serve", "--port", "99999"),
+                                  ("bench", "--runs", "0")], ids=["generate", "serve", "bench"])
+def test_a_bad_value_stops_the_command_before_anything_loads(args):
+    r = run_cli(*args, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    err = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert len(err) == 1 and err[0].startswith(f"python -m pegainfer {args[0]}: error: argument {args[1]}: ")
+    assert "[pegainfer]" not in r.stderr and not r.stdout    # the device line and the model load come later
+
+
+def test_serve_on_a_port_in_use_fails_at_once():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        r = run_cli("serve", "--port", str(port), timeout=120)
+        elapsed = time.monotonic() - t0
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"error: cannot listen on 127.0.0.1:{port} (Address already in use): is another server running there? "
+        f"Stop it, or choose another port with --port"]
+    assert "listening" not in r.stderr and elapsed < 60   # before the model loads (the demo takes minutes here)
+
+
+# What setuptools' editable install puts on sys.meta_path, after the path finder: ``pegainfer`` and its
+# submodules come from ROOT.  Run from a folder that holds a folder named pegainfer (a clone), the path finder takes
+# that folder for a namespace package first, and only ``pegainfer.__main__`` comes from ROOT.
+SHADOWED_RUN = """
+import runpy, sys
+from importlib.machinery import PathFinder
+ROOT = sys.argv[1]
+class EditableFinder:
+    @classmethod
+    def find_spec(cls, fullname, path=None, target=None):
+        if fullname == "pegainfer":
+            return PathFinder.find_spec(fullname, [ROOT])
+        if fullname.rpartition(".")[0] == "pegainfer":
+            return PathFinder.find_spec(fullname, [ROOT + "/pegainfer"])
+        return None
+sys.meta_path = [f for f in sys.meta_path if "editable" not in repr(f).lower()] + [EditableFinder]
+sys.path = [p for p in sys.path if p not in ("", ".", ROOT)]
+sys.path.insert(0, "")                 # python -m puts the working folder first
+sys.argv = ["pegainfer", "--help"]
+runpy.run_module("pegainfer", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_run_from_the_clones_parent_folder_says_so(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    clone = tmp_path / "pegainfer"             # a clone: pyproject.toml, README.md, pegainfer/, tests/ ...
+    (clone / "pegainfer").mkdir(parents=True)
+    (clone / "README.md").write_text("# pegainfer\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-c", SHADOWED_RUN, root], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path, env=env)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"error: 'pegainfer' here is the folder {clone}, not the installed package: run python -m pegainfer from "
+        f"another folder (e.g. cd into the clone)"]
 
 
 def test_unsupported_architecture_is_named(tmp_path):

@@ -6,7 +6,8 @@ import pytest
 
 import pegainfer  # noqa: F401  (before numba)
 from pegainfer.config import load_generation_config, load_model_config
-from pegainfer.demo import (DEMO_CORPUS, DEMO_NAME, ensure_demo_model, train_tokenizer, write_random_qwen3)
+from pegainfer.demo import (DEMO_CORPUS, DEMO_NAME, QUIET_ROW_SCALE, ensure_demo_model, prints_visibly,
+                            quiet_token_ids, train_tokenizer, write_random_qwen3)
 from pegainfer.weights import WeightReader
 
 
@@ -78,6 +79,47 @@ def test_tokenizer(demo):
         assert tok.token_to_id(special) in ids
     assert tok.decode(ids, skip_special_tokens=False) == chat
     assert tok.decode(ids, skip_special_tokens=True) == "user\nHi\nassistant\n<think>\n\n</think>\n\n"
+
+
+def test_prints_visibly():
+    for text in ("the", " fox", ".", ".\n", "42", "é"):
+        assert prints_visibly(text), text
+    for text in ("", " ", "\n\n", "\ufffd", "\x07", "\t", " \r\n"):
+        assert not prints_visibly(text), repr(text)
+
+
+def _f32(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def test_the_model_picks_visible_tokens(demo):
+    """The rows of tokens that print nothing (lone bytes of multi-byte characters, whitespace, special tokens, the
+    spare ids) are scaled down: for any final hidden state, the greedy token and the top 20 (the demo's default
+    top-k) print visibly, and sampling from the whole vocabulary picks a silent token rarely."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(demo / "tokenizer.json"))
+    r = WeightReader(demo)
+    embed = _f32(r.host_bf16("model.embed_tokens.weight"))   # [V, H], also the LM head (tied)
+    V = embed.shape[0]
+    quiet = np.array(quiet_token_ids(tok, V))
+    n_tokens = tok.get_vocab_size(with_added_tokens=True)
+    assert set(range(n_tokens, V)) <= set(quiet)             # the spare ids
+    assert {tok.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>", "<think>")} <= set(quiet)
+    visible = np.setdiff1d(np.arange(V), quiet)
+    assert 250 < visible.size < n_tokens and all(prints_visibly(tok.decode([int(i)])) for i in visible)
+    norms = np.linalg.norm(embed, axis=1)
+    assert norms[quiet].max() < 4 * QUIET_ROW_SCALE * norms[visible].min()
+
+    rng = np.random.default_rng(0)
+    h = rng.standard_normal((2000, embed.shape[1]))
+    h /= np.sqrt((h ** 2).mean(axis=1, keepdims=True))          # RMSNorm ...
+    h *= _f32(r.host_bf16("model.norm.weight"))                 # ... with the final norm's weight
+    logits = h @ embed.T
+    assert np.isin(logits.argmax(axis=1), visible).all()
+    assert np.isin(np.argsort(-logits, axis=1)[:, :20], visible).all()
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    assert p[:, quiet].sum(axis=1).mean() < 0.01
 
 
 def test_chat_template(demo):

@@ -29,8 +29,13 @@
   would leave only after it; this way it costs the second token that time instead of the first, once per request.
 * A stream that is cancelled before its request finished (the client went away) aborts the request at once, and
   wakes whoever waits on it (``accepted()`` raises ``CancelledError``, iteration stops).
-* Admission control: when ``max_waiting`` requests are already waiting (queued commands plus the engine's waiting
-  list), ``submit`` raises ``QueueFullError`` instead of piling up more (the server answers 503 + Retry-After).
+* Admission control: ``max_waiting`` bounds the requests waiting for a place in the batch, i.e. not yet admitted.
+  A request being prefilled or decoded is running, not waiting: of the requests queued (commands not yet applied
+  plus the engine's waiting list) as many as the batch has free places (``max_batch`` minus running) are about to
+  be admitted, the rest wait.  When ``max_waiting`` of them already wait, ``submit`` raises ``QueueFullError``
+  instead of piling up more (the server answers 503 + Retry-After).  Counting free places, not the engine's waiting
+  list alone, also keeps the count right while a step runs: the engine admits a request inside ``step()``, but its
+  counts are read only between steps.
 * The engine can be built on the thread itself (``engine_factory``: load weights, warm up), so a server can answer
   ``/health`` with 503 while the model loads.
 """
@@ -180,6 +185,7 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._pending_adds = 0              # add commands not yet reflected in the engine's stats
         self._stats: dict = {}
+        self._max_batch = 0                 # the engine's batch size (0: unknown, every queued request waits)
         self._stop = False
         self._thread: Optional[threading.Thread] = None
         self.state = "created"              # created → loading → ready → stopped, or failed
@@ -194,6 +200,7 @@ class AsyncEngine:
                 return self
             if self.engine is not None:  # built already: ready at once (the thread has not touched it yet)
                 self._stats = dict(self.engine.stats())
+                self._max_batch = _batch_size(self.engine)
                 self.state = "ready"
                 self._ready_event.set()
             else:
@@ -220,10 +227,12 @@ class AsyncEngine:
 
     def stats(self) -> dict:
         """The engine's own accounting after its last step (``waiting``, ``running``, ``kv_pages_used``,
-        ``slots_used``, ...), plus ``pending`` (requests queued to the thread) and ``streams`` (open streams)."""
+        ``slots_used``, ...), plus ``pending`` (requests queued to the thread), ``not_admitted`` (what
+        ``max_waiting`` bounds) and ``streams`` (open streams)."""
         with self._cond:
             out = dict(self._stats)
             out["pending"] = self._pending_adds
+            out["not_admitted"] = self._not_admitted()
             out["streams"] = len(self._streams)
             out["steps"] = self.steps
             out["state"] = self.state
@@ -243,10 +252,10 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise RequestError(f"request id {request_id!r} is already in use")
             if self.max_waiting is not None:
-                waiting = self._stats.get("waiting", 0) + self._pending_adds
+                waiting = self._not_admitted()
                 if waiting >= self.max_waiting:
-                    raise QueueFullError(f"{waiting} requests are already waiting (--max-waiting "
-                                         f"{self.max_waiting}): retry later")
+                    raise QueueFullError(f"{waiting} requests are already waiting for a place in the batch "
+                                         f"(--max-waiting {self.max_waiting}): retry later")
             self._streams[request_id] = stream
             self._pending_adds += 1
             self._commands.append(("add", request_id, list(prompt_ids), params))
@@ -274,6 +283,13 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             self._commands.append(("abort", request_id))
             self._cond.notify()
+
+    def _not_admitted(self) -> int:
+        """(under the lock) Requests waiting for a place in the batch: the queued ones (commands not yet applied,
+        the engine's waiting list) beyond the batch's free places (see the module docstring)."""
+        queued = self._stats.get("waiting", 0) + self._pending_adds
+        free = max(0, self._max_batch - self._stats.get("running", 0)) if self._max_batch else 0
+        return max(0, queued - free)
 
     def _handed_off(self, number: int) -> None:
         """(event loop) A stream of hand-off ``number`` has consumed its outputs."""
@@ -339,6 +355,7 @@ class AsyncEngine:
                 return
             with self._cond:
                 self._stats = dict(self.engine.stats())
+                self._max_batch = _batch_size(self.engine)
                 self.state = "ready"
             self._ready_event.set()
         try:
@@ -450,6 +467,14 @@ class AsyncEngine:
             self.engine.abort(s.request_id)
         why = f"the engine failed during a step ({type(error).__name__}: {error})"
         self._deliver([(s, "_put", EngineStepError(why)) for s in streams])
+
+
+def _batch_size(engine) -> int:
+    """How many requests ``engine`` runs at once: its ``max_batch``, or its scheduler's (the real engine)."""
+    size = getattr(engine, "max_batch", None)
+    if size is None:
+        size = getattr(getattr(engine, "scheduler", None), "max_batch", 0)
+    return int(size or 0)
 
 
 def _run_batch(batch: list) -> None:

@@ -86,6 +86,7 @@ class Engine:
         self._kernel_traced: set[str] = set()  # step kinds already traced kernel by kernel
         self.async_scheduling = async_scheduling
         self._inflight: Optional[PendingStep] = None   # a launched decode step whose tokens the host has not read
+        self.prefill_launches: Optional[int] = None     # kernel launches of a one-chunk prefill (set by warmup)
 
     @property
     def before_gpu_wait(self):
@@ -168,16 +169,27 @@ class Engine:
     def warmup(self) -> None:
         """Compile every kernel variant a request can hit (GEMV and GEMM projections, decode and tiled-prefill
         attention, the sampler) and capture the decode graphs, so the first real request pays no compile time.
-        In the simulator nothing compiles: one tiny request checks the path end to end."""
+        In the simulator nothing compiles: one tiny request checks the path end to end.
+
+        Shows its progress on a terminal (``progress.WarmupProgress``) and keeps the kernel launches of the last
+        warm-up prefill in ``prefill_launches`` (the CLI's prefill progress counts against it)."""
         from pegainfer.device import SIMULATOR
+        from pegainfer.engine.progress import WarmupProgress
         lengths = [2] if SIMULATOR else sorted({2, 16, min(160, self.max_model_len - 4)})
-        for i, n in enumerate(lengths):
-            params = SamplingParams(max_tokens=2, temperature=0.0 if i % 2 == 0 else 0.7, ignore_eos=True)
-            self.add_request(f"__warmup{i}__", [i % 2] * n, params)
-            while self.has_unfinished():
-                self.step()
-        if self.runner.graphs is not None:
-            self.runner.graphs.capture_all()
+        graphs = self.runner.graphs
+        with WarmupProgress(len(lengths) + (graphs is not None)) as progress:
+            for i, n in enumerate(lengths):
+                progress.phase(f"a {n}-token prompt")
+                params = SamplingParams(max_tokens=2, temperature=0.0 if i % 2 == 0 else 0.7, ignore_eos=True)
+                self.add_request(f"__warmup{i}__", [i % 2] * n, params)
+                first_step = len(progress.step_launches)
+                while self.has_unfinished():
+                    with progress.step():
+                        self.step()
+                self.prefill_launches = progress.step_launches[first_step]   # its first step is the prefill
+            if graphs is not None:
+                progress.phase("capturing the CUDA graphs")
+                graphs.capture_all()
 
     # ------------------------------------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:

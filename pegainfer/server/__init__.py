@@ -1,21 +1,24 @@
 """OpenAI-compatible HTTP server: ``python -m pegainfer serve``.
 
-``run_server(args)`` starts the engine thread (which loads and warms up the model) and uvicorn at once, so
-``GET /health`` answers 503 while the model loads and 200 once it is ready; if loading fails, the server stops and
-the error is raised to the CLI.  ``build_app`` (in ``app.py``) is the Starlette app on its own, for tests and for
+``run_server(args)`` binds the port first (a port in use is a one-line error before anything loads), then starts
+the engine thread (which loads and warms up the model) and uvicorn at once, so ``GET /health`` answers 503 while
+the model loads and 200 once it is ready; if loading fails, the server stops and the error is raised to the CLI.  ``build_app`` (in ``app.py``) is the Starlette app on its own, for tests and for
 embedding in other ASGI servers.
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import contextlib
+import errno
 import logging
 import os
 import socket
+import sys
 import threading
 from typing import Callable, Optional
 
+from pegainfer import argtypes
+from pegainfer.errors import PegainferError
 from pegainfer.server.app import DEFAULT_MAX_BODY_BYTES, build_app
 
 __all__ = ["add_serve_arguments", "build_app", "run_server"]
@@ -27,19 +30,39 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """The serve-only flags (the CLI adds --model-path, --max-model-len, --cuda-graph itself)."""
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--port", type=argtypes.port, default=8000, help="TCP port (default 8000; 0: any free port)")
     p.add_argument("--api-key", default=os.environ.get("PEGAINFER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PEGAINFER_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send and see (default: the model folder's name)")
-    p.add_argument("--max-waiting", type=int, default=64,
-                   help="requests allowed to wait for the engine; beyond that new ones get 503 + Retry-After "
-                        "(default 64)")
-    p.add_argument("--max-batch", type=int, default=8,
-                   help="most requests decoded together in one step (default 8); each reserves KV cache for "
-                        "--max-model-len tokens")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+    p.add_argument("--max-waiting", type=argtypes.max_waiting, default=64,
+                   help="most requests waiting for a place in the batch (not yet admitted: a request being "
+                        "prefilled or decoded counts as running, up to --max-batch of them); beyond that new ones "
+                        "get 503 + Retry-After (default 64)")
+    p.add_argument("--max-batch", type=argtypes.positive, default=8,
+                   help="most requests running at once, decoded together in one step (default 8); each reserves "
+                        "KV cache for --max-model-len tokens")
+    p.add_argument("--max-body-bytes", type=argtypes.positive, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"largest request body accepted, in bytes (default {DEFAULT_MAX_BODY_BYTES}); bigger → 413")
+    p.add_argument("--access-log", action="store_true",
+                   help="also log one line per HTTP request in uvicorn's access-log format (pegainfer logs one "
+                        "line per completion either way)")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host``:``port`` (IPv6 when ``host`` has a colon, as uvicorn binds), or a one-line
+    ``PegainferError`` naming the address (a port in use, a host that is not this machine's, ...)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # (a port in TIME_WAIT is free; one in use not)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        hint = (": is another server running there? Stop it, or choose another port with --port"
+                if e.errno == errno.EADDRINUSE else "")
+        raise PegainferError(f"cannot listen on {host}:{port} ({e.strerror}){hint}") from None
+    return sock
 
 
 def run_server(args: argparse.Namespace, engine_factory: Optional[Callable[[], object]] = None,
@@ -50,16 +73,18 @@ def run_server(args: argparse.Namespace, engine_factory: Optional[Callable[[], o
 
     import pegainfer
     from pegainfer.engine.async_engine import AsyncEngine
-    from pegainfer.errors import PegainferError
 
     if args.max_waiting is not None and args.max_waiting < 0:
         raise PegainferError("--max-waiting must be >= 0")
+    if getattr(args, "max_batch", 1) < 1:
+        raise PegainferError("--max-batch must be at least 1")
+    own_socket = sock is None
+    if own_socket:   # bind before anything loads: a port in use fails here, at once
+        sock = bind(args.host, args.port)
     # The engine thread runs Python between GPU steps every few ms; with the default 5 ms GIL switch interval the
     # event loop could wait a whole step for the GIL and streamed chunks would bunch up (measured on the H200: a
     # 128-token stream arrived all at once). 0.5 ms lets the loop in between steps.
     sys.setswitchinterval(0.0005)
-    if getattr(args, "max_batch", 1) < 1:
-        raise PegainferError("--max-batch must be at least 1")
     if engine_factory is None:
         def engine_factory():
             from pegainfer.engine.engine import Engine
@@ -81,8 +106,8 @@ def run_server(args: argparse.Namespace, engine_factory: Optional[Callable[[], o
     async_engine = AsyncEngine(engine_factory=engine_factory, max_waiting=args.max_waiting)
     app = build_app(async_engine, args.served_model_name, api_key=args.api_key,
                     max_body_bytes=getattr(args, "max_body_bytes", DEFAULT_MAX_BODY_BYTES))
-    config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, log_level="info",
-                            timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, access_log=getattr(args, "access_log", False),
+                            log_level=getattr(args, "log_level", "info"), timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
 
     def report_when_loaded():
@@ -95,19 +120,22 @@ def run_server(args: argparse.Namespace, engine_factory: Optional[Callable[[], o
         elif async_engine.state == "failed":
             server.should_exit = True  # /health said 503 while loading; now give up
 
-    where = f"{sock.getsockname()[0]}:{sock.getsockname()[1]}" if sock is not None else f"{args.host}:{args.port}"
+    bound = sock.getsockname()
+    where = f"[{bound[0]}]:{bound[1]}" if sock.family == socket.AF_INET6 else f"{bound[0]}:{bound[1]}"
     log.info("%s", pegainfer.device.describe())
     log.info("listening on http://%s (loading %s; GET /health answers 200 when ready)", where,
              getattr(args, "model_path", None) or "the built-in demo model")
     async_engine.start()
     threading.Thread(target=report_when_loaded, name="pegainfer-load-watch", daemon=True).start()
     try:
-        server.run(sockets=[sock] if sock is not None else None)
+        server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: a normal way to stop
         pass
     finally:
         async_engine.shutdown()
         tracing.close()
+        if own_socket:
+            sock.close()
         log.info("server stopped")
     if async_engine.load_error is not None:
         if isinstance(async_engine.load_error, PegainferError):

@@ -225,6 +225,12 @@ class OpenAIServer:
                                 f"(or omit 'model')", "model", "model_not_found")
 
     async def read_json(self, request: Request) -> dict:
+        content_type = request.headers.get("content-type")
+        if content_type is not None:   # a body without a type is read as JSON; one typed as anything else: 415
+            media = content_type.partition(";")[0].strip().lower()
+            if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+                raise APIError(415, f"the request body must be JSON sent with 'Content-Type: application/json', "
+                                    f"got '{content_type}'", None, "unsupported_media_type")
         limit = self.max_body_bytes
         too_big = APIError(413, f"the request body is larger than the limit of {limit} bytes", None,
                            "request_too_large")

@@ -15,6 +15,7 @@ def main() -> int:
     p.add_argument("--load-seconds", type=float, default=1.0)
     p.add_argument("--model-path", default=None)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--log-level", default="info")   # (the CLI's flag, applied the way the CLI applies it)
     add_serve_arguments(p)
     args = p.parse_args()
 
@@ -26,7 +27,7 @@ def main() -> int:
         return FakeEngine(args.folder, step_delay=0.005)
 
     import logging
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         return run_server(args, engine_factory=factory)
     except pegainfer.errors.PegainferError as e:

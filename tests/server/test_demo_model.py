@@ -18,8 +18,7 @@ from tests.server.conftest import serve_app, wait_until
 
 PROMPTS = ("The quick brown fox", "Once upon a time")
 N = 2  # tokens per greedy output: a prefill step and one decode step
-CHAT = [{"role": "user", "content": "Tell me about the river."}]  # its greedy reply has text ("Hi" gets ids
-#                                                                    beyond the demo tokenizer: empty text)
+CHAT = [{"role": "user", "content": "Tell me about the river."}]
 NO_THINKING = {"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}
 TIMEOUT = 900  # seconds; the simulator is slow, and slower still on a busy machine
 

@@ -173,6 +173,26 @@ def test_malformed_bodies(http):
     check_error(r, 400, "temperature", says="finite")
 
 
+def test_content_type_must_be_json(http):
+    """A JSON body typed as anything but JSON is refused (415) before it is read, on both routes; JSON with a
+    charset, a ``+json`` type, or no type at all is read as JSON."""
+    import json
+    for route, body in (("/v1/completions", GOOD_COMPLETION), ("/v1/chat/completions", GOOD_CHAT)):
+        raw = json.dumps(body).encode()
+        seen = len(http.engine.prompts)
+        for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+            r = http.post(route, content=raw, headers={"content-type": content_type})
+            check_error(r, 415, code="unsupported_media_type", says=f"got '{content_type}'")
+            assert "Content-Type: application/json" in r.json()["error"]["message"]
+        assert len(http.engine.prompts) == seen          # none of them reached the engine
+        for content_type in ("application/json", "application/json; charset=utf-8", "Application/JSON",
+                             "application/vnd.api+json", None):
+            headers = {"content-type": content_type} if content_type else {}
+            r = http.post(route, content=raw, headers=headers)
+            assert r.status_code == 200, (content_type, r.text)
+    still_serving(http)
+
+
 def test_unknown_routes_and_methods(http):
     check_error(http.get("/v1/nothing"), 404, code="not_found")
     check_error(http.get("/v1/completions"), 405, code="method_not_allowed")
@@ -247,6 +267,36 @@ def test_queue_full_gets_503_with_retry_after(model_folder):
             engine.gate.set()
         b.join(30)
         assert results["b"].status_code == 200          # the queued request was served
+        still_serving(http)
+        wait_until(lambda: idle(ae))
+
+
+def test_max_waiting_counts_only_requests_not_admitted(model_folder):
+    """``--max-waiting 1 --max-batch 1``: while A is being prefilled (the engine admits it inside the step), B may
+    still wait for its place; only C, a second one waiting, gets 503."""
+    engine = FakeEngine(model_folder, max_batch=1)
+    engine.gate.clear()                                  # the engine pauses inside its first step: A's prefill
+    with serve_engine(engine, max_waiting=1) as (url, ae), httpx.Client(base_url=url, timeout=30) as http:
+        results = {}
+
+        def post(name):
+            results[name] = http.post("/v1/completions", json=GOOD_COMPLETION)
+        a = threading.Thread(target=post, args=("a",))
+        a.start()
+        wait_until(engine.in_step.is_set, what="A's first step")
+        assert ae.stats()["not_admitted"] == 0          # A is running (in prefill), not waiting
+        b = threading.Thread(target=post, args=("b",))
+        b.start()
+        wait_until(lambda: ae.stats()["pending"] == 1, what="B to be queued")
+        assert ae.stats()["not_admitted"] == 1
+        c = http.post("/v1/completions", json=GOOD_COMPLETION)
+        check_error(c, 503, code="queue_full", says="1 requests are already waiting for a place in the batch "
+                                                   "(--max-waiting 1)")
+        engine.gate.set()
+        a.join(30)
+        b.join(30)
+        assert results["a"].status_code == 200 and results["b"].status_code == 200, results
+        assert engine.max_running_seen == 1 and len(engine.finished) == 2
         still_serving(http)
         wait_until(lambda: idle(ae))
 

@@ -1,9 +1,10 @@
 """run_server as the CLI runs it, in a child process: binds 127.0.0.1, answers /health 503 while loading and 200
-after, serves, logs one line per request, stops cleanly on SIGINT; a model that fails to load ends the process
-with the error."""
+after, serves, logs one line per request (and uvicorn's access log on demand), stops cleanly on SIGINT; a model that
+fails to load ends the process with the error; --port 0 serves on a free port; --log-level quiets the logs."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -33,7 +34,7 @@ def start(*args) -> subprocess.Popen:
 def test_serve_lifecycle_and_request_log(model_folder):
     port = free_port()
     proc = start(str(model_folder), "--port", str(port), "--served-model-name", "tiny", "--api-key", "k",
-                 "--load-seconds", "1.5")
+                 "--load-seconds", "1.5", "--access-log")
     try:
         url = f"http://127.0.0.1:{port}"
 
@@ -61,6 +62,10 @@ def test_serve_lifecycle_and_request_log(model_folder):
     assert "completions prompt_tokens=1 completion_tokens=3 ttft=" in request_lines[0]
     assert "finish=length" in request_lines[0] and "total=" in request_lines[0]
     assert request_lines[0].split()[2].startswith("cmpl-") and request_lines[1].split()[2].startswith("chatcmpl-")
+    access = [line for line in out.splitlines() if ' - "' in line]   # --access-log: uvicorn's line per HTTP request
+    assert any('"POST /v1/completions HTTP/1.1" 200' in line for line in access), out
+    assert any('"POST /v1/chat/completions HTTP/1.1" 200' in line for line in access), out
+    assert any('"GET /health HTTP/1.1" 503' in line for line in access), out
 
 
 def test_a_model_that_fails_to_load_stops_the_server():
@@ -68,4 +73,40 @@ def test_a_model_that_fails_to_load_stops_the_server():
     proc = start("broken", "--port", str(port), "--load-seconds", "0.2")
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2, out
+    assert "error: /nowhere has no config.json: download the model into it" in out
+
+
+def test_port_zero_serves_on_a_free_port(model_folder):
+    proc = start(str(model_folder), "--port", "0", "--load-seconds", "0.2")
+    try:
+        for line in proc.stdout:
+            found = re.search(r"listening on http://127\.0\.0\.1:(\d+) ", line)
+            if found:
+                break
+        else:
+            raise AssertionError("no 'listening on' line")
+        url = f"http://127.0.0.1:{found.group(1)}"
+        assert int(found.group(1)) > 0
+
+        def health():
+            try:
+                return httpx.get(f"{url}/health", timeout=2).status_code
+            except httpx.TransportError:
+                return None
+        wait_until(lambda: health() == 200, timeout=30, what="the model to load")
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert ' - "' not in out     # no access log unless asked for
+
+
+def test_log_level_warning_keeps_only_warnings_and_errors():
+    proc = start("broken", "--port", str(free_port()), "--load-seconds", "0.2", "--log-level", "warning")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2, out
+    assert "INFO" not in out and "listening on" not in out, out      # neither pegainfer's nor uvicorn's info lines
+    assert "ERROR pegainfer.engine: the model failed to load: /nowhere has no config.json" in out
     assert "error: /nowhere has no config.json: download the model into it" in out

@@ -1,0 +1,102 @@
+"""argparse ``type=`` functions for the command line: every value is checked while the arguments are parsed, so a
+bad one stops the CLI with argparse's one-line ``error: argument --flag: ...`` before anything loads.
+
+Each function takes the flag's text and returns the value, or raises ``argparse.ArgumentTypeError`` with a message
+that says what is allowed."""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from typing import Callable, Optional
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def int_in(lo: Optional[int] = None, hi: Optional[int] = None, note: str = "") -> Callable[[str], int]:
+    """A whole number in ``[lo, hi]`` (either end open when None); ``note`` is added to the message, e.g. "(0 = off)"."""
+    def check(text: str) -> int:
+        value = _int(text)
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            if hi is None:
+                allowed = f"at least {lo}"
+            elif lo is None:
+                allowed = f"at most {hi}"
+            else:
+                allowed = f"between {lo} and {hi}"
+            raise argparse.ArgumentTypeError(f"must be {allowed}{' ' + note if note else ''}, got {value}")
+        return value
+    return check
+
+
+def temperature(text: str) -> float:
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = greedy), got {text}")
+    return value
+
+
+def top_p(text: str) -> float:
+    value = _float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (1 = off), got {text}")
+    return value
+
+
+def min_p(text: str) -> float:
+    value = _float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1] (0 = off), got {text}")
+    return value
+
+
+def output_file(text: str) -> str:
+    """A file the command writes when it is done: its folder must exist and be writable (checked now, not after a
+    run of minutes)."""
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a folder: give a file name")
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"the folder {folder} does not exist: create it first")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"the folder {folder} is not writable")
+    return text
+
+
+def output_folder(text: str) -> str:
+    """A folder the command writes into when it is done (created if missing): it must not be a file, and the
+    nearest folder that exists must be writable."""
+    path = os.path.abspath(text)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text} is a file: give a folder")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise argparse.ArgumentTypeError(f"cannot create a folder under the file {existing}")
+    if not os.access(existing, os.W_OK):
+        raise argparse.ArgumentTypeError(f"the folder {existing} is not writable")
+    return text
+
+
+positive = int_in(1)
+top_k = int_in(0, note="(0 = off)")
+seed = int_in(-(1 << 63), (1 << 64) - 1)          # the sampler takes any seed mod 2^64
+port = int_in(0, 65535, note="(0 = any free port)")
+max_model_len = int_in(2, note="(the prompt and at least one generated token)")
+max_waiting = int_in(0)

@@ -14,8 +14,8 @@ A client that goes away cancels its request at once: from the moment the request
 (its pages and slot are freed at the next step) and ends whatever waits on it.  One log line per request goes to
 the ``pegainfer.server`` logger.
 
-Latency (what the HTTP layer adds to time-to-first-token and time-per-output-token; ``benchmarks/
-bench_server_overhead.py`` measures it without a GPU): each streamed token costs the event loop one wake-up (one
+Latency (what the HTTP layer adds to time-to-first-token and time-per-output-token; ``benchmarks/bench_server.py
+--fake-gpu`` measures it without a GPU): each streamed token costs the event loop one wake-up (one
 hand-off per engine step for all requests), a pre-serialized chunk template filled with the token's text, and
 one socket write; the last token, the usage chunk and ``[DONE]`` leave in one write.  A request costs one
 background task (the disconnect watch), no thread hop for short prompts, and no anyio task group.

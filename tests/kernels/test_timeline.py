@@ -8,6 +8,10 @@ from numba import cuda
 
 from pegainfer.kernels import linear as lin
 from pegainfer.kernels import timeline
+from pegainfer.kernels.policy import LaunchPolicy
+from pegainfer.kernels.primitives import threads
+
+STAMPING = LaunchPolicy(timeline=True)
 
 
 @pytest.fixture
@@ -18,15 +22,22 @@ def stamping(monkeypatch):
     timeline.reset()
 
 
-def _one_token_gemv(rng, n_out=40, k=64):
+@pytest.fixture
+def fresh_records():
+    timeline.reset()
+    yield
+    timeline.reset()
+
+
+def _one_token_gemv(rng, n_out=40, k=64, policy=STAMPING):
     xb, x = bf16_randn((1, k), rng)
     wb, w = bf16_randn((n_out, k), rng, scale=0.1)
     out = cuda.to_device(np.zeros((1, n_out), np.uint16))
-    lin.linear(cuda.to_device(xb), cuda.to_device(wb), out)
+    lin.linear(cuda.to_device(xb), cuda.to_device(wb), out, policy=policy)
     return from_bf16_bits(out.copy_to_host()).astype(np.float64), x @ w.T
 
 
-def test_gemv_blocks_append_ordered_records(stamping, rng):
+def test_gemv_blocks_append_ordered_records(fresh_records, rng):
     got, expected = _one_token_gemv(rng)
     assert rel_l2(got, expected) < 1e-2, "stamping must not change the result"
     rec = timeline.records()
@@ -38,22 +49,20 @@ def test_gemv_blocks_append_ordered_records(stamping, rng):
     assert np.all(rec["t_ready"] <= rec["t_end"])
 
 
-def test_preloaded_gemv_records_its_kind(stamping, rng):
-    K = 2 * lin.threads(gpu=lin.PRELOAD_THREADS, sim=32)
+def test_preloaded_gemv_records_its_kind(fresh_records, rng):
+    K = 2 * threads(gpu=lin.PRELOAD_THREADS, sim=32)
     xb, x = bf16_randn((1, K), rng)
     wb, w = bf16_randn((40, K), rng, scale=0.1)
     out = cuda.to_device(np.zeros((1, 40), np.uint16))
-    lin.linear_preloaded(cuda.to_device(xb), cuda.to_device(wb), out)
+    lin.linear_preloaded(cuda.to_device(xb), cuda.to_device(wb), out, policy=STAMPING)
     assert rel_l2(from_bf16_bits(out.copy_to_host()), x @ w.T) < 1e-2
     rec = timeline.records()
     assert set(rec["kind"].tolist()) == {3} and len(rec) == int(rec["grid"][0])
     assert np.all(rec["t_entry"] <= rec["t_end"])
 
 
-def test_nothing_recorded_when_off(rng):
-    assert not timeline.ENABLED
-    timeline.reset()
-    _one_token_gemv(rng)
+def test_nothing_recorded_when_off(fresh_records, rng):
+    _one_token_gemv(rng, policy=LaunchPolicy())
     assert len(timeline.records()) == 0
 
 

@@ -1,0 +1,46 @@
+"""Matrix products with bf16 weights: ``out = x @ W.T`` (the projections of every layer and the LM head).
+
+Shapes: ``x [tokens, K]``, ``W [N, K]`` (row-major as in Hugging Face checkpoints, K the input dimension),
+``out [tokens, N]``, all bf16 bits (``uint16``), products summed in f32 and rounded to bf16 once.  K a multiple of
+8 (16-byte loads of whole rows); N arbitrary; x, W, out contiguous.  No kernel allocates and none takes a per-step
+value, so every launch can be captured in a CUDA graph.  Why each kernel is shaped as it is, with measurements:
+docs/perf/linear.md.
+
+Modules:
+
+* ``reference``: the math, one thread per output (the oracle of the tests).
+* ``api``: ``linear``, ``linear_silu_mul`` (the MLP's gate/up + SwiGLU), ``linear_add_rms_norm`` (the decoder's
+  residual add + RMSNorm in front of a projection) and ``default_impl``: for T tokens, on a GPU the one-token GEMV
+  for T = 1, the skinny tensor-core kernel for 2 <= T <= 64, the tiled tensor-core GEMM above; in the simulator
+  the GEMV up to 8 tokens and the FMA tiles above.
+* ``geometry``: how a GEMV or skinny launch splits a weight, per shape (built-in measured tables, the launch
+  policy's tuning entries, heuristics).
+* ``gemv_multi``: the GEMV for up to 8 tokens a pass, streaming every weight byte once.
+* ``gemv_decode``: the one-token GEMV of a decode step, with the fused add + RMSNorm prologue, the embedding-row
+  gather and the LM head's argmax.
+* ``gemv_preloaded``: the one-token GEMV whose weights are copied into shared memory while the kernel before runs
+  (``linear_preloaded``: o after attention, out_proj after the Gated DeltaNet step).
+* ``skinny``: few tokens on tensor cores, weights streamed straight into mma fragments.
+* ``gemm``: tiled GEMMs for prompts, on tensor cores (``gemm_mma``) and with FMA tiles (``gemm_fma``).
+* ``common``: the gate/up column layout, the SwiGLU epilogue, launch bounds, the inner loop the GEMVs share.
+"""
+from pegainfer.kernels.linear.api import (IMPLS, check_shapes, default_impl, fuses_add_rms_norm, linear,
+                                          linear_add_rms_norm, linear_silu_mul)
+from pegainfer.kernels.linear.common import SMEM_BYTES, WARPS_PER_SM
+from pegainfer.kernels.linear.gemm import gemm_fma, gemm_mma, mma_stage_bytes, mma_stages, mma_tile
+from pegainfer.kernels.linear.gemv_multi import gemv
+from pegainfer.kernels.linear.gemv_decode import X_SLICES_AT_ONCE
+from pegainfer.kernels.linear.gemv_preloaded import (BULK_CHUNK_BYTES, PRELOAD_THREADS, linear_preloaded,
+                                                     preload_rows, preloads)
+from pegainfer.kernels.linear.geometry import (GEMV_MAX_TOKENS, GEMV_TUNED, NORM_THREADS, SKINNY_MAX_TOKENS,
+                                               SKINNY_TUNED, GemvGeometry, SkinnyGeometry, fused_norm_geometry,
+                                               gemv_geometry, gemv_k_chunk, skinny_geometry)
+from pegainfer.kernels.linear.reference import reference_linear, reference_linear_silu_mul
+from pegainfer.kernels.linear.skinny import linear_skinny
+
+__all__ = ["BULK_CHUNK_BYTES", "GEMV_MAX_TOKENS", "GEMV_TUNED", "IMPLS", "NORM_THREADS", "PRELOAD_THREADS",
+           "SKINNY_MAX_TOKENS", "SKINNY_TUNED", "SMEM_BYTES", "WARPS_PER_SM", "X_SLICES_AT_ONCE", "GemvGeometry",
+           "SkinnyGeometry", "check_shapes", "default_impl", "fused_norm_geometry", "fuses_add_rms_norm", "gemm_fma",
+           "gemm_mma", "gemv", "gemv_geometry", "gemv_k_chunk", "linear", "linear_add_rms_norm", "linear_preloaded",
+           "linear_silu_mul", "linear_skinny", "mma_stage_bytes", "mma_stages", "mma_tile", "preload_rows",
+           "preloads", "reference_linear", "reference_linear_silu_mul", "skinny_geometry"]

@@ -1,0 +1,221 @@
+"""Launch geometries of the weight-streaming kernels: how a GEMV or a skinny tensor-core launch splits a weight
+over warps, blocks and K, per shape.
+
+Each picker looks first at the launch policy's measured entries for this GPU (``policy.tuned("gemv")`` /
+``policy.tuned("skinny")``, read from a tuning file by ``policy.load_tuning``), then at the built-in tables measured
+on the H200 (``GEMV_TUNED``, ``SKINNY_TUNED``; read-only), then falls back to a heuristic.  In the simulator the
+built-in tables and the heuristic give way to small blocks (one Python thread per CUDA thread).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from pegainfer.device import SIMULATOR
+from pegainfer.kernels import norm
+from pegainfer.kernels.linear.common import SMEM_BYTES, WARPS_PER_SM, sm_count
+from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
+from pegainfer.kernels.primitives import WARP, grid
+
+GEMV_MAX_TOKENS = 8
+"""Largest token count the GEMV path takes in one pass; above it (``linear(impl=None)``) the GEMM."""
+
+SKINNY_MAX_TOKENS = 64
+"""Largest token count of the skinny path (four m16 tiles of tokens per warp)."""
+
+NORM_THREADS = norm.BLOCK_THREADS
+"""Block size of ``norm``'s kernels (256 on a GPU, 32 in the simulator).  The one-token GEMV with the fused add +
+RMSNorm prologue runs in blocks of exactly this size, so that its sum of squares is added in the same order as
+``norm.add_rms_norm``'s."""
+
+
+@dataclass(frozen=True)
+class GemvGeometry:
+    """Launch parameters of the GEMV.
+
+    rows_per_warp: weight rows a warp streams together (loads in flight per lane; x reuse).  Even when gated.
+    warps: warps per block (a multiple of ``k_split``).
+    k_split: warps that share one row group, each taking every ``k_split``-th 256-wide slice of K.
+    max_tokens: tokens per pass (1, 2, 4 or 8; a compile-time register tile).
+    k_chunk: elements of K staged in shared memory at a time (a multiple of 256); None: as many as fit.
+    stage_x: stage x in shared memory (as f32, once per block and chunk: two barriers); False: every lane reads
+      its 16 bytes of x per token beside its weight loads (L1 hits; no staging prologue, no barrier in the K loop).
+    stages: depth of the load ring (``stages - 1`` steps of loads in flight per lane; 2 = one step ahead).
+    persistent: launch at most one resident wave of blocks (``WARPS_PER_SM // warps`` per SM) that grid-stride over
+      the tiles, instead of one block per tile (x is then staged once per block, and no block waits for a slot).
+    """
+    rows_per_warp: int
+    warps: int
+    k_split: int
+    max_tokens: int
+    k_chunk: int | None = None
+    stage_x: bool = True
+    stages: int = 2
+    persistent: bool = False
+
+
+@dataclass(frozen=True)
+class SkinnyGeometry:
+    """Launch parameters of the skinny tensor-core kernel (few tokens, weights streamed into mma fragments).
+
+    n_tiles: n8 tiles (8 logical columns each) per warp: weight rows a warp streams together.
+    unroll: 32-wide K chunks whose loads a lane issues before the first mma (16 bytes per row per chunk).
+    warps: warps per block (a multiple of ``k_split``).
+    k_split: warps that share one row group, each taking every ``k_split``-th run of ``unroll`` chunks of K; their
+      accumulators meet in shared memory.
+    warps_per_sm: occupancy the kernel is compiled for (launch bounds: 65536 / (32 · warps_per_sm) registers).
+    stages: iterations of loads held in a register ring: 1 = an iteration's loads, then its mma; S > 1 = the loads
+      of the next S - 1 iterations are in flight while an iteration's mma runs (S times the registers).
+    """
+    n_tiles: int
+    unroll: int
+    warps: int
+    k_split: int
+    warps_per_sm: int = 16
+    stages: int = 1
+
+
+def _tuned_t1(rows_per_warp: int, warps: int, k_split: int, stages: int) -> GemvGeometry:
+    return GemvGeometry(rows_per_warp=rows_per_warp, warps=warps, k_split=k_split, max_tokens=1, stages=stages,
+                        persistent=True)
+
+
+GEMV_TUNED = MappingProxyType({
+    # One-token kernel on the H200 with cold weights (benchmarks/bench_decode_stream.py, docs/perf/linear.md)
+    # Qwen3-4B
+    (6144, 2560, 1, False): _tuned_t1(4, 8, 1, 3),     # qkv
+    (2560, 4096, 1, False): _tuned_t1(2, 4, 4, 6),     # o (also Qwen3.5-4B's o and out_proj)
+    (19456, 2560, 1, True): _tuned_t1(2, 8, 1, 6),     # gate_up
+    (2560, 9728, 1, False): _tuned_t1(2, 8, 8, 6),     # down
+    (151936, 2560, 1, False): _tuned_t1(4, 8, 1, 4),   # lm_head
+    # Qwen3-8B (hidden 4096, q 4096, kv 1024, intermediate 12288)
+    (6144, 4096, 1, False): _tuned_t1(2, 8, 2, 6),     # qkv
+    (4096, 4096, 1, False): _tuned_t1(4, 8, 2, 3),     # o
+    (24576, 4096, 1, True): _tuned_t1(4, 8, 1, 4),     # gate_up
+    (4096, 12288, 1, False): _tuned_t1(4, 8, 4, 3),    # down
+    (151936, 4096, 1, False): _tuned_t1(4, 8, 1, 4),   # lm_head (by analogy)
+    # Qwen3.5-4B (hidden 2560, intermediate 9216; Gated DeltaNet in_proj 12352 rows, gated full-attention qkv 10240)
+    (12352, 2560, 1, False): _tuned_t1(4, 8, 2, 4),    # in_proj
+    (10240, 2560, 1, False): _tuned_t1(2, 8, 1, 6),    # qkv
+    (18432, 2560, 1, True): _tuned_t1(2, 8, 1, 6),     # gate_up
+    (2560, 9216, 1, False): _tuned_t1(2, 8, 8, 6),     # down
+})
+"""Measured best GEMV geometries on the H200, ``(n_cols, K, max_tokens, gated) -> GemvGeometry`` (read-only; a
+policy's tuning entries override them)."""
+
+SKINNY_TUNED = MappingProxyType({
+    # Qwen3-4B gate_up at T <= 16 on the H200 with cold weights (docs/perf/linear.md); for qkv, o and down no swept
+    # geometry beat the heuristic's.
+    (19456, 2560, 1, True): SkinnyGeometry(n_tiles=2, unroll=2, warps=8, k_split=1, stages=2),
+    # Qwen3-8B and Qwen3.5-4B gate_up: the same geometry by analogy (not swept)
+    (24576, 4096, 1, True): SkinnyGeometry(n_tiles=2, unroll=2, warps=8, k_split=1, stages=2),
+    (18432, 2560, 1, True): SkinnyGeometry(n_tiles=2, unroll=2, warps=8, k_split=1, stages=2),
+})
+"""Measured best skinny geometries on the H200, ``(n_cols, K, m16 tiles, gated) -> SkinnyGeometry`` (read-only; a
+policy's tuning entries override them)."""
+
+
+def _token_tile(n_tokens: int) -> int:
+    for tt in (1, 2, 4):
+        if n_tokens <= tt:
+            return tt
+    return GEMV_MAX_TOKENS
+
+
+def gemv_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False,
+                  policy: LaunchPolicy = DEFAULT_POLICY) -> GemvGeometry:
+    """Pick the GEMV split for a ``[n_cols, k]`` weight (n_cols logical columns: 2I when gated).
+
+    ``policy``'s tuning entries first, then ``GEMV_TUNED``, then the heuristic: blocks of 8 warps, compiled for
+    ``WARPS_PER_SM`` = 16 resident warps per SM.  Each warp streams 4 rows (2 when the 8-token register tile would
+    not fit in 128 registers) through a load ring 3 steps deep for one token (2 otherwise).  Then ``k_split``
+    doubles (while every warp keeps at least 4 steps of 256 elements) until there are enough warps to fill every SM
+    once: tall matrices (gate_up, lm_head) need no split; on 132 SMs the Qwen3-4B qkv (6144×2560) gets k_split 2,
+    o (2560×4096) and down (2560×9728) get 4.  A tall one-token matrix that needs no split and is not an LM head
+    (under 65536 columns) takes 2 rows per warp and a ring 6 deep instead (faster on the H200 for every such
+    served shape: docs/perf/linear.md).
+    """
+    tt = _token_tile(n_tokens)
+    key = (n_cols, k, tt, gated)
+    tuned = policy.tuned("gemv").get(key)
+    if tuned is not None:
+        return GemvGeometry(**tuned)
+    if SIMULATOR:                                  # small blocks: one Python thread per CUDA thread
+        return GemvGeometry(rows_per_warp=16, warps=1, k_split=1, max_tokens=tt)
+    if key in GEMV_TUNED:
+        return GEMV_TUNED[key]
+    rows = 4 if tt <= 2 else 2
+    slots = WARPS_PER_SM * sm_count()
+    k_split = 1
+    while (n_cols // rows) * k_split < slots and k_split < 8 and k >= 2048 * k_split:
+        k_split *= 2
+    if tt == 1 and k_split == 1 and n_cols < 65536:
+        return GemvGeometry(rows_per_warp=2, warps=8, k_split=1, max_tokens=1, stages=6, persistent=True)
+    return GemvGeometry(rows_per_warp=rows, warps=8, k_split=k_split, max_tokens=tt, stages=3 if tt == 1 else 2,
+                        persistent=tt == 1)
+
+
+def fused_norm_geometry(n_cols: int, k: int, gated: bool = False,
+                        policy: LaunchPolicy = DEFAULT_POLICY) -> GemvGeometry:
+    """GEMV geometry of the fused add + RMSNorm path (one token): ``gemv_geometry``'s rows per warp, split and load
+    ring depth, in blocks of ``NORM_THREADS`` (the prologue's sum of squares then runs in norm's order), x staged
+    (the prologue writes it), ``k_split`` reduced until it divides the block's warps."""
+    geo = gemv_geometry(n_cols, k, 1, gated, policy)
+    warps = NORM_THREADS // WARP
+    k_split = geo.k_split
+    while warps % k_split:
+        k_split //= 2
+    return GemvGeometry(rows_per_warp=geo.rows_per_warp, warps=warps, k_split=k_split, max_tokens=1,
+                        stages=geo.stages, persistent=True)
+
+
+def gemv_k_chunk(k: int, geo: GemvGeometry) -> int:
+    """Elements of K the multi-token GEMV stages at a time: ``geo.k_chunk``, or the largest multiple of 256 whose
+    x (f32, ``max_tokens`` rows) fits in shared memory beside the partial sums; never more than K rounded up to
+    256."""
+    if geo.k_chunk is not None:
+        assert geo.k_chunk % 256 == 0, "k_chunk must be a multiple of 256"
+        return geo.k_chunk
+    red = geo.warps * geo.rows_per_warp * geo.max_tokens
+    fit = (SMEM_BYTES // 4 - red) // geo.max_tokens // 256 * 256
+    return max(256, min(fit, -(-k // 256) * 256))
+
+
+def resident_blocks(n_tiles: int, geo: GemvGeometry) -> int:
+    """Grid of a persistent GEMV: at most one resident wave of blocks (``WARPS_PER_SM // warps`` per SM), which then
+    grid-stride over the tiles.  The fused GEMV always launches so, so that the norm prologue (a whole-row pass and
+    a block reduction) runs once per block rather than once per tile."""
+    resident = sm_count() * max(1, WARPS_PER_SM // geo.warps)
+    # every block the same number of tiles: 608 tiles on 264 resident blocks would leave 80 blocks a third tile to
+    # stream alone (a tail at a third of the bandwidth); 203 blocks of 3 tiles finish together
+    resident = -(-n_tiles // -(-n_tiles // resident))
+    return grid(min(n_tiles, resident), sim_cap=2)
+
+
+def skinny_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False,
+                    policy: LaunchPolicy = DEFAULT_POLICY) -> SkinnyGeometry:
+    """Pick the skinny kernel's split for a ``[n_cols, k]`` weight (logical columns: 2I when gated) and T tokens.
+
+    ``policy``'s tuning entries first, then ``SKINNY_TUNED``, then the heuristic: per lane, as many 16-byte weight
+    loads in flight as fit in the 128 registers of 16 warps/SM without spills (ptxas, sm_90): 2 n8 tiles × 4 chunks
+    for one m16 tile of tokens (T <= 16); with more token tiles x's registers and the accumulators grow: 2 × 1 for
+    two tiles, 1 × 1 for three or four (those spill 4-24 bytes).  Then ``k_split`` doubles (up to 8, while every
+    warp keeps >= 4 iterations of K) until the grid has a warp for each of the 16 slots of every SM: the short
+    matrices (o, down: 2560 rows = 160 row groups) need k_split 8.
+    """
+    mt = -(-n_tokens // 16)
+    key = (n_cols, k, mt, gated)
+    tuned = policy.tuned("skinny").get(key)
+    if tuned is not None:
+        return SkinnyGeometry(**tuned)
+    if SIMULATOR:
+        return SkinnyGeometry(n_tiles=2, unroll=1, warps=2, k_split=2 if k >= 128 else 1)
+    if key in SKINNY_TUNED:
+        return SKINNY_TUNED[key]
+    nt, unroll = (2, 4) if mt == 1 else ((2, 1) if mt == 2 else (1, 1))
+    target = 16 * sm_count()
+    groups = -(-n_cols // (8 * nt))
+    k_split = 1
+    while groups * k_split < target and k_split < 8 and k // (32 * unroll * 2 * k_split) >= 4:
+        k_split *= 2
+    return SkinnyGeometry(n_tiles=nt, unroll=unroll, warps=8, k_split=k_split)

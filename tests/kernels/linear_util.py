@@ -10,7 +10,9 @@ import numpy as np
 from tests.util import bf16_round, from_bf16_bits, to_bf16_bits
 from numba import cuda
 
-from pegainfer.kernels.linear import reference_linear, reference_linear_silu_mul
+from pegainfer.kernels import norm
+from pegainfer.kernels.linear import (linear, linear_add_rms_norm, linear_silu_mul, reference_linear,
+                                      reference_linear_silu_mul)
 
 
 def exact_bf16(shape, rng, step: float):
@@ -56,3 +58,46 @@ def reference_bits(xb, wb, gated: bool = False):
 def assert_same_bits(got, expected, what: str = "the tuned kernel"):
     mismatches = int(np.sum(got != expected))
     assert mismatches == 0, f"{what}: {mismatches} of {got.size} outputs differ from the reference kernel's bits"
+
+
+# ------------------------------------------------------------------------------------------------ add + RMSNorm + linear
+NORM_FORMS = {"qwen3": {}, "qwen35": {"weight_offset": 1.0, "round_before_weight": False}}
+
+
+def rms_norm_reference(s, w, eps, weight_offset=0.0, round_before_weight=True):
+    """HF's bf16 RMSNorm of the rows of ``s`` in float64 (Qwen3: round, then weight, round; Qwen3.5: one rounding
+    of ``n · (1 + w)``)."""
+    n = s / np.sqrt(np.mean(s * s, axis=-1, keepdims=True) + eps)
+    if round_before_weight:
+        n = bf16_round(n)
+    return bf16_round(n * (w + weight_offset))
+
+
+def separate_ops(rb, db, wnb, wb, gated, form, eps):
+    """The unfused ops (``norm.add_rms_norm`` / ``norm.rms_norm`` in place, then ``linear``): (residual, normed,
+    out) as uint16 bits."""
+    T, H = rb.shape
+    residual = cuda.to_device(rb.copy())
+    normed = cuda.to_device(np.zeros((T, H), np.uint16))
+    if db is None:
+        norm.rms_norm(residual, cuda.to_device(wnb), normed, eps, **NORM_FORMS[form])
+    else:
+        norm.add_rms_norm(residual, cuda.to_device(db), cuda.to_device(wnb), normed, eps, **NORM_FORMS[form])
+    out = cuda.to_device(np.zeros((T, wb.shape[0] // 2 if gated else wb.shape[0]), np.uint16))
+    (linear_silu_mul if gated else linear)(normed, cuda.to_device(wb), out)
+    return residual.copy_to_host(), normed.copy_to_host(), out.copy_to_host()
+
+
+def fused_op(rb, db, wnb, wb, gated, form, eps, **kw):
+    """``linear_add_rms_norm``: (residual_in after the call, residual_out, normed_out, out) as uint16 bits;
+    residual_out and normed_out start filled with a sentinel."""
+    T, H = rb.shape
+    residual_in = cuda.to_device(rb.copy())
+    residual_out = cuda.to_device(np.full((T, H), 0x7FC1, np.uint16))
+    normed_out = cuda.to_device(np.full((T, H), 0x7FC1, np.uint16))
+    out = cuda.to_device(np.zeros((T, wb.shape[0] // 2 if gated else wb.shape[0]), np.uint16))
+    linear_add_rms_norm(residual_in, None if db is None else cuda.to_device(db), cuda.to_device(wnb), eps,
+                        residual_out, cuda.to_device(wb), out, gated=gated, normed_out=normed_out,
+                        **NORM_FORMS[form], **kw)
+    return (residual_in.copy_to_host(), residual_out.copy_to_host(), normed_out.copy_to_host(),
+            out.copy_to_host())

@@ -79,8 +79,10 @@ def test_policy_tuning_overrides_the_built_in_tables(monkeypatch):
     assert geometry.gemv_geometry(6144, 2560, 1, policy=policy) == GemvGeometry(**fields)
     assert geometry.gemv_geometry(6144, 2560, 1) == GEMV_TUNED[6144, 2560, 1, False] != GemvGeometry(**fields)
     assert geometry.gemv_geometry(2560, 9728, 1, policy=policy) == GEMV_TUNED[2560, 9728, 1, False]
-    fused = geometry.fused_norm_geometry(6144, 2560, policy=policy)
-    assert (fused.rows_per_warp, fused.stages, fused.warps * 32) == (4, 5, geometry.NORM_THREADS)
+    fused = geometry.fused_norm_geometry(6144, 2560, policy=policy)     # the tuned ring, in norm-sized blocks
+    assert (fused.rows_per_warp, fused.stages, fused.warps * 32, fused.persistent) == (4, 5, geometry.NORM_THREADS,
+                                                                                       True)
+    assert fused.warps % fused.k_split == 0
     skinny = dict(n_tiles=4, unroll=2, warps=8, k_split=4, warps_per_sm=8, stages=2)
     policy = _policy("skinny", (19456, 2560, 1, True), **skinny)
     assert geometry.skinny_geometry(19456, 2560, 16, True, policy) == SkinnyGeometry(**skinny)

@@ -3,14 +3,13 @@ the embedding-row gather and the LM head's argmax."""
 import numpy as np
 import pytest
 
-from tests.kernels.linear_util import (assert_same_bits, exact_inputs, reference_bits, run_bits,
-                                       silu_mul_reference)
+from tests.kernels.linear_util import (NORM_FORMS, assert_same_bits, exact_inputs, fused_op, reference_bits,
+                                       rms_norm_reference, run_bits, separate_ops, silu_mul_reference)
 from tests.util import bf16_randn, bf16_round, from_bf16_bits, rel_l2
 from numba import cuda
 
-from pegainfer.kernels import norm
-from pegainfer.kernels.linear import (NORM_THREADS, X_SLICES_AT_ONCE, GemvGeometry, fuses_add_rms_norm, gemv, linear,
-                                      linear_add_rms_norm, linear_silu_mul)
+from pegainfer.kernels.linear import (NORM_THREADS, X_SLICES_AT_ONCE, GemvGeometry, fuses_add_rms_norm, gemv,
+                                      linear_add_rms_norm)
 
 
 @pytest.mark.parametrize("gated", [False, True], ids=["linear", "gated"])
@@ -39,48 +38,6 @@ def test_x_staged_at_once_or_in_a_loop(K, rng):
 
 
 # ------------------------------------------------------------------------------------------------ add + RMSNorm + linear
-NORM_FORMS = {"qwen3": {}, "qwen35": {"weight_offset": 1.0, "round_before_weight": False}}
-
-
-def rms_norm_reference(s, w, eps, weight_offset=0.0, round_before_weight=True):
-    """HF's bf16 RMSNorm of the rows of ``s`` in float64 (Qwen3: round, then weight, round; Qwen3.5: one rounding
-    of ``n · (1 + w)``)."""
-    n = s / np.sqrt(np.mean(s * s, axis=-1, keepdims=True) + eps)
-    if round_before_weight:
-        n = bf16_round(n)
-    return bf16_round(n * (w + weight_offset))
-
-
-def _separate(rb, db, wnb, wb, gated, form, eps):
-    """The unfused ops (``norm.add_rms_norm`` / ``norm.rms_norm`` in place, then ``linear``): (residual, normed,
-    out) as uint16 bits."""
-    T, H = rb.shape
-    residual = cuda.to_device(rb.copy())
-    normed = cuda.to_device(np.zeros((T, H), np.uint16))
-    if db is None:
-        norm.rms_norm(residual, cuda.to_device(wnb), normed, eps, **NORM_FORMS[form])
-    else:
-        norm.add_rms_norm(residual, cuda.to_device(db), cuda.to_device(wnb), normed, eps, **NORM_FORMS[form])
-    out = cuda.to_device(np.zeros((T, wb.shape[0] // 2 if gated else wb.shape[0]), np.uint16))
-    (linear_silu_mul if gated else linear)(normed, cuda.to_device(wb), out)
-    return residual.copy_to_host(), normed.copy_to_host(), out.copy_to_host()
-
-
-def _fused(rb, db, wnb, wb, gated, form, eps, **kw):
-    """``linear_add_rms_norm``: (residual_in after the call, residual_out, normed_out, out) as uint16 bits;
-    residual_out and normed_out start filled with a sentinel."""
-    T, H = rb.shape
-    residual_in = cuda.to_device(rb.copy())
-    residual_out = cuda.to_device(np.full((T, H), 0x7FC1, np.uint16))
-    normed_out = cuda.to_device(np.full((T, H), 0x7FC1, np.uint16))
-    out = cuda.to_device(np.zeros((T, wb.shape[0] // 2 if gated else wb.shape[0]), np.uint16))
-    linear_add_rms_norm(residual_in, None if db is None else cuda.to_device(db), cuda.to_device(wnb), eps,
-                        residual_out, cuda.to_device(wb), out, gated=gated, normed_out=normed_out,
-                        **NORM_FORMS[form], **kw)
-    return (residual_in.copy_to_host(), residual_out.copy_to_host(), normed_out.copy_to_host(),
-            out.copy_to_host())
-
-
 @pytest.mark.parametrize("form", list(NORM_FORMS))
 @pytest.mark.parametrize("gated", [False, True], ids=["linear", "gated"])
 @pytest.mark.parametrize("with_delta", [True, False], ids=["delta", "no_delta"])
@@ -96,7 +53,7 @@ def test_linear_add_rms_norm(T, H, with_delta, gated, form, rng):
     db, d = bf16_randn((T, H), rng) if with_delta else (None, 0.0)
     wnb, wn = bf16_randn((H,), rng, scale=0.2 if form == "qwen35" else 1.0)   # (1 + w) or w
     wb, w = bf16_randn((n_cols, H), rng, scale=0.2)
-    res_in, res_out, normed, out = _fused(rb, db, wnb, wb, gated, form, eps)
+    res_in, res_out, normed, out = fused_op(rb, db, wnb, wb, gated, form, eps)
 
     s = bf16_round(r + d)
     assert np.array_equal(from_bf16_bits(res_out), s), "residual_out must be bf16(residual + delta)"
@@ -106,7 +63,7 @@ def test_linear_add_rms_norm(T, H, with_delta, gated, form, rng):
     got = from_bf16_bits(out).astype(np.float64)
     assert rel_l2(got, expected) < 1e-2
 
-    ref_residual, ref_normed, ref_out = _separate(rb, db, wnb, wb, gated, form, eps)
+    ref_residual, ref_normed, ref_out = separate_ops(rb, db, wnb, wb, gated, form, eps)
     assert np.array_equal(res_out, ref_residual), "residual_out must equal add_rms_norm's residual bit for bit"
     assert np.array_equal(out, ref_out), "the fused op must equal add_rms_norm + linear bit for bit"
     if T == 1:
@@ -137,7 +94,7 @@ def test_linear_add_rms_norm_gathers_the_embedding_row(gated, form, rng):
         looked_up = cuda.to_device(np.zeros((1, H), np.uint16))
         embedding(ids, table, looked_up)
         assert np.array_equal(looked_up.copy_to_host(), tb[token:token + 1] if 0 <= token < V else 0 * tb[:1])
-        _, ref_res, _, ref_out = _fused(looked_up.copy_to_host(), None, wnb, wb, gated, form, 1e-6)
+        _, ref_res, _, ref_out = fused_op(looked_up.copy_to_host(), None, wnb, wb, gated, form, 1e-6)
         assert np.array_equal(residual_out.copy_to_host(), ref_res)
         assert np.array_equal(out.copy_to_host(), ref_out)
     with pytest.raises(ValueError, match="row_ids"):
@@ -159,16 +116,16 @@ def test_lm_head_argmax(tie, rng):
     wnb, _ = bf16_randn((H,), rng)
     wb, _ = bf16_randn((V, H), rng, scale=0.3)
     if tie:      # the same row at several columns, the largest logit among them: the first must win
-        _, _, _, plain = _fused(rb, db, wnb, wb, False, "qwen3", 1e-6)
+        _, _, _, plain = fused_op(rb, db, wnb, wb, False, "qwen3", 1e-6)
         top = int(np.argmax(from_bf16_bits(plain[0])))
         for j in (3, top, 250):
             wb[j] = wb[top]
     out_ids = cuda.to_device(np.full(1, -5, np.int32))
     workspace = allocate_sample_workspace(1, V)
     head = HeadArgmax(out_ids, workspace)
-    _, _, _, ref = _fused(rb, db, wnb, wb, False, "qwen3", 1e-6)
+    _, _, _, ref = fused_op(rb, db, wnb, wb, False, "qwen3", 1e-6)
     for replay in range(2):
-        _, _, _, got = _fused(rb, db, wnb, wb, False, "qwen3", 1e-6, head=head)
+        _, _, _, got = fused_op(rb, db, wnb, wb, False, "qwen3", 1e-6, head=head)
         assert np.array_equal(got, ref)
         logits = from_bf16_bits(ref[0]).astype(np.float32)
         assert out_ids.copy_to_host()[0] == int(np.argmax(logits))
@@ -188,8 +145,8 @@ def test_linear_add_rms_norm_geometries(gated, rng):
     wnb, _ = bf16_randn((H,), rng)
     wb, _ = bf16_randn((34, H), rng, scale=0.2)
     geo = GemvGeometry(rows_per_warp=2, warps=NORM_THREADS // 32, k_split=1, max_tokens=1, stages=4)
-    _, res_out, _, out = _fused(rb, db, wnb, wb, gated, "qwen3", 1e-6, geometry=geo)
-    ref_residual, _, ref_out = _separate(rb, db, wnb, wb, gated, "qwen3", 1e-6)
+    _, res_out, _, out = fused_op(rb, db, wnb, wb, gated, "qwen3", 1e-6, geometry=geo)
+    ref_residual, _, ref_out = separate_ops(rb, db, wnb, wb, gated, "qwen3", 1e-6)
     assert np.array_equal(res_out, ref_residual)
     assert np.array_equal(out, ref_out)
 
@@ -204,8 +161,8 @@ def test_linear_add_rms_norm_residual_ready_is_bit_identical(gated, form, rng):
     db, _ = bf16_randn((1, H), rng)
     wnb, _ = bf16_randn((H,), rng, scale=0.2)
     wb, _ = bf16_randn((n_cols, H), rng, scale=0.2)
-    late = _fused(rb, db, wnb, wb, gated, form, 1e-6)
-    early = _fused(rb, db, wnb, wb, gated, form, 1e-6, residual_ready=True, before_latency_bound=True)
+    late = fused_op(rb, db, wnb, wb, gated, form, 1e-6)
+    early = fused_op(rb, db, wnb, wb, gated, form, 1e-6, residual_ready=True, before_latency_bound=True)
     for a, b in zip(late, early):
         assert np.array_equal(a, b)
 

@@ -3,8 +3,7 @@ against float64 NumPy and, on data whose sums are exact in f32, bit for bit agai
 import numpy as np
 import pytest
 
-from tests.kernels.linear_util import exact_inputs, reference_bits, silu_mul_reference
-from tests.kernels.test_linear_gemv_decode import _fused, _separate
+from tests.kernels.linear_util import exact_inputs, fused_op, reference_bits, separate_ops, silu_mul_reference
 from tests.util import bf16_randn, from_bf16_bits, rel_l2
 from numba import cuda
 
@@ -109,7 +108,7 @@ def test_linear_add_rms_norm_qwen3_4b(name, with_delta):
     db = bf16_randn((1, H), rng)[0] if with_delta else None
     wnb, _ = bf16_randn((H,), rng)
     wb, _ = bf16_randn((N, H), rng, scale=H ** -0.5)
-    _, res_out, _, out = _fused(rb, db, wnb, wb, gated, "qwen3", 1e-6, residual_ready=True)
-    ref_residual, _, ref_out = _separate(rb, db, wnb, wb, gated, "qwen3", 1e-6)
+    _, res_out, _, out = fused_op(rb, db, wnb, wb, gated, "qwen3", 1e-6, residual_ready=True)
+    ref_residual, _, ref_out = separate_ops(rb, db, wnb, wb, gated, "qwen3", 1e-6)
     assert np.array_equal(res_out, ref_residual)
     assert np.array_equal(out, ref_out), np.mean(out != ref_out)

@@ -222,7 +222,7 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, gated: bool, 
     a_slices, b_slices = 4 * bm, 4 * bn                 # 16-byte slices per 32-wide K stage
     a_pt, b_pt = -(-a_slices // nthreads_c), -(-b_slices // nthreads_c)
     a_stage, b_stage = bm * MMA_ROW_WORDS, bn * MMA_ROW_WORDS
-    a_smem, b_smem = stages * a_stage, stages * b_stage
+    a_smem = stages * a_stage                            # the W stages follow the x stages
     n_acc, a_frag, b_frag, n_packed = 4 * mt * nt, 4 * mt, 2 * nt, 2 * mt * nt
     wait_oldest = cp_async_wait_group(stages - 2)      # all but the newest stages - 2 copy groups have landed
     wait_all = cp_async_wait_group(0)
@@ -295,7 +295,7 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, gated: bool, 
                 b_base = a_smem + (kt % stages) * b_stage
                 for ks in range(MMA_BK // 16):
                     # words 8·ks + t4 (k = 16·ks + 2·t4) and 8·ks + 4 + t4 of rows whose swizzle is the lane's;
-                    # unsigned indices (``primitives``: no wraparound code per load; +34 % on the H200)
+                    # unsigned indices (``primitives``: no wraparound code per load)
                     lo = 4 * ((2 * ks) ^ swizzle) + t4
                     hi = 4 * ((2 * ks + 1) ^ swizzle) + t4
                     for i in range(mt):

@@ -92,7 +92,7 @@ def test_policy_tuning_overrides_the_built_in_tables(monkeypatch):
 
 
 def test_tuning_file_reaches_the_pickers(tmp_path):
-    """A tuning file (what benchmarks/bench_decode_stream.py --tuning-out writes), read by ``load_tuning`` into a
+    """A tuning file (what benchmarks/bench_gemv.py --cold --tuning-out writes), read by ``load_tuning`` into a
     policy, gives the GEMV and skinny pickers its geometries."""
     path = tmp_path / "tuning.json"
     geo = dict(rows_per_warp=2, warps=8, k_split=2, max_tokens=1, k_chunk=None, stage_x=True, stages=6,

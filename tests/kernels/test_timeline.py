@@ -15,14 +15,6 @@ STAMPING = LaunchPolicy(timeline=True)
 
 
 @pytest.fixture
-def stamping(monkeypatch):
-    monkeypatch.setattr(timeline, "ENABLED", True)
-    timeline.reset()
-    yield
-    timeline.reset()
-
-
-@pytest.fixture
 def fresh_records():
     timeline.reset()
     yield

@@ -81,7 +81,7 @@ def _tuned_t1(rows_per_warp: int, warps: int, k_split: int, stages: int) -> Gemv
 
 
 GEMV_TUNED = MappingProxyType({
-    # One-token kernel on the H200 with cold weights (benchmarks/bench_decode_stream.py, docs/perf/linear.md)
+    # One-token kernel on the H200 with cold weights (benchmarks/bench_gemv.py --cold, docs/perf/linear.md)
     # Qwen3-4B
     (6144, 2560, 1, False): _tuned_t1(4, 8, 1, 3),     # qkv
     (2560, 4096, 1, False): _tuned_t1(2, 4, 4, 6),     # o (also Qwen3.5-4B's o and out_proj)

@@ -77,13 +77,13 @@ class DecoderModel:
     def lm_head_argmax(self, T: int, B: int) -> bool:
         """Whether ``forward(T, B, head=...)`` writes row 0's greedy token in its LM head launch: one token and one
         logits row, where the LM head is the fused one-token GEMV (``linear.linear_add_rms_norm(head=)``)."""
-        return self.policy.head_argmax and T == 1 and B == 1 and linear.fuses_add_rms_norm(1, self.lm_head)
+        return self.policy.head_argmax and T == 1 and B == 1 and linear.fuses_add_rms_norm(1, self.lm_head, policy=self.policy)
 
     def _embed(self, ids, residual, first_w):
         """The token embeddings as the first layer's residual input: ``(residual_in, row_ids)`` for its
         ``linear.linear_add_rms_norm``.  For one token the lookup rides in that projection's launch (the table and
         ``ids``: its prologue reads the row); otherwise the embedding kernel writes ``residual`` (and None)."""
-        if ids.shape[0] == 1 and linear.fuses_add_rms_norm(1, first_w):
+        if ids.shape[0] == 1 and linear.fuses_add_rms_norm(1, first_w, policy=self.policy):
             return self.embed, ids
         embedding.embedding(ids, self.embed, residual, policy=self.policy)
         return residual, None

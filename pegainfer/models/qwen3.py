@@ -107,7 +107,7 @@ class Qwen3Model(DecoderModel):
         stream_in, row_ids = self._embed(ids, residual, self.layers[0]["qkv"])
         for i, lw in enumerate(self.layers):
             linear.linear_add_rms_norm(stream_in if i == 0 else residual, delta if i > 0 else None, lw["input_ln"],
-                                       eps, spare, lw["qkv"], qkv, normed_out=normed, before_latency_bound=True,
+                                       eps, spare, lw["qkv"], qkv, normed_out=normed,
                                        row_ids=row_ids if i == 0 else None,
                                        residual_ready=i > 0 and policy.residual_ready("down", decode), policy=policy)
             residual, spare = spare, residual
@@ -127,7 +127,7 @@ class Qwen3Model(DecoderModel):
         if T == 1 and B == 1:
             # one row, which is the logits row: the final norm is the LM head's prologue
             linear.linear_add_rms_norm(residual, delta, self.final_norm, eps, spare, self.lm_head, logits,
-                                       normed_out=normed, before_latency_bound=True, head=head,
+                                       normed_out=normed, head=head,
                                        residual_ready=policy.residual_ready("down", decode), policy=policy)
         else:
             assert head is None, "the LM head's argmax is for one token (lm_head_argmax)"

@@ -223,7 +223,7 @@ class Qwen35Model(DecoderModel):
             # residual add + input norm + the layer's first projection: one launch for one token
             first_w, first_out = (lw["qkv"], self.qkv[:T]) if i in full_index else (lw["in_proj"], self.proj[:T])
             linear.linear_add_rms_norm(stream_in if i == 0 else residual, delta if i > 0 else None, lw["input_ln"],
-                                       eps, spare, first_w, first_out, normed_out=normed, before_latency_bound=True,
+                                       eps, spare, first_w, first_out, normed_out=normed,
                                        row_ids=row_ids if i == 0 else None,
                                        residual_ready=i > 0 and policy.residual_ready("down", decode), policy=policy,
                                        **QWEN35_NORM)
@@ -241,7 +241,7 @@ class Qwen35Model(DecoderModel):
         logits = self.logits[:B]
         if T == 1 and B == 1:
             linear.linear_add_rms_norm(residual, delta, self.final_norm, eps, spare, self.lm_head, logits,
-                                       normed_out=normed, before_latency_bound=True, head=head,
+                                       normed_out=normed, head=head,
                                        residual_ready=policy.residual_ready("down", decode), policy=policy,
                                        **QWEN35_NORM)
         else:

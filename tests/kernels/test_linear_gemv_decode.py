@@ -155,14 +155,14 @@ def test_linear_add_rms_norm_geometries(gated, rng):
 @pytest.mark.parametrize("form", ["qwen3", "qwen35"])
 def test_linear_add_rms_norm_residual_ready_is_bit_identical(gated, form, rng):
     """``residual_ready``: the one-token prologue reads the residual before its PDL wait (at L2); the same bits as
-    reading it after.  (``before_latency_bound`` is accepted and changes nothing.)"""
+    reading it after."""
     H, n_cols = 72, 40
     rb, _ = bf16_randn((1, H), rng)
     db, _ = bf16_randn((1, H), rng)
     wnb, _ = bf16_randn((H,), rng, scale=0.2)
     wb, _ = bf16_randn((n_cols, H), rng, scale=0.2)
     late = fused_op(rb, db, wnb, wb, gated, form, 1e-6)
-    early = fused_op(rb, db, wnb, wb, gated, form, 1e-6, residual_ready=True, before_latency_bound=True)
+    early = fused_op(rb, db, wnb, wb, gated, form, 1e-6, residual_ready=True)
     for a, b in zip(late, early):
         assert np.array_equal(a, b)
 

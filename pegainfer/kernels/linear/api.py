@@ -107,8 +107,7 @@ def fuses_add_rms_norm(n_tokens: int, w, gated: bool = False, policy: LaunchPoli
 def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_out, w, out, *, gated: bool = False,
                         weight_offset: float = 0.0, round_before_weight: bool = True, normed_out=None,
                         impl: str | None = None, geometry: GemvGeometry | None = None, row_ids=None, head=None,
-                        residual_ready: bool = False, policy: LaunchPolicy = DEFAULT_POLICY,
-                        before_latency_bound: bool = False) -> None:
+                        residual_ready: bool = False, policy: LaunchPolicy = DEFAULT_POLICY) -> None:
     """The decoder's residual add and RMSNorm followed by a projection:
 
         s = bf16(residual_in + delta)       (delta=None: s = residual_in)      -> residual_out
@@ -135,7 +134,6 @@ def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_ou
     ``delta`` for after it.
     Otherwise: ``add_rms_norm_into`` into ``normed_out`` (required then: a ``[T, H]`` scratch), then ``linear`` with
     ``impl``.  Nothing is allocated; every launch can be captured in a CUDA graph.
-    ``before_latency_bound``: ignored (accepted until the models stop passing it).
     """
     if row_ids is not None:
         if delta is not None or row_ids.shape != (1,) or row_ids.dtype != np.int32 or not fuses_add_rms_norm(

@@ -16,7 +16,7 @@ from numba import cuda
 
 from pegainfer.kernels import attention
 from pegainfer.kernels.attention import (PrefillGeometry, attention_workspace_size, paged_attention,
-                                         prefill_attention, reference_paged_attention)
+                                         paged_attention_prefill, reference_paged_attention)
 from tests.util import bf16_randn, from_bf16_bits, rel_l2
 
 PAGE = 4
@@ -174,8 +174,8 @@ def test_padding_tokens(rng, method):
 def test_auto_method_picks_prefill_from_the_threshold(rng, monkeypatch):
     """``method="auto"``: split-K below ``PREFILL_MIN_TOKENS`` tokens, the tiled kernel from there up."""
     calls = []
-    monkeypatch.setattr(attention, "prefill_attention", lambda *a, **k: calls.append("prefill"))
-    monkeypatch.setattr(attention, "split_attention", lambda *a, **k: calls.append("split"))
+    monkeypatch.setattr(attention, "paged_attention_prefill", lambda *a, **k: calls.append("prefill"))
+    monkeypatch.setattr(attention, "paged_attention_split", lambda *a, **k: calls.append("split"))
     for T in (attention.PREFILL_MIN_TOKENS - 1, attention.PREFILL_MIN_TOKENS):
         q = cuda.device_array((T, 4, 16), np.uint16)
         cache = cuda.device_array((4, PAGE, 2, 16), np.uint16)
@@ -206,7 +206,7 @@ def test_prefill_q_from_memory(rng):
     """The tiled kernel's D=256 variant (Q fragments re-read from memory per tile instead of held in registers)."""
     warps, block_keys, _ = attention.prefill_geometry(32)
     case = Case(rng, 4, 2, 32, slots=[1] * 4, positions=list(range(14, 18)))
-    got = case.run(prefill_attention, with_workspace=False, geometry=PrefillGeometry(warps, block_keys, False))
+    got = case.run(paged_attention_prefill, with_workspace=False, geometry=PrefillGeometry(warps, block_keys, False))
     assert_attention(case, got)
 
 

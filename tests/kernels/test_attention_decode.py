@@ -10,7 +10,7 @@ import pegainfer  # noqa: F401  (before numba)
 from numba import cuda
 
 from pegainfer.kernels import timeline
-from pegainfer.kernels.attention import SplitGeometry, paged_attention, split_attention
+from pegainfer.kernels.attention import SplitGeometry, paged_attention, paged_attention_split
 from pegainfer.kernels.gating import sigmoid_gate_mul
 from pegainfer.kernels.policy import LaunchPolicy
 from tests.kernels.test_attention import PAGE, Case, assert_attention, assert_near_reference, make_cache
@@ -90,7 +90,7 @@ def test_split_k_two_warps(rng):
     several."""
     case = Case(rng, 4, 2, 16, **WARPS_CASE)
     for kwargs in (dict(), dict(num_splits=2, min_split_tokens=16)):
-        assert_attention(case, case.run(split_attention, geometry=SplitGeometry(2, False), **kwargs))
+        assert_attention(case, case.run(paged_attention_split, geometry=SplitGeometry(2, False), **kwargs))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -99,7 +99,7 @@ def test_split_k_merge_padded_rows(rng, head_dim):
     32 dims plus one word, rows of 8 (mod 32) words at D = 128), one split and several, decode and not."""
     case = Case(rng, 4, 2, head_dim, **WARPS_CASE)
     for kwargs in (dict(), dict(num_splits=2, min_split_tokens=16), dict(decode=True)):
-        assert_attention(case, case.run(split_attention, geometry=SplitGeometry(2, False), **kwargs))
+        assert_attention(case, case.run(paged_attention_split, geometry=SplitGeometry(2, False), **kwargs))
 
 
 @pytest.mark.parametrize("warps,head_dim", [(2, 32), (4, 64)])
@@ -110,21 +110,21 @@ def test_split_k_dim_split(rng, warps, head_dim):
     pairs = SplitGeometry(warps, True)
     case = Case(rng, 4, 2, head_dim, **WARPS_CASE)
     for kwargs in (dict(), dict(num_splits=2, min_split_tokens=16)):
-        assert_attention(case, case.run(split_attention, geometry=pairs, **kwargs))
+        assert_attention(case, case.run(paged_attention_split, geometry=pairs, **kwargs))
     case = Case(np.random.default_rng(5), 4, 2, head_dim, slots=[1, 0, 2], positions=[40, 0, 16], num_slots=3,
                 max_pages=11, num_pages=34)
-    plain = case.run(split_attention, geometry=pairs)
-    np.testing.assert_array_equal(case.run(split_attention, geometry=pairs, decode=True), plain)
+    plain = case.run(paged_attention_split, geometry=pairs)
+    np.testing.assert_array_equal(case.run(paged_attention_split, geometry=pairs, decode=True), plain)
     assert_attention(case, plain)
     gated = Case(np.random.default_rng(5), 4, 2, head_dim, slots=[1, 0], positions=[9, 3], gate=True)
-    assert_gated_is_attention_then_gate(gated, fn=split_attention, num_splits=1, geometry=pairs, decode=True)
+    assert_gated_is_attention_then_gate(gated, fn=paged_attention_split, num_splits=1, geometry=pairs, decode=True)
 
 
 def test_padding_tokens_dim_split(rng):
     """A padding token under the warp pairs and several splits: zeros, its neighbours unaffected."""
     case = Case(rng, 4, 2, 32, slots=[1, -1, 0], positions=[19, 0, 35], max_pages=10, num_pages=21)
     out = cuda.to_device(np.full(case.shape, 0x3F80, np.uint16))
-    split_attention(*case.dev, out, case.scale, case.workspace(2), num_splits=2, min_split_tokens=16,
+    paged_attention_split(*case.dev, out, case.scale, case.workspace(2), num_splits=2, min_split_tokens=16,
                     geometry=SplitGeometry(2, True), decode=True)
     got = out.copy_to_host()
     assert not got[1].any()

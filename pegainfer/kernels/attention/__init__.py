@@ -37,20 +37,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from pegainfer.kernels.attention.decode import split_attention, split_kernel
+from pegainfer.kernels.attention.decode import paged_attention_split, split_kernel
 from pegainfer.kernels.attention.geometry import (DECODE_STEP_KEYS, DIM_SPLIT_WARPS, MAX_SPLITS, MIN_SPLIT_TOKENS,
                                                   MIN_SPLIT_TOKENS_WIDE, PREFILL_MIN_TOKENS, SPLIT_TARGET_ROWS,
                                                   SUPPORTED_HEAD_DIMS, PrefillGeometry, SplitGeometry,
                                                   attention_num_splits, min_chunk, prefill_geometry,
                                                   prefill_supported, split_geometry)
-from pegainfer.kernels.attention.prefill import prefill_attention, prefill_kernel
+from pegainfer.kernels.attention.prefill import paged_attention_prefill, prefill_kernel
 from pegainfer.kernels.attention.reference import reference_paged_attention
 from pegainfer.kernels.attention.workspace import attention_workspace_size
 from pegainfer.kernels.gating import sigmoid_gate_mul
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
 
-__all__ = ["paged_attention", "attention_workspace_size", "attention_num_splits", "split_attention",
-           "prefill_attention", "reference_paged_attention", "split_geometry", "prefill_geometry", "min_chunk",
+__all__ = ["paged_attention", "attention_workspace_size", "attention_num_splits", "paged_attention_split",
+           "paged_attention_prefill", "reference_paged_attention", "split_geometry", "prefill_geometry", "min_chunk",
            "SplitGeometry", "PrefillGeometry", "split_kernel", "prefill_kernel", "SUPPORTED_HEAD_DIMS",
            "SPLIT_TARGET_ROWS", "MIN_SPLIT_TOKENS", "MIN_SPLIT_TOKENS_WIDE", "MAX_SPLITS", "DECODE_STEP_KEYS",
            "DIM_SPLIT_WARPS", "PREFILL_MIN_TOKENS", "prefill_supported"]
@@ -104,10 +104,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, o
                              or gate.shape[1] < 2 * nq * D):
         raise ValueError(f"gate must be uint16 [{T}, >= {2 * nq * D}], got {gate.dtype} {gate.shape}")
     if method == "prefill":
-        prefill_attention(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, policy=policy)
+        paged_attention_prefill(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, policy=policy)
         if gate is not None:
             sigmoid_gate_mul(out, gate, out)
     else:
-        split_attention(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, workspace,
+        paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, workspace,
                         num_splits=num_splits, min_split_tokens=min_split_tokens, decode=decode, gate=gate,
                         policy=policy)

@@ -378,7 +378,7 @@ def split_kernel(head_dim: int, group: int, warps: int, decode: bool = False, ga
 
 
 # ------------------------------------------------------------------------------------------------ host
-def split_attention(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, workspace, *,
+def paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, workspace, *,
                     num_splits: int | None = None, min_split_tokens: int | None = None,
                     geometry: SplitGeometry | None = None, decode: bool = False, gate=None,
                     policy: LaunchPolicy = DEFAULT_POLICY) -> None:

@@ -273,7 +273,7 @@ def prefill_kernel(head_dim: int, group: int, warps: int, block_keys: int, q_in_
     return paged_attention_prefill_kernel
 
 
-def prefill_attention(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, *,
+def paged_attention_prefill(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, *,
                       geometry: PrefillGeometry | None = None, policy: LaunchPolicy = DEFAULT_POLICY) -> None:
     """Launch the tiled kernel (``paged_attention``'s arguments, already checked there); ``geometry`` forces the
     tile (tests, ``benchmarks/bench_attention.py``), by default ``prefill_geometry``."""

@@ -10,7 +10,8 @@ splits with work come first).  A block serves all ``G = nq / nkv`` q heads of it
 ``m16n8k16`` tile, so each K/V row is read from memory once for ``G`` heads.  Split ``s`` covers keys ``[s·chunk,
 (s+1)·chunk)`` of the token's ``n = positions[t] + 1`` (``split_range``: ``chunk`` is ``n / num_splits`` rounded up
 to a multiple of ``min_chunk``), so how many splits do work is decided on the device and the launch is the same for
-every step (CUDA graphs).
+every step (CUDA graphs).  Launch: ``num_splits · T · nkv`` blocks (``geometry.attention_num_splits``) of ``32 · W``
+threads (``geometry.split_geometry``: 8 warps; for 256-dim heads 4 pairs; one warp or pair in the simulator).
 
 A block's warps take 16-key steps ``w, w + W, ...`` of its split.  One step of a warp:
 
@@ -306,6 +307,7 @@ def split_kernel(head_dim: int, group: int, warps: int, decode: bool = False, ga
         n_tokens = positions.shape[0]
         fzero = float32(0.0)
 
+        # work items (split, token, kv head), split slowest
         per_split = uint32(n_tokens * num_kv_heads)
         for work in range(cuda.blockIdx.x, num_splits * n_tokens * num_kv_heads, cuda.gridDim.x):
             tk = int32(uint32(work) % per_split)            # unsigned 32-bit divisions (see split_range)
@@ -334,6 +336,7 @@ def split_kernel(head_dim: int, group: int, warps: int, decode: bool = False, ga
                 of[i] = fzero
             m = NEG_INF
             l = fzero                                     # this lane's share of its row's sum
+            # the split's keys, 16 a step: load, (decode: wait), scores, online softmax, P V
             n_steps = (k_hi - k_lo + DECODE_STEP_KEYS - 1) // DECODE_STEP_KEYS
             for st0 in range(0, n_steps, SW):             # same trip count in every warp (barriers, simulator)
                 k0 = k_lo + (st0 + sw) * DECODE_STEP_KEYS
@@ -366,6 +369,7 @@ def split_kernel(head_dim: int, group: int, warps: int, decode: bool = False, ga
 
             if STAMPS and t_ready == uint64(0) and of[0] != float32(-1.25e-38):   # (after the last P V product)
                 t_ready = global_timer()
+            # merge the block's step warps, then (several splits at work) the splits
             stage_warp_state(m, l, of, g, tq, half, usw, ug, utq, sm_m, sm_l, sm_o)
             merge_warps(t, nq, head0, split, num_splits, n_active, out, out0, ws_acc, ws_m, ws_l, gv, sm_m, sm_l,
                         sm_o, sm_w, sm_tot)

@@ -9,7 +9,9 @@ the token's slot.  Rounding as the split-K kernel's: scores and sums in f32, the
 Work: one block per (tile of ``BQ`` consecutive query tokens, kv head), grid-stride.  The tile's ``BQ·G`` query rows
 (G = nq / nkv heads per token) share every K/V tile the block stages in shared memory; warp ``w`` owns rows ``16w ..
 16w+15`` and keeps their Q fragments (or re-reads them: ``geometry.prefill_geometry``), running max / sum and the O
-accumulator ``[16, D]`` in registers.  Per K/V tile of ``BK`` keys:
+accumulator ``[16, D]`` in registers.  Launch: ``ceil(T / BQ) · nkv`` blocks of ``32 · warps`` threads (4 warps,
+64 query rows; ``BK`` = 64 keys, 32 for D = 256; one warp and 16-key tiles in the simulator).  Per K/V tile of
+``BK`` keys:
 
 1. **stage**: K ``[BK, D]`` and V transposed ``[D, BK]`` into shared memory (bf16 pairs, rows padded so the fragment
    loads hit 32 distinct banks);

@@ -1,129 +1,38 @@
-"""Rotary position embedding: the host-side cos/sin tables and the fused post-QKV kernel.
+"""qk-norm + RoPE + paged KV store, fused: everything between the QKV projection and attention, in one launch.
 
 After the fused QKV projection each token row holds its query heads, then its key heads, then its value heads.
-``qk_norm_rope_store`` does everything that happens between that GEMM and attention, in one launch:
+``qk_norm_rope_store`` (``__init__``'s docstring has the math):
 
 * query heads: per-head RMSNorm (``q_norm``), RoPE, written to ``q_out``;
 * key heads: per-head RMSNorm (``k_norm``), RoPE, written into the paged KV cache;
 * value heads: copied into the paged KV cache.
 
-RoPE here is Hugging Face's "rotate half" form on the first ``rotary_dim`` dims of a head (``half = rotary_dim/2``)::
-
-    out[i]        = x[i]        · cos[i] − x[i + half] · sin[i]      for i < half
-    out[i + half] = x[i + half] · cos[i] + x[i]        · sin[i]
-    out[j]        = x[j]                                             for j ≥ rotary_dim (partial rotary, Qwen3.5)
-
-with HF's bf16 rounding: each product is rounded to bf16, then their sum (``q*cos + rotate_half(q)*sin`` on bf16
-tensors), and ``cos``/``sin`` are themselves bf16 (HF casts them to the activation dtype).
+Rounding: the norm rounds as the model's HF norm (``norm.normalize_element``: ``weight_offset``,
+``round_before_weight``), RoPE as HF's bf16 forward (each product rounded to bf16, then their sum).
+PDL: the kernel lets the attention after it launch at its start, so attention's blocks read the older keys while
+this kernel waits for the projection (``docs/perf/rope.md``).
 """
 from __future__ import annotations
 
 import functools
-import math as pymath
-import os
 
 import numpy as np
 
-from pegainfer.errors import PegainferError
+from pegainfer.kernels import timeline
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.norm import normalize_element
-from pegainfer.kernels.primitives import (grid_dependency_wait, launch_dependents, WARP, bf16_to_f32, cuda, device_fn, f32_to_bf16, float32, grid, int32,
-                                          kernel, math, threads, to_bf16_bits, uint16, warp_sum, global_timer)
-from pegainfer.kernels import timeline
+from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
+from pegainfer.kernels.primitives import (WARP, bf16_to_f32, cuda, device_fn, f32_to_bf16, float32, global_timer,
+                                          grid, grid_dependency_wait, int32, kernel, launch_dependents, math, threads,
+                                          uint16, warp_sum)
 
 uint64 = np.uint64
 
-
-# ------------------------------------------------------------------------------------------------ host: tables
-def _inverse_frequencies(rotary_dim: int, theta: float, rope_scaling: dict | None) -> tuple[np.ndarray, float]:
-    """float32 ``inv_freq`` ``[rotary_dim // 2]`` and the cos/sin scale, as transformers' ``modeling_rope_utils``
-    computes them (float32 arithmetic at the same steps; pow in float64 then rounded, i.e. correctly rounded)."""
-    f32 = np.float32
-    exponents = (np.arange(0, rotary_dim, 2, dtype=np.int64).astype(f32) / f32(rotary_dim)).astype(f32)
-    # base ** exponent, a float32 tensor in torch: computed here correctly rounded to float32.
-    pos_freqs = np.power(np.float64(theta), exponents.astype(np.float64)).astype(f32)
-    inv_freq = (f32(1.0) / pos_freqs).astype(f32)
-
-    rope_type = None if rope_scaling is None else (rope_scaling.get("rope_type") or rope_scaling.get("type"))
-    if rope_type in (None, "default"):
-        return inv_freq, 1.0
-    if rope_type == "linear":
-        factor = float(rope_scaling["factor"])
-        return (inv_freq / f32(factor)).astype(f32), 1.0
-    if rope_type == "yarn":
-        return _yarn_inverse_frequencies(rotary_dim, theta, pos_freqs, rope_scaling)
-    raise ValueError(f"unsupported rope type {rope_type!r} (supported: default, linear, yarn)")
+QK_NORM_THREADS = 128
+"""Threads per block on the GPU (one warp per head: 4 heads a block; Qwen3-4B's 48 heads of a token are 12
+blocks)."""
 
 
-def _yarn_inverse_frequencies(dim: int, base: float, pos_freqs: np.ndarray, params: dict) -> tuple[np.ndarray, float]:
-    """YaRN (https://arxiv.org/abs/2309.00071) as in transformers' ``_compute_yarn_parameters``: low-frequency dims
-    are interpolated (divided by ``factor``), high-frequency dims extrapolated, with a linear ramp between."""
-    f32 = np.float32
-    original_max = params["original_max_position_embeddings"]
-    factor = params.get("factor")
-    if factor is None:
-        factor = params["max_position_embeddings"] / original_max
-    factor = float(factor)
-
-    def get_mscale(scale, mscale=1.0):
-        return 1.0 if scale <= 1 else 0.1 * mscale * pymath.log(scale) + 1.0
-
-    attention_factor = params.get("attention_factor")
-    if attention_factor is None:
-        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-        if mscale and mscale_all_dim:
-            attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
-        else:
-            attention_factor = get_mscale(factor)
-    beta_fast = params.get("beta_fast") or 32
-    beta_slow = params.get("beta_slow") or 1
-
-    def correction_dim(num_rotations):
-        return (dim * pymath.log(original_max / (num_rotations * 2 * pymath.pi))) / (2 * pymath.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if params.get("truncate", True):
-        low, high = pymath.floor(low), pymath.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # HF: prevent a zero-width ramp
-
-    ramp = ((np.arange(dim // 2, dtype=f32) - f32(low)) / f32(high - low)).astype(f32)
-    extrapolation_weight = (f32(1.0) - np.clip(ramp, f32(0.0), f32(1.0))).astype(f32)
-    inv_freq_extrapolation = (f32(1.0) / pos_freqs).astype(f32)
-    inv_freq_interpolation = (f32(1.0) / (f32(factor) * pos_freqs).astype(f32)).astype(f32)
-    inv_freq = (inv_freq_interpolation * (f32(1.0) - extrapolation_weight)
-                + inv_freq_extrapolation * extrapolation_weight).astype(f32)
-    return inv_freq, float(attention_factor)
-
-
-def rope_tables(max_len: int, rotary_dim: int, theta: float, rope_scaling: dict | None = None):
-    """cos and sin tables for positions ``0 .. max_len-1``: two ``[max_len, rotary_dim // 2]`` uint16 arrays (bf16
-    bits, host).  Row ``p``, column ``i`` holds ``cos(p · inv_freq[i]) · attention_scaling`` (dims ``i`` and
-    ``i + rotary_dim/2`` share it).  Matches HF's Qwen3/Qwen3.5 rotary embedding bit for bit up to the last-ulp
-    differences between libm and torch's float32 ``pow``/``cos``: ``freqs = float32(pos) * inv_freq`` in float32,
-    cos/sin of that float32 value, times ``attention_scaling`` in float32, rounded to bf16.
-
-    ``rope_scaling``: ``None`` / ``{"rope_type": "default"}``, ``"linear"`` (``factor``) or ``"yarn"`` (``factor``,
-    ``original_max_position_embeddings``, optional ``beta_fast``, ``beta_slow``, ``attention_factor``, ``mscale``,
-    ``mscale_all_dim``, ``truncate``); any other type raises ``ValueError``.
-    """
-    assert rotary_dim > 0 and rotary_dim % 2 == 0, rotary_dim
-    inv_freq, attention_scaling = _inverse_frequencies(rotary_dim, theta, rope_scaling)
-    positions = np.arange(max_len, dtype=np.float32)
-    freqs = (positions[:, None] * inv_freq[None, :]).astype(np.float32)   # float32 product, as in torch
-    # cos/sin of the float32 angle, evaluated in float64 and rounded once to float32 (torch's float32 cos is
-    # accurate to ~1 ulp; the bf16 rounding below hides that almost always)
-    cos = np.cos(freqs.astype(np.float64)).astype(np.float32)
-    sin = np.sin(freqs.astype(np.float64)).astype(np.float32)
-    scale = np.float32(attention_scaling)
-    if scale != np.float32(1.0):
-        cos = (cos * scale).astype(np.float32)
-        sin = (sin * scale).astype(np.float32)
-    return to_bf16_bits(cos), to_bf16_bits(sin)
-
-
-# ------------------------------------------------------------------------------------------------ device
 @device_fn
 def rope_rotate_pair(lo, hi, cos_bits, sin_bits):
     """HF-rounded rotation of the pair ``(x[i], x[i + half])`` (f32 values of bf16s) by bf16 ``cos``/``sin``:
@@ -160,17 +69,15 @@ def head_geometry(head_dim: int, rotary_dim: int) -> tuple[int, int]:
 
 
 @functools.cache
-def _qk_norm_rope_kernel(head_dim: int, rotary_dim: int, release: str = "start", stamps: bool = False):
+def qk_norm_rope_kernel(head_dim: int, rotary_dim: int, stamps: bool = False):
     """Build the kernel for heads of ``head_dim`` dims, the first ``rotary_dim`` rotated (compile-time constants:
-    the per-lane register arrays stay in registers, and every bound on a lane's dims folds away).  ``release``:
-    ``QK_NORM_RELEASES``; ``stamps``: each block appends its ``timeline`` record."""
+    the per-lane register arrays stay in registers, and every bound on a lane's dims folds away).  ``stamps``: each
+    block appends its ``timeline`` record."""
     STAMPS = stamps
-    assert release in QK_NORM_RELEASES, release
     J, SHIFT = head_geometry(head_dim, rotary_dim)
     D = head_dim
     HALF = rotary_dim // 2
     ROT = rotary_dim
-    RELEASE_AT_START = release == "start"
     # Which of a lane's registers j hold a dim of the head / a rotary pair / a dim past the rotary ones: compile-time
     # when D, half and rotary_dim are multiples of 32 (every served model), else per lane.
     ALL_DIMS = D % WARP == 0
@@ -208,7 +115,7 @@ def _qk_norm_rope_kernel(head_dim: int, rotary_dim: int, release: str = "start",
         k_cache, v_cache ``[num_pages, 2^page_shift, nkv, D]`` bf16 bits; q_out ``[tokens, num_q_heads, D]`` bf16 bits
 
         Math per head (``r = 1/sqrt(mean(x²) + eps)``): q, k: ``n = normalize_element(x, r, w)`` (norm.py's rounding,
-        chosen by ``weight_offset``/``round_before_weight``), then RoPE on ``n`` (module docstring); v: copied.
+        chosen by ``weight_offset``/``round_before_weight``), then RoPE on ``n`` (``__init__``'s docstring); v: copied.
         Destination of k/v for token t: page ``block_tables[token_slots[t], positions[t] // page_size]``, offset
         ``positions[t] % page_size``.
 
@@ -222,18 +129,16 @@ def _qk_norm_rope_kernel(head_dim: int, rotary_dim: int, release: str = "start",
         a base per array plus ``32 j`` for register j: one add, or an immediate offset, per access.  Only the
         head's values come from the kernel before (the projection): with PDL (``launch``) everything else is read
         before ``grid_dependency_wait``, while the projection finishes, and the attention kernel after this one may
-        launch at once (``launch_dependents`` first: its early loads are small), or with ``release="after_wait"``
-        only once the projection is done (``QK_NORM_RELEASE``).  Lane l rotates the pairs ``(p, p + half)``,
-        ``p = l, l + 32, ..``: when ``half`` is a multiple of 32 (every served model) the partner ``p + half`` is
-        in the same lane's registers; otherwise (tiny test heads) it is re-read (an L1 hit).  Every lane of the
-        block runs the same number of items and calls ``warp_sum`` once per item (v heads and idle tail warps too),
-        as the simulator's emulated shuffles require.
+        launch at once (``launch_dependents`` first: its early loads are small).  Lane l rotates the pairs
+        ``(p, p + half)``, ``p = l, l + 32, ..``: when ``half`` is a multiple of 32 (every served model) the partner
+        ``p + half`` is in the same lane's registers; otherwise (tiny test heads) it is re-read (an L1 hit).  Every
+        lane of the block runs the same number of items and calls ``warp_sum`` once per item (v heads and idle tail
+        warps too), as the simulator's emulated shuffles require.
         """
         t_entry = t_wait = uint64(0)
         if STAMPS:
             t_entry = global_timer()
-        if RELEASE_AT_START:
-            launch_dependents()             # PDL: the attention kernel after this one may start its early loads
+        launch_dependents()                 # PDL: the attention kernel after this one may start its early loads
         heads_per_token = num_q_heads + 2 * num_kv_heads
         total = (qkv.shape[0] // row) * heads_per_token
         last_token = qkv.shape[0] // row - 1
@@ -288,8 +193,6 @@ def _qk_norm_rope_kernel(head_dim: int, rotary_dim: int, release: str = "start",
             grid_dependency_wait()          # PDL: everything above is read-only in a step; the head is not
             if STAMPS and t_wait == uint64(0):
                 t_wait = global_timer()
-            if not RELEASE_AT_START:
-                launch_dependents()         # the projection is done: attention may launch
             head = uint64(t) * uint64(row) + uint64(src) + ulane     # qkv index of dim `lane` of the head
             for j in range(J):
                 if active and in_head(j, lane):
@@ -349,26 +252,13 @@ def _qk_norm_rope_kernel(head_dim: int, rotary_dim: int, release: str = "start",
     return qk_norm_rope_store_kernel
 
 
-QK_NORM_THREADS = 128
-"""Threads per block of ``qk_norm_rope_store`` on the GPU (one warp per head: 4 heads a block; Qwen3-4B's 48 heads
-of a token are 12 blocks).  Not swept since the kernel's decode launch became early (session 18)."""
-
-QK_NORM_RELEASES = ("start", "after_wait")
-QK_NORM_RELEASE = os.environ.get("PEGAINFER_QK_NORM_RELEASE", "start")
-"""When ``qk_norm_rope_store`` lets the attention kernel after it launch (PDL): at its ``start`` (the default), or
-``after_wait``, once the projection before it is done.  This kernel itself is launched with PDL
-(``launch.PDL_BY_DEFAULT``), so at the start attention's blocks launch while the projection still streams and
-issue their reads of the older keys.  PDL on this kernel with the release at the start measured slower on the H200
-in session 12 (Qwen3-4B +0.75 %) and faster in session 18 (−2.65 % Qwen3-4B, −0.52 % Qwen3.5-4B,
-``benchmarks/RESULTS.md``).  Without PDL on this kernel, ``after_wait`` measured +2.06 % / +0.64 %."""
-
-
 def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables, k_cache, v_cache,
                        q_out, eps: float, rotary_dim: int, q_head_stride: int | None = None,
-                       weight_offset: float = 0.0, round_before_weight: bool = True, decode: bool = False, *, policy=None) -> None:
+                       weight_offset: float = 0.0, round_before_weight: bool = True, decode: bool = False, *,
+                       policy: LaunchPolicy = DEFAULT_POLICY) -> None:
     """Fused q/k norm + RoPE + paged KV store (see ``qk_norm_rope_store_kernel``).  ``decode``: a decode step's
-    launch (``qk_norm_rope_store_decode``, launched early with PDL by default, ``launch.PDL_BY_DEFAULT``); a prompt
-    chunk's is ``qk_norm_rope_store``, which waits for the projection before it launches.
+    launch, named ``qk_norm_rope_store_decode`` (in the policy's default PDL set); a prompt chunk's is
+    ``qk_norm_rope_store``.  ``policy``: how it launches (``policy.py``: PDL, timeline stamps).
 
     Shapes: qkv ``[T, row]``, q_norm_w/k_norm_w ``[D]``, cos/sin ``[max_len, rotary_dim/2]``, positions/token_slots
     ``[T]`` int32, block_tables ``[slots, pages_per_seq]`` int32, k_cache/v_cache ``[pages, page_size, nkv, D]``,
@@ -379,6 +269,30 @@ def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots
     num_kv_heads = k_cache.shape[2]
     if q_head_stride is None:
         q_head_stride = head_dim
+    check_store_args(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables, k_cache, v_cache,
+                     q_out, rotary_dim, q_head_stride)
+    if num_tokens == 0:
+        return
+    page_size = k_cache.shape[1]
+    block = threads(gpu=QK_NORM_THREADS, sim=32)
+    warps_per_block = block // WARP
+    items = num_tokens * (num_q_heads + 2 * num_kv_heads)
+    kern = qk_norm_rope_kernel(head_dim, rotary_dim, policy.timeline)
+    flat = lambda a: a.reshape(a.size)
+    launch(kern, grid(items, per_block=warps_per_block, sim_cap=8), block,
+           flat(qkv), np.int32(qkv.shape[1]), q_norm_w, k_norm_w, flat(cos), flat(sin), positions, token_slots,
+           flat(block_tables), np.int32(block_tables.shape[1]), flat(k_cache), flat(v_cache),
+           np.int32(page_size.bit_length() - 1), np.int32(num_kv_heads), flat(q_out), np.int32(num_q_heads),
+           np.int32(q_head_stride), np.float32(eps), np.float32(weight_offset), bool(round_before_weight),
+           timeline.buffer() if policy.timeline else timeline.unused(),
+           name="qk_norm_rope_store_decode" if decode else "qk_norm_rope_store", policy=policy)
+
+
+def check_store_args(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables, k_cache, v_cache,
+                     q_out, rotary_dim, q_head_stride) -> None:
+    """The dtypes, shapes and layouts ``qk_norm_rope_store`` (and its reference) need."""
+    num_tokens, num_q_heads, head_dim = q_out.shape
+    num_kv_heads = k_cache.shape[2]
     for name, a in (("qkv", qkv), ("q_norm_w", q_norm_w), ("k_norm_w", k_norm_w), ("cos", cos), ("sin", sin),
                     ("k_cache", k_cache), ("v_cache", v_cache), ("q_out", q_out)):
         assert a.dtype == np.uint16, (name, a.dtype)
@@ -394,24 +308,8 @@ def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots
     assert block_tables.ndim == 2
     assert k_cache.ndim == 4 and k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape, \
         (k_cache.shape, v_cache.shape)
-    if num_tokens == 0:
-        return
     page_size = k_cache.shape[1]
     assert page_size & (page_size - 1) == 0, f"page_size {page_size} must be a power of two"
-    block = threads(gpu=QK_NORM_THREADS, sim=32)
-    warps_per_block = block // WARP
-    items = num_tokens * (num_q_heads + 2 * num_kv_heads)
-    if QK_NORM_RELEASE not in QK_NORM_RELEASES:
-        raise PegainferError(f"PEGAINFER_QK_NORM_RELEASE={QK_NORM_RELEASE!r} is not one of {QK_NORM_RELEASES}: "
-                             "unset it or pick one of those")
-    kern = _qk_norm_rope_kernel(head_dim, rotary_dim, QK_NORM_RELEASE, timeline.ENABLED)
     for name, a in (("qkv", qkv), ("cos", cos), ("sin", sin), ("block_tables", block_tables), ("k_cache", k_cache),
                     ("v_cache", v_cache), ("q_out", q_out)):
         assert a.is_c_contiguous(), f"{name} must be C-contiguous (the kernel indexes it flat)"
-    flat = lambda a: a.reshape(a.size)
-    launch(kern, grid(items, per_block=warps_per_block, sim_cap=8), block,
-           flat(qkv), np.int32(qkv.shape[1]), q_norm_w, k_norm_w, flat(cos), flat(sin), positions, token_slots,
-           flat(block_tables), np.int32(block_tables.shape[1]), flat(k_cache), flat(v_cache),
-           np.int32(page_size.bit_length() - 1), np.int32(num_kv_heads), flat(q_out), np.int32(num_q_heads),
-           np.int32(q_head_stride), np.float32(eps), np.float32(weight_offset), bool(round_before_weight),
-           timeline.stamps_arg(), name="qk_norm_rope_store_decode" if decode else "qk_norm_rope_store", pdl=True)

@@ -1,0 +1,91 @@
+"""Launch geometry of the attention kernels: how many splits a (token, kv head) gets, how many keys a split covers,
+the warps of a split-K block, and the tile of the prefill kernel.  Everything here depends only on shapes known
+before a CUDA graph is captured; which splits do work is decided on the device from each token's length.
+Why these values: ``docs/perf/attention.md``."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from pegainfer.device import SIMULATOR
+from pegainfer.kernels.primitives import threads
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+SPLIT_TARGET_ROWS = 2048
+"""Aim for about this many (token, q head, split) rows per split-K launch: ~512 blocks at G = 4."""
+MIN_SPLIT_TOKENS = 256
+"""Split lengths are multiples of this many keys for heads of up to 128 dims (two passes of 8 warps x 16 keys)."""
+MIN_SPLIT_TOKENS_WIDE = 64
+"""... for wider heads (one pass of the dim-split kernel's 4 warp pairs): a 256-dim head has only 4 kv heads' worth
+of blocks per token, so long contexts need more splits to fill the GPU."""
+MAX_SPLITS = 256
+"""Most splits a (token, kv head) may have (the merge keeps one weight per split in shared memory)."""
+DECODE_STEP_KEYS = 16
+"""Keys one warp (or warp pair) handles per step: two n8 tiles of S, one k16 step of P V."""
+DIM_SPLIT_WARPS = 8
+"""Warps per block of the dim-split kernel (heads wider than 128 dims): 4 pairs, 64 keys per round."""
+PREFILL_MIN_TOKENS = 128
+"""``method="auto"`` takes the tiled prefill kernel from this many query tokens up."""
+
+
+class SplitGeometry(NamedTuple):
+    """Block shape of the split-K kernel: ``warps`` per block; ``dim_split``: the warps work in pairs, each on half
+    of every head's dims (``decode.split_kernel``)."""
+    warps: int
+    dim_split: bool
+
+
+def split_geometry(head_dim: int, group: int) -> SplitGeometry:
+    """The split-K kernel's block for heads of ``head_dim`` (``group`` q heads per kv head): 8 warps, each taking
+    16-key steps; heads wider than 128 dims (Qwen3.5's 256) in warp pairs, so that a warp's registers are those of a
+    128-dim head (one warp holding a whole 256-dim row of K and V would need more than 255 registers).  In the
+    simulator one warp, or one pair."""
+    if head_dim > 128:
+        return SplitGeometry(threads(gpu=DIM_SPLIT_WARPS, sim=2), True)
+    return SplitGeometry(threads(gpu=8, sim=1), False)
+
+
+def min_chunk(min_split_tokens: int | None = None, head_dim: int = 128) -> int:
+    """Fewest keys a split covers: the forced value, else ``MIN_SPLIT_TOKENS`` (``MIN_SPLIT_TOKENS_WIDE`` for heads
+    wider than 128 dims); at least one key."""
+    if min_split_tokens is None:
+        min_split_tokens = MIN_SPLIT_TOKENS_WIDE if head_dim > 128 else MIN_SPLIT_TOKENS
+    return max(1, min_split_tokens)
+
+
+def attention_num_splits(num_tokens: int, nq: int, max_model_len: int, page_size: int = 16,
+                         head_dim: int = 128) -> int:
+    """Splits per (token, kv head) the split-K launch provides: enough (token, head, split) rows to fill the GPU
+    (``SPLIT_TARGET_ROWS``), but no more than one ``min_chunk(head_dim=)``-key split per ``max_model_len``.  How many
+    of them do work is decided on the device from each token's length, so short contexts use few blocks.
+    (``page_size`` is accepted for compatibility.)"""
+    max_splits = max(1, ceil_div(max_model_len, min_chunk(head_dim=head_dim)))
+    want = ceil_div(SPLIT_TARGET_ROWS, max(1, num_tokens * nq))
+    return max(1, min(want, max_splits, MAX_SPLITS))
+
+
+class PrefillGeometry(NamedTuple):
+    """Tile of the prefill kernel: ``warps`` of 16 query rows, K/V tiles of ``block_keys`` keys, the Q fragments
+    held in registers (``q_in_regs``) or re-read from global memory (L1) for every key tile."""
+    warps: int
+    block_keys: int
+    q_in_regs: bool
+
+
+def prefill_geometry(head_dim: int) -> PrefillGeometry:
+    """64 query rows and 64-key tiles (32 for D = 256, to stay within 48 KB of static shared memory); for D = 256
+    the O accumulator alone takes 128 registers a lane, so Q is re-read instead of held.  One warp and 16-key tiles
+    in the simulator."""
+    q_in_regs = head_dim <= 128
+    if SIMULATOR:
+        return PrefillGeometry(1, 16, q_in_regs)
+    return PrefillGeometry(4, 64 if head_dim <= 128 else 32, q_in_regs)
+
+
+def prefill_supported(group: int) -> bool:
+    """Whether the prefill kernel's tile holds whole tokens for ``group`` q heads per kv head."""
+    return (16 * prefill_geometry(128).warps) % group == 0
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)

@@ -8,8 +8,8 @@
   comes from HBM, not from the 50 MB L2 -- as in a real decode step.
 * Prefill: one 2048-token prompt (positions 0..2047, one slot), tiled tensor-core kernel and, for reference, the
   split-K kernel; causal TFLOP/s, and the relative L2 difference between the two paths' outputs as a sanity check.
-* ``--sweep`` (minutes: each geometry is a compile): decode geometries (warps per block, V loaded with K or after
-  S, launch bounds), split counts and minimum split sizes, prefill tile shapes, and the split-vs-tiled crossover
+* ``--sweep`` (minutes: each geometry is a compile): decode geometries (warps per block, warp pairs over the head
+  dims), split counts and minimum split sizes, prefill tile shapes, and the split-vs-tiled crossover
   for chunks of T tokens after a 4096-token prefix -- the numbers behind the split geometry, ``SPLIT_TARGET_ROWS``
   / ``MIN_SPLIT_TOKENS``, the prefill geometry and ``PREFILL_MIN_TOKENS``.
 
@@ -126,8 +126,9 @@ def bench_decode(rng, read_bw, rows, geometry=None, num_splits=None, min_split_t
                     return lambda: A.paged_attention(q, L.k[i], L.v[i], L.tables, slots, pos, out, 1 / math.sqrt(D),
                                                      ws, num_splits=num_splits, min_split_tokens=min_split_tokens,
                                                      method="split", decode=True)
-                return lambda: A.split(q, L.k[i], L.v[i], L.tables, slots, pos, out, 1 / math.sqrt(D), ws, 1, nq,
-                                       nkv, D, nq // nkv, PAGE, num_splits, min_split_tokens, geometry)
+                return lambda: A.split(q, L.k[i], L.v[i], L.tables, slots, pos, out, 1 / math.sqrt(D), ws,
+                                       num_splits=num_splits, min_split_tokens=min_split_tokens, geometry=geometry,
+                                       decode=True)
 
             calls = [call(i % L.n) for i in range(max(L.n, 1 if SIM else 64))]
             sec = time_calls(calls)
@@ -178,7 +179,7 @@ def bench_prefill(rng, rows, T=PREFILL_T, prefix=0, methods=("prefill", "split")
             out = cuda.device_array((T, nq, D), np.uint16)
             if method == "prefill" and prefill_geometry is not None:
                 fn = (lambda out=out, L=L: A.prefill(q, L.k[0], L.v[0], L.tables, slots, pos, out, 1 / math.sqrt(D),
-                                                     T, nkv, D, nq // nkv, PAGE, prefill_geometry))
+                                                     geometry=prefill_geometry))
             else:
                 fn = (lambda out=out, method=method, L=L: A.paged_attention(
                     q, L.k[0], L.v[0], L.tables, slots, pos, out, 1 / math.sqrt(D), ws, method=method))
@@ -210,15 +211,16 @@ def print_prefill_row(r):
 def sweep(rng, read_bw, rows):
     q3 = {"qwen3-4b": MODELS["qwen3-4b"]} if not SIM else MODELS
     nq, nkv, D = next(iter(q3.values()))
-    print("\ndecode geometry sweep (warps per block, V loaded after S, launch-bounds blocks/SM; min split = 16 keys "
-          "per warp)", flush=True)
-    geometries = [(2, False, 0), (8, False, 0), (4, True, 0), (4, True, 3), (4, False, 3)]
+    print("\ndecode geometry sweep (warps per block, warp pairs over the head dims; min split = 16 keys per warp "
+          "or pair)", flush=True)
     if SIM:
-        runs = [((2, False, 0), MODELS), ((2, True, 0), MODELS)]
+        runs = [((2, False), MODELS), ((2, True), MODELS)]
     else:
-        runs = [(g, q3) for g in geometries] + [((4, True, 3), {"qwen3.5-full": MODELS["qwen3.5-full"]})]
-    for geometry, models in runs:
-        bench_decode(rng, read_bw, rows, geometry=geometry, min_split_tokens=16 * geometry[0], models=models,
+        qwen35 = {"qwen3.5-full": MODELS["qwen3.5-full"]}
+        runs = [((w, False), q3) for w in (2, 4, 8)] + [((w, True), qwen35) for w in (4, 8)]
+    for geometry, models in runs:         # (warps, dim_split): attention.SplitGeometry's fields
+        steps = geometry[0] // (2 if geometry[1] else 1)
+        bench_decode(rng, read_bw, rows, geometry=geometry, min_split_tokens=16 * steps, models=models,
                      label="sweep-g")
     print("\ndecode split sweep (default warps)", flush=True)
     for splits in ((16, 32, 64, 128, 256) if not SIM else (2, 4)):

@@ -7,7 +7,7 @@ HF computes ``act_fn(gate_proj(x)) * up_proj(x)`` on bf16 tensors, so::
     out[t, i] = bf16(act · up)                           (the product in f32, rounded)
 
 gate_up ``[tokens, 2·I]`` (gate in columns ``[0, I)``, up in ``[I, 2I)``) and out ``[tokens, I]``, uint16 bf16 bits.
-The tuned kernel (``silu_mul.py``) evaluates the same f32 expressions: the tests compare the two bit for bit.
+The tuned kernel (``swiglu.py``) evaluates the same f32 expressions: the tests compare the two bit for bit.
 """
 from __future__ import annotations
 

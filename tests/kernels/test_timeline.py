@@ -99,7 +99,6 @@ def test_step_timeline_moments_from_saved_records(tmp_path, monkeypatch, capsys)
     """``benchmarks/step_timeline.py``: each kernel's moments after the previous kernel's last block end (medians
     over its launches), its walls, and ``--load`` printing both tables from saved records without a GPU."""
     import os
-    import sys
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     monkeypatch.syspath_prepend(os.path.join(root, "benchmarks"))
     import step_timeline

@@ -35,26 +35,36 @@ Conventions every kernel in ``pegainfer/kernels`` follows
 """
 from __future__ import annotations
 
-import math  # noqa: F401  (re-exported for kernels: math.exp etc. work in both worlds)
+import math  # (re-exported: math.exp etc. work in both worlds)
 
-from numba import cuda  # noqa: F401
+from numba import cuda
 
 from pegainfer.device import SIMULATOR
 
 if SIMULATOR:
-    from pegainfer.kernels.primitives import simulator as _simulator  # noqa: F401  (patches the simulator)
+    from pegainfer.kernels.primitives.simulator import patch_simulator
+    patch_simulator()
 
-from pegainfer.kernels.primitives.async_copy import (bulk_barrier_init, bulk_copy, bulk_expect_bytes,  # noqa: F401
+from pegainfer.kernels.primitives.async_copy import (bulk_barrier_init, bulk_copy, bulk_expect_bytes,
                                                      bulk_wait, cp_async_16, cp_async_commit, cp_async_wait_group)
-from pegainfer.kernels.primitives.bf16 import (bf16_to_f32, bf16x2_hi, bf16x2_lo, bits_f32, f32_bits,  # noqa: F401
+from pegainfer.kernels.primitives.bf16 import (bf16_to_f32, bf16x2_hi, bf16x2_lo, bits_f32, f32_bits,
                                                f32_to_bf16, from_bf16_bits, pack_bf16x2, to_bf16_bits)
-from pegainfer.kernels.primitives.launch_shape import (device_fn, float32, grid, int32, kernel, threads,  # noqa: F401
+from pegainfer.kernels.primitives.launch_shape import (device_fn, float32, grid, int32, kernel, threads,
                                                        uint16, uint32)
-from pegainfer.kernels.primitives.loads import (as_words, load_f32x2, load_f32x4, load_u32_l2, load_u32x4,  # noqa: F401
+from pegainfer.kernels.primitives.loads import (as_words, load_f32x2, load_f32x4, load_u32_l2, load_u32x4,
                                                 store_f32x2, store_f32x4)
-from pegainfer.kernels.primitives.mma import mma_bf16_m16n8k16  # noqa: F401
-from pegainfer.kernels.primitives.pdl import (GRID_DEPENDENCY_CONTROL, global_timer, grid_dependency_wait,  # noqa: F401
+from pegainfer.kernels.primitives.mma import mma_bf16_m16n8k16
+from pegainfer.kernels.primitives.pdl import (GRID_DEPENDENCY_CONTROL, global_timer, grid_dependency_wait,
                                               launch_dependents, pdl_prologue, sm_id)
-from pegainfer.kernels.primitives.reductions import (FULL_MASK, NO_INDEX, WARP, block_argmax, block_max,  # noqa: F401
+from pegainfer.kernels.primitives.reductions import (FULL_MASK, NO_INDEX, WARP, block_argmax, block_max,
                                                      block_sum, lane_group_max, lane_group_sum, warp_argmax, warp_max,
                                                      warp_row_sums_to_shared, warp_sum, warp_sums_to_shared)
+
+__all__ = ["as_words", "bf16_to_f32", "bf16x2_hi", "bf16x2_lo", "bits_f32", "block_argmax", "block_max", "block_sum",
+           "bulk_barrier_init", "bulk_copy", "bulk_expect_bytes", "bulk_wait", "cp_async_16", "cp_async_commit",
+           "cp_async_wait_group", "cuda", "device_fn", "f32_bits", "f32_to_bf16", "float32", "from_bf16_bits",
+           "FULL_MASK", "global_timer", "grid", "GRID_DEPENDENCY_CONTROL", "grid_dependency_wait", "int32", "kernel",
+           "lane_group_max", "lane_group_sum", "launch_dependents", "load_f32x2", "load_f32x4", "load_u32_l2",
+           "load_u32x4", "math", "mma_bf16_m16n8k16", "NO_INDEX", "pack_bf16x2", "pdl_prologue", "SIMULATOR",
+           "sm_id", "store_f32x2", "store_f32x4", "threads", "to_bf16_bits", "uint16", "uint32", "WARP",
+           "warp_argmax", "warp_max", "warp_row_sums_to_shared", "warp_sum", "warp_sums_to_shared"]

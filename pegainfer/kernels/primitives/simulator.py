@@ -1,11 +1,11 @@
-"""The simulator's block scheduler and shared-memory allocator, made faster and race-free (imported only when the
-kernels run in Numba's CUDA simulator)."""
+"""The simulator's block scheduler and shared-memory allocator, made faster and race-free (``patch_simulator``,
+called once when the kernels run in Numba's CUDA simulator)."""
 from __future__ import annotations
 
 import numpy as np
 
 
-def _patch_simulator_block_manager():
+def patch_simulator():
     """Numba's simulator runs each CUDA thread as a Python thread and releases ``syncthreads`` from a manager
     loop that busy-polls every thread, holding the GIL while the threads it waits for cannot run: a barrier
     costs ~12 ms for one warp. Yielding the GIL between polls makes barriers (and our emulated warp
@@ -73,6 +73,3 @@ def _patch_simulator_block_manager():
         return res
 
     _kapi.FakeCUDAShared.array = shared_array
-
-
-_patch_simulator_block_manager()

@@ -9,7 +9,7 @@ from numba import cuda
 from pegainfer.kernels import linear as lin
 from pegainfer.kernels import timeline
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
-from pegainfer.kernels.primitives import global_timer, kernel
+from pegainfer.kernels.primitives import global_timer, kernel, threads
 
 STAMPING = LaunchPolicy(timeline=True)
 
@@ -70,7 +70,7 @@ def test_gemv_blocks_append_ordered_records(stamping, rng):
 
 
 def test_preloaded_gemv_records_its_kind(stamping, rng):
-    K = 2 * lin.threads(gpu=lin.PRELOAD_THREADS, sim=32)
+    K = 2 * threads(gpu=lin.PRELOAD_THREADS, sim=32)
     xb, x = bf16_randn((1, K), rng)
     wb, w = bf16_randn((40, K), rng, scale=0.1)
     out = cuda.to_device(np.zeros((1, 40), np.uint16))

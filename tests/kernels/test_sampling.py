@@ -265,8 +265,8 @@ def _draw_mix(rng, n_rows, vocab):
         if kind == 7:                                   # masked tokens and a NaN: never kept, never drawn
             bits[i, rng.choice(vocab, vocab // 4, replace=False)] = bf16(-np.inf)
             bits[i, rng.integers(vocab)] = 0x7FC0
-        row = dict(temperature=float(temperatures[i % len(temperatures)]), seed=int(rng.integers(2**64, dtype=np.uint64)),
-                   step=int(rng.integers(2**31)))
+        row = dict(temperature=float(temperatures[i % len(temperatures)]),
+                   seed=int(rng.integers(2**64, dtype=np.uint64)), step=int(rng.integers(2**31)))
         if i % 17 == 5:
             row["temperature"] = 0.0
         if rng.random() < 0.5:

@@ -66,6 +66,7 @@ def reference_add_rms_norm(residual_in, delta, weight, residual_out, out, eps: f
            np.float32(weight_offset), bool(round_before_weight))
 
 
-def reference_rms_norm(x, weight, out, eps: float, weight_offset: float = 0.0, round_before_weight: bool = True) -> None:
+def reference_rms_norm(x, weight, out, eps: float, weight_offset: float = 0.0,
+                       round_before_weight: bool = True) -> None:
     """``out = RMSNorm(x) · (weight_offset + weight)`` per token row (``reference_add_rms_norm`` without a delta)."""
     reference_add_rms_norm(x, None, weight, None, out, eps, weight_offset, round_before_weight)

@@ -1,7 +1,7 @@
 """The reference token selection: one thread per logits row, the math of the sampler stated plainly.
 
-Logits are bf16 bits ``[B, V]`` (a row-strided view is fine); each row ``r`` has its own parameters (``SamplingBuffers``):
-temperature ``T``, ``top_k``, ``top_p``, ``min_p``, ``seed``, ``step``.
+Logits are bf16 bits ``[B, V]`` (a row-strided view is fine); each row ``r`` has its own parameters
+(``SamplingBuffers``): temperature ``T``, ``top_k``, ``top_p``, ``min_p``, ``seed``, ``step``.
 
 What a row's draw means
 -----------------------

@@ -2,12 +2,13 @@
 
 Every filter of the sampler keeps an *upper set* of the logits, so the kept set is ``{i : logit_i ≥ θ}`` for one
 threshold ``θ``.  Because logits are bf16, ``θ`` takes at most 65536 values: the sampler searches it on the
-**ordered 16-bit key** of a bf16 (``_key_of``: integer order = float order, -0 = +0), where a key ``t`` is ≤ ``θ``
-exactly when ``count(logit ≥ t) ≥ k`` (top-k on), or ``mass(logit ≥ t) ≥ p · Z`` (top-p on, ``Z`` = the row's total
-mass), or ``t ≤ t_min_p`` (min-p on; ``t_min_p`` is found without touching memory: ``_lowest_key_with_weight``).
-Each search step tests ``PROBES`` = 7 keys spread over the current range ``[lo, hi)`` at once -- one pass
-histogramming the logits (count and mass) into the 8 buckets they cut -- so ``θ`` is exact after at most 6 steps
-(8^6 > 65536).  Ties need no special care: equal logits have equal keys and fall on the same side of every probe.
+**ordered 16-bit key** of a bf16 (``_key_of``: integer order = float order, -0 = +0), where a key ``t`` is
+≤ ``θ`` exactly when ``count(logit ≥ t) ≥ k`` (top-k on), or ``mass(logit ≥ t) ≥ p · Z`` (top-p on, ``Z`` = the row's
+total mass), or ``t ≤ t_min_p`` (min-p on; ``t_min_p`` is found without touching memory:
+``_lowest_key_with_weight``).  Each search step tests ``PROBES`` = 7 keys spread over the current range ``[lo, hi)``
+at once -- one pass histogramming the logits (count and mass) into the 8 buckets they cut -- so ``θ`` is exact after
+at most 6 steps (8^6 > 65536).  Ties need no special care: equal logits have equal keys and fall on the same side of
+every probe.
 """
 from __future__ import annotations
 

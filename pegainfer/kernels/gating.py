@@ -8,12 +8,17 @@ then ``chunk(2, dim=-1)``).  After attention, each head's output is scaled eleme
     out[t, h, d] = bf16( attn[t, h, d] · bf16(sigmoid(qg[t, h·2D + D + d])) )
 
 The gate is rounded to bf16 first, because HF's ``torch.sigmoid`` of a bf16 tensor returns bf16.
+
+One module, no separate reference: ``sigmoid_gate_mul_kernel`` is already the plain form (a thread per element, the
+expression above), which the tests check against float64 NumPy and HF.  The split-K attention kernel applies the
+same ``gated_value`` as it writes its output; the tiled prefill attention is followed by ``sigmoid_gate_mul``.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from pegainfer.kernels.launch import launch
+from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
 from pegainfer.kernels.primitives import (bf16_to_f32, cuda, device_fn, f32_to_bf16, float32, grid, kernel, math,
                                           pdl_prologue, threads)
 
@@ -48,7 +53,7 @@ def sigmoid_gate_mul_kernel(attn, qg, out):
         out[t, h, d] = gated_value(attn[t, h, d], qg[t, h * 2 * dim + dim + d])
 
 
-def sigmoid_gate_mul(attn, qg, out) -> None:
+def sigmoid_gate_mul(attn, qg, out, *, policy: LaunchPolicy = DEFAULT_POLICY) -> None:
     """``out = attn · sigmoid(gate)`` per head (module docstring).  attn ``[T, H, D]`` bf16 bits; qg ``[T, row]``
     with ``row ≥ 2·H·D`` (the q_proj output; gate of head h at column ``h·2D + D``); out ``[T, H, D]`` or
     ``[T, H·D]`` (a contiguous device array, reshaped here), may be attn itself."""
@@ -63,4 +68,4 @@ def sigmoid_gate_mul(attn, qg, out) -> None:
     if total == 0:
         return
     block = threads(gpu=256, sim=32)
-    launch(sigmoid_gate_mul_kernel, grid(total, per_block=block * 4, sim_cap=4), block, attn, qg, out, pdl=True)
+    launch(sigmoid_gate_mul_kernel, grid(total, per_block=block * 4, sim_cap=4), block, attn, qg, out, policy=policy)

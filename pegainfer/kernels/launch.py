@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 from pegainfer.device import SIMULATOR
 from pegainfer.kernels import numba_internals
-from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
+from pegainfer.kernels.policy import LaunchPolicy
 from pegainfer.kernels.primitives import GRID_DEPENDENCY_CONTROL
 
 _stream: Any = 0
@@ -53,14 +53,11 @@ _launch_pdl = _programmatic_launcher()
 
 
 def launch(kernel, grid: int, block: int, *args, shared: int = 0, name: str | None = None,
-           policy: LaunchPolicy | None = None, pdl: bool = False) -> None:
+           policy: LaunchPolicy | None = None) -> None:
     """Launch ``kernel[grid, block, stream, shared](*args)`` on the current stream (1-D grids and blocks).
 
     ``policy``: the kernel follows the PDL contract (module docstring); it overlaps the kernel before it when
-    ``policy.overlaps(name)`` and the GPU can.  (``pdl=True``: the same under ``DEFAULT_POLICY``, for callers not
-    yet handed a policy.)"""
-    if policy is None and pdl:
-        policy = DEFAULT_POLICY
+    ``policy.overlaps(name)`` and the GPU can.  Without one it never overlaps (a kernel outside the contract)."""
     if _tracer is not None:
         with _tracer(name or getattr(kernel, "__name__", None) or getattr(getattr(kernel, "py_func", None), "__name__", "kernel")):
             _launch(kernel, grid, block, args, shared, policy, name)

@@ -7,8 +7,9 @@ nanosecond clock (``%globaltimer``) and its SM, so ``benchmarks/step_timeline.py
 the previous kernel took after that kernel's last block ended, how long the prologue took and how far apart the
 blocks of one launch end (the tail).
 
-Off by default (``ENABLED``): the kernel builders take the flag as a compile-time argument, so the engine's kernels
-contain no stamping code.  When on, each instrumented block's thread 0 appends one record to ``buffer()``:
+Off by default (``LaunchPolicy.timeline``): the kernel builders take the policy's flag as a compile-time argument,
+so the engine's kernels contain no stamping code, and pass ``stamps_arg(policy)`` as the stamp buffer.  When on,
+each instrumented block's thread 0 appends one record to ``buffer()``:
 
     word 0 of the buffer: the number of records appended (an atomic counter); record r at words ``8 + 8 r``:
     [t_entry, t_wait, t_ready, t_end, kind, block, grid, sm | extra << 8]
@@ -16,7 +17,8 @@ contain no stamping code.  When on, each instrumented block's thread 0 appends o
 ``t_entry``: the block's first instruction; ``t_wait``: its ``grid_dependency_wait`` returned; ``t_ready``: its
 inputs are staged (the GEMV's x in shared memory, the preloaded rows landed; decode attention: its first work
 item's last ``P V`` product done, before the merge; the Gated DeltaNet decode step: its first item's outputs
-written; kernels without a prologue repeat ``t_wait``); ``t_end``: its last instruction.  ``kind``: one of ``KINDS``; ``extra``: the GEMV's output columns.
+written; kernels without a prologue repeat ``t_wait``); ``t_end``: its last instruction.  ``kind``: one of ``KINDS``;
+``extra``: the GEMV's output columns.
 """
 from __future__ import annotations
 
@@ -24,10 +26,8 @@ import functools
 
 import numpy as np
 
+from pegainfer.kernels.policy import LaunchPolicy
 from pegainfer.kernels.primitives import cuda, device_fn, global_timer, sm_id
-
-ENABLED = False
-"""Build the instrumented kernels (read when a kernel is built: set it before the graph is captured)."""
 
 CAPACITY = 1 << 16
 """Records the buffer holds; later ones are dropped (a Qwen3-4B decode step appends ~35k)."""
@@ -68,13 +68,14 @@ def records() -> np.ndarray:
 
 @functools.cache
 def unused():
-    """What an instrumented kernel's stamp argument gets when ``ENABLED`` is off (never written)."""
+    """What an instrumented kernel's stamp argument gets when stamping is off (never written)."""
     return cuda.to_device(np.zeros(1, np.uint64))
 
 
-def stamps_arg():
-    """The buffer when stamping is on, else a one-word placeholder."""
-    return buffer() if ENABLED else unused()
+def stamps_arg(policy: LaunchPolicy):
+    """The stamp argument of an instrumented launch: the buffer when ``policy.timeline``, else a one-word
+    placeholder (allocate the buffer before a graph capture: ``buffer()``)."""
+    return buffer() if policy.timeline else unused()
 
 
 @device_fn

@@ -15,6 +15,7 @@ import pegainfer  # noqa: F401  (before numba)
 from numba import cuda
 
 from pegainfer.kernels.launch import launch
+from pegainfer.kernels.policy import DEFAULT_POLICY
 from pegainfer.kernels.primitives import f32_to_bf16, grid, threads
 
 HASH_MOD = 1000003
@@ -61,6 +62,7 @@ class TinyHistoryModel:
         self.logits = cuda.to_device(np.zeros((max_rows, vocab), np.uint16))
         self.cache = None
         self.page_size = None
+        self.policy = DEFAULT_POLICY          # the runner reads it (head_argmax); these kernels never overlap
 
     def allocate(self, num_pages: int, page_size: int) -> None:
         self.page_size = page_size

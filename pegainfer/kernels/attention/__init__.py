@@ -106,7 +106,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, o
     if method == "prefill":
         paged_attention_prefill(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, policy=policy)
         if gate is not None:
-            sigmoid_gate_mul(out, gate, out)
+            sigmoid_gate_mul(out, gate, out, policy=policy)
     else:
         paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, workspace,
                         num_splits=num_splits, min_split_tokens=min_split_tokens, decode=decode, gate=gate,

@@ -169,5 +169,5 @@ def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_ou
     if normed_out is None:
         raise ValueError(f"normed_out (a [{T}, {k}] scratch) is needed: T = {T} takes the unfused path")
     add_rms_norm_into(residual_in, delta, norm_weight, residual_out, normed_out, eps, weight_offset,
-                      round_before_weight)
+                      round_before_weight, policy=policy)
     run_linear(normed_out, w, out, gated, impl, policy)

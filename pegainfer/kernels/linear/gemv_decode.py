@@ -336,8 +336,8 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
            (blocks of ``NORM_THREADS``) x is not read: every block computes ``s = bf16(residual + delta)``
            (``has_delta``; else ``s = residual``) and ``x = rms_norm(s)`` with ``norm_weight`` and the norm's
            ``eps`` / ``weight_offset`` / ``round_before_weight`` from the whole row (L2 hits); thread t holds pairs
-           t, t + B, ... (``norm.SUM_ORDER``: bit-identical to ``norm``'s kernels); block b writes pairs p with
-           ``(p // B) % grid == b`` of ``residual_out``.  With ``gather`` the residual is row ``row_ids[0]`` of
+           t, t + B, ... (norm's sum order, ``norm.row_kernel``'s docstring: bit-identical to ``norm``'s
+           kernels); block b writes pairs p with ``(p // B) % grid == b`` of ``residual_out``.  With ``gather`` the residual is row ``row_ids[0]`` of
            ``residual_in`` (the embedding table ``[V, K]``; an id outside ``[0, V)`` reads as zeros, as
            ``embedding`` does).
         3. *Stream W*: blocks grid-stride over tiles of ``warps / k_split · rows_per_warp`` logical columns (at most

@@ -1,4 +1,4 @@
-"""RMSNorm, plain and fused with the residual add, in the two bf16 roundings the served models use.
+"""The tuned RMSNorm, plain and fused with the residual add, in the two bf16 roundings the served models use.
 
 For a row ``x`` of ``hidden`` values, with ``r = 1 / sqrt(mean(x²) + eps)`` computed in f32:
 
@@ -13,6 +13,11 @@ pass, ``residual = bf16(residual + delta)`` in place, then the norm of the *roun
 ``add_rms_norm_into`` is the same kernel writing the sum to another buffer (a model that ping-pongs two residual
 buffers, see ``linear.linear_add_rms_norm``), optionally without a delta (then it is ``rms_norm`` that also copies
 the residual); both are bit-identical to ``add_rms_norm`` / ``rms_norm``.
+
+**Sum order.**  The f32 sum of a row's squares depends on the order of its additions, and a kernel that must be
+bit-identical to these norms (``linear``'s fused add + RMSNorm prologue) adds in the same order: thread t of a block of
+``BLOCK_THREADS`` = B adds elements 2t, 2t+1, then 2(t+B), 2(t+B)+1, ... (element pairs, so a fused kernel can read
+a row as 32-bit words), then ``block_sum`` combines the threads.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import functools
 import numpy as np
 
 from pegainfer.kernels.launch import launch
+from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
 from pegainfer.kernels.primitives import (bf16_to_f32, bf16x2_hi, bf16x2_lo, block_sum, cuda, device_fn,
                                           f32_to_bf16, float32, grid, kernel, math, pdl_prologue, threads, uint16,
                                           uint32)
@@ -94,7 +100,7 @@ def _add_rms_norm_kernel(pairs: int):
         overlap it (``add_rms_norm_into``).
 
         Geometry: one block of ``BLOCK_THREADS`` per token row (grid-stride over rows).  Thread t holds words
-        t, t + B, ... of the row in registers (``SUM_ORDER``): all its loads (residual, delta, weight) are issued
+        t, t + B, ... of the row in registers (the sum order above): all its loads (residual, delta, weight) are issued
         at once — a row is one round trip to memory, not one per element — then ``block_sum`` of the squares, then
         the normalized words from the registers.  Each thread writes only the words it read, so in place is safe.
         """
@@ -142,27 +148,23 @@ def _check(x, weight, out):
 
 
 BLOCK_THREADS = threads(gpu=256, sim=32)
-"""Block size of every kernel here.  It fixes the order in which a row's squares are summed (``SUM_ORDER``): a
+"""Block size of every kernel here.  It fixes the order in which a row's squares are summed (module docstring): a
 kernel that must be bit-identical to these norms (``linear``'s fused add + RMSNorm prologue) sums in blocks of this
 size too."""
-
-SUM_ORDER = "pairs"
-"""How a row's squares are summed, which makes the f32 result bit-exact: thread t of a block of B adds elements
-2t, 2t+1, then 2(t+B), 2(t+B)+1, ... (element pairs, so a fused kernel can read a row as 32-bit words), then
-``block_sum`` combines the threads."""
 
 
 def _geometry(num_tokens):
     return grid(num_tokens, sim_cap=4), BLOCK_THREADS
 
 
-def rms_norm(x, weight, out, eps: float, weight_offset: float = 0.0, round_before_weight: bool = True) -> None:
+def rms_norm(x, weight, out, eps: float, weight_offset: float = 0.0, round_before_weight: bool = True, *,
+             policy: LaunchPolicy = DEFAULT_POLICY) -> None:
     """``out = RMSNorm(x) * (weight_offset + weight)`` per token row; x, out ``[T, H]``, weight ``[H]`` bf16 bits.
     Qwen3: defaults; Qwen3.5: ``weight_offset=1.0, round_before_weight=False``."""
     _check(x, weight, out)
     if x.shape[0] == 0:
         return
-    _launch_add_rms_norm(x, None, weight, None, out, eps, weight_offset, round_before_weight, "rms_norm")
+    _launch_add_rms_norm(x, None, weight, None, out, eps, weight_offset, round_before_weight, "rms_norm", policy)
 
 
 def _words(a):
@@ -170,24 +172,24 @@ def _words(a):
 
 
 def _launch_add_rms_norm(residual_in, delta, weight, residual_out, out, eps, weight_offset, round_before_weight,
-                         name: str):
+                         name: str, policy: LaunchPolicy):
     if residual_in.shape[0] == 0:
         return
     r32 = _words(residual_in)
     launch(_add_rms_norm_kernel(pairs_per_thread(residual_in.shape[1])), *_geometry(residual_in.shape[0]), r32,
            r32 if delta is None else _words(delta), delta is not None, _words(weight),
            r32 if residual_out is None else _words(residual_out), residual_out is not None, _words(out),
-           np.float32(eps), np.float32(weight_offset), bool(round_before_weight), name=name, pdl=True)
+           np.float32(eps), np.float32(weight_offset), bool(round_before_weight), name=name, policy=policy)
 
 
 def add_rms_norm(residual, delta, weight, out, eps: float, weight_offset: float = 0.0,
-                 round_before_weight: bool = True, *, policy=None) -> None:
+                 round_before_weight: bool = True, *, policy: LaunchPolicy = DEFAULT_POLICY) -> None:
     """``residual = bf16(residual + delta)`` in place, then ``out = rms_norm(residual)`` (same flags as
     ``rms_norm``); residual, delta, out ``[T, H]``, weight ``[H]`` bf16 bits."""
     _check(residual, weight, out)
     assert delta.shape == residual.shape and delta.dtype == np.uint16, (delta.shape, delta.dtype)
     _launch_add_rms_norm(residual, delta, weight, residual, out, eps, weight_offset, round_before_weight,
-                         "add_rms_norm")
+                         "add_rms_norm", policy)
 
 
 def _memory_range(a) -> tuple[int, int]:
@@ -216,7 +218,8 @@ def check_residual_buffers(residual_in, delta, norm_weight, residual_out) -> Non
 
 
 def add_rms_norm_into(residual_in, delta, norm_weight, residual_out, normed_out, eps: float,
-                      weight_offset: float = 0.0, round_before_weight: bool = True) -> None:
+                      weight_offset: float = 0.0, round_before_weight: bool = True, *,
+                      policy: LaunchPolicy = DEFAULT_POLICY) -> None:
     """``residual_out = s = bf16(residual_in + delta)`` (``delta=None``: ``s = residual_in``), ``normed_out =
     rms_norm(s)``: ``add_rms_norm`` / ``rms_norm`` with the sum written to another buffer, bit for bit;
     ``residual_in`` is not written.  All ``[T, H]`` but norm_weight ``[H]``, uint16 bf16 bits."""
@@ -225,4 +228,4 @@ def add_rms_norm_into(residual_in, delta, norm_weight, residual_out, normed_out,
         raise ValueError(f"normed_out {normed_out.shape} {normed_out.dtype} must match residual_in "
                          f"{residual_in.shape} (uint16)")
     _launch_add_rms_norm(residual_in, delta, norm_weight, residual_out, normed_out, eps, weight_offset,
-                         round_before_weight, "add_rms_norm_into")
+                         round_before_weight, "add_rms_norm_into", policy)

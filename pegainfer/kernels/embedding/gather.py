@@ -1,8 +1,8 @@
-"""Token embedding lookup: the first kernel of every forward step.
+"""The tuned embedding gather: ``out[t, :] = table[ids[t], :]``, a row copy of bf16 bits, 16 bytes per load.
 
-``out[t, :] = table[ids[t], :]`` — a row gather of bf16 bits.  Token ids come from a device array so the launch can
-be captured into a CUDA graph and replayed with new ids written into the same buffer.  (The models also gather the
-rows that need logits with it.)
+Token ids come from a device array so the launch can be captured into a CUDA graph and replayed with new ids written
+into the same buffer.  (The models also gather the rows that need logits with it.)  Rows whose size or alignment
+rules out 16-byte loads take a one-bf16-at-a-time kernel.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import functools
 import numpy as np
 
 from pegainfer.kernels.launch import launch
+from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
 from pegainfer.kernels.primitives import (as_words, cuda, grid, int32, kernel, load_u32x4, pdl_prologue, threads,
                                           uint16, uint32)
 
@@ -99,7 +100,7 @@ def _sixteen_byte_rows(a) -> bool:
     return ptr % 16 == 0
 
 
-def embedding(ids, table, out, *, policy=None) -> None:
+def embedding(ids, table, out, *, policy: LaunchPolicy = DEFAULT_POLICY) -> None:
     """``out[t] = table[ids[t]]`` for every token ``t`` (ids ``[T]`` int32, table ``[V, H]`` and out ``[T, H]``
     uint16 bf16 bits, all device arrays).  Out-of-range ids give zero rows."""
     assert ids.ndim == 1 and ids.dtype == np.int32, (ids.shape, ids.dtype)
@@ -114,6 +115,6 @@ def embedding(ids, table, out, *, policy=None) -> None:
         row_words = table.shape[1] // 2
         rounds = -(-row_words // (4 * block))
         launch(_embedding_rows_kernel(rounds), grid(num_tokens, sim_cap=4), block, ids, as_words(table),
-               as_words(out), np.int32(row_words), np.int32(table.shape[0]), pdl=True)
+               as_words(out), np.int32(row_words), np.int32(table.shape[0]), policy=policy)
     else:
-        launch(embedding_kernel, grid(num_tokens, sim_cap=4), block, ids, table, out, pdl=True)
+        launch(embedding_kernel, grid(num_tokens, sim_cap=4), block, ids, table, out, policy=policy)

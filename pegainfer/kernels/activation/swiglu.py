@@ -1,15 +1,13 @@
-"""The MLP's gated activation: SwiGLU on the output of the fused gate/up projection.
-
-HF computes ``act_fn(gate_proj(x)) * up_proj(x)`` on bf16 tensors, so each op rounds to bf16:
-``out = bf16(bf16(silu(gate)) · up)`` with ``silu(g) = g / (1 + exp(-g))`` evaluated in f32.
-"""
+"""SwiGLU on the output of a gate/up projection: ``out = bf16(bf16(silu(gate)) · up)`` (``silu`` in f32), a
+grid-stride loop over the outputs; ``silu`` is also the activation of ``linear.linear_silu_mul``'s epilogue."""
 from __future__ import annotations
 
 import numpy as np
 
 from pegainfer.kernels.launch import launch
-from pegainfer.kernels.primitives import (pdl_prologue, bf16_to_f32, cuda, device_fn, f32_to_bf16, float32, grid, kernel, math,
-                                          threads)
+from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
+from pegainfer.kernels.primitives import (bf16_to_f32, cuda, device_fn, f32_to_bf16, float32, grid, kernel, math,
+                                          pdl_prologue, threads)
 
 
 @device_fn
@@ -38,7 +36,7 @@ def silu_mul_kernel(gate_up, out):
         out[t, i] = f32_to_bf16(act * bf16_to_f32(gate_up[t, inter + i]))
 
 
-def silu_mul(gate_up, out) -> None:
+def silu_mul(gate_up, out, *, policy: LaunchPolicy = DEFAULT_POLICY) -> None:
     """``out = bf16(bf16(silu(gate)) * up)`` where ``gate, up = gate_up[:, :I], gate_up[:, I:]`` (uint16 bf16 bits,
     gate_up ``[T, 2I]``, out ``[T, I]``)."""
     assert gate_up.ndim == 2 and gate_up.dtype == np.uint16, (gate_up.shape, gate_up.dtype)
@@ -48,4 +46,4 @@ def silu_mul(gate_up, out) -> None:
     if n == 0:
         return
     block = threads(gpu=256, sim=32)
-    launch(silu_mul_kernel, grid(n, per_block=block, sim_cap=4), block, gate_up, out, pdl=True)
+    launch(silu_mul_kernel, grid(n, per_block=block, sim_cap=4), block, gate_up, out, policy=policy)

@@ -1,0 +1,161 @@
+"""Wide loads and stores: ``load_u32x4(a, i)`` reads ``a[i:i+4]`` of a ``uint32`` array as one 16-byte read-only
+load (8 bf16 values; ``i`` an element index, a multiple of 4); ``load_u32_l2`` reads one word at L2;
+``load_f32x2`` / ``load_f32x4`` and ``store_f32x2`` / ``store_f32x4`` move 8 / 16 bytes of f32 at once (global or
+shared memory); ``as_words`` views a tensor as the flat uint32 array they read."""
+from __future__ import annotations
+
+import numpy as np
+
+from pegainfer.device import SIMULATOR
+from pegainfer.kernels.primitives.launch_shape import device_fn
+
+if SIMULATOR:
+    @device_fn
+    def load_u32x4(a, i):
+        return a[i], a[i + 1], a[i + 2], a[i + 3]
+
+    @device_fn
+    def load_u32_l2(a, i):
+        return a[i]
+
+    @device_fn
+    def load_f32x2(a, i):
+        return a[i], a[i + 1]
+
+    @device_fn
+    def store_f32x2(a, i, x, y):
+        a[i] = x
+        a[i + 1] = y
+
+    @device_fn
+    def load_f32x4(a, i):
+        return a[i], a[i + 1], a[i + 2], a[i + 3]
+
+    @device_fn
+    def store_f32x4(a, i, x, y, z, w):
+        a[i] = x
+        a[i + 1] = y
+        a[i + 2] = z
+        a[i + 3] = w
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    from pegainfer.kernels.primitives.ptx import _element_pointer
+
+    @intrinsic
+    def _ld_global_nc_v4_u32(typingctx, arr, idx):
+        """``ld.global.nc.v4.u32``: one 16-byte read-only load of a[idx:idx+4] (idx a multiple of 4)."""
+        if not (isinstance(arr, types.Array) and arr.dtype == types.uint32 and arr.ndim == 1):
+            return None
+        sig = types.UniTuple(types.uint32, 4)(arr, idx)
+
+        def codegen(context, builder, sig, args):
+            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.LiteralStructType([i32, i32, i32, i32]), [ptr.type])
+            asm = ir.InlineAsm(fnty, "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
+            res = builder.call(asm, [ptr])
+            elems = [builder.extract_value(res, k) for k in range(4)]
+            return context.make_tuple(builder, sig.return_type, elems)
+
+        return sig, codegen
+
+    @device_fn
+    def load_u32x4(a, i):
+        return _ld_global_nc_v4_u32(a, i)
+
+    @intrinsic
+    def load_u32_l2(typingctx, arr, idx):
+        """``ld.global.cg.u32``: ``a[idx]`` read at L2, the point where every SM's writes meet (no L1 line, so no
+        stale copy): for data an earlier, completed kernel wrote, read before this kernel's PDL wait."""
+        if not (isinstance(arr, types.Array) and arr.dtype == types.uint32 and arr.ndim == 1):
+            return None
+        sig = types.uint32(arr, idx)
+
+        def codegen(context, builder, sig, args):
+            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [ptr.type]), "ld.global.cg.u32 $0, [$1];", "=r,l",
+                               side_effect=True)
+            return builder.call(asm, [ptr])
+
+        return sig, codegen
+
+    # f32 vector loads and stores (global or shared memory: the address is generic): plain LLVM vector accesses,
+    # so the compiler orders them against barriers and other accesses as it does any load or store.
+    def _f32_vector_args_ok(arr):
+        return isinstance(arr, types.Array) and arr.dtype == types.float32 and arr.ndim == 1
+
+    def _f32_vector_pointer(context, builder, sig, args, width):
+        ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        return builder.bitcast(ptr, ir.VectorType(ir.FloatType(), width).as_pointer())
+
+    def _f32_vector_load(width):
+        def typer(typingctx, arr, idx):
+            if not _f32_vector_args_ok(arr):
+                return None
+            sig = types.UniTuple(types.float32, width)(arr, idx)
+
+            def codegen(context, builder, sig, args):
+                v = builder.load(_f32_vector_pointer(context, builder, sig, args, width), align=4 * width)
+                elems = [builder.extract_element(v, ir.Constant(ir.IntType(32), k)) for k in range(width)]
+                return context.make_tuple(builder, sig.return_type, elems)
+
+            return sig, codegen
+        return typer
+
+    def _f32_vector_store(width):
+        def codegen(context, builder, sig, args):
+            v = ir.Constant(ir.VectorType(ir.FloatType(), width), ir.Undefined)
+            for k in range(width):
+                v = builder.insert_element(v, args[2 + k], ir.Constant(ir.IntType(32), k))
+            builder.store(v, _f32_vector_pointer(context, builder, sig, args, width), align=4 * width)
+            return context.get_dummy_value()
+        return codegen
+
+    @intrinsic
+    def _ld_f32x2(typingctx, arr, idx):
+        """One 8-byte load of a[idx], a[idx + 1] (idx even)."""
+        return _f32_vector_load(2)(typingctx, arr, idx)
+
+    @intrinsic
+    def _ld_f32x4(typingctx, arr, idx):
+        """One 16-byte load of a[idx : idx + 4] (idx a multiple of 4)."""
+        return _f32_vector_load(4)(typingctx, arr, idx)
+
+    @intrinsic
+    def _st_f32x2(typingctx, arr, idx, x, y):
+        """One 8-byte store of (x, y) to a[idx], a[idx + 1] (idx even)."""
+        if not _f32_vector_args_ok(arr):
+            return None
+        return types.void(arr, idx, types.float32, types.float32), _f32_vector_store(2)
+
+    @intrinsic
+    def _st_f32x4(typingctx, arr, idx, x, y, z, w):
+        """One 16-byte store of (x, y, z, w) to a[idx : idx + 4] (idx a multiple of 4)."""
+        if not _f32_vector_args_ok(arr):
+            return None
+        return types.void(arr, idx, types.float32, types.float32, types.float32, types.float32), _f32_vector_store(4)
+
+    @device_fn
+    def load_f32x2(a, i):
+        return _ld_f32x2(a, i)
+
+    @device_fn
+    def store_f32x2(a, i, x, y):
+        _st_f32x2(a, i, x, y)
+
+    @device_fn
+    def load_f32x4(a, i):
+        return _ld_f32x4(a, i)
+
+    @device_fn
+    def store_f32x4(a, i, x, y, z, w):
+        _st_f32x4(a, i, x, y, z, w)
+
+
+def as_words(a):
+    """A contiguous tensor (bf16 as uint16, or f32) seen as a flat uint32 array, for 16-byte loads and ``cp.async``
+    (host and device arrays alike; no copy)."""
+    return a.reshape(-1).view(np.uint32)

@@ -46,7 +46,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from pegainfer.kernels import attention, embedding, gated_delta, gating, linear, norm, rope
+from pegainfer.kernels import attention, embedding, gated_delta, linear, norm, rope
 from pegainfer.kernels.primitives import from_bf16_bits
 from pegainfer.kernels.policy import DEFAULT_POLICY
 from pegainfer.models.common import BF16, DecoderModel, upload_stacked

@@ -223,6 +223,14 @@ def _stable(value):
     return ("id", id(value))
 
 
+def _cell(cell):
+    """A closure cell's value; an empty cell (a name the closure binds later) as a marker."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return ("empty cell",)
+
+
 def _options(kernel) -> str:
     return repr(sorted((k, v) for k, v in kernel.targetoptions.items() if k != "extensions"))
 
@@ -231,7 +239,7 @@ def fingerprint(kernel, types) -> tuple:
     """What makes two launched kernels compile alike: the Python function (module, name, closure constants), the
     target options and the argument types."""
     f = kernel.py_func
-    cells = tuple(_stable(c.cell_contents) for c in (f.__closure__ or ()))
+    cells = tuple(_stable(_cell(c)) for c in (f.__closure__ or ()))
     return f.__module__, f.__qualname__, hash(f.__code__), cells, _options(kernel), types
 
 

@@ -77,13 +77,19 @@ def launches_during(fn):
 def assert_pdl_contract(launched):
     """Every launch of an engine step is a PDL launch (so no kernel boundary is left unoverlapped), and every
     PDL-launched kernel waits for the previous kernel (``pdl_prologue()`` or ``grid_dependency_wait()`` in its
-    source): a kernel without the wait would race with the kernel before it on the GPU."""
+    source): a kernel without the wait would race with the kernel before it on the GPU.  And every launched
+    kernel's closure is complete: numba's disk cache (GPU only) pickles each cell, and an empty one fails there."""
     import inspect
 
     assert launched, "nothing was launched"
     for kernel, pdl in launched:
         fn = getattr(kernel, "py_func", None) or getattr(kernel, "fn")
         name = fn.__name__
+        for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+            try:
+                cell.cell_contents
+            except ValueError:   # numba's disk cache pickles every closure cell: this kernel fails on a GPU only
+                raise AssertionError(f"{name}: closure variable {var!r} is never bound") from None
         assert pdl, f"{name} was launched without a policy (outside the PDL contract)"
         src = inspect.getsource(fn)
         assert "pdl_prologue()" in src or "grid_dependency_wait()" in src, f"{name} never waits for its inputs"

@@ -314,9 +314,13 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
     R, S, U = rows_per_warp, stages, max(1, norm_pairs)
     SR4 = S * 4 * R
     start_tile, stream_tile, write_tile = _tile_steps(rows_per_warp, stages, warps, gated, argmax)
+    # both kinds of step are bound (the unused one is never called: its branch is pruned at compile time), so the
+    # kernel's closure has no empty cell -- numba's disk cache pickles every cell of a cached kernel's closure
     if NORM:
         read_early, stage_normed_x = _norm_steps(norm_pairs, warps, gather, residual_early, whole_pairs)
+        stage_x = _stage_x_step(warps, 0)
     else:
+        read_early, stage_normed_x = _norm_steps(1, warps, False, False, False)
         stage_x = _stage_x_step(warps, x_slices)
     merge_head_argmax = _head_argmax_step(warps)
 

@@ -42,6 +42,8 @@ from pegainfer.engine.types import RequestOutput, SamplingParams
 from pegainfer.errors import PegainferError, RequestError
 from pegainfer.server import protocol as P
 from pegainfer.server.protocol import APIError
+from pegainfer.text.chat_output import ChatDelta, ChatOutputParser
+from pegainfer.text.tool_calls import ToolCallParser
 
 log = logging.getLogger("pegainfer.server")
 
@@ -415,16 +417,19 @@ class OpenAIServer:
             raise P.bad("this model folder has no chat template (tokenizer_config.json chat_template or "
                         "chat_template.jinja): use /v1/completions", "messages", "no_chat_template")
         tok = engine.tokenizer
+        tools = req.tools if req.tool_choice != "none" else None   # "none": the model is not told about them
 
         def render_and_encode():
             text = engine.chat_template.render(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                               **req.template_kwargs)
-            return tok.encode(text, False)
+                                               tools=tools, **req.template_kwargs)
+            return text, tok.encode(text, False)
 
-        ids = await self.off_loop_if_long(sum(len(m["content"]) for m in req.messages), render_and_encode)
+        size = sum(len(m["content"]) for m in req.messages) + (len(json.dumps(tools)) if tools else 0)
+        prompt_text, ids = await self.off_loop_if_long(size, render_and_encode)
         if not ids:
             raise P.bad("the chat template rendered these messages as an empty prompt", "messages", "empty_prompt")
         params = self.sampling_params(req.sampling, len(ids), None, "messages")
+        parser = ChatOutputParser(None, ToolCallParser(req.tool_schemas()) if tools else None)
         top_n = params.logprobs or 0
         rid = P.new_id("chatcmpl")
         rlog = _RequestLog(rid, "chat")
@@ -432,19 +437,27 @@ class OpenAIServer:
         name = self.model_name()
         stream, watch = await self._submit(request, rid, ids, params, rlog)
 
+        def finish_reason(finish: str) -> str:
+            return "tool_calls" if parser.calls and finish == "stop" else finish
+
         if not req.stream:
-            text, content_lp = [], []
+            answer, content_lp = ChatDelta(), []
 
             def take(out):
-                text.append(out.delta_text)
+                answer.add(parser.push(out.delta_text))
                 if params.logprobs is not None:
                     content_lp.extend(P.chat_logprobs(tok, out.logprobs, top_n))
 
             finish = await self._collect(stream, watch, rlog, take)
+            answer.add(parser.flush())
+            message = {"role": "assistant", "content": answer.content}
+            if answer.tool_calls:
+                message["content"] = answer.content or None
+                message["tool_calls"] = [c.to_openai() for c in answer.tool_calls]
             logprobs = {"content": content_lp, "refusal": None} if params.logprobs is not None else None
             body = {"id": rid, "object": "chat.completion", "created": P.now(), "model": name,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                                 "logprobs": logprobs, "finish_reason": finish}],
+                    "choices": [{"index": 0, "message": message, "logprobs": logprobs,
+                                 "finish_reason": finish_reason(finish)}],
                     "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens), "system_fingerprint": None}
             return JSONResponse(body, headers={"x-request-id": rid})
 
@@ -458,27 +471,50 @@ class OpenAIServer:
             return c
 
         text_chunk = ChunkTemplate(lambda text: chunk({"content": text}, None, None))
+        n_calls = 0
+
+        def deltas(d: ChatDelta) -> list[dict]:
+            """The stream deltas of what one output settled; a call as OpenAI streams one: its id, type and name
+            with empty arguments, then the arguments."""
+            nonlocal n_calls
+            out = [{"content": d.content}] if d.content else []
+            for call in d.tool_calls:
+                head = {"index": n_calls, "id": call.id, "type": "function",
+                        "function": {"name": call.name, "arguments": ""}}
+                out += [{"tool_calls": [head]},
+                        {"tool_calls": [{"index": n_calls, "function": {"arguments": call.arguments}}]}]
+                n_calls += 1
+            return out
 
         async def events():
             tail = []
             try:
-                yield sse(chunk({"role": "assistant", "content": ""}, None, None))
+                # with tools the answer may be calls only, whose content is null (as OpenAI streams them)
+                yield sse(chunk({"role": "assistant", "content": None if tools else ""}, None, None))
                 async for out in stream:
                     rlog.saw(out)
                     lps = None
                     if params.logprobs is not None and out.logprobs:
                         lps = {"content": P.chat_logprobs(tok, out.logprobs, top_n), "refusal": None}
                     finish = self._finish_reason(out) if out.finished else None
-                    if out.delta_text or lps:
-                        event = text_chunk.fill(out.delta_text) if lps is None else \
-                            sse(chunk({"content": out.delta_text}, lps, None))
+                    d = parser.push(out.delta_text)
+                    if finish:
+                        d.add(parser.flush())
+                    parts = deltas(d)
+                    if lps is not None and not parts:
+                        parts = [{"content": ""}]
+                    for k, part in enumerate(parts):
+                        if k == 0 and lps is None and len(part) == 1 and "content" in part:
+                            event = text_chunk.fill(part["content"])
+                        else:
+                            event = sse(chunk(part, lps if k == 0 else None, None))
                         if finish:
                             tail.append(event)
                         else:
                             yield event
                     if finish:
-                        rlog.finish = finish
-                        tail.append(sse(chunk({}, None, finish)))
+                        rlog.finish = finish_reason(finish)
+                        tail.append(sse(chunk({}, None, rlog.finish)))
                 if req.include_usage and rlog.finish:
                     tail.append(sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                                      "model": name, "choices": [],

@@ -43,6 +43,7 @@ from pegainfer.errors import PegainferError, RequestError
 from pegainfer.server import protocol as P
 from pegainfer.server.protocol import APIError
 from pegainfer.text.chat_output import ChatDelta, ChatOutputParser
+from pegainfer.text.reasoning import REASONING_PARSERS, ReasoningParser, reasoning_start
 from pegainfer.text.tool_calls import ToolCallParser
 
 log = logging.getLogger("pegainfer.server")
@@ -192,7 +193,12 @@ class OpenAIServer:
     """The route handlers and the state they share."""
 
     def __init__(self, async_engine: AsyncEngine, served_model_name: Optional[str] = None,
-                 api_key: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+                 api_key: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 reasoning_parser: str = "auto"):
+        if reasoning_parser not in ("auto", "none", *REASONING_PARSERS):
+            raise PegainferError(f"--reasoning-parser must be auto, none or one of {', '.join(REASONING_PARSERS)}; "
+                                 f"got {reasoning_parser!r}")
+        self.reasoning_parser = reasoning_parser
         self.async_engine = async_engine
         self.served_model_name = served_model_name
         self.api_key = api_key or None
@@ -211,6 +217,14 @@ class OpenAIServer:
             return self.served_model_name
         engine = self.async_engine.engine if self.async_engine.ready else None
         return getattr(engine, "model_name", None) or "pegainfer"
+
+    def reasoning_parser_for(self, engine) -> Optional[str]:
+        """The reasoning parser chat answers go through: "auto" picks ``qwen3`` for a folder whose chat template
+        writes ``<think>`` blocks (Qwen3, Qwen3.5), none otherwise."""
+        if self.reasoning_parser == "auto":
+            template = engine.chat_template
+            return "qwen3" if template is not None and "<think>" in template.source else None
+        return None if self.reasoning_parser == "none" else self.reasoning_parser
 
     def check_auth(self, request: Request) -> None:
         if self.api_key is None:
@@ -429,7 +443,9 @@ class OpenAIServer:
         if not ids:
             raise P.bad("the chat template rendered these messages as an empty prompt", "messages", "empty_prompt")
         params = self.sampling_params(req.sampling, len(ids), None, "messages")
-        parser = ChatOutputParser(None, ToolCallParser(req.tool_schemas()) if tools else None)
+        thinking = self.reasoning_parser_for(engine)
+        parser = ChatOutputParser(ReasoningParser(reasoning_start(prompt_text)) if thinking else None,
+                                  ToolCallParser(req.tool_schemas()) if tools else None)
         top_n = params.logprobs or 0
         rid = P.new_id("chatcmpl")
         rlog = _RequestLog(rid, "chat")
@@ -451,6 +467,8 @@ class OpenAIServer:
             finish = await self._collect(stream, watch, rlog, take)
             answer.add(parser.flush())
             message = {"role": "assistant", "content": answer.content}
+            if thinking:
+                message["reasoning_content"] = answer.reasoning if parser.reasoning.thought else None
             if answer.tool_calls:
                 message["content"] = answer.content or None
                 message["tool_calls"] = [c.to_openai() for c in answer.tool_calls]
@@ -477,7 +495,9 @@ class OpenAIServer:
             """The stream deltas of what one output settled; a call as OpenAI streams one: its id, type and name
             with empty arguments, then the arguments."""
             nonlocal n_calls
-            out = [{"content": d.content}] if d.content else []
+            out = [{"reasoning_content": d.reasoning}] if d.reasoning else []
+            if d.content:
+                out.append({"content": d.content})
             for call in d.tool_calls:
                 head = {"index": n_calls, "id": call.id, "type": "function",
                         "function": {"name": call.name, "arguments": ""}}
@@ -592,9 +612,10 @@ class OpenAIServer:
 
 
 def build_app(async_engine: AsyncEngine, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
-    """The ASGI app.  ``served_model_name`` None → the engine's ``model_name``; ``api_key`` guards ``/v1/*``."""
-    server = OpenAIServer(async_engine, served_model_name, api_key, max_body_bytes)
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, reasoning_parser: str = "auto") -> Starlette:
+    """The ASGI app.  ``served_model_name`` None → the engine's ``model_name``; ``api_key`` guards ``/v1/*``;
+    ``reasoning_parser``: "auto" (``qwen3`` for templates with ``<think>`` blocks), "none", or a parser name."""
+    server = OpenAIServer(async_engine, served_model_name, api_key, max_body_bytes, reasoning_parser)
 
     def endpoint(handler):
         async def run(request: Request) -> Response:

@@ -307,6 +307,51 @@ class OpenAIServer:
                               stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
                               min_tokens=s.min_tokens, logprobs=s.logprobs)
 
+    async def output_grammar(self, req: P.ChatRequest, engine) -> Optional[str]:
+        """The llguidance grammar a chat request's output must follow (None: free text): ``tool_choice`` "required"
+        or a named function forces calls with arguments valid for the tool's schema; ``response_format`` asks for
+        JSON (valid for its schema), or calls when ``tool_choice`` is "auto".  A schema the grammar engine cannot
+        follow is a 400 naming it.  Compiled in a worker thread (the first use builds the tokenizer's view)."""
+        forced = req.tool_choice == "required" or isinstance(req.tool_choice, dict)
+        fmt = req.response_format
+        if not forced and fmt is None:
+            return None
+        compiler = getattr(engine, "grammar_compiler", None)
+        if compiler is None:
+            raise P.unsupported("tool_choice" if forced else "response_format",
+                                "this engine cannot constrain decoding (structured output)")
+        tools = None
+        if forced or (req.tools and req.tool_choice == "auto"):
+            only = req.tool_choice["name"] if isinstance(req.tool_choice, dict) else None
+            tools = {i: t["function"] for i, t in enumerate(req.tools) if only in (None, t["function"]["name"])}
+        parallel = req.parallel_tool_calls and req.tool_choice == "required"
+
+        def schema_error(schema: dict) -> Optional[str]:
+            try:
+                return compiler.check(compiler.json_schema(schema))
+            except ValueError as e:       # llguidance refuses what it cannot read as a schema at all
+                return str(e)
+
+        def compile_grammar() -> str:
+            for i, fn in (tools or {}).items():
+                error = schema_error(fn.get("parameters") or {"type": "object"})
+                if error:
+                    raise P.bad(f"tools[{i}].function.parameters is not a JSON schema the output can be held to: "
+                                f"{error}", f"tools[{i}].function.parameters", "invalid_schema")
+            schemas = {fn["name"]: fn.get("parameters") for fn in (tools or {}).values()}
+            if forced:
+                return compiler.tool_calls(schemas, parallel)
+            schema = fmt.schema if fmt.kind == "json_schema" else {"type": "object"}
+            error = schema_error(schema)
+            if error:
+                where = "response_format.json_schema.schema"
+                raise P.bad(f"{where} is not a JSON schema the output can be held to: {error}", where,
+                            "invalid_schema")
+            return compiler.json_or_tool_calls(schema, schemas, req.parallel_tool_calls) if tools else \
+                compiler.json_schema(schema)
+
+        return await run_in_threadpool(compile_grammar)
+
     async def off_loop_if_long(self, size: int, fn, *args):
         """``fn(*args)`` on the event loop when ``size`` (characters of prompt) is small — a worker-thread hop costs
         more than tokenizing a short prompt — else in a worker thread, so a long prompt never blocks the loop."""
@@ -444,6 +489,11 @@ class OpenAIServer:
             raise P.bad("the chat template rendered these messages as an empty prompt", "messages", "empty_prompt")
         params = self.sampling_params(req.sampling, len(ids), None, "messages")
         thinking = self.reasoning_parser_for(engine)
+        grammar = await self.output_grammar(req, engine)
+        if grammar is not None:
+            params.grammar = grammar
+            start = reasoning_start(prompt_text) if thinking else "content"
+            params.grammar_after_think = {"content": "no", "reasoning": "yes", "detect": "if_opened"}[start]
         parser = ChatOutputParser(ReasoningParser(reasoning_start(prompt_text)) if thinking else None,
                                   ToolCallParser(req.tool_schemas()) if tools else None)
         top_n = params.logprobs or 0

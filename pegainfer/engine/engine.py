@@ -19,8 +19,8 @@ reads and processes N::
 
 Step N+1 is launched ahead only when nothing can change the batch: no pending abort, the running sequences are
 exactly N's (none finished at N-1), no waiting request would be admitted, no sequence wants logprobs (N+1 would
-overwrite the logits the host reads for N), none is sure to stop at N (max_tokens, context full), and pages for
-position +1 are available. A sequence that turns out to stop at N (EOS, stop string, ...) is finished as usual; its
+overwrite the logits the host reads for N) or follows a grammar (N+1's mask depends on N's token), none is sure to
+stop at N (max_tokens, context full), and pages for position +1 are available. A sequence that turns out to stop at N (EOS, stop string, ...) is finished as usual; its
 N+1 token is discarded when read (a token for a finished sequence is never emitted), and since the next call sees a
 changed batch, it only drains N+1 before normal scheduling resumes. Every other token is the token the synchronous
 engine would produce: a greedy or seeded draw depends only on the sequence's history and its counter — provided
@@ -87,6 +87,16 @@ class Engine:
         self.async_scheduling = async_scheduling
         self._inflight: Optional[PendingStep] = None   # a launched decode step whose tokens the host has not read
         self.prefill_launches: Optional[int] = None     # kernel launches of a one-chunk prefill (set by warmup)
+        self._grammar_compiler = None
+
+    @property
+    def grammar_compiler(self):
+        """The grammars of structured output for this model's tokenizer (``text/structured.py``; built at first
+        use)."""
+        if self._grammar_compiler is None:
+            from pegainfer.text.structured import GrammarCompiler
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.V, self.eos_token_ids)
+        return self._grammar_compiler
 
     @property
     def before_gpu_wait(self):
@@ -210,6 +220,11 @@ class Engine:
         seq = Sequence(request_id, prompt_token_ids, params,
                        IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
                        StopStringMatcher(params.stop) if params.stop else None)
+        if params.grammar is not None:
+            try:
+                seq.constraint = self.grammar_compiler.constraint(params.grammar, params.grammar_after_think)
+            except ValueError as e:
+                raise RequestError(f"the output grammar cannot be followed: {e}") from None
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -324,8 +339,8 @@ class Engine:
             return False
         for seq in seqs:
             p = seq.params
-            if seq.status is not Status.RUNNING or p.logprobs is not None:
-                return False
+            if seq.status is not Status.RUNNING or p.logprobs is not None or seq.constraint is not None:
+                return False   # logprobs read the logits; a grammar's next mask needs this step's token
             # the in-flight step will surely finish it (no EOS/stop-string check needed): don't compute a token
             # past its end
             if len(seq.output_ids) + 1 >= p.max_tokens or seq.num_tokens + 1 >= self.max_model_len:
@@ -358,6 +373,16 @@ class Engine:
 
         text, reason = text_and_finish_reason(token, p, n_out, seq.num_tokens, self.max_model_len,
                                               self.eos_token_ids, seq.detokenizer, seq.stop_matcher)
+        if seq.constraint is not None and reason in (None, "length"):
+            if not seq.constraint.accept(token):
+                out = self._finish(seq, "error", text)
+                out.new_token_ids, out.logprobs = [token], logprobs
+                out.error = f"the output grammar rejected token {token}: {seq.constraint.error}"
+                return out
+            if seq.constraint.finished:        # complete: only EOS may follow
+                if reason is None:
+                    text += self._flush_text(seq)
+                reason = "stop"
         if reason is not None:
             out = self._finish(seq, reason, text)
             out.new_token_ids = [token]
@@ -365,6 +390,16 @@ class Engine:
             return out
         return RequestOutput(seq.request_id, [token], text, logprobs, False, None,
                              len(seq.prompt_ids), n_out)
+
+    @staticmethod
+    def _flush_text(seq: Sequence) -> str:
+        """The text a sequence still holds back, for an end that ``text_and_finish_reason`` did not see."""
+        tail = seq.detokenizer.flush()
+        if seq.stop_matcher is not None:
+            tail, matched = seq.stop_matcher.push(tail)
+            if not matched:
+                tail += seq.stop_matcher.flush()
+        return tail
 
     def _logprob(self, row: int, token: int, n: int) -> TokenLogprob:
         import numpy as np

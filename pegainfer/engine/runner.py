@@ -14,6 +14,12 @@ one upload and the ids' copy to the host, nothing else (``keep_logits`` adds a c
 costs what its graph does (``docs/perf/launch.md``; ``benchmarks/step_profile.py gaps``).  Two pinned output buffers alternate between launches, so the result of the step being read is never overwritten by
 the copy of the step launched after it; the pinned input mirrors are only rewritten once the previous upload
 from them has completed (``_wait_inputs_free``).
+
+Structured output: before a step that samples a constrained sequence's next token, the host fills that row's
+grammar bitmask (``text/structured.py``, llguidance) and flags the row; the step uploads the flagged rows' masks
+with its inputs, and ``kernels/token_mask.py`` sets the logits of disallowed tokens to -inf on the device right
+before the sampler.  The mask launch is part of every step (and of its graph): an unconstrained step's blocks read
+a flag and leave.
 """
 from __future__ import annotations
 
@@ -26,7 +32,8 @@ from pegainfer.device import SIMULATOR
 from pegainfer.engine.cuda_graph import prefill_bucket
 from pegainfer.kernels import sampling
 from pegainfer.kernels.launch import on_stream
-from pegainfer.engine.step_inputs import StepInputs, wait_event
+from pegainfer.kernels.token_mask import apply_token_mask
+from pegainfer.engine.step_inputs import StepInputs, TokenMasks, wait_event
 
 
 @dataclass
@@ -49,6 +56,11 @@ class ModelRunner:
         self.h_ids, self.h_pos, self.h_slots, self.h_rows = (self.step.h_ids, self.step.h_pos, self.step.h_slots,
                                                              self.step.h_rows)
         self.sampling = self.step.sampling
+        # Grammar bitmasks of the constrained rows (structured output), applied on the device before the sampler;
+        # uploaded only for steps that have such rows (``_fill_masks``).
+        self.masks = TokenMasks(R, model.V)
+        self._mask_rows = 0             # rows of masks to upload with this step's inputs
+        self._mask_executor = None      # llguidance's thread pool, for steps with several constrained rows
         self.out_ids = self.step.ids[:R]    # the sampled ids (over the consumed input ids: ``forward_and_sample``)
         # Two pinned output buffers (and their copy-done events), used alternately by successive launches: the
         # host may read step N's ids while step N+1's ids are being copied into the other buffer.
@@ -90,9 +102,28 @@ class ModelRunner:
         s = self.stream
         self.pool.sync(s)
         self.step.upload(s, with_ids)     # with the sampling parameters: one copy
+        if self._mask_rows:
+            self.masks.upload(self._mask_rows, s)
         if self.inputs_uploaded is not None:
             self.inputs_uploaded.record(s)
             self._uploaded_recorded = True
+
+    def _fill_masks(self, rows, B: int) -> None:
+        """Flag and fill the grammar bitmask of each ``(seq, row)`` whose next token a grammar constrains; clear the
+        flags of the step's other rows.  The mask depends on every token so far, so a step launched ahead cannot
+        have one (the engine never launches ahead for a constrained sequence)."""
+        from pegainfer.text.structured import fill_masks
+        self.step.h_masked[:B] = 0
+        todo = [(seq.constraint, row) for seq, row in rows if seq.constraint is not None and seq.constraint.masks]
+        self._mask_rows = max(row for _, row in todo) + 1 if todo else 0
+        if not todo:
+            return
+        if len(todo) > 1 and self._mask_executor is None:
+            import llguidance
+            self._mask_executor = llguidance.LLExecutor()
+        fill_masks(todo, self.masks.host, self._mask_executor)
+        for _, row in todo:
+            self.step.h_masked[row] = 1
 
     def _set_sampling(self, row: int, seq, ahead: int = 0) -> None:
         p = seq.params
@@ -105,6 +136,8 @@ class ModelRunner:
         ``forward``)."""
         head = self.head_argmax if self.head_argmax is not None and self.model.lm_head_argmax(T, B) else None
         logits = self.model.forward(self.step, self.pool.block_tables, T, B, decode=decode, head=head)
+        apply_token_mask(logits, self.masks.device, self.step.masked_rows, self.sampling.temperature, head=head,
+                         policy=self.model.policy)
         sampling.sample(logits, self.sampling, self.out_ids[:B], self.sample_workspace, head=head,
                         policy=self.model.policy)
         return logits
@@ -150,10 +183,12 @@ class ModelRunner:
             self.h_rows[:B] = np.arange(T, dtype=np.int32)
             for r in range(B):
                 self._set_sampling(r, seq)
+            self._fill_masks((), B)
         else:
             B = 1
             self.h_rows[0] = T - 1
             self._set_sampling(0, seq)
+            self._fill_masks([(seq, 0)] if start + length >= len(seq.prompt_ids) else (), 1)
             # Pad to a fixed bucket whether or not graphs are on, so both paths run the very same kernels.
             pads = getattr(self.model, "pads_prefill", False)   # model kernels skip tokens whose slot is -1
             bucket = prefill_bucket(T, self.model.max_tokens) if pads and not SIMULATOR else None
@@ -197,6 +232,8 @@ class ModelRunner:
         ``num_tokens``."""
         B = len(seqs)
         self._wait_inputs_free()
+        assert not ahead or all(seq.constraint is None for seq in seqs), "a constrained step cannot launch ahead"
+        self._fill_masks(list(zip(seqs, range(B))), B)
         for r, seq in enumerate(seqs):
             if ahead == 0:
                 self.h_ids[r] = seq.last_token()

@@ -32,6 +32,7 @@ class Sequence:
         self.scheduled_time: Optional[float] = None
         self.first_token_time: Optional[float] = None
         self.aborted = False
+        self.constraint = None               # a text.structured.TokenConstraint when params.grammar is set
 
     @property
     def num_tokens(self) -> int:

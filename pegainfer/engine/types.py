@@ -20,6 +20,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0           # EOS / stop ids / stop strings are ignored before this many tokens
     logprobs: Optional[int] = None  # None → off; N ≥ 0 → the chosen token's logprob plus the top N
+    grammar: Optional[str] = None   # an llguidance grammar the output must follow (``text/structured.py``)
+    grammar_after_think: str = "no"  # "no": from the first token; "yes": after </think>; "if_opened": after
+    #                                  </think> if the output opens a <think> block first, else from the first token
 
 
 @dataclass

@@ -47,6 +47,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--access-log", action="store_true",
                    help="also log one line per HTTP request in uvicorn's access-log format (pegainfer logs one "
                         "line per completion either way)")
+    p.add_argument("--reasoning-parser", default="auto", choices=["auto", "qwen3", "none"],
+                   help="split the model's <think>...</think> from its answer into message.reasoning_content "
+                        "(delta.reasoning_content when streamed). Default auto: on (qwen3) for Qwen3 / Qwen3.5 "
+                        "folders, whose chat template writes <think> blocks; off for others. none: the thinking "
+                        "stays in content")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -105,7 +110,8 @@ def run_server(args: argparse.Namespace, engine_factory: Optional[Callable[[], o
 
     async_engine = AsyncEngine(engine_factory=engine_factory, max_waiting=args.max_waiting)
     app = build_app(async_engine, args.served_model_name, api_key=args.api_key,
-                    max_body_bytes=getattr(args, "max_body_bytes", DEFAULT_MAX_BODY_BYTES))
+                    max_body_bytes=getattr(args, "max_body_bytes", DEFAULT_MAX_BODY_BYTES),
+                    reasoning_parser=getattr(args, "reasoning_parser", "auto"))
     config = uvicorn.Config(app, access_log=getattr(args, "access_log", False),
                             log_level=getattr(args, "log_level", "info"), timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)

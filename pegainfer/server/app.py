@@ -42,6 +42,9 @@ from pegainfer.engine.types import RequestOutput, SamplingParams
 from pegainfer.errors import PegainferError, RequestError
 from pegainfer.server import protocol as P
 from pegainfer.server.protocol import APIError
+from pegainfer.text.chat_output import ChatDelta, ChatOutputParser
+from pegainfer.text.reasoning import REASONING_PARSERS, ReasoningParser, reasoning_start
+from pegainfer.text.tool_calls import ToolCallParser
 
 log = logging.getLogger("pegainfer.server")
 
@@ -190,7 +193,12 @@ class OpenAIServer:
     """The route handlers and the state they share."""
 
     def __init__(self, async_engine: AsyncEngine, served_model_name: Optional[str] = None,
-                 api_key: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+                 api_key: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 reasoning_parser: str = "auto"):
+        if reasoning_parser not in ("auto", "none", *REASONING_PARSERS):
+            raise PegainferError(f"--reasoning-parser must be auto, none or one of {', '.join(REASONING_PARSERS)}; "
+                                 f"got {reasoning_parser!r}")
+        self.reasoning_parser = reasoning_parser
         self.async_engine = async_engine
         self.served_model_name = served_model_name
         self.api_key = api_key or None
@@ -209,6 +217,14 @@ class OpenAIServer:
             return self.served_model_name
         engine = self.async_engine.engine if self.async_engine.ready else None
         return getattr(engine, "model_name", None) or "pegainfer"
+
+    def reasoning_parser_for(self, engine) -> Optional[str]:
+        """The reasoning parser chat answers go through: "auto" picks ``qwen3`` for a folder whose chat template
+        writes ``<think>`` blocks (Qwen3, Qwen3.5), none otherwise."""
+        if self.reasoning_parser == "auto":
+            template = engine.chat_template
+            return "qwen3" if template is not None and "<think>" in template.source else None
+        return None if self.reasoning_parser == "none" else self.reasoning_parser
 
     def check_auth(self, request: Request) -> None:
         if self.api_key is None:
@@ -290,6 +306,51 @@ class OpenAIServer:
                               min_p=pick(s.min_p, "min_p", 0.0), seed=s.seed, stop=list(s.stop),
                               stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
                               min_tokens=s.min_tokens, logprobs=s.logprobs)
+
+    async def output_grammar(self, req: P.ChatRequest, engine) -> Optional[str]:
+        """The llguidance grammar a chat request's output must follow (None: free text): ``tool_choice`` "required"
+        or a named function forces calls with arguments valid for the tool's schema; ``response_format`` asks for
+        JSON (valid for its schema), or calls when ``tool_choice`` is "auto".  A schema the grammar engine cannot
+        follow is a 400 naming it.  Compiled in a worker thread (the first use builds the tokenizer's view)."""
+        forced = req.tool_choice == "required" or isinstance(req.tool_choice, dict)
+        fmt = req.response_format
+        if not forced and fmt is None:
+            return None
+        compiler = getattr(engine, "grammar_compiler", None)
+        if compiler is None:
+            raise P.unsupported("tool_choice" if forced else "response_format",
+                                "this engine cannot constrain decoding (structured output)")
+        tools = None
+        if forced or (req.tools and req.tool_choice == "auto"):
+            only = req.tool_choice["name"] if isinstance(req.tool_choice, dict) else None
+            tools = {i: t["function"] for i, t in enumerate(req.tools) if only in (None, t["function"]["name"])}
+        parallel = req.parallel_tool_calls and req.tool_choice == "required"
+
+        def schema_error(schema: dict) -> Optional[str]:
+            try:
+                return compiler.check(compiler.json_schema(schema))
+            except ValueError as e:       # llguidance refuses what it cannot read as a schema at all
+                return str(e)
+
+        def compile_grammar() -> str:
+            for i, fn in (tools or {}).items():
+                error = schema_error(fn.get("parameters") or {"type": "object"})
+                if error:
+                    raise P.bad(f"tools[{i}].function.parameters is not a JSON schema the output can be held to: "
+                                f"{error}", f"tools[{i}].function.parameters", "invalid_schema")
+            schemas = {fn["name"]: fn.get("parameters") for fn in (tools or {}).values()}
+            if forced:
+                return compiler.tool_calls(schemas, parallel)
+            schema = fmt.schema if fmt.kind == "json_schema" else {"type": "object"}
+            error = schema_error(schema)
+            if error:
+                where = "response_format.json_schema.schema"
+                raise P.bad(f"{where} is not a JSON schema the output can be held to: {error}", where,
+                            "invalid_schema")
+            return compiler.json_or_tool_calls(schema, schemas, req.parallel_tool_calls) if tools else \
+                compiler.json_schema(schema)
+
+        return await run_in_threadpool(compile_grammar)
 
     async def off_loop_if_long(self, size: int, fn, *args):
         """``fn(*args)`` on the event loop when ``size`` (characters of prompt) is small — a worker-thread hop costs
@@ -415,16 +476,26 @@ class OpenAIServer:
             raise P.bad("this model folder has no chat template (tokenizer_config.json chat_template or "
                         "chat_template.jinja): use /v1/completions", "messages", "no_chat_template")
         tok = engine.tokenizer
+        tools = req.tools if req.tool_choice != "none" else None   # "none": the model is not told about them
 
         def render_and_encode():
             text = engine.chat_template.render(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                               **req.template_kwargs)
-            return tok.encode(text, False)
+                                               tools=tools, **req.template_kwargs)
+            return text, tok.encode(text, False)
 
-        ids = await self.off_loop_if_long(sum(len(m["content"]) for m in req.messages), render_and_encode)
+        size = sum(len(m["content"]) for m in req.messages) + (len(json.dumps(tools)) if tools else 0)
+        prompt_text, ids = await self.off_loop_if_long(size, render_and_encode)
         if not ids:
             raise P.bad("the chat template rendered these messages as an empty prompt", "messages", "empty_prompt")
         params = self.sampling_params(req.sampling, len(ids), None, "messages")
+        thinking = self.reasoning_parser_for(engine)
+        grammar = await self.output_grammar(req, engine)
+        if grammar is not None:
+            params.grammar = grammar
+            start = reasoning_start(prompt_text) if thinking else "content"
+            params.grammar_after_think = {"content": "no", "reasoning": "yes", "detect": "if_opened"}[start]
+        parser = ChatOutputParser(ReasoningParser(reasoning_start(prompt_text)) if thinking else None,
+                                  ToolCallParser(req.tool_schemas()) if tools else None)
         top_n = params.logprobs or 0
         rid = P.new_id("chatcmpl")
         rlog = _RequestLog(rid, "chat")
@@ -432,19 +503,29 @@ class OpenAIServer:
         name = self.model_name()
         stream, watch = await self._submit(request, rid, ids, params, rlog)
 
+        def finish_reason(finish: str) -> str:
+            return "tool_calls" if parser.calls and finish == "stop" else finish
+
         if not req.stream:
-            text, content_lp = [], []
+            answer, content_lp = ChatDelta(), []
 
             def take(out):
-                text.append(out.delta_text)
+                answer.add(parser.push(out.delta_text))
                 if params.logprobs is not None:
                     content_lp.extend(P.chat_logprobs(tok, out.logprobs, top_n))
 
             finish = await self._collect(stream, watch, rlog, take)
+            answer.add(parser.flush())
+            message = {"role": "assistant", "content": answer.content}
+            if thinking:
+                message["reasoning_content"] = answer.reasoning if parser.reasoning.thought else None
+            if answer.tool_calls:
+                message["content"] = answer.content or None
+                message["tool_calls"] = [c.to_openai() for c in answer.tool_calls]
             logprobs = {"content": content_lp, "refusal": None} if params.logprobs is not None else None
             body = {"id": rid, "object": "chat.completion", "created": P.now(), "model": name,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                                 "logprobs": logprobs, "finish_reason": finish}],
+                    "choices": [{"index": 0, "message": message, "logprobs": logprobs,
+                                 "finish_reason": finish_reason(finish)}],
                     "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens), "system_fingerprint": None}
             return JSONResponse(body, headers={"x-request-id": rid})
 
@@ -458,27 +539,52 @@ class OpenAIServer:
             return c
 
         text_chunk = ChunkTemplate(lambda text: chunk({"content": text}, None, None))
+        n_calls = 0
+
+        def deltas(d: ChatDelta) -> list[dict]:
+            """The stream deltas of what one output settled; a call as OpenAI streams one: its id, type and name
+            with empty arguments, then the arguments."""
+            nonlocal n_calls
+            out = [{"reasoning_content": d.reasoning}] if d.reasoning else []
+            if d.content:
+                out.append({"content": d.content})
+            for call in d.tool_calls:
+                head = {"index": n_calls, "id": call.id, "type": "function",
+                        "function": {"name": call.name, "arguments": ""}}
+                out += [{"tool_calls": [head]},
+                        {"tool_calls": [{"index": n_calls, "function": {"arguments": call.arguments}}]}]
+                n_calls += 1
+            return out
 
         async def events():
             tail = []
             try:
-                yield sse(chunk({"role": "assistant", "content": ""}, None, None))
+                # with tools the answer may be calls only, whose content is null (as OpenAI streams them)
+                yield sse(chunk({"role": "assistant", "content": None if tools else ""}, None, None))
                 async for out in stream:
                     rlog.saw(out)
                     lps = None
                     if params.logprobs is not None and out.logprobs:
                         lps = {"content": P.chat_logprobs(tok, out.logprobs, top_n), "refusal": None}
                     finish = self._finish_reason(out) if out.finished else None
-                    if out.delta_text or lps:
-                        event = text_chunk.fill(out.delta_text) if lps is None else \
-                            sse(chunk({"content": out.delta_text}, lps, None))
+                    d = parser.push(out.delta_text)
+                    if finish:
+                        d.add(parser.flush())
+                    parts = deltas(d)
+                    if lps is not None and not parts:
+                        parts = [{"content": ""}]
+                    for k, part in enumerate(parts):
+                        if k == 0 and lps is None and len(part) == 1 and "content" in part:
+                            event = text_chunk.fill(part["content"])
+                        else:
+                            event = sse(chunk(part, lps if k == 0 else None, None))
                         if finish:
                             tail.append(event)
                         else:
                             yield event
                     if finish:
-                        rlog.finish = finish
-                        tail.append(sse(chunk({}, None, finish)))
+                        rlog.finish = finish_reason(finish)
+                        tail.append(sse(chunk({}, None, rlog.finish)))
                 if req.include_usage and rlog.finish:
                     tail.append(sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                                      "model": name, "choices": [],
@@ -556,9 +662,10 @@ class OpenAIServer:
 
 
 def build_app(async_engine: AsyncEngine, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
-    """The ASGI app.  ``served_model_name`` None → the engine's ``model_name``; ``api_key`` guards ``/v1/*``."""
-    server = OpenAIServer(async_engine, served_model_name, api_key, max_body_bytes)
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, reasoning_parser: str = "auto") -> Starlette:
+    """The ASGI app.  ``served_model_name`` None → the engine's ``model_name``; ``api_key`` guards ``/v1/*``;
+    ``reasoning_parser``: "auto" (``qwen3`` for templates with ``<think>`` blocks), "none", or a parser name."""
+    server = OpenAIServer(async_engine, served_model_name, api_key, max_body_bytes, reasoning_parser)
 
     def endpoint(handler):
         async def run(request: Request) -> Response:

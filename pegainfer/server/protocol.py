@@ -6,7 +6,7 @@ wrong and how to fix it, with the OpenAI error shape ``{"error": {"message", "ty
 
 * 400 — malformed JSON, wrong types, values out of range, an empty or too-long prompt;
 * 401 — a missing or wrong API key;  404 — an unknown model name (or route);  413 — a body over the size limit;
-* 422 — a well-formed field with a value pegainfer cannot honour yet (``n > 1``, penalties, tools, images, ...):
+* 422 — a well-formed field with a value pegainfer cannot honour yet (``n > 1``, penalties, images, ...):
   the message names the field;
 * 503 (+ ``Retry-After``) — the waiting queue is full or the model is still loading.
 
@@ -14,6 +14,7 @@ Fields pegainfer does not know at all are ignored, as vLLM does (clients such as
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -167,6 +168,15 @@ class CompletionRequest:
 
 
 @dataclass
+class ResponseFormat:
+    """``response_format`` beyond plain text: ``kind`` "json_object" (any JSON object) or "json_schema"."""
+
+    kind: str
+    schema: Optional[dict] = None
+    name: Optional[str] = None
+
+
+@dataclass
 class ChatRequest:
     model: Optional[str]
     messages: list[dict]
@@ -175,6 +185,14 @@ class ChatRequest:
     include_usage: bool
     add_generation_prompt: bool
     template_kwargs: dict = field(default_factory=dict)
+    tools: Optional[list[dict]] = None          # OpenAI tool objects ({"type": "function", "function": {...}})
+    tool_choice: Any = "none"                   # "none" | "auto" | "required" | {"name": ...} (one function)
+    parallel_tool_calls: bool = True
+    response_format: Optional[ResponseFormat] = None
+
+    def tool_schemas(self) -> dict[str, dict]:
+        """Function name → its ``parameters`` schema, for the tools the model may call."""
+        return {t["function"]["name"]: t["function"].get("parameters") or {} for t in self.tools or ()}
 
 
 # value-neutral settings of fields pegainfer does not implement: anything else is a 422 naming the field
@@ -189,24 +207,24 @@ _UNSUPPORTED_COMMON = {
     "length_penalty": (lambda v: v == 1, "beam search is not implemented; leave it 1"),
     "logit_bias": (lambda v: v == {}, "logit_bias is not implemented"),
     "use_beam_search": (lambda v: v is False, "beam search is not implemented"),
-    "response_format": (lambda v: isinstance(v, dict) and v.get("type") == "text",
-                        "structured output (JSON mode / schemas) is not implemented; only {\"type\": \"text\"}"),
-    "guided_json": (lambda v: False, "structured output is not implemented"),
-    "guided_regex": (lambda v: False, "structured output is not implemented"),
-    "guided_choice": (lambda v: False, "structured output is not implemented"),
-    "guided_grammar": (lambda v: False, "structured output is not implemented"),
+    "guided_json": (lambda v: False, "send response_format {\"type\": \"json_schema\", ...} to "
+                                     "/v1/chat/completions instead"),
+    "guided_regex": (lambda v: False, "regex-constrained output is not offered; response_format json_schema is"),
+    "guided_choice": (lambda v: False, "send response_format json_schema with an enum instead"),
+    "guided_grammar": (lambda v: False, "grammar-constrained output is not offered; response_format json_schema is"),
     "prompt_logprobs": (lambda v: False, "prompt logprobs are not computed by pegainfer"),
     "allowed_token_ids": (lambda v: False, "allowed_token_ids is not implemented"),
     "bad_words": (lambda v: v == [], "bad_words is not implemented"),
 }
 _UNSUPPORTED_COMPLETION = {
     "suffix": (lambda v: v == "", "insertion (suffix) is not supported by these models"),
+    "response_format": (lambda v: isinstance(v, dict) and v.get("type") == "text",
+                        "structured output is served by /v1/chat/completions; here only {\"type\": \"text\"}"),
 }
 _UNSUPPORTED_CHAT = {
-    "tools": (lambda v: v == [], "tool calling is not implemented yet (the tool-call parser is missing)"),
-    "tool_choice": (lambda v: v in ("none", "auto"), "tool calling is not implemented yet"),
-    "functions": (lambda v: v == [], "function calling is not implemented"),
-    "function_call": (lambda v: v in ("none", "auto"), "function calling is not implemented"),
+    "functions": (lambda v: v == [], "the legacy 'functions' field is not supported: send 'tools'"),
+    "function_call": (lambda v: v in ("none", "auto"), "the legacy 'function_call' field is not supported: send "
+                                                       "'tool_choice'"),
     "audio": (lambda v: False, "audio output is not supported"),
     "modalities": (lambda v: v == ["text"], "only text output is supported"),
     "prediction": (lambda v: False, "predicted outputs are not supported"),
@@ -376,8 +394,139 @@ def _parse_messages(v) -> list[dict]:
         msg = {k: val for k, val in m.items() if val is not None}
         msg["role"] = "system" if role == "developer" else role
         msg["content"] = content if content is not None else ""
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = _history_tool_calls(m["tool_calls"], i)
+        if role == "tool" and m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
+            raise bad(f"messages[{i}].tool_call_id must be a string", f"messages[{i}].tool_call_id", "invalid_type")
         out.append(msg)
     return out
+
+
+def _history_tool_calls(calls, i: int) -> list[dict]:
+    """An assistant message's ``tool_calls`` for the chat template: OpenAI sends ``arguments`` as JSON text; the
+    templates want the object (Qwen3.5's iterates over its items), as vLLM passes it."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise bad(f"{where} must be an array of tool calls, got {_type_name(calls)}", where, "invalid_type")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad(f"{at} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., \"arguments\": "
+                      f"...}}}}", at, "invalid_type")
+        if call.get("type", "function") != "function":
+            raise bad(f"{at}.type must be \"function\", got {call.get('type')!r}", f"{at}.type")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError as e:
+                raise bad(f"{at}.function.arguments is not valid JSON ({e}): send the arguments object as JSON "
+                          f"text", f"{at}.function.arguments") from None
+        if not isinstance(args, dict):
+            raise bad(f"{at}.function.arguments must be a JSON object", f"{at}.function.arguments", "invalid_type")
+        entry = {k: v for k, v in call.items() if v is not None}
+        entry["type"] = "function"
+        entry["function"] = {**fn, "arguments": args}
+        out.append(entry)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ tools, formats
+def _parse_tools(v) -> Optional[list[dict]]:
+    """``tools``: function tools with a JSON-schema ``parameters`` object.  An empty list is no tools."""
+    if v is None:
+        return None
+    if not isinstance(v, list):
+        raise bad(f"'tools' must be an array of tools, got {_type_name(v)}", "tools", "invalid_type")
+    names = set()
+    for i, tool in enumerate(v):
+        at = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise bad(f"{at} must be an object, got {_type_name(tool)}", at, "invalid_type")
+        if tool.get("type") != "function":
+            raise bad(f"{at}.type must be \"function\" (the only kind of tool a chat model can call), got "
+                      f"{tool.get('type')!r}", f"{at}.type")
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise bad(f"{at}.function must be an object with 'name' and 'parameters'", f"{at}.function",
+                      "invalid_type")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name or any(c.isspace() or c in "<>\"" for c in name):
+            raise bad(f"{at}.function.name must be a non-empty name without spaces, quotes or angle brackets, got "
+                      f"{name!r}", f"{at}.function.name")
+        if name in names:
+            raise bad(f"{at}.function.name {name!r} is used by an earlier tool: names must be unique",
+                      f"{at}.function.name")
+        names.add(name)
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise bad(f"{at}.function.parameters must be a JSON schema object, got {_type_name(params)}",
+                      f"{at}.function.parameters", "invalid_type")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise bad(f"{at}.function.description must be a string", f"{at}.function.description", "invalid_type")
+    return list(v) or None
+
+
+def _parse_tool_choice(v, tools: Optional[list[dict]]):
+    """``tool_choice``: "none", "auto", "required", or {"type": "function", "function": {"name": ...}}; the
+    default is "auto" with tools and "none" without.  Returns the string or {"name": ...}."""
+    if v is None:
+        return "auto" if tools else "none"
+    if isinstance(v, str):
+        if v not in ("none", "auto", "required"):
+            raise bad(f"'tool_choice' must be \"none\", \"auto\", \"required\" or {{\"type\": \"function\", "
+                      f"\"function\": {{\"name\": ...}}}}, got {v!r}", "tool_choice")
+        if v == "required" and not tools:
+            raise bad("'tool_choice' \"required\" needs 'tools': send the tools the model must choose from",
+                      "tool_choice")
+        return v
+    fn = v.get("function") if isinstance(v, dict) and v.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise bad("'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                  "\"function\": {\"name\": ...}}", "tool_choice", "invalid_type")
+    known = [t["function"]["name"] for t in tools or ()]
+    if name not in known:
+        raise bad(f"'tool_choice' names the function {name!r}, which is not in 'tools' "
+                  f"({', '.join(map(repr, known)) or 'none given'})", "tool_choice")
+    return {"name": name}
+
+
+def _parse_response_format(v) -> Optional[ResponseFormat]:
+    """``response_format``: {"type": "text"} (the default), {"type": "json_object"}, or {"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}.  The schema itself is checked by the grammar compiler."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise bad(f"'response_format' must be an object, got {_type_name(v)}", "response_format", "invalid_type")
+    kind = v.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat("json_object")
+    if kind == "json_schema":
+        spec = v.get("json_schema")
+        if not isinstance(spec, dict):
+            raise bad("'response_format.json_schema' must be an object with 'name' and 'schema'",
+                      "response_format.json_schema", "invalid_type")
+        schema = spec.get("schema", {})
+        if schema is True:
+            schema = {}
+        if not isinstance(schema, dict):
+            raise bad(f"'response_format.json_schema.schema' must be a JSON schema object, got "
+                      f"{_type_name(schema)}", "response_format.json_schema.schema", "invalid_type")
+        name = spec.get("name")
+        if name is not None and not isinstance(name, str):
+            raise bad("'response_format.json_schema.name' must be a string", "response_format.json_schema.name",
+                      "invalid_type")
+        if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+            raise bad("'response_format.json_schema.strict' must be a boolean",
+                      "response_format.json_schema.strict", "invalid_type")
+        return ResponseFormat("json_schema", schema, name)
+    raise bad(f"'response_format.type' must be \"text\", \"json_object\" or \"json_schema\", got {kind!r}",
+              "response_format.type")
 
 
 def parse_chat_request(body: dict) -> ChatRequest:
@@ -402,8 +551,11 @@ def parse_chat_request(body: dict) -> ChatRequest:
         raise bad(f"'chat_template_kwargs' must not set {sorted(reserved)}: use the request fields",
                   "chat_template_kwargs")
     f.str("user")
+    tools = _parse_tools(body.get("tools"))
     return ChatRequest(model, messages, _parse_sampling(f, max_tokens, logprobs), stream, include_usage,
-                       f.bool("add_generation_prompt", True), dict(kwargs))
+                       f.bool("add_generation_prompt", True), dict(kwargs), tools,
+                       _parse_tool_choice(body.get("tool_choice"), tools), f.bool("parallel_tool_calls", True),
+                       _parse_response_format(body.get("response_format")))
 
 
 # ------------------------------------------------------------------------------------------------ responses

@@ -137,5 +137,9 @@ class Tokenizer:
                 return bytes([int(m.group(1), 16)])
         return self.token_str(token_id).encode("utf-8")
 
+    def to_json(self) -> str:
+        """The whole tokenizer as ``tokenizer.json`` text (what llguidance builds its vocabulary view from)."""
+        return self._tk.to_str()
+
     def __repr__(self) -> str:
         return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, eos_token_id={self.eos_token_id})"

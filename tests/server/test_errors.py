@@ -136,7 +136,7 @@ CHAT_CASES = [
     ({"chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs", None, None),
     ({"model": "other"}, 404, "model", "model_not_found", None),
     ({"n": 3}, 422, "n", "unsupported_parameter", None),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 422, "tools", "unsupported_parameter", None),
+    ({"functions": [{"name": "f"}]}, 422, "functions", "unsupported_parameter", "send 'tools'"),
     ({"reasoning_effort": "low"}, 422, "reasoning_effort", "unsupported_parameter", "enable_thinking"),
     ({"temperature": -1}, 400, "temperature", None, None),
 ]

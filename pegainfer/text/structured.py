@@ -1,0 +1,197 @@
+"""Structured output: grammars that constrain decoding (JSON schemas, forced tool calls), compiled and followed by
+llguidance.
+
+Why llguidance: a Rust library with abi3 wheels and no PyTorch at run time (pegainfer has none); it computes one
+row's allowed-token mask for a 152k-token vocabulary in tens of µs (a lexer over a token trie, an Earley parser,
+vocabulary slices precomputed per tokenizer); it reads JSON Schema itself (and Lark grammars that embed JSON
+schemas, which the tool-call grammar uses) and reports a schema it cannot follow as an error message instead of
+guessing; it is maintained by the guidance project and used by vLLM and llama.cpp.
+
+The pieces:
+
+* ``GrammarCompiler`` -- one per tokenizer: llguidance's view of the vocabulary (``LLTokenizer``, built once from
+  the folder's ``tokenizer.json``, sized to the model's embedding rows so the mask covers every id the model can
+  emit), and the grammars a chat request asks for: ``json_schema``, ``json_object``, ``tool_calls`` and
+  ``json_or_tool_calls``; ``check`` returns why a grammar cannot be followed (None when it can).
+* ``TokenConstraint`` -- one request's matcher.  The engine asks it for the row's mask before each step that
+  samples the request's next token (``fill``) and hands it each token drawn (``accept``); the request ends when the
+  grammar is complete (``finished``: nothing but EOS may follow).
+
+JSON is written compactly on one line, ``{"a": 1, "b": [2, 3]}`` (the separators of Python's ``json.dumps``):
+flexible whitespace would let a model pad forever.  A tool call is forced in the JSON form Qwen3's template
+teaches, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, with the arguments checked against
+the tool's schema (Qwen3.5's XML form has untyped values a schema cannot check; the tool-call parser reads both).
+
+Thinking first: with a reasoning parser on, the grammar applies after the model's ``</think>`` -- from the first
+token when the prompt closed the think block itself; after ``</think>`` when the prompt opened it; and when the
+output may open one, the first token may also be ``<think>`` (then the grammar waits for ``</think>``).
+"""
+from __future__ import annotations
+
+import json
+import threading
+from typing import Optional
+
+import numpy as np
+
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+THINK_NO, THINK_YES, THINK_IF_OPENED = "no", "yes", "if_opened"   # SamplingParams.grammar_after_think
+
+
+def _styled(schema: dict) -> dict:
+    """The schema with pegainfer's JSON style (a schema's own ``x-guidance`` options win)."""
+    return {**schema, "x-guidance": {**JSON_STYLE, **(schema.get("x-guidance") or {})}}
+
+
+def _arguments_schema(parameters: Optional[dict]) -> dict:
+    """A tool's arguments: its ``parameters`` schema, an object in any case."""
+    params = dict(parameters or {})
+    if "type" not in params and not any(k in params for k in ("$ref", "anyOf", "oneOf", "allOf")):
+        params["type"] = "object"
+    return params
+
+
+class GrammarCompiler:
+    """Grammars for one tokenizer (module docstring).  Thread-safe: the server checks grammars in worker threads
+    while the engine thread builds matchers."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+        self.tokenizer = tokenizer
+        self.vocab_size = int(vocab_size)
+        self.eos_token_ids = [int(t) for t in eos_token_ids] or (
+            [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+        self._ll_tokenizer = None
+        self._lock = threading.Lock()
+
+    @property
+    def ll_tokenizer(self):
+        """llguidance's tokenizer (built at first use: about a second for a 152k vocabulary)."""
+        with self._lock:
+            if self._ll_tokenizer is None:
+                import llguidance
+                self._ll_tokenizer = llguidance.LLTokenizer(self.tokenizer.to_json(), n_vocab=self.vocab_size,
+                                                            eos_token=self.eos_token_ids)
+            return self._ll_tokenizer
+
+    # -------------------------------------------------------------------------------------------- grammars
+    @staticmethod
+    def json_schema(schema: dict) -> str:
+        from llguidance import LLMatcher
+        return LLMatcher.grammar_from_json_schema(_styled(schema))
+
+    def json_object(self) -> str:
+        return self.json_schema({"type": "object"})
+
+    @staticmethod
+    def _calls_rules(tools: dict[str, Optional[dict]], parallel: bool) -> str:
+        """Lark rules ``calls`` (one call, or several on their own lines with ``parallel``) of the tools given."""
+        choices = [{"type": "object", "properties": {"name": {"const": name}, "arguments": _arguments_schema(p)},
+                    "required": ["name", "arguments"], "additionalProperties": False} for name, p in tools.items()]
+        body = _styled({"anyOf": choices} if len(choices) > 1 else choices[0])
+        repeat = ' ("\\n" call)*' if parallel else ""
+        return (f"calls: call{repeat}\n"
+                f'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
+                f"body: %json {json.dumps(body, ensure_ascii=False)}\n")
+
+    def tool_calls(self, tools: dict[str, Optional[dict]], parallel: bool = True) -> str:
+        """Calls (at least one) of ``tools`` (name → ``parameters`` schema), arguments valid for each tool."""
+        from llguidance import LLMatcher
+        return LLMatcher.grammar_from_lark("start: calls\n" + self._calls_rules(tools, parallel))
+
+    def json_or_tool_calls(self, schema: dict, tools: dict[str, Optional[dict]], parallel: bool = True) -> str:
+        """Either JSON valid for ``schema`` or calls of ``tools``: a ``response_format`` with ``tool_choice`` auto."""
+        from llguidance import LLMatcher
+        return LLMatcher.grammar_from_lark(f"start: answer | calls\nanswer: %json "
+                                           f"{json.dumps(_styled(schema), ensure_ascii=False)}\n" +
+                                           self._calls_rules(tools, parallel))
+
+    def check(self, grammar: str) -> Optional[str]:
+        """Why llguidance cannot follow ``grammar`` (a one-line message), or None when it can."""
+        from llguidance import LLMatcher
+        error = LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
+        return " ".join(error.split()) or None
+
+    def constraint(self, grammar: str, after_think: str = THINK_NO) -> "TokenConstraint":
+        """A fresh matcher for one request (raises ``ValueError`` when the grammar cannot be followed)."""
+        from llguidance import LLMatcher
+        matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        think_open = self.tokenizer.token_to_id("<think>")
+        think_close = self.tokenizer.token_to_id("</think>")
+        if think_open is None or think_close is None:
+            after_think = THINK_NO
+        return TokenConstraint(matcher, after_think, think_open, think_close)
+
+
+class TokenConstraint:
+    """One request's grammar state: which tokens may come next (``fill``), advanced by each token (``accept``)."""
+
+    CONSTRAINED, THINKING, MAY_THINK = "constrained", "thinking", "may_think"
+
+    def __init__(self, matcher, after_think: str = THINK_NO, think_open: Optional[int] = None,
+                 think_close: Optional[int] = None):
+        self.matcher = matcher
+        self.phase = {THINK_NO: self.CONSTRAINED, THINK_YES: self.THINKING,
+                      THINK_IF_OPENED: self.MAY_THINK}[after_think]
+        self.think_open = think_open
+        self.think_close = think_close
+
+    @property
+    def masks(self) -> bool:
+        """Whether the next token is constrained (not while the model thinks)."""
+        return self.phase != self.THINKING
+
+    @property
+    def extra_token(self) -> Optional[int]:
+        """A token allowed besides the grammar's for the next step: ``<think>``, while the output may open one."""
+        return self.think_open if self.phase == self.MAY_THINK else None
+
+    def fill(self, bitmask: np.ndarray, row: int) -> None:
+        """Write the allowed tokens of the next step into row ``row`` of ``bitmask`` ``[rows, words]`` int32."""
+        from llguidance.numpy import fill_next_token_bitmask
+        fill_next_token_bitmask(self.matcher, bitmask, row)
+        allow_bit(bitmask, row, self.extra_token)
+
+    def accept(self, token: int) -> bool:
+        """Advance by the drawn ``token``; False when the grammar rejects it (``error`` says why)."""
+        if self.phase == self.THINKING:
+            if token == self.think_close:
+                self.phase = self.CONSTRAINED
+            return True
+        if self.phase == self.MAY_THINK:
+            if token == self.think_open:
+                self.phase = self.THINKING
+                return True
+            self.phase = self.CONSTRAINED
+        return bool(self.matcher.consume_token(int(token)))
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete: no token but EOS may follow."""
+        return self.phase == self.CONSTRAINED and self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error()
+
+
+def allow_bit(bitmask: np.ndarray, row: int, token: Optional[int]) -> None:
+    """Also allow ``token`` (None: nothing) in row ``row`` of an int32 bitmask."""
+    if token is not None:
+        words = bitmask[row].view(np.uint32)
+        words[token // 32] |= np.uint32(1) << np.uint32(token % 32)
+
+
+def fill_masks(constraints: list[tuple["TokenConstraint", int]], bitmask: np.ndarray, executor=None) -> None:
+    """Fill the bitmask rows of several constraints ``[(constraint, row)]``: on llguidance's thread pool
+    (``executor``, an ``llguidance.LLExecutor``) when there are several, which computes them in parallel without
+    the GIL."""
+    if len(constraints) == 1 or executor is None:
+        for c, row in constraints:
+            c.fill(bitmask, row)
+        return
+    from llguidance.numpy import fill_next_token_bitmask_par
+    fill_next_token_bitmask_par(executor, [(c.matcher, row) for c, row in constraints], bitmask)
+    for c, row in constraints:
+        allow_bit(bitmask, row, c.extra_token)

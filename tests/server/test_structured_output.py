@@ -1,0 +1,150 @@
+"""Structured output through a live server with the openai SDK, over the real engine: its scheduler, runner, the
+grammar-mask kernel and the sampler, in the simulator.  The model is ``tests/engine/tiny_model.py``'s hash model
+(its logits are a hash of the sequence's history: as good as random weights, and cheap to run), so validity comes
+from the grammar alone.  ``json_schema`` output parses and validates over several seeds at once (one batch);
+``json_object`` output parses whenever it is complete (at max_tokens it is cut like any output: finish_reason
+"length"); a forced tool call, streamed or not, has arguments valid for the tool's schema; schemas the grammar
+engine cannot follow are 400s naming the field.  One request runs on the demo model (a real transformer with
+random weights) end to end."""
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from pegainfer.engine.async_engine import AsyncEngine
+from pegainfer.server.app import build_app
+from tests.engine.hash_engine import hash_engine
+from tests.server.conftest import serve_app
+from tests.text.schema_check import errors
+
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+ANSWER = {"type": "object", "properties": {
+    "ok": {"type": "boolean"},
+    "n": {"type": "integer", "minimum": 0, "maximum": 9},
+    "color": {"enum": ["red", "blue"]},
+}, "required": ["ok", "n", "color"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "hot": {"type": "boolean"}},
+    "required": ["city", "hot"], "additionalProperties": False}}}
+OTHER = {"type": "function", "function": {"name": "other", "parameters": {"type": "object"}}}
+TIMEOUT = 900   # the simulator is slow, and slower on a busy machine
+
+
+@pytest.fixture(scope="module")
+def server():
+    ae = AsyncEngine(hash_engine(), max_waiting=16).start()
+    assert ae.wait_ready(60)
+    try:
+        with serve_app(build_app(ae)) as url:
+            yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=TIMEOUT), url
+    finally:
+        ae.shutdown()
+
+
+def ask(text="Answer in JSON."):
+    return [{"role": "user", "content": text}]
+
+
+def all_at_once(fn, seeds):
+    """``fn(seed)`` for every seed concurrently, so the engine decodes them in one batch."""
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        return list(pool.map(fn, seeds))
+
+
+def test_json_schema_output_validates_over_seeds(server):
+    client, _ = server
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+
+    def one(seed):
+        return client.chat.completions.create(model="demo-qwen3", messages=ask(), response_format=fmt, seed=seed,
+                                              temperature=1.0, max_tokens=60, extra_body=NO_THINKING).choices[0]
+
+    choices = all_at_once(one, list(range(8)))
+    texts = {c.message.content for c in choices}
+    for c in choices:
+        assert c.finish_reason == "stop", c
+        assert errors(json.loads(c.message.content), ANSWER) == [], c.message.content
+    assert len(texts) > 1          # different seeds, different draws
+
+
+def test_json_object_output_parses_when_complete(server):
+    client, _ = server
+
+    def one(seed):
+        return client.chat.completions.create(model="demo-qwen3", messages=ask(), seed=seed, max_tokens=16,
+                                              response_format={"type": "json_object"}, extra_body=NO_THINKING)
+
+    for r in all_at_once(one, [0, 1, 2]):
+        c = r.choices[0]
+        if c.finish_reason == "stop":
+            assert isinstance(json.loads(c.message.content), dict)
+        else:   # cut by max_tokens: a beginning of a JSON object
+            assert c.finish_reason == "length" and r.usage.completion_tokens == 16
+            assert c.message.content.startswith("{")
+
+
+def test_forced_tool_call_streamed_and_not(server):
+    client, _ = server
+    named = {"type": "function", "function": {"name": "get_weather"}}
+
+    def whole(seed):
+        return client.chat.completions.create(model="demo-qwen3", messages=ask("Weather?"), tools=[WEATHER, OTHER],
+                                              tool_choice=named, seed=seed, max_tokens=80, extra_body=NO_THINKING)
+
+    def streamed(seed):
+        with client.chat.completions.stream(model="demo-qwen3", messages=ask("Weather?"), tools=[WEATHER, OTHER],
+                                            tool_choice="required", parallel_tool_calls=False, seed=seed,
+                                            max_tokens=80, extra_body=NO_THINKING) as s:
+            return s.get_final_completion()
+
+    results = all_at_once(lambda job: job[0](job[1]), [(whole, 3), (streamed, 4)])
+    for r in results:
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None, c
+        (call,) = c.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        tool = {"get_weather": WEATHER, "other": OTHER}[call.function.name]
+        assert errors(json.loads(call.function.arguments), tool["function"]["parameters"]) == []
+    assert results[0].choices[0].message.tool_calls[0].function.name == "get_weather"
+
+
+BAD_SCHEMAS = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+     "response_format.json_schema.schema", "foo"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "format": "telepathy"}}}}, "response_format.json_schema.schema", "telepathy"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"$ref": "#/nowhere"}}}}}], "tool_choice": "required"}, "tools[0].function.parameters", "nowhere"),
+]
+
+
+@pytest.mark.parametrize("change,param,says", BAD_SCHEMAS, ids=[b[2] for b in BAD_SCHEMAS])
+def test_schemas_that_cannot_be_followed_are_400(server, change, param, says):
+    _, url = server
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": ask(), **change}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and says in err["message"] and err["code"] == "invalid_schema"
+
+
+def test_demo_model_json_schema():
+    """The real transformer (random weights) end to end: the grammar holds whatever the weights."""
+    from pegainfer.engine.engine import Engine
+    ae = AsyncEngine(Engine.from_folder(None, max_model_len=96, max_batch=1)).start()
+    try:
+        assert ae.wait_ready(120)
+        with serve_app(build_app(ae)) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
+            schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                      "additionalProperties": False}
+            r = client.chat.completions.create(
+                model="demo-qwen3", messages=ask(), temperature=0, max_tokens=20, extra_body=NO_THINKING,
+                response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+            assert r.choices[0].finish_reason == "stop"
+            assert errors(json.loads(r.choices[0].message.content), schema) == []
+    finally:
+        ae.shutdown()

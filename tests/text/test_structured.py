@@ -1,0 +1,143 @@
+"""Grammars of structured output on their own (no engine): random token walks through the allowed-token masks --
+the worst case of a model, any allowed token at any step -- always give JSON that parses and validates against its
+schema once the grammar is complete, over many seeds; forced tool calls parse as calls of the right tool with
+valid arguments; the think phases; schemas the grammar engine refuses come back as messages."""
+import json
+
+import numpy as np
+import pytest
+
+from pegainfer.text.structured import GrammarCompiler, TokenConstraint, fill_masks
+from pegainfer.text.tokenizer import Tokenizer
+from pegainfer.text.tool_calls import parse_tool_calls
+from tests.text.fixtures import make_model_folder
+from tests.text.schema_check import errors
+
+SCHEMA = {"type": "object", "properties": {
+    "ok": {"type": "boolean"},
+    "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    "color": {"enum": ["red", "green", "blue"]},
+    "tag": {"type": "string", "maxLength": 3},
+    "pair": {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 2},
+}, "required": ["ok", "n", "color", "tag", "pair"], "additionalProperties": False}
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer",
+                                                                                         "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+NOTE = {"type": "object", "properties": {"urgent": {"type": "boolean"}}, "required": ["urgent"],
+        "additionalProperties": False}
+SEEDS = 60
+
+
+@pytest.fixture(scope="module")
+def compiler(tmp_path_factory):
+    tok = Tokenizer.from_folder(make_model_folder(tmp_path_factory.mktemp("structured")))
+    return GrammarCompiler(tok, tok.vocab_size + 20, [tok.eos_token_id])   # an embedding with spare rows
+
+
+def walk(compiler, grammar, seed, max_tokens=400, after_think="no"):
+    """Draw uniformly among the allowed tokens until the grammar is complete; returns (text, complete)."""
+    rng = np.random.default_rng(seed)
+    c = compiler.constraint(grammar, after_think)
+    bitmask = np.zeros((2, -(-compiler.vocab_size // 32)), np.int32)
+    ids = []
+    for _ in range(max_tokens):
+        fill_masks([(c, 1)], bitmask)
+        allowed = np.flatnonzero(np.unpackbits(bitmask[1].view(np.uint8), bitorder="little")[:compiler.vocab_size])
+        token = int(rng.choice(allowed))
+        assert c.accept(token), c.error
+        ids.append(token)
+        if c.finished or token in compiler.eos_token_ids:
+            break
+    return compiler.tokenizer.decode(ids), c.finished
+
+
+def test_json_schema_walks_always_parse_and_validate(compiler):
+    grammar = compiler.json_schema(SCHEMA)
+    assert compiler.check(grammar) is None
+    for seed in range(SEEDS):
+        text, complete = walk(compiler, grammar, seed)
+        assert complete, text
+        value = json.loads(text)
+        assert errors(value, SCHEMA) == [], (seed, text)
+        assert text == json.dumps(value, ensure_ascii=False)      # one line, Python's separators
+
+
+def test_json_object_walks_parse_when_complete(compiler):
+    grammar = compiler.json_object()
+    complete = 0
+    for seed in range(SEEDS):
+        text, done = walk(compiler, grammar, seed, max_tokens=60)
+        if done:
+            assert isinstance(json.loads(text), dict), text
+            complete += 1
+        else:
+            assert text.startswith("{")
+    assert complete > 0
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_forced_tool_calls_parse_with_valid_arguments(compiler, parallel):
+    tools = {"get_weather": WEATHER, "note": NOTE}
+    grammar = compiler.tool_calls(tools, parallel)
+    several = 0
+    for seed in range(SEEDS):
+        text, complete = walk(compiler, grammar, seed)
+        content, calls = parse_tool_calls(text, tools)
+        assert calls, text       # complete, or ended by EOS once a call was (or, parallel, cut within a later call)
+        assert content is None or (parallel and not complete and content.startswith("<tool_call")), text
+        assert len(calls) == 1 or parallel
+        several += len(calls) > 1
+        for call in calls:
+            assert errors(json.loads(call.arguments), tools[call.name]) == [], text
+    assert several > 0 or not parallel
+
+
+def test_json_or_tool_calls(compiler):
+    grammar = compiler.json_or_tool_calls(NOTE, {"get_weather": WEATHER})
+    kinds = set()
+    for seed in range(SEEDS):
+        text, _ = walk(compiler, grammar, seed)
+        content, calls = parse_tool_calls(text, {"get_weather": WEATHER})
+        if calls:
+            kinds.add("calls")
+            assert all(errors(json.loads(c.arguments), WEATHER) == [] for c in calls)
+        else:
+            kinds.add("json")
+            assert errors(json.loads(content), NOTE) == []
+    assert kinds == {"calls", "json"}
+
+
+def test_think_phases(compiler):
+    tok = compiler.tokenizer
+    think_open, think_close = tok.token_to_id("<think>"), tok.token_to_id("</think>")
+    grammar = compiler.json_schema(NOTE)
+    bitmask = np.zeros((1, -(-compiler.vocab_size // 32)), np.int32)
+
+    def allowed(c):
+        fill_masks([(c, 0)], bitmask)
+        return set(np.flatnonzero(np.unpackbits(bitmask[0].view(np.uint8), bitorder="little")).tolist())
+
+    c = compiler.constraint(grammar, "if_opened")                 # the output may open a think block
+    assert c.masks and think_open in allowed(c) and tok.encode("{")[0] in allowed(c)
+    assert c.accept(think_open) and not c.masks                   # thinking: free text until </think>
+    assert c.accept(tok.encode("hmm")[0]) and not c.masks
+    assert c.accept(think_close) and c.masks and think_open not in allowed(c)
+    c = compiler.constraint(grammar, "if_opened")                 # ... or answers at once
+    assert c.accept(tok.encode("{")[0]) and think_open not in allowed(c)
+    c = compiler.constraint(grammar, "yes")                       # the prompt opened the block
+    assert not c.masks and c.accept(think_open) and not c.masks and c.accept(think_close) and c.masks
+    c = compiler.constraint(grammar)                              # from the first token
+    assert think_open not in allowed(c) and not c.accept(think_open) and c.error
+    assert isinstance(c, TokenConstraint)
+
+
+@pytest.mark.parametrize("schema,says", [
+    ({"type": "foo"}, "foo"),
+    ({"type": "string", "format": "telepathy"}, "telepathy"),
+    ({"type": "string", "pattern": "(?<=a)b"}, "look-around"),
+    ({"$ref": "#/definitions/missing"}, "missing"),
+    ({"type": "integer", "minimum": "one"}, "minimum"),
+])
+def test_schemas_the_engine_cannot_follow_are_explained(compiler, schema, says):
+    error = compiler.check(compiler.json_schema(schema))
+    assert error and says in error and "\n" not in error

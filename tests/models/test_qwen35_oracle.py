@@ -29,12 +29,15 @@ VOCAB = 320
 
 
 def _write_tiny_qwen35(folder, multimodal: bool, seed: int = 10):
+    # every field the loader reads differs from its default: head_dim ≠ hidden / heads, partial rotary 0.5 (not
+    # 0.25), rope_theta, rms_norm_eps, a conv of 3 taps (not 4), a layer pattern of our own
     cfg = transformers.Qwen3_5TextConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
         layer_types=["linear_attention", "full_attention", "linear_attention"],  # both kinds, two state layers
-        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=128,
-        rms_norm_eps=1e-6, tie_word_embeddings=not multimodal, initializer_range=0.1, bos_token_id=None,
+        num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=3, max_position_embeddings=128,
+        rms_norm_eps=1e-5, tie_word_embeddings=not multimodal, initializer_range=0.1, bos_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0, "partial_rotary_factor": 0.5},
         eos_token_id=None)  # no eos: HF's generate would mask it (min_new_tokens) where our argmax would not
     torch.manual_seed(seed)
     model = transformers.Qwen3_5ForCausalLM(cfg)
@@ -119,6 +122,14 @@ def _assert_rows_close(ours, theirs):
     assert len(ours) == len(theirs)
     errs = [rel_l2(ours[t], theirs[t]) for t in range(len(theirs))]
     assert max(errs) < 2e-2, errs
+
+
+def test_loader_reads_the_non_default_config(tiny):
+    """Catches a loader that falls back to a library default: the oracle config sets none of them."""
+    _, engine = tiny
+    cfg = engine.model.cfg
+    assert (cfg.head_dim, cfg.rms_norm_eps, cfg.rope_theta, cfg.partial_rotary_factor) == (32, 1e-5, 50000.0, 0.5)
+    assert engine.model.rotary_dim == 16 and engine.model.conv_kernel == 3
 
 
 def test_prompt_logits_match_hf(tiny):

@@ -111,15 +111,18 @@ def test_greedy_decode_matches_hf(tiny):
 
 
 def test_batched_decode_matches_each_sequence_alone(tiny):
-    """Catches a batched (B = 2) decode step that mixes rows, slots or positions: two prompts of different
-    lengths decoded together give each one's tokens and logits of the one-sequence run."""
+    """Catches a batched (B = 2) decode step that mixes rows, slots or positions: two prompts of different lengths
+    decoded together, each across the 16-token page boundary, give each one's tokens of the one-sequence run (rows
+    are independent, so exactly; the one-sequence run is held to HF by ``test_greedy_decode_matches_hf``)."""
     from pegainfer.engine.types import SamplingParams
 
     _, engine = tiny
-    prompts = {"a": _prompt(1), "b": _prompt(2)[:PROMPT_LEN - 4]}
-    alone = {k: greedy_decode(engine, p, DECODE_STEPS, f"alone-{k}")[0] for k, p in prompts.items()}
+    steps = 3
+    rng = np.random.default_rng(1)                                    # 15 and 16 tokens: both decode past position 16
+    prompts = {"a": rng.integers(0, VOCAB, size=15).tolist(), "b": rng.integers(0, VOCAB, size=16).tolist()}
+    alone = {k: greedy_decode(engine, p, steps, f"alone-{k}")[0] for k, p in prompts.items()}
     for k, p in prompts.items():
-        engine.add_request(k, p, SamplingParams(max_tokens=DECODE_STEPS, temperature=0.0, ignore_eos=True))
+        engine.add_request(k, p, SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
     together = {k: [] for k in prompts}
     most_running = 0
     while engine.has_unfinished():

@@ -3,9 +3,9 @@
 With PDL (``launch.py``) a kernel's blocks start while the kernel before is still running, issue the loads that do
 not depend on it, wait (``grid_dependency_wait``), finish a prologue and then do their main work.  A profiler sees
 one span per kernel; this records, for every block of every instrumented launch, four moments on the GPU's global
-nanosecond clock (``%globaltimer``) and its SM, so ``benchmarks/step_timeline.py`` can print how long the wait for
-the previous kernel took after that kernel's last block ended, how long the prologue took and how far apart the
-blocks of one launch end (the tail).
+nanosecond clock (``%globaltimer``) and its SM, so ``benchmarks/step_profile.py timeline`` can print how long the
+wait for the previous kernel took after that kernel's last block ended, how long the prologue took and how far apart
+the blocks of one launch end (the tail).
 
 Off by default (``LaunchPolicy.timeline``): the kernel builders take the policy's flag as a compile-time argument,
 so the engine's kernels contain no stamping code, and pass ``stamps_arg(policy)`` as the stamp buffer.  When on,

@@ -237,9 +237,13 @@ class Engine:
         return bool(self._seqs)
 
     def stats(self) -> dict:
+        """Gauges and counters for ``/metrics``: ``waiting`` / ``running`` requests, ``kv_pages_used`` /
+        ``kv_pages_total``, ``slots_used``; cumulative ``num_preemptions``, ``prefix_cache_queries`` (prompt tokens
+        looked up in the prefix cache) and ``prefix_cache_hits`` (of those, tokens found)."""
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "kv_pages_used": self.pool.pages_used, "kv_pages_total": self.pool.num_pages,
-                "slots_used": self.pool.slots_used}
+                "slots_used": self.pool.slots_used, "num_preemptions": 0,
+                "prefix_cache_queries": 0, "prefix_cache_hits": 0}
 
     def score(self, token_ids: list[int]):
         """Logits ``[T, V]`` (float32, host) at every position of ``token_ids`` (teacher forcing), computed through

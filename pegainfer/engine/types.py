@@ -44,4 +44,5 @@ class RequestOutput:
     finish_reason: Optional[str] = None   # "stop" | "length" | "abort" | "error"
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0                # prompt tokens whose K/V came from the prefix cache (not recomputed)
     error: Optional[str] = None           # set with finish_reason "error"

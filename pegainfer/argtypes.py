@@ -65,6 +65,13 @@ def min_p(text: str) -> float:
     return value
 
 
+def memory_fraction(text: str) -> float:
+    value = _float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (a fraction of the GPU's memory), got {text}")
+    return value
+
+
 def output_file(text: str) -> str:
     """A file the command writes when it is done: its folder must exist and be writable (checked now, not after a
     run of minutes)."""

@@ -93,3 +93,32 @@ def assert_pdl_contract(launched):
         assert pdl, f"{name} was launched without a policy (outside the PDL contract)"
         src = inspect.getsource(fn)
         assert "pdl_prologue()" in src or "grid_dependency_wait()" in src, f"{name} never waits for its inputs"
+
+
+def streams_with_a_late_arrival(engine, first, second, steps, after=2):
+    """Greedy streams (``steps`` tokens each) of prompt ``first`` and prompt ``second``, the second added once the
+    first has ``after`` tokens, so its prompt is prefilled in mixed steps beside the first's decodes.  Returns
+    ({"first": ids, "second": ids}, the kinds of the steps run)."""
+    from pegainfer.engine.types import SamplingParams
+
+    kinds = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        sched = schedule()
+        if sched is not None:
+            kinds.append(sched.kind)
+        return sched
+    engine.scheduler.schedule = recording
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    got = {"first": [], "second": []}
+    try:
+        engine.add_request("first", first, params)
+        while engine.has_unfinished():
+            for out in engine.step():
+                got[out.request_id].extend(out.new_token_ids)
+            if len(got["first"]) == after and "second" not in engine._seqs and not got["second"]:
+                engine.add_request("second", second, params)
+    finally:
+        engine.scheduler.schedule = schedule
+    return got, kinds

@@ -3,7 +3,9 @@
 A numba launch costs ~20 µs of host time and a Qwen3-4B step has hundreds of kernels, so launching them one by
 one would cost more than the GPU work. Instead, each step shape is captured once into a CUDA graph and replayed:
 
-* decode steps of B sequences (B = 1 .. max_batch): T = B tokens, B logits rows;
+* decode steps of B sequences for B in ``decode_graph_sizes`` (1, 2, 4, 8, then steps of 8, 16, 32 up to
+  ``max_batch``): T = B tokens, B logits rows; a batch between two sizes runs as the larger, padded with empty rows
+  (slot -1), as vLLM does;
 * prefill chunks padded up to a bucket of T tokens (16, 32, ... up to ``PREFILL_GRAPH_MAX``), one logits row.
   Padding tokens carry slot -1: their K/V are not written and their attention output is ignored.
 
@@ -16,6 +18,18 @@ from __future__ import annotations
 from pegainfer.kernels.launch import on_stream
 
 PREFILL_GRAPH_MAX = 512
+
+
+def decode_graph_sizes(max_batch: int) -> list[int]:
+    """The decode batch sizes that get a graph: every size up to 8, then steps of 8 to 64, 16 to 128, 32 beyond,
+    and ``max_batch`` itself (padding wastes at most a few rows' work; each graph costs capture time and memory)."""
+    sizes, b = [], 1
+    while b <= max_batch:
+        sizes.append(b)
+        b += 1 if b < 8 else 8 if b < 64 else 16 if b < 128 else 32
+    if sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:
@@ -52,7 +66,7 @@ class StepGraphs:
         pads = getattr(runner.model, "pads_prefill", False)
         self.prefill_buckets = prefill_buckets(runner.model.max_tokens) if pads else []
 
-    def has(self, T: int, B: int) -> bool:
+    def has(self, T, B: int) -> bool:
         return (T, B) in self.execs
 
     def _cu_stream(self):
@@ -60,6 +74,12 @@ class StepGraphs:
         return drv.CUstream(int(self.runner.stream.handle))
 
     def capture(self, T: int, B: int, decode: bool = False) -> None:
+        """Capture a whole step (forward pass, grammar mask, sampler) of T tokens and B logits rows."""
+        self.capture_fn((T, B), lambda: self.runner.forward_and_sample(T, B, decode=decode))
+
+    def capture_fn(self, key: tuple, run) -> None:
+        """Capture the launches of ``run()`` under ``key`` (also the two halves of a decode step launched ahead
+        with grammar masks: ``("forward", B)`` and ``("sample", B)``, captured at their first use)."""
         from cuda.bindings import driver as drv
         from numba import cuda
 
@@ -67,14 +87,14 @@ class StepGraphs:
         with cuda.defer_cleanup(), on_stream(self.runner.stream):
             _check(drv.cuStreamBeginCapture(s, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
             try:
-                self.runner.forward_and_sample(T, B, decode=decode)
+                run()
             finally:
                 graph = _check(drv.cuStreamEndCapture(s))
         self._graphs.append(graph)
-        self.execs[(T, B)] = _check(drv.cuGraphInstantiate(graph, 0))
+        self.execs[key] = _check(drv.cuGraphInstantiate(graph, 0))
 
     def capture_all(self) -> None:
-        for B in range(1, self.runner.max_batch + 1):
+        for B in self.runner.decode_sizes:
             if not self.has(B, B):
                 self.capture(B, B, decode=True)
         for T in self.prefill_buckets:
@@ -82,6 +102,6 @@ class StepGraphs:
                 self.capture(T, 1)
         self.runner.stream.synchronize()
 
-    def replay(self, T: int, B: int) -> None:
+    def replay(self, T, B: int) -> None:
         from cuda.bindings import driver as drv
         _check(drv.cuGraphLaunch(self.execs[(T, B)], self._cu_stream()))

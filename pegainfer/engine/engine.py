@@ -19,9 +19,10 @@ reads and processes N::
 
 Step N+1 is launched ahead only when nothing can change the batch: no pending abort, the running sequences are
 exactly N's (none finished at N-1), no waiting request would be admitted, no sequence wants logprobs (N+1 would
-overwrite the logits the host reads for N) or follows a grammar (N+1's mask depends on N's token), none is sure to
-stop at N (max_tokens, context full), and pages for position +1 are available. A sequence that turns out to stop at N (EOS, stop string, ...) is finished as usual; its
-N+1 token is discarded when read (a token for a finished sequence is never emitted), and since the next call sees a
+overwrite the logits the host reads for N), none is sure to stop at N (max_tokens, context full), and pages for
+position +1 are available.  When a sequence follows a grammar, N+1's mask depends on N's token: then only N+1's
+forward pass goes ahead, and its masks and sampler are launched once N's tokens are read (``runner.py``).  A
+sequence that turns out to stop at N (EOS, stop string, ...) is finished as usual; its N+1 token is discarded when read (a token for a finished sequence is never emitted), and since the next call sees a
 changed batch, it only drains N+1 before normal scheduling resumes. Every other token is the token the synchronous
 engine would produce: a greedy or seeded draw depends only on the sequence's history and its counter — provided
 the model's per-row results do not depend on which other rows share the batch (step N+1 may still carry a row for
@@ -43,7 +44,7 @@ from pegainfer.engine.scheduler import Scheduler
 from pegainfer.engine.sequence import Sequence, Status
 from pegainfer.engine.stopping import text_and_finish_reason
 from pegainfer.engine.types import RequestOutput, SamplingParams, TokenLogprob
-from pegainfer.device import require_supported_gpu
+from pegainfer.device import SIMULATOR, require_supported_gpu
 from pegainfer.errors import PegainferError, RequestError
 from pegainfer.kernels.launch import traced
 from pegainfer.kernels.policy import LaunchPolicy
@@ -54,19 +55,20 @@ PAGE_SIZE = 16
 SCORE_ROWS = 16   # logits rows per step: ≥ the decode batch, and the chunk size of score()
 
 
-def _free_gpu_bytes() -> int:
-    from pegainfer.device import SIMULATOR
-    if SIMULATOR:
-        return 1 << 40
+GPU_RESERVE_BYTES = 1 << 30   # kept out of the KV cache for the CUDA context, graphs and kernel workspaces
+
+
+def _gpu_memory() -> tuple[int, int]:
+    """(free, total) bytes of the GPU."""
     from numba import cuda
-    free, _total = cuda.current_context().get_memory_info()
-    return int(free)
+    free, total = cuda.current_context().get_memory_info()
+    return int(free), int(total)
 
 
 class Engine:
     def __init__(self, folder: Path, model, cfg, gen, tokenizer, chat_template, max_model_len: int,
-                 max_batch: int, max_prefill_tokens: int, num_pages: int, use_cuda_graph: bool,
-                 async_scheduling: bool = True):
+                 max_batch: int, max_num_batched_tokens: int, num_pages: int, use_cuda_graph: bool,
+                 async_scheduling: bool = True, prefix_caching: bool = False):
         self.folder = folder
         self.model = model
         self.model_config = cfg
@@ -76,8 +78,8 @@ class Engine:
         self.max_model_len = max_model_len
         self.model_name = folder.name
         self.eos_token_ids = list(gen.eos_token_ids or cfg.eos_token_ids or [])
-        self.pool = PagePool(num_pages, PAGE_SIZE, max_batch, max_model_len)
-        self.scheduler = Scheduler(self.pool, max_batch, max_prefill_tokens)
+        self.pool = PagePool(num_pages, PAGE_SIZE, max_batch, max_model_len, prefix_caching=prefix_caching)
+        self.scheduler = Scheduler(self.pool, max_batch, max_num_batched_tokens)
         self.runner = ModelRunner(model, self.pool, max_batch, use_cuda_graph)
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[str] = []
@@ -111,10 +113,17 @@ class Engine:
     # ------------------------------------------------------------------------------------------------ build
     @classmethod
     def from_folder(cls, model_path: Optional[str] = None, max_model_len: Optional[int] = None,
-                    max_batch: int = 1, max_prefill_tokens: int = 2048, use_cuda_graph: bool = True,
+                    max_batch: int = 1, max_num_batched_tokens: int = 2048, use_cuda_graph: bool = True,
                     verbose: bool = False, async_scheduling: bool = True,
-                    policy: "LaunchPolicy | None" = None) -> "Engine":
+                    policy: "LaunchPolicy | None" = None, gpu_memory_utilization: float = 0.9,
+                    enable_prefix_caching: Optional[bool] = None, num_pages: Optional[int] = None) -> "Engine":
         """Load a model folder (the demo model when ``model_path`` is None) and build the engine around it.
+
+        ``max_batch``: most sequences running at once (slots); ``max_num_batched_tokens``: most tokens in one step
+        (decodes plus prompt chunks; at least ``max_batch``).  The KV page pool takes what
+        ``gpu_memory_utilization`` of the GPU's memory leaves after weights, buffers and recurrent state (in the
+        simulator, or with ``num_pages``: that many pages, else ``max_batch`` full-length sequences).
+        ``enable_prefix_caching``: None = on for Qwen3, off for Qwen3.5 (its recurrent state is not cached).
         ``policy``: how the kernels launch (``kernels/policy.py``); None: ``LaunchPolicy.from_options()`` with the
         tuning file ``PEGAINFER_GEMV_TUNING`` names, if set."""
         from pegainfer.config import load_generation_config, load_model_config
@@ -124,6 +133,8 @@ class Engine:
         from pegainfer.weights import Progress, WeightReader, check_gpu_memory
 
         require_supported_gpu()
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise PegainferError(f"--gpu-memory-utilization {gpu_memory_utilization} must be in (0, 1]")
         if policy is None:
             policy = LaunchPolicy.from_options(tuning_file=os.environ.get("PEGAINFER_GEMV_TUNING") or None)
         if model_path is None:
@@ -143,23 +154,39 @@ class Engine:
         if max_model_len is not None and max_model_len < 2:
             raise PegainferError("--max-model-len must be at least 2")
         Model = model_class(cfg.arch)
+        hybrid = bool(getattr(Model, "has_recurrent_state", False))
+        prefix_caching = (not hybrid) if enable_prefix_caching is None else bool(enable_prefix_caching)
+        if prefix_caching and hybrid:
+            raise PegainferError(f"prefix caching is not supported for {cfg.arch} (its recurrent state is not "
+                                 f"cached): drop --enable-prefix-caching")
+        step_tokens = max(max_num_batched_tokens, max_batch)
 
         def plan(mml: int):
-            m = Model(cfg, mml, max_tokens=min(max_prefill_tokens, mml), max_rows=max(max_batch, SCORE_ROWS),
-                      policy=policy)
-            pages = max_batch * -(-mml // PAGE_SIZE)
-            need = m.weight_bytes() + m.scratch_bytes() + pages * PAGE_SIZE * m.kv_bytes_per_token()
-            need += getattr(m, "state_bytes", lambda n: 0)(max_batch)
-            return m, pages, need
+            """The model for context ``mml``, its KV pages and the bytes it needs besides them."""
+            m = Model(cfg, mml, max_tokens=step_tokens, max_rows=max(max_batch, SCORE_ROWS), policy=policy)
+            fixed = m.weight_bytes() + m.scratch_bytes() + getattr(m, "state_bytes", lambda n: 0)(max_batch)
+            page_bytes = PAGE_SIZE * m.kv_bytes_per_token()
+            one_seq = -(-mml // PAGE_SIZE)
+            if num_pages is not None:
+                pages = num_pages
+            elif SIMULATOR:
+                pages = max_batch * one_seq
+            else:
+                free, total = _gpu_memory()
+                usable = free - (1.0 - gpu_memory_utilization) * total - GPU_RESERVE_BYTES
+                pages = min(int((usable - fixed) // page_bytes), max_batch * one_seq)
+            return m, pages, fixed + one_seq * page_bytes, one_seq
 
         mml = max_model_len or limit
-        model, pages, need = plan(mml)
+        model, pages, need, one_seq = plan(mml)
         if max_model_len is None:
-            free = _free_gpu_bytes() - (1 << 30)  # keep 1 GiB for the CUDA context and graphs
-            while need > free and mml > 1024:
+            while pages < one_seq and mml > 1024:
                 mml = max(1024, mml // 2)
-                model, pages, need = plan(mml)
-        check_gpu_memory(need, f"{folder.name} (weights, KV cache for {max_batch} × {mml} tokens, buffers)")
+                model, pages, need, one_seq = plan(mml)
+        check_gpu_memory(need, f"{folder.name} (weights, buffers and the KV cache of one {mml}-token sequence)")
+        if pages < one_seq:
+            raise PegainferError(f"the KV cache fits {pages * PAGE_SIZE} tokens, less than one {mml}-token "
+                                 f"sequence: lower --max-model-len or raise --gpu-memory-utilization")
 
         progress = Progress(total_bytes=model.weight_bytes(), verbose=verbose)
         t_load = time.perf_counter()
@@ -167,9 +194,12 @@ class Engine:
             model.load_weights(reader)
         progress.finish()
         weights_s = time.perf_counter() - t_load
-        model.allocate(pages, PAGE_SIZE)
-        eng = cls(folder, model, cfg, gen, tokenizer, chat_template, mml, max_batch, min(max_prefill_tokens, mml),
-                  pages, use_cuda_graph, async_scheduling)
+        model.allocate(pages, PAGE_SIZE, num_slots=max_batch)
+        eng = cls(folder, model, cfg, gen, tokenizer, chat_template, mml, max_batch, step_tokens, pages,
+                  use_cuda_graph, async_scheduling, prefix_caching)
+        log.info("KV cache: %d pages of %d tokens (%d tokens, %.2f GiB); prefix caching %s", pages, PAGE_SIZE,
+                 pages * PAGE_SIZE, pages * PAGE_SIZE * model.kv_bytes_per_token() / 2 ** 30,
+                 "on" if prefix_caching else "off")
         eng.weights_load_s = weights_s
         t_warm = time.perf_counter()
         eng.warmup()
@@ -187,7 +217,8 @@ class Engine:
         from pegainfer.engine.progress import WarmupProgress
         lengths = [2] if SIMULATOR else sorted({2, 16, min(160, self.max_model_len - 4)})
         graphs = self.runner.graphs
-        with WarmupProgress(len(lengths) + (graphs is not None)) as progress:
+        mixed = not SIMULATOR and self.scheduler.max_batch >= 2 and self.max_model_len > 40
+        with WarmupProgress(len(lengths) + mixed + (graphs is not None)) as progress:
             for i, n in enumerate(lengths):
                 progress.phase(f"a {n}-token prompt")
                 params = SamplingParams(max_tokens=2, temperature=0.0 if i % 2 == 0 else 0.7, ignore_eos=True)
@@ -197,6 +228,17 @@ class Engine:
                     with progress.step():
                         self.step()
                 self.prefill_launches = progress.step_launches[first_step]   # its first step is the prefill
+            if mixed:   # a prompt arriving while another sequence decodes: the mixed step's kernels
+                progress.phase("a prompt beside a decode")
+                greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+                self.add_request("__warmup_a__", [2] * 8, greedy)
+                with progress.step():
+                    self.step()
+                self.add_request("__warmup_b__", [3] * 32, greedy)
+                while self.has_unfinished():
+                    with progress.step():
+                        self.step()
+            self.pool.prefix_queries = self.pool.prefix_hits = 0
             if graphs is not None:
                 progress.phase("capturing the CUDA graphs")
                 graphs.capture_all()
@@ -242,8 +284,8 @@ class Engine:
         looked up in the prefix cache) and ``prefix_cache_hits`` (of those, tokens found)."""
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "kv_pages_used": self.pool.pages_used, "kv_pages_total": self.pool.num_pages,
-                "slots_used": self.pool.slots_used, "num_preemptions": 0,
-                "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+                "slots_used": self.pool.slots_used, "num_preemptions": self.scheduler.num_preemptions,
+                "prefix_cache_queries": self.pool.prefix_queries, "prefix_cache_hits": self.pool.prefix_hits}
 
     def score(self, token_ids: list[int]):
         """Logits ``[T, V]`` (float32, host) at every position of ``token_ids`` (teacher forcing), computed through
@@ -278,28 +320,45 @@ class Engine:
         t_step = time.perf_counter()
         trace_kernels = tracer is not None and sched.kind not in self._kernel_traced
         with (traced(tracer.kernel) if trace_kernels else contextlib.nullcontext()):
-            if sched.kind == "prefill":
-                seq = sched.seqs[0]
+            for seq, start, _ in sched.chunks:
                 if seq.scheduled_time is None:
                     seq.scheduled_time = t_step
-                if sched.start == 0:
+                if start == 0:
                     self.model.reset_slot(seq.slot)   # e.g. zero Qwen3.5's recurrent state for a new sequence
-                token, _ = self.runner.prefill(seq, sched.start, sched.length, force_eager=trace_kernels)
+            if sched.kind == "prefill":
+                seq, start, length = sched.chunks[0]
+                token, _ = self.runner.prefill(seq, start, length, force_eager=trace_kernels)
+                self.scheduler.computed(seq, start + length)
                 if token is not None:
                     outputs.append(self._append(seq, token, 0))
+            elif sched.kind == "mixed":
+                outputs += self._mixed(sched)
             elif self.async_scheduling and not trace_kernels:
-                outputs += self._read_launching_ahead(self.runner.launch_decode(sched.seqs))
+                outputs += self._read_launching_ahead(self.runner.launch_decode(sched.decodes))
             else:
-                tokens = self.runner.decode(sched.seqs, force_eager=trace_kernels)
-                for row, (seq, token) in enumerate(zip(sched.seqs, tokens)):
+                tokens = self.runner.decode(sched.decodes, force_eager=trace_kernels)
+                for row, (seq, token) in enumerate(zip(sched.decodes, tokens)):
+                    self.scheduler.computed(seq, seq.num_tokens)
                     outputs.append(self._append(seq, token, row))
         if tracer is not None:
             if trace_kernels:
                 tracer.flush_kernels(sched.kind)
                 self._kernel_traced.add(sched.kind)
-            label = (f"prefill {sched.seqs[0].request_id} ({sched.length} tokens)" if sched.kind == "prefill"
-                     else f"decode batch {len(sched.seqs)}")
-            tracer.span(label, t_step, time.perf_counter(), "engine steps")
+            tracer.span(_step_label(sched), t_step, time.perf_counter(), "engine steps")
+        return outputs
+
+    def _mixed(self, sched) -> list[RequestOutput]:
+        """Run a step of decodes and prompt chunks; append the token of every sequence whose tokens it finished."""
+        tokens = self.runner.mixed(sched.decodes, sched.chunks)
+        outputs = []
+        for row, seq in enumerate(sched.decodes):
+            self.scheduler.computed(seq, seq.num_tokens)
+            outputs.append(self._append(seq, tokens[row], row))
+        for j, (seq, start, length) in enumerate(sched.chunks):
+            row = len(sched.decodes) + j
+            self.scheduler.computed(seq, start + length)
+            if start + length >= seq.num_tokens:
+                outputs.append(self._append(seq, tokens[row], row))
         return outputs
 
     def _finish_aborted(self) -> list[RequestOutput]:
@@ -327,10 +386,20 @@ class Engine:
 
     def _read_launching_ahead(self, pending: PendingStep) -> list[RequestOutput]:
         """Launch the step after ``pending`` (same batch, ids from the device) if nothing can change the batch, then
-        read and append ``pending``'s tokens."""
-        ahead = self.runner.launch_decode(pending.seqs, ahead=1) if self._can_launch_ahead(pending.seqs) else None
+        read and append ``pending``'s tokens.  With grammar-constrained rows the step ahead is launched in two parts:
+        its forward pass before the read, its masks and sampler after it (``runner.launch_forward_ahead``)."""
+        if not self._can_launch_ahead(pending.seqs):
+            self._inflight = None
+            return self._read(pending)
+        if any(seq.constraint is not None for seq in pending.seqs):
+            forward = self.runner.launch_forward_ahead(pending.seqs)
+            outputs = self._read(pending)
+            live = any(seq.status is not Status.FINISHED for seq in forward.seqs)
+            self._inflight = self.runner.launch_sample(forward) if live else None
+            return outputs
+        ahead = self.runner.launch_decode(pending.seqs, ahead=1)
         outputs = self._read(pending)
-        if ahead is not None and all(seq.status is Status.FINISHED for seq in ahead.seqs):
+        if all(seq.status is Status.FINISHED for seq in ahead.seqs):
             self._read(ahead)           # nobody left to use its tokens: drain now, so an idle engine is idle
             ahead = None
         self._inflight = ahead
@@ -343,8 +412,8 @@ class Engine:
             return False
         for seq in seqs:
             p = seq.params
-            if seq.status is not Status.RUNNING or p.logprobs is not None or seq.constraint is not None:
-                return False   # logprobs read the logits; a grammar's next mask needs this step's token
+            if seq.status is not Status.RUNNING or p.logprobs is not None:
+                return False   # logprobs read the logits the step ahead overwrites
             # the in-flight step will surely finish it (no EOS/stop-string check needed): don't compute a token
             # past its end
             if len(seq.output_ids) + 1 >= p.max_tokens or seq.num_tokens + 1 >= self.max_model_len:
@@ -360,7 +429,7 @@ class Engine:
         for row, (seq, token) in enumerate(zip(pending.seqs, tokens)):
             if seq.status is Status.FINISHED:
                 continue
-            seq.num_cached = seq.num_tokens
+            self.scheduler.computed(seq, seq.num_tokens)
             outputs.append(self._append(seq, token, row))
         return outputs
 
@@ -368,7 +437,7 @@ class Engine:
         now = time.perf_counter()
         if seq.first_token_time is None:
             seq.first_token_time = now
-        seq.output_ids.append(token)
+        seq.append_token(token)
         p = seq.params
         n_out = len(seq.output_ids)
         logprobs = None
@@ -393,7 +462,7 @@ class Engine:
             out.logprobs = logprobs
             return out
         return RequestOutput(seq.request_id, [token], text, logprobs, False, None,
-                             len(seq.prompt_ids), n_out)
+                             len(seq.prompt_ids), n_out, seq.cached_tokens)
 
     @staticmethod
     def _flush_text(seq: Sequence) -> str:
@@ -432,4 +501,14 @@ class Engine:
         self.scheduler.remove(seq)
         self._seqs.pop(seq.request_id, None)
         return RequestOutput(seq.request_id, [], text, None, True, reason, len(seq.prompt_ids),
-                             len(seq.output_ids))
+                             len(seq.output_ids), seq.cached_tokens)
+
+
+def _step_label(sched) -> str:
+    """How a step shows in a trace."""
+    if sched.kind == "prefill":
+        seq, _, length = sched.chunks[0]
+        return f"prefill {seq.request_id} ({length} tokens)"
+    if sched.kind == "mixed":
+        return f"mixed: {len(sched.decodes)} decodes + {len(sched.chunks)} chunks ({sched.num_tokens} tokens)"
+    return f"decode batch {len(sched.decodes)}"

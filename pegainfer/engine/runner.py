@@ -19,7 +19,13 @@ Structured output: before a step that samples a constrained sequence's next toke
 grammar bitmask (``text/structured.py``, llguidance) and flags the row; the step uploads the flagged rows' masks
 with its inputs, and ``kernels/token_mask.py`` sets the logits of disallowed tokens to -inf on the device right
 before the sampler.  The mask launch is part of every step (and of its graph): an unconstrained step's blocks read
-a flag and leave.
+a flag and leave.  A constrained row's mask depends on the token drawn the step before, so a decode step with such
+rows is launched ahead in two parts: its forward pass (``launch_forward_ahead``, whose ids are already on the
+device) before the host reads the previous step's tokens, and its mask + sampler (``launch_sample``) once the host
+has them and has filled the masks -- the GPU computes the forward pass while the grammar engine works::
+
+    host:  launch fwd N+1 │ wait N, append N, fill masks N+1 │ launch mask+sample N+1 │ launch fwd N+2 │ ...
+    GPU:   ═ mask+sample N ╪═══════════ fwd N+1 ══════════════╪═ mask+sample N+1 ═════╪═ fwd N+2 ══ ...
 """
 from __future__ import annotations
 
@@ -34,6 +40,14 @@ from pegainfer.kernels import sampling
 from pegainfer.kernels.launch import on_stream
 from pegainfer.kernels.token_mask import apply_token_mask
 from pegainfer.engine.step_inputs import StepInputs, TokenMasks, wait_event
+
+
+@dataclass
+class PendingForward:
+    """A decode step whose forward pass is launched and whose mask + sampler are not (``launch_forward_ahead``)."""
+    seqs: list
+    B: int
+    Bp: int          # its padded batch (``padded_batch``)
 
 
 @dataclass
@@ -87,11 +101,20 @@ class ModelRunner:
         # free during that wait): AsyncEngine hands the previous step's outputs to the server's event loop there.
         self.before_wait = None
         self.graphs = None
+        self.decode_sizes = None       # decode batch sizes that have a graph (``padded_batch``)
         if use_cuda_graph and not SIMULATOR:
-            from pegainfer.engine.cuda_graph import StepGraphs
+            from pegainfer.engine.cuda_graph import StepGraphs, decode_graph_sizes
             self.graphs = StepGraphs(self)
+            self.decode_sizes = decode_graph_sizes(max_batch)
 
     # -------------------------------------------------------------------------------------------- inputs
+    def padded_batch(self, B: int) -> int:
+        """The batch a decode step of B sequences runs as: the smallest of ``decode_sizes`` (the captured graphs'
+        sizes) that holds B, padded with empty rows; B itself when there are no sizes."""
+        if self.decode_sizes is None:
+            return B
+        return next((size for size in self.decode_sizes if size >= B), B)
+
     def _wait_inputs_free(self) -> None:
         """Block until the last upload from the pinned input mirrors has executed (at once in synchronous use)."""
         if self._uploaded_recorded:
@@ -110,8 +133,8 @@ class ModelRunner:
 
     def _fill_masks(self, rows, B: int) -> None:
         """Flag and fill the grammar bitmask of each ``(seq, row)`` whose next token a grammar constrains; clear the
-        flags of the step's other rows.  The mask depends on every token so far, so a step launched ahead cannot
-        have one (the engine never launches ahead for a constrained sequence)."""
+        flags of the step's other rows.  The mask depends on every token so far, so a step launched ahead gets its
+        masks after its forward pass is launched (``launch_sample``)."""
         from pegainfer.text.structured import fill_masks
         self.step.h_masked[:B] = 0
         todo = [(seq.constraint, row) for seq, row in rows if seq.constraint is not None and seq.constraint.masks]
@@ -129,13 +152,14 @@ class ModelRunner:
         p = seq.params
         self.sampling.set_row(row, p.temperature, p.top_k, p.top_p, p.min_p, seq.seed, len(seq.output_ids) + ahead)
 
-    def forward_and_sample(self, T: int, B: int, decode: bool = False):
+    def forward_and_sample(self, T: int, B: int, decode: bool = False, num_decode: int = 0):
         """Run the model on the uploaded step and sample B tokens (device) into ``out_ids`` -- the step's first B
         input ids, which the forward pass has consumed (so a decode step launched next on the device finds its
         ids in place); returns the logits view.  ``decode``: T = B sequences, one newest token each (the model's
-        ``forward``)."""
+        ``forward``); ``num_decode``: a mixed step's leading decode tokens."""
         head = self.head_argmax if self.head_argmax is not None and self.model.lm_head_argmax(T, B) else None
-        logits = self.model.forward(self.step, self.pool.block_tables, T, B, decode=decode, head=head)
+        logits = self.model.forward(self.step, self.pool.block_tables, T, B, decode=decode, head=head,
+                                    num_decode=num_decode)
         apply_token_mask(logits, self.masks.device, self.step.masked_rows, self.sampling.temperature, head=head,
                          policy=self.model.policy)
         sampling.sample(logits, self.sampling, self.out_ids[:B], self.sample_workspace, head=head,
@@ -165,13 +189,15 @@ class ModelRunner:
 
     # -------------------------------------------------------------------------------------------- steps
     def prefill(self, seq, start: int, length: int, want_logits: bool = False, force_eager: bool = False):
-        """Run prompt tokens [start, start+length) of one sequence. Returns the sampled next token when this chunk
-        ends the prompt (else None), and the logits rows if ``want_logits`` (all rows of the chunk).
+        """Run tokens [start, start+length) of one sequence (its prompt, or after a preemption its prompt and
+        output). Returns the sampled next token when this chunk ends the sequence's tokens (else None), and the
+        logits rows if ``want_logits`` (all rows of the chunk).
 
         Without ``want_logits`` a chunk of at most PREFILL_GRAPH_MAX tokens is padded to its bucket (padding tokens
         have slot -1: no K/V written, output ignored) and replayed from the bucket's CUDA graph when captured."""
         T = length
-        ids = seq.prompt_ids[start:start + length]
+        ids = seq.token_ids[start:start + length]
+        last = start + length >= seq.num_tokens
         self._wait_inputs_free()
         self.h_ids[:T] = ids
         self.h_pos[:T] = np.arange(start, start + length, dtype=np.int32)
@@ -188,7 +214,7 @@ class ModelRunner:
             B = 1
             self.h_rows[0] = T - 1
             self._set_sampling(0, seq)
-            self._fill_masks([(seq, 0)] if start + length >= len(seq.prompt_ids) else (), 1)
+            self._fill_masks([(seq, 0)] if last else (), 1)
             # Pad to a fixed bucket whether or not graphs are on, so both paths run the very same kernels.
             pads = getattr(self.model, "pads_prefill", False)   # model kernels skip tokens whose slot is -1
             bucket = prefill_bucket(T, self.model.max_tokens) if pads and not SIMULATOR else None
@@ -208,17 +234,45 @@ class ModelRunner:
                 self._upload()
                 logits = self.forward_and_sample(T, B)
         out = self._finish(B)
-        seq.num_cached = start + length
-        last = seq.num_cached >= len(seq.prompt_ids)
         token = int(out[B - 1]) if last else None
         return token, (logits if want_logits else None)
 
     def decode(self, seqs, force_eager: bool = False):
         """One token for each sequence in ``seqs`` (their last token goes in; the sampled next token comes out)."""
-        tokens = self.wait(self.launch_decode(seqs, force_eager=force_eager))
-        for seq in seqs:
-            seq.num_cached = seq.num_tokens
-        return tokens
+        return self.wait(self.launch_decode(seqs, force_eager=force_eager))
+
+    def mixed(self, decodes, chunks) -> list[int]:
+        """One step of decodes and prompt chunks (``scheduler.ScheduledStep``): the decode tokens first, then each
+        chunk's tokens; one logits row per sequence (a decode's token, a chunk's last token).  Returns the sampled
+        token of every row (meaningful for the rows whose chunk ends its sequence's tokens).  Launched eagerly:
+        its shape changes from step to step."""
+        nd = len(decodes)
+        B = nd + len(chunks)
+        self._wait_inputs_free()
+        sampled = []
+        for r, seq in enumerate(decodes):
+            self.h_ids[r] = seq.last_token()
+            self.h_pos[r] = seq.num_tokens - 1
+            self.h_slots[r] = seq.slot
+            self.h_rows[r] = r
+            self._set_sampling(r, seq)
+            sampled.append((seq, r))
+        t = nd
+        for j, (seq, start, n) in enumerate(chunks):
+            r = nd + j
+            self.h_ids[t:t + n] = seq.token_ids[start:start + n]
+            self.h_pos[t:t + n] = np.arange(start, start + n, dtype=np.int32)
+            self.h_slots[t:t + n] = seq.slot
+            self.h_rows[r] = t + n - 1
+            self._set_sampling(r, seq)
+            if start + n >= seq.num_tokens:
+                sampled.append((seq, r))
+            t += n
+        self._fill_masks(sampled, B)
+        with on_stream(self.stream):
+            self._upload()
+            self.forward_and_sample(t, B, num_decode=nd)
+        return [int(x) for x in self._finish(B)]
 
     def launch_decode(self, seqs, ahead: int = 0, force_eager: bool = False) -> PendingStep:
         """Enqueue one decode step for ``seqs`` (uploads, forward + sample, the copy of the ids to a pinned buffer)
@@ -230,10 +284,28 @@ class ModelRunner:
         in place on the device (its sampler wrote them over its input ids; this step's upload leaves them alone),
         positions and sampling counters are one further. The caller must have reserved pages for position
         ``num_tokens``."""
+        assert not ahead or all(seq.constraint is None for seq in seqs), \
+            "a constrained step launches ahead in two parts (launch_forward_ahead)"
+        B, Bp = self._stage_decode(seqs, ahead)
+        self._fill_masks(list(zip(seqs, range(B))), Bp)
+        with on_stream(self.stream):
+            self._keep_logits_before(ahead, B)
+            self._upload(with_ids=not ahead)
+            if self.graphs is not None and not force_eager and self.graphs.has(Bp, Bp):
+                self.graphs.replay(Bp, Bp)
+            else:
+                self.forward_and_sample(Bp, Bp, decode=True)
+            buffer = self._copy_out(B)
+        pending = PendingStep(list(seqs), B, buffer, ahead)
+        self._unread_ahead = pending if ahead else None
+        return pending
+
+    def _stage_decode(self, seqs, ahead: int) -> tuple[int, int]:
+        """Write a decode step's inputs for ``seqs`` into the pinned mirrors (``launch_decode``'s ``ahead``), padding
+        rows up to ``padded_batch``; returns (B, padded B)."""
         B = len(seqs)
+        Bp = self.padded_batch(B)
         self._wait_inputs_free()
-        assert not ahead or all(seq.constraint is None for seq in seqs), "a constrained step cannot launch ahead"
-        self._fill_masks(list(zip(seqs, range(B))), B)
         for r, seq in enumerate(seqs):
             if ahead == 0:
                 self.h_ids[r] = seq.last_token()
@@ -241,21 +313,75 @@ class ModelRunner:
             self.h_slots[r] = seq.slot
             self.h_rows[r] = r
             self._set_sampling(r, seq, ahead)
+        for r in range(B, Bp):       # padding rows: slot -1 (no K/V written, nothing read), a greedy draw ignored
+            self.h_ids[r] = 0
+            self.h_pos[r] = 0
+            self.h_slots[r] = -1
+            self.h_rows[r] = r
+            self.sampling.set_row(r, 0.0, 0, 1.0, 0.0, 0, 0)
+        return B, Bp
+
+    def _keep_logits_before(self, ahead: int, B: int) -> None:
+        """With ``keep_logits``, copy the logits of the step about to be overwritten by one launched ahead."""
+        self._prev_logits_kept = bool(ahead and self.keep_logits)
+        if self._prev_logits_kept:
+            if self.prev_logits is None:
+                self.prev_logits = cuda.device_array(self.model.logits.shape, self.model.logits.dtype)
+            self.prev_logits[:B].copy_to_device(self.model.logits[:B], stream=self.stream)
+
+    def launch_forward_ahead(self, seqs) -> "PendingForward":
+        """The forward pass of the decode step after the one last launched (``launch_decode(ahead=1)``'s inputs),
+        without its mask and sampler: for steps with grammar-constrained rows, whose masks need the tokens of the
+        step in flight.  ``launch_sample`` finishes it."""
+        B, Bp = self._stage_decode(seqs, ahead=1)
+        self.step.h_masked[:Bp] = 0
+        self._mask_rows = 0
         with on_stream(self.stream):
-            self._prev_logits_kept = bool(ahead and self.keep_logits)
-            if self._prev_logits_kept:
-                if self.prev_logits is None:
-                    self.prev_logits = cuda.device_array(self.model.logits.shape, self.model.logits.dtype)
-                self.prev_logits[:B].copy_to_device(self.model.logits[:B], stream=self.stream)
-            self._upload(with_ids=not ahead)
-            if self.graphs is not None and not force_eager and self.graphs.has(B, B):
-                self.graphs.replay(B, B)
-            else:
-                self.forward_and_sample(B, B, decode=True)
-            buffer = self._copy_out(B)
-        pending = PendingStep(list(seqs), B, buffer, ahead)
-        self._unread_ahead = pending if ahead else None
+            self._keep_logits_before(1, B)
+            self._upload(with_ids=False)
+            self._replay_or_run(("forward", Bp), lambda: self.forward_only(Bp))
+        return PendingForward(list(seqs), B, Bp)
+
+    def launch_sample(self, fwd: "PendingForward") -> PendingStep:
+        """The grammar masks and the sampler of a step whose forward pass ``launch_forward_ahead`` launched: fill the
+        masks of its still-running constrained rows (their previous tokens are now on the host), upload them with
+        the rows' flags, sample, and start the ids' copy to the host."""
+        from pegainfer.engine.sequence import Status
+        self._wait_inputs_free()
+        live = [(seq, r) for r, seq in enumerate(fwd.seqs) if seq.status is not Status.FINISHED]
+        self._fill_masks(live, fwd.Bp)
+        with on_stream(self.stream):
+            self.step.upload_rows(self.step.MASKED, fwd.Bp, self.stream)
+            if self._mask_rows:
+                self.masks.upload(self._mask_rows, self.stream)
+            if self.inputs_uploaded is not None:
+                self.inputs_uploaded.record(self.stream)
+                self._uploaded_recorded = True
+            self._replay_or_run(("sample", fwd.Bp), lambda: self.sample_only(fwd.Bp))
+            buffer = self._copy_out(fwd.B)
+        pending = PendingStep(fwd.seqs, fwd.B, buffer, 1)
+        self._unread_ahead = pending
         return pending
+
+    def forward_only(self, B: int) -> None:
+        """A decode step's forward pass for B rows (the logits in ``model.logits[:B]``), no mask or sampler."""
+        self.model.forward(self.step, self.pool.block_tables, B, B, decode=True)
+
+    def sample_only(self, B: int) -> None:
+        """The grammar mask and the sampler over ``model.logits[:B]`` (``forward_only``'s output)."""
+        logits = self.model.logits[:B]
+        apply_token_mask(logits, self.masks.device, self.step.masked_rows, self.sampling.temperature,
+                         policy=self.model.policy)
+        sampling.sample(logits, self.sampling, self.out_ids[:B], self.sample_workspace, policy=self.model.policy)
+
+    def _replay_or_run(self, key, run) -> None:
+        """Replay the graph of ``key`` (captured at first use when graphs are on), else launch ``run`` eagerly."""
+        if self.graphs is None:
+            run()
+            return
+        if not self.graphs.has(*key):
+            self.graphs.capture_fn(key, run)
+        self.graphs.replay(*key)
 
     def wait(self, pending: PendingStep) -> list[int]:
         """The ids sampled by a launched decode step (blocks until they are on the host)."""

@@ -1,13 +1,27 @@
-"""Which sequences run in the next step.
+"""Which tokens of which sequences run in the next step (vLLM's v1 policy: one token budget, mixed steps).
 
-Policy (nano-vllm's): a waiting sequence is admitted when a slot and pages for its prompt are free; admitted
-sequences prefill first, in chunks of at most ``max_prefill_tokens`` (one sequence per prefill step), then all
-running sequences decode together, one token each, in one batched step of up to ``max_batch`` sequences.
+Every sequence has ``num_tokens`` tokens (prompt, then output) of which ``num_cached`` have their K/V in the cache;
+a step computes the next ``num_uncomputed`` or fewer of them, and when a sequence's computed tokens reach its end
+the step samples its next token.  A decoding sequence has one uncomputed token (the one sampled last); a
+prefilling one has the rest of its prompt (and after a preemption its output too).
+
+Each step, under a budget of ``max_num_batched_tokens`` tokens:
+
+1. **every decoding sequence** gets its one token (decodes are never skipped for a prompt).  A sequence that needs
+   a new page when none is left preempts the newest running sequence (possibly itself): its slot and pages are
+   freed, it goes back to the front of the waiting queue, and it is recomputed (prompt and output so far, as one
+   prefill) when it comes back -- the tokens it produces are the ones it would have produced;
+2. **prefilling sequences** get chunks of what budget is left, oldest first;
+3. **waiting sequences** are admitted while a slot, budget and pages for their first chunk are free (plus a small
+   reserve of pages so running sequences can grow); with prefix caching their first pages may come from the
+   cache (``kv_cache.PagePool.match_prefix``) and are not computed again.
+
+A step's flat token batch puts the decode tokens first, then each chunk's tokens in order (``ScheduledStep``).
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pegainfer.engine.kv_cache import PagePool
 from pegainfer.engine.sequence import Sequence, Status
@@ -15,19 +29,37 @@ from pegainfer.engine.sequence import Sequence, Status
 
 @dataclass
 class ScheduledStep:
-    kind: str                    # "prefill" | "decode"
-    seqs: list[Sequence]
-    start: int = 0               # prefill: first prompt position of this chunk
-    length: int = 0              # prefill: tokens in this chunk
+    decodes: list[Sequence] = field(default_factory=list)     # one token each: their newest
+    chunks: list[tuple[Sequence, int, int]] = field(default_factory=list)   # (sequence, first token, length)
+
+    @property
+    def kind(self) -> str:
+        """"decode" (decodes only), "prefill" (one chunk, nothing else) or "mixed"."""
+        if not self.chunks:
+            return "decode"
+        return "prefill" if not self.decodes and len(self.chunks) == 1 else "mixed"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for _, _, n in self.chunks)
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        """Every sequence of the step, in the order of its logits rows: the decodes, then the chunks."""
+        return self.decodes + [seq for seq, _, _ in self.chunks]
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, max_batch: int, max_prefill_tokens: int):
+    def __init__(self, pool: PagePool, max_batch: int, max_num_batched_tokens: int,
+                 reserve_pages: int | None = None):
         self.pool = pool
         self.max_batch = max_batch
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # pages left free at admission so running sequences can grow before anyone is preempted (vLLM: 1 %)
+        self.reserve_pages = max(1, pool.num_pages // 100) if reserve_pages is None else reserve_pages
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []       # in order of admission: the newest is preempted first
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -35,37 +67,94 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # ------------------------------------------------------------------------------------------------ schedule
     def schedule(self) -> ScheduledStep | None:
-        # 1. finish prefilling an admitted sequence
+        step = ScheduledStep()
+        budget = self.max_num_batched_tokens
+        # 1. every decoding sequence, preempting the newest running sequences when pages run out
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or seq.num_uncomputed != 1:
+                continue
+            while not self.pool.ensure_capacity(seq.slot, seq.num_tokens):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+                if victim in step.decodes:
+                    step.decodes.remove(victim)
+            if seq.status is Status.RUNNING:
+                step.decodes.append(seq)
+        budget -= len(step.decodes)
+        # 2. chunks of the sequences being prefilled
         for seq in self.running:
-            if not seq.prefill_done:
-                return self._prefill_chunk(seq)
-        # 2. admit a waiting sequence if it fits
-        if self.can_admit_waiting():
+            if budget <= 0:
+                break
+            if seq.num_uncomputed > 1:
+                budget -= self._add_chunk(step, seq, budget)
+        # 3. admit waiting sequences
+        while budget > 0 and self.can_admit_waiting():
             seq = self.waiting.popleft()
-            seq.slot = self.pool.acquire_slot()
-            self.pool.ensure_capacity(seq.slot, len(seq.prompt_ids) + 1)
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            return self._prefill_chunk(seq)
-        # 3. decode every running sequence (pages for the next token are reserved here)
-        batch = []
-        for seq in self.running[: self.max_batch]:
-            if self.pool.ensure_capacity(seq.slot, seq.num_tokens + 1):
-                batch.append(seq)
-        if batch:
-            return ScheduledStep("decode", batch)
-        return None
+            self._admit(seq)
+            budget -= self._add_chunk(step, seq, budget)
+        if not step.decodes and not step.chunks:
+            return None
+        return step
+
+    def _add_chunk(self, step: ScheduledStep, seq: Sequence, budget: int) -> int:
+        """Schedule the next chunk of ``seq`` (at most ``budget`` tokens, as many as pages allow); returns its
+        length (0: no page for even one token)."""
+        start = seq.num_cached
+        length = min(seq.num_uncomputed, budget)
+        while length > 0 and not self.pool.ensure_capacity(seq.slot, start + length):
+            # as many tokens as the pages it has plus every available page hold
+            room = (self.pool.pages_held(seq.slot) + self.pool.pages_available) * self.pool.page_size - start
+            length = min(length - 1, room)
+        if length > 0:
+            step.chunks.append((seq, start, length))
+        return max(length, 0)
 
     def can_admit_waiting(self) -> bool:
-        """Whether the next ``schedule`` would admit (and prefill) the first waiting sequence."""
-        return bool(self.waiting) and len(self.running) < self.max_batch and \
-            self.pool.can_admit(len(self.waiting[0].prompt_ids) + 1)
+        """Whether a step could admit the first waiting sequence now: a slot is free and pages for its first chunk
+        (beyond the reserve) are available."""
+        if not self.waiting or len(self.running) >= self.max_batch or not self.pool.has_free_slot:
+            return False
+        seq = self.waiting[0]
+        first = min(seq.num_tokens, self.max_num_batched_tokens)
+        return self.pool.pages_needed(first) + self.reserve_pages <= self.pool.pages_available
 
-    def _prefill_chunk(self, seq: Sequence) -> ScheduledStep:
-        start = seq.num_cached
-        length = min(len(seq.prompt_ids) - start, self.max_prefill_tokens)
-        return ScheduledStep("prefill", [seq], start, length)
+    def _admit(self, seq: Sequence) -> None:
+        seq.slot = self.pool.acquire_slot()
+        seq.num_cached = 0
+        if self.pool.prefix_caching:
+            pages = self.pool.match_prefix(seq.token_ids, seq.page_keys)
+            self.pool.attach(seq.slot, pages)
+            seq.num_cached = len(pages) * self.pool.page_size
+            seq.pages_indexed = len(pages)
+            if not seq.output_ids and seq.preemptions == 0:
+                seq.cached_tokens = seq.num_cached
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    # ------------------------------------------------------------------------------------------------ preemption
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's slot and pages and queue it first among the waiting: it is recomputed when it
+        comes back (its full pages stay in the prefix cache meanwhile, when that is on)."""
+        self.running.remove(seq)
+        self.pool.release(seq.slot)
+        seq.slot = None
+        seq.num_cached = 0
+        seq.pages_indexed = 0
+        seq.preemptions += 1
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def computed(self, seq: Sequence, num_cached: int) -> None:
+        """A step computed ``seq``'s tokens up to ``num_cached``: offer its newly full pages to the prefix cache."""
+        seq.num_cached = num_cached
+        if self.pool.prefix_caching and seq.slot is not None:
+            seq.pages_indexed = self.pool.cache_full_pages(seq.slot, seq.token_ids, num_cached, seq.page_keys,
+                                                           seq.pages_indexed)
 
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and return its slot and pages."""

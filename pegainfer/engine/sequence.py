@@ -20,11 +20,16 @@ class Sequence:
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
+        self.token_ids = list(prompt_ids)    # prompt then output: what the K/V cache holds, in order
         self.params = params
         self.seed = params.seed if params.seed is not None else random.getrandbits(63)
         self.status = Status.WAITING
         self.slot: Optional[int] = None
-        self.num_cached = 0                  # tokens whose K/V are in the cache
+        self.num_cached = 0                  # tokens whose K/V are in the cache (computed, or shared cached pages)
+        self.cached_tokens = 0               # prompt tokens the prefix cache gave at admission (reported in usage)
+        self.page_keys: list[bytes] = []     # prefix-cache keys of the full pages of token_ids so far
+        self.pages_indexed = 0               # full pages already offered to the prefix cache
+        self.preemptions = 0
         self.detokenizer = detokenizer
         self.stop_matcher = stop_matcher
         self.finish_reason: Optional[str] = None
@@ -39,8 +44,14 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
-    def prefill_done(self) -> bool:
-        return self.num_cached >= len(self.prompt_ids)
+    def num_uncomputed(self) -> int:
+        """Tokens whose K/V are not in the cache yet: 1 while decoding (the newest token), more while its prompt
+        (or, after a preemption, its prompt and output) is being prefilled."""
+        return self.num_tokens - self.num_cached
+
+    def append_token(self, token: int) -> None:
+        self.output_ids.append(token)
+        self.token_ids.append(token)
 
     def last_token(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]

@@ -52,6 +52,11 @@ class StepInputs:
         self.device_bytes[:end].copy_to_device(self.host_bytes[:end], stream=stream)
 
 
+    def upload_rows(self, which: int, n: int, stream=0) -> None:
+        """Copy the first ``n`` entries of one int32 row (``POSITIONS`` ... ``IDS``) to the device."""
+        self.device[which, :n].copy_to_device(self.host[which, :n], stream=stream)
+
+
 class TokenMasks:
     """The grammar bitmasks of a step's logits rows (``kernels/token_mask.py``): a pinned host mirror ``[max_rows,
     words]`` int32 the engine fills for the constrained rows, and the device array the mask kernel reads (fixed for

@@ -26,6 +26,8 @@ def upload_stacked(reader, parts, cols: int):
 class DecoderModel:
     """The dimensions of a decoder-only model and the loading of the weights every such model has."""
 
+    has_recurrent_state = False   # state per sequence besides its KV pages (a hybrid model's linear attention)
+
     def __init__(self, cfg, max_model_len: int, max_tokens: int, max_rows: int,
                  policy: LaunchPolicy = DEFAULT_POLICY):
         self.cfg = cfg

@@ -77,15 +77,16 @@ class Qwen3Model(DecoderModel):
         self._load_rope_tables()
 
     # ------------------------------------------------------------------------------------------------ buffers
-    def allocate(self, num_pages: int, page_size: int) -> None:
-        """KV cache pages and activation scratch; called once after the memory check."""
+    def allocate(self, num_pages: int, page_size: int, num_slots: int | None = None) -> None:
+        """KV cache pages and activation scratch; called once after the memory check (``num_slots``: Qwen3 keeps
+        nothing per slot)."""
         self._allocate_decoder(num_pages, page_size, self.L)
 
     def reset_slot(self, slot: int) -> None:
         """A new sequence takes ``slot`` (no per-slot state besides KV pages for Qwen3)."""
 
     # ------------------------------------------------------------------------------------------------ forward
-    def forward(self, step, block_tables, T: int, B: int, decode: bool = False, head=None):
+    def forward(self, step, block_tables, T: int, B: int, decode: bool = False, head=None, num_decode: int = 0):
         """Run T tokens through the model; return the device logits view ``[B, V]`` for ``step.logit_rows[:B]``.
 
         ``step`` holds the step's device inputs (``engine.step_inputs.StepInputs``): int32 ``ids``, ``positions``,
@@ -93,7 +94,8 @@ class Qwen3Model(DecoderModel):
         ``decode``: every token is its sequence's newest (a decode step, not a prompt chunk), which lets attention
         read the older keys before the kernel storing the new one has finished (``attention.paged_attention``).
         ``head`` (``sampling.HeadArgmax``, only where ``lm_head_argmax(T, B)``): the LM head also writes the row's
-        greedy token there."""
+        greedy token there.  ``num_decode``: a mixed step whose first ``num_decode`` tokens are decodes and the rest
+        prompt chunks (``engine/scheduler.py``): attention takes the two kinds in separate launches."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         ids, pos, slots = step.ids[:T], step.positions[:T], step.token_slots[:T]
@@ -115,7 +117,8 @@ class Qwen3Model(DecoderModel):
                                     block_tables, self.k_cache[i], self.v_cache[i], q, eps, self.rotary_dim,
                                     q_head_stride=self.D, decode=decode, policy=policy)
             attention.paged_attention(q, self.k_cache[i], self.v_cache[i], block_tables, slots, pos, attn,
-                                      scale, self.attn_workspace, decode=decode, policy=policy)
+                                      scale, self.attn_workspace, decode=decode, num_decode=num_decode,
+                                      policy=policy)
             linear.linear_preloaded(attn_flat, lw["o"], delta,   # its weights copied in while attention ends
                                     busy_sms=self.nkv, policy=policy)
             linear.linear_add_rms_norm(residual, delta, lw["post_ln"], eps, spare, lw["gate_up"], act, gated=True,

@@ -64,6 +64,7 @@ class Qwen35Model(DecoderModel):
     # output zeros, and the sequence table ends before them (gated_delta.sequence_table), so the conv and
     # delta-rule states are those of the unpadded chunk.  So prefill chunks can be padded to CUDA-graph buckets.
     pads_prefill = True
+    has_recurrent_state = True   # per-slot conv windows and delta-rule states: no prefix caching (README)
     chunk_size = gated_delta.MAX_CHUNK  # tokens per chunk of the chunked delta rule (tests may lower it)
 
     def __init__(self, cfg, max_model_len: int, max_tokens: int, max_rows: int, policy=DEFAULT_POLICY):
@@ -202,10 +203,11 @@ class Qwen35Model(DecoderModel):
                 self.ssm_state.reshape(rows, self.Hv, self.Dk, self.Dv))
 
     # ------------------------------------------------------------------------------------------------ forward
-    def forward(self, step, block_tables, T: int, B: int, decode: bool = False, head=None):
+    def forward(self, step, block_tables, T: int, B: int, decode: bool = False, head=None, num_decode: int = 0):
         """Run T tokens through the model; return the device logits view ``[B, V]`` for ``step.logit_rows[:B]``.
         ``step``: the step's device inputs (``engine.step_inputs.StepInputs``, as in ``Qwen3Model.forward``);
-        ``decode`` and ``head`` as there."""
+        ``decode``, ``head`` and ``num_decode`` as there (a mixed step's Gated DeltaNet layers take every sequence
+        through the chunked path: a decode is a one-token chunk)."""
         eps, policy = self.cfg.rms_norm_eps, self.policy
         ids, pos, slots = step.ids[:T], step.positions[:T], step.token_slots[:T]
         residual, spare = self.residuals[0][:T], self.residuals[1][:T]
@@ -229,7 +231,7 @@ class Qwen35Model(DecoderModel):
                                        **QWEN35_NORM)
             residual, spare = spare, residual
             if i in full_index:
-                self._full_attention(full_index[i], lw, delta, T, pos, slots, block_tables, decode)
+                self._full_attention(full_index[i], lw, delta, T, pos, slots, block_tables, decode, num_decode)
             else:
                 self._linear_attention(linear_index[i], lw, delta, T, pos, seq_slots, seq_offsets, token_by_token,
                                        slots if decode else None)
@@ -252,7 +254,8 @@ class Qwen35Model(DecoderModel):
             linear.linear(last, self.lm_head, logits, policy=policy)
         return logits
 
-    def _full_attention(self, j, lw, delta, T, pos, slots, block_tables, decode: bool = False) -> None:
+    def _full_attention(self, j, lw, delta, T, pos, slots, block_tables, decode: bool = False,
+                        num_decode: int = 0) -> None:
         """Gated full attention of one layer (its q/gate, k, v projection already in ``self.qkv``):
         ``delta = (attention · sigmoid(gate)) @ W_o^T``."""
         qkv, q, attn = self.qkv[:T], self.q[:T], self.attn[:T]
@@ -261,8 +264,8 @@ class Qwen35Model(DecoderModel):
                                 self.rotary_dim, q_head_stride=2 * self.D, decode=decode, policy=self.policy,
                                 **QWEN35_NORM)
         attention.paged_attention(q, self.k_cache[j], self.v_cache[j], block_tables, slots, pos, attn,
-                                  1.0 / math.sqrt(self.D), self.attn_workspace, decode=decode, gate=qkv,
-                                  policy=self.policy)
+                                  1.0 / math.sqrt(self.D), self.attn_workspace, decode=decode,
+                                  num_decode=num_decode, gate=qkv, policy=self.policy)
         attn_flat = self.attn.reshape(self.max_tokens, self.nq * self.D)[:T]
         linear.linear_preloaded(attn_flat, lw["o"], delta,   # its weights copied in while attention ends
                                 busy_sms=self.nkv, policy=self.policy)

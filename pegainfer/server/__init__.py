@@ -39,9 +39,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="most requests waiting for a place in the batch (not yet admitted: a request being "
                         "prefilled or decoded counts as running, up to --max-batch of them); beyond that new ones "
                         "get 503 + Retry-After (default 64)")
-    p.add_argument("--max-batch", type=argtypes.positive, default=8,
-                   help="most requests running at once, decoded together in one step (default 8); each reserves "
-                        "KV cache for --max-model-len tokens")
+    p.add_argument("--max-batch", type=argtypes.positive, default=256,
+                   help="most requests running at once, decoded together in one step (default 256); KV cache pages "
+                        "are taken as sequences grow, and when they run out the newest request is paused and "
+                        "recomputed later (preemption)")
+    p.add_argument("--max-num-batched-tokens", type=argtypes.positive, default=2048,
+                   help="most tokens in one step: every running decode plus chunks of the prompts being prefilled "
+                        "(default 2048; at least --max-batch). Smaller: shorter pauses between tokens while "
+                        "prompts arrive; larger: faster prompts")
+    p.add_argument("--gpu-memory-utilization", type=argtypes.memory_fraction, default=0.9,
+                   help="fraction of the GPU's memory pegainfer may use (default 0.9); the KV cache gets what the "
+                        "weights and buffers leave")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV cache of prompts that start with the same tokens as an earlier one (their "
+                        "prefill is skipped; usage.prompt_tokens_details.cached_tokens says how many). Default: on "
+                        "for Qwen3; Qwen3.5 does not support it (its recurrent state is not cached)")
     p.add_argument("--max-body-bytes", type=argtypes.positive, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"largest request body accepted, in bytes (default {DEFAULT_MAX_BODY_BYTES}); bigger → 413")
     p.add_argument("--access-log", action="store_true",
@@ -95,7 +107,10 @@ def run_server(args: argparse.Namespace, engine_factory: Optional[Callable[[], o
             from pegainfer.engine.engine import Engine
             return Engine.from_folder(args.model_path, args.max_model_len, max_batch=getattr(args, "max_batch", 1),
                                       use_cuda_graph=getattr(args, "cuda_graph", True),
-                                      async_scheduling=getattr(args, "async_scheduling", True))
+                                      async_scheduling=getattr(args, "async_scheduling", True),
+                                      max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 2048),
+                                      gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
+                                      enable_prefix_caching=getattr(args, "enable_prefix_caching", None))
 
     tracing = contextlib.ExitStack()
     trace_folder = getattr(args, "trace_output_path", None)

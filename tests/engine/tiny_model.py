@@ -64,7 +64,7 @@ class TinyHistoryModel:
         self.page_size = None
         self.policy = DEFAULT_POLICY          # the runner reads it (head_argmax); these kernels never overlap
 
-    def allocate(self, num_pages: int, page_size: int) -> None:
+    def allocate(self, num_pages: int, page_size: int, num_slots: int | None = None) -> None:
         self.page_size = page_size
         self.cache = cuda.to_device(np.full(num_pages * page_size, -1, np.int32))
 
@@ -75,7 +75,7 @@ class TinyHistoryModel:
         """No LM head here: the sampler always picks (``DecoderModel.lm_head_argmax``)."""
         return False
 
-    def forward(self, step, block_tables, T: int, B: int, decode: bool = False, head=None):
+    def forward(self, step, block_tables, T: int, B: int, decode: bool = False, head=None, num_decode: int = 0):
         assert head is None
         launch(write_cache_kernel, grid(T), threads(gpu=128, sim=32), step.ids, step.positions, step.token_slots,
                block_tables, self.cache, T, self.page_size)
@@ -85,7 +85,8 @@ class TinyHistoryModel:
 
 
 def tiny_engine(async_scheduling: bool, max_batch: int = 3, max_model_len: int = 64, vocab: int = 96,
-                num_pages: int | None = None, eos_token_ids=(5,)):
+                num_pages: int | None = None, eos_token_ids=(5,), max_num_batched_tokens: int = 32,
+                prefix_caching: bool = False):
     """A real ``Engine`` (scheduler, page pool, runner, sampler, detokenizer and stop rules) over the tiny model,
     with the demo model's tokenizer."""
     from pegainfer.demo import ensure_demo_model
@@ -94,10 +95,11 @@ def tiny_engine(async_scheduling: bool, max_batch: int = 3, max_model_len: int =
     from pegainfer.text.tokenizer import Tokenizer
 
     folder = Path(ensure_demo_model())
-    model = TinyHistoryModel(vocab, max_tokens=32, max_rows=max(max_batch, 4))
+    model = TinyHistoryModel(vocab, max_tokens=max(max_num_batched_tokens, max_batch), max_rows=max(max_batch, 4))
     pages = num_pages if num_pages is not None else max_batch * -(-max_model_len // PAGE_SIZE)
     model.allocate(pages, PAGE_SIZE)
     cfg = SimpleNamespace(raw={}, eos_token_ids=list(eos_token_ids), max_position_embeddings=max_model_len)
     gen = SimpleNamespace(eos_token_ids=list(eos_token_ids))
     return Engine(folder, model, cfg, gen, Tokenizer.from_folder(folder), ChatTemplate.from_folder(folder),
-                  max_model_len, max_batch, 32, pages, use_cuda_graph=False, async_scheduling=async_scheduling)
+                  max_model_len, max_batch, max(max_num_batched_tokens, max_batch), pages, use_cuda_graph=False,
+                  async_scheduling=async_scheduling, prefix_caching=prefix_caching)

@@ -88,7 +88,7 @@ def _engine(folder):
     default_chunk = Qwen35Model.chunk_size
     Qwen35Model.chunk_size = CHUNK            # read when the model allocates its buffers
     try:
-        engine = Engine.from_folder(str(folder), max_model_len=64, max_batch=2, max_prefill_tokens=MAX_PREFILL,
+        engine = Engine.from_folder(str(folder), max_model_len=64, max_batch=2, max_num_batched_tokens=MAX_PREFILL,
                                     use_cuda_graph=False)
     finally:
         Qwen35Model.chunk_size = default_chunk
@@ -148,9 +148,10 @@ def test_every_step_launch_keeps_the_pdl_contract(tiny):
 
 
 def test_greedy_decode_matches_hf(tiny):
-    """Two requests: a 5-token prompt (shorter than a chunk, one prefill step) and a 13-token prompt (longer than a
-    chunk, prefill steps of 9 and 4 tokens), both through the chunked form, then 8 greedy tokens each, decoded
-    together in one step per token.  Each must follow its own HF greedy continuation, with HF's logits."""
+    """Two requests under a 9-token step budget: a 5-token prompt (one chunk) and a 13-token prompt (chunks of 4
+    and 9 tokens, the first beside the other prompt, the second beside its first decode), both through the chunked
+    form, then 8 greedy tokens each, decoded together in one step per token.  Each must follow its own HF greedy
+    continuation, with HF's logits."""
     from pegainfer.engine.types import SamplingParams
 
     ref, engine = tiny
@@ -176,6 +177,21 @@ def test_greedy_decode_matches_hf(tiny):
         assert np.all(top2[:, 1] - top2[:, 0] > 0.01 * np.abs(top2[:, 1])), "near-tie in HF's logits: change seed"
         assert tokens[k] == hf_tokens, k
         _assert_rows_close(logits[k], theirs)
+
+
+def test_prompt_prefilled_beside_a_decode_matches_each_alone(tiny):
+    """Catches a mixed step (a decode and another sequence's prompt chunks in one forward pass, the decode taking
+    the chunked Gated DeltaNet path as a one-token chunk) that mixes slots, states or positions: each stream equals
+    its one-sequence run."""
+    from tests.util import greedy_decode, streams_with_a_late_arrival
+
+    _, engine = tiny
+    first, second = _prompt(7, seed=4), _prompt(12, seed=5)
+    alone = {k: greedy_decode(engine, p, 4, f"alone-{k}")[0] for k, p in (("first", first), ("second", second))}
+    together, kinds = streams_with_a_late_arrival(engine, first, second, 4)
+    assert "mixed" in kinds, kinds
+    assert together == alone
+    assert engine.stats()["kv_pages_used"] == 0
 
 
 def test_conditional_generation_layout(tmp_path):

@@ -134,6 +134,21 @@ def test_batched_decode_matches_each_sequence_alone(tiny):
     assert engine.stats()["kv_pages_used"] == 0
 
 
+def test_prompt_prefilled_beside_a_decode_matches_each_alone(tiny):
+    """Catches a mixed step (one sequence's decode and another's prompt chunk in one forward pass) that mixes
+    slots, positions or the attention of the two kinds of token: each stream equals its one-sequence run."""
+    from tests.util import streams_with_a_late_arrival
+
+    _, engine = tiny
+    rng = np.random.default_rng(3)
+    first, second = rng.integers(0, VOCAB, size=14).tolist(), rng.integers(0, VOCAB, size=11).tolist()
+    alone = {k: greedy_decode(engine, p, 4, f"alone-{k}")[0] for k, p in (("first", first), ("second", second))}
+    together, kinds = streams_with_a_late_arrival(engine, first, second, 4)
+    assert "mixed" in kinds, kinds
+    assert together == alone
+    assert engine.stats()["kv_pages_used"] == 0
+
+
 def test_every_step_launch_keeps_the_pdl_contract(tiny):
     """Catches a kernel launched outside the PDL contract, or one that never waits for its inputs (it would race
     with the kernel before it on a GPU): prefill and decode."""

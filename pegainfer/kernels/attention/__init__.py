@@ -58,7 +58,7 @@ __all__ = ["paged_attention", "attention_workspace_size", "attention_num_splits"
 
 def paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, out, scale, workspace, *,
                     num_splits: int | None = None, min_split_tokens: int | None = None,
-                    method: str = "auto", decode: bool = False, gate=None,
+                    method: str = "auto", decode: bool = False, num_decode: int = 0, gate=None,
                     policy: LaunchPolicy = DEFAULT_POLICY) -> None:
     """``out[t, h] = bf16(softmax(scale * q[t, h] . K_slot^T) V_slot)`` over keys ``0 .. positions[t]`` of slot
     ``token_slots[t]`` (module docstring).
@@ -71,6 +71,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, o
     ``decode``: every token is its sequence's newest (a decode step), so of the cache only the key / value at
     ``positions[t]`` was written by the kernel before; the split-K kernel then reads the older ones before its PDL
     wait (``decode.py``).  Wrong when a token's earlier positions were stored in the same step (a prompt chunk).
+    ``num_decode``: a mixed step (``engine/scheduler.py``): its first ``num_decode`` tokens are decodes, the rest
+    prompt chunks; the decodes run as a ``decode`` split-K launch and the chunks as their own launch (the tiled
+    kernel when they are many), so neither kind of token slows the other.
     ``gate``: Qwen3.5's q_proj output ``[T, row]`` (``row ≥ 2·nq·D``): the output is then
     ``gating.sigmoid_gate_mul``'s ``bf16(attn · bf16(sigmoid(gate)))``, applied by the split-K kernel as it writes
     (the tiled prefill kernel is followed by ``sigmoid_gate_mul``).
@@ -98,6 +101,14 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, o
     for name, a in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not a.is_c_contiguous():
             raise ValueError(f"{name} must be C-contiguous")
+    if 0 < num_decode < T and not decode:
+        nd = num_decode
+        for part, part_decode in ((slice(0, nd), True), (slice(nd, T), False)):
+            paged_attention(q[part], k_cache, v_cache, block_tables, token_slots[part], positions[part], out[part],
+                            scale, workspace, num_splits=num_splits, min_split_tokens=min_split_tokens,
+                            method="split" if part_decode else method, decode=part_decode,
+                            gate=None if gate is None else gate[part], policy=policy)
+        return
     if method == "auto":
         method = "prefill" if T >= PREFILL_MIN_TOKENS and prefill_supported(nq // nkv) else "split"
     if gate is not None and (gate.dtype != np.uint16 or gate.ndim != 2 or gate.shape[0] != T

@@ -55,8 +55,12 @@ class Scheduler:
         self.pool = pool
         self.max_batch = max_batch
         self.max_num_batched_tokens = max_num_batched_tokens
-        # pages left free at admission so running sequences can grow before anyone is preempted (vLLM: 1 %)
-        self.reserve_pages = max(1, pool.num_pages // 100) if reserve_pages is None else reserve_pages
+        # pages left free at admission so running sequences can grow before anyone is preempted (vLLM: 1 %); none
+        # when the pool holds every slot's sequence at full length (nobody can be short of pages)
+        if reserve_pages is None:
+            roomy = pool.num_pages >= max_batch * pool.max_pages_per_seq
+            reserve_pages = 0 if roomy else max(1, pool.num_pages // 100)
+        self.reserve_pages = reserve_pages
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []       # in order of admission: the newest is preempted first
         self.num_preemptions = 0

@@ -11,6 +11,8 @@ QUESTIONS = {
     "bench_sampling.py": "How long does token selection take on this GPU?",
     "bench_server.py": "What does the OpenAI HTTP server add to time-to-first-token and time-per-output-token?",
     "accuracy_floor.py": "How far apart are two *valid* bf16 implementations of the same model",
+    "prefix_cache_ttft.py": "How much sooner does the first token of a prompt come when an earlier request computed "
+                            "its prefix (prefix caching)?",
 }
 STEP_PROFILE_MODES = {
     "timeline": "Where does the time between a decode step's kernels go",
@@ -43,3 +45,17 @@ def test_every_script_is_covered():
     """A new script in benchmarks/ gets its question checked here too (graph_timing.py is the shared helper)."""
     scripts = {p.name for p in BENCHMARKS.glob("*.py")} - {"graph_timing.py"}
     assert scripts == set(QUESTIONS)
+
+
+def test_prefix_cache_benchmark_runs_on_the_demo_model(tmp_path):
+    """Catches a prefix-cache benchmark that reports a hit it did not get: on the demo model in the simulator, the
+    second request finds the 32-token prefix's two full pages with the cache on and nothing with it off."""
+    import json
+
+    out = tmp_path / "prefix.json"
+    r = run_script("prefix_cache_ttft.py", "--prefix-len", "32", "--suffix-len", "2", "--runs", "1",
+                   "--max-model-len", "64", "--json", str(out), timeout=600)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(out.read_text())
+    assert got["on"]["cached_tokens"] == [32] and got["off"]["cached_tokens"] == [0]
+    assert got["on"]["ttft_second_ms"] > 0 and got["off"]["ttft_first_ms"] > 0

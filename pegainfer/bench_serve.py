@@ -18,8 +18,9 @@ warm-up request (``--num-warmups``) runs before the clock starts.
 the GPU (``serving_bench/hf.py``; after the server started here has stopped, so it has the GPU to itself) and
 prints the throughputs side by side.
 
-The client is one Python process: when it uses most of a core (``client_cpu_percent``) it may be what limits
-the numbers, and the report says so.
+One Python process parses a few thousand stream events per second, so the requests are shared among several
+client processes (``--client-processes``; by default one per 16 requests in flight); when one of them uses most
+of a core (``client_cpu_percent``) the client may be what limits the numbers, and the report says so.
 """
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ import json
 import math
 import os
 import shlex
+import shutil
 import sys
-import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -38,7 +39,8 @@ import numpy as np
 
 from pegainfer.errors import PegainferError
 from pegainfer.serving_bench import workload
-from pegainfer.serving_bench.client import RequestResult, check_base_url, run_requests, server_info
+from pegainfer.serving_bench.client import (RequestResult, check_base_url, client_processes, run_in_processes,
+                                            run_requests, server_info)
 from pegainfer.serving_bench.launch import SERVE_COMMAND, ServerProcess
 from pegainfer.serving_bench.metrics import LATENCIES, per_request, summarize
 
@@ -62,6 +64,10 @@ def add_bench_serve_arguments(p) -> None:
     srv.add_argument("--serve-args", default="",
                      help="more flags for the started server, as one string (e.g. \"--no-cuda-graph\"); its "
                           "--max-waiting is set to fit every request unless given here")
+    srv.add_argument("--word-tokenizer", action="store_true",
+                     help="serve a view of the model folder whose tokenizer turns every token id into a word, so "
+                          "every token is one stream event (for random-weight models, whose tokens may print "
+                          "nothing: such a token's time merges into the next gap); prompts as ids only")
     srv.add_argument("--ready-timeout", type=argtypes.positive_seconds, default=1800.0,
                      help="seconds to wait for the started server's /health (default 1800: a first start compiles "
                           "every kernel)")
@@ -76,6 +82,9 @@ def add_bench_serve_arguments(p) -> None:
     load.add_argument("--num-warmups", type=argtypes.non_negative, default=1,
                       help=f"requests sent one by one before the clock starts (up to {WARMUP_OUTPUT_TOKENS} tokens "
                            f"each; default 1)")
+    load.add_argument("--client-processes", type=argtypes.non_negative, default=0,
+                      help="client processes sharing the requests (one parses a few thousand stream events per "
+                           "second); 0 (default): one per 16 requests in flight, at most 8 and half the cores")
     load.add_argument("--request-timeout", type=argtypes.positive_seconds, default=None,
                       help="seconds a request may take before it counts as failed (default: no limit)")
     work = p.add_argument_group("the requests")
@@ -111,6 +120,9 @@ def _check_args(args) -> None:
             if value:
                 raise PegainferError(f"{flag} sets up the server bench-serve starts, but --base-url points at a "
                                      f"running one: drop {flag} or --base-url")
+    if args.word_tokenizer and (args.base_url is not None or args.prompt_format != "ids"):
+        raise PegainferError("--word-tokenizer changes the tokenizer of the server bench-serve starts, so it needs "
+                             "--prompt-format ids and no --base-url")
     if args.prompt_format == "text" and args.base_url is not None and args.model_path is None:
         raise PegainferError("--prompt-format text needs the model's tokenizer: pass --model-path with --base-url")
     if args.hf and args.base_url is not None and args.model_path is None:
@@ -128,10 +140,13 @@ def model_folder(args) -> Optional[Path]:
     return None
 
 
-def serve_args(args) -> list[str]:
-    """The flags of the server started here (``--max-waiting`` first, so ``--serve-args`` can override it)."""
+def serve_args(args, view: Optional[Path] = None, name: Optional[str] = None) -> list[str]:
+    """The flags of the server started here (ours first, so ``--serve-args`` can override them); ``view``: serve
+    this folder (the word-tokenizer view) instead of --model-path, under the model's ``name``."""
     out = ["--max-waiting", str(max(64, args.num_prompts + args.num_warmups))]
-    if args.model_path is not None:
+    if view is not None:
+        out += ["--model-path", str(view), "--served-model-name", name]
+    elif args.model_path is not None:
         out += ["--model-path", str(args.model_path)]
     if args.max_model_len is not None:
         out += ["--max-model-len", str(args.max_model_len)]
@@ -178,13 +193,13 @@ def bench_against(url: str, args, requests, arrivals) -> dict:
     bad = [r for r in warm if not r.success]
     if bad:
         raise PegainferError(f"the warm-up request failed: {bad[0].error}")
-    cpu0 = time.process_time()
-    results, duration = asyncio.run(run_requests(url, model, requests, arrivals, args.max_concurrency,
-                                                 args.api_key, args.request_timeout))
-    cpu = time.process_time() - cpu0
+    processes = client_processes(args.client_processes, args.max_concurrency or len(requests))
+    results, duration, cpus = run_in_processes(processes, url, model, requests, arrivals, args.max_concurrency,
+                                               args.api_key, args.request_timeout)
     res = {"model": model, "max_model_len": info.get("max_model_len")}
     res.update(summarize(results, duration))
-    res["client_cpu_percent"] = 100.0 * cpu / duration if duration > 0 else None
+    res["client_processes"] = len(cpus)
+    res["client_cpu_percent"] = 100.0 * max(cpus) / duration if duration > 0 else None
     res["requests"] = per_request(results)
     return res
 
@@ -210,12 +225,22 @@ def run_bench_serve(args, serve_command: Sequence[str] = SERVE_COMMAND) -> int:
     if folder is not None:
         from pegainfer.text.tokenizer import Tokenizer
         tokenizer = Tokenizer.from_folder(folder)
+    if tokenizer is None:
+        print(f"[bench-serve] no --model-path: prompt token ids drawn from [0, {workload.FALLBACK_VOCAB}) (the byte "
+              f"tokens); pass --model-path for the model's own vocabulary", file=sys.stderr)
     requests, arrivals = make_requests(args, tokenizer)
     started_here = args.base_url is None
+    launch_args = None
     with contextlib.ExitStack() as stack:
         if started_here:
+            view = None
+            if args.word_tokenizer:
+                from pegainfer.serving_bench.word_tokenizer import word_tokenizer_view
+                view = word_tokenizer_view(folder)
+                stack.callback(shutil.rmtree, view, True)
             print(f"[bench-serve] starting {' '.join(['python', *serve_command[1:]])} on {folder} ...", file=sys.stderr)
-            server = ServerProcess(serve_args(args), serve_command, ready_timeout_s=args.ready_timeout)
+            launch_args = serve_args(args, view, folder.name)
+            server = ServerProcess(launch_args, serve_command, ready_timeout_s=args.ready_timeout)
             url = stack.enter_context(server)
             print(f"[bench-serve] server ready at {url} (log: {server.log_path})", file=sys.stderr)
         else:
@@ -227,7 +252,8 @@ def run_bench_serve(args, serve_command: Sequence[str] = SERVE_COMMAND) -> int:
                 "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
                 "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
                 "max_concurrency": args.max_concurrency, "num_warmups": args.num_warmups, "seed": args.seed,
-                "serve_args": serve_args(args) if started_here else None})
+                "word_tokenizer": bool(args.word_tokenizer),
+                "serve_args": launch_args})
     if args.hf:
         res.update(run_hf(folder, requests, tokenizer))
     print_report(res)
@@ -273,8 +299,8 @@ def print_report(res: dict, out=None) -> None:
     for err in res["errors"]:
         w(f"error: {err}\n")
     if res.get("client_cpu_percent") is not None and res["client_cpu_percent"] > CLIENT_CPU_WARNING:
-        w(f"note: the client used {res['client_cpu_percent']:.0f} % of a core: it may be what limits these "
-          f"numbers\n")
+        w(f"note: a client process used {res['client_cpu_percent']:.0f} % of a core: the client may be what limits "
+          f"these numbers (more --client-processes, or a machine with more free cores)\n")
     if "hf_output_throughput" in res:
         w(f"\nside by side, the same prompts and output lengths (Hugging Face: {res['hf_class']} continuous "
           f"batching, bf16, every request at once, no HTTP):\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 
 import numpy as np
@@ -85,6 +86,20 @@ def test_fixed_concurrency_against_a_running_server(fake_url, model_folder, tmp_
     assert "output token throughput (tok/s)" in printed and "worst gap between two tokens" in printed
 
 
+def test_requests_shared_among_client_processes(fake_url, model_folder, tmp_path):
+    """Two client processes, one common start: every request once, its own tokens, the concurrency limit kept
+    overall (each process holds half)."""
+    out = tmp_path / "r.json"
+    args = parse("--base-url", fake_url, "--model-path", str(model_folder), "--num-prompts", "6",
+                 "--max-concurrency", "2", "--input-len", "4", "--output-len", "6", "--range-ratio", "0.3",
+                 "--client-processes", "2", "--json", str(out))
+    assert run_bench_serve(args) == 0
+    res = json.loads(out.read_text())
+    assert res["client_processes"] == 2 and [r["index"] for r in res["requests"]] == list(range(6))
+    check_result(res, 6, lengths_of(args, model_folder))
+    assert res["peak_concurrency"] <= 2
+
+
 def test_poisson_rate_with_text_prompts(fake_url, model_folder, tmp_path):
     out = tmp_path / "r.json"
     args = parse("--base-url", fake_url, "--model-path", str(model_folder), "--num-prompts", "5",
@@ -115,6 +130,39 @@ def test_bench_serve_starts_and_stops_its_own_server(model_folder, tmp_path):
     import socket
     with socket.socket() as s:               # stopped: the port is free again
         s.bind(("127.0.0.1", port))
+
+
+def test_word_tokenizer_serves_a_view_of_the_folder(tmp_path):
+    """--word-tokenizer: the started server gets the view (under the model's own name), removed at the end."""
+    from tests.text.fixtures import make_model_folder
+    folder = make_model_folder(tmp_path / "model")
+    (folder / "config.json").write_text(json.dumps({"vocab_size": Tokenizer.from_folder(folder).vocab_size + 8}))
+    out = tmp_path / "r.json"
+    args = parse("--model-path", str(folder), "--num-prompts", "2", "--input-len", "3", "--output-len", "4",
+                 "--word-tokenizer", "--serve-args", "--load-seconds 0.1", "--json", str(out))
+    command = (sys.executable, "-m", "tests.server.serve_fake", str(folder))
+    assert run_bench_serve(args, serve_command=command) == 0
+    res = json.loads(out.read_text())
+    assert res["completed"] == 2 and res["word_tokenizer"] and res["model"] == "model"
+    flags = res["serve_args"]
+    view = flags[flags.index("--model-path") + 1]
+    assert view != str(folder) and not os.path.exists(view)
+    with pytest.raises(PegainferError, match="--word-tokenizer .* needs --prompt-format ids and no --base-url"):
+        run_bench_serve(parse("--word-tokenizer", "--prompt-format", "text"))
+
+
+def test_word_tokenizer_view_gives_every_id_a_word(tmp_path):
+    from pegainfer.demo import ensure_demo_model
+    from pegainfer.serving_bench.word_tokenizer import word_tokenizer_view
+    demo = ensure_demo_model()
+    view = word_tokenizer_view(demo, str(tmp_path / "view"))
+    vocab = json.loads((demo / "config.json").read_text())["vocab_size"]
+    tok = Tokenizer.from_folder(view)
+    assert tok.vocab_size == vocab
+    assert all(tok.decode([i]) == f"w{i}" for i in range(vocab))
+    assert tok.decode([3, 4, 5]) == "w3 w4 w5"
+    assert (view / "config.json").resolve() == (demo / "config.json").resolve()
+    assert (view / "model.safetensors").is_symlink()
 
 
 def test_a_server_that_cannot_start_is_one_line(model_folder):

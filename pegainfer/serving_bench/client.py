@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -29,6 +30,9 @@ import httpx
 
 from pegainfer.errors import PegainferError
 from pegainfer.serving_bench.workload import BenchRequest
+
+STREAMS_PER_PROCESS = 16   # requests in flight per client process when their number is chosen automatically
+MAX_AUTO_PROCESSES = 8
 
 
 @dataclass
@@ -180,19 +184,22 @@ async def send_request(client: httpx.AsyncClient, url: str, body: dict, res: Req
 
 async def run_requests(base_url: str, model: str, requests: Sequence[BenchRequest], arrivals: Sequence[float],
                        max_concurrency: Optional[int], api_key: Optional[str] = None,
-                       timeout_s: Optional[float] = None, extra_body: Optional[dict] = None
-                       ) -> tuple[list[RequestResult], float]:
+                       timeout_s: Optional[float] = None, extra_body: Optional[dict] = None,
+                       start_at: Optional[float] = None) -> tuple[list[RequestResult], float]:
     """Send ``requests``, the i-th no earlier than ``arrivals[i]`` seconds after the start and, with
     ``max_concurrency``, only while fewer than that many are in flight (a request that waits for a place is sent
-    when one frees: its timings start then).  Returns the results in request order and the wall time from the
-    start until the last request ended."""
+    when one frees: its timings start then).  The start is now, or ``start_at`` (a ``time.perf_counter()`` value:
+    the clock every process of the machine shares).  Returns the results in request order and the wall time from
+    the start until the last request ended."""
     limit = max_concurrency or max(1, len(requests))
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
     timeout = httpx.Timeout(timeout_s, connect=30.0)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     url = f"{base_url}/v1/completions"
     async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=_headers(api_key)) as client:
-        t0 = time.perf_counter()
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+        t0 = time.perf_counter() if start_at is None else start_at
 
         async def one(req: BenchRequest, at: float) -> RequestResult:
             delay = t0 + at - time.perf_counter()
@@ -208,3 +215,78 @@ async def run_requests(base_url: str, model: str, requests: Sequence[BenchReques
         results = await asyncio.gather(*(one(r, float(a)) for r, a in zip(requests, arrivals)))
         duration = time.perf_counter() - t0
     return list(results), duration
+
+
+# ------------------------------------------------------------------------------------------------ several processes
+def client_processes(requested: int, in_flight: int) -> int:
+    """How many client processes to use: ``requested``, or when 0, one per ``STREAMS_PER_PROCESS`` requests that
+    can be in flight, at most ``MAX_AUTO_PROCESSES`` and half the machine's cores (at least 1)."""
+    if requested:
+        return requested
+    cores = max(1, (os.cpu_count() or 1) // 2)
+    return max(1, min(-(-in_flight // STREAMS_PER_PROCESS), MAX_AUTO_PROCESSES, cores))
+
+
+def _worker(conn, args: tuple) -> None:
+    """One client process: say it is ready, wait for the common start time, run its share, send the results,
+    the time its last request ended and its CPU seconds back."""
+    conn.send("ready")
+    start_at = conn.recv()
+    cpu0 = time.process_time()
+    results, duration = asyncio.run(run_requests(*args, start_at=start_at))
+    conn.send((results, start_at + duration, time.process_time() - cpu0))
+    conn.close()
+
+
+def run_in_processes(processes: int, base_url: str, model: str, requests: Sequence[BenchRequest],
+                     arrivals: Sequence[float], max_concurrency: Optional[int], api_key: Optional[str] = None,
+                     timeout_s: Optional[float] = None, extra_body: Optional[dict] = None
+                     ) -> tuple[list[RequestResult], float, list[float]]:
+    """``run_requests`` spread over ``processes`` client processes (one Python process parses a few thousand
+    stream events per second: more would make the client what is measured).  Process k sends requests k, k + P,
+    k + 2P, ... at their arrival times from one common start, and keeps its share of ``max_concurrency``.
+    Returns the results in request order, the wall time from the start until the last request ended, and each
+    process's CPU seconds."""
+    if processes <= 1:
+        cpu0 = time.process_time()
+        results, duration = asyncio.run(run_requests(base_url, model, requests, arrivals, max_concurrency, api_key,
+                                                     timeout_s, extra_body))
+        return results, duration, [time.process_time() - cpu0]
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")    # a fresh interpreter: the caller may hold threads or a GPU
+    processes = min(processes, len(requests))
+    workers = []
+    for k in range(processes):
+        share = None
+        if max_concurrency:
+            share = max(1, max_concurrency // processes + (k < max_concurrency % processes))
+        args = (base_url, model, list(requests[k::processes]), list(arrivals[k::processes]), share, api_key,
+                timeout_s, extra_body)
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker, args=(child, args), daemon=True)
+        proc.start()
+        child.close()
+        workers.append((proc, parent))
+    try:
+        for proc, conn in workers:
+            if conn.recv() != "ready":
+                raise PegainferError("a client process did not start")
+        start_at = time.perf_counter() + 0.05
+        for _, conn in workers:
+            conn.send(start_at)
+        results, ends, cpus = [], [], []
+        for proc, conn in workers:
+            got, end, cpu = conn.recv()
+            results += got
+            ends.append(end)
+            cpus.append(cpu)
+    except EOFError:
+        raise PegainferError("a client process ended without its results (out of memory?)") from None
+    finally:
+        for proc, conn in workers:
+            conn.close()
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+    results.sort(key=lambda r: r.index)
+    return results, max(ends) - start_at, cpus

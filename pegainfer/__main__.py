@@ -89,11 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     if add_serve_arguments is not None:
         add_serve_arguments(s)
 
-    b = sub.add_parser("bench", help="measure TTFT / TPOT percentiles and the memory-bandwidth floor",
+    b = sub.add_parser("bench", help="measure TTFT / TPOT percentiles (or --batch B decode steps) and the "
+                                     "memory-bandwidth floor",
                        description="Time --runs greedy generations of --output-len tokens from a --prompt-len prompt "
                                    "of random token ids (after one warm-up run): TTFT and TPOT percentiles, tok/s, "
                                    "and the memory-bandwidth floor of a decode step (the bytes it must read / the read "
-                                   "bandwidth measured in the same run). --hf times Hugging Face transformers too.")
+                                   "bandwidth measured in the same run). --hf times Hugging Face transformers too. "
+                                   "--batch B times decode steps of B sequences at a context of --prompt-len "
+                                   "instead: p50 / p90 step time, tokens/s and the floor of a B-sequence step.")
     _add_model_args(b)
     from pegainfer.bench import add_bench_arguments
     add_bench_arguments(b)

@@ -62,8 +62,9 @@ def add_bench_serve_arguments(p) -> None:
     srv.add_argument("--max-batch", type=argtypes.positive, default=None,
                      help="the started server's --max-batch (default: its own)")
     srv.add_argument("--serve-args", default="",
-                     help="more flags for the started server, as one string (e.g. \"--no-cuda-graph\"); its "
-                          "--max-waiting is set to fit every request unless given here")
+                     help="more flags for the started server, as one string after '=' (e.g. "
+                          "--serve-args='--no-cuda-graph --max-waiting 512'); its --max-waiting is set to fit every "
+                          "request unless given here")
     srv.add_argument("--word-tokenizer", action="store_true",
                      help="serve a view of the model folder whose tokenizer turns every token id into a word, so "
                           "every token is one stream event (for random-weight models, whose tokens may print "
@@ -176,9 +177,11 @@ def _check_fits(requests, max_model_len) -> None:
 
 # ------------------------------------------------------------------------------------------------ the run
 def _warm_up(url, model, requests, n, api_key, timeout) -> list[RequestResult]:
+    """``n`` short requests, one at a time, with the first prompts reversed (a server with a prefix cache must not
+    find the timed requests' prompts in it)."""
     results = []
     for req in requests[:n]:
-        short = workload.BenchRequest(-1, req.prompt, req.input_len, min(req.output_len, WARMUP_OUTPUT_TOKENS))
+        short = workload.BenchRequest(-1, req.prompt[::-1], req.input_len, min(req.output_len, WARMUP_OUTPUT_TOKENS))
         got, _ = asyncio.run(run_requests(url, model, [short], [0.0], 1, api_key, timeout))
         results += got
     return results

@@ -223,6 +223,8 @@ def run_bench_serve(args, serve_command: Sequence[str] = SERVE_COMMAND) -> int:
     """The ``bench-serve`` command on parsed ``args``.  ``serve_command``: what starts a server (tests start a fake
     engine's)."""
     _check_args(args)
+    if args.base_url is not None:
+        server_info(check_base_url(args.base_url), args.api_key)    # an unreachable server: say so before any work
     folder = model_folder(args)
     tokenizer = None
     if folder is not None:

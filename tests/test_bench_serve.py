@@ -184,6 +184,21 @@ def test_unreachable_server_and_bad_url_are_one_line(model_folder):
         run_bench_serve(parse("--base-url", "http://127.0.0.1:1", "--max-batch", "2"))
 
 
+def test_cli_errors_are_one_line_without_traceback():
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    sock.close()
+    for argv, says in ((["--base-url", f"http://127.0.0.1:{port}"], "error: cannot reach the server at "),
+                       (["--base-url", "localhost:8000"], "error: --base-url 'localhost:8000' is not an http://")):
+        r = subprocess.run([sys.executable, "-m", "pegainfer", "bench-serve", *argv], capture_output=True, text=True,
+                           timeout=120, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(says), r.stderr
+
+
 def test_requests_longer_than_the_context_are_refused_up_front(fake_url, model_folder):
     """The server's model card says its context (the fake engine's: 256): a workload that cannot fit is a one-line
     error before any request is sent."""

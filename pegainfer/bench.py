@@ -359,7 +359,7 @@ def run_bench(args, policy=None) -> int:
 
 def run_batch_bench(args, policy=None) -> int:
     """``bench --batch B``: decode steps of B sequences (the module docstring)."""
-    from pegainfer.engine.engine import Engine
+    from pegainfer.engine.engine import PAGE_SIZE, Engine
     from pegainfer.errors import PegainferError
     B = args.batch
     if args.prompt_len < 2 + BATCH_WARM_STEPS:
@@ -369,7 +369,9 @@ def run_batch_bench(args, policy=None) -> int:
     prompt_len = args.prompt_len - 1 - BATCH_WARM_STEPS
     # the longest sequence: its prompt, a prefill phase with a decode per prefill, the warm-up and timed steps
     needed = prompt_len + B + BATCH_WARM_STEPS + args.output_len + 4
-    mml = args.max_model_len or needed
+    # a page more than that, so a pool of B sequences of this length has room beyond B full sequences (the
+    # scheduler admits a sequence only while a reserve of pages stays free)
+    mml = args.max_model_len or needed + PAGE_SIZE
     if mml < needed:
         raise PegainferError(f"--max-model-len {mml} is too short for --batch {B} at --prompt-len {args.prompt_len} "
                              f"with --output-len {args.output_len}: give at least {needed}, or leave it out")

@@ -56,19 +56,8 @@ def with_word_tokenizer(folder: str) -> str:
     """A view of ``folder`` (weights and config symlinked) whose tokenizer maps every id of the embedding to a
     word ("w123 "), so a random-weight model's tokens all decode to text and every token becomes an SSE chunk
     (the server sends no chunk for a token whose text is empty or held back)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-    src = os.path.abspath(folder)
-    dst = tempfile.mkdtemp(prefix="pegainfer-bench-server-")
-    for name in os.listdir(src):
-        if not name.startswith("tokenizer") and name != "chat_template.jinja":
-            os.symlink(os.path.join(src, name), os.path.join(dst, name))
-    cfg = json.load(open(os.path.join(src, "config.json")))
-    vocab_size = cfg.get("vocab_size") or cfg["text_config"]["vocab_size"]
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")   # joins words with spaces
-    tok.save(os.path.join(dst, "tokenizer.json"))
-    return dst
+    from pegainfer.serving_bench.word_tokenizer import word_tokenizer_view
+    return str(word_tokenizer_view(folder))
 
 
 def free_port():

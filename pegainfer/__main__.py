@@ -1,4 +1,4 @@
-"""Command line: ``python -m pegainfer {generate,serve,bench}``. Run with ``--help`` for everything.
+"""Command line: ``python -m pegainfer {generate,serve,bench,bench-serve}``. Run with ``--help`` for everything.
 
 Every flag's value is checked while the arguments are parsed (``argtypes``), so a bad one ends the command with
 one ``error:`` line before anything loads."""
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="pegainfer: Qwen3 / Qwen3.5 inference with readable Numba-CUDA kernels. Without a GPU every "
                     "kernel runs in Numba's CUDA simulator (slow: only the tiny demo model is practical).")
     parser.add_argument("--version", action="version", version=f"pegainfer {pegainfer.__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{generate,serve,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{generate,serve,bench,bench-serve}")
 
     g = sub.add_parser("generate", help="stream a completion of one prompt to stdout",
                        description="Stream a completion of --prompt to stdout, then print one summary line "
@@ -89,14 +89,30 @@ def build_parser() -> argparse.ArgumentParser:
     if add_serve_arguments is not None:
         add_serve_arguments(s)
 
-    b = sub.add_parser("bench", help="measure TTFT / TPOT percentiles and the memory-bandwidth floor",
+    b = sub.add_parser("bench", help="measure TTFT / TPOT percentiles (or --batch B decode steps) and the "
+                                     "memory-bandwidth floor",
                        description="Time --runs greedy generations of --output-len tokens from a --prompt-len prompt "
                                    "of random token ids (after one warm-up run): TTFT and TPOT percentiles, tok/s, "
                                    "and the memory-bandwidth floor of a decode step (the bytes it must read / the read "
-                                   "bandwidth measured in the same run). --hf times Hugging Face transformers too.")
+                                   "bandwidth measured in the same run). --hf times Hugging Face transformers too. "
+                                   "--batch B times decode steps of B sequences at a context of --prompt-len "
+                                   "instead: p50 / p90 step time, tokens/s and the floor of a B-sequence step.")
     _add_model_args(b)
     from pegainfer.bench import add_bench_arguments
     add_bench_arguments(b)
+
+    bs = sub.add_parser("bench-serve", help="serving benchmark: many streamed requests against a server "
+                                            "(throughput, TTFT / TPOT / inter-token latency percentiles)",
+                        description="Send --num-prompts streamed /v1/completions requests (exactly --output-len "
+                                    "tokens each, ignore_eos) to the server at --base-url, or to `python -m pegainfer "
+                                    "serve` started here on a free port (stopped at the end), at a fixed "
+                                    "--max-concurrency or as a Poisson --request-rate, and report requests/s, "
+                                    "output and total tok/s, TTFT / TPOT / ITL mean, p50, p90, p99 and max, the "
+                                    "worst gap between two tokens of one stream, and failed requests (the figures "
+                                    "and JSON names of `vllm bench serve`). --hf runs the same requests through "
+                                    "Hugging Face transformers' continuous batching for a side-by-side.")
+    from pegainfer.bench_serve import add_bench_serve_arguments
+    add_bench_serve_arguments(bs)
     return parser
 
 
@@ -198,6 +214,9 @@ def main(argv=None) -> int:
         if args.command == "bench":
             from pegainfer.bench import run_bench
             return run_bench(args) or 0
+        if args.command == "bench-serve":
+            from pegainfer.bench_serve import run_bench_serve
+            return run_bench_serve(args) or 0
     except PegainferError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

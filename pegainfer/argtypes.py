@@ -107,3 +107,30 @@ seed = int_in(-(1 << 63), (1 << 64) - 1)          # the sampler takes any seed m
 port = int_in(0, 65535, note="(0 = any free port)")
 max_model_len = int_in(2, note="(the prompt and at least one generated token)")
 max_waiting = int_in(0)
+
+
+def request_rate(text: str) -> float:
+    """Requests per second: a number > 0, or ``inf`` (every request at once)."""
+    if text.strip().lower() in ("inf", "infinity"):
+        return math.inf
+    value = _float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, or inf (every request at once), got {text}")
+    return value
+
+
+def range_ratio(text: str) -> float:
+    value = _float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1) (0 = fixed lengths), got {text}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    value = _float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
+non_negative = int_in(0)

@@ -19,7 +19,7 @@ def run_cli(*args, timeout=900, cwd=None):
 def test_help_explains_commands():
     r = run_cli("--help")
     assert r.returncode == 0
-    for word in ("generate", "serve", "bench"):
+    for word in ("generate", "serve", "bench", "bench-serve"):
         assert word in r.stdout
     r = run_cli("generate", "--help")
     assert r.returncode == 0
@@ -36,7 +36,16 @@ def test_help_explains_commands():
         assert flag in serve_help
     assert "not yet admitted" in serve_help    # what --max-waiting counts
     r = run_cli("bench", "--help")
-    assert r.returncode == 0 and "Time --runs greedy generations" in " ".join(r.stdout.split())
+    bench_help = " ".join(r.stdout.split())
+    assert r.returncode == 0 and "Time --runs greedy generations" in bench_help
+    assert "--batch" in bench_help and "decode steps of this many sequences" in bench_help
+    r = run_cli("bench-serve", "--help")
+    serve_help = " ".join(r.stdout.split())
+    assert r.returncode == 0 and "streamed /v1/completions requests" in serve_help
+    for flag in ("--base-url", "--model-path", "--max-concurrency", "--request-rate", "--num-prompts",
+                 "--input-len", "--output-len", "--range-ratio", "--dataset-name", "--prompt-format", "--hf",
+                 "--json", "--serve-args"):
+        assert flag in serve_help, flag
 
 
 def test_generate_on_demo_model_streams_and_summarises():
@@ -187,6 +196,27 @@ def test_bench_runs_end_to_end(tmp_path):
     assert "recurrent state r+w" in r.stdout
 
 
+def test_bench_batch_times_decode_steps_of_the_whole_batch(tmp_path):
+    """``bench --batch 2`` on the demo model: every timed step decodes both sequences, at the context asked for,
+    and the floor counts the KV of both."""
+    out = tmp_path / "batch.json"
+    r = run_cli("bench", "--batch", "2", "--prompt-len", "4", "--output-len", "2", "--runs", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["batch"] == 2 and res["output_len"] == 2 and res["short_steps"] == 0
+    assert 0 < res["step_ms"]["p50"] <= res["step_ms"]["p90"] <= res["step_ms"]["p99"]
+    assert res["tok_s"] == pytest.approx(2e3 / res["step_ms"]["p50"])
+    # the prompt is 4 - 1 - 2 tokens; the timed steps read 4 and 5 tokens of context per sequence
+    assert 4.5 <= res["mean_context_tokens"] <= 5.5     # (+1 if a scheduler decodes one while the other prefills)
+    floor = res["floor_bytes"]
+    assert floor["batch"] == 2 and floor["kv_context_tokens"] == res["mean_context_tokens"]
+    assert floor["weights_read"] == res["weight_bytes"] and floor["recurrent_state_rw"] == 0
+    assert floor["total"] == floor["weights_read"] + floor["kv_read"]
+    assert "decode step ms" in r.stdout and "KV read (2 x ctx " in r.stdout
+    if not res["simulator"]:
+        assert 0 < res["floor_ratio"] and res["floor_step_ms"] > 0
+
+
 def test_bench_floor_counts_recurrent_state_and_untied_embedding_rows():
     """decode_floor_bytes on a stand-in model: an untied embedding is read one row per token (the LM head in full),
     and a hybrid model's state buffers ``[layers, slots, ...]`` are read and written once per step for one slot."""
@@ -206,3 +236,7 @@ def test_bench_floor_counts_recurrent_state_and_untied_embedding_rows():
     assert floor["recurrent_state_rw"] == 2 * 3 * (24 * 3 * 2 + 2 * 4 * 4 * 4)
     assert floor["kv_read"] == 672 and floor["kv_context_tokens"] == 10.5
     assert floor["total"] == floor["weights_read"] + floor["recurrent_state_rw"] + floor["kv_read"]
+    batched = decode_floor_bytes(model, context_tokens=10.5, batch=3)    # 3 sequences: 3 rows, 3 states, 3 KVs
+    assert batched["weights_read"] == 2 * (V * H + 3 * H + 500)
+    assert batched["recurrent_state_rw"] == 3 * floor["recurrent_state_rw"]
+    assert batched["kv_read"] == 3 * 672 and batched["batch"] == 3

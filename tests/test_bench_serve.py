@@ -1,0 +1,278 @@
+"""``python -m pegainfer bench-serve`` against the fake engine's server (no GPU, seconds): both load modes in
+process, the server it starts itself as a subprocess, the JSON's fields, and one-line errors."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from pegainfer.__main__ import build_parser
+from pegainfer.bench_serve import make_requests, run_bench_serve
+from pegainfer.errors import PegainferError
+from pegainfer.serving_bench import workload
+from pegainfer.serving_bench.metrics import LATENCIES, STATS
+from pegainfer.text.tokenizer import Tokenizer
+from tests.server.conftest import free_socket, serve_engine
+from tests.server.fake_engine import FakeEngine
+
+SUMMARY_KEYS = ("duration_s", "completed", "failed", "total_input_tokens", "total_output_tokens",
+                "request_throughput", "output_throughput", "total_token_throughput", "tokens_per_chunk",
+                "mismatched_outputs", "peak_concurrency", "errors", "client_cpu_percent", "model", "requests")
+
+
+def parse(*argv):
+    return build_parser().parse_args(["bench-serve", *argv])
+
+
+@pytest.fixture(scope="module")
+def fake_url(model_folder):
+    """A server over a FakeEngine whose every token is a word (so every token is one stream event), 4 at once."""
+    engine = FakeEngine(model_folder, reply="x " * 600, max_batch=4, step_delay=0.002)
+    with serve_engine(engine, max_waiting=64) as (url, _ae):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    from tests.text.fixtures import make_model_folder
+    return make_model_folder(tmp_path_factory.mktemp("bench-serve-tokenizer"))
+
+
+def check_result(res, num, lengths):
+    """Every field there, every request served with exactly its tokens, percentiles in order."""
+    for key in SUMMARY_KEYS:
+        assert key in res, key
+    for name in LATENCIES:
+        for stat in STATS:
+            assert f"{stat}_{name}_ms" in res, (stat, name)
+    assert res["completed"] == num and res["failed"] == 0 and res["errors"] == []
+    assert res["mismatched_outputs"] == 0
+    rows = res["requests"]
+    assert [r["output_tokens"] for r in rows] == [out for _, out in lengths]
+    assert [r["prompt_tokens"] for r in rows] == [inp for inp, _ in lengths]
+    assert res["total_output_tokens"] == sum(out for _, out in lengths)
+    assert res["total_input_tokens"] == sum(inp for inp, _ in lengths)
+    for name in LATENCIES:
+        values = [res[f"{s}_{name}_ms"] for s in ("median", "p90", "p99", "max")]
+        assert 0 <= values[0] <= values[1] <= values[2] <= values[3], (name, values)
+        assert 0 < res[f"mean_{name}_ms"] <= values[3]
+    assert res["max_itl_ms"] == max(r["max_itl_ms"] for r in rows)
+    assert res["output_throughput"] == pytest.approx(res["total_output_tokens"] / res["duration_s"])
+    assert res["request_throughput"] == pytest.approx(num / res["duration_s"])
+    assert res["tokens_per_chunk"] == pytest.approx(1.0)     # every fake token is a word: one event each
+
+
+def lengths_of(args, folder):
+    requests, _ = make_requests(args, Tokenizer.from_folder(folder))
+    return [(r.input_len, r.output_len) for r in requests]
+
+
+def test_fixed_concurrency_against_a_running_server(fake_url, model_folder, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    args = parse("--base-url", fake_url, "--model-path", str(model_folder), "--num-prompts", "6",
+                 "--max-concurrency", "2", "--input-len", "5", "--output-len", "7", "--range-ratio", "0.5",
+                 "--json", str(out))
+    assert run_bench_serve(args) == 0
+    res = json.loads(out.read_text())
+    lengths = lengths_of(args, model_folder)
+    assert len(set(lengths)) > 1                        # --range-ratio varied the lengths
+    check_result(res, 6, lengths)
+    assert res["peak_concurrency"] <= 2 and res["max_concurrency"] == 2 and res["request_rate"] is None
+    printed = capsys.readouterr().out
+    assert "output token throughput (tok/s)" in printed and "worst gap between two tokens" in printed
+
+
+def test_requests_shared_among_client_processes(fake_url, model_folder, tmp_path):
+    """Two client processes, one common start: every request once, its own tokens, the concurrency limit kept
+    overall (each process holds half)."""
+    out = tmp_path / "r.json"
+    args = parse("--base-url", fake_url, "--model-path", str(model_folder), "--num-prompts", "6",
+                 "--max-concurrency", "2", "--input-len", "4", "--output-len", "6", "--range-ratio", "0.3",
+                 "--client-processes", "2", "--json", str(out))
+    assert run_bench_serve(args) == 0
+    res = json.loads(out.read_text())
+    assert res["client_processes"] == 2 and [r["index"] for r in res["requests"]] == list(range(6))
+    check_result(res, 6, lengths_of(args, model_folder))
+    assert res["peak_concurrency"] <= 2
+
+
+def test_poisson_rate_with_text_prompts(fake_url, model_folder, tmp_path):
+    out = tmp_path / "r.json"
+    args = parse("--base-url", fake_url, "--model-path", str(model_folder), "--num-prompts", "5",
+                 "--request-rate", "50", "--input-len", "6", "--output-len", "4", "--prompt-format", "text",
+                 "--num-warmups", "0", "--json", str(out))
+    assert run_bench_serve(args) == 0
+    res = json.loads(out.read_text())
+    tok = Tokenizer.from_folder(model_folder)
+    requests, arrivals = make_requests(args, tok)
+    assert all(isinstance(r.prompt, str) for r in requests) and arrivals[0] == 0 and np.all(np.diff(arrivals) >= 0)
+    check_result(res, 5, [(len(tok.encode(r.prompt, True)), r.output_len) for r in requests])
+    assert res["request_rate"] == 50
+
+
+def test_bench_serve_starts_and_stops_its_own_server(model_folder, tmp_path):
+    """The subprocess path: a free port, /health polled until ready, the requests, SIGINT at the end (here the
+    fake engine's server, ``tests.server.serve_fake``, stands in for ``python -m pegainfer serve``)."""
+    out = tmp_path / "r.json"
+    args = parse("--model-path", str(model_folder), "--num-prompts", "4", "--input-len", "3", "--output-len", "5",
+                 "--max-batch", "2", "--serve-args", "--load-seconds 0.2", "--json", str(out))
+    command = (sys.executable, "-m", "tests.server.serve_fake", str(model_folder))
+    assert run_bench_serve(args, serve_command=command) == 0
+    res = json.loads(out.read_text())
+    assert res["server_started_here"] and res["completed"] == 4 and res["failed"] == 0
+    assert [r["output_tokens"] for r in res["requests"]] == [5] * 4
+    assert "--max-batch" in res["serve_args"] and "--load-seconds" in res["serve_args"]
+    port = int(res["base_url"].rsplit(":", 1)[1])
+    import socket
+    with socket.socket() as s:               # stopped: the port is free again
+        s.bind(("127.0.0.1", port))
+
+
+def test_word_tokenizer_serves_a_view_of_the_folder(tmp_path):
+    """--word-tokenizer: the started server gets the view (under the model's own name), removed at the end."""
+    from tests.text.fixtures import make_model_folder
+    folder = make_model_folder(tmp_path / "model")
+    (folder / "config.json").write_text(json.dumps({"vocab_size": Tokenizer.from_folder(folder).vocab_size + 8}))
+    out = tmp_path / "r.json"
+    args = parse("--model-path", str(folder), "--num-prompts", "2", "--input-len", "3", "--output-len", "4",
+                 "--word-tokenizer", "--serve-args", "--load-seconds 0.1", "--json", str(out))
+    command = (sys.executable, "-m", "tests.server.serve_fake", str(folder))
+    assert run_bench_serve(args, serve_command=command) == 0
+    res = json.loads(out.read_text())
+    assert res["completed"] == 2 and res["word_tokenizer"] and res["model"] == "model"
+    flags = res["serve_args"]
+    view = flags[flags.index("--model-path") + 1]
+    assert view != str(folder) and not os.path.exists(view)
+    with pytest.raises(PegainferError, match="--word-tokenizer .* needs --prompt-format ids and no --base-url"):
+        run_bench_serve(parse("--word-tokenizer", "--prompt-format", "text"))
+
+
+def test_word_tokenizer_view_gives_every_id_a_word(tmp_path):
+    from pegainfer.demo import ensure_demo_model
+    from pegainfer.serving_bench.word_tokenizer import word_tokenizer_view
+    demo = ensure_demo_model()
+    view = word_tokenizer_view(demo, str(tmp_path / "view"))
+    vocab = json.loads((demo / "config.json").read_text())["vocab_size"]
+    tok = Tokenizer.from_folder(view)
+    assert tok.vocab_size == vocab
+    assert all(tok.decode([i]) == f"w{i}" for i in range(vocab))
+    assert tok.decode([3, 4, 5]) == "w3 w4 w5"
+    assert (view / "config.json").resolve() == (demo / "config.json").resolve()
+    assert (view / "model.safetensors").is_symlink()
+
+
+def test_a_server_that_cannot_start_is_one_line(model_folder):
+    args = parse("--model-path", str(model_folder), "--num-prompts", "1")
+    command = (sys.executable, "-m", "tests.server.serve_fake", "broken")
+    with pytest.raises(PegainferError, match=r"^the server exited \(status 2\) before it was ready: error: "):
+        run_bench_serve(args, serve_command=command)
+
+
+def test_unreachable_server_and_bad_url_are_one_line(model_folder):
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    sock.close()                              # nothing listens there now
+    with pytest.raises(PegainferError, match="cannot reach the server at http://127.0.0.1:"):
+        run_bench_serve(parse("--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "1"))
+    with pytest.raises(PegainferError, match="is not an http:// or https:// URL"):
+        run_bench_serve(parse("--base-url", "localhost:8000"))
+    with pytest.raises(PegainferError, match="--max-batch sets up the server bench-serve starts"):
+        run_bench_serve(parse("--base-url", "http://127.0.0.1:1", "--max-batch", "2"))
+
+
+def test_cli_errors_are_one_line_without_traceback():
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    sock.close()
+    for argv, says in ((["--base-url", f"http://127.0.0.1:{port}"], "error: cannot reach the server at "),
+                       (["--base-url", "localhost:8000"], "error: --base-url 'localhost:8000' is not an http://")):
+        r = subprocess.run([sys.executable, "-m", "pegainfer", "bench-serve", *argv], capture_output=True, text=True,
+                           timeout=120, cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(says), r.stderr
+
+
+def test_requests_longer_than_the_context_are_refused_up_front(fake_url, model_folder):
+    """The server's model card says its context (the fake engine's: 256): a workload that cannot fit is a one-line
+    error before any request is sent."""
+    args = parse("--base-url", fake_url, "--model-path", str(model_folder), "--num-prompts", "2",
+                 "--input-len", "300", "--output-len", "2")
+    with pytest.raises(PegainferError, match="max model len is 256"):
+        run_bench_serve(args)
+
+
+def test_refused_requests_are_counted_as_failed(model_folder, tmp_path):
+    """A server with room for one request waiting and one running answers the rest of an all-at-once burst of 4
+    with 503: they count as failed, with the server's reason, and the run still reports the rest."""
+    engine = FakeEngine(model_folder, reply="x " * 600, max_batch=1, step_delay=0.01)
+    out = tmp_path / "r.json"
+    with serve_engine(engine, max_waiting=1) as (url, _ae):
+        args = parse("--base-url", url, "--model-path", str(model_folder), "--num-prompts", "4", "--input-len", "3",
+                     "--output-len", "20", "--json", str(out))
+        assert run_bench_serve(args) == 0
+    res = json.loads(out.read_text())
+    assert res["failed"] >= 1 and res["completed"] == 4 - res["failed"] and res["completed"] >= 1
+    assert any(e.startswith("HTTP 503: ") for e in res["errors"]), res["errors"]
+    failed = [r for r in res["requests"] if not r["success"]]
+    assert len(failed) == res["failed"] and all(r["ttft_ms"] is None and r["error"] for r in failed)
+
+
+def test_sharegpt_mix_and_random_lengths():
+    rng = np.random.default_rng(0)
+    mix = np.array(workload.request_lengths("sharegpt", 4000, 0, 0, 0.0, rng))
+    assert mix.min() >= 4 and mix.max() <= 1024
+    assert 140 < mix[:, 0].mean() < 185 and 310 < mix[:, 1].mean() < 375      # the docstring's means
+    assert 75 < np.median(mix[:, 0]) < 100 and 230 < np.median(mix[:, 1]) < 285
+    fixed = workload.request_lengths("random", 5, 10, 20, 0.0, rng)
+    assert fixed == [(10, 20)] * 5
+    spread = np.array(workload.request_lengths("random", 500, 100, 10, 0.5, rng))
+    assert spread[:, 0].min() >= 50 and spread[:, 0].max() <= 150 and spread[:, 1].min() >= 5
+    assert math.isinf(parse("--request-rate", "inf").request_rate)
+    times = workload.arrival_times(2000, 100.0, rng)
+    assert times[0] == 0 and np.diff(times).mean() == pytest.approx(0.01, rel=0.1)
+
+
+def test_bad_values_are_refused_while_parsing(capsys):
+    for argv, says in ((("--request-rate", "0"), "must be > 0, or inf"), (("--range-ratio", "1"), "[0, 1)"),
+                       (("--num-prompts", "0"), "at least 1"), (("--prompt-format", "words"), "invalid choice")):
+        with pytest.raises(SystemExit):
+            parse(*argv)
+        assert says in capsys.readouterr().err
+
+
+def test_hf_peer_runs_the_same_requests_on_cpu():
+    """transformers' continuous batching through the manager behind ``generate_batch``, one output length per
+    request, end-of-sequence off (on the CPU with the demo model: the code path, not the speed)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers.generation import ContinuousBatchingConfig
+
+    from pegainfer.demo import ensure_demo_model
+    from pegainfer.serving_bench.hf import hf_continuous_batching
+    res = hf_continuous_batching(str(ensure_demo_model()), [[1, 2, 3], [4, 5, 6, 7], [8, 9]], [3, 5, 2],
+                                 device="cpu", cb_config=ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=64,
+                                                                                  page_size=16))
+    assert res["hf_completed"] == 3 and res["hf_failed"] == 0 and res["hf_total_output_tokens"] == 3 + 5 + 2
+    assert res["hf_output_throughput"] == pytest.approx(10 / res["hf_duration_s"])
+    assert res["hf_total_token_throughput"] == pytest.approx((9 + 10) / res["hf_duration_s"])
+
+
+def test_hf_without_a_gpu_is_a_line_of_the_report(fake_url, model_folder, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    args = parse("--base-url", fake_url, "--model-path", str(model_folder), "--num-prompts", "2", "--input-len", "3",
+                 "--output-len", "2", "--num-warmups", "0", "--hf", "--json", str(out))
+    pytest.importorskip("torch")
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("checks the report without a GPU")
+    assert run_bench_serve(args) == 0
+    res = json.loads(out.read_text())
+    assert res["completed"] == 2 and res["hf_error"] == "RuntimeError: torch sees no CUDA GPU"
+    assert "hf: RuntimeError: torch sees no CUDA GPU" in capsys.readouterr().out

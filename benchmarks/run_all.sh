@@ -23,6 +23,11 @@
 #   bench35   Qwen3.5-4B in the multimodal checkpoint layout: TPOT with a traced run, then the 2048-token TTFT
 #             beside Hugging Face (--hf)
 #   acc35     tests/gpu/test_qwen35_gpu.py on that folder
+#   serve     one `serve` of $SERVE_MODEL (default qwen3-4b, word-tokenizer view) and `bench-serve` against it at
+#             each concurrency of $CONCURRENCY (default "1 64 256"), 128 tokens in / 256 out; then the
+#             ShareGPT-like mix at $RATE requests/s (default none)
+#   batch     pegainfer bench --batch B (B in $BATCHES, default "64 256") at a 256-token context, beside the floor
+#   prefix    benchmarks/prefix_cache_ttft.py: a 2000-token shared prefix, cache on and off
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
 export NUMBA_CACHE_DIR="${NUMBA_CACHE_DIR:-/tmp/numba_cache}"
@@ -113,6 +118,38 @@ print('folder', make_random_qwen35_multimodal(Path('$M35')))" 2>&1 | tail -1 | t
                 | filter | tail -26 | tee -a "$OUT/bench35.log" ;;
     acc35)    timeout ${ACC35_TIMEOUT:-300} python3 -m pytest tests/gpu/test_qwen35_gpu.py -m gpu -q -s -p no:cacheprovider \
                 2>&1 | filter | tail -30 | tee "$OUT/acc35.log" ;;
+    serve)    SM="$M/${SERVE_MODEL:-qwen3-4b}"
+              VIEW=$(python3 -c "from pegainfer.serving_bench.word_tokenizer import word_tokenizer_view as v; \
+print(v('$SM', '/tmp/serve_view'))" 2>/dev/null | tail -1)
+              python3 -m pegainfer serve --model-path "$VIEW" --max-model-len 4096 --port 8123 --max-waiting 4096 \
+                ${SERVE_FLAGS:-} > "$OUT/serve_server.log" 2>&1 &
+              SERVER=$!
+              for i in $(seq 1 ${SERVE_READY_S:-400}); do
+                curl -sf http://127.0.0.1:8123/health > /dev/null && break; sleep 1; done
+              echo "server ready after ${i}s" | tee "$OUT/serve.log"
+              for c in ${CONCURRENCY:-1 64 256}; do
+                n=$(( c < 16 ? 16 : 4 * c ))
+                timeout ${SERVE_TIMEOUT:-180} python3 -m pegainfer bench-serve --base-url http://127.0.0.1:8123 \
+                  --model-path "$VIEW" --num-prompts $n --max-concurrency $c --input-len 128 --output-len 256 \
+                  --json "$OUT/serve_c$c.json" 2>&1 | filter | tail -30 | tee -a "$OUT/serve.log"
+              done
+              if [ -n "${RATE:-}" ]; then
+                timeout ${SERVE_TIMEOUT:-180} python3 -m pegainfer bench-serve --base-url http://127.0.0.1:8123 \
+                  --model-path "$VIEW" --num-prompts 512 --request-rate $RATE --dataset-name sharegpt \
+                  --json "$OUT/serve_sharegpt_r$RATE.json" 2>&1 | filter | tail -30 | tee -a "$OUT/serve.log"
+              fi
+              curl -s http://127.0.0.1:8123/metrics 2>/dev/null | grep -v "^#" | grep -i "preempt\|prefix\|kv\|running\|waiting" \
+                | head -20 | tee -a "$OUT/serve.log"
+              kill -INT $SERVER; wait $SERVER
+              tail -5 "$OUT/serve_server.log" ;;
+    batch)    for b in ${BATCHES:-64 256}; do
+                timeout ${BENCH_TIMEOUT:-300} python3 -m pegainfer bench --model-path "$M/${SERVE_MODEL:-qwen3-4b}" \
+                  --batch $b --prompt-len 256 --output-len 32 --runs 3 --json "$OUT/batch_$b.json" 2>&1 | filter \
+                  | tail -12 | tee -a "$OUT/batch.log"
+              done ;;
+    prefix)   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/prefix_cache_ttft.py --model-path "$M/qwen3-4b" \
+                --prefix-len 2000 --suffix-len 16 --runs 3 --json "$OUT/prefix.json" 2>&1 | filter | tail -6 \
+                | tee "$OUT/prefix.log" ;;
     *)        echo "unknown stage $stage (see the list at the top of $0)" ;;
   esac
 done

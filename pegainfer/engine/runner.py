@@ -101,11 +101,14 @@ class ModelRunner:
         # free during that wait): AsyncEngine hands the previous step's outputs to the server's event loop there.
         self.before_wait = None
         self.graphs = None
-        self.decode_sizes = None       # decode batch sizes that have a graph (``padded_batch``)
-        if use_cuda_graph and not SIMULATOR:
+        # decode batch sizes (``padded_batch``): those that get a graph; eager steps are padded the same way, so
+        # both paths run the very same kernels
+        self.decode_sizes = None
+        if not SIMULATOR:
             from pegainfer.engine.cuda_graph import StepGraphs, decode_graph_sizes
-            self.graphs = StepGraphs(self)
             self.decode_sizes = decode_graph_sizes(max_batch)
+            if use_cuda_graph:
+                self.graphs = StepGraphs(self)
 
     # -------------------------------------------------------------------------------------------- inputs
     def padded_batch(self, B: int) -> int:

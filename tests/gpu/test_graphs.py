@@ -20,24 +20,32 @@ def _mid_qwen3(tmp_path):
 
 
 def test_graph_and_eager_paths_give_identical_tokens(tmp_path):
+    """Catches a captured graph that differs from its eager launches, or a padded decode batch that leaks into
+    real rows: ten concurrent requests (decode batches padded from 9 and 10 to the captured 12, prompts arriving
+    in mixed steps, max_tokens ending some early) give the same tokens through graphs and eagerly."""
     from pegainfer.engine.engine import Engine
     from pegainfer.engine.types import SamplingParams
 
     folder = _mid_qwen3(tmp_path)
-    prompts = [np.random.default_rng(i).integers(0, 400, size=n).tolist() for i, n in ((0, 5), (1, 40), (2, 300))]
+    lengths = (5, 40, 300, 7, 16, 17, 90, 3, 64, 129)
+    prompts = [np.random.default_rng(i).integers(0, 400, size=n).tolist() for i, n in enumerate(lengths)]
     results = {}
     for graphs in (True, False):
-        eng = Engine.from_folder(str(folder), max_model_len=1024, max_batch=3, use_cuda_graph=graphs)
+        eng = Engine.from_folder(str(folder), max_model_len=1024, max_batch=12, use_cuda_graph=graphs)
+        assert eng.runner.padded_batch(9) == 12
         toks = {}
-        for i, p in enumerate(prompts):      # three concurrent requests: batched decode B = 1..3
-            eng.add_request(f"r{i}", p, SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=i,
+        for i, p in enumerate(prompts):      # arrivals one step apart: mixed steps, batches of 1..10
+            eng.add_request(f"r{i}", p, SamplingParams(max_tokens=24 + i, temperature=0.8, top_p=0.9, seed=i,
                                                        ignore_eos=True))
             toks[f"r{i}"] = []
+            for out in eng.step():
+                toks[out.request_id].extend(out.new_token_ids)
         while eng.has_unfinished():
             for out in eng.step():
                 toks[out.request_id].extend(out.new_token_ids)
         results[graphs] = toks
         assert eng.stats()["kv_pages_used"] == 0
+        assert [len(toks[f"r{i}"]) for i in range(10)] == [24 + i for i in range(10)]
     assert results[True] == results[False]
 
 

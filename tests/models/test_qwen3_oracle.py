@@ -149,6 +149,32 @@ def test_prompt_prefilled_beside_a_decode_matches_each_alone(tiny):
     assert engine.stats()["kv_pages_used"] == 0
 
 
+def test_padded_decode_batch_gives_the_unpadded_tokens(tiny):
+    """Catches padding rows (slot -1) of a decode batch run at a captured graph's size that write K/V, read pages
+    or shift the real rows: two sequences decoded as a batch of 4 give the tokens of the unpadded batch of 2."""
+    from pegainfer.engine.types import SamplingParams
+
+    _, engine = tiny
+    rng = np.random.default_rng(5)
+    prompts = {"a": rng.integers(0, VOCAB, size=6).tolist(), "b": rng.integers(0, VOCAB, size=9).tolist()}
+    runs = []
+    for sizes in (None, [1, 4]):
+        engine.runner.decode_sizes = sizes
+        try:
+            for k, p in prompts.items():
+                engine.add_request(k, p, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+            got = {k: [] for k in prompts}
+            while engine.has_unfinished():
+                for out in engine.step():
+                    got[out.request_id].extend(out.new_token_ids)
+        finally:
+            engine.runner.decode_sizes = None
+        runs.append(got)
+    assert engine.runner.padded_batch(2) == 2
+    assert runs[0] == runs[1] and all(len(t) == 4 for t in runs[0].values())
+    assert engine.stats()["kv_pages_used"] == 0
+
+
 def test_every_step_launch_keeps_the_pdl_contract(tiny):
     """Catches a kernel launched outside the PDL contract, or one that never waits for its inputs (it would race
     with the kernel before it on a GPU): prefill and decode."""

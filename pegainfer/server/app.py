@@ -1,7 +1,8 @@
 """The Starlette app: OpenAI-compatible routes over an ``AsyncEngine``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (and ``/v1/models/{id}``),
-``GET /health`` (200 once the model is loaded and warmed up, 503 before), ``GET /version``.
+``GET /health`` (200 once the model is loaded and warmed up; 503 before, and for good once a step of the engine
+failed), ``GET /version``, ``GET /metrics`` (Prometheus, ``metrics.py``).  The API key guards ``/v1/*`` only.
 
 A request's way through a handler: API key → body (size limit, JSON) → ``protocol.parse_*`` → prompt text → token
 ids (a short prompt is tokenized on the event loop; a long one, and the chat template of a long conversation, in
@@ -12,7 +13,9 @@ answer, whole or as server-sent events.
 A client that goes away cancels its request at once: from the moment the request is submitted one
 ``ClientWatch`` task listens for ``http.disconnect`` and cancels the request's stream, which aborts it in the engine
 (its pages and slot are freed at the next step) and ends whatever waits on it.  One log line per request goes to
-the ``pegainfer.server`` logger.
+the ``pegainfer.server`` logger; every line logged while serving a request starts with its ``x-request-id``
+(``request_context.py``), and the engine's request id is ``cmpl-<x-request-id>`` / ``chatcmpl-<x-request-id>``
+(the response's ``id``), with a random suffix while that id is still in use.
 
 Latency (what the HTTP layer adds to time-to-first-token and time-per-output-token; ``benchmarks/bench_server.py
 --fake-gpu`` measures it without a GPU): each streamed token costs the event loop one wake-up (one
@@ -27,11 +30,13 @@ import hmac
 import json
 import logging
 import time
+import uuid
 from typing import AsyncIterator, Callable, Optional
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -41,7 +46,9 @@ from pegainfer.engine.async_engine import AsyncEngine, EngineNotReadyError, Engi
 from pegainfer.engine.types import RequestOutput, SamplingParams
 from pegainfer.errors import PegainferError, RequestError
 from pegainfer.server import protocol as P
+from pegainfer.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from pegainfer.server.protocol import APIError
+from pegainfer.server.request_context import RequestIdMiddleware, install_log_filter, request_id_from
 from pegainfer.text.chat_output import ChatDelta, ChatOutputParser
 from pegainfer.text.reasoning import REASONING_PARSERS, ReasoningParser, reasoning_start
 from pegainfer.text.tool_calls import ToolCallParser
@@ -143,16 +150,20 @@ class ChunkTemplate:
 
 
 class _RequestLog:
-    """Times one request and writes its single log line."""
+    """Times one request (from its arrival at the server), and when it ends writes its single log line and counts it
+    in the metrics — once, however many paths report the end."""
 
-    def __init__(self, request_id: str, route: str):
+    def __init__(self, request_id: str, route: str, arrival: float, metrics: ServerMetrics, id_note: str = ""):
         self.request_id = request_id
         self.route = route
-        self.t0 = time.perf_counter()
+        self.id_note = id_note   # " id=<engine id>" when it is not <prefix>-<x-request-id> (the log line's prefix)
+        self.t0 = arrival
+        self.metrics = metrics
         self.t_first: Optional[float] = None
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.finish: Optional[str] = None
+        self.written = False
 
     def saw(self, out: RequestOutput) -> None:
         if self.t_first is None and out.new_token_ids:
@@ -161,11 +172,15 @@ class _RequestLog:
         self.completion_tokens = out.completion_tokens or self.completion_tokens
 
     def write(self, finish: Optional[str] = None) -> None:
+        if self.written:
+            return
+        self.written = True
+        end = time.perf_counter()
         finish = finish or self.finish or "cancelled"
         ttft = f"{(self.t_first - self.t0) * 1e3:.1f}ms" if self.t_first is not None else "-"
-        log.info("%s %s prompt_tokens=%d completion_tokens=%d ttft=%s total=%.1fms finish=%s", self.request_id,
-                 self.route, self.prompt_tokens, self.completion_tokens, ttft, (time.perf_counter() - self.t0) * 1e3,
-                 finish)
+        log.info("%s%s prompt_tokens=%d completion_tokens=%d ttft=%s total=%.1fms finish=%s", self.route,
+                 self.id_note, self.prompt_tokens, self.completion_tokens, ttft, (end - self.t0) * 1e3, finish)
+        self.metrics.request_finished(finish, self.prompt_tokens, self.completion_tokens, self.t0, self.t_first, end)
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -204,6 +219,7 @@ class OpenAIServer:
         self.api_key = api_key or None
         self.max_body_bytes = int(max_body_bytes)
         self.created = P.now()
+        self.metrics = ServerMetrics(async_engine, self.model_name)
 
     # ------------------------------------------------------------------------------------------------ helpers
     @property
@@ -225,6 +241,17 @@ class OpenAIServer:
             template = engine.chat_template
             return "qwen3" if template is not None and "<think>" in template.source else None
         return None if self.reasoning_parser == "none" else self.reasoning_parser
+
+    def request_log(self, request: Request, prefix: str, route: str) -> _RequestLog:
+        """The request's log (timed from its arrival) under its engine request id: ``<prefix>-<x-request-id>``, with
+        a random suffix while a request with that id is still in the engine (a client reusing its id)."""
+        state = request.scope.get("state", {})
+        rid = f"{prefix}-{state.get('request_id') or request_id_from(request.headers.get('x-request-id'))}"
+        note = ""
+        if self.async_engine.in_use(rid):
+            rid = f"{rid}-{uuid.uuid4().hex[:8]}"
+            note = f" id={rid}"
+        return _RequestLog(rid, route, state.get("arrival") or time.perf_counter(), self.metrics, note)
 
     def check_auth(self, request: Request) -> None:
         if self.api_key is None:
@@ -372,6 +399,9 @@ class OpenAIServer:
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": pegainfer.__version__})
 
+    async def prometheus(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
     def _model_card(self) -> dict:
         card = {"id": self.model_name(), "object": "model", "created": self.created, "owned_by": "pegainfer"}
         if self.async_engine.ready:
@@ -404,8 +434,8 @@ class OpenAIServer:
         if req.echo:
             echo_text = req.prompt_text if req.prompt_text is not None else \
                 await run_in_threadpool(tok.decode, ids, False)
-        rid = P.new_id("cmpl")
-        rlog = _RequestLog(rid, "completions")
+        rlog = self.request_log(request, "cmpl", "completions")
+        rid = rlog.request_id
         rlog.prompt_tokens = len(ids)
         name = self.model_name()
         lp = P.CompletionLogprobs(tok, len(echo_text)) if params.logprobs is not None else None
@@ -426,7 +456,7 @@ class OpenAIServer:
             body = {"id": rid, "object": "text_completion", "created": P.now(), "model": name,
                     "choices": [choice("".join(text), lp.to_json() if lp else None, finish)],
                     "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens), "system_fingerprint": None}
-            return JSONResponse(body, headers={"x-request-id": rid})
+            return JSONResponse(body)
 
         created = P.now()
 
@@ -497,8 +527,8 @@ class OpenAIServer:
         parser = ChatOutputParser(ReasoningParser(reasoning_start(prompt_text)) if thinking else None,
                                   ToolCallParser(req.tool_schemas()) if tools else None)
         top_n = params.logprobs or 0
-        rid = P.new_id("chatcmpl")
-        rlog = _RequestLog(rid, "chat")
+        rlog = self.request_log(request, "chatcmpl", "chat")
+        rid = rlog.request_id
         rlog.prompt_tokens = len(ids)
         name = self.model_name()
         stream, watch = await self._submit(request, rid, ids, params, rlog)
@@ -527,7 +557,7 @@ class OpenAIServer:
                     "choices": [{"index": 0, "message": message, "logprobs": logprobs,
                                  "finish_reason": finish_reason(finish)}],
                     "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens), "system_fingerprint": None}
-            return JSONResponse(body, headers={"x-request-id": rid})
+            return JSONResponse(body)
 
         created = P.now()
 
@@ -623,8 +653,10 @@ class OpenAIServer:
                 raise
             rlog.write("cancelled")
             raise ClientDisconnected() from None
-        except BaseException:
+        except BaseException as e:
             watch.close()
+            if isinstance(e, Exception) and _api_error(e).status >= 500:   # (a refusal, 4xx, is not counted)
+                rlog.write(f"error:{_api_error(e).status}")
             raise
         return stream, watch
 
@@ -658,7 +690,7 @@ class OpenAIServer:
         def on_close():
             stream.cancel()  # a no-op when the request finished; aborts it when the client left early
             rlog.write()     # finish reason, or "cancelled" when the stream was cut short
-        return EventStreamResponse(events, watch, headers={"x-request-id": rlog.request_id}, on_close=on_close)
+        return EventStreamResponse(events, watch, on_close=on_close)
 
 
 def build_app(async_engine: AsyncEngine, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
@@ -684,7 +716,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: Optional[str] = None
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         messages = {404: f"no route {request.method} {request.url.path}: see /v1/completions, "
-                         f"/v1/chat/completions, /v1/models, /health, /version",
+                         f"/v1/chat/completions, /v1/models, /health, /version, /metrics",
                     405: f"method {request.method} is not allowed on {request.url.path}"}
         err = APIError(exc.status_code, messages.get(exc.status_code, str(exc.detail)), None,
                        {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code),
@@ -698,7 +730,10 @@ def build_app(async_engine: AsyncEngine, served_model_name: Optional[str] = None
         Route("/v1/models/{model:path}", endpoint(server.model), methods=["GET"]),
         Route("/health", endpoint(server.health), methods=["GET"]),
         Route("/version", endpoint(server.version), methods=["GET"]),
+        Route("/metrics", endpoint(server.prometheus), methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error},
+                    middleware=[Middleware(RequestIdMiddleware)])
     app.state.server = server
+    install_log_filter(log)
     return app

@@ -11,6 +11,7 @@ QUESTIONS = {
     "bench_sampling.py": "How long does token selection take on this GPU?",
     "bench_server.py": "What does the OpenAI HTTP server add to time-to-first-token and time-per-output-token?",
     "accuracy_floor.py": "How far apart are two *valid* bf16 implementations of the same model",
+    "soak.py": "Does the server stay healthy under a long mixed load?",
 }
 STEP_PROFILE_MODES = {
     "timeline": "Where does the time between a decode step's kernels go",

@@ -48,7 +48,8 @@ from pegainfer.errors import PegainferError, RequestError
 from pegainfer.server import protocol as P
 from pegainfer.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from pegainfer.server.protocol import APIError
-from pegainfer.server.request_context import RequestIdMiddleware, install_log_filter, request_id_from
+from pegainfer.server.request_context import RequestIdMiddleware, RequestLog, install_log_filter, request_id_from
+from pegainfer.server.sse import SSE_DONE, ChunkTemplate, ClientDisconnected, ClientWatch, EventStreamResponse, sse
 from pegainfer.text.chat_output import ChatDelta, ChatOutputParser
 from pegainfer.text.reasoning import REASONING_PARSERS, ReasoningParser, reasoning_start
 from pegainfer.text.tool_calls import ToolCallParser
@@ -59,128 +60,6 @@ DEFAULT_MAX_BODY_BYTES = 8 << 20   # 8 MiB: ~2M characters of prompt, far beyond
 RETRY_AFTER_S = "1"
 INLINE_TEXT_CHARS = 1024            # prompts up to this many characters are tokenized on the event loop
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
-
-
-class ClientDisconnected(Exception):
-    """The client went away before the answer was ready."""
-
-
-class ClientWatch:
-    """Listens for the client's ``http.disconnect`` in one background task, once the request body has been read;
-    on a disconnect it calls the registered callbacks (a stream's ``cancel``: the request is aborted and whatever
-    waits on its stream wakes up).  ``close()`` when the response is done."""
-
-    def __init__(self, receive):
-        self.disconnected = False
-        self._callbacks: list[Callable[[], None]] = []
-        self._task = asyncio.ensure_future(self._watch(receive))
-
-    async def _watch(self, receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self.disconnected = True
-        for callback in self._callbacks:
-            callback()
-
-    def on_disconnect(self, callback: Callable[[], None]) -> None:
-        self._callbacks.append(callback)
-
-    def close(self) -> None:
-        self._task.cancel()
-
-
-class EventStreamResponse(Response):
-    """Server-sent events from an async iterator of ``data: ...\\n\\n`` strings.  An event that ends with
-    ``data: [DONE]`` is the last one: it goes out in the same write as the end of the body.
-
-    The request's ``ClientWatch`` ends the iteration when the client goes away (it cancels the request's stream);
-    the iterator is always closed and the watch stopped, and ``on_close`` runs last."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, events: AsyncIterator[str], watch: ClientWatch, headers: Optional[dict] = None,
-                 on_close: Optional[Callable[[], None]] = None):
-        self.events = events
-        self.watch = watch
-        self.on_close = on_close
-        self.status_code = 200
-        self.background = None
-        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})})
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            more = True
-            async for event in self.events:
-                if self.watch.disconnected:
-                    break
-                more = not event.endswith(SSE_DONE)
-                await send({"type": "http.response.body", "body": event.encode("utf-8"), "more_body": more})
-                if not more:
-                    break
-            if more:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            self.watch.close()
-            await self.events.aclose()
-            if self.on_close is not None:
-                self.on_close()
-
-
-def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-_SLOT = "\x00pegainfer-slot\x00"
-
-
-class ChunkTemplate:
-    """One stream chunk serialized once with a string slot, so each token only JSON-encodes its own text:
-    ``template.fill(text) == sse(the chunk with text in the slot)`` (``json.dumps`` writes values independently)."""
-
-    def __init__(self, make_chunk: Callable[[str], dict]):
-        head, sep, tail = sse(make_chunk(_SLOT)).partition(json.dumps(_SLOT))
-        if not sep:
-            raise ValueError("the chunk has no string slot")
-        self.head, self.tail = head, tail
-
-    def fill(self, text: str) -> str:
-        return self.head + json.dumps(text, ensure_ascii=False) + self.tail
-
-
-class _RequestLog:
-    """Times one request (from its arrival at the server), and when it ends writes its single log line and counts it
-    in the metrics — once, however many paths report the end."""
-
-    def __init__(self, request_id: str, route: str, arrival: float, metrics: ServerMetrics, id_note: str = ""):
-        self.request_id = request_id
-        self.route = route
-        self.id_note = id_note   # " id=<engine id>" when it is not <prefix>-<x-request-id> (the log line's prefix)
-        self.t0 = arrival
-        self.metrics = metrics
-        self.t_first: Optional[float] = None
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.finish: Optional[str] = None
-        self.written = False
-
-    def saw(self, out: RequestOutput) -> None:
-        if self.t_first is None and out.new_token_ids:
-            self.t_first = time.perf_counter()
-        self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
-        self.completion_tokens = out.completion_tokens or self.completion_tokens
-
-    def write(self, finish: Optional[str] = None) -> None:
-        if self.written:
-            return
-        self.written = True
-        end = time.perf_counter()
-        finish = finish or self.finish or "cancelled"
-        ttft = f"{(self.t_first - self.t0) * 1e3:.1f}ms" if self.t_first is not None else "-"
-        log.info("%s%s prompt_tokens=%d completion_tokens=%d ttft=%s total=%.1fms finish=%s", self.route,
-                 self.id_note, self.prompt_tokens, self.completion_tokens, ttft, (end - self.t0) * 1e3, finish)
-        self.metrics.request_finished(finish, self.prompt_tokens, self.completion_tokens, self.t0, self.t_first, end)
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -242,7 +121,7 @@ class OpenAIServer:
             return "qwen3" if template is not None and "<think>" in template.source else None
         return None if self.reasoning_parser == "none" else self.reasoning_parser
 
-    def request_log(self, request: Request, prefix: str, route: str) -> _RequestLog:
+    def request_log(self, request: Request, prefix: str, route: str) -> RequestLog:
         """The request's log (timed from its arrival) under its engine request id: ``<prefix>-<x-request-id>``, with
         a random suffix while a request with that id is still in the engine (a client reusing its id)."""
         state = request.scope.get("state", {})
@@ -251,7 +130,7 @@ class OpenAIServer:
         if self.async_engine.in_use(rid):
             rid = f"{rid}-{uuid.uuid4().hex[:8]}"
             note = f" id={rid}"
-        return _RequestLog(rid, route, state.get("arrival") or time.perf_counter(), self.metrics, note)
+        return RequestLog(rid, route, state.get("arrival") or time.perf_counter(), self.metrics, note)
 
     def check_auth(self, request: Request) -> None:
         if self.api_key is None:
@@ -639,7 +518,7 @@ class OpenAIServer:
                        headers={"Retry-After": RETRY_AFTER_S})
 
     async def _submit(self, request: Request, rid: str, ids: list[int], params: SamplingParams,
-                      rlog: _RequestLog):
+                      rlog: RequestLog):
         """Hand the request to the engine and wait until it is accepted; from here on a ClientWatch cancels the
         request when the client goes away.  Returns (stream, watch); the caller's response closes the watch."""
         stream = self.async_engine.submit(rid, ids, params)
@@ -660,7 +539,7 @@ class OpenAIServer:
             raise
         return stream, watch
 
-    async def _collect(self, stream, watch: ClientWatch, rlog: _RequestLog, take: Callable) -> str:
+    async def _collect(self, stream, watch: ClientWatch, rlog: RequestLog, take: Callable) -> str:
         """Feed every output of a non-streamed request to ``take``; return the finish reason.  Logs the request
         either way; raises ClientDisconnected when the client left first."""
         try:
@@ -686,7 +565,7 @@ class OpenAIServer:
 
     @staticmethod
     def _event_stream(events: AsyncIterator[str], stream, watch: ClientWatch,
-                      rlog: _RequestLog) -> EventStreamResponse:
+                      rlog: RequestLog) -> EventStreamResponse:
         def on_close():
             stream.cancel()  # a no-op when the request finished; aborts it when the client left early
             rlog.write()     # finish reason, or "cancelled" when the stream was cut short

@@ -42,6 +42,12 @@ MiB = 1 << 20
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 
+def die(message: str):
+    """Stop with a one-line error (exit status 2: the soak could not run)."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 # ================================================================================================ measurements
 def metric_sums(text: str) -> dict[str, float]:
     """Prometheus text → {sample name: value summed over its label sets}."""
@@ -199,17 +205,27 @@ class Load:
 
 def _range(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition(":")
-    lo, hi = int(lo), int(hi or lo)
+    try:
+        lo, hi = int(lo), int(hi or lo)
+    except ValueError:
+        lo = hi = 0
     if not 1 <= lo <= hi:
-        raise SystemExit(f"error: a length range is LO:HI with 1 <= LO <= HI, got {text!r}")
+        die(f"a length range is LO:HI with 1 <= LO <= HI, got {text!r}")
     return lo, hi
 
 
 # ================================================================================================ the run
 async def sample(http, pid, t0: float, tally: Tally) -> dict:
-    text = (await http.get("/metrics")).text
-    m = metric_sums(text)
-    rss = rss_bytes(pid) if pid is not None else m.get("process_resident_memory_bytes")
+    """One row: the server's memory and /metrics now (None where it did not answer), the clients' tallies."""
+    import httpx
+    try:
+        m = metric_sums((await http.get("/metrics", timeout=30)).text)
+    except httpx.HTTPError:
+        m = {}   # a server that stopped answering: its figures are missing and the verdict fails
+    try:
+        rss = rss_bytes(pid) if pid is not None else m.get("process_resident_memory_bytes")
+    except (OSError, RuntimeError):   # the process is gone
+        rss = None
     gpu = await asyncio.to_thread(gpu_memory_mib, pid)
     return {"t": time.monotonic() - t0, "rss_mib": rss / MiB if rss else None, "gpu_mib": gpu,
             "running": m.get("vllm:num_requests_running"), "waiting": m.get("vllm:num_requests_waiting"),
@@ -235,7 +251,12 @@ async def soak(args, url: str, pid) -> dict:
     limits = httpx.Limits(max_connections=args.concurrency + 8, max_keepalive_connections=args.concurrency + 8)
     async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits,
                                  timeout=httpx.Timeout(args.request_timeout)) as http:
-        card = (await http.get("/v1/models")).json()["data"][0]
+        try:
+            r = await http.get("/v1/models", timeout=30)
+            card = r.json()["data"][0]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+            detail = f"{r.status_code} {r.text[:200]}" if "r" in locals() else f"{type(e).__name__}: {e}"
+            die(f"{url}/v1/models did not name a model ({detail})")
         load = Load(args, http, int(card.get("max_model_len") or 4096), card["id"])
         print(f"soak: {url}, model {card['id']}, {args.concurrency} clients for {args.duration:.0f} s; prompts "
               f"{args.prompt_len}, outputs {args.output_len} tokens; {args.abort_fraction:.0%} aborted, "
@@ -265,11 +286,14 @@ async def soak(args, url: str, pid) -> dict:
             await asyncio.sleep(0.5)
         samples.append(last)
         print_row(samples[-1], samples[-2])
-        health = (await http.get("/health")).status_code
+        try:
+            health = (await http.get("/health", timeout=30)).status_code
+        except httpx.HTTPError as e:
+            health = f"no answer ({type(e).__name__})"
     return verdict(args, samples, load.tally, health)
 
 
-def verdict(args, samples: list[dict], tally: Tally, health: int) -> dict:
+def verdict(args, samples: list[dict], tally: Tally, health) -> dict:
     base = next((s for s in samples if s["t"] >= args.warmup), samples[0])
     last = samples[-1]
     checks = {"failed good requests": (tally.good_failed + tally.abort_failed == 0,
@@ -288,6 +312,8 @@ def verdict(args, samples: list[dict], tally: Tally, health: int) -> dict:
     if last["pages_used"] is not None:
         checks["KV pages in use when idle"] = (last["pages_used"] == 0 and (last["running"] or 0) == 0,
                                                f"{last['pages_used']:.0f} pages, {last['running'] or 0:.0f} running")
+    else:
+        checks["KV pages in use when idle"] = (False, "no pegainfer:kv_pages_used in the last /metrics")
     print()
     for name, (ok, what) in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}  {name}: {what}")
@@ -330,8 +356,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise SystemExit(f"error: the server did not become healthy within {args.start_timeout:.0f} s "
-                             f"(--server-log FILE says why)")
+            die(f"the server did not become healthy within {args.start_timeout:.0f} s (--server-log FILE says why)")
         time.sleep(0.2)
 
 
@@ -409,6 +434,7 @@ def main(argv=None) -> int:
     if not 0 <= args.abort_fraction + args.bad_fraction <= 1:
         print("error: --abort-fraction + --bad-fraction must lie in [0, 1]", file=sys.stderr)
         return 2
+    _range(args.prompt_len), _range(args.output_len)   # (a bad range is an error before any server starts)
     args.warmup = min(60.0, args.duration / 5) if args.warmup is None else args.warmup
     proc = None
     url, pid = args.url, args.server_pid

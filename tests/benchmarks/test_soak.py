@@ -26,3 +26,9 @@ def test_it_needs_one_server():
     r = run_script("soak.py", "--duration", "1")
     assert r.returncode == 2
     assert one_line_error(r) == "error: give one of --url URL (a running server), --model-path DIR or --fake-gpu"
+
+
+def test_a_bad_length_range_is_refused_before_any_server_starts():
+    r = run_script("soak.py", "--fake-gpu", "--prompt-len", "8:4")
+    assert r.returncode == 2
+    assert one_line_error(r) == "error: a length range is LO:HI with 1 <= LO <= HI, got '8:4'"

@@ -71,7 +71,8 @@ class EngineNotReadyError(PegainferError):
 
 
 class EngineStepError(PegainferError):
-    """The engine failed while this request was in flight (a bug; HTTP 500); the engine is out of service."""
+    """The engine raised while handling this request (a bug; HTTP 500): in its thread's loop, which takes the engine
+    out of service, or while accepting the request, which fails that request alone."""
 
 
 class RequestStream:

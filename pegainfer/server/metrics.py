@@ -94,7 +94,8 @@ class _EngineCollector:
                   get("waiting") + get("pending")),
             gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                   used / total if total else 0.0),
-            gauge("pegainfer:kv_pages_used", "KV-cache pages in use (held by running or cached sequences).", used),
+            gauge("pegainfer:kv_pages_used", "KV-cache pages held by requests (prefix-cache pages no request holds "
+                                              "are reclaimable and not counted).", used),
             gauge("pegainfer:kv_pages_total", "KV-cache pages in the page pool.", total),
             counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.",
                     get("num_preemptions")),

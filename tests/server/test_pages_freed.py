@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import httpx
+import pytest
 
 from tests.engine.hash_engine import hash_engine
 from tests.server.conftest import serve_engine, wait_until
@@ -27,16 +28,19 @@ def held(engine) -> threading.Event:
     return gate
 
 
-def test_no_page_stays_in_use_after_requests_end_or_are_aborted():
-    engine = hash_engine(max_batch=2, max_model_len=128)
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-cache", "prefix-cache"])
+def test_no_page_stays_in_use_after_requests_end_or_are_aborted(prefix_caching):
+    engine = hash_engine(max_batch=2, max_model_len=128, prefix_caching=prefix_caching)
     gate = held(engine)
     with serve_engine(engine) as (url, ae), httpx.Client(base_url=url, timeout=120) as http:
         total = value(scrape(http), "pegainfer:kv_pages_total")
         assert total > 0 and pages_and_slots(ae) == (0, 0, 0)
 
-        # a whole answer, and a stream read to its end
-        r = http.post("/v1/completions", json={"prompt": list(range(3, 23)), "max_tokens": 3, "ignore_eos": True})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        # a whole answer (twice: the second finds the first's full pages in the prefix cache), and a stream read to
+        # its end
+        for _ in range(2):
+            r = http.post("/v1/completions", json={"prompt": list(range(3, 40)), "max_tokens": 3, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         with http.stream("POST", "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True,
                                                           "stream": True}) as s:
             assert s.status_code == 200 and list(s.iter_lines())[-2] == "data: [DONE]"
@@ -68,4 +72,6 @@ def test_no_page_stays_in_use_after_requests_end_or_are_aborted():
         m = scrape(http)
         assert value(m, "pegainfer:kv_pages_used") == 0 and value(m, "vllm:kv_cache_usage_perc") == 0
         assert value(m, "vllm:request_success_total", finished_reason="abort") == 2
-        assert value(m, "vllm:request_success_total", finished_reason="length") == 2
+        assert value(m, "vllm:request_success_total", finished_reason="length") == 3
+        hits = value(m, "vllm:prefix_cache_hits_total")
+        assert (hits > 0) == prefix_caching and value(m, "vllm:prefix_cache_queries_total") >= hits

@@ -167,8 +167,8 @@ class GpuLikeEngine(FakeEngine):
     batch cannot change), so the host work hides behind the GPU."""
 
     def __init__(self, folder, prefill_s: float, decode_s: float, host_s: float, wait: str, driver_calls: int = 0,
-                 hook: bool = True, async_scheduling: bool = True, **kw):
-        super().__init__(folder, reply=REPLY, max_model_len=4096, max_batch=1, **kw)
+                 hook: bool = True, async_scheduling: bool = True, max_batch: int = 1, **kw):
+        super().__init__(folder, reply=REPLY, max_model_len=4096, max_batch=max_batch, **kw)
         if wait not in ("poll", "block"):
             raise ValueError(f"wait must be 'poll' or 'block', not {wait!r}")
         self.prefill_s, self.decode_s, self.host_s, self.wait = prefill_s, decode_s, host_s, wait

@@ -38,6 +38,15 @@
   counts are read only between steps.
 * The engine can be built on the thread itself (``engine_factory``: load weights, warm up), so a server can answer
   ``/health`` with 503 while the model loads.
+* A failure of the engine thread (an exception from ``step()``, or from any other call into the engine between
+  steps) takes the engine out of service: its traceback is logged once, every request in flight — running, waiting,
+  or still queued to the thread — gets ``EngineStepError`` (HTTP 500) from its stream or from ``accepted()``, the
+  state turns ``failed`` (``/health`` 503) and later ``submit`` calls raise ``EngineNotReadyError`` (503).  After a
+  failed step the engine's state (GPU memory, pages, sequences) is unknown, so it is not stepped again; restarting
+  the server is the way back.  Nothing waits forever on a dead thread.
+* Request ids: an id stays in use from ``submit`` until the engine has dropped the request (its finished output,
+  including the one an abort produces, has come out of a step), so a client reusing an id right after an abort can
+  never hand the engine a second request under an id it still holds (``in_use``).
 """
 from __future__ import annotations
 
@@ -62,7 +71,8 @@ class EngineNotReadyError(PegainferError):
 
 
 class EngineStepError(PegainferError):
-    """A step of the engine failed while this request was in it (a bug; HTTP 500)."""
+    """The engine raised while handling this request (a bug; HTTP 500): in its thread's loop, which takes the engine
+    out of service, or while accepting the request, which fails that request alone."""
 
 
 class RequestStream:
@@ -183,6 +193,7 @@ class AsyncEngine:
         self._hold_for_gpu = False   # the engine calls before_gpu_wait
         self._commands: list[tuple] = []
         self._streams: dict[str, RequestStream] = {}
+        self._engine_ids: set[str] = set()   # ids the engine holds (added, not yet seen finished)
         self._pending_adds = 0              # add commands not yet reflected in the engine's stats
         self._stats: dict = {}
         self._max_batch = 0                 # the engine's batch size (0: unknown, every queued request waits)
@@ -249,7 +260,7 @@ class AsyncEngine:
         with self._cond:
             if self.state != "ready":
                 raise EngineNotReadyError(self._not_ready_message())
-            if request_id in self._streams:
+            if request_id in self._streams or request_id in self._engine_ids:
                 raise RequestError(f"request id {request_id!r} is already in use")
             if self.max_waiting is not None:
                 waiting = self._not_admitted()
@@ -276,6 +287,12 @@ class AsyncEngine:
         async with stream:
             async for out in stream:
                 yield out
+
+    def in_use(self, request_id: str) -> bool:
+        """Whether ``submit(request_id, ...)`` would be refused because a request with that id is still in flight
+        (streamed, queued, or not yet dropped by the engine)."""
+        with self._cond:
+            return request_id in self._streams or request_id in self._engine_ids
 
     def abort(self, request_id: str) -> None:
         """Forget a request's stream and tell the engine to drop it.  Callable from any thread."""
@@ -305,6 +322,8 @@ class AsyncEngine:
 
     def _not_ready_message(self) -> str:
         if self.state == "failed":
+            if isinstance(self.load_error, EngineStepError):
+                return str(self.load_error)
             return f"the engine failed: {self.load_error}"
         if self.state == "stopped":
             return "the engine has shut down"
@@ -360,6 +379,8 @@ class AsyncEngine:
             self._ready_event.set()
         try:
             self._loop()
+        except Exception as e:  # noqa: BLE001 - reported to every request in flight, /health and the log
+            self._fail(e)
         finally:
             with self._cond:
                 if self.state != "failed":
@@ -376,7 +397,6 @@ class AsyncEngine:
             engine.before_gpu_wait = self._release_held
             self._hold_for_gpu = True
         busy = False
-        failures = 0  # consecutive failed steps
         while True:
             with self._cond:
                 while not self._commands and not busy and not self._stop:
@@ -397,26 +417,15 @@ class AsyncEngine:
                 self._hold([(stream, "_accept", error) for stream, error in filter(None, accepts)])
             outputs: list[RequestOutput] = []
             if engine.has_unfinished():
-                try:
-                    outputs = engine.step()
-                    self.steps += 1
-                    failures = 0
-                except Exception as e:  # noqa: BLE001 - a bug in a step must not kill the server
-                    failures += 1
-                    log.exception("engine step failed; failing the requests in flight")
-                    self._release_held()
-                    self._fail_all(e)
-                    if failures >= 3:  # even the steps that only drop the aborted requests fail: give up
-                        log.critical("the engine keeps failing; it stops taking requests (GET /health → 503)")
-                        with self._cond:
-                            self.load_error = e
-                            self.state = "failed"
-                        return
+                outputs = engine.step()   # an exception ends the loop: _fail
+                self.steps += 1
             ready = []
             handoffs = 0
             with self._cond:
                 self._handoff_number += 1
                 for out in outputs:
+                    if out.finished:
+                        self._engine_ids.discard(out.request_id)
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
                         if out.finished:
@@ -450,23 +459,38 @@ class AsyncEngine:
         except PegainferError as e:
             error: Optional[BaseException] = e
         except Exception as e:  # noqa: BLE001
-            log.exception("engine.add_request failed")
+            log.exception("engine.add_request failed for request %s", request_id)
             error = EngineStepError(f"the engine failed to accept the request ({type(e).__name__}: {e})")
         else:
             error = None
-        if error is not None:
-            with self._cond:
+        with self._cond:
+            if error is None:
+                self._engine_ids.add(request_id)
+            else:
                 self._streams.pop(request_id, None)
         return stream, error
 
-    def _fail_all(self, error: BaseException) -> None:
-        with self._cond:
+    def _fail(self, error: Exception) -> None:
+        """(engine thread) The engine failed: log it once with its traceback, fail every request in flight, and
+        take the engine out of service (module docstring)."""
+        why = (f"the engine failed ({type(error).__name__}: {error}); it takes no more requests "
+               f"(GET /health answers 503): restart the server")
+        with self._cond:   # one lock hold: a request is either failed here or refused by submit, never lost
+            failure = EngineStepError(why)
+            failure.__cause__ = error
+            self.load_error = failure
+            self.state = "failed"
             streams = list(self._streams.values())
             self._streams.clear()
-        for s in streams:
-            self.engine.abort(s.request_id)
-        why = f"the engine failed during a step ({type(error).__name__}: {error})"
-        self._deliver([(s, "_put", EngineStepError(why)) for s in streams])
+            self._commands.clear()
+            self._pending_adds = 0
+            self._engine_ids.clear()
+            self._stats = {**self._stats, "waiting": 0, "running": 0}   # every request in flight has ended
+        log.error("the engine failed; failing %d request(s) in flight, taking no more (GET /health → 503)",
+                  len(streams), exc_info=error)
+        self._release_held()   # what earlier steps produced goes out first
+        # one exception object per stream and method: each is raised in its own task
+        self._deliver([(s, m, EngineStepError(why)) for s in streams for m in ("_accept", "_put")])
 
 
 def _batch_size(engine) -> int:

@@ -1,7 +1,8 @@
 """The Starlette app: OpenAI-compatible routes over an ``AsyncEngine``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (and ``/v1/models/{id}``),
-``GET /health`` (200 once the model is loaded and warmed up, 503 before), ``GET /version``.
+``GET /health`` (200 once the model is loaded and warmed up; 503 before, and for good once a step of the engine
+failed), ``GET /version``, ``GET /metrics`` (Prometheus, ``metrics.py``).  The API key guards ``/v1/*`` only.
 
 A request's way through a handler: API key → body (size limit, JSON) → ``protocol.parse_*`` → prompt text → token
 ids (a short prompt is tokenized on the event loop; a long one, and the chat template of a long conversation, in
@@ -12,7 +13,9 @@ answer, whole or as server-sent events.
 A client that goes away cancels its request at once: from the moment the request is submitted one
 ``ClientWatch`` task listens for ``http.disconnect`` and cancels the request's stream, which aborts it in the engine
 (its pages and slot are freed at the next step) and ends whatever waits on it.  One log line per request goes to
-the ``pegainfer.server`` logger.
+the ``pegainfer.server`` logger; every line logged while serving a request starts with its ``x-request-id``
+(``request_context.py``), and the engine's request id is ``cmpl-<x-request-id>`` / ``chatcmpl-<x-request-id>``
+(the response's ``id``), with a random suffix while that id is still in use.
 
 Latency (what the HTTP layer adds to time-to-first-token and time-per-output-token; ``benchmarks/bench_server.py
 --fake-gpu`` measures it without a GPU): each streamed token costs the event loop one wake-up (one
@@ -27,11 +30,13 @@ import hmac
 import json
 import logging
 import time
+import uuid
 from typing import AsyncIterator, Callable, Optional
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -41,7 +46,10 @@ from pegainfer.engine.async_engine import AsyncEngine, EngineNotReadyError, Engi
 from pegainfer.engine.types import RequestOutput, SamplingParams
 from pegainfer.errors import PegainferError, RequestError
 from pegainfer.server import protocol as P
+from pegainfer.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from pegainfer.server.protocol import APIError
+from pegainfer.server.request_context import RequestIdMiddleware, RequestLog, install_log_filter, request_id_from
+from pegainfer.server.sse import SSE_DONE, ChunkTemplate, ClientDisconnected, ClientWatch, EventStreamResponse, sse
 from pegainfer.text.chat_output import ChatDelta, ChatOutputParser
 from pegainfer.text.reasoning import REASONING_PARSERS, ReasoningParser, reasoning_start
 from pegainfer.text.tool_calls import ToolCallParser
@@ -52,120 +60,6 @@ DEFAULT_MAX_BODY_BYTES = 8 << 20   # 8 MiB: ~2M characters of prompt, far beyond
 RETRY_AFTER_S = "1"
 INLINE_TEXT_CHARS = 1024            # prompts up to this many characters are tokenized on the event loop
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
-
-
-class ClientDisconnected(Exception):
-    """The client went away before the answer was ready."""
-
-
-class ClientWatch:
-    """Listens for the client's ``http.disconnect`` in one background task, once the request body has been read;
-    on a disconnect it calls the registered callbacks (a stream's ``cancel``: the request is aborted and whatever
-    waits on its stream wakes up).  ``close()`` when the response is done."""
-
-    def __init__(self, receive):
-        self.disconnected = False
-        self._callbacks: list[Callable[[], None]] = []
-        self._task = asyncio.ensure_future(self._watch(receive))
-
-    async def _watch(self, receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self.disconnected = True
-        for callback in self._callbacks:
-            callback()
-
-    def on_disconnect(self, callback: Callable[[], None]) -> None:
-        self._callbacks.append(callback)
-
-    def close(self) -> None:
-        self._task.cancel()
-
-
-class EventStreamResponse(Response):
-    """Server-sent events from an async iterator of ``data: ...\\n\\n`` strings.  An event that ends with
-    ``data: [DONE]`` is the last one: it goes out in the same write as the end of the body.
-
-    The request's ``ClientWatch`` ends the iteration when the client goes away (it cancels the request's stream);
-    the iterator is always closed and the watch stopped, and ``on_close`` runs last."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, events: AsyncIterator[str], watch: ClientWatch, headers: Optional[dict] = None,
-                 on_close: Optional[Callable[[], None]] = None):
-        self.events = events
-        self.watch = watch
-        self.on_close = on_close
-        self.status_code = 200
-        self.background = None
-        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})})
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            more = True
-            async for event in self.events:
-                if self.watch.disconnected:
-                    break
-                more = not event.endswith(SSE_DONE)
-                await send({"type": "http.response.body", "body": event.encode("utf-8"), "more_body": more})
-                if not more:
-                    break
-            if more:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            self.watch.close()
-            await self.events.aclose()
-            if self.on_close is not None:
-                self.on_close()
-
-
-def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-_SLOT = "\x00pegainfer-slot\x00"
-
-
-class ChunkTemplate:
-    """One stream chunk serialized once with a string slot, so each token only JSON-encodes its own text:
-    ``template.fill(text) == sse(the chunk with text in the slot)`` (``json.dumps`` writes values independently)."""
-
-    def __init__(self, make_chunk: Callable[[str], dict]):
-        head, sep, tail = sse(make_chunk(_SLOT)).partition(json.dumps(_SLOT))
-        if not sep:
-            raise ValueError("the chunk has no string slot")
-        self.head, self.tail = head, tail
-
-    def fill(self, text: str) -> str:
-        return self.head + json.dumps(text, ensure_ascii=False) + self.tail
-
-
-class _RequestLog:
-    """Times one request and writes its single log line."""
-
-    def __init__(self, request_id: str, route: str):
-        self.request_id = request_id
-        self.route = route
-        self.t0 = time.perf_counter()
-        self.t_first: Optional[float] = None
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.finish: Optional[str] = None
-
-    def saw(self, out: RequestOutput) -> None:
-        if self.t_first is None and out.new_token_ids:
-            self.t_first = time.perf_counter()
-        self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
-        self.completion_tokens = out.completion_tokens or self.completion_tokens
-
-    def write(self, finish: Optional[str] = None) -> None:
-        finish = finish or self.finish or "cancelled"
-        ttft = f"{(self.t_first - self.t0) * 1e3:.1f}ms" if self.t_first is not None else "-"
-        log.info("%s %s prompt_tokens=%d completion_tokens=%d ttft=%s total=%.1fms finish=%s", self.request_id,
-                 self.route, self.prompt_tokens, self.completion_tokens, ttft, (time.perf_counter() - self.t0) * 1e3,
-                 finish)
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -204,6 +98,7 @@ class OpenAIServer:
         self.api_key = api_key or None
         self.max_body_bytes = int(max_body_bytes)
         self.created = P.now()
+        self.metrics = ServerMetrics(async_engine, self.model_name)
 
     # ------------------------------------------------------------------------------------------------ helpers
     @property
@@ -225,6 +120,17 @@ class OpenAIServer:
             template = engine.chat_template
             return "qwen3" if template is not None and "<think>" in template.source else None
         return None if self.reasoning_parser == "none" else self.reasoning_parser
+
+    def request_log(self, request: Request, prefix: str, route: str) -> RequestLog:
+        """The request's log (timed from its arrival) under its engine request id: ``<prefix>-<x-request-id>``, with
+        a random suffix while a request with that id is still in the engine (a client reusing its id)."""
+        state = request.scope.get("state", {})
+        rid = f"{prefix}-{state.get('request_id') or request_id_from(request.headers.get('x-request-id'))}"
+        note = ""
+        if self.async_engine.in_use(rid):
+            rid = f"{rid}-{uuid.uuid4().hex[:8]}"
+            note = f" id={rid}"
+        return RequestLog(rid, route, state.get("arrival") or time.perf_counter(), self.metrics, note)
 
     def check_auth(self, request: Request) -> None:
         if self.api_key is None:
@@ -372,6 +278,9 @@ class OpenAIServer:
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": pegainfer.__version__})
 
+    async def prometheus(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
     def _model_card(self) -> dict:
         card = {"id": self.model_name(), "object": "model", "created": self.created, "owned_by": "pegainfer"}
         if self.async_engine.ready:
@@ -404,8 +313,8 @@ class OpenAIServer:
         if req.echo:
             echo_text = req.prompt_text if req.prompt_text is not None else \
                 await run_in_threadpool(tok.decode, ids, False)
-        rid = P.new_id("cmpl")
-        rlog = _RequestLog(rid, "completions")
+        rlog = self.request_log(request, "cmpl", "completions")
+        rid = rlog.request_id
         rlog.prompt_tokens = len(ids)
         name = self.model_name()
         lp = P.CompletionLogprobs(tok, len(echo_text)) if params.logprobs is not None else None
@@ -426,7 +335,7 @@ class OpenAIServer:
             body = {"id": rid, "object": "text_completion", "created": P.now(), "model": name,
                     "choices": [choice("".join(text), lp.to_json() if lp else None, finish)],
                     "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens), "system_fingerprint": None}
-            return JSONResponse(body, headers={"x-request-id": rid})
+            return JSONResponse(body)
 
         created = P.now()
 
@@ -497,8 +406,8 @@ class OpenAIServer:
         parser = ChatOutputParser(ReasoningParser(reasoning_start(prompt_text)) if thinking else None,
                                   ToolCallParser(req.tool_schemas()) if tools else None)
         top_n = params.logprobs or 0
-        rid = P.new_id("chatcmpl")
-        rlog = _RequestLog(rid, "chat")
+        rlog = self.request_log(request, "chatcmpl", "chat")
+        rid = rlog.request_id
         rlog.prompt_tokens = len(ids)
         name = self.model_name()
         stream, watch = await self._submit(request, rid, ids, params, rlog)
@@ -527,7 +436,7 @@ class OpenAIServer:
                     "choices": [{"index": 0, "message": message, "logprobs": logprobs,
                                  "finish_reason": finish_reason(finish)}],
                     "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens), "system_fingerprint": None}
-            return JSONResponse(body, headers={"x-request-id": rid})
+            return JSONResponse(body)
 
         created = P.now()
 
@@ -609,7 +518,7 @@ class OpenAIServer:
                        headers={"Retry-After": RETRY_AFTER_S})
 
     async def _submit(self, request: Request, rid: str, ids: list[int], params: SamplingParams,
-                      rlog: _RequestLog):
+                      rlog: RequestLog):
         """Hand the request to the engine and wait until it is accepted; from here on a ClientWatch cancels the
         request when the client goes away.  Returns (stream, watch); the caller's response closes the watch."""
         stream = self.async_engine.submit(rid, ids, params)
@@ -623,12 +532,14 @@ class OpenAIServer:
                 raise
             rlog.write("cancelled")
             raise ClientDisconnected() from None
-        except BaseException:
+        except BaseException as e:
             watch.close()
+            if isinstance(e, Exception) and _api_error(e).status >= 500:   # (a refusal, 4xx, is not counted)
+                rlog.write(f"error:{_api_error(e).status}")
             raise
         return stream, watch
 
-    async def _collect(self, stream, watch: ClientWatch, rlog: _RequestLog, take: Callable) -> str:
+    async def _collect(self, stream, watch: ClientWatch, rlog: RequestLog, take: Callable) -> str:
         """Feed every output of a non-streamed request to ``take``; return the finish reason.  Logs the request
         either way; raises ClientDisconnected when the client left first."""
         try:
@@ -654,11 +565,11 @@ class OpenAIServer:
 
     @staticmethod
     def _event_stream(events: AsyncIterator[str], stream, watch: ClientWatch,
-                      rlog: _RequestLog) -> EventStreamResponse:
+                      rlog: RequestLog) -> EventStreamResponse:
         def on_close():
             stream.cancel()  # a no-op when the request finished; aborts it when the client left early
             rlog.write()     # finish reason, or "cancelled" when the stream was cut short
-        return EventStreamResponse(events, watch, headers={"x-request-id": rlog.request_id}, on_close=on_close)
+        return EventStreamResponse(events, watch, on_close=on_close)
 
 
 def build_app(async_engine: AsyncEngine, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
@@ -684,7 +595,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: Optional[str] = None
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         messages = {404: f"no route {request.method} {request.url.path}: see /v1/completions, "
-                         f"/v1/chat/completions, /v1/models, /health, /version",
+                         f"/v1/chat/completions, /v1/models, /health, /version, /metrics",
                     405: f"method {request.method} is not allowed on {request.url.path}"}
         err = APIError(exc.status_code, messages.get(exc.status_code, str(exc.detail)), None,
                        {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code),
@@ -698,7 +609,10 @@ def build_app(async_engine: AsyncEngine, served_model_name: Optional[str] = None
         Route("/v1/models/{model:path}", endpoint(server.model), methods=["GET"]),
         Route("/health", endpoint(server.health), methods=["GET"]),
         Route("/version", endpoint(server.version), methods=["GET"]),
+        Route("/metrics", endpoint(server.prometheus), methods=["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error},
+                    middleware=[Middleware(RequestIdMiddleware)])
     app.state.server = server
+    install_log_filter(log)
     return app

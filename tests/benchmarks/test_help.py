@@ -13,6 +13,7 @@ QUESTIONS = {
     "accuracy_floor.py": "How far apart are two *valid* bf16 implementations of the same model",
     "prefix_cache_ttft.py": "How much sooner does the first token of a prompt come when an earlier request computed "
                             "its prefix (prefix caching)?",
+    "soak.py": "Does the server stay healthy under a long mixed load?",
 }
 STEP_PROFILE_MODES = {
     "timeline": "Where does the time between a decode step's kernels go",

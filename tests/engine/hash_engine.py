@@ -14,7 +14,7 @@ class HashModel(TinyHistoryModel):
     policy = DEFAULT_POLICY     # the launch policy the runner reads (head_argmax: the model never takes it)
 
 
-def hash_engine(max_batch=8, max_model_len=192):
+def hash_engine(max_batch=8, max_model_len=192, prefix_caching=False):
     """The real Engine over the hash model, with the demo model's tokenizer and chat template (EOS <|im_end|>)."""
     from pegainfer.demo import ensure_demo_model
     from pegainfer.engine.engine import PAGE_SIZE, Engine
@@ -29,4 +29,5 @@ def hash_engine(max_batch=8, max_model_len=192):
     model.allocate(pages, PAGE_SIZE)
     cfg = SimpleNamespace(raw={}, eos_token_ids=eos, max_position_embeddings=max_model_len)
     return Engine(folder, model, cfg, SimpleNamespace(eos_token_ids=eos), tokenizer, ChatTemplate.from_folder(folder),
-                  max_model_len, max_batch, 64, pages, use_cuda_graph=False, async_scheduling=True)
+                  max_model_len, max_batch, 64, pages, use_cuda_graph=False, async_scheduling=True,
+                  prefix_caching=prefix_caching)

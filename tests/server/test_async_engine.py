@@ -1,5 +1,5 @@
 """AsyncEngine on its own: outputs arrive in order, closing a stream aborts, admission control, shutdown,
-and an engine whose steps keep failing is taken out of service instead of spinning."""
+and an engine whose step fails is taken out of service (tests/server/test_engine_failure.py has the rest)."""
 from __future__ import annotations
 
 import asyncio
@@ -114,7 +114,7 @@ def test_not_ready_and_shutdown(model_folder):
     assert ae.state == "stopped"
 
 
-def test_repeatedly_failing_steps_take_the_engine_out_of_service(engine):
+def test_a_failing_step_takes_the_engine_out_of_service(engine):
     ae = AsyncEngine(engine).start()
     try:
         engine.step = lambda: (_ for _ in ()).throw(RuntimeError("GPU fell off the bus"))

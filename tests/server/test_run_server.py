@@ -46,8 +46,9 @@ def test_serve_lifecycle_and_request_log(model_folder):
         assert wait_until(health, timeout=30, what="the server to listen") == 503  # listening, still loading
         wait_until(lambda: health() == 200, timeout=30, what="the model to load")
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
-        r = client.completions.create(model="tiny", prompt="Hello", max_tokens=3)
-        assert r.usage.completion_tokens == 3 and r.model == "tiny"
+        r = client.completions.create(model="tiny", prompt="Hello", max_tokens=3,
+                                      extra_headers={"x-request-id": "lifecycle-1"})
+        assert r.usage.completion_tokens == 3 and r.model == "tiny" and r.id == "cmpl-lifecycle-1"
         chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
                                                      max_tokens=2, stream=True))
         assert chunks[-1].choices[0].finish_reason == "length"
@@ -59,9 +60,10 @@ def test_serve_lifecycle_and_request_log(model_folder):
     assert "model ready: serving 'tiny'" in out
     request_lines = [line for line in out.splitlines() if "prompt_tokens=" in line]
     assert len(request_lines) == 2, out
-    assert "completions prompt_tokens=1 completion_tokens=3 ttft=" in request_lines[0]
+    assert "[lifecycle-1] completions prompt_tokens=1 completion_tokens=3 ttft=" in request_lines[0]
     assert "finish=length" in request_lines[0] and "total=" in request_lines[0]
-    assert request_lines[0].split()[2].startswith("cmpl-") and request_lines[1].split()[2].startswith("chatcmpl-")
+    assert re.fullmatch(r"\[[0-9a-f]{32}\]", request_lines[1].split()[2]), request_lines[1]  # a generated id
+    assert request_lines[1].split()[3] == "chat"
     access = [line for line in out.splitlines() if ' - "' in line]   # --access-log: uvicorn's line per HTTP request
     assert any('"POST /v1/completions HTTP/1.1" 200' in line for line in access), out
     assert any('"POST /v1/chat/completions HTTP/1.1" 200' in line for line in access), out

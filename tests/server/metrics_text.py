@@ -1,0 +1,29 @@
+"""Reading ``GET /metrics`` in tests: the Prometheus text parsed into {sample name: {labels: value}}."""
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def parse(text: str) -> dict[str, dict[tuple, float]]:
+    """``{"vllm:prompt_tokens_total": {(("model_name", "m"),): 12.0}, ...}`` (labels as sorted pairs)."""
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+def scrape(http: httpx.Client) -> dict[str, dict[tuple, float]]:
+    r = http.get("/metrics")
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain"), r.headers
+    return parse(r.text)
+
+
+def value(metrics: dict, name: str, **labels) -> float:
+    """The one sample of ``name`` whose labels include ``labels`` (0 when the series is absent)."""
+    want = set(labels.items())
+    found = [v for key, v in metrics.get(name, {}).items() if want <= set(key)]
+    assert len(found) <= 1, (name, labels, metrics.get(name))
+    return found[0] if found else 0.0

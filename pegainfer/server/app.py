@@ -334,7 +334,7 @@ class OpenAIServer:
             finish = await self._collect(stream, watch, rlog, take)
             body = {"id": rid, "object": "text_completion", "created": P.now(), "model": name,
                     "choices": [choice("".join(text), lp.to_json() if lp else None, finish)],
-                    "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens), "system_fingerprint": None}
+                    "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens, rlog.cached_tokens), "system_fingerprint": None}
             return JSONResponse(body)
 
         created = P.now()
@@ -366,7 +366,7 @@ class OpenAIServer:
                         yield text_chunk.fill(out.delta_text)
                 if req.include_usage and rlog.finish:
                     tail.append(sse({"id": rid, "object": "text_completion", "created": created, "model": name,
-                                     "choices": [], "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens)}))
+                                     "choices": [], "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens, rlog.cached_tokens)}))
             except Exception as e:  # noqa: BLE001 - reported in the stream: the status line is already sent
                 err = _api_error(e)
                 rlog.finish = f"error:{err.status}"
@@ -435,7 +435,7 @@ class OpenAIServer:
             body = {"id": rid, "object": "chat.completion", "created": P.now(), "model": name,
                     "choices": [{"index": 0, "message": message, "logprobs": logprobs,
                                  "finish_reason": finish_reason(finish)}],
-                    "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens), "system_fingerprint": None}
+                    "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens, rlog.cached_tokens), "system_fingerprint": None}
             return JSONResponse(body)
 
         created = P.now()
@@ -497,7 +497,7 @@ class OpenAIServer:
                 if req.include_usage and rlog.finish:
                     tail.append(sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                                      "model": name, "choices": [],
-                                     "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens)}))
+                                     "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens, rlog.cached_tokens)}))
             except Exception as e:  # noqa: BLE001 - reported in the stream: the status line is already sent
                 err = _api_error(e)
                 rlog.finish = f"error:{err.status}"

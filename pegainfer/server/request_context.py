@@ -107,6 +107,7 @@ class RequestLog:
         self.t_first: Optional[float] = None
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.cached_tokens = 0   # prompt tokens the prefix cache served
         self.finish: Optional[str] = None
         self.written = False
 
@@ -115,6 +116,7 @@ class RequestLog:
             self.t_first = time.perf_counter()
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.completion_tokens = out.completion_tokens or self.completion_tokens
+        self.cached_tokens = getattr(out, "cached_tokens", 0) or self.cached_tokens
 
     def write(self, finish: Optional[str] = None) -> None:
         if self.written:
@@ -123,6 +125,7 @@ class RequestLog:
         end = time.perf_counter()
         finish = finish or self.finish or "cancelled"
         ttft = f"{(self.t_first - self.t0) * 1e3:.1f}ms" if self.t_first is not None else "-"
-        log.info("%s%s prompt_tokens=%d completion_tokens=%d ttft=%s total=%.1fms finish=%s", self.route,
-                 self.id_note, self.prompt_tokens, self.completion_tokens, ttft, (end - self.t0) * 1e3, finish)
+        log.info("%s%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d ttft=%s total=%.1fms finish=%s",
+                 self.route, self.id_note, self.prompt_tokens, self.cached_tokens, self.completion_tokens, ttft,
+                 (end - self.t0) * 1e3, finish)
         self.metrics.request_finished(finish, self.prompt_tokens, self.completion_tokens, self.t0, self.t_first, end)

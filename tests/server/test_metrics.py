@@ -66,7 +66,8 @@ def test_counters_and_histograms_match_what_was_sent(fake_server):
         assert value(before, "vllm:prompt_tokens_total") == 0
         assert value(before, "vllm:request_success_total", finished_reason="stop") == 0   # the series exist at 0
         r = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True})
-        assert r.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+        assert r.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                                     "prompt_tokens_details": {"cached_tokens": 0}}
         chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
                                                        "max_tokens": 200})
         chat_usage = chat.json()["usage"]

@@ -196,9 +196,19 @@ def test_prompt_prefilled_beside_a_decode_matches_each_alone(tiny):
 
 def test_conditional_generation_layout(tmp_path):
     """The multimodal checkpoint layout (text config under ``text_config``, weights under
-    ``model.language_model.``, a vision tower to ignore, untied lm_head) loads and gives HF's logits."""
+    ``model.language_model.``, a vision tower to ignore, untied lm_head) loads and gives HF's logits; catches a
+    loader that reads the vision tower's bytes (every tensor read goes through ``WeightReader.host_raw``) or leaves
+    a text tensor unread."""
+    from pegainfer.weights import WeightReader
+    from tests.gpu.test_qwen35_gpu import RecordReads
+
     ref = _write_tiny_qwen35(tmp_path / "qwen35_vl", multimodal=True, seed=1)
-    engine = _engine(tmp_path / "qwen35_vl")
+    names = set(WeightReader(tmp_path / "qwen35_vl").names())
+    vision = {n for n in names if n.startswith("model.visual.")}
+    with RecordReads() as reads:
+        engine = _engine(tmp_path / "qwen35_vl")
+    assert vision and not reads.names & vision, sorted(reads.names & vision)
+    assert reads.names == names - vision, sorted(names - vision - reads.names)
     assert engine.model_config.weight_prefix == "model.language_model."
     assert not engine.model_config.tie_word_embeddings
     ids = _prompt(6)

@@ -219,3 +219,119 @@ def skinny_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False,
     while groups * k_split < target and k_split < 8 and k // (32 * unroll * 2 * k_split) >= 4:
         k_split *= 2
     return SkinnyGeometry(n_tiles=nt, unroll=unroll, warps=8, k_split=k_split)
+
+
+# ------------------------------------------------------------------------------------------------ tensor-core GEMM
+@dataclass(frozen=True)
+class MmaGeometry:
+    """Launch parameters of the tensor-core GEMM (``gemm.gemm_mma``).
+
+    warps_m × warps_n: warps per block; each owns mt × nt m16n8 accumulator tiles, so a block tile is
+      ``bm = 16·warps_m·mt`` tokens × ``bn = 8·warps_n·nt`` logical columns.
+    stages: depth of the shared-memory ring of 32-wide K tiles of x and W (``stages - 1`` in flight).
+    k_splits: blocks that share one output tile, each over its own range of K (split-K, ``splitk``); 1 = none.
+    warps_per_sm: occupancy the kernel is compiled for (launch bounds: 65536 / (32 · warps_per_sm) registers).
+    """
+    warps_m: int
+    warps_n: int
+    mt: int
+    nt: int
+    stages: int = 4
+    k_splits: int = 1
+    warps_per_sm: int = WARPS_PER_SM
+
+    @property
+    def bm(self) -> int:
+        return 16 * self.warps_m * self.mt
+
+    @property
+    def bn(self) -> int:
+        return 8 * self.warps_n * self.nt
+
+    @property
+    def threads(self) -> int:
+        return WARP * self.warps_m * self.warps_n
+
+    @property
+    def shared_bytes(self) -> int:
+        """The ring: ``stages`` × (x ``[bm, 32]`` + W ``[bn, 32]``) bf16."""
+        return self.stages * 64 * (self.bm + self.bn)
+
+
+def mma_units(geo: MmaGeometry, n_tokens: int, n_cols: int) -> int:
+    """Work units of a launch: token tiles × column tiles × K splits (blocks grid-stride over them)."""
+    return -(-n_tokens // geo.bm) * -(-n_cols // geo.bn) * geo.k_splits
+
+
+def mma_token_tile(n_tokens: int) -> int:
+    """The token count a tuned GEMM geometry is keyed by: the next power of two >= T, at least 16 (one m16 tile)."""
+    t = 16
+    while t < n_tokens:
+        t *= 2
+    return t
+
+
+MMA_SPLIT_MAX_TOKENS = 256
+"""Largest T whose heuristic geometry may split K: up to here the GEMM streams the weight (few tokens, few tiles);
+above, a prompt has tiles enough to fill the GPU."""
+
+MMA_TUNED = MappingProxyType({})
+"""Measured best tensor-core GEMM geometries on the H200, ``(n_cols, K, mma_token_tile(T), gated) ->
+MmaGeometry`` (read-only; a policy's ``tuned("mma")`` entries override them)."""
+
+
+def best_k_splits(tiles: int, bm: int, bn: int, k: int, max_splits: int = 16) -> int:
+    """The split count (1 .. ``max_splits``, every split at least 4 K tiles) that minimises a weight-streaming cost
+    model: each SM streams ``ceil(tiles · s / SMs)`` units of ``bn · K / s`` weight bytes, each unit also paying a
+    fixed ~64 KB-equivalent (pipeline fill) and, when split, its f32 partial written and read back.  E.g. on 132
+    SMs the 4B models' o (20 tiles of 128 columns) gets 13, gate_up at T <= 64 (152 tiles) 6."""
+    sms = sm_count()
+    n_kt = -(-k // 32)
+    best, best_cost = 1, None
+    for s in range(1, max_splits + 1):
+        if s > 1 and n_kt // s < 4:
+            break
+        per_unit = bn * k * 2 / s + 65536 + (8 * bm * bn if s > 1 else 0)
+        cost = -(-tiles * s // sms) * per_unit
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+def mma_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False,
+                 policy: LaunchPolicy = DEFAULT_POLICY) -> MmaGeometry:
+    """Pick the tensor-core GEMM's geometry for T tokens over a ``[n_cols, k]`` weight (logical columns: 2I gated).
+
+    ``policy``'s ``tuned("mma")`` entries first, then ``MMA_TUNED``, then the heuristic:
+
+    * T <= 64: one warp row holding all T tokens (``mma_token_tile(T) / 16`` m16 tiles) × 4 warps of 32 columns
+      (128-column tiles), a ring as deep as fits in 96 KB (two blocks an SM), split-K by ``best_k_splits``.
+    * 64 < T <= 256: 128 × 128 tiles of 8 warps, split-K by ``best_k_splits``.
+    * prompts: 128 × 128 tiles of 8 warps (64 × 32 per warp) for wide weights (n_cols >= 6144, T >= 128) and long
+      prompts (T >= 1024), 64 × 128 (32 × 32 per warp) otherwise, where 128 × 128 tiles would leave SMs idle; a
+      ring of 4 stages within 64 KB (deeper was slower: docs/perf/linear.md).
+
+    In the simulator: one-warp blocks of 16 × 16 tiles, a ring of 3, split in two when K has 4 tiles or more.
+    """
+    key = (n_cols, k, mma_token_tile(n_tokens), gated)
+    tuned = policy.tuned("mma").get(key)
+    if tuned is not None:
+        return MmaGeometry(**tuned)
+    if SIMULATOR:
+        return MmaGeometry(warps_m=1, warps_n=1, mt=1, nt=2, stages=3, k_splits=2 if k >= 128 else 1)
+    if key in MMA_TUNED:
+        return MMA_TUNED[key]
+    tile = mma_token_tile(n_tokens)
+    if tile <= 64:
+        geo = MmaGeometry(warps_m=1, warps_n=4, mt=tile // 16, nt=4)
+        budget, max_stages = 96 * 1024, 8
+    elif n_tokens <= MMA_SPLIT_MAX_TOKENS or (n_cols >= 6144 and n_tokens >= 128) or n_tokens >= 1024:
+        geo, budget, max_stages = MmaGeometry(warps_m=2, warps_n=4, mt=4, nt=4), 64 * 1024, 4
+    else:
+        geo, budget, max_stages = MmaGeometry(warps_m=2, warps_n=4, mt=2, nt=4), 64 * 1024, 4
+    stages = max(2, min(max_stages, budget // (geo.shared_bytes // geo.stages)))
+    splits = 1
+    if n_tokens <= MMA_SPLIT_MAX_TOKENS:
+        tiles = -(-n_tokens // geo.bm) * -(-n_cols // geo.bn)
+        splits = best_k_splits(tiles, geo.bm, geo.bn, k)
+    return MmaGeometry(geo.warps_m, geo.warps_n, geo.mt, geo.nt, stages=stages, k_splits=splits)

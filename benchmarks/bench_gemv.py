@@ -48,7 +48,7 @@ SIM = pegainfer.SIMULATOR
 SHRINK = 256 if SIM else 1
 LINEAR_NAMES = ("linear", "linear_silu_mul", "linear_add_rms_norm", "gemv", "GemvGeometry", "gemv_geometry",
                 "GEMV_MAX_TOKENS", "default_impl", "SkinnyGeometry", "skinny_geometry", "linear_skinny", "gemm_mma",
-                "mma_tile")
+                "mma_geometry", "MmaGeometry")
 
 
 def linear_api() -> SimpleNamespace:
@@ -113,7 +113,8 @@ def geometry_text(L, impl: str, n: int, k: int, T: int, gated: bool) -> str:
         g = L.skinny_geometry(n, k, T, gated)
         return f"n_tiles={g.n_tiles} unroll={g.unroll} warps={g.warps} k_split={g.k_split} wps={g.warps_per_sm}"
     if impl == "gemm_mma":
-        return f"tile={L.mma_tile(T, n)}"
+        g = L.mma_geometry(n, k, T, gated)
+        return f"tile=({g.warps_m}, {g.warps_n}, {g.mt}, {g.nt}) stages={g.stages} k_splits={g.k_splits}"
     return ""
 
 
@@ -265,7 +266,8 @@ def sweep_mma(L, weights, rng) -> list[dict]:
         out = cuda.device_array((T, n // 2 if gated else n), np.uint16)
         line = []
         for tile in MMA_TILES:
-            fn = (lambda x=x, w=w, out=out, gated=gated, tile=tile: L.gemm_mma(x, w, out, gated=gated, tile=tile))
+            geo = L.MmaGeometry(*tile, stages=4)
+            fn = (lambda x=x, w=w, out=out, gated=gated, geo=geo: L.gemm_mma(x, w, out, gated=gated, geometry=geo))
             sec = time_calls([fn] * launches_for(fn, 0.05, 20), reps=3)
             tflops = 2.0 * T * n * k / sec / 1e12
             rows.append(dict(kind="mma_sweep", name=name, N=n, K=k, T=T, tile=tile, us=sec * 1e6, TFLOPs=tflops))

@@ -1,8 +1,8 @@
 """The tensor-core GEMM: ``out = x @ W.T`` on a GPU for every T >= 2 tokens, from a batched decode step (a weight
 stream) to a long prompt (arithmetic-bound).
 
-Math: ``out[t, n] = bf16(Σ_k x[t, k] · W[n, k])`` with f32 accumulation; gated (``linear_silu_mul``), the weight is
-``2I`` logical columns interleaved in pairs (``common.weight_row``) and each pair becomes one SwiGLU output.
+Math: ``out[t, n] = bf16(Σ_k x[t, k] · W[n, k])`` with f32 accumulation; gated (``linear_silu_mul``), the weight
+is ``2I`` logical columns interleaved in pairs (``common.weight_row``) and each pair becomes one SwiGLU output.
 
 Shapes: x ``[T, K]``, W ``[N, K]``, out ``[T, N]`` (gated: ``[T, I]``), bf16 bits; K a multiple of 8.
 
@@ -27,9 +27,9 @@ meet a short-and-wide weight.
 
 Launch geometry: 1-D blocks of exactly ``32 · warps_m · warps_n`` threads grid-stride over the units, token tiles
 fastest, then K splits, then column tiles (the blocks that share a weight tile, or a tile's splits, run together).
-Dynamic shared memory: ``geometry.MmaGeometry.shared_bytes``.  PDL: the block lets the next kernel launch at once
-and copies its first unit's weight stages before waiting for the kernel before it (weights are never written);
-x, the output and the workspace are touched only after the wait.
+Dynamic shared memory (``geometry.MmaGeometry.shared_bytes``): the ring, then one word of split-K flag.  PDL: the
+block lets the next kernel launch at once and copies its first unit's weight stages before waiting for the kernel
+before it (weights are never written); x, the output and the workspace are touched only after the wait.
 
 ``mma_bf16_m16n8k16`` and ``ldmatrix_x4`` come from ``primitives``, which documents the fragment layouts; in the
 simulator both are emulated from those layouts, so the kernel's indexing is tested without a GPU (slowly: tests use
@@ -131,6 +131,7 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, stages: int, 
     b_rows = 0 if bn % step == 0 else bn
     a_stage, b_stage = bm * MMA_ROW_WORDS, bn * MMA_ROW_WORDS
     w_ring = stages * a_stage                            # the W stages follow the x stages
+    flag_at = stages * (a_stage + b_stage)               # then one word: "this block is the tile's last split"
     n_acc, n_packed, n_bfrag = 4 * mt * nt, 2 * mt * nt, 4 * nt
     wait_ring = cp_async_wait_group(stages - 2)          # all but the newest stages - 2 copy groups have landed
     wait_all = cp_async_wait_group(0)
@@ -152,8 +153,9 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, stages: int, 
         loads: the module docstring.
         """
         launch_dependents()
-        ring = cuda.shared.array(0, nbtypes.uint32)     # dynamic: the x stages, then the W stages from word w_ring
-        last = cuda.shared.array(1, nbtypes.int32)
+        ring = cuda.shared.array(0, nbtypes.uint32)     # dynamic: the x stages, the W stages from word w_ring, the
+        #                                                 split-K flag at word flag_at (no static shared array: the
+        #                                                 ring must start 16-byte aligned for cp.async and ldmatrix)
         acc = cuda.local.array(n_acc, float32)
         bfrag = cuda.local.array(n_bfrag, uint32)
         a_src = cuda.local.array(a_pt, int64)
@@ -245,7 +247,7 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, stages: int, 
                             acc[o + 3] = d3
             wait_all()
             cuda.syncthreads()                      # every warp is done with the ring before the next unit's copies
-            finish_tile(out, acc, m0 + wm * mt * 16, n0 + wn * nt * 8, ws, counters, last,
+            finish_tile(out, acc, m0 + wm * mt * 16, n0 + wn * nt * 8, ws, counters, ring, flag_at,
                         m_tile + tiles_m * n_tile, split, k_splits)
 
     return gemm_mma

@@ -253,9 +253,14 @@ class MmaGeometry:
         return WARP * self.warps_m * self.warps_n
 
     @property
+    def stage_bytes(self) -> int:
+        """One stage of the ring: x ``[bm, 32]`` and W ``[bn, 32]`` bf16."""
+        return 64 * (self.bm + self.bn)
+
+    @property
     def shared_bytes(self) -> int:
-        """The ring: ``stages`` × (x ``[bm, 32]`` + W ``[bn, 32]``) bf16."""
-        return self.stages * 64 * (self.bm + self.bn)
+        """The ring's ``stages`` stages, then 16 bytes holding the split-K flag."""
+        return self.stages * self.stage_bytes + 16
 
 
 def mma_units(geo: MmaGeometry, n_tokens: int, n_cols: int) -> int:
@@ -329,7 +334,7 @@ def mma_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False,
         geo, budget, max_stages = MmaGeometry(warps_m=2, warps_n=4, mt=4, nt=4), 64 * 1024, 4
     else:
         geo, budget, max_stages = MmaGeometry(warps_m=2, warps_n=4, mt=2, nt=4), 64 * 1024, 4
-    stages = max(2, min(max_stages, budget // (geo.shared_bytes // geo.stages)))
+    stages = max(2, min(max_stages, budget // geo.stage_bytes))
     splits = 1
     if n_tokens <= MMA_SPLIT_MAX_TOKENS:
         tiles = -(-n_tokens // geo.bm) * -(-n_cols // geo.bn)

@@ -15,7 +15,7 @@ How (``finish_tile``, called by every block of ``gemm.gemm_mma`` when its unit's
 
 Workspace (one f32 device array the caller allocates once, ``linear_workspace_size``)::
 
-    partials [tiles · k_splits · bm · bn]   unit (tile, split) at ((tile · k_splits + split) · n_acc + i) · threads + tid
+    partials [tiles · k_splits · bm · bn]   (tile, split): ((tile · k_splits + split) · n_acc + i) · threads + tid
     ... counters [tiles] int32 at the very end of the array
 
 (``n_acc`` = the accumulator registers of a thread, ``i`` one of them: a block's 128 threads write 512 contiguous
@@ -60,8 +60,9 @@ def split_workspace(workspace, geo: MmaGeometry, n_tokens: int, n_cols: int, pol
         dummy = _dummy_words()
         return dummy, dummy.view(np.int32)
     if workspace is None or workspace.dtype != np.float32 or workspace.size < n_part + n_count:
-        raise ValueError(f"workspace must be f32 with >= {n_part + n_count} elements (linear_workspace_size); got "
-                         f"{None if workspace is None else f'{workspace.size} {workspace.dtype}'}")
+        got = None if workspace is None else f"{workspace.size} {workspace.dtype}"
+        raise ValueError(f"workspace must be f32 with >= {n_part + n_count} elements (linear_workspace_size); "
+                         f"got {got}")
     ws32 = zeroed_counters(workspace, n_count, policy, "linear_zero_counters")
     return workspace.reshape(-1).view(np.uint32), ws32[ws32.shape[0] - n_count:]
 
@@ -78,10 +79,10 @@ def build_finish_tile(n_acc: int, nthreads: int, store_tiles):
     docstring); ``store_tiles(out, acc, tok0, col0)`` rounds a thread's accumulators and writes them."""
 
     @device_fn
-    def finish_tile(out, acc, tok0, col0, ws, counters, last, tile, split, k_splits):
+    def finish_tile(out, acc, tok0, col0, ws, counters, flag, flag_at, tile, split, k_splits):
         """Write the block's output tile (``k_splits`` = 1), or publish its partial and, in the last block of the
         tile, sum every split's partial in split order and write the tile.  Block-uniform: every thread calls it;
-        ``last`` is one int32 of shared scratch."""
+        ``flag[flag_at]`` is one word of shared scratch."""
         if k_splits == 1:
             store_tiles(out, acc, tok0, col0)
             return
@@ -93,11 +94,11 @@ def build_finish_tile(n_acc: int, nthreads: int, store_tiles):
         cuda.syncthreads()
         if tid == 0:
             arrived = cuda.atomic.add(counters, tile, 1)
-            last[0] = 1 if arrived == k_splits - 1 else 0
+            flag[flag_at] = 1 if arrived == k_splits - 1 else 0
             if arrived == k_splits - 1:
                 counters[tile] = 0                  # zero at rest for the next launch
         cuda.syncthreads()
-        if last[0] == 1:
+        if flag[flag_at] == 1:
             cuda.threadfence()
             first = uint64(tile * k_splits * n_acc) * uint64(nthreads) + uint64(tid)
             for i in range(n_acc):
@@ -107,7 +108,7 @@ def build_finish_tile(n_acc: int, nthreads: int, store_tiles):
                 for i in range(n_acc):
                     acc[i] += bits_f32(load_u32_l2(ws, src + uint64(i * nthreads)))
             store_tiles(out, acc, tok0, col0)
-        cuda.syncthreads()                          # ``last`` is read before the next unit writes it
+        cuda.syncthreads()                          # the flag is read before the next unit writes it
 
     return finish_tile
 

@@ -228,7 +228,8 @@ class MmaGeometry:
 
     warps_m × warps_n: warps per block; each owns mt × nt m16n8 accumulator tiles, so a block tile is
       ``bm = 16·warps_m·mt`` tokens × ``bn = 8·warps_n·nt`` logical columns.
-    stages: depth of the shared-memory ring of 32-wide K tiles of x and W (``stages - 1`` in flight).
+    bk: K per tile of the ring (32, 64 or 128: 64 to 256 contiguous bytes of each weight row per copy).
+    stages: depth of the shared-memory ring of K tiles of x and W (``stages - 1`` in flight).
     k_splits: blocks that share one output tile, each over its own range of K (split-K, ``splitk``); 1 = none.
     warps_per_sm: occupancy the kernel is compiled for (launch bounds: 65536 / (32 · warps_per_sm) registers).
     """
@@ -236,6 +237,7 @@ class MmaGeometry:
     warps_n: int
     mt: int
     nt: int
+    bk: int = 32
     stages: int = 4
     k_splits: int = 1
     warps_per_sm: int = WARPS_PER_SM
@@ -254,8 +256,8 @@ class MmaGeometry:
 
     @property
     def stage_bytes(self) -> int:
-        """One stage of the ring: x ``[bm, 32]`` and W ``[bn, 32]`` bf16."""
-        return 64 * (self.bm + self.bn)
+        """One stage of the ring: x ``[bm, bk]`` and W ``[bn, bk]`` bf16."""
+        return 2 * self.bk * (self.bm + self.bn)
 
     @property
     def shared_bytes(self) -> int:
@@ -285,13 +287,13 @@ MMA_TUNED = MappingProxyType({})
 MmaGeometry`` (read-only; a policy's ``tuned("mma")`` entries override them)."""
 
 
-def best_k_splits(tiles: int, bm: int, bn: int, k: int, max_splits: int = 16) -> int:
-    """The split count (1 .. ``max_splits``, every split at least 4 K tiles) that minimises a weight-streaming cost
-    model: each SM streams ``ceil(tiles · s / SMs)`` units of ``bn · K / s`` weight bytes, each unit also paying a
+def best_k_splits(tiles: int, bm: int, bn: int, k: int, bk: int = 32, max_splits: int = 16) -> int:
+    """The split count (1 .. ``max_splits``, every split at least 4 K tiles of ``bk``) that minimises a
+    weight-streaming cost model: each SM streams ``ceil(tiles · s / SMs)`` units of ``bn · K / s`` weight bytes, each unit also paying a
     fixed ~64 KB-equivalent (pipeline fill) and, when split, its f32 partial written and read back.  E.g. on 132
     SMs the 4B models' o (20 tiles of 128 columns) gets 13, gate_up at T <= 64 (152 tiles) 6."""
     sms = sm_count()
-    n_kt = -(-k // 32)
+    n_kt = -(-k // bk)
     best, best_cost = 1, None
     for s in range(1, max_splits + 1):
         if s > 1 and n_kt // s < 4:
@@ -338,5 +340,5 @@ def mma_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False,
     splits = 1
     if n_tokens <= MMA_SPLIT_MAX_TOKENS:
         tiles = -(-n_tokens // geo.bm) * -(-n_cols // geo.bn)
-        splits = best_k_splits(tiles, geo.bm, geo.bn, k)
-    return MmaGeometry(geo.warps_m, geo.warps_n, geo.mt, geo.nt, stages=stages, k_splits=splits)
+        splits = best_k_splits(tiles, geo.bm, geo.bn, k, geo.bk)
+    return MmaGeometry(geo.warps_m, geo.warps_n, geo.mt, geo.nt, bk=geo.bk, stages=stages, k_splits=splits)

@@ -15,7 +15,7 @@ Default (L2-warm: one matrix launched again and again; Qwen3-4B's shapes):
   reach at all, ramp-up and tail included);
 * ``sweep``: per projection (qkv / in_proj and gate_up with the fused residual add + RMSNorm, as the models run
   them), a graph of one launch per layer, each on its own matrix, for every candidate GEMV geometry (rows per
-  warp, warps, k_split, load-ring depth); ``--tokens 2..64`` sweeps the skinny tensor-core kernel instead;
+  warp, warps, k_split, load-ring depth); ``--tokens 2..16`` sweeps the skinny tensor-core kernel instead;
   ``--only qkv,o`` picks projections, ``--geometry o=2,4,4,6`` tries only the listed geometries;
 * ``step``: the projection sequence of a whole step (L × (qkv, o, gate_up, down) + lm_head) in one graph, with
   the defaults and with the best swept geometries, against the floor (weight bytes / read bandwidth);
@@ -377,8 +377,6 @@ def skinny_candidates(L, p: Projection, quick: bool):
     that compile without spills on sm_90, × warps × k_split."""
     shapes = ((2, 4, 1, 16), (2, 2, 1, 16), (2, 4, 2, 8), (4, 2, 2, 8), (2, 2, 3, 8), (2, 2, 2, 16), (4, 4, 1, 8),
               (1, 4, 1, 16))
-    if p.tokens > 16:
-        shapes = ((2, 1, 1, 16), (1, 1, 1, 16), (1, 1, 2, 8), (2, 1, 2, 8))
     if quick:
         shapes = shapes[:4]
     for (nt, unroll, stages, wps), warps, k_split in itertools.product(shapes, (4, 8), (1, 2, 4, 8)):
@@ -540,8 +538,8 @@ def build_parser() -> argparse.ArgumentParser:
     cold.add_argument("--no-sweep", action="store_true", help="probe and step only")
     cold.add_argument("--only", default=None, help="comma-separated projections to sweep (default: all)")
     cold.add_argument("--tokens", type=int, default=1,
-                      help="tokens per projection (default 1: the GEMV; 2-64: the skinny tensor-core kernel, as a "
-                           "short prompt's prefill runs it)")
+                      help="tokens per projection (default 1: the GEMV; 2-16: the skinny tensor-core kernel, as a "
+                           "small decode batch runs it)")
     cold.add_argument("--geometry", action="append", default=[], metavar="NAME=R,WARPS,K_SPLIT,STAGES",
                       help="sweep only these GEMV geometries for projection NAME (repeatable; e.g. o=2,4,4,6)")
     cold.add_argument("--tuning-out", default=None, metavar="FILE",

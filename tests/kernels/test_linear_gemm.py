@@ -103,24 +103,26 @@ def test_gemm_mma_workspace_rules(rng):
 
 
 def test_linear_workspace_size_covers_every_launch():
-    """The size is the largest need over T = 2 .. max_tokens and the given weights (gated ones by their own
-    geometries), counters included."""
+    """The size is the largest need over T = 1 .. max_tokens and the given weights (gated ones by their own
+    geometries), counters included; weights whose K is too short to split need none."""
     shapes = [(24, 256, False), (40, 512, True)]
     size = linear_workspace_size(20, shapes)
     for rows, k, gated in shapes:
-        for t in range(2, 21):
+        for t in range(1, 21):
             part, counters = workspace_need(mma_geometry(rows, k, t, gated), t, rows)
             assert part + counters <= size
-    assert linear_workspace_size(1, shapes) == 1
+    assert linear_workspace_size(20, [(24, 64, False)]) == 1
 
 
 def test_geometry_helpers():
-    """Token tiles are powers of two from 16; the split model fills 132 SMs' worth of units on short-and-wide
-    weights and does not split a weight that already has tiles enough."""
+    """Token tiles are powers of two from 16; splits: about two units a SM while the weight streams (the
+    simulator's stand-in GPU has 4 SMs), one balanced wave above 128 tokens, every split at least 4 K tiles."""
     assert [mma_token_tile(t) for t in (1, 2, 16, 17, 64, 65, 256, 300)] == [16, 16, 16, 32, 64, 128, 256, 512]
-    assert best_k_splits(1, 16, 128, 128) == 1                      # 4 K tiles: no room to split
-    assert best_k_splits(10_000, 16, 128, 4096) == 1                # tiles enough
-    assert best_k_splits(1, 16, 128, 4096) > 1
+    assert best_k_splits(1, 4096, 16) == 8                          # 2 · 4 SMs / 1 tile
+    assert best_k_splits(1, 128, 16) == 1                           # 4 K tiles: no room to split
+    assert best_k_splits(100, 4096, 16) == 1                        # tiles enough
+    assert best_k_splits(2, 4096, 256) == 2                         # one wave of 4 SMs
+    assert best_k_splits(1, 4096, 16, max_splits=3) == 3
 
 
 @pytest.mark.parametrize("gated", [False, True], ids=["linear", "gated"])

@@ -11,16 +11,16 @@ Modules:
 * ``reference``: the math, one thread per output (the oracle of the tests).
 * ``api``: ``linear``, ``linear_silu_mul`` (the MLP's gate/up + SwiGLU), ``linear_add_rms_norm`` (the decoder's
   residual add + RMSNorm in front of a projection) and ``default_impl``: for T tokens, on a GPU the one-token GEMV
-  for T = 1, the skinny tensor-core kernel for 2 <= T <= 64, the tiled tensor-core GEMM above; in the simulator
+  for T = 1, the skinny tensor-core kernel for 2 <= T <= 16, the tensor-core GEMM above; in the simulator
   the GEMV up to 8 tokens and the FMA tiles above.
-* ``geometry``: how a GEMV or skinny launch splits a weight, per shape (built-in measured tables, the launch
+* ``geometry``: how a GEMV, skinny or GEMM launch splits a weight, per shape (built-in measured tables, the launch
   policy's tuning entries, heuristics).
 * ``gemv_multi``: the GEMV for up to 8 tokens a pass, streaming every weight byte once.
 * ``gemv_decode``: the one-token GEMV of a decode step, with the fused add + RMSNorm prologue, the embedding-row
   gather and the LM head's argmax.
 * ``gemv_preloaded``: the one-token GEMV whose weights are copied into shared memory while the kernel before runs
   (``linear_preloaded``: o after attention, out_proj after the Gated DeltaNet step).
-* ``skinny``: few tokens on tensor cores, weights streamed straight into mma fragments.
+* ``skinny``: up to 16 tokens on tensor cores, weights streamed straight into mma fragments.
 * ``gemm``: the tensor-core GEMM (``gemm_mma``): a ``cp.async`` shared-memory ring, ``ldmatrix`` fragments,
   ``mma.sync``; tiles from all tokens of a decode batch × 128 columns to 128 × 128 for prompts.
 * ``splitk``: split-K for that GEMM (blocks sharing a tile's K, the last one summing their partials in a fixed

@@ -44,8 +44,10 @@ def check_shapes(x, w, out, gated: bool, impl) -> None:
 
 def default_impl(n_tokens: int) -> str:
     """The path ``linear(impl=None)`` takes for T tokens.  GPU: the GEMV for T = 1, the skinny tensor-core kernel
-    for 2 <= T <= 64 (both stream the weight once), the tiled tensor-core GEMM above.  Simulator: the GEMV up to
-    ``GEMV_MAX_TOKENS``, the FMA tiles above (cheap to emulate; the tensor-core kernels have their own tests)."""
+    for 2 <= T <= 16 (weights straight into mma fragments), the tensor-core GEMM above (weights staged in shared
+    memory once for all tokens; split-K when given a workspace): the fastest on the H200 at each T for the served
+    shapes (docs/perf/linear.md).  Simulator: the GEMV up to ``GEMV_MAX_TOKENS``, the FMA tiles above (cheap to
+    emulate; the tensor-core kernels have their own tests)."""
     if SIMULATOR:
         return "gemv" if n_tokens <= GEMV_MAX_TOKENS else "gemm_fma"
     if n_tokens <= 1:

@@ -115,13 +115,13 @@ def build_finish_tile(n_acc: int, nthreads: int, store_tiles):
 
 def linear_workspace_size(max_tokens: int, weights, policy: LaunchPolicy = DEFAULT_POLICY) -> int:
     """f32 elements of the ``workspace`` that ``linear`` / ``linear_silu_mul`` / ``linear_add_rms_norm`` need for
-    any T <= ``max_tokens`` on ``weights``: each a ``(rows, K, gated)`` tuple (gate/up: ``rows`` = 2I, gated True)
+    any 1 <= T <= ``max_tokens`` on ``weights`` (any path: ``impl="gemm_mma"`` may force the GEMM on one token): each a ``(rows, K, gated)`` tuple (gate/up: ``rows`` = 2I, gated True)
     or a ``[rows, K]`` weight array (not gated).  The largest split-K need over those launches, counters included;
     at least 1, so a model may allocate it unconditionally."""
     need = 1
     for wt in weights:
         rows, k, gated = wt if isinstance(wt, tuple) else (wt.shape[0], wt.shape[1], False)
-        for t in range(2, max_tokens + 1):
+        for t in range(1, max_tokens + 1):
             geo = mma_geometry(rows, k, t, gated, policy)
             n_part, n_count = workspace_need(geo, t, rows)
             need = max(need, n_part + n_count)

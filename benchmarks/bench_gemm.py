@@ -53,18 +53,17 @@ SIM_TOKENS = (1, 2, 17)
 COLD_BYTES = 256 << 20
 """Weight bytes one timing graph cycles through (the H200's L2 holds 50 MB): copies = this / matrix bytes."""
 
-# Tensor-core GEMM candidates per token tile (mma_token_tile): (warps_m, warps_n, mt, nt, bk, stages[, warps/SM])
+# Tensor-core GEMM candidates per token tile (mma_token_tile): (warps_m, warps_n, mt, nt, stages[, warps per SM])
 SWEEP_TILES = {
-    16: [(1, 4, 1, 2, 32, 8), (1, 4, 1, 2, 64, 6), (1, 4, 1, 2, 128, 4), (1, 4, 1, 4, 64, 4), (1, 4, 1, 4, 128, 3),
-         (1, 8, 1, 2, 128, 3)],
-    32: [(1, 4, 2, 2, 32, 8), (1, 4, 2, 2, 64, 6), (1, 4, 2, 2, 128, 4), (1, 4, 2, 4, 64, 4)],
-    64: [(1, 4, 4, 2, 32, 6), (1, 4, 4, 2, 64, 4), (1, 4, 4, 2, 128, 3), (2, 4, 2, 4, 64, 4)],
-    128: [(4, 2, 2, 4, 32, 4), (2, 2, 4, 4, 32, 4), (2, 4, 4, 4, 32, 4), (4, 2, 2, 4, 64, 3), (2, 4, 4, 4, 64, 3)],
-    256: [(2, 4, 4, 4, 32, 4), (2, 4, 4, 4, 64, 3), (4, 2, 4, 4, 32, 3)],
-    512: [(2, 4, 4, 4, 32, 4), (2, 4, 2, 4, 32, 4), (2, 4, 4, 4, 64, 4, 8), (2, 4, 4, 8, 32, 3, 8)],
-    2048: [(2, 4, 4, 4, 32, 4), (2, 4, 4, 4, 64, 4, 8), (2, 4, 4, 8, 32, 3, 8)],
+    16: [(1, 4, 1, 4, 4), (1, 4, 1, 4, 8), (1, 4, 1, 2, 8), (1, 8, 1, 2, 4)],
+    32: [(1, 4, 2, 4, 4), (1, 4, 2, 4, 8), (1, 4, 2, 2, 8)],
+    64: [(1, 4, 4, 4, 4), (1, 4, 4, 4, 8), (1, 4, 4, 2, 6), (2, 4, 2, 4, 4)],
+    128: [(2, 4, 4, 4, 4), (2, 2, 4, 4, 4), (4, 2, 2, 4, 4)],
+    256: [(2, 4, 4, 4, 4), (4, 2, 4, 4, 3), (4, 4, 4, 4, 3)],
+    512: [(2, 4, 4, 4, 4), (2, 4, 2, 4, 4), (2, 4, 4, 8, 3, 8)],
+    2048: [(2, 4, 4, 4, 4), (2, 4, 4, 8, 3, 8)],
 }
-SIM_SWEEP_TILES = [(1, 1, 1, 2, 32, 3), (1, 2, 2, 1, 64, 2)]
+SIM_SWEEP_TILES = [(1, 1, 1, 2, 3), (1, 2, 2, 1, 2)]
 SWEEP_TOKENS = (16, 32, 64, 128, 256, 512, 2048)
 """The token counts the sweep tries geometries at: the largest of each token tile (whose kernel serves every T up
 to it); the other T take their tile's winner."""
@@ -217,10 +216,10 @@ def sweep_candidates(L, s: Shape, T: int):
     tiles = SIM_SWEEP_TILES if SIM else SWEEP_TILES.get(L.mma_token_tile(T), [])
     default = L.mma_geometry(s.n, s.k, T, s.gated)
     out = []
-    for wm, wn, mt, nt, bk, stages, *wps in tiles:
-        base = L.MmaGeometry(warps_m=wm, warps_n=wn, mt=mt, nt=nt, bk=bk, stages=stages, **(
+    n_kt = -(-s.k // 32)
+    for wm, wn, mt, nt, stages, *wps in tiles:
+        base = L.MmaGeometry(warps_m=wm, warps_n=wn, mt=mt, nt=nt, stages=stages, **(
             {"warps_per_sm": wps[0]} if wps else {}))
-        n_kt = -(-s.k // bk)
         n_tiles = -(-T // base.bm) * -(-s.n // base.bn)
         splits = {1} | ({default.k_splits} if T <= 256 else set()) | (
             {sp for sp in SPLITS if n_tiles * sp <= 4 * 132} if n_tiles < 2 * 132 and T <= 256 else set())
@@ -279,8 +278,7 @@ def check(L, read_shapes) -> bool:
         ref = reference_out(L, s, x)
         out = cuda.device_array((T, s.n_out), np.uint16)
         default = L.mma_geometry(n, k, T, gated)
-        wide = dataclasses.replace(default, bk=128 if default.bm <= 64 else 64, stages=3, k_splits=2)
-        for geo in (default, dataclasses.replace(default, k_splits=3), dataclasses.replace(default, k_splits=1), wide):
+        for geo in (default, dataclasses.replace(default, k_splits=3), dataclasses.replace(default, k_splits=1)):
             op_call(L, s, x, s.w[0], out, None, geo, ws)()
             diff = int(np.sum(out.copy_to_host() != ref))
             ok &= diff == 0
@@ -415,7 +413,7 @@ def print_tuned(tuned: list[dict]) -> None:
     for (n, k, t, gated), e in sorted(best.items()):
         g = e["geometry"]
         print(f"    ({n}, {k}, {t}, {gated}): MmaGeometry({g['warps_m']}, {g['warps_n']}, {g['mt']}, {g['nt']}, "
-              f"bk={g['bk']}, stages={g['stages']}, k_splits={g['k_splits']}, warps_per_sm={g['warps_per_sm']}),"
+              f"stages={g['stages']}, k_splits={g['k_splits']}, warps_per_sm={g['warps_per_sm']}),"
               f"   # {e['us']:.1f} us at T = {e['T']}")
 
 

@@ -8,19 +8,18 @@ Shapes: x ``[T, K]``, W ``[N, K]``, out ``[T, N]`` (gated: ``[T, I]``), bf16 bit
 
 Tiles (``geometry.MmaGeometry``): a block of ``warps_m × warps_n`` warps owns a ``bm × bn`` output tile (``bm =
 16·warps_m·mt`` tokens, ``bn = 8·warps_n·nt`` columns); warp (wm, wn) owns ``mt × nt`` m16n8 f32 accumulator tiles
-(tokens ``wm·16·mt ..``, columns ``wn·8·nt ..``).  For few tokens one warp row holds every token of the step (T <= 64:
-``bm`` = 16 .. 64) and the four warps split 128 columns; for prompts 128 × 128 or 64 × 128 tiles.
+(tokens ``wm·16·mt ..``, columns ``wn·8·nt ..``).  For few tokens one warp row holds every token of the step
+(T <= 64: ``bm`` = 16 .. 64) and four warps split 64 columns; then 128 × 64 and 128 × 128 tiles.
 
-Pipeline (per unit of work): K is walked in K tiles of ``bk`` = 32, 64 or 128.  A ring of ``stages`` shared-memory
-stages, each holding the x tile ``[bm, bk]`` and the W tile ``[bn, bk]`` (16-byte chunks swizzled: ``_swizzled``),
-is filled with ``cp.async`` (no registers held while the bytes fly): the first ``stages - 1`` K tiles go out, then
-at K tile ``i`` a thread waits for its own copies of ``i``, a block barrier makes everyone's visible (and frees the
-stage read at ``i - 1``), the copies of ``i + stages - 1`` go into that freed stage, and K tile ``i`` is multiplied,
-32 of K at a time: per warp ``nt`` ``ldmatrix.x4`` (32 K of 8 weight rows each: both k16 steps' B fragments),
-``2·mt`` ``ldmatrix.x4`` for the A fragments, ``2·mt·nt`` ``mma.sync.m16n8k16``.  Each thread's copy slices are
-fixed for the unit (16-byte chunk ``tid % (bk/8)`` of rows ``tid / (bk/8) + p · step``), so their source rows are
-worked out once per unit, not per K tile.  A wider K tile reads longer runs of each weight row per copy (256 bytes
-at 128) and passes fewer barriers.
+Pipeline (per unit of work): K is walked in 32-wide K tiles.  A ring of ``stages`` shared-memory stages, each
+holding the x tile ``[bm, 32]`` and the W tile ``[bn, 32]`` (rows of 64 bytes, 16-byte chunks swizzled:
+``_swizzled``), is filled with ``cp.async`` (no registers held while the bytes fly): the first ``stages - 1`` K
+tiles go out, then at K tile ``i`` a thread waits for its own copies of ``i``, a block barrier makes everyone's
+visible (and frees the stage read at ``i - 1``), the copies of ``i + stages - 1`` go into that freed stage, and K
+tile ``i`` is multiplied: per warp ``nt`` ``ldmatrix.x4`` (all 32 K of 8 weight rows each: both k16 steps' B
+fragments), ``2·mt`` ``ldmatrix.x4`` for the A fragments, ``2·mt·nt`` ``mma.sync.m16n8k16``.  Each thread's copy
+slices are fixed for the unit (16-byte chunk ``tid % 4`` of rows ``tid / 4 + p · threads / 4``), so their source
+rows are worked out once per unit, not per K tile.
 
 Split-K (``k_splits`` > 1, ``splitk``): a unit is (token tile, column tile, K range); the last block of a tile sums
 the ranges' partials in a fixed order inside the same launch.  This is what keeps every SM streaming when few tokens
@@ -55,23 +54,19 @@ from pegainfer.kernels.primitives import (WARP, as_words, cp_async_16, cp_async_
 
 int64 = np.int64
 
-MMA_BKS = (32, 64, 128)
-"""K tile widths the ring can hold (``MmaGeometry.bk``): a stage row is ``bk`` bf16 = ``bk / 8`` 16-byte chunks.
-Wider K tiles read more contiguous bytes of each weight row per copy (64, 128, 256 bytes) and need fewer
-barriers; narrower ones let more stages fit."""
+MMA_BK = 32                  # K per shared-memory stage: two m16n8k16 steps
+MMA_ROW_WORDS = MMA_BK // 2
+"""Shared-memory row of a stage, in uint32 words (bf16 pairs): 16 words = four 16-byte chunks, stored swizzled
+(``_swizzled``) rather than padded, so that a stage of a 128 × 128 tile is 16 KB."""
 
 
 @device_fn
-def _swizzled(row, word, row_words):
-    """Word offset of (row, word) in a stage of rows ``row_words`` words long (4, 8 or 16 chunks of 16 bytes),
-    stored swizzled rather than padded: chunk ``c = word // 4`` of a row sits at chunk ``c ^ ((row >> 1) & 3)`` in
-    64-byte rows, at ``c ^ (row & 7)`` in longer ones.  An ``ldmatrix`` phase reads 8 rows at one chunk: those land
-    in 8 different 16-byte bank groups (32 banks), and a 16-byte copy stays one aligned chunk."""
-    if row_words == 16:
-        sw = (row >> 1) & 3
-    else:
-        sw = row & 7
-    return row * row_words + 4 * ((word >> 2) ^ sw) + (word & 3)
+def _swizzled(row, word):
+    """Word offset of (row, word) in a stage: 16-byte chunk ``c = word // 4`` of a row is stored at chunk
+    ``c ^ ((row >> 1) & 3)``.  An ``ldmatrix`` phase reads 8 rows at one chunk: rows of equal ``row & 1`` then fall in
+    four different chunks, and rows 2j, 2j + 1 are 64 bytes apart, so the 8 × 16 bytes hit 32 different banks; a
+    16-byte copy stays one aligned chunk."""
+    return row * MMA_ROW_WORDS + 4 * ((word >> 2) ^ ((row >> 1) & 3)) + (word & 3)
 
 
 @device_fn
@@ -87,16 +82,16 @@ def _plan_rows(src, lim, per_thread, step, first, row0, n_rows, n_out, gated, k_
 
 
 @device_fn
-def _copy_k_tile(src32, ring, stage, src, lim, per_thread, step, first, tile_rows, row_words, chunk, k0, k):
-    """Start the ``cp.async`` copies of a thread's slices of one operand's K tile (K ``k0 .. k0 + bk``, chunk
-    ``chunk`` of rows ``first + p·step``) into the stage at ``ring[stage ..]``, swizzled.  Chunks past K are
-    zero-filled.  ``tile_rows`` 0: every slice is inside the tile (its rows a multiple of ``step``: no test)."""
+def _copy_k_tile(src32, ring, dst, src, lim, per_thread, step, first, tile_rows, chunk, k0, k):
+    """Start the ``cp.async`` copies of a thread's slices of one operand's K tile (K ``k0 .. k0 + 32``, chunk
+    ``chunk`` of each of its rows) into the stage at ``ring[dst ..]`` (``dst``: the swizzled offset of its first
+    slice; later slices are ``step`` rows further, with the same swizzle).  Chunks past K are zero-filled.
+    ``tile_rows`` 0: every slice is inside the tile (its rows a multiple of ``step``: no test)."""
     kk = k0 + 8 * chunk
     off = min(kk, k - 8) >> 1
     for p in range(per_thread):
         if tile_rows == 0 or first + p * step < tile_rows:
-            dst = stage + uint32(_swizzled(first + p * step, 4 * chunk, row_words))
-            cp_async_16(ring, dst, src32, src[p] + off, 16 if kk < lim[p] else 0)
+            cp_async_16(ring, dst + uint32(p * step * MMA_ROW_WORDS), src32, src[p] + off, 16 if kk < lim[p] else 0)
 
 
 @device_fn
@@ -125,19 +120,16 @@ def store_mma_tiles(out, acc, packed, mt, nt, tok0, col0, gated):
 
 
 @functools.cache
-def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, bk: int, stages: int, gated: bool,
-                     warps_per_sm: int):
-    """Build the tensor-core GEMM for one tile shape, K tile width and ring depth (module docstring; all
-    compile-time: they size register arrays and unroll loops).  The split count is a launch argument."""
-    assert bk in MMA_BKS, f"bk must be one of {MMA_BKS}"
+def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, stages: int, gated: bool, warps_per_sm: int):
+    """Build the tensor-core GEMM for one tile shape and ring depth (module docstring; all compile-time: they size
+    register arrays and unroll loops).  The split count is a launch argument."""
     bm, bn = 16 * warps_m * mt, 8 * warps_n * nt
     nthreads = WARP * warps_m * warps_n
-    row_words, chunks = bk // 2, bk // 8                 # a stage row: words, 16-byte chunks
-    step = nthreads // chunks                            # tile rows one round of the block's 16-byte copies covers
+    step = nthreads // 4                                 # tile rows one round of the block's 16-byte copies covers
     a_pt, b_pt = -(-bm // step), -(-bn // step)          # copy slices per thread and K tile
     a_rows = 0 if bm % step == 0 else bm                 # (0: no slice falls outside the tile)
     b_rows = 0 if bn % step == 0 else bn
-    a_stage, b_stage = bm * row_words, bn * row_words
+    a_stage, b_stage = bm * MMA_ROW_WORDS, bn * MMA_ROW_WORDS
     w_ring = stages * a_stage                            # the W stages follow the x stages
     flag_at = stages * (a_stage + b_stage)               # then one word: "this block is the tile's last split"
     n_acc, n_packed, n_bfrag = 4 * mt * nt, 2 * mt * nt, 4 * nt
@@ -179,17 +171,19 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, bk: int, stag
         warp = tid // WARP
         wm = warp % warps_m
         wn = warp // warps_m
-        # ldmatrix row addresses (``primitives.mma``): for k16 step ks, A: lane l gives row l % 16 of an m16 tile
-        # at chunk 2·ks + l / 16; B (four chunks = two k16 steps per x4): row l % 8 of an n8 tile at chunk
-        # 4·q + l / 8.  Tile bases are multiples of 8 rows, so a lane's row swizzle is that of row l % 8
-        sw = (lane >> 1) & 3 if chunks == 4 else lane & 7
-        a_row = uint32((wm * mt * 16 + (lane & 15)) * row_words)
-        b_row = uint32(w_ring + (wn * nt * 8 + (lane & 7)) * row_words)
-        first = tid // chunks                             # the thread's copy slices: rows first + p·step, chunk
-        chunk = tid % chunks
+        # ldmatrix row addresses (``primitives.mma``): A: lane l gives row l % 16 of an m16 tile at chunk
+        # 2·ks + l / 16; B: row l % 8 of an n8 tile at chunk l / 8 (all four chunks: both k16 steps).  Tile bases
+        # are multiples of 8 rows, so the swizzle of a lane's row is (l >> 1) & 3 in both.
+        sw = (lane >> 1) & 3
+        a_lane0 = uint32(wm * mt * 16 * MMA_ROW_WORDS + (lane & 15) * MMA_ROW_WORDS + 4 * ((lane >> 4) ^ sw))
+        a_lane1 = uint32(wm * mt * 16 * MMA_ROW_WORDS + (lane & 15) * MMA_ROW_WORDS + 4 * ((2 + (lane >> 4)) ^ sw))
+        b_lane = uint32(w_ring + wn * nt * 8 * MMA_ROW_WORDS + (lane & 7) * MMA_ROW_WORDS + 4 * ((lane >> 3) ^ sw))
+        first = tid >> 2                                  # the thread's copy slices: rows first + p·step, chunk
+        chunk = tid & 3
+        dst0 = uint32(_swizzled(first, 4 * chunk))
         tiles_m = (T + bm - 1) // bm
         tiles_n = (n_cols + bn - 1) // bn
-        n_kt = (k + bk - 1) // bk
+        n_kt = (k + MMA_BK - 1) // MMA_BK
         for unit in range(cuda.blockIdx.x, tiles_m * tiles_n * k_splits, cuda.gridDim.x):
             m_tile = unit % tiles_m
             split = (unit // tiles_m) % k_splits
@@ -207,12 +201,12 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, bk: int, stag
             # (loops with a run-time bound, not unrolled: their copies' addresses would all be live at once)
             n_first = min(nk, stages - 1)
             for s in range(n_first):
-                _copy_k_tile(w32, ring, uint32(w_ring) + uint32(s) * uint32(b_stage), b_src, b_lim, b_pt, step,
-                             first, b_rows, row_words, chunk, (kt0 + s) * bk, k)
+                _copy_k_tile(w32, ring, uint32(w_ring) + uint32(s) * uint32(b_stage) + dst0, b_src, b_lim, b_pt, step,
+                             first, b_rows, chunk, (kt0 + s) * MMA_BK, k)
             grid_dependency_wait()
             for s in range(n_first):
-                _copy_k_tile(x32, ring, uint32(s) * uint32(a_stage), a_src, a_lim, a_pt, step, first, a_rows,
-                             row_words, chunk, (kt0 + s) * bk, k)
+                _copy_k_tile(x32, ring, uint32(s) * uint32(a_stage) + dst0, a_src, a_lim, a_pt, step, first, a_rows,
+                             chunk, (kt0 + s) * MMA_BK, k)
                 cp_async_commit()
             for s in range(n_first, stages - 1):       # empty groups: the waits count stages - 1 groups ahead
                 cp_async_commit()
@@ -222,37 +216,35 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, bk: int, stag
                 wait_ring()
                 cuda.syncthreads()
                 if i + stages - 1 < nk:
-                    k0 = (kt0 + i + stages - 1) * bk
-                    _copy_k_tile(x32, ring, slot * uint32(a_stage), a_src, a_lim, a_pt, step, first, a_rows,
-                                 row_words, chunk, k0, k)
-                    _copy_k_tile(w32, ring, uint32(w_ring) + slot * uint32(b_stage), b_src, b_lim, b_pt, step,
-                                 first, b_rows, row_words, chunk, k0, k)
+                    k0 = (kt0 + i + stages - 1) * MMA_BK
+                    _copy_k_tile(x32, ring, slot * uint32(a_stage) + dst0, a_src, a_lim, a_pt, step, first, a_rows,
+                                 chunk, k0, k)
+                    _copy_k_tile(w32, ring, uint32(w_ring) + slot * uint32(b_stage) + dst0, b_src, b_lim, b_pt, step,
+                                 first, b_rows, chunk, k0, k)
                 cp_async_commit()
-                a_base = cur * uint32(a_stage) + a_row
-                b_base = cur * uint32(b_stage) + b_row
+                a_base = cur * uint32(a_stage)
+                b_base = cur * uint32(b_stage)
                 cur = uint32(0) if cur == uint32(stages - 1) else cur + uint32(1)
                 slot = uint32(0) if slot == uint32(stages - 1) else slot + uint32(1)
-                for q in range(chunks // 4):            # four chunks of K at a time: two k16 steps
-                    b_chunk = uint32(4 * ((4 * q + (lane >> 3)) ^ sw))
-                    for j in range(nt):
-                        q0, q1, q2, q3 = ldmatrix_x4(ring, b_base + b_chunk + uint32(j * 8 * row_words))
-                        bfrag[4 * j] = q0
-                        bfrag[4 * j + 1] = q1
-                        bfrag[4 * j + 2] = q2
-                        bfrag[4 * j + 3] = q3
-                    for h in range(2):
-                        a_chunk = uint32(4 * ((4 * q + 2 * h + (lane >> 4)) ^ sw))
-                        for im in range(mt):
-                            a0, a1, a2, a3 = ldmatrix_x4(ring, a_base + a_chunk + uint32(im * 16 * row_words))
-                            for j in range(nt):
-                                o = 4 * (im * nt + j)
-                                d0, d1, d2, d3 = mma_bf16_m16n8k16(a0, a1, a2, a3, bfrag[4 * j + 2 * h],
-                                                                   bfrag[4 * j + 2 * h + 1],
-                                                                   acc[o], acc[o + 1], acc[o + 2], acc[o + 3])
-                                acc[o] = d0
-                                acc[o + 1] = d1
-                                acc[o + 2] = d2
-                                acc[o + 3] = d3
+                for j in range(nt):
+                    q0, q1, q2, q3 = ldmatrix_x4(ring, b_base + b_lane + uint32(j * 8 * MMA_ROW_WORDS))
+                    bfrag[4 * j] = q0
+                    bfrag[4 * j + 1] = q1
+                    bfrag[4 * j + 2] = q2
+                    bfrag[4 * j + 3] = q3
+                for ks in range(2):
+                    a_lane = a_lane0 if ks == 0 else a_lane1
+                    for im in range(mt):
+                        a0, a1, a2, a3 = ldmatrix_x4(ring, a_base + a_lane + uint32(im * 16 * MMA_ROW_WORDS))
+                        for j in range(nt):
+                            o = 4 * (im * nt + j)
+                            d0, d1, d2, d3 = mma_bf16_m16n8k16(a0, a1, a2, a3, bfrag[4 * j + 2 * ks],
+                                                               bfrag[4 * j + 2 * ks + 1],
+                                                               acc[o], acc[o + 1], acc[o + 2], acc[o + 3])
+                            acc[o] = d0
+                            acc[o + 1] = d1
+                            acc[o + 2] = d2
+                            acc[o + 3] = d3
             wait_all()
             cuda.syncthreads()                      # every warp is done with the ring before the next unit's copies
             finish_tile(out, acc, m0 + wm * mt * 16, n0 + wn * nt * 8, ws, counters, ring, flag_at,
@@ -272,10 +264,10 @@ def gemm_mma(x, w, out, *, gated: bool = False, geometry: MmaGeometry | None = N
     T, k = x.shape
     n_cols = w.shape[0]
     geo = geometry or mma_geometry(n_cols, k, T, gated, policy)
-    geo = dataclasses.replace(geo, k_splits=max(1, min(geo.k_splits, -(-k // geo.bk))))
+    geo = dataclasses.replace(geo, k_splits=max(1, min(geo.k_splits, -(-k // MMA_BK))))
     if geometry is None and workspace is None and geo.k_splits > 1:
         geo = dataclasses.replace(geo, k_splits=1)
     ws, counters = split_workspace(workspace, geo, T, n_cols, policy)
-    kern = _gemm_mma_kernel(geo.warps_m, geo.warps_n, geo.mt, geo.nt, geo.bk, geo.stages, gated, geo.warps_per_sm)
+    kern = _gemm_mma_kernel(geo.warps_m, geo.warps_n, geo.mt, geo.nt, geo.stages, gated, geo.warps_per_sm)
     launch(kern, grid(mma_units(geo, T, n_cols), sim_cap=16), geo.threads, as_words(x), as_words(w), out, k,
            geo.k_splits, ws, counters, shared=geo.shared_bytes, name="gemm_mma", policy=policy)

@@ -231,8 +231,7 @@ class MmaGeometry:
 
     warps_m × warps_n: warps per block; each owns mt × nt m16n8 accumulator tiles, so a block tile is
       ``bm = 16·warps_m·mt`` tokens × ``bn = 8·warps_n·nt`` logical columns.
-    bk: K per tile of the ring (32, 64 or 128: 64 to 256 contiguous bytes of each weight row per copy).
-    stages: depth of the shared-memory ring of K tiles of x and W (``stages - 1`` in flight).
+    stages: depth of the shared-memory ring of 32-wide K tiles of x and W (``stages - 1`` in flight).
     k_splits: blocks that share one output tile, each over its own range of K (split-K, ``splitk``); 1 = none.
     warps_per_sm: occupancy the kernel is compiled for (launch bounds: 65536 / (32 · warps_per_sm) registers).
     """
@@ -240,7 +239,6 @@ class MmaGeometry:
     warps_n: int
     mt: int
     nt: int
-    bk: int = 32
     stages: int = 4
     k_splits: int = 1
     warps_per_sm: int = WARPS_PER_SM
@@ -259,8 +257,8 @@ class MmaGeometry:
 
     @property
     def stage_bytes(self) -> int:
-        """One stage of the ring: x ``[bm, bk]`` and W ``[bn, bk]`` bf16."""
-        return 2 * self.bk * (self.bm + self.bn)
+        """One stage of the ring: x ``[bm, 32]`` and W ``[bn, 32]`` bf16."""
+        return 64 * (self.bm + self.bn)
 
     @property
     def shared_bytes(self) -> int:
@@ -305,9 +303,9 @@ MMA_TUNED = MappingProxyType({
 MmaGeometry`` (read-only; a policy's ``tuned("mma")`` entries override them)."""
 
 
-def best_k_splits(tiles: int, k: int, n_tokens: int, bk: int = 32, max_splits: int = 16) -> int:
+def best_k_splits(tiles: int, k: int, n_tokens: int, max_splits: int = 16) -> int:
     """K splits for a launch of ``tiles`` output tiles (1 .. ``max_splits``, every split at least 4 K tiles of
-    ``bk``).  Up to 128 tokens the GEMM streams the weight, and about two units a SM (every one resident at once)
+    32).  Up to 128 tokens the GEMM streams the weight, and about two units a SM (every one resident at once)
     streamed fastest on the H200: o / down of the 4B models (40 tiles of 64 columns) take 6, 4096-row weights (64
     tiles) 4, weights of 160 tiles and more none.  Above, the arithmetic is the bottleneck and the units fill one
     balanced wave (at most one a SM)."""
@@ -316,7 +314,7 @@ def best_k_splits(tiles: int, k: int, n_tokens: int, bk: int = 32, max_splits: i
         splits = 2 * sms // tiles
     else:
         splits = sms // tiles
-    return max(1, min(splits, max_splits, -(-k // bk) // 4))
+    return max(1, min(splits, max_splits, -(-k // 32) // 4))
 
 
 def mma_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False,
@@ -359,5 +357,5 @@ def mma_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False,
     splits = 1
     if n_tokens <= MMA_SPLIT_MAX_TOKENS:
         tiles = -(-n_tokens // geo.bm) * -(-n_cols // geo.bn)
-        splits = best_k_splits(tiles, k, n_tokens, geo.bk)
+        splits = best_k_splits(tiles, k, n_tokens)
     return dataclasses.replace(geo, k_splits=splits)

@@ -15,7 +15,7 @@ How (``finish_tile``, called by every block of ``gemm.gemm_mma`` when its unit's
 
 Workspace (one f32 device array the caller allocates once, ``linear_workspace_size``)::
 
-    partials [tiles · k_splits · bm · bn]   (tile, split): ((tile · k_splits + split) · n_acc + i) · threads + tid
+    partials [tiles · k_splits · bm · bn]   (tile, split): ((tile·k_splits + split)·n_acc + i)·threads + tid
     ... counters [tiles] int32 at the very end of the array
 
 (``n_acc`` = the accumulator registers of a thread, ``i`` one of them: a block's 128 threads write 512 contiguous
@@ -53,8 +53,8 @@ def workspace_need(geo: MmaGeometry, n_tokens: int, n_cols: int) -> tuple[int, i
 
 def split_workspace(workspace, geo: MmaGeometry, n_tokens: int, n_cols: int, policy: LaunchPolicy):
     """(partials as uint32 words, counters as int32): the flat views of the f32 ``workspace`` that a launch of
-    ``geo`` uses (module docstring): the whole array, and its last ``tiles`` entries (zeroed once).  Without split-K: stand-ins (the kernel touches
-    neither), and ``workspace`` may be None."""
+    ``geo`` uses (module docstring): the whole array, and its last ``tiles`` entries (zeroed once).  Without
+    split-K: stand-ins (the kernel touches neither), and ``workspace`` may be None."""
     n_part, n_count = workspace_need(geo, n_tokens, n_cols)
     if n_count == 0:
         dummy = _dummy_words()
@@ -115,8 +115,9 @@ def build_finish_tile(n_acc: int, nthreads: int, store_tiles):
 
 def linear_workspace_size(max_tokens: int, weights, policy: LaunchPolicy = DEFAULT_POLICY) -> int:
     """f32 elements of the ``workspace`` that ``linear`` / ``linear_silu_mul`` / ``linear_add_rms_norm`` need for
-    any 1 <= T <= ``max_tokens`` on ``weights`` (any path: ``impl="gemm_mma"`` may force the GEMM on one token): each a ``(rows, K, gated)`` tuple (gate/up: ``rows`` = 2I, gated True)
-    or a ``[rows, K]`` weight array (not gated).  The largest split-K need over those launches, counters included;
+    any 1 <= T <= ``max_tokens`` (on any path: ``impl="gemm_mma"`` may force the GEMM on one token) on ``weights``:
+    each a ``(rows, K, gated)`` tuple (gate/up: ``rows`` = 2I, gated True) or a ``[rows, K]`` weight array (not
+    gated).  The largest split-K need over those launches, counters included;
     at least 1, so a model may allocate it unconditionally."""
     need = 1
     for wt in weights:

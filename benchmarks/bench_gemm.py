@@ -123,6 +123,7 @@ def linear_api():
     except (AttributeError, ModuleNotFoundError):
         names["workspace_need"] = None
     names["IMPLS"] = graph_timing.kernel_name("pegainfer.kernels.linear", "IMPLS")
+    names["SKINNY_MAX_TOKENS"] = graph_timing.kernel_name("pegainfer.kernels.linear", "SKINNY_MAX_TOKENS")
     return type("LinearApi", (), names)
 
 
@@ -339,7 +340,7 @@ def run(args) -> dict:
                 if torch is not None:
                     cell["torch_us"] = torch.time(s, x) * 1e6
                 for impl in impls:
-                    if impl in ("skinny", "gemv") and T > 64:    # (their register tiles hold at most 64 tokens)
+                    if (impl == "skinny" and T > L.SKINNY_MAX_TOKENS) or (impl == "gemv" and T > 64):
                         continue
                     sec = time_ours(L, s, x, out, impl, None, ws)
                     cell["impls"][impl or f"default ({L.default_impl(T)})"] = sec * 1e6
@@ -360,7 +361,7 @@ def run(args) -> dict:
                         cell["tuned"] = dataclasses.asdict(best[1])
                         result["tuned"].append(dict(n_cols=n, k=k, tokens=L.mma_token_tile(T), T=T, gated=gated,
                                                     geometry=cell["tuned"], us=best[0] * 1e6))
-                    if T <= 64 and "skinny" in L.IMPLS and "skinny" not in impls:
+                    if T <= L.SKINNY_MAX_TOKENS and "skinny" in L.IMPLS and "skinny" not in impls:
                         cell["impls"]["skinny"] = time_ours(L, s, x, out, "skinny", None, ws) * 1e6
                 best_us = min(cell["impls"].values())
                 cell.update(kind="table", us=best_us, best=min(cell["impls"], key=cell["impls"].get),

@@ -267,7 +267,8 @@ def gemm_mma(x, w, out, *, gated: bool = False, geometry: MmaGeometry | None = N
     geo = dataclasses.replace(geo, k_splits=max(1, min(geo.k_splits, -(-k // MMA_BK))))
     if geometry is None and workspace is None and geo.k_splits > 1:
         geo = dataclasses.replace(geo, k_splits=1)
-    ws, counters = split_workspace(workspace, geo, T, n_cols, policy)
+    x32 = as_words(x)
+    ws, counters = split_workspace(workspace, geo, T, n_cols, policy, stand_in=x32)
     kern = _gemm_mma_kernel(geo.warps_m, geo.warps_n, geo.mt, geo.nt, geo.stages, gated, geo.warps_per_sm)
-    launch(kern, grid(mma_units(geo, T, n_cols), sim_cap=16), geo.threads, as_words(x), as_words(w), out, k,
+    launch(kern, grid(mma_units(geo, T, n_cols), sim_cap=16), geo.threads, x32, as_words(w), out, k,
            geo.k_splits, ws, counters, shared=geo.shared_bytes, name="gemm_mma", policy=policy)

@@ -51,26 +51,20 @@ def workspace_need(geo: MmaGeometry, n_tokens: int, n_cols: int) -> tuple[int, i
     return tiles * geo.k_splits * geo.bm * geo.bn, tiles
 
 
-def split_workspace(workspace, geo: MmaGeometry, n_tokens: int, n_cols: int, policy: LaunchPolicy):
+def split_workspace(workspace, geo: MmaGeometry, n_tokens: int, n_cols: int, policy: LaunchPolicy, stand_in):
     """(partials as uint32 words, counters as int32): the flat views of the f32 ``workspace`` that a launch of
     ``geo`` uses (module docstring): the whole array, and its last ``tiles`` entries (zeroed once).  Without
-    split-K: stand-ins (the kernel touches neither), and ``workspace`` may be None."""
+    split-K the kernel touches neither: views of ``stand_in`` (a flat uint32 array, e.g. the launch's x) take their
+    place, so nothing is allocated, and ``workspace`` may be None."""
     n_part, n_count = workspace_need(geo, n_tokens, n_cols)
     if n_count == 0:
-        dummy = _dummy_words()
-        return dummy, dummy.view(np.int32)
+        return stand_in, stand_in.view(np.int32)
     if workspace is None or workspace.dtype != np.float32 or workspace.size < n_part + n_count:
         got = None if workspace is None else f"{workspace.size} {workspace.dtype}"
         raise ValueError(f"workspace must be f32 with >= {n_part + n_count} elements (linear_workspace_size); "
                          f"got {got}")
     ws32 = zeroed_counters(workspace, n_count, policy, "linear_zero_counters")
     return workspace.reshape(-1).view(np.uint32), ws32[ws32.shape[0] - n_count:]
-
-
-@functools.cache
-def _dummy_words():
-    """A 1-word device array standing in for an absent workspace (allocated once, on the first such call)."""
-    return cuda.device_array(1, dtype=np.uint32)
 
 
 @functools.cache

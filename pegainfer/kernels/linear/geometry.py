@@ -283,6 +283,7 @@ MMA_SPLIT_MAX_TOKENS = 256
 """Largest T whose heuristic geometry may split K: up to here the GEMM streams the weight (few tokens, few tiles);
 above, a prompt has tiles enough to fill the GPU."""
 
+
 def _mma(warps_m: int, warps_n: int, mt: int, nt: int, k_splits: int, stages: int = 4) -> MmaGeometry:
     return MmaGeometry(warps_m=warps_m, warps_n=warps_n, mt=mt, nt=nt, stages=stages, k_splits=k_splits)
 

@@ -15,7 +15,7 @@ Default (L2-warm: one matrix launched again and again; Qwen3-4B's shapes):
   reach at all, ramp-up and tail included);
 * ``sweep``: per projection (qkv / in_proj and gate_up with the fused residual add + RMSNorm, as the models run
   them), a graph of one launch per layer, each on its own matrix, for every candidate GEMV geometry (rows per
-  warp, warps, k_split, load-ring depth); ``--tokens 2..64`` sweeps the skinny tensor-core kernel instead;
+  warp, warps, k_split, load-ring depth); ``--tokens 2..16`` sweeps the skinny tensor-core kernel instead;
   ``--only qkv,o`` picks projections, ``--geometry o=2,4,4,6`` tries only the listed geometries;
 * ``step``: the projection sequence of a whole step (L × (qkv, o, gate_up, down) + lm_head) in one graph, with
   the defaults and with the best swept geometries, against the floor (weight bytes / read bandwidth);
@@ -48,7 +48,7 @@ SIM = pegainfer.SIMULATOR
 SHRINK = 256 if SIM else 1
 LINEAR_NAMES = ("linear", "linear_silu_mul", "linear_add_rms_norm", "gemv", "GemvGeometry", "gemv_geometry",
                 "GEMV_MAX_TOKENS", "default_impl", "SkinnyGeometry", "skinny_geometry", "linear_skinny", "gemm_mma",
-                "mma_tile")
+                "mma_geometry", "MmaGeometry")
 
 
 def linear_api() -> SimpleNamespace:
@@ -113,7 +113,8 @@ def geometry_text(L, impl: str, n: int, k: int, T: int, gated: bool) -> str:
         g = L.skinny_geometry(n, k, T, gated)
         return f"n_tiles={g.n_tiles} unroll={g.unroll} warps={g.warps} k_split={g.k_split} wps={g.warps_per_sm}"
     if impl == "gemm_mma":
-        return f"tile={L.mma_tile(T, n)}"
+        g = L.mma_geometry(n, k, T, gated)
+        return f"tile=({g.warps_m}, {g.warps_n}, {g.mt}, {g.nt}) stages={g.stages} k_splits={g.k_splits}"
     return ""
 
 
@@ -265,7 +266,8 @@ def sweep_mma(L, weights, rng) -> list[dict]:
         out = cuda.device_array((T, n // 2 if gated else n), np.uint16)
         line = []
         for tile in MMA_TILES:
-            fn = (lambda x=x, w=w, out=out, gated=gated, tile=tile: L.gemm_mma(x, w, out, gated=gated, tile=tile))
+            geo = L.MmaGeometry(*tile, stages=4)
+            fn = (lambda x=x, w=w, out=out, gated=gated, geo=geo: L.gemm_mma(x, w, out, gated=gated, geometry=geo))
             sec = time_calls([fn] * launches_for(fn, 0.05, 20), reps=3)
             tflops = 2.0 * T * n * k / sec / 1e12
             rows.append(dict(kind="mma_sweep", name=name, N=n, K=k, T=T, tile=tile, us=sec * 1e6, TFLOPs=tflops))
@@ -375,8 +377,6 @@ def skinny_candidates(L, p: Projection, quick: bool):
     that compile without spills on sm_90, × warps × k_split."""
     shapes = ((2, 4, 1, 16), (2, 2, 1, 16), (2, 4, 2, 8), (4, 2, 2, 8), (2, 2, 3, 8), (2, 2, 2, 16), (4, 4, 1, 8),
               (1, 4, 1, 16))
-    if p.tokens > 16:
-        shapes = ((2, 1, 1, 16), (1, 1, 1, 16), (1, 1, 2, 8), (2, 1, 2, 8))
     if quick:
         shapes = shapes[:4]
     for (nt, unroll, stages, wps), warps, k_split in itertools.product(shapes, (4, 8), (1, 2, 4, 8)):
@@ -538,8 +538,8 @@ def build_parser() -> argparse.ArgumentParser:
     cold.add_argument("--no-sweep", action="store_true", help="probe and step only")
     cold.add_argument("--only", default=None, help="comma-separated projections to sweep (default: all)")
     cold.add_argument("--tokens", type=int, default=1,
-                      help="tokens per projection (default 1: the GEMV; 2-64: the skinny tensor-core kernel, as a "
-                           "short prompt's prefill runs it)")
+                      help="tokens per projection (default 1: the GEMV; 2-16: the skinny tensor-core kernel, as a "
+                           "small decode batch runs it)")
     cold.add_argument("--geometry", action="append", default=[], metavar="NAME=R,WARPS,K_SPLIT,STAGES",
                       help="sweep only these GEMV geometries for projection NAME (repeatable; e.g. o=2,4,4,6)")
     cold.add_argument("--tuning-out", default=None, metavar="FILE",

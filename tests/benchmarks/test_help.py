@@ -7,6 +7,7 @@ QUESTIONS = {
     "ab_policy.py": "Which launch policy makes a batch-1 decode step faster on this GPU?",
     "step_profile.py": "Where does a batch-1 decode step's time go?",
     "bench_gemv.py": "How close do pegainfer's weight projections come to the GPU's read bandwidth",
+    "bench_gemm.py": "How fast are pegainfer's projection GEMMs at every token count",
     "bench_attention.py": "How fast is pegainfer's paged attention",
     "bench_sampling.py": "How long does token selection take on this GPU?",
     "bench_server.py": "What does the OpenAI HTTP server add to time-to-first-token and time-per-output-token?",

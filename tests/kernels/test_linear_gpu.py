@@ -8,7 +8,7 @@ from tests.util import bf16_randn, from_bf16_bits, rel_l2
 from numba import cuda
 
 from pegainfer.kernels.linear import (GEMV_TUNED, gemv_geometry, linear, linear_preloaded, linear_silu_mul,
-                                      preloads)
+                                      linear_workspace_size, preloads)
 from pegainfer.kernels.linear.common import sm_count
 from pegainfer.kernels.launch import can_overlap
 from pegainfer.kernels.policy import LaunchPolicy
@@ -17,12 +17,17 @@ pytestmark = pytest.mark.gpu
 
 QWEN3_4B = {"qkv": (6144, 2560), "o": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728),
             "lm_head": (151936, 2560)}
-IMPLS = ("gemv", "skinny", "gemm_fma", "gemm_mma")
+IMPLS = ("gemv", "skinny", "gemm_fma", "gemm_mma", "gemm_mma split")
 
 
 def _run(x_dev, w_dev, T, N, gated, impl):
+    """``impl`` "gemm_mma split": the tensor-core GEMM given a workspace, so it splits K where its geometry does."""
     out = cuda.to_device(np.zeros((T, N // 2 if gated else N), np.uint16))
-    (linear_silu_mul if gated else linear)(x_dev, w_dev, out, impl=impl)
+    ws = None
+    if impl == "gemm_mma split":
+        impl = "gemm_mma"
+        ws = cuda.device_array(linear_workspace_size(T, [(N, w_dev.shape[1], gated)]), np.float32)
+    (linear_silu_mul if gated else linear)(x_dev, w_dev, out, impl=impl, workspace=ws)
     return out.copy_to_host()
 
 
@@ -40,7 +45,7 @@ def test_qwen3_4b_shapes_every_path(name):
         xb, x = bf16_randn((T, K), rng)
         expected = silu_mul_reference(x, w) if gated else x @ w.T
         x_dev = cuda.to_device(xb)
-        for impl in IMPLS if T <= 64 else ("gemv", "gemm_fma", "gemm_mma"):
+        for impl in IMPLS if T <= 16 else ("gemv", "gemm_fma", "gemm_mma", "gemm_mma split"):
             err = rel_l2(from_bf16_bits(_run(x_dev, w_dev, T, N, gated, impl)), expected)
             if not err < 1e-2:
                 failures.append((impl, T, err))
@@ -58,7 +63,7 @@ def test_qwen3_4b_shapes_match_the_reference_kernel(name):
         (xb, _), (wb, _) = exact_inputs(T, N, K, rng)
         expected = reference_bits(xb, wb, gated)
         x_dev, w_dev = cuda.to_device(xb), cuda.to_device(wb)
-        for impl in IMPLS if T <= 64 else ("gemv", "gemm_fma", "gemm_mma"):
+        for impl in IMPLS if T <= 16 else ("gemv", "gemm_fma", "gemm_mma", "gemm_mma split"):
             got = _run(x_dev, w_dev, T, N, gated, impl)
             if not np.array_equal(got, expected):
                 failures.append((impl, T, int(np.sum(got != expected))))

@@ -14,7 +14,7 @@ from pegainfer.kernels.linear import SKINNY_MAX_TOKENS, SkinnyGeometry, linear_s
     (1, 24, 64, SkinnyGeometry(n_tiles=1, unroll=1, warps=1, k_split=1), False),   # decode, several tiles
     (5, 41, 72, SkinnyGeometry(n_tiles=2, unroll=2, warps=2, k_split=2), False),   # ragged N and K, split-K
     (11, 20, 96, SkinnyGeometry(n_tiles=1, unroll=1, warps=2, k_split=1), True),   # tokens g+8, SwiGLU pairs
-    (20, 17, 40, SkinnyGeometry(n_tiles=1, unroll=2, warps=2, k_split=2), False),  # two m16 token tiles
+    (16, 17, 40, SkinnyGeometry(n_tiles=1, unroll=2, warps=2, k_split=2), False),  # a full m16 token tile
     # register rings: 2 and 3 iterations, K runs shorter, equal to and longer than the ring
     (16, 24, 200, SkinnyGeometry(n_tiles=2, unroll=1, warps=2, k_split=2, stages=2), True),
     (9, 20, 136, SkinnyGeometry(n_tiles=1, unroll=2, warps=1, k_split=1, stages=3), False),

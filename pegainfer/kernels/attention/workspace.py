@@ -16,15 +16,13 @@ launch); afterwards the kernel keeps them at zero, so a captured CUDA graph repl
 from __future__ import annotations
 
 import functools
-import weakref
 
 import numpy as np
 from numba import cuda
 
 from pegainfer.kernels.attention.geometry import attention_num_splits
-from pegainfer.kernels.launch import launch
 from pegainfer.kernels.policy import LaunchPolicy
-from pegainfer.kernels.primitives import grid, kernel, pdl_prologue, threads
+from pegainfer.kernels.split_counters import zeroed_counters
 
 
 def workspace_parts(num_tokens: int, nq: int, head_dim: int, num_splits: int) -> tuple[int, int]:
@@ -65,34 +63,10 @@ def split_workspace(workspace, num_tokens: int, nq: int, nkv: int, head_dim: int
             _split_counters(workspace, num_tokens * nkv, policy))
 
 
-@kernel
-def fill_i32_kernel(a, value):
-    """``a[:] = value`` (int32), grid-stride."""
-    pdl_prologue()
-    for i in range(cuda.grid(1), a.shape[0], cuda.gridsize(1)):
-        a[i] = value
-
-
-_zeroed_counters: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def _split_counters(workspace, count: int, policy: LaunchPolicy):
-    """The int32 view of ``workspace`` whose last ``count`` entries are the split-merge counters; zeroes them the
-    first time this workspace object is seen (or when a call needs more of them)."""
-    ws32 = flat(workspace).view(np.int32)
-    try:
-        done = _zeroed_counters.get(workspace, 0)
-    except TypeError:   # not weak-referenceable: zero every time (correct, one extra launch)
-        done = 0
-    if done < count:
-        tail = ws32[ws32.shape[0] - count:]
-        launch(fill_i32_kernel, grid(count, 256, sim_cap=4), threads(gpu=256, sim=32), tail, np.int32(0),
-               name="attention_zero_counters", policy=policy)
-        try:
-            _zeroed_counters[workspace] = count
-        except TypeError:
-            pass
-    return ws32
+    """The int32 view of ``workspace`` whose last ``count`` entries are the split-merge counters (zeroed once:
+    ``split_counters.zeroed_counters``)."""
+    return zeroed_counters(workspace, count, policy, "attention_zero_counters")
 
 
 @functools.lru_cache(maxsize=None)

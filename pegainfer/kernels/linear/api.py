@@ -6,7 +6,8 @@ import numpy as np
 
 from pegainfer.device import SIMULATOR
 from pegainfer.kernels.linear.common import is_contiguous
-from pegainfer.kernels.linear.gemm import gemm_fma, gemm_mma
+from pegainfer.kernels.linear.gemm import gemm_mma
+from pegainfer.kernels.linear.gemm_fma import gemm_fma
 from pegainfer.kernels.linear.gemv_multi import gemv
 from pegainfer.kernels.linear.gemv_decode import gemv_decode_add_rms_norm
 from pegainfer.kernels.linear.geometry import (GEMV_MAX_TOKENS, NORM_THREADS, SKINNY_MAX_TOKENS, GemvGeometry,
@@ -43,8 +44,10 @@ def check_shapes(x, w, out, gated: bool, impl) -> None:
 
 def default_impl(n_tokens: int) -> str:
     """The path ``linear(impl=None)`` takes for T tokens.  GPU: the GEMV for T = 1, the skinny tensor-core kernel
-    for 2 <= T <= 64 (both stream the weight once), the tiled tensor-core GEMM above.  Simulator: the GEMV up to
-    ``GEMV_MAX_TOKENS``, the FMA tiles above (cheap to emulate; the tensor-core kernels have their own tests)."""
+    for 2 <= T <= 16 (weights straight into mma fragments), the tensor-core GEMM above (weights staged in shared
+    memory once for all tokens; split-K when given a workspace): the fastest on the H200 at each T for the served
+    shapes (docs/perf/linear.md).  Simulator: the GEMV up to ``GEMV_MAX_TOKENS``, the FMA tiles above (cheap to
+    emulate; the tensor-core kernels have their own tests)."""
     if SIMULATOR:
         return "gemv" if n_tokens <= GEMV_MAX_TOKENS else "gemm_fma"
     if n_tokens <= 1:
@@ -52,7 +55,7 @@ def default_impl(n_tokens: int) -> str:
     return "skinny" if n_tokens <= SKINNY_MAX_TOKENS else "gemm_mma"
 
 
-def run_linear(x, w, out, gated: bool, impl, policy: LaunchPolicy) -> None:
+def run_linear(x, w, out, gated: bool, impl, policy: LaunchPolicy, workspace=None) -> None:
     """``linear`` (``gated``: ``linear_silu_mul``) on the path ``impl`` (None: ``default_impl``)."""
     check_shapes(x, w, out, gated, impl)
     if x.shape[0] == 0 or out.shape[1] == 0:
@@ -66,29 +69,33 @@ def run_linear(x, w, out, gated: bool, impl, policy: LaunchPolicy) -> None:
     elif impl == "gemm_fma":
         gemm_fma(x, w, out, gated=gated, policy=policy)
     else:
-        gemm_mma(x, w, out, gated=gated, policy=policy)
+        gemm_mma(x, w, out, gated=gated, workspace=workspace, policy=policy)
 
 
-def linear(x, w, out, impl: str | None = None, *, policy: LaunchPolicy = DEFAULT_POLICY) -> None:
+def linear(x, w, out, impl: str | None = None, *, workspace=None, policy: LaunchPolicy = DEFAULT_POLICY) -> None:
     """``out = bf16(x @ w.T)`` with f32 accumulation.
 
     x ``[T, K]``, w ``[N, K]``, out ``[T, N]``: contiguous uint16 bf16 bits; K a multiple of 8.
     ``impl``: ``None`` picks the path for T tokens (``default_impl``); ``"gemv"``, ``"skinny"``, ``"gemm_fma"``,
     ``"gemm_mma"`` force one (tests compare them all).
+    ``workspace``: an f32 device array of at least ``linear_workspace_size`` elements, allocated once by the caller:
+    the split-K partials of the tensor-core GEMM (``splitk``).  Without it that GEMM runs unsplit (slower for few
+    tokens on short-and-wide weights); results are the same up to the f32 sum order (``splitk``: the bound).
     """
-    run_linear(x, w, out, False, impl, policy)
+    run_linear(x, w, out, False, impl, policy, workspace)
 
 
-def linear_silu_mul(x, w_gate_up, out, impl: str | None = None, *, policy: LaunchPolicy = DEFAULT_POLICY) -> None:
+def linear_silu_mul(x, w_gate_up, out, impl: str | None = None, *, workspace=None,
+                    policy: LaunchPolicy = DEFAULT_POLICY) -> None:
     """The MLP's fused gate/up projection + SwiGLU: ``out = bf16(bf16(silu(g)) · u)`` with ``g = bf16(x @ Wg.T)``,
     ``u = bf16(x @ Wu.T)``.
 
-    x ``[T, K]``, w_gate_up ``[2I, K]`` (gate rows ``[0, I)`` then up rows ``[I, 2I)``), out ``[T, I]``; ``impl`` as
-    in ``linear``.  Every kernel sees the weight as 2I logical columns interleaved in pairs (``common.weight_row``:
+    x ``[T, K]``, w_gate_up ``[2I, K]`` (gate rows ``[0, I)`` then up rows ``[I, 2I)``), out ``[T, I]``; ``impl`` and
+    ``workspace`` as in ``linear``.  Every kernel sees the weight as 2I logical columns interleaved in pairs (``common.weight_row``:
     column ``2j`` is gate row ``j``, ``2j + 1`` up row ``I + j``), so a pair always lands in one thread, which
     writes the SwiGLU output; neither g nor u is ever written to memory.
     """
-    run_linear(x, w_gate_up, out, True, impl, policy)
+    run_linear(x, w_gate_up, out, True, impl, policy, workspace)
 
 
 def _fusable(n_tokens: int, k: int, impl, geo: GemvGeometry) -> bool:
@@ -107,7 +114,7 @@ def fuses_add_rms_norm(n_tokens: int, w, gated: bool = False, policy: LaunchPoli
 def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_out, w, out, *, gated: bool = False,
                         weight_offset: float = 0.0, round_before_weight: bool = True, normed_out=None,
                         impl: str | None = None, geometry: GemvGeometry | None = None, row_ids=None, head=None,
-                        residual_ready: bool = False, policy: LaunchPolicy = DEFAULT_POLICY) -> None:
+                        residual_ready: bool = False, workspace=None, policy: LaunchPolicy = DEFAULT_POLICY) -> None:
     """The decoder's residual add and RMSNorm followed by a projection:
 
         s = bf16(residual_in + delta)       (delta=None: s = residual_in)      -> residual_out
@@ -133,7 +140,7 @@ def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_ou
     launch starts (``LaunchPolicy.residual_ready``), so the prologue reads it before its PDL wait, leaving only
     ``delta`` for after it.
     Otherwise: ``add_rms_norm_into`` into ``normed_out`` (required then: a ``[T, H]`` scratch), then ``linear`` with
-    ``impl``.  Nothing is allocated; every launch can be captured in a CUDA graph.
+    ``impl`` and ``workspace``.  Nothing is allocated; every launch can be captured in a CUDA graph.
     """
     if row_ids is not None:
         if delta is not None or row_ids.shape != (1,) or row_ids.dtype != np.int32 or not fuses_add_rms_norm(
@@ -170,4 +177,4 @@ def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_ou
         raise ValueError(f"normed_out (a [{T}, {k}] scratch) is needed: T = {T} takes the unfused path")
     add_rms_norm_into(residual_in, delta, norm_weight, residual_out, normed_out, eps, weight_offset,
                       round_before_weight, policy=policy)
-    run_linear(normed_out, w, out, gated, impl, policy)
+    run_linear(normed_out, w, out, gated, impl, policy, workspace)

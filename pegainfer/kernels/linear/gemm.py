@@ -1,178 +1,97 @@
-"""Tiled GEMMs: ``out = x @ W.T`` for prompts, where the arithmetic, not the weight stream, is the bottleneck.
+"""The tensor-core GEMM: ``out = x @ W.T`` on a GPU for every T >= 2 tokens, from a batched decode step (a weight
+stream) to a long prompt (arithmetic-bound).
 
-* ``gemm_mma`` (the default above 64 tokens on a GPU): block tiles of x and W copied into a ring of shared-memory
-  stages with ``cp.async`` (the next stages' copies are in flight, holding no registers, while the current one is
-  multiplied), each warp issuing ``mma.sync.m16n8k16`` bf16 -> f32 through an inline-PTX ``@intrinsic``.
-* ``gemm_fma``: the same tiling with plain f32 multiply-adds on a register micro-tile.  Portable: it is what
-  ``linear`` runs above 8 tokens in the simulator (where inline PTX cannot run).
+Math: ``out[t, n] = bf16(Σ_k x[t, k] · W[n, k])`` with f32 accumulation; gated (``linear_silu_mul``), the weight
+is ``2I`` logical columns interleaved in pairs (``common.weight_row``) and each pair becomes one SwiGLU output.
 
-``mma_bf16_m16n8k16`` and ``pack_bf16x2`` come from ``primitives``, which documents the fragment layout; in the
-simulator the mma is emulated from that layout, so the tensor-core kernels' indexing is tested without a GPU.
+Shapes: x ``[T, K]``, W ``[N, K]``, out ``[T, N]`` (gated: ``[T, I]``), bf16 bits; K a multiple of 8.
+
+Tiles (``geometry.MmaGeometry``): a block of ``warps_m × warps_n`` warps owns a ``bm × bn`` output tile (``bm =
+16·warps_m·mt`` tokens, ``bn = 8·warps_n·nt`` columns); warp (wm, wn) owns ``mt × nt`` m16n8 f32 accumulator tiles
+(tokens ``wm·16·mt ..``, columns ``wn·8·nt ..``).  For few tokens one warp row holds every token of the step
+(T <= 64: ``bm`` = 16 .. 64) and four warps split 64 columns; then 128 × 64 and 128 × 128 tiles.
+
+Pipeline (per unit of work): K is walked in 32-wide K tiles.  A ring of ``stages`` shared-memory stages, each
+holding the x tile ``[bm, 32]`` and the W tile ``[bn, 32]`` (rows of 64 bytes, 16-byte chunks swizzled:
+``_swizzled``), is filled with ``cp.async`` (no registers held while the bytes fly): the first ``stages - 1`` K
+tiles go out, then at K tile ``i`` a thread waits for its own copies of ``i``, a block barrier makes everyone's
+visible (and frees the stage read at ``i - 1``), the copies of ``i + stages - 1`` go into that freed stage, and K
+tile ``i`` is multiplied: per warp ``nt`` ``ldmatrix.x4`` (all 32 K of 8 weight rows each: both k16 steps' B
+fragments), ``2·mt`` ``ldmatrix.x4`` for the A fragments, ``2·mt·nt`` ``mma.sync.m16n8k16``.  Each thread's copy
+slices are fixed for the unit (16-byte chunk ``tid % 4`` of rows ``tid / 4 + p · threads / 4``), so their source
+rows are worked out once per unit, not per K tile.
+
+Split-K (``k_splits`` > 1, ``splitk``): a unit is (token tile, column tile, K range); the last block of a tile sums
+the ranges' partials in a fixed order inside the same launch.  This is what keeps every SM streaming when few tokens
+meet a short-and-wide weight.
+
+Launch geometry: 1-D blocks of exactly ``32 · warps_m · warps_n`` threads grid-stride over the units, token tiles
+fastest, then K splits, then column tiles (the blocks that share a weight tile, or a tile's splits, run together).
+Dynamic shared memory (``geometry.MmaGeometry.shared_bytes``): the ring, then one word of split-K flag.  PDL: the
+block lets the next kernel launch at once and copies its first unit's weight stages before waiting for the kernel
+before it (weights are never written); x, the output and the workspace are touched only after the wait.
+
+``mma_bf16_m16n8k16`` and ``ldmatrix_x4`` come from ``primitives``, which documents the fragment layouts; in the
+simulator both are emulated from those layouts, so the kernel's indexing is tested without a GPU (slowly: tests use
+tiny shapes and one-warp blocks).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
 from numba import types as nbtypes
 
-from pegainfer.device import SIMULATOR
 from pegainfer.kernels.launch import launch
-from pegainfer.kernels.linear.common import WARPS_PER_SM, bounded_kernel, store_packed_pair, weight_row
+from pegainfer.kernels.linear.common import bounded_kernel, store_packed_pair, weight_row
+from pegainfer.kernels.linear.geometry import MmaGeometry, mma_geometry, mma_units
+from pegainfer.kernels.linear.splitk import build_finish_tile, split_workspace
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
-from pegainfer.kernels.primitives import (WARP, as_words, bf16x2_hi, bf16x2_lo, cp_async_16, cp_async_commit,
-                                          cp_async_wait_group, cuda, device_fn, float32, grid, kernel, load_u32x4,
-                                          mma_bf16_m16n8k16, pack_bf16x2, pdl_prologue, uint32)
+from pegainfer.kernels.primitives import (WARP, as_words, cp_async_16, cp_async_commit, cp_async_wait_group, cuda,
+                                          device_fn, float32, grid, grid_dependency_wait, int32, launch_dependents,
+                                          ldmatrix_x4, mma_bf16_m16n8k16, pack_bf16x2, uint32)
 
-# ------------------------------------------------------------------------------------------------ FMA tiles
-if SIMULATOR:
-    from pegainfer.kernels.linear.common import words_to_f32
+int64 = np.int64
 
-    def _fma_tile(acc, a_s, b_s, i0, j0, tm, tn, bk):
-        """``acc[i·tn + j] += Σ_kk a_s[kk, i0 + i] · b_s[kk, j0 + j]`` (one K step of a thread's micro-tile)."""
-        acc[:tm * tn] += (a_s[:bk, i0:i0 + tm].T @ b_s[:bk, j0:j0 + tn]).ravel()
-
-    def _stage_transposed(src32, word, valid, dst, j, kbase):
-        """The 8 bf16 of ``src32[word:word+4]`` (zeros when not ``valid``) as f32 into ``dst[kbase:kbase+8, j]``."""
-        dst[kbase:kbase + 8, j] = words_to_f32(src32[word:word + 4]) if valid else np.float32(0.0)
-else:
-    @device_fn
-    def _fma_tile(acc, a_s, b_s, i0, j0, tm, tn, bk):
-        """``acc[i·tn + j] += Σ_kk a_s[kk, i0 + i] · b_s[kk, j0 + j]`` (one K step of a thread's micro-tile)."""
-        for kk in range(bk):
-            for i in range(tm):
-                a = a_s[kk, i0 + i]
-                for j in range(tn):
-                    acc[i * tn + j] += a * b_s[kk, j0 + j]
-
-    @device_fn
-    def _stage_transposed(src32, word, valid, dst, j, kbase):
-        """The 8 bf16 of ``src32[word:word+4]`` (zeros when not ``valid``) as f32 into ``dst[kbase:kbase+8, j]``."""
-        if valid:
-            v0, v1, v2, v3 = load_u32x4(src32, word)
-        else:
-            v0 = v1 = v2 = v3 = uint32(0)
-        dst[kbase, j] = bf16x2_lo(v0)
-        dst[kbase + 1, j] = bf16x2_hi(v0)
-        dst[kbase + 2, j] = bf16x2_lo(v1)
-        dst[kbase + 3, j] = bf16x2_hi(v1)
-        dst[kbase + 4, j] = bf16x2_lo(v2)
-        dst[kbase + 5, j] = bf16x2_hi(v2)
-        dst[kbase + 6, j] = bf16x2_lo(v3)
-        dst[kbase + 7, j] = bf16x2_hi(v3)
-
-
-@functools.cache
-def _gemm_fma_kernel(bm: int, bn: int, bk: int, tm: int, tn: int, gated: bool):
-    """Build the FMA-tiled GEMM for a ``bm × bn`` block tile, ``bk`` K per step, ``tm × tn`` outputs per thread."""
-    assert bm % tm == 0 and bn % tn == 0 and bk % 8 == 0 and tn % 2 == 0
-    threads_n = bn // tn
-    slices_per_row = bk // 8
-    tmn = tm * tn
-
-    @kernel
-    def gemm_fma(x32, w32, out, k):
-        """``out = x @ W.T`` (or SwiGLU of column pairs when gated) with f32 multiply-adds.
-
-        x32 ``[T · K/2]``, w32 ``[rows · K/2]`` (flat uint32 views of the bf16 tensors), out ``[T, n_out]``.
-
-        Geometry: 1-D blocks of exactly ``(bm / tm) · (bn / tn)`` threads; blocks grid-stride over the
-        ``ceil(T / bm) · ceil(n_cols / bn)`` tiles, token tiles fastest (neighbouring blocks share a weight tile, so
-        W is read from DRAM about once).  Per K step the block stages x ``[bm, bk]`` and W ``[bn, bk]`` transposed
-        as f32 in shared memory; thread (ty, tx) accumulates tokens ``ty·tm ..`` × columns ``tx·tn ..``.
-        """
-        pdl_prologue()
-        a_s = cuda.shared.array((bk, bm), float32)
-        b_s = cuda.shared.array((bk, bn), float32)
-        acc = cuda.local.array(tmn, float32)
-        T = out.shape[0]
-        n_out = out.shape[1]
-        n_cols = 2 * n_out if gated else n_out
-        k_words = k // 2
-        tid = cuda.threadIdx.x
-        nthreads = cuda.blockDim.x
-        tx = tid % threads_n
-        ty = tid // threads_n
-        tiles_m = (T + bm - 1) // bm
-        tiles_n = (n_cols + bn - 1) // bn
-        for tile in range(cuda.blockIdx.x, tiles_m * tiles_n, cuda.gridDim.x):
-            m0 = (tile % tiles_m) * bm
-            n0 = (tile // tiles_m) * bn
-            for i in range(tm * tn):
-                acc[i] = float32(0.0)
-            for k0 in range(0, k, bk):
-                cuda.syncthreads()                 # previous step's tiles fully read
-                for idx in range(tid, (bm + bn) * slices_per_row, nthreads):
-                    row = idx // slices_per_row
-                    s = idx - row * slices_per_row
-                    kk = k0 + 8 * s
-                    if row < bm:
-                        tok = m0 + row
-                        _stage_transposed(x32, tok * k_words + kk // 2, tok < T and kk < k, a_s, row, 8 * s)
-                    else:
-                        col = n0 + row - bm
-                        wr = weight_row(min(col, n_cols - 1), n_out, gated)
-                        _stage_transposed(w32, wr * k_words + kk // 2, col < n_cols and kk < k, b_s, row - bm, 8 * s)
-                cuda.syncthreads()
-                _fma_tile(acc, a_s, b_s, ty * tm, tx * tn, tm, tn, bk)
-            for i in range(tm):
-                tok = m0 + ty * tm + i
-                if tok < T:
-                    for j in range(0, tn, 2):
-                        word = pack_bf16x2(acc[i * tn + j], acc[i * tn + j + 1])
-                        store_packed_pair(out, tok, n0 + tx * tn + j, word, gated)
-
-    return gemm_fma
-
-
-# Block tiles (bm, bn, bk, tm, tn): 256 threads of 4×4 outputs on a GPU; one warp of 4×4 in the simulator.
-_FMA_TILE = (16, 32, 32, 4, 4) if SIMULATOR else (64, 64, 16, 4, 4)
-
-
-def gemm_fma(x, w, out, *, gated: bool = False, policy: LaunchPolicy = DEFAULT_POLICY) -> None:
-    """FMA-tiled GEMM path of ``linear`` / ``linear_silu_mul``."""
-    bm, bn, bk, tm, tn = _FMA_TILE
-    T, k = x.shape
-    tiles = -(-T // bm) * -(-w.shape[0] // bn)
-    launch(_gemm_fma_kernel(bm, bn, bk, tm, tn, gated), grid(tiles, sim_cap=16), (bm // tm) * (bn // tn),
-           as_words(x), as_words(w), out, k, name="gemm_fma", policy=policy)
-
-
-# ------------------------------------------------------------------------------------------------ tensor cores
 MMA_BK = 32                  # K per shared-memory stage: two m16n8k16 steps
 MMA_ROW_WORDS = MMA_BK // 2
 """Shared-memory row of a stage, in uint32 words (bf16 pairs): 16 words = four 16-byte chunks, stored swizzled
-(``_swizzled``) rather than padded, so that a stage of a 128 × 128 tile is 16 KB and three fit in 48 KB."""
-MMA_SMEM_BYTES = 64 * 1024   # the stage ring of x and W tiles of one block (dynamic shared memory)
-MMA_MAX_STAGES = 4
-"""Ring depth at most (deeper rings were slower on the H200: docs/perf/linear.md)."""
+(``_swizzled``) rather than padded, so that a stage of a 128 × 128 tile is 16 KB."""
 
 
 @device_fn
 def _swizzled(row, word):
     """Word offset of (row, word) in a stage: 16-byte chunk ``c = word // 4`` of a row is stored at chunk
-    ``c ^ ((row >> 1) & 3)``.  A fragment load reads rows g = 0..7 at one chunk: rows of equal ``g & 1`` then fall
-    in four different chunks, so the 8 × 4 words hit 32 different banks; a 16-byte copy stays one aligned chunk."""
+    ``c ^ ((row >> 1) & 3)``.  An ``ldmatrix`` phase reads 8 rows at one chunk: rows of equal ``row & 1`` then fall in
+    four different chunks, and rows 2j, 2j + 1 are 64 bytes apart, so the 8 × 16 bytes hit 32 different banks; a
+    16-byte copy stays one aligned chunk."""
     return row * MMA_ROW_WORDS + 4 * ((word >> 2) ^ ((row >> 1) & 3)) + (word & 3)
 
 
 @device_fn
-def _copy_tile_async(src32, dst, base, per_thread, tid, nthreads, n_slices, row0, n_rows, n_out, gated, k_words,
-                     k0, k):
-    """Start ``cp.async`` copies of the tile ``[rows row0 .., 32 of K from k0]`` of a ``[n_rows, K]`` operand into
-    the stage at ``dst[base ..]`` (swizzled); zeros outside the operand.  The x tile: ``row0 = m0``, ``n_rows = T``,
-    not gated; the weight tile: ``row0 = n0``, ``n_rows = n_cols`` logical columns, whose rows ``weight_row``
-    finds.  Slice ``idx`` of the tile is row ``idx // 4``, 16-byte chunk ``idx % 4``."""
+def _plan_rows(src, lim, per_thread, step, first, row0, n_rows, n_out, gated, k_words, k):
+    """A thread's copy slices of one operand for a unit: slice p is tile row ``first + p·step``, global row
+    ``row0 + first + p·step`` of an ``[n_rows, K]`` operand (rows ``weight_row`` finds when gated).  ``src[p]``: the
+    word offset of its row (rows past the end re-read the last one: loads stay in bounds); ``lim[p]``: K for a row
+    inside the operand, 0 outside (its chunks are then zero-filled)."""
     for p in range(per_thread):
-        idx = tid + p * nthreads
-        if idx < n_slices:
-            r = idx >> 2
-            c = idx & 3
-            row = row0 + r
-            kk = k0 + 8 * c
-            inside = row < n_rows and kk < k
-            src = weight_row(min(row, n_rows - 1), n_out, gated) * k_words + min(kk, k - 8) // 2
-            cp_async_16(dst, base + _swizzled(r, 4 * c), src32, src, 16 if inside else 0)
+        row = row0 + first + p * step
+        src[p] = int64(weight_row(min(row, n_rows - 1), n_out, gated)) * k_words
+        lim[p] = k if row < n_rows else 0
+
+
+@device_fn
+def _copy_k_tile(src32, ring, dst, src, lim, per_thread, step, first, tile_rows, chunk, k0, k):
+    """Start the ``cp.async`` copies of a thread's slices of one operand's K tile (K ``k0 .. k0 + 32``, chunk
+    ``chunk`` of each of its rows) into the stage at ``ring[dst ..]`` (``dst``: the swizzled offset of its first
+    slice; later slices are ``step`` rows further, with the same swizzle).  Chunks past K are zero-filled.
+    ``tile_rows`` 0: every slice is inside the tile (its rows a multiple of ``step``: no test)."""
+    kk = k0 + 8 * chunk
+    off = min(kk, k - 8) >> 1
+    for p in range(per_thread):
+        if tile_rows == 0 or first + p * step < tile_rows:
+            cp_async_16(ring, dst + uint32(p * step * MMA_ROW_WORDS), src32, src[p] + off, 16 if kk < lim[p] else 0)
 
 
 @device_fn
@@ -200,55 +119,49 @@ def store_mma_tiles(out, acc, packed, mt, nt, tok0, col0, gated):
                 store_packed_pair(out, tok + 8, col, packed[2 * (i * nt + j) + 1], gated)
 
 
-def mma_stage_bytes(warps_m: int, warps_n: int, mt: int, nt: int) -> int:
-    """Shared memory of one stage of the GEMM's ring: the x ``[bm, 32]`` and W ``[bn, 32]`` tiles."""
-    return 4 * MMA_ROW_WORDS * (16 * warps_m * mt + 8 * warps_n * nt)
-
-
-def mma_stages(warps_m: int, warps_n: int, mt: int, nt: int) -> int:
-    """Depth of the GEMM's shared-memory ring: as many stages of x and W tiles as fit in ``MMA_SMEM_BYTES`` (at
-    most ``MMA_MAX_STAGES``): 4 for 128 × 128 and 64 × 128 tiles."""
-    return max(2, min(MMA_MAX_STAGES, MMA_SMEM_BYTES // mma_stage_bytes(warps_m, warps_n, mt, nt)))
-
-
 @functools.cache
-def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, gated: bool, stages: int,
-                     warps_per_sm: int = WARPS_PER_SM):
-    """Build the tensor-core GEMM: ``warps_m × warps_n`` warps, each owning ``mt × nt`` m16n8 accumulator tiles, so
-    the block tile is ``bm = 16·warps_m·mt`` tokens × ``bn = 8·warps_n·nt`` logical columns; a ring of ``stages``
-    K tiles; registers for ``warps_per_sm`` resident warps (``bounded_kernel``)."""
+def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, stages: int, gated: bool, warps_per_sm: int):
+    """Build the tensor-core GEMM for one tile shape and ring depth (module docstring; all compile-time: they size
+    register arrays and unroll loops).  The split count is a launch argument."""
     bm, bn = 16 * warps_m * mt, 8 * warps_n * nt
-    nthreads_c = WARP * warps_m * warps_n
-    a_slices, b_slices = 4 * bm, 4 * bn                 # 16-byte slices per 32-wide K stage
-    a_pt, b_pt = -(-a_slices // nthreads_c), -(-b_slices // nthreads_c)
+    nthreads = WARP * warps_m * warps_n
+    step = nthreads // 4                                 # tile rows one round of the block's 16-byte copies covers
+    a_pt, b_pt = -(-bm // step), -(-bn // step)          # copy slices per thread and K tile
+    a_rows = 0 if bm % step == 0 else bm                 # (0: no slice falls outside the tile)
+    b_rows = 0 if bn % step == 0 else bn
     a_stage, b_stage = bm * MMA_ROW_WORDS, bn * MMA_ROW_WORDS
-    a_smem = stages * a_stage                            # the W stages follow the x stages
-    n_acc, a_frag, b_frag, n_packed = 4 * mt * nt, 4 * mt, 2 * nt, 2 * mt * nt
-    wait_oldest = cp_async_wait_group(stages - 2)      # all but the newest stages - 2 copy groups have landed
+    w_ring = stages * a_stage                            # the W stages follow the x stages
+    flag_at = stages * (a_stage + b_stage)               # then one word: "this block is the tile's last split"
+    n_acc, n_packed, n_bfrag = 4 * mt * nt, 2 * mt * nt, 4 * nt
+    wait_ring = cp_async_wait_group(stages - 2)          # all but the newest stages - 2 copy groups have landed
     wait_all = cp_async_wait_group(0)
 
-    @bounded_kernel(nthreads_c, warps_per_sm)
-    def gemm_mma(x32, w32, out, k):
+    @device_fn
+    def store_tiles(out, acc, tok0, col0):
+        packed = cuda.local.array(n_packed, uint32)
+        store_mma_tiles(out, acc, packed, mt, nt, tok0, col0, gated)
+
+    finish_tile = build_finish_tile(n_acc, nthreads, store_tiles)
+
+    @bounded_kernel(nthreads, warps_per_sm)
+    def gemm_mma(x32, w32, out, k, k_splits, ws, counters):
         """``out = x @ W.T`` (or SwiGLU of column pairs when gated) on tensor cores, f32 accumulation.
 
-        x32 ``[T · K/2]``, w32 ``[rows · K/2]`` (flat uint32 views of the bf16 tensors), out ``[T, n_out]``.
-
-        Geometry: 1-D blocks of exactly ``32 · warps_m · warps_n`` threads; blocks grid-stride over the
-        ``ceil(T / bm) · ceil(n_cols / bn)`` tiles, token tiles fastest.  Shared memory (dynamic, ``stages`` ×
-        ``mma_stage_bytes``): a ring of ``stages`` x ``[bm, 32]`` tiles, then one of W ``[bn, 32]`` tiles, rows
-        swizzled (``_swizzled``).  K loop
-        (the usual multistage pipeline): the copies of the first ``stages - 1`` K tiles go out; at K tile ``kt`` a
-        thread waits for its own copies of ``kt``, a barrier makes everyone's visible (and frees the stage read at
-        ``kt - 1``), the copies of ``kt + stages - 1`` go into that freed stage, and ``kt`` feeds ``mma.sync``
-        (fragments read straight from shared memory in the PTX fragment layout).  Warp (wm, wn) owns tokens
-        ``wm·16·mt ..`` × columns ``wn·8·nt ..`` of the tile.
+        x32 ``[T · K/2]``, w32 ``[rows · K/2]`` (flat uint32 views of the bf16 tensors), out ``[T, n_out]``;
+        ``k`` = K; ``k_splits`` K ranges per output tile, their partials in ``ws`` (uint32 words of the f32
+        workspace) and ``counters`` (``splitk``; stand-ins when ``k_splits`` = 1).  Geometry, ring and fragment
+        loads: the module docstring.
         """
-        pdl_prologue()
-        ring = cuda.shared.array(0, nbtypes.uint32)   # dynamic: the x stages, then the W stages from word a_smem
+        launch_dependents()
+        ring = cuda.shared.array(0, nbtypes.uint32)     # dynamic: the x stages, the W stages from word w_ring, the
+        #                                                 split-K flag at word flag_at (no static shared array: the
+        #                                                 ring must start 16-byte aligned for cp.async and ldmatrix)
         acc = cuda.local.array(n_acc, float32)
-        af = cuda.local.array(a_frag, uint32)
-        bf = cuda.local.array(b_frag, uint32)
-        packed = cuda.local.array(n_packed, uint32)
+        bfrag = cuda.local.array(n_bfrag, uint32)
+        a_src = cuda.local.array(a_pt, int64)
+        a_lim = cuda.local.array(a_pt, int32)
+        b_src = cuda.local.array(b_pt, int64)
+        b_lim = cuda.local.array(b_pt, int32)
         T = out.shape[0]
         n_out = out.shape[1]
         n_cols = 2 * n_out if gated else n_out
@@ -256,98 +169,106 @@ def _gemm_mma_kernel(warps_m: int, warps_n: int, mt: int, nt: int, gated: bool, 
         tid = cuda.threadIdx.x
         lane = tid % WARP
         warp = tid // WARP
-        g = lane >> 2
-        t4 = lane & 3
         wm = warp % warps_m
         wn = warp // warps_m
-        # fragment rows: A rows wm·16·mt + 16i + g (+ 8), B rows wn·8·nt + 8j + g; their bases are multiples of 8,
-        # so every row a lane reads has the swizzle of row g (``_swizzled``)
-        a_row = (wm * mt * 16 + g) * MMA_ROW_WORDS
-        b_row = (wn * nt * 8 + g) * MMA_ROW_WORDS
-        swizzle = (g >> 1) & 3
+        # ldmatrix row addresses (``primitives.mma``): A: lane l gives row l % 16 of an m16 tile at chunk
+        # 2·ks + l / 16; B: row l % 8 of an n8 tile at chunk l / 8 (all four chunks: both k16 steps).  Tile bases
+        # are multiples of 8 rows, so the swizzle of a lane's row is (l >> 1) & 3 in both.
+        sw = (lane >> 1) & 3
+        a_lane0 = uint32(wm * mt * 16 * MMA_ROW_WORDS + (lane & 15) * MMA_ROW_WORDS + 4 * ((lane >> 4) ^ sw))
+        a_lane1 = uint32(wm * mt * 16 * MMA_ROW_WORDS + (lane & 15) * MMA_ROW_WORDS + 4 * ((2 + (lane >> 4)) ^ sw))
+        b_lane = uint32(w_ring + wn * nt * 8 * MMA_ROW_WORDS + (lane & 7) * MMA_ROW_WORDS + 4 * ((lane >> 3) ^ sw))
+        first = tid >> 2                                  # the thread's copy slices: rows first + p·step, chunk
+        chunk = tid & 3
+        dst0 = uint32(_swizzled(first, 4 * chunk))
         tiles_m = (T + bm - 1) // bm
         tiles_n = (n_cols + bn - 1) // bn
         n_kt = (k + MMA_BK - 1) // MMA_BK
-        for tile in range(cuda.blockIdx.x, tiles_m * tiles_n, cuda.gridDim.x):
-            m0 = (tile % tiles_m) * bm
-            n0 = (tile // tiles_m) * bn
-            for i in range(4 * mt * nt):
+        for unit in range(cuda.blockIdx.x, tiles_m * tiles_n * k_splits, cuda.gridDim.x):
+            m_tile = unit % tiles_m
+            split = (unit // tiles_m) % k_splits
+            n_tile = unit // (tiles_m * k_splits)
+            m0 = m_tile * bm
+            n0 = n_tile * bn
+            kt0 = split * n_kt // k_splits
+            nk = (split + 1) * n_kt // k_splits - kt0
+            _plan_rows(a_src, a_lim, a_pt, step, first, m0, T, 0, False, k_words, k)
+            _plan_rows(b_src, b_lim, b_pt, step, first, n0, n_cols, n_out, gated, k_words, k)
+            for i in range(n_acc):
                 acc[i] = float32(0.0)
-            for s in range(stages - 1):
-                if s < n_kt:
-                    _copy_tile_async(x32, ring, s * a_stage, a_pt, tid, nthreads_c, a_slices, m0, T, 0, False,
-                                     k_words, s * MMA_BK, k)
-                    _copy_tile_async(w32, ring, a_smem + s * b_stage, b_pt, tid, nthreads_c, b_slices, n0, n_cols,
-                                     n_out, gated, k_words, s * MMA_BK, k)
+            # the ring's first stages: weights first (readable before the PDL wait), then x after it; the first
+            # commit group holds every prologue weight tile, so K tile s is complete once group s is
+            # (loops with a run-time bound, not unrolled: their copies' addresses would all be live at once)
+            n_first = min(nk, stages - 1)
+            for s in range(n_first):
+                _copy_k_tile(w32, ring, uint32(w_ring) + uint32(s) * uint32(b_stage) + dst0, b_src, b_lim, b_pt, step,
+                             first, b_rows, chunk, (kt0 + s) * MMA_BK, k)
+            grid_dependency_wait()
+            for s in range(n_first):
+                _copy_k_tile(x32, ring, uint32(s) * uint32(a_stage) + dst0, a_src, a_lim, a_pt, step, first, a_rows,
+                             chunk, (kt0 + s) * MMA_BK, k)
                 cp_async_commit()
-            for kt in range(n_kt):
-                wait_oldest()
+            for s in range(n_first, stages - 1):       # empty groups: the waits count stages - 1 groups ahead
+                cp_async_commit()
+            cur = uint32(0)                             # the stage K tile i sits in (i mod stages) ...
+            slot = uint32(stages - 1)                   # ... and the one K tile i + stages - 1 goes to
+            for i in range(nk):
+                wait_ring()
                 cuda.syncthreads()
-                ahead = kt + stages - 1
-                if ahead < n_kt:
-                    slot = ahead % stages
-                    _copy_tile_async(x32, ring, slot * a_stage, a_pt, tid, nthreads_c, a_slices, m0, T, 0, False,
-                                     k_words, ahead * MMA_BK, k)
-                    _copy_tile_async(w32, ring, a_smem + slot * b_stage, b_pt, tid, nthreads_c, b_slices, n0, n_cols,
-                                     n_out, gated, k_words, ahead * MMA_BK, k)
+                if i + stages - 1 < nk:
+                    k0 = (kt0 + i + stages - 1) * MMA_BK
+                    _copy_k_tile(x32, ring, slot * uint32(a_stage) + dst0, a_src, a_lim, a_pt, step, first, a_rows,
+                                 chunk, k0, k)
+                    _copy_k_tile(w32, ring, uint32(w_ring) + slot * uint32(b_stage) + dst0, b_src, b_lim, b_pt, step,
+                                 first, b_rows, chunk, k0, k)
                 cp_async_commit()
-                a_base = (kt % stages) * a_stage
-                b_base = a_smem + (kt % stages) * b_stage
-                for ks in range(MMA_BK // 16):
-                    # words 8·ks + t4 (k = 16·ks + 2·t4) and 8·ks + 4 + t4 of rows whose swizzle is the lane's;
-                    # unsigned indices (``primitives``: no wraparound code per load)
-                    lo = 4 * ((2 * ks) ^ swizzle) + t4
-                    hi = 4 * ((2 * ks + 1) ^ swizzle) + t4
-                    for i in range(mt):
-                        r = a_base + a_row + i * 16 * MMA_ROW_WORDS
-                        af[4 * i] = ring[uint32(r + lo)]
-                        af[4 * i + 1] = ring[uint32(r + 8 * MMA_ROW_WORDS + lo)]
-                        af[4 * i + 2] = ring[uint32(r + hi)]
-                        af[4 * i + 3] = ring[uint32(r + 8 * MMA_ROW_WORDS + hi)]
-                    for j in range(nt):
-                        c = b_base + b_row + j * 8 * MMA_ROW_WORDS
-                        bf[2 * j] = ring[uint32(c + lo)]
-                        bf[2 * j + 1] = ring[uint32(c + hi)]
-                    for i in range(mt):
+                a_base = cur * uint32(a_stage)
+                b_base = cur * uint32(b_stage)
+                cur = uint32(0) if cur == uint32(stages - 1) else cur + uint32(1)
+                slot = uint32(0) if slot == uint32(stages - 1) else slot + uint32(1)
+                for j in range(nt):
+                    q0, q1, q2, q3 = ldmatrix_x4(ring, b_base + b_lane + uint32(j * 8 * MMA_ROW_WORDS))
+                    bfrag[4 * j] = q0
+                    bfrag[4 * j + 1] = q1
+                    bfrag[4 * j + 2] = q2
+                    bfrag[4 * j + 3] = q3
+                for ks in range(2):
+                    a_lane = a_lane0 if ks == 0 else a_lane1
+                    for im in range(mt):
+                        a0, a1, a2, a3 = ldmatrix_x4(ring, a_base + a_lane + uint32(im * 16 * MMA_ROW_WORDS))
                         for j in range(nt):
-                            o = 4 * (i * nt + j)
-                            d0, d1, d2, d3 = mma_bf16_m16n8k16(af[4 * i], af[4 * i + 1], af[4 * i + 2],
-                                                               af[4 * i + 3], bf[2 * j], bf[2 * j + 1],
+                            o = 4 * (im * nt + j)
+                            d0, d1, d2, d3 = mma_bf16_m16n8k16(a0, a1, a2, a3, bfrag[4 * j + 2 * ks],
+                                                               bfrag[4 * j + 2 * ks + 1],
                                                                acc[o], acc[o + 1], acc[o + 2], acc[o + 3])
                             acc[o] = d0
                             acc[o + 1] = d1
                             acc[o + 2] = d2
                             acc[o + 3] = d3
             wait_all()
-            cuda.syncthreads()                      # every warp is done with the ring before the next tile's copies
-            store_mma_tiles(out, acc, packed, mt, nt, m0 + wm * mt * 16, n0 + wn * nt * 8, gated)
+            cuda.syncthreads()                      # every warp is done with the ring before the next unit's copies
+            finish_tile(out, acc, m0 + wm * mt * 16, n0 + wn * nt * 8, ws, counters, ring, flag_at,
+                        m_tile + tiles_m * n_tile, split, k_splits)
 
     return gemm_mma
 
 
-def mma_tile(n_tokens: int, n_cols: int = 0) -> tuple[int, int, int, int]:
-    """(warps_m, warps_n, mt, nt) for T tokens and ``n_cols`` logical columns.  Prefill: 128×128 tiles of 8 warps
-    (64×32 per warp) for wide weights (n_cols >= 6144, although ptxas spills ~190 bytes at 128 registers) and for
-    long prompts (T >= 1024), faster on the H200 (docs/perf/linear.md); 64×128 tiles (32×32 per warp, no spill)
-    for short prompts of narrow weights, where 128×128 tiles would leave SMs idle.  For few tokens one warp row of
-    ``ceil(T/16)`` m16 tiles (up to 64 tokens) and 64-column tiles, so that short batches still spread the weight
-    over many blocks."""
-    if n_tokens > 64:
-        wide = (n_cols >= 6144 and n_tokens >= 128) or n_tokens >= 1024
-        return (2, 4, 4, 4) if wide else (2, 4, 2, 4)
-    return (1, 4, -(-n_tokens // 16), 2)
-
-
-def gemm_mma(x, w, out, *, gated: bool = False, tile: tuple[int, int, int, int] | None = None,
-             stages: int | None = None, warps_per_sm: int = WARPS_PER_SM,
+def gemm_mma(x, w, out, *, gated: bool = False, geometry: MmaGeometry | None = None, workspace=None,
              policy: LaunchPolicy = DEFAULT_POLICY) -> None:
-    """Tensor-core GEMM path of ``linear`` / ``linear_silu_mul`` (``tile``, ``stages``: ``mma_tile``'s and
-    ``mma_stages``' choice unless given).  In the simulator ``mma.sync`` is emulated (slow; for testing the kernel's
-    indexing: ``linear(impl=None)`` uses the FMA tiles there)."""
-    warps_m, warps_n, mt, nt = tile or mma_tile(x.shape[0], w.shape[0])
-    stages = stages or mma_stages(warps_m, warps_n, mt, nt)
+    """Tensor-core GEMM path of ``linear`` / ``linear_silu_mul``.
+
+    ``geometry`` overrides ``geometry.mma_geometry`` (benchmarks and tests try tiles and splits).  ``workspace``:
+    the f32 split-K workspace (``linear_workspace_size``); without one the picked geometry runs unsplit (a given
+    ``geometry`` that splits then raises).  In the simulator ``mma.sync`` and ``ldmatrix`` are emulated (slow; for
+    testing the kernel's indexing: ``linear(impl=None)`` takes the FMA tiles there)."""
     T, k = x.shape
-    tiles = -(-T // (16 * warps_m * mt)) * -(-w.shape[0] // (8 * warps_n * nt))
-    launch(_gemm_mma_kernel(warps_m, warps_n, mt, nt, gated, stages, warps_per_sm), grid(tiles, sim_cap=16),
-           32 * warps_m * warps_n, as_words(x), as_words(w), out, k,
-           shared=stages * mma_stage_bytes(warps_m, warps_n, mt, nt), name="gemm_mma", policy=policy)
+    n_cols = w.shape[0]
+    geo = geometry or mma_geometry(n_cols, k, T, gated, policy)
+    geo = dataclasses.replace(geo, k_splits=max(1, min(geo.k_splits, -(-k // MMA_BK))))
+    if geometry is None and workspace is None and geo.k_splits > 1:
+        geo = dataclasses.replace(geo, k_splits=1)
+    x32 = as_words(x)
+    ws, counters = split_workspace(workspace, geo, T, n_cols, policy, stand_in=x32)
+    kern = _gemm_mma_kernel(geo.warps_m, geo.warps_n, geo.mt, geo.nt, geo.stages, gated, geo.warps_per_sm)
+    launch(kern, grid(mma_units(geo, T, n_cols), sim_cap=16), geo.threads, x32, as_words(w), out, k,
+           geo.k_splits, ws, counters, shared=geo.shared_bytes, name="gemm_mma", policy=policy)

@@ -162,7 +162,7 @@ def preloads(x_tokens: int, w, policy: LaunchPolicy = DEFAULT_POLICY) -> bool:
     return bool(_preload_on(x_tokens, policy) and preload_rows(*w.shape))
 
 
-def linear_preloaded(x, w, out, busy_sms: int = 0, *, policy: LaunchPolicy = DEFAULT_POLICY) -> None:
+def linear_preloaded(x, w, out, busy_sms: int = 0, *, workspace=None, policy: LaunchPolicy = DEFAULT_POLICY) -> None:
     """``linear(x, w, out)`` for a projection that follows a latency-bound kernel whose working blocks hold
     ``busy_sms`` SMs (decode attention: one per KV head at contexts of one split).  For one token, when the whole
     matrix fits in the SMs' shared memory (``preload_rows``), it is the preloaded GEMV: launched with PDL, its
@@ -171,11 +171,11 @@ def linear_preloaded(x, w, out, busy_sms: int = 0, *, policy: LaunchPolicy = DEF
     does not fit so), so that no block waits for an SM that the kernel before still holds (docs/perf/linear.md).
     How early it starts is up to the kernel before (decode attention lets it launch right after its PDL wait);
     it lets the next kernel launch once its copies are issued.  Otherwise, and when the policy does not preload
-    (``preload_o``), it is ``linear``."""
+    (``preload_o``), it is ``linear`` (with ``workspace``, the tensor-core GEMM's split-K scratch)."""
     check_shapes(x, w, out, False, None)
     rows = (preload_rows(*w.shape, busy_sms) or preload_rows(*w.shape)) if _preload_on(x.shape[0], policy) else 0
     if rows == 0:
-        run_linear(x, w, out, False, None, policy)
+        run_linear(x, w, out, False, None, policy, workspace)
         return
     n_rows, k = w.shape
     nthreads = threads(gpu=PRELOAD_THREADS, sim=WARP)

@@ -1,13 +1,16 @@
-"""Launch geometries of the weight-streaming kernels: how a GEMV or a skinny tensor-core launch splits a weight
-over warps, blocks and K, per shape.
+"""Launch geometries of the projection kernels: how a GEMV, a skinny tensor-core or a tensor-core GEMM launch
+splits a weight over warps, blocks and K, per shape.
 
 Each picker looks first at the launch policy's measured entries for this GPU (``policy.tuned("gemv")`` /
-``policy.tuned("skinny")``, read from a tuning file by ``policy.load_tuning``), then at the built-in tables measured
-on the H200 (``GEMV_TUNED``, ``SKINNY_TUNED``; read-only), then falls back to a heuristic.  In the simulator the
-built-in tables and the heuristic give way to small blocks (one Python thread per CUDA thread).
+``policy.tuned("skinny")`` / ``policy.tuned("mma")``, read from a tuning file by ``policy.load_tuning``), then at the
+built-in tables measured on the H200 (``GEMV_TUNED``, ``SKINNY_TUNED``, ``MMA_TUNED``; read-only), then falls back to
+a heuristic.  In the simulator the built-in tables and the heuristic give way to small blocks (one Python thread per
+CUDA thread).  (``load_tuning`` reads "gemv" and "skinny" entries from a file; "mma" entries reach the policy only
+when built in code.)
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -20,8 +23,9 @@ from pegainfer.kernels.primitives import WARP, grid
 GEMV_MAX_TOKENS = 8
 """Largest token count the GEMV path takes in one pass; above it (``linear(impl=None)``) the GEMM."""
 
-SKINNY_MAX_TOKENS = 64
-"""Largest token count of the skinny path (four m16 tiles of tokens per warp)."""
+SKINNY_MAX_TOKENS = 16
+"""Largest token count of the skinny path (one m16 tile of tokens per warp); above it the tensor-core GEMM, which
+streams the weight through shared memory, is faster on every served shape (docs/perf/linear.md)."""
 
 NORM_THREADS = norm.BLOCK_THREADS
 """Block size of ``norm``'s kernels (256 on a GPU, 32 in the simulator).  The one-token GEMV with the fused add +
@@ -111,8 +115,8 @@ SKINNY_TUNED = MappingProxyType({
     (24576, 4096, 1, True): SkinnyGeometry(n_tiles=2, unroll=2, warps=8, k_split=1, stages=2),
     (18432, 2560, 1, True): SkinnyGeometry(n_tiles=2, unroll=2, warps=8, k_split=1, stages=2),
 })
-"""Measured best skinny geometries on the H200, ``(n_cols, K, m16 tiles, gated) -> SkinnyGeometry`` (read-only; a
-policy's tuning entries override them)."""
+"""Measured best skinny geometries on the H200, ``(n_cols, K, 1, gated) -> SkinnyGeometry`` (the 1: one m16 tile of
+tokens; read-only, a policy's tuning entries override them)."""
 
 
 def _token_tile(n_tokens: int) -> int:
@@ -194,17 +198,16 @@ def resident_blocks(n_tiles: int, geo: GemvGeometry) -> int:
 
 def skinny_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False,
                     policy: LaunchPolicy = DEFAULT_POLICY) -> SkinnyGeometry:
-    """Pick the skinny kernel's split for a ``[n_cols, k]`` weight (logical columns: 2I when gated) and T tokens.
+    """Pick the skinny kernel's split for a ``[n_cols, k]`` weight (logical columns: 2I when gated) and T <= 16
+    tokens (one m16 tile: tuning keys carry ``m_tiles`` = 1).
 
     ``policy``'s tuning entries first, then ``SKINNY_TUNED``, then the heuristic: per lane, as many 16-byte weight
-    loads in flight as fit in the 128 registers of 16 warps/SM without spills (ptxas, sm_90): 2 n8 tiles × 4 chunks
-    for one m16 tile of tokens (T <= 16); with more token tiles x's registers and the accumulators grow: 2 × 1 for
-    two tiles, 1 × 1 for three or four (those spill 4-24 bytes).  Then ``k_split`` doubles (up to 8, while every
-    warp keeps >= 4 iterations of K) until the grid has a warp for each of the 16 slots of every SM: the short
-    matrices (o, down: 2560 rows = 160 row groups) need k_split 8.
+    loads in flight as fit in the 128 registers of 16 warps/SM without spills (ptxas, sm_90): 2 n8 tiles × 4
+    chunks.  Then ``k_split`` doubles (up to 8, while every warp keeps >= 4 iterations of K) until the grid has a
+    warp for each of the 16 slots of every SM: the short matrices (o, down: 2560 rows = 160 row groups) need
+    k_split 8.
     """
-    mt = -(-n_tokens // 16)
-    key = (n_cols, k, mt, gated)
+    key = (n_cols, k, 1, gated)
     tuned = policy.tuned("skinny").get(key)
     if tuned is not None:
         return SkinnyGeometry(**tuned)
@@ -212,10 +215,148 @@ def skinny_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False,
         return SkinnyGeometry(n_tiles=2, unroll=1, warps=2, k_split=2 if k >= 128 else 1)
     if key in SKINNY_TUNED:
         return SKINNY_TUNED[key]
-    nt, unroll = (2, 4) if mt == 1 else ((2, 1) if mt == 2 else (1, 1))
+    nt, unroll = 2, 4
     target = 16 * sm_count()
     groups = -(-n_cols // (8 * nt))
     k_split = 1
     while groups * k_split < target and k_split < 8 and k // (32 * unroll * 2 * k_split) >= 4:
         k_split *= 2
     return SkinnyGeometry(n_tiles=nt, unroll=unroll, warps=8, k_split=k_split)
+
+
+# ------------------------------------------------------------------------------------------------ tensor-core GEMM
+@dataclass(frozen=True)
+class MmaGeometry:
+    """Launch parameters of the tensor-core GEMM (``gemm.gemm_mma``).
+
+    warps_m × warps_n: warps per block; each owns mt × nt m16n8 accumulator tiles, so a block tile is
+      ``bm = 16·warps_m·mt`` tokens × ``bn = 8·warps_n·nt`` logical columns.
+    stages: depth of the shared-memory ring of 32-wide K tiles of x and W (``stages - 1`` in flight).
+    k_splits: blocks that share one output tile, each over its own range of K (split-K, ``splitk``); 1 = none.
+    warps_per_sm: occupancy the kernel is compiled for (launch bounds: 65536 / (32 · warps_per_sm) registers).
+    """
+    warps_m: int
+    warps_n: int
+    mt: int
+    nt: int
+    stages: int = 4
+    k_splits: int = 1
+    warps_per_sm: int = WARPS_PER_SM
+
+    @property
+    def bm(self) -> int:
+        return 16 * self.warps_m * self.mt
+
+    @property
+    def bn(self) -> int:
+        return 8 * self.warps_n * self.nt
+
+    @property
+    def threads(self) -> int:
+        return WARP * self.warps_m * self.warps_n
+
+    @property
+    def stage_bytes(self) -> int:
+        """One stage of the ring: x ``[bm, 32]`` and W ``[bn, 32]`` bf16."""
+        return 64 * (self.bm + self.bn)
+
+    @property
+    def shared_bytes(self) -> int:
+        """The ring's ``stages`` stages, then 16 bytes holding the split-K flag."""
+        return self.stages * self.stage_bytes + 16
+
+
+def mma_units(geo: MmaGeometry, n_tokens: int, n_cols: int) -> int:
+    """Work units of a launch: token tiles × column tiles × K splits (blocks grid-stride over them)."""
+    return -(-n_tokens // geo.bm) * -(-n_cols // geo.bn) * geo.k_splits
+
+
+def mma_token_tile(n_tokens: int) -> int:
+    """The token count a tuned GEMM geometry is keyed by: the next power of two >= T, at least 16 (one m16 tile)."""
+    t = 16
+    while t < n_tokens:
+        t *= 2
+    return t
+
+
+MMA_SPLIT_MAX_TOKENS = 256
+"""Largest T whose heuristic geometry may split K: up to here the GEMM streams the weight (few tokens, few tiles);
+above, a prompt has tiles enough to fill the GPU."""
+
+
+def _mma(warps_m: int, warps_n: int, mt: int, nt: int, k_splits: int, stages: int = 4) -> MmaGeometry:
+    return MmaGeometry(warps_m=warps_m, warps_n=warps_n, mt=mt, nt=nt, stages=stages, k_splits=k_splits)
+
+
+MMA_TUNED = MappingProxyType({
+    # Cold weights on the H200 (benchmarks/bench_gemm.py --sweep, docs/perf/linear.md): the shapes and token tiles
+    # where the sweep's best beat the heuristic's geometry by more than 3 % (µs per launch: best / heuristic)
+    (19456, 2560, 32, True): _mma(1, 4, 2, 2, k_splits=3, stages=8),    # Qwen3-4B gate_up: 43.6 / 45.6
+    (18432, 2560, 32, True): _mma(1, 4, 2, 2, k_splits=3, stages=8),    # Qwen3.5-4B gate_up: 42.2 / 44.3
+    (6144, 2560, 128, False): _mma(4, 2, 2, 4, k_splits=2),             # Qwen3-4B qkv: 34.2 / 35.3
+    (6144, 4096, 128, False): _mma(2, 2, 4, 4, k_splits=4),             # Qwen3-8B qkv: 44.1 / 48.3
+    (10240, 2560, 128, False): _mma(2, 2, 4, 4, k_splits=2),            # Qwen3.5-4B qkv: 50.0 / 53.8
+    (12352, 2560, 128, False): _mma(2, 2, 4, 4, k_splits=2),            # Qwen3.5-4B in_proj: 51.6 / 54.3
+    (10240, 2560, 256, False): _mma(2, 4, 4, 4, k_splits=2),            # Qwen3.5-4B qkv: 74.4 / 83.7
+    (4096, 12288, 256, False): _mma(2, 4, 4, 4, k_splits=4),            # Qwen3-8B down: 101.3 / 112.4
+})
+"""Measured best tensor-core GEMM geometries on the H200, ``(n_cols, K, mma_token_tile(T), gated) ->
+MmaGeometry`` (read-only; a policy's ``tuned("mma")`` entries override them)."""
+
+
+def best_k_splits(tiles: int, k: int, n_tokens: int, max_splits: int = 16) -> int:
+    """K splits for a launch of ``tiles`` output tiles (1 .. ``max_splits``, every split at least 4 K tiles of
+    32).  Up to 128 tokens the GEMM streams the weight, and about two units a SM (every one resident at once)
+    streamed fastest on the H200: o / down of the 4B models (40 tiles of 64 columns) take 6, 4096-row weights (64
+    tiles) 4, weights of 160 tiles and more none.  Above, the arithmetic is the bottleneck and the units fill one
+    balanced wave (at most one a SM)."""
+    sms = sm_count()
+    if n_tokens <= 128:
+        splits = 2 * sms // tiles
+    else:
+        splits = sms // tiles
+    return max(1, min(splits, max_splits, -(-k // 32) // 4))
+
+
+def mma_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False,
+                 policy: LaunchPolicy = DEFAULT_POLICY) -> MmaGeometry:
+    """Pick the tensor-core GEMM's geometry for T tokens over a ``[n_cols, k]`` weight (logical columns: 2I gated).
+
+    ``policy``'s ``tuned("mma")`` entries first, then ``MMA_TUNED``, then the heuristic (the tiles that won every
+    served shape's sweep on the H200 but the LM heads at 128 tokens: docs/perf/linear.md):
+
+    * T <= 64: one warp row holding all T tokens (``mma_token_tile(T) / 16`` m16 tiles) × 4 warps of 16 columns
+      (64-column tiles), a ring of 8 stages (6 for 64 tokens), split-K by ``best_k_splits``.
+    * 64 < T <= 128: 128 × 64 tiles, of 8 warps (32 × 32 each) for weights of up to 4096 rows, of 4 (64 × 32) up to
+      65536 rows, and 128 × 128 tiles of 8 warps above; a ring of 4; split-K by ``best_k_splits``.
+    * 128 < T <= 256: 128 × 128 tiles of 8 warps, a ring of 4, split-K into one balanced wave.
+    * prompts: 128 × 128 tiles of 8 warps (64 × 32 per warp) for wide weights (n_cols >= 6144, T >= 128) and long
+      prompts (T >= 1024), 64 × 128 (32 × 32 per warp) otherwise, where 128 × 128 tiles would leave SMs idle; a
+      ring of 4 stages (deeper was slower: docs/perf/linear.md).
+
+    In the simulator: one-warp blocks of 16 × 16 tiles, a ring of 3, split in two when K has 4 tiles or more.
+    """
+    key = (n_cols, k, mma_token_tile(n_tokens), gated)
+    tuned = policy.tuned("mma").get(key)
+    if tuned is not None:
+        return MmaGeometry(**tuned)
+    if SIMULATOR:
+        return MmaGeometry(warps_m=1, warps_n=1, mt=1, nt=2, stages=3, k_splits=2 if k >= 128 else 1)
+    if key in MMA_TUNED:
+        return MMA_TUNED[key]
+    tile = mma_token_tile(n_tokens)
+    if tile <= 64:
+        geo = MmaGeometry(warps_m=1, warps_n=4, mt=tile // 16, nt=2, stages=6 if tile == 64 else 8)
+    elif tile == 128 and n_cols <= 4096:
+        geo = MmaGeometry(warps_m=4, warps_n=2, mt=2, nt=4)
+    elif tile == 128 and n_cols < 65536:
+        geo = MmaGeometry(warps_m=2, warps_n=2, mt=4, nt=4)
+    elif n_tokens <= MMA_SPLIT_MAX_TOKENS or (n_cols >= 6144 and n_tokens >= 128) or n_tokens >= 1024:
+        geo = MmaGeometry(warps_m=2, warps_n=4, mt=4, nt=4)
+    else:
+        geo = MmaGeometry(warps_m=2, warps_n=4, mt=2, nt=4)
+    splits = 1
+    if n_tokens <= MMA_SPLIT_MAX_TOKENS:
+        tiles = -(-n_tokens // geo.bm) * -(-n_cols // geo.bn)
+        splits = best_k_splits(tiles, k, n_tokens)
+    return dataclasses.replace(geo, k_splits=splits)

@@ -7,7 +7,7 @@ and never checks which world it runs in; this package is the only place that doe
 * ``bf16`` -- bf16 as raw bits: conversions, packed pairs, host conversions
 * ``loads`` -- 16-byte and 8-byte loads and stores, ``as_words``
 * ``reductions`` -- warp and block reductions (sums, maxima, argmax)
-* ``mma`` -- the warp-wide bf16 tensor-core multiply-accumulate
+* ``mma`` -- the warp-wide bf16 tensor-core multiply-accumulate and ``ldmatrix``, which loads its fragments
 * ``async_copy`` -- ``cp.async`` and the sm_90 bulk copies with their mbarrier
 * ``pdl`` -- programmatic dependent launch (``grid_dependency_wait``, ``launch_dependents``, ``pdl_prologue``) and the
   clock registers of the timeline stamps
@@ -53,7 +53,7 @@ from pegainfer.kernels.primitives.launch_shape import (device_fn, float32, grid,
                                                        uint16, uint32)
 from pegainfer.kernels.primitives.loads import (as_words, load_f32x2, load_f32x4, load_u32_l2, load_u32x4,
                                                 store_f32x2, store_f32x4)
-from pegainfer.kernels.primitives.mma import mma_bf16_m16n8k16
+from pegainfer.kernels.primitives.mma import ldmatrix_x4, mma_bf16_m16n8k16
 from pegainfer.kernels.primitives.pdl import (GRID_DEPENDENCY_CONTROL, global_timer, grid_dependency_wait,
                                               launch_dependents, pdl_prologue, sm_id)
 from pegainfer.kernels.primitives.reductions import (FULL_MASK, NO_INDEX, WARP, block_argmax, block_max,
@@ -64,7 +64,7 @@ __all__ = ["as_words", "bf16_to_f32", "bf16x2_hi", "bf16x2_lo", "bits_f32", "blo
            "bulk_barrier_init", "bulk_copy", "bulk_expect_bytes", "bulk_wait", "cp_async_16", "cp_async_commit",
            "cp_async_wait_group", "cuda", "device_fn", "f32_bits", "f32_to_bf16", "float32", "from_bf16_bits",
            "FULL_MASK", "global_timer", "grid", "GRID_DEPENDENCY_CONTROL", "grid_dependency_wait", "int32", "kernel",
-           "lane_group_max", "lane_group_sum", "launch_dependents", "load_f32x2", "load_f32x4", "load_u32_l2",
+           "lane_group_max", "lane_group_sum", "launch_dependents", "ldmatrix_x4", "load_f32x2", "load_f32x4", "load_u32_l2",
            "load_u32x4", "math", "mma_bf16_m16n8k16", "NO_INDEX", "pack_bf16x2", "pdl_prologue", "SIMULATOR",
            "sm_id", "store_f32x2", "store_f32x4", "threads", "to_bf16_bits", "uint16", "uint32", "WARP",
            "warp_argmax", "warp_max", "warp_row_sums_to_shared", "warp_sum", "warp_sums_to_shared"]

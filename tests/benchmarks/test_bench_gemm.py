@@ -1,0 +1,48 @@
+"""``benchmarks/bench_gemm.py``: its sweep candidates, the ulp comparison it checks every candidate with, and a smoke
+run of every mode in the simulator."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+
+
+@pytest.fixture
+def bg(bench_modules):
+    import bench_gemm
+    return bench_gemm
+
+
+def test_ulp_mismatch_counts_outputs_more_than_one_ulp_apart(bg):
+    """bf16 bits as one ordered line: neighbours across zero and within a binade are one ulp apart, two steps are
+    not."""
+    one = np.array([0x3F80, 0x8000, 0x0000, 0x3F80], np.uint16)
+    near = np.array([0x3F81, 0x0000, 0x8001, 0x3F7F], np.uint16)
+    assert bg.ulp_mismatch(near, one) == 0.0
+    far = np.array([0x3F82, 0x0001, 0x8002, 0x3F80], np.uint16)
+    assert bg.ulp_mismatch(far, one) == 0.5
+
+
+def test_sweep_candidates_split_only_where_k_allows(bg):
+    """Every candidate keeps at least 4 K tiles a split, and a weight whose tiles already fill the GPU is not
+    split."""
+    L = bg.linear_api()
+    short = bg.Shape.__new__(bg.Shape)
+    short.n, short.k, short.gated = 64, 256, False
+    cands = bg.sweep_candidates(L, short, 2)
+    assert cands and all((256 // 32) // g.k_splits >= 4 or g.k_splits == 1 for g in cands)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="a smoke run of the simulator's tiny shapes")
+def test_every_mode_smoke_run(bg, tmp_path, capsys):
+    out = tmp_path / "gemm.json"
+    assert bg.main(["--check", "--sweep", "--tokens", "2,17", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["check"] is True
+    table = [r for r in res["rows"] if r["kind"] == "table"]
+    assert {(r["proj"], r["T"]) for r in table} == {(p, t) for p, *_ in bg.SIM_MODEL for t in (2, 17)}
+    assert all(r["us"] > 0 and "gemm_mma tuned" in r["impls"] for r in table)
+    assert res["tuned"] and all(e["geometry"]["k_splits"] >= 1 for e in res["tuned"])
+    assert "MMA_TUNED entries" in capsys.readouterr().out

@@ -25,7 +25,8 @@
 #   acc35     tests/gpu/test_qwen35_gpu.py on that folder
 #   serve     one `serve` of $SERVE_MODEL (default qwen3-4b, word-tokenizer view) and `bench-serve` against it at
 #             each concurrency of $CONCURRENCY (default "1 64 256"), 128 tokens in / 256 out; then the
-#             ShareGPT-like mix at $RATE requests/s (default none)
+#             ShareGPT-like mix at $RATE requests/s (default none); then benchmarks/soak.py for $SOAK_S seconds
+#             (default none) at 64 streams
 #   batch     pegainfer bench --batch B (B in $BATCHES, default "64 256") at a 256-token context, beside the floor
 #   prefix    benchmarks/prefix_cache_ttft.py: a 2000-token shared prefix, cache on and off
 set -uo pipefail
@@ -137,6 +138,11 @@ print(v('$SM', '/tmp/serve_view'))" 2>/dev/null | tail -1)
                 timeout ${SERVE_TIMEOUT:-180} python3 -m pegainfer bench-serve --base-url http://127.0.0.1:8123 \
                   --model-path "$VIEW" --num-prompts 512 --request-rate $RATE --dataset-name sharegpt \
                   --json "$OUT/serve_sharegpt_r$RATE.json" 2>&1 | filter | tail -30 | tee -a "$OUT/serve.log"
+              fi
+              if [ -n "${SOAK_S:-}" ]; then
+                timeout $(( SOAK_S + 120 )) python3 benchmarks/soak.py --url http://127.0.0.1:8123 --server-pid $SERVER \
+                  --duration $SOAK_S --concurrency 64 --json "$OUT/soak.json" 2>&1 | filter | tail -25 \
+                  | tee -a "$OUT/serve.log"
               fi
               curl -s http://127.0.0.1:8123/metrics 2>/dev/null | grep -v "^#" | grep -i "preempt\|prefix\|kv\|running\|waiting" \
                 | head -20 | tee -a "$OUT/serve.log"

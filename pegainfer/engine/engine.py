@@ -217,8 +217,8 @@ class Engine:
         from pegainfer.engine.progress import WarmupProgress
         # GPU: the projection kernels of every size class (one token, skinny, tiled GEMM, the large tiles of a full
         # step) and both attention paths compile here, not in the first request that needs them
-        lengths = [2] if SIMULATOR else sorted({2, 16, min(160, self.max_model_len - 4),
-                                                min(self.scheduler.max_num_batched_tokens, self.max_model_len - 4)})
+        top = min(self.scheduler.max_num_batched_tokens, self.max_model_len - 4)
+        lengths = [2] if SIMULATOR else sorted({2, 16, *(n for n in (32, 64, 128, 160, 256) if n < top), top})
         graphs = self.runner.graphs
         mixed = not SIMULATOR and self.scheduler.max_batch >= 2 and self.max_model_len > 40
         with WarmupProgress(len(lengths) + mixed + (graphs is not None)) as progress:

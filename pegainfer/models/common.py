@@ -64,6 +64,19 @@ class DecoderModel:
         self.logits = e(self.max_rows, self.V)
         ws = attention.attention_workspace_size(T, self.nq, self.D, self.max_model_len, page_size)
         self.attn_workspace = cuda.device_array(max(int(ws), 1), dtype=np.float32)
+        self.linear_workspace = cuda.device_array(self.linear_workspace_size(), dtype=np.float32)
+
+    def projection_shapes(self) -> list[tuple[int, int, bool]]:
+        """Every weight projection of a step as ``(rows, K, gated)`` (``linear.linear_workspace_size``)."""
+        raise NotImplementedError
+
+    def linear_workspace_size(self) -> int:
+        """f32 elements of the tensor-core GEMM's split-K scratch for every projection of a step of up to
+        ``max_tokens`` tokens (computed once)."""
+        if getattr(self, "_linear_workspace_size", None) is None:
+            self._linear_workspace_size = int(linear.linear_workspace_size(self.max_tokens, self.projection_shapes(),
+                                                                           self.policy))
+        return self._linear_workspace_size
 
     def _load_embeddings(self, reader) -> None:
         """``embed`` ``[V, H]``, ``final_norm`` ``[H]`` and ``lm_head`` ``[V, H]`` (the embedding itself when tied, or

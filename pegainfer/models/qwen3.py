@@ -48,13 +48,19 @@ class Qwen3Model(DecoderModel):
         lm = 0 if self.cfg.tie_word_embeddings else V * H
         return 2 * (V * H + self.L * per_layer + H + lm)
 
+    def projection_shapes(self) -> list[tuple[int, int, bool]]:
+        H = self.H
+        return [(self.qkv_rows, H, False), (H, self.nq * self.D, False), (2 * self.I, H, True), (H, self.I, False),
+                (self.V, H, False)]
+
     def kv_bytes_per_token(self) -> int:
         return 2 * self.L * 2 * self.nkv * self.D
 
     def scratch_bytes(self) -> int:
         T, H = self.max_tokens, self.H
         elems = T * (4 * H + self.qkv_rows + 2 * self.nq * self.D + 2 * self.I) + self.max_rows * (H + self.V)
-        return 2 * elems + 4 * attention.attention_workspace_size(T, self.nq, self.D, self.max_model_len, 16)
+        return 2 * elems + 4 * attention.attention_workspace_size(T, self.nq, self.D, self.max_model_len, 16) + \
+            4 * self.linear_workspace_size()
 
     # ------------------------------------------------------------------------------------------------ weights
     def load_weights(self, reader, progress=None) -> None:
@@ -105,13 +111,14 @@ class Qwen3Model(DecoderModel):
         attn_flat = self.attn.reshape(self.max_tokens, self.nq * self.D)[:T]
         scale = 1.0 / math.sqrt(self.D)
 
-        policy = self.policy
+        policy, ws = self.policy, self.linear_workspace    # ws: the tensor-core GEMM's split-K scratch
         stream_in, row_ids = self._embed(ids, residual, self.layers[0]["qkv"])
         for i, lw in enumerate(self.layers):
             linear.linear_add_rms_norm(stream_in if i == 0 else residual, delta if i > 0 else None, lw["input_ln"],
                                        eps, spare, lw["qkv"], qkv, normed_out=normed,
                                        row_ids=row_ids if i == 0 else None,
-                                       residual_ready=i > 0 and policy.residual_ready("down", decode), policy=policy)
+                                       residual_ready=i > 0 and policy.residual_ready("down", decode),
+                                       workspace=ws, policy=policy)
             residual, spare = spare, residual
             rope.qk_norm_rope_store(qkv, lw["q_norm"], lw["k_norm"], self.rope_cos, self.rope_sin, pos, slots,
                                     block_tables, self.k_cache[i], self.v_cache[i], q, eps, self.rotary_dim,
@@ -120,22 +127,23 @@ class Qwen3Model(DecoderModel):
                                       scale, self.attn_workspace, decode=decode, num_decode=num_decode,
                                       policy=policy)
             linear.linear_preloaded(attn_flat, lw["o"], delta,   # its weights copied in while attention ends
-                                    busy_sms=self.nkv, policy=policy)
+                                    busy_sms=self.nkv, workspace=ws, policy=policy)
             linear.linear_add_rms_norm(residual, delta, lw["post_ln"], eps, spare, lw["gate_up"], act, gated=True,
                                        normed_out=normed, residual_ready=policy.residual_ready("mixer", decode),
-                                       policy=policy)
+                                       workspace=ws, policy=policy)
             residual, spare = spare, residual
-            linear.linear(act, lw["down"], delta, policy=policy)
+            linear.linear(act, lw["down"], delta, workspace=ws, policy=policy)
         logits = self.logits[:B]
         if T == 1 and B == 1:
             # one row, which is the logits row: the final norm is the LM head's prologue
             linear.linear_add_rms_norm(residual, delta, self.final_norm, eps, spare, self.lm_head, logits,
                                        normed_out=normed, head=head,
-                                       residual_ready=policy.residual_ready("down", decode), policy=policy)
+                                       residual_ready=policy.residual_ready("down", decode), workspace=ws,
+                                       policy=policy)
         else:
             assert head is None, "the LM head's argmax is for one token (lm_head_argmax)"
             norm.add_rms_norm(residual, delta, self.final_norm, normed, eps, policy=policy)
             last = self.last_hidden[:B]
             embedding.embedding(step.logit_rows[:B], normed, last, policy=policy)   # the rows that need logits
-            linear.linear(last, self.lm_head, logits, policy=policy)
+            linear.linear(last, self.lm_head, logits, workspace=ws, policy=policy)
         return logits

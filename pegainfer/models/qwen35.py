@@ -115,7 +115,12 @@ class Qwen35Model(DecoderModel):
                      + self.value_dim) + R * (H + self.V)
         chunk = T * (2 * self.Hv * self.chunk_size + 2 * self.Hv + 2 * self.Hk)  # f32 ChunkScratch
         ws = attention.attention_workspace_size(T, self.nq, self.D, self.max_model_len, 16)
-        return 2 * elems + 4 * (chunk + ws)
+        return 2 * elems + 4 * (chunk + ws + self.linear_workspace_size())
+
+    def projection_shapes(self) -> list[tuple[int, int, bool]]:
+        H = self.H
+        return [(self.proj_rows, H, False), (self.qkv_rows, H, False), (H, self.nq * self.D, False),
+                (H, self.value_dim, False), (2 * self.I, H, True), (H, self.I, False), (self.V, H, False)]
 
     # ------------------------------------------------------------------------------------------------ weights
     def load_weights(self, reader, progress=None) -> None:
@@ -208,7 +213,7 @@ class Qwen35Model(DecoderModel):
         ``step``: the step's device inputs (``engine.step_inputs.StepInputs``, as in ``Qwen3Model.forward``);
         ``decode``, ``head`` and ``num_decode`` as there (a mixed step's Gated DeltaNet layers take every sequence
         through the chunked path: a decode is a one-token chunk)."""
-        eps, policy = self.cfg.rms_norm_eps, self.policy
+        eps, policy, ws = self.cfg.rms_norm_eps, self.policy, self.linear_workspace   # ws: split-K scratch
         ids, pos, slots = step.ids[:T], step.positions[:T], step.token_slots[:T]
         residual, spare = self.residuals[0][:T], self.residuals[1][:T]
         normed, delta, act = self.normed[:T], self.delta[:T], self.act[:T]
@@ -227,8 +232,8 @@ class Qwen35Model(DecoderModel):
             linear.linear_add_rms_norm(stream_in if i == 0 else residual, delta if i > 0 else None, lw["input_ln"],
                                        eps, spare, first_w, first_out, normed_out=normed,
                                        row_ids=row_ids if i == 0 else None,
-                                       residual_ready=i > 0 and policy.residual_ready("down", decode), policy=policy,
-                                       **QWEN35_NORM)
+                                       residual_ready=i > 0 and policy.residual_ready("down", decode),
+                                       workspace=ws, policy=policy, **QWEN35_NORM)
             residual, spare = spare, residual
             if i in full_index:
                 self._full_attention(full_index[i], lw, delta, T, pos, slots, block_tables, decode, num_decode)
@@ -237,21 +242,21 @@ class Qwen35Model(DecoderModel):
                                        slots if decode else None)
             linear.linear_add_rms_norm(residual, delta, lw["post_ln"], eps, spare, lw["gate_up"], act, gated=True,
                                        normed_out=normed, residual_ready=policy.residual_ready("mixer", decode),
-                                       policy=policy, **QWEN35_NORM)
+                                       workspace=ws, policy=policy, **QWEN35_NORM)
             residual, spare = spare, residual
-            linear.linear(act, lw["down"], delta, policy=policy)
+            linear.linear(act, lw["down"], delta, workspace=ws, policy=policy)
         logits = self.logits[:B]
         if T == 1 and B == 1:
             linear.linear_add_rms_norm(residual, delta, self.final_norm, eps, spare, self.lm_head, logits,
                                        normed_out=normed, head=head,
-                                       residual_ready=policy.residual_ready("down", decode), policy=policy,
-                                       **QWEN35_NORM)
+                                       residual_ready=policy.residual_ready("down", decode), workspace=ws,
+                                       policy=policy, **QWEN35_NORM)
         else:
             assert head is None, "the LM head's argmax is for one token (lm_head_argmax)"
             norm.add_rms_norm(residual, delta, self.final_norm, normed, eps, policy=policy, **QWEN35_NORM)
             last = self.last_hidden[:B]
             embedding.embedding(step.logit_rows[:B], normed, last, policy=policy)   # the rows that need logits
-            linear.linear(last, self.lm_head, logits, policy=policy)
+            linear.linear(last, self.lm_head, logits, workspace=ws, policy=policy)
         return logits
 
     def _full_attention(self, j, lw, delta, T, pos, slots, block_tables, decode: bool = False,
@@ -268,7 +273,7 @@ class Qwen35Model(DecoderModel):
                                   num_decode=num_decode, gate=qkv, policy=self.policy)
         attn_flat = self.attn.reshape(self.max_tokens, self.nq * self.D)[:T]
         linear.linear_preloaded(attn_flat, lw["o"], delta,   # its weights copied in while attention ends
-                                busy_sms=self.nkv, policy=self.policy)
+                                busy_sms=self.nkv, workspace=self.linear_workspace, policy=self.policy)
 
     def _linear_attention(self, j, lw, delta, T, pos, seq_slots, seq_offsets, token_by_token,
                           decode_slots=None) -> None:
@@ -296,4 +301,4 @@ class Qwen35Model(DecoderModel):
                                             policy=self.policy)
             gated_delta.gated_rms_norm(core, z, lw["norm"], core, eps, policy=self.policy)
         linear.linear_preloaded(core, lw["out_proj"], delta,   # copied in while the step runs (released early)
-                                policy=self.policy)
+                                workspace=self.linear_workspace, policy=self.policy)

@@ -81,15 +81,15 @@ def _save_as_conditional_generation(model, text_cfg, folder):
     (folder / "config.json").write_text(json.dumps(config))
 
 
-def _engine(folder):
+def _engine(folder, max_model_len=64, **kw):
     from pegainfer.engine.engine import Engine
     from pegainfer.models.qwen35 import Qwen35Model
 
     default_chunk = Qwen35Model.chunk_size
     Qwen35Model.chunk_size = CHUNK            # read when the model allocates its buffers
     try:
-        engine = Engine.from_folder(str(folder), max_model_len=64, max_batch=2, max_num_batched_tokens=MAX_PREFILL,
-                                    use_cuda_graph=False)
+        engine = Engine.from_folder(str(folder), max_model_len=max_model_len, max_batch=2,
+                                    max_num_batched_tokens=MAX_PREFILL, use_cuda_graph=False, **kw)
     finally:
         Qwen35Model.chunk_size = default_chunk
     assert engine.model.arch == "qwen3_5" and engine.model.chunk_scratch.chunk_size == CHUNK
@@ -192,6 +192,31 @@ def test_prompt_prefilled_beside_a_decode_matches_each_alone(tiny):
     assert "mixed" in kinds, kinds
     assert together == alone
     assert engine.stats()["kv_pages_used"] == 0
+
+
+def test_preempted_sequences_resume_with_the_same_tokens(tiny, tmp_path):
+    """Catches a preempted Qwen3.5 sequence that resumes from a stale recurrent state (its slot not cleared before
+    the recomputation) or loses tokens: with pages for barely two growing sequences, preemptions happen and each
+    greedy stream equals its one-sequence run."""
+    from pegainfer.engine.types import SamplingParams
+    from tests.util import greedy_decode
+
+    _, roomy = tiny
+    folder = tmp_path / "qwen35_preempt"
+    _write_tiny_qwen35(folder, multimodal=False)                 # the fixture's weights (same seed)
+    tight = _engine(folder, max_model_len=32, num_pages=3)      # 2 pages a sequence, 3 for both
+    prompts = {"a": _prompt(9, seed=8), "b": _prompt(14, seed=9)}
+    steps = 16
+    alone = {k: greedy_decode(roomy, p, steps, f"alone-{k}")[0] for k, p in prompts.items()}
+    for k, p in prompts.items():
+        tight.add_request(k, p, SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
+    got = {k: [] for k in prompts}
+    while tight.has_unfinished():
+        for out in tight.step():
+            got[out.request_id].extend(out.new_token_ids)
+    assert tight.stats()["num_preemptions"] > 0
+    assert got == alone
+    assert tight.stats()["kv_pages_used"] == 0
 
 
 def test_conditional_generation_layout(tmp_path):

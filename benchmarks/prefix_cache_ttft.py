@@ -37,6 +37,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefix-len", type=int, default=2000)
     ap.add_argument("--suffix-len", type=int, default=16)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--warmup-runs", type=int, default=1, help="untimed runs first (default 1)")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -48,11 +49,11 @@ def main(argv=None) -> int:
         vocab = engine.model.V
         rng = np.random.default_rng(0)
         a_times, b_times, cached = [], [], []
-        for run in range(args.runs + 1):                    # the first run warms up
+        for run in range(args.warmup_runs + args.runs):
             prefix = rng.integers(0, vocab, size=args.prefix_len).tolist()
             a, _ = ttft(engine, f"a{run}", prefix + rng.integers(0, vocab, size=args.suffix_len).tolist())
             b, hit = ttft(engine, f"b{run}", prefix + rng.integers(0, vocab, size=args.suffix_len).tolist())
-            if run:
+            if run >= args.warmup_runs:
                 a_times.append(a)
                 b_times.append(b)
                 cached.append(hit)

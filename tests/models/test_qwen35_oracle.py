@@ -186,9 +186,9 @@ def test_prompt_prefilled_beside_a_decode_matches_each_alone(tiny):
     from tests.util import greedy_decode, streams_with_a_late_arrival
 
     _, engine = tiny
-    first, second = _prompt(7, seed=4), _prompt(12, seed=5)
-    alone = {k: greedy_decode(engine, p, 4, f"alone-{k}")[0] for k, p in (("first", first), ("second", second))}
-    together, kinds = streams_with_a_late_arrival(engine, first, second, 4)
+    first, second = _prompt(4, seed=4), _prompt(11, seed=5)   # 11: chunks of 8 (the budget's 9 less a decode) + 3
+    alone = {k: greedy_decode(engine, p, 3, f"alone-{k}")[0] for k, p in (("first", first), ("second", second))}
+    together, kinds = streams_with_a_late_arrival(engine, first, second, 3, after=1)
     assert "mixed" in kinds, kinds
     assert together == alone
     assert engine.stats()["kv_pages_used"] == 0

@@ -141,9 +141,9 @@ def test_prompt_prefilled_beside_a_decode_matches_each_alone(tiny):
 
     _, engine = tiny
     rng = np.random.default_rng(3)
-    first, second = rng.integers(0, VOCAB, size=14).tolist(), rng.integers(0, VOCAB, size=11).tolist()
-    alone = {k: greedy_decode(engine, p, 4, f"alone-{k}")[0] for k, p in (("first", first), ("second", second))}
-    together, kinds = streams_with_a_late_arrival(engine, first, second, 4)
+    first, second = rng.integers(0, VOCAB, size=5).tolist(), rng.integers(0, VOCAB, size=6).tolist()
+    alone = {k: greedy_decode(engine, p, 3, f"alone-{k}")[0] for k, p in (("first", first), ("second", second))}
+    together, kinds = streams_with_a_late_arrival(engine, first, second, 3, after=1)
     assert "mixed" in kinds, kinds
     assert together == alone
     assert engine.stats()["kv_pages_used"] == 0
@@ -156,13 +156,13 @@ def test_padded_decode_batch_gives_the_unpadded_tokens(tiny):
 
     _, engine = tiny
     rng = np.random.default_rng(5)
-    prompts = {"a": rng.integers(0, VOCAB, size=6).tolist(), "b": rng.integers(0, VOCAB, size=9).tolist()}
+    prompts = {"a": rng.integers(0, VOCAB, size=3).tolist(), "b": rng.integers(0, VOCAB, size=4).tolist()}
     runs = []
     for sizes in (None, [1, 4]):
         engine.runner.decode_sizes = sizes
         try:
             for k, p in prompts.items():
-                engine.add_request(k, p, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+                engine.add_request(k, p, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
             got = {k: [] for k in prompts}
             while engine.has_unfinished():
                 for out in engine.step():
@@ -171,7 +171,7 @@ def test_padded_decode_batch_gives_the_unpadded_tokens(tiny):
             engine.runner.decode_sizes = None
         runs.append(got)
     assert engine.runner.padded_batch(2) == 2
-    assert runs[0] == runs[1] and all(len(t) == 4 for t in runs[0].values())
+    assert runs[0] == runs[1] and all(len(t) == 3 for t in runs[0].values())
     assert engine.stats()["kv_pages_used"] == 0
 
 

@@ -47,7 +47,7 @@ def test_the_client_id_round_trips_and_names_the_request(http, caplog):
         assert {c["id"] for c in chunks} == {"chatcmpl-trace-43"}
         wait_until(lambda: idle(http.ae))
     [line] = request_lines(caplog, "trace-42")
-    assert line.getMessage().startswith("[trace-42] completions prompt_tokens=1 completion_tokens=3 ")
+    assert line.getMessage().startswith("[trace-42] completions prompt_tokens=1 cached_tokens=0 completion_tokens=3 ")
     [line] = request_lines(caplog, "trace-43")
     assert line.getMessage().startswith("[trace-43] chat prompt_tokens=")
 

@@ -60,7 +60,7 @@ def test_serve_lifecycle_and_request_log(model_folder):
     assert "model ready: serving 'tiny'" in out
     request_lines = [line for line in out.splitlines() if "prompt_tokens=" in line]
     assert len(request_lines) == 2, out
-    assert "[lifecycle-1] completions prompt_tokens=1 completion_tokens=3 ttft=" in request_lines[0]
+    assert "[lifecycle-1] completions prompt_tokens=1 cached_tokens=0 completion_tokens=3 ttft=" in request_lines[0]
     assert "finish=length" in request_lines[0] and "total=" in request_lines[0]
     assert re.fullmatch(r"\[[0-9a-f]{32}\]", request_lines[1].split()[2]), request_lines[1]  # a generated id
     assert request_lines[1].split()[3] == "chat"

@@ -205,8 +205,8 @@ def test_preempted_sequences_resume_with_the_same_tokens(tiny, tmp_path):
     folder = tmp_path / "qwen35_preempt"
     _write_tiny_qwen35(folder, multimodal=False)                 # the fixture's weights (same seed)
     tight = _engine(folder, max_model_len=32, num_pages=3)      # 2 pages a sequence, 3 for both
-    prompts = {"a": _prompt(9, seed=8), "b": _prompt(14, seed=9)}
-    steps = 16
+    prompts = {"a": _prompt(9, seed=8), "b": _prompt(10, seed=9)}   # both write position 16: a second page
+    steps = 10
     alone = {k: greedy_decode(roomy, p, steps, f"alone-{k}")[0] for k, p in prompts.items()}
     for k, p in prompts.items():
         tight.add_request(k, p, SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))

@@ -43,11 +43,6 @@ class ScheduledStep:
     def num_tokens(self) -> int:
         return len(self.decodes) + sum(n for _, _, n in self.chunks)
 
-    @property
-    def seqs(self) -> list[Sequence]:
-        """Every sequence of the step, in the order of its logits rows: the decodes, then the chunks."""
-        return self.decodes + [seq for seq, _, _ in self.chunks]
-
 
 class Scheduler:
     def __init__(self, pool: PagePool, max_batch: int, max_num_batched_tokens: int,

@@ -23,7 +23,8 @@ Modules:
 * ``skinny``: up to 16 tokens on tensor cores, weights streamed straight into mma fragments.
 * ``gemm``: the tensor-core GEMM (``gemm_mma``): a ``cp.async`` shared-memory ring, ``ldmatrix`` fragments,
   ``mma.sync``; tiles from all tokens of a decode batch × 128 columns to 128 × 128 for prompts.
-* ``splitk``: split-K for that GEMM (blocks sharing a tile's K, the last one summing their partials in a fixed
+* ``gemm_wgmma``: the Hopper GEMM (``wgmma`` from 128-byte-swizzled shared-memory tiles, a ``cp.async`` ring).
+* ``splitk``: split-K for both GEMMs (blocks sharing a tile's K, the last one summing their partials in a fixed
   order) and the caller's workspace (``linear_workspace_size``).
 * ``gemm_fma``: the FMA-tiled GEMM (the simulator's path above 8 tokens).
 * ``common``: the gate/up column layout, the SwiGLU epilogue, launch bounds, the inner loop the GEMVs share.
@@ -33,22 +34,23 @@ from pegainfer.kernels.linear.api import (IMPLS, check_shapes, default_impl, fus
 from pegainfer.kernels.linear.common import SMEM_BYTES, WARPS_PER_SM
 from pegainfer.kernels.linear.gemm import gemm_mma
 from pegainfer.kernels.linear.gemm_fma import gemm_fma
+from pegainfer.kernels.linear.gemm_wgmma import gemm_wgmma
 from pegainfer.kernels.linear.gemv_multi import gemv
 from pegainfer.kernels.linear.gemv_decode import X_SLICES_AT_ONCE
 from pegainfer.kernels.linear.gemv_preloaded import (BULK_CHUNK_BYTES, PRELOAD_THREADS, linear_preloaded,
                                                      preload_rows, preloads)
 from pegainfer.kernels.linear.geometry import (GEMV_MAX_TOKENS, GEMV_TUNED, MMA_TUNED, NORM_THREADS,
                                                SKINNY_MAX_TOKENS, SKINNY_TUNED, GemvGeometry, MmaGeometry,
-                                               SkinnyGeometry, fused_norm_geometry, gemv_geometry, gemv_k_chunk,
-                                               mma_geometry, skinny_geometry)
+                                               SkinnyGeometry, WgmmaGeometry, fused_norm_geometry, gemv_geometry,
+                                               gemv_k_chunk, mma_geometry, skinny_geometry, wgmma_geometry)
 from pegainfer.kernels.linear.reference import reference_linear, reference_linear_silu_mul
 from pegainfer.kernels.linear.skinny import linear_skinny
 from pegainfer.kernels.linear.splitk import linear_workspace_size
 
 __all__ = ["BULK_CHUNK_BYTES", "GEMV_MAX_TOKENS", "GEMV_TUNED", "IMPLS", "MMA_TUNED", "NORM_THREADS",
            "PRELOAD_THREADS", "SKINNY_MAX_TOKENS", "SKINNY_TUNED", "SMEM_BYTES", "WARPS_PER_SM", "X_SLICES_AT_ONCE",
-           "GemvGeometry", "MmaGeometry", "SkinnyGeometry", "check_shapes", "default_impl", "fused_norm_geometry",
-           "fuses_add_rms_norm", "gemm_fma", "gemm_mma", "gemv", "gemv_geometry", "gemv_k_chunk", "linear",
+           "GemvGeometry", "MmaGeometry", "SkinnyGeometry", "WgmmaGeometry", "check_shapes", "default_impl", "fused_norm_geometry",
+           "fuses_add_rms_norm", "gemm_fma", "gemm_mma", "gemm_wgmma", "gemv", "gemv_geometry", "gemv_k_chunk", "linear",
            "linear_add_rms_norm", "linear_preloaded", "linear_silu_mul", "linear_skinny", "linear_workspace_size",
            "mma_geometry", "preload_rows", "preloads", "reference_linear", "reference_linear_silu_mul",
-           "skinny_geometry"]
+           "skinny_geometry", "wgmma_geometry"]

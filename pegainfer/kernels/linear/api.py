@@ -8,6 +8,7 @@ from pegainfer.device import SIMULATOR
 from pegainfer.kernels.linear.common import is_contiguous
 from pegainfer.kernels.linear.gemm import gemm_mma
 from pegainfer.kernels.linear.gemm_fma import gemm_fma
+from pegainfer.kernels.linear.gemm_wgmma import gemm_wgmma
 from pegainfer.kernels.linear.gemv_multi import gemv
 from pegainfer.kernels.linear.gemv_decode import gemv_decode_add_rms_norm
 from pegainfer.kernels.linear.geometry import (GEMV_MAX_TOKENS, NORM_THREADS, SKINNY_MAX_TOKENS, GemvGeometry,
@@ -17,7 +18,7 @@ from pegainfer.kernels.norm import add_rms_norm_into, check_residual_buffers
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
 from pegainfer.kernels.primitives import WARP
 
-IMPLS = ("gemv", "skinny", "gemm_fma", "gemm_mma")
+IMPLS = ("gemv", "skinny", "gemm_fma", "gemm_mma", "gemm_wgmma")
 
 
 def check_shapes(x, w, out, gated: bool, impl) -> None:
@@ -68,6 +69,8 @@ def run_linear(x, w, out, gated: bool, impl, policy: LaunchPolicy, workspace=Non
         linear_skinny(x, w, out, gated=gated, policy=policy)
     elif impl == "gemm_fma":
         gemm_fma(x, w, out, gated=gated, policy=policy)
+    elif impl == "gemm_wgmma":
+        gemm_wgmma(x, w, out, gated=gated, workspace=workspace, policy=policy)
     else:
         gemm_mma(x, w, out, gated=gated, workspace=workspace, policy=policy)
 

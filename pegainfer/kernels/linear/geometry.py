@@ -304,9 +304,9 @@ MMA_TUNED = MappingProxyType({
 MmaGeometry`` (read-only; a policy's ``tuned("mma")`` entries override them)."""
 
 
-def best_k_splits(tiles: int, k: int, n_tokens: int, max_splits: int = 16) -> int:
+def best_k_splits(tiles: int, k: int, n_tokens: int, max_splits: int = 16, k_tile: int = 32) -> int:
     """K splits for a launch of ``tiles`` output tiles (1 .. ``max_splits``, every split at least 4 K tiles of
-    32).  Up to 128 tokens the GEMM streams the weight, and about two units a SM (every one resident at once)
+    ``k_tile``).  Up to 128 tokens the GEMM streams the weight, and about two units a SM (every one resident at once)
     streamed fastest on the H200: o / down of the 4B models (40 tiles of 64 columns) take 6, 4096-row weights (64
     tiles) 4, weights of 160 tiles and more none.  Above, the arithmetic is the bottleneck and the units fill one
     balanced wave (at most one a SM)."""
@@ -315,7 +315,7 @@ def best_k_splits(tiles: int, k: int, n_tokens: int, max_splits: int = 16) -> in
         splits = 2 * sms // tiles
     else:
         splits = sms // tiles
-    return max(1, min(splits, max_splits, -(-k // 32) // 4))
+    return max(1, min(splits, max_splits, -(-k // k_tile) // 4))
 
 
 def mma_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False,
@@ -358,5 +358,78 @@ def mma_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False,
     splits = 1
     if n_tokens <= MMA_SPLIT_MAX_TOKENS:
         tiles = -(-n_tokens // geo.bm) * -(-n_cols // geo.bn)
-        splits = best_k_splits(tiles, k, n_tokens)
+        splits = best_k_splits(tiles, k, n_tokens, k_tile=64)
+    return dataclasses.replace(geo, k_splits=splits)
+
+
+@dataclass(frozen=True)
+class WgmmaGeometry:
+    """Launch parameters of the Hopper GEMM (``gemm_wgmma``).
+
+    warpgroups: warpgroups per block (128 threads each), stacked along tokens: ``bm = 64 · warpgroups``.
+    bn: logical columns of the block tile (64, 128 or 256: the ``wgmma`` n of every warpgroup).
+    stages: depth of the shared-memory ring of 64-wide K tiles of x and W (``stages - 2`` in flight ahead).
+    k_splits: blocks that share one output tile, each over its own range of K (split-K, ``splitk``); 1 = none.
+    warps_per_sm: occupancy the kernel is compiled for (launch bounds).
+    """
+    warpgroups: int
+    bn: int
+    stages: int = 4
+    k_splits: int = 1
+    warps_per_sm: int = 0          # 0: one block an SM (4 warps a warpgroup)
+
+    def __post_init__(self):
+        if self.bn not in (64, 128, 256) or self.warpgroups not in (1, 2) or self.stages < 3:
+            raise ValueError(f"unsupported wgmma geometry {self}")
+        if self.warps_per_sm == 0:
+            object.__setattr__(self, "warps_per_sm", 4 * self.warpgroups)
+
+    @property
+    def bm(self) -> int:
+        return 64 * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.warpgroups
+
+    @property
+    def stage_bytes(self) -> int:
+        """One stage of the ring: x ``[bm, 64]`` and W ``[bn, 64]`` bf16."""
+        return 128 * (self.bm + self.bn)
+
+    @property
+    def shared_bytes(self) -> int:
+        """1024 bytes of slack (the ring starts 1024-byte aligned), the ring, 16 bytes holding the split-K flag."""
+        return 1024 + self.stages * self.stage_bytes + 16
+
+
+WGMMA_SMEM_MAX = 227 * 1024
+
+
+def wgmma_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False,
+                   policy: LaunchPolicy = DEFAULT_POLICY) -> WgmmaGeometry:
+    """Pick the Hopper GEMM's geometry for T tokens over a ``[n_cols, k]`` weight (logical columns: 2I gated):
+    ``policy``'s ``tuned("wgmma")`` entries first, then the heuristic:
+
+    * T <= 64: one warpgroup (64 tokens) × 128 columns, a ring of 6, split-K by ``best_k_splits``;
+    * 64 < T <= 256: two warpgroups (128 tokens) × 128 columns, a ring of 5, split-K by ``best_k_splits``;
+    * prompts: two warpgroups × 256 columns, a ring of 4.
+
+    In the simulator: one warpgroup × 64 columns, a ring of 3, split in two when K has 4 tiles or more."""
+    key = (n_cols, k, mma_token_tile(n_tokens), gated)
+    tuned = policy.tuned("wgmma").get(key)
+    if tuned is not None:
+        return WgmmaGeometry(**tuned)
+    if SIMULATOR:
+        return WgmmaGeometry(warpgroups=1, bn=64, stages=3, k_splits=2 if k >= 256 else 1)
+    if n_tokens <= 64:
+        geo = WgmmaGeometry(warpgroups=1, bn=128, stages=6)
+    elif n_tokens <= MMA_SPLIT_MAX_TOKENS:
+        geo = WgmmaGeometry(warpgroups=2, bn=128, stages=5)
+    else:
+        geo = WgmmaGeometry(warpgroups=2, bn=256, stages=4)
+    splits = 1
+    if n_tokens <= MMA_SPLIT_MAX_TOKENS:
+        tiles = -(-n_tokens // geo.bm) * -(-n_cols // geo.bn)
+        splits = best_k_splits(tiles, k, n_tokens, k_tile=64)
     return dataclasses.replace(geo, k_splits=splits)

@@ -34,7 +34,7 @@ import functools
 
 import numpy as np
 
-from pegainfer.kernels.linear.geometry import MmaGeometry, mma_geometry, mma_units
+from pegainfer.kernels.linear.geometry import MmaGeometry, mma_geometry, mma_units, wgmma_geometry
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
 from pegainfer.kernels.primitives import bits_f32, cuda, device_fn, f32_bits, float32, load_u32_l2
 from pegainfer.kernels.split_counters import zeroed_counters
@@ -117,7 +117,7 @@ def linear_workspace_size(max_tokens: int, weights, policy: LaunchPolicy = DEFAU
     for wt in weights:
         rows, k, gated = wt if isinstance(wt, tuple) else (wt.shape[0], wt.shape[1], False)
         for t in range(1, max_tokens + 1):
-            geo = mma_geometry(rows, k, t, gated, policy)
-            n_part, n_count = workspace_need(geo, t, rows)
-            need = max(need, n_part + n_count)
+            for geo in (mma_geometry(rows, k, t, gated, policy), wgmma_geometry(rows, k, t, gated, policy)):
+                n_part, n_count = workspace_need(geo, t, rows)
+                need = max(need, n_part + n_count)
     return need

@@ -9,10 +9,10 @@ the same run (torch imported only here, as a yardstick; it computes the plain GE
 
 Modes (combinable):
 * default: the path ``linear(impl=None)`` takes; ``--impl a,b``: those paths instead (``gemv``, ``skinny``,
-  ``gemm_mma``, ``gemm_fma``), side by side;
-* ``--sweep``: for 2 <= T <= 256 every candidate geometry of the tensor-core GEMM (tiles × ring depths × K splits,
-  each checked against the reference kernel) and the skinny kernel; the table then shows the best, and the best
-  geometries are printed as ``geometry.MMA_TUNED`` entries (and written to the JSON);
+  ``gemm_mma``, ``gemm_wgmma``, ``gemm_fma``), side by side;
+* ``--sweep``: every candidate geometry of both tensor-core GEMMs (``gemm_mma``, Hopper's ``gemm_wgmma``: tiles ×
+  ring depths × K splits, each checked against the reference kernel) and the skinny kernel; the table then shows
+  the best of each, and the best geometry per (shape, token tile) is printed (and written to the JSON);
 * ``--check``: correctness on the GPU first: real shapes against the reference kernel, bit for bit on data whose sums
   are exact in f32, and within one bf16 ulp on random data.
 
@@ -66,8 +66,8 @@ SIM_SWEEP_TILES = [(1, 1, 1, 2, 3), (1, 2, 2, 1, 2)]
 # Hopper GEMM candidates per token tile: (warpgroups, bn, stages)
 SWEEP_WGMMA = {
     16: [(1, 64, 8), (1, 128, 6), (1, 256, 4)],
-    32: [(1, 64, 8), (1, 128, 6), (1, 256, 4)],
-    64: [(1, 64, 8), (1, 128, 6), (1, 256, 4), (1, 256, 5)],
+    32: [(1, 48, 8), (1, 64, 8), (1, 96, 8), (1, 128, 6), (1, 160, 6), (1, 192, 5)],
+    64: [(1, 48, 8), (1, 64, 8), (1, 96, 8), (1, 128, 6), (1, 160, 6), (1, 192, 5), (1, 256, 5)],
     128: [(2, 64, 8), (2, 128, 5), (1, 128, 6), (2, 256, 4)],
     256: [(2, 128, 5), (2, 256, 4), (2, 256, 3)],
     512: [(2, 128, 5), (2, 256, 4), (2, 256, 3)],

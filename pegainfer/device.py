@@ -73,6 +73,14 @@ def require_supported_gpu() -> None:
                              "without one (PEGAINFER_DEVICE=sim: the simulator, tiny models only)")
 
 
+def has_wgmma() -> bool:
+    """Whether the GPU runs Hopper's warpgroup MMA (``wgmma``: sm_90a only, not Ampere/Ada and not Blackwell)."""
+    if SIMULATOR:
+        return True
+    from numba import cuda
+    return tuple(cuda.get_current_device().compute_capability)[:2] == (9, 0)
+
+
 def describe() -> str:
     """One line saying where kernels run, for the CLI and server logs."""
     if SIMULATOR:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pegainfer.device import SIMULATOR
+from pegainfer.device import SIMULATOR, has_wgmma
 from pegainfer.kernels.linear.common import is_contiguous
 from pegainfer.kernels.linear.gemm import gemm_mma
 from pegainfer.kernels.linear.gemm_fma import gemm_fma
@@ -45,15 +45,18 @@ def check_shapes(x, w, out, gated: bool, impl) -> None:
 
 def default_impl(n_tokens: int) -> str:
     """The path ``linear(impl=None)`` takes for T tokens.  GPU: the GEMV for T = 1, the skinny tensor-core kernel
-    for 2 <= T <= 16 (weights straight into mma fragments), the tensor-core GEMM above (weights staged in shared
-    memory once for all tokens; split-K when given a workspace): the fastest on the H200 at each T for the served
-    shapes (docs/perf/linear.md).  Simulator: the GEMV up to ``GEMV_MAX_TOKENS``, the FMA tiles above (cheap to
-    emulate; the tensor-core kernels have their own tests)."""
+    for 2 <= T <= 16 (weights straight into mma fragments), a GEMM above (weights staged in shared memory once for
+    all tokens; split-K when given a workspace): the Hopper ``wgmma`` GEMM on sm_90, the ``mma.sync`` GEMM on
+    other GPUs -- the fastest on the H200 at each T for the served shapes (docs/perf/linear.md).  Simulator: the
+    GEMV up to ``GEMV_MAX_TOKENS``, the FMA tiles above (cheap to emulate; the tensor-core kernels have their own
+    tests)."""
     if SIMULATOR:
         return "gemv" if n_tokens <= GEMV_MAX_TOKENS else "gemm_fma"
     if n_tokens <= 1:
         return "gemv"
-    return "skinny" if n_tokens <= SKINNY_MAX_TOKENS else "gemm_mma"
+    if n_tokens <= SKINNY_MAX_TOKENS:
+        return "skinny"
+    return "gemm_wgmma" if has_wgmma() else "gemm_mma"
 
 
 def run_linear(x, w, out, gated: bool, impl, policy: LaunchPolicy, workspace=None) -> None:

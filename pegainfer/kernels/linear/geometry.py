@@ -367,19 +367,21 @@ class WgmmaGeometry:
     """Launch parameters of the Hopper GEMM (``gemm_wgmma``).
 
     warpgroups: warpgroups per block (128 threads each), stacked along tokens: ``bm = 64 · warpgroups``.
-    bn: logical columns of the block tile (64, 128 or 256: the ``wgmma`` n of every warpgroup).
+    bn: logical columns of the block tile, the ``wgmma`` n of every warpgroup: a multiple of 16 per warpgroup
+      (every thread copies whole rows' chunks) from 32 to 256.
     stages: depth of the shared-memory ring of 64-wide K tiles of x and W (``stages - 2`` in flight ahead).
     k_splits: blocks that share one output tile, each over its own range of K (split-K, ``splitk``); 1 = none.
-    warps_per_sm: occupancy the kernel is compiled for (launch bounds).
+    warps_per_sm: occupancy the kernel is compiled for (launch bounds; 0: one block an SM).
     """
     warpgroups: int
     bn: int
     stages: int = 4
     k_splits: int = 1
-    warps_per_sm: int = 0          # 0: one block an SM (4 warps a warpgroup)
+    warps_per_sm: int = 0
 
     def __post_init__(self):
-        if self.bn not in (64, 128, 256) or self.warpgroups not in (1, 2) or self.stages < 3:
+        if (self.warpgroups not in (1, 2) or not 32 <= self.bn <= 256 or self.bn % (16 * self.warpgroups)
+                or self.stages < 3 or self.shared_bytes > WGMMA_SMEM_MAX):
             raise ValueError(f"unsupported wgmma geometry {self}")
         if self.warps_per_sm == 0:
             object.__setattr__(self, "warps_per_sm", 4 * self.warpgroups)
@@ -406,14 +408,27 @@ class WgmmaGeometry:
 WGMMA_SMEM_MAX = 227 * 1024
 
 
+def _wave_splits(tiles: int, k: int) -> int:
+    """K splits that bring ``tiles`` output tiles closest to one wave of one block an SM (each split at least 4 K
+    tiles of 64)."""
+    return max(1, min(sm_count() // tiles, -(-k // 64) // 4))
+
+
 def wgmma_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False,
                    policy: LaunchPolicy = DEFAULT_POLICY) -> WgmmaGeometry:
     """Pick the Hopper GEMM's geometry for T tokens over a ``[n_cols, k]`` weight (logical columns: 2I gated):
-    ``policy``'s ``tuned("wgmma")`` entries first, then the heuristic:
+    ``policy``'s ``tuned("wgmma")`` entries first, then the rules the H200 sweep of every served shape gave
+    (docs/perf/linear.md):
 
-    * T <= 64: one warpgroup (64 tokens) × 128 columns, a ring of 6, split-K by ``best_k_splits``;
-    * 64 < T <= 256: two warpgroups (128 tokens) × 128 columns, a ring of 5, split-K by ``best_k_splits``;
-    * prompts: two warpgroups × 256 columns, a ring of 4.
+    * T <= 64 (a weight stream): one warpgroup; 64-column tiles in a ring of 8 up to 16384 columns, split into about
+      one wave, 128-column tiles in a ring of 6 above (gate_up, LM heads: tiles enough);
+    * 64 < T <= 128: one warpgroup (two token tiles share each weight tile through L2) × 128 columns, a ring of 6,
+      split into about one wave; two warpgroups × 128 columns, a ring of 5, from 16384 columns;
+    * 128 < T <= 256: two warpgroups × 128 columns, a ring of 5, split into about one wave; the LM heads 256 columns,
+      a ring of 4;
+    * prompts: two warpgroups; 256-column tiles in a ring of 4 for plain weights of 6144 columns and more, 128 in a
+      ring of 5 otherwise (short weights: more tiles to share the SMs; gate_up: the SwiGLU epilogue of 256 columns
+      spills).
 
     In the simulator: one warpgroup × 64 columns, a ring of 3, split in two when K has 4 tiles or more."""
     key = (n_cols, k, mma_token_tile(n_tokens), gated)
@@ -423,13 +438,14 @@ def wgmma_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False,
     if SIMULATOR:
         return WgmmaGeometry(warpgroups=1, bn=64, stages=3, k_splits=2 if k >= 256 else 1)
     if n_tokens <= 64:
-        geo = WgmmaGeometry(warpgroups=1, bn=128, stages=6)
+        geo = WgmmaGeometry(1, 64, stages=8) if n_cols < 16384 else WgmmaGeometry(1, 128, stages=6)
+    elif n_tokens <= 128:
+        geo = WgmmaGeometry(1, 128, stages=6) if n_cols < 16384 else WgmmaGeometry(2, 128, stages=5)
     elif n_tokens <= MMA_SPLIT_MAX_TOKENS:
-        geo = WgmmaGeometry(warpgroups=2, bn=128, stages=5)
+        geo = WgmmaGeometry(2, 128, stages=5) if n_cols < 65536 else WgmmaGeometry(2, 256, stages=4)
+    elif n_cols >= 6144 and not gated:
+        return WgmmaGeometry(2, 256, stages=4)
     else:
-        geo = WgmmaGeometry(warpgroups=2, bn=256, stages=4)
-    splits = 1
-    if n_tokens <= MMA_SPLIT_MAX_TOKENS:
-        tiles = -(-n_tokens // geo.bm) * -(-n_cols // geo.bn)
-        splits = best_k_splits(tiles, k, n_tokens, k_tile=64)
-    return dataclasses.replace(geo, k_splits=splits)
+        return WgmmaGeometry(2, 128, stages=5)
+    tiles = -(-n_tokens // geo.bm) * -(-n_cols // geo.bn)
+    return dataclasses.replace(geo, k_splits=_wave_splits(tiles, k))

@@ -420,8 +420,9 @@ def wgmma_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False,
     ``policy``'s ``tuned("wgmma")`` entries first, then the rules the H200 sweep of every served shape gave
     (docs/perf/linear.md):
 
-    * T <= 64 (a weight stream): one warpgroup; 64-column tiles in a ring of 8 up to 16384 columns, split into about
-      one wave, 128-column tiles in a ring of 6 above (gate_up, LM heads: tiles enough);
+    * T <= 64 (a weight stream): one warpgroup; weights of up to 4096 columns in 64-column tiles, a ring of 8, split
+      into about one wave; taller ones unsplit in one wave of tiles (``n_cols / SMs`` columns, 48 to 192, a multiple
+      of 16: qkv 48, gate_up 160), the LM heads in 192-column tiles;
     * 64 < T <= 128: one warpgroup (two token tiles share each weight tile through L2) × 128 columns, a ring of 6,
       split into about one wave; two warpgroups × 128 columns, a ring of 5, from 16384 columns;
     * 128 < T <= 256: two warpgroups × 128 columns, a ring of 5, split into about one wave; the LM heads 256 columns,
@@ -438,7 +439,11 @@ def wgmma_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False,
     if SIMULATOR:
         return WgmmaGeometry(warpgroups=1, bn=64, stages=3, k_splits=2 if k >= 256 else 1)
     if n_tokens <= 64:
-        geo = WgmmaGeometry(1, 64, stages=8) if n_cols < 16384 else WgmmaGeometry(1, 128, stages=6)
+        if n_cols <= 4096:
+            geo = WgmmaGeometry(1, 64, stages=8)
+        else:
+            bn = min(192, max(48, 16 * -(-n_cols // (16 * sm_count()))))
+            return WgmmaGeometry(1, bn, stages=8 if bn <= 96 else 6 if bn <= 160 else 5)
     elif n_tokens <= 128:
         geo = WgmmaGeometry(1, 128, stages=6) if n_cols < 16384 else WgmmaGeometry(2, 128, stages=5)
     elif n_tokens <= MMA_SPLIT_MAX_TOKENS:

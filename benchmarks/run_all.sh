@@ -29,6 +29,8 @@
 #             (default none) at 64 streams
 #   batch     pegainfer bench --batch B (B in $BATCHES, default "64 256") at a 256-token context, beside the floor
 #   prefix    benchmarks/prefix_cache_ttft.py: a 2000-token shared prefix, cache on and off
+#   constrained  benchmarks/constrained_decode.py on Qwen3-4B (a Qwen3-sized tokenizer view): unconstrained rows
+#             beside JSON-schema rows at batch 8 and 64, and 64 JSON rows, against the unconstrained batches
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu_out}"; mkdir -p "$OUT"
 export NUMBA_CACHE_DIR="${NUMBA_CACHE_DIR:-/tmp/numba_cache}"
@@ -156,6 +158,13 @@ print(v('$SM', '/tmp/serve_view'))" 2>/dev/null | tail -1)
     prefix)   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/prefix_cache_ttft.py --model-path "$M/qwen3-4b" \
                 --prefix-len 2000 --suffix-len 16 --runs 3 --json "$OUT/prefix.json" 2>&1 | filter | tail -6 \
                 | tee "$OUT/prefix.log" ;;
+    constrained) timeout ${BUILD_TIMEOUT:-200} python3 -c "
+import os, sys; sys.path.insert(0, os.getcwd())
+from pathlib import Path
+from tests.gpu.test_qwen3_gpu import SHAPES, make_random_qwen3
+print(make_random_qwen3(Path('$M') / 'qwen3-4b', SHAPES['qwen3-4b']))" 2>&1 | tail -1
+              timeout ${CONSTRAINED_TIMEOUT:-200} python3 benchmarks/constrained_decode.py --model-path "$M/qwen3-4b" \
+                --qwen3-vocab --json "$OUT/constrained.json" 2>&1 | filter | tail -20 | tee "$OUT/constrained.log" ;;
     *)        echo "unknown stage $stage (see the list at the top of $0)" ;;
   esac
 done

@@ -69,8 +69,13 @@ class GrammarCompiler:
         with self._lock:
             if self._ll_tokenizer is None:
                 import llguidance
+                # only end-of-sequence ids the tokenizer knows (a folder's generation config may name one past a
+                # small tokenizer's vocabulary; a constrained request ends when its grammar does, not on EOS)
+                eos = [t for t in self.eos_token_ids if t < self.tokenizer.vocab_size]
+                if not eos and self.tokenizer.eos_token_id is not None:
+                    eos = [self.tokenizer.eos_token_id]
                 self._ll_tokenizer = llguidance.LLTokenizer(self.tokenizer.to_json(), n_vocab=self.vocab_size,
-                                                            eos_token=self.eos_token_ids)
+                                                            eos_token=eos)
             return self._ll_tokenizer
 
     # -------------------------------------------------------------------------------------------- grammars

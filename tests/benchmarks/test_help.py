@@ -9,6 +9,7 @@ QUESTIONS = {
     "bench_gemv.py": "How close do pegainfer's weight projections come to the GPU's read bandwidth",
     "bench_gemm.py": "How fast are pegainfer's projection GEMMs at every token count",
     "bench_attention.py": "How fast is pegainfer's paged attention",
+    "constrained_decode.py": "Does grammar-constrained decoding (structured output) slow a batch down?",
     "bench_sampling.py": "How long does token selection take on this GPU?",
     "bench_server.py": "What does the OpenAI HTTP server add to time-to-first-token and time-per-output-token?",
     "accuracy_floor.py": "How far apart are two *valid* bf16 implementations of the same model",

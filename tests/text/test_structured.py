@@ -141,3 +141,13 @@ def test_think_phases(compiler):
 def test_schemas_the_engine_cannot_follow_are_explained(compiler, schema, says):
     error = compiler.check(compiler.json_schema(schema))
     assert error and says in error and "\n" not in error
+
+
+def test_an_eos_id_past_the_tokenizer_is_left_out(compiler):
+    """A folder whose generation config names an end-of-sequence id past its tokenizer's vocabulary (a random-weight
+    folder with a small tokenizer and Qwen3's 151645) still gets grammars: llguidance is given only the ids the
+    tokenizer knows (it refuses the folder otherwise, and every structured request would fail)."""
+    tok = compiler.tokenizer
+    far = GrammarCompiler(tok, 151936, [151645, tok.eos_token_id])
+    text, complete = walk(far, GrammarCompiler.json_schema(NOTE), seed=1)
+    assert complete and not errors(json.loads(text), NOTE)

@@ -257,11 +257,14 @@ def test_prefill_then_gate_kernel(rng):
 
 
 def test_prefill_tile_errors(rng):
-    """A forced tile that cannot hold whole tokens of the group, or needs more shared memory than a block gets:
-    one ValueError naming the fix."""
+    """A forced tile that is not one (keys not a multiple of 16, one stage), cannot hold whole tokens of the group,
+    or needs more shared memory than a block gets: one ValueError naming the fix."""
     case = Case(rng, 6, 2, 16, slots=[0] * 2, positions=[0, 1])          # G = 3 does not divide 16 rows
     with pytest.raises(ValueError, match="divide"):
         run_prefill(case, PrefillGeometry(1, 1, 16, 2))
+    for bad in (PrefillGeometry(1, 1, 24, 2), PrefillGeometry(1, 1, 16, 1)):
+        with pytest.raises(ValueError, match="multiple of 16"):
+            run_prefill(case, bad)
     case = Case(rng, 4, 2, 256, slots=[0] * 2, positions=[0, 1])
     with pytest.raises(ValueError, match="shared memory"):
         run_prefill(case, PrefillGeometry(8, 1, 256, 4))

@@ -19,8 +19,9 @@ m16 tiles, 64-key tiles, 2 stages; D = 256: 8 warps × 1 m16 tile, 64-key tiles,
 
 Shared memory (dynamic): the Q tile ``[ROWS, D]``, then a ring of ``stages`` stages, each a K tile and a V tile
 ``[BK, D]`` (one key per row, as the cache holds them).  Rows are ``D · 2`` bytes, 16-byte chunk ``c`` of row ``r``
-stored at chunk ``c ^ (r & 7)`` (``_swizzled``): an ``ldmatrix`` phase reads one chunk of 8 consecutive rows, which
-then fall in 8 different bank groups, and a 16-byte ``cp.async`` stays one aligned chunk.
+stored at chunk ``c ^ (r & 7)`` (``swizzled``; ``r & 3``, ``r & 1`` for the 4- and 2-chunk rows of D = 32, 16): an
+``ldmatrix`` phase reads one chunk of 8 consecutive rows, which then fall in 8 different bank groups, and a 16-byte
+``cp.async`` stays one aligned chunk.
 
 Pipeline, per run of tokens of one slot (below): the key tiles ``0 .. ⌈(max position + 1) / BK⌉`` -- tiles wholly
 past the run's last position (above the causal diagonal) are never loaded -- go through the ring.  Its first
@@ -43,8 +44,8 @@ run see only masked keys.  Padding tokens (``token_slots[t] < 0``) read nothing 
 last position are zero-filled (their scores are masked, and a zero V keeps ``0 · V`` finite).
 
 Indices into shared memory are ``uint32`` (numba adds a negative-index wraparound and 64-bit arithmetic to every
-signed one); each lane's ``ldmatrix`` row offsets within a 16-row tile are worked out once (``lane_off``: the
-swizzle of a lane's row depends only on the lane).  In the simulator the warp-wide mma, ``ldmatrix`` and
+signed one); each lane's ``ldmatrix`` row offsets within a 16-row tile are worked out once (``qv_off``, ``k_off``:
+the swizzle of a lane's row depends only on the lane), so a fragment load is one register add and an immediate.  In the simulator the warp-wide mma, ``ldmatrix`` and
 ``cp.async`` are emulated (``primitives``), so the same kernel is tested there.  PDL: the kernel lets the next launch
 start and waits at its start (``pdl_prologue``).
 """
@@ -338,6 +339,10 @@ def paged_attention_prefill(q, k_cache, v_cache, block_tables, token_slots, posi
     page_size, nkv = k_cache.shape[1], k_cache.shape[2]
     group = nq // nkv
     geo = geometry or prefill_geometry(D, group, policy)
+    if not (1 <= geo.warps <= 32 and geo.m_tiles >= 1 and geo.block_keys >= 16 and geo.block_keys % 16 == 0
+            and geo.stages >= 2):
+        raise ValueError(f"prefill tile {tuple(geo)}: needs 1-32 warps, m_tiles >= 1, block_keys a multiple of 16 "
+                         "and stages >= 2")
     if geo.rows % group:
         raise ValueError(f"the tiled prefill kernel needs nq/nkv = {group} to divide its {geo.rows} query rows")
     shared = geo.shared_bytes(D)

@@ -115,24 +115,22 @@ def prefill_kernel(head_dim: int, group: int, warps: int, m_tiles: int, block_ke
                 cp_async_16(smem, swizzled(r, chunk), q32, src, 16 if tok < n_tokens else 0)
 
     @device_fn
-    def copy_kv_tile(smem, stage, k32, v32, block_tables, slot, k0, max_pos, kv_col, kv_row_words, page_shift,
-                     first, chunk):
+    def copy_kv_tile(smem, stage, k32, v32, pages, k0, max_pos, kv_col, kv_row_words, page_shift, first, chunk):
         """Start the copies of this thread's slices of the K and V tiles of keys ``k0 .. k0 + BK`` into the stage at
-        word ``stage``: key ``kp`` of the slot is cache row ``page · page_size + kp % page_size`` (page from the
-        block table), word ``row · kv_row_words + kv_col`` (``kv_col``: the kv head's and this thread's chunk's
-        offset); keys past ``max_pos`` are zero-filled (and their block-table entries never read).  Every value is
-        uint32 (no wraparound tests, 32-bit arithmetic; a layer's cache stays under 16 GB)."""
+        word ``stage``: key ``kp`` of the slot is cache row ``pages[kp // page_size] · page_size + kp % page_size``
+        (``pages``: the slot's block-table row), word ``row · kv_row_words + kv_col`` (``kv_col``: the kv head's and
+        this thread's chunk's offset).  Keys past ``max_pos`` (only in a run's last tile) are zero-filled, and read
+        no block-table entry past the run's.  Every value is uint32 (no wraparound tests, 32-bit arithmetic; a layer's
+        cache stays under 16 GB)."""
         page_mask = (uint32(1) << page_shift) - uint32(1)
         for p in range(KV_PT):
-            r = first + uint32(p * STEP)
+            r = uint32(first + uint32(p * STEP))
             if KV_ALL or r < uint32(BK):
-                kp = uint32(k0 + r)
-                src = kv_col                    # in bounds for the zero-fill, which reads nothing
-                nbytes = uint32(0)
-                if kp <= max_pos:
-                    page = uint32(block_tables[slot, kp >> page_shift])
-                    src = uint32(uint32((page << page_shift) | (kp & page_mask)) * kv_row_words + kv_col)
-                    nbytes = uint32(16)
+                key = uint32(k0 + r)
+                kp = min(key, max_pos)                      # (a key past the run: any in-bounds source)
+                src = uint32(uint32((uint32(pages[kp >> page_shift]) << page_shift) | (kp & page_mask))
+                             * kv_row_words + kv_col)
+                nbytes = uint32(16) if key <= max_pos else uint32(0)
                 dst = uint32(stage + swizzled(r, chunk))
                 cp_async_16(smem, dst, k32, src, nbytes)
                 cp_async_16(smem, uint32(dst + uint32(TILE_WORDS)), v32, src, nbytes)
@@ -209,13 +207,13 @@ def prefill_kernel(head_dim: int, group: int, warps: int, m_tiles: int, block_ke
                         row_pos[2 * im + h] = positions[tok] if run_start <= tok and tok < run_end else -1
                 whole_tile = run_start == t0 and run_end == t0 + BQ   # every row of the block is in this run
                 n_kt = (max_pos + BK) // BK if slot >= 0 else 0        # padding tokens (slot < 0) read nothing
-                slot_u = uint32(max(slot, 0))
+                pages = block_tables[uint32(max(slot, 0))]             # the slot's block-table row
                 max_pos_u = uint32(max(max_pos, 0))
 
                 for s in range(STAGES - 1):                            # the ring's first tiles, one group each
                     if s < n_kt:
-                        copy_kv_tile(smem, uint32(RING + s * STAGE_WORDS), k32, v32, block_tables, slot_u,
-                                     uint32(s * BK), max_pos_u, kv_col, kv_row_words, shift_u, first, chunk)
+                        copy_kv_tile(smem, uint32(RING + s * STAGE_WORDS), k32, v32, pages, uint32(s * BK),
+                                     max_pos_u, kv_col, kv_row_words, shift_u, first, chunk)
                     cp_async_commit()
                 cur = uint32(0)                  # the stage key tile kt sits in (kt mod STAGES) ...
                 nxt = uint32(STAGES - 1)         # ... and the one tile kt + STAGES - 1 goes to
@@ -223,9 +221,9 @@ def prefill_kernel(head_dim: int, group: int, warps: int, m_tiles: int, block_ke
                     wait_ring()
                     cuda.syncthreads()           # tile kt visible to all; everyone is done with tile kt - 1's stage
                     if kt + STAGES - 1 < n_kt:
-                        copy_kv_tile(smem, uint32(RING) + nxt * uint32(STAGE_WORDS), k32, v32, block_tables,
-                                     slot_u, uint32((kt + STAGES - 1) * BK), max_pos_u, kv_col, kv_row_words,
-                                     shift_u, first, chunk)
+                        copy_kv_tile(smem, uint32(RING) + nxt * uint32(STAGE_WORDS), k32, v32, pages,
+                                     uint32((kt + STAGES - 1) * BK), max_pos_u, kv_col, kv_row_words, shift_u, first,
+                                     chunk)
                     cp_async_commit()
                     k_tile = uint32(RING) + cur * uint32(STAGE_WORDS)
                     v_tile = k_tile + uint32(TILE_WORDS)

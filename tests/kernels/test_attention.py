@@ -17,7 +17,7 @@ from numba import cuda
 from pegainfer.kernels import attention
 from pegainfer.kernels.attention import (PrefillGeometry, attention_workspace_size, paged_attention,
                                          paged_attention_prefill, reference_paged_attention)
-from tests.util import bf16_randn, from_bf16_bits, rel_l2
+from tests.util import bf16_randn, from_bf16_bits, rel_l2, to_bf16_bits
 
 PAGE = 4
 
@@ -248,6 +248,17 @@ def test_prefill_several_slots_and_padding_in_one_chunk(rng):
     got = out.copy_to_host()
     assert not got[[3, 9, 14, 15]].any()
     assert_attention(case, got)
+
+
+def test_prefill_running_max_jumps(rng):
+    """Keys whose pages are scaled by 1 .. 2^6 (exact in bf16): scores jump by far more than the kernel's rescale
+    threshold between key tiles, so rows rescale O mid-sequence as well as taking probabilities above 1 against an
+    older base."""
+    case = Case(rng, 4, 2, 32, slots=[0] * 12, positions=list(range(50, 62)), max_pages=16, num_pages=33)
+    case.k = case.k * (2.0 ** rng.integers(0, 7, size=case.k.shape[0]))[:, None, None, None]
+    case.k_bits = to_bf16_bits(case.k.astype(np.float32))
+    case.dev[1] = cuda.to_device(case.k_bits)
+    assert_attention(case, run_prefill(case, DEEP_RING))
 
 
 def test_prefill_then_gate_kernel(rng):

@@ -1,6 +1,6 @@
 """The primitives the prefill attention kernel adds: ``ldmatrix_x4_trans`` hands every lane the documented
 (transposed) words, and its fragments of a row-major V tile feed ``mma_bf16_m16n8k16`` as ``P · V``;
-``exp2_approx`` is 2^x, 0 at -inf.  In the simulator this checks the twins against the layout; on a GPU, the
+``exp2_approx`` is 2^x, 0 at -inf; ``warp_any`` gives every lane of a warp whether any lane's predicate holds.  In the simulator this checks the twins against the layout; on a GPU, the
 instructions."""
 import math
 
@@ -13,7 +13,7 @@ from tests.util import bf16_randn
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.primitives import cuda as kcuda
 from pegainfer.kernels.primitives import (exp2_approx, float32, kernel, ldmatrix_x4, ldmatrix_x4_trans,
-                                          mma_bf16_m16n8k16, uint32)
+                                          mma_bf16_m16n8k16, uint32, warp_any)
 
 
 @kernel
@@ -98,3 +98,19 @@ def test_exp2_approx():
     want = np.exp2(x.astype(np.float64))
     np.testing.assert_allclose(got, want, rtol=2.0 ** -21, atol=0)
     assert got[200] == 1.0 and got[201] == 0.0
+
+
+@kernel
+def any_per_warp(pred, out):
+    t = kcuda.threadIdx.x
+    out[t] = 1 if warp_any(pred[t] != 0) else 0
+
+
+def test_warp_any():
+    """Three warps: none set, one lane set (the last), every lane set: each lane gets its own warp's answer."""
+    pred = np.zeros(96, np.int32)
+    pred[63] = 1
+    pred[64:] = 1
+    out = cuda.to_device(np.full(96, -1, np.int32))
+    launch(any_per_warp, 1, 96, cuda.to_device(pred), out)
+    assert np.array_equal(out.copy_to_host(), np.repeat([0, 1, 1], 32))

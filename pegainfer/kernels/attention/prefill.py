@@ -32,8 +32,10 @@ at ``i - 1``), the copies of tile ``i + stages - 1`` go into that stage, and til
 1. **scores** ``S = Q K^T`` (``[16 · m_tiles, BK]``, f32): per k16 step of D, ``m_tiles`` ``ldmatrix.x4`` of Q
    (the A fragments) and one ``ldmatrix.x4`` per 16 keys of K (B fragments of two n8 tiles), ``2 · m_tiles``
    ``mma.sync.m16n8k16`` each; keys past a row's position set to -inf (only in tiles that cross the diagonal);
-2. **online softmax** in the accumulator registers: new row max over the 4 lanes of a row, ``O`` and the row sum
-   rescaled by ``2^((m_old - m_new) · c)``, ``P = 2^(S · c - m_new · c)``;
+2. **online softmax** in the accumulator registers: the tile's row max over the 4 lanes of a row; a row's base
+   ``m`` moves up to it only when it passes ``m`` by more than ``RESCALE_LOG2`` (8, in log2 units), then ``O`` and
+   the row sum are rescaled by ``2^((m_old - m_new) · c)`` -- a warp skips the rescale when none of its rows moved
+   (``warp_any``), as it does in nearly every tile after the first; ``P = 2^(S · c - m · c)`` (below 2^8);
 3. **``O += bf16(P) V``**: the S accumulators of n8 tiles ``2k, 2k + 1`` are the A fragment of k16 step k, and one
    ``ldmatrix.x4.trans`` of the V tile (``primitives.ldmatrix_x4_trans``) gives the B fragments of 16 dims × 16
    keys, ``2 · m_tiles`` mma each.
@@ -65,9 +67,13 @@ from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
 from pegainfer.kernels.primitives import (WARP, cp_async_16, cp_async_commit, cp_async_wait_group, cuda, device_fn,
                                           exp2_approx, float32, grid, int32, lane_group_max, lane_group_sum,
                                           ldmatrix_x4, ldmatrix_x4_trans, mma_bf16_m16n8k16, pack_bf16x2,
-                                          pdl_prologue, uint32)
+                                          pdl_prologue, uint32, warp_any)
 
 uint64 = np.uint64
+
+RESCALE_LOG2 = 8.0
+"""A row's probabilities are taken against a base at most this far (log2 units) below its running max, so they stay
+below 2^8: exact in f32 sums, rounded to bf16 for ``P V`` at the same relative precision as below 1."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -152,6 +158,7 @@ def prefill_kernel(head_dim: int, group: int, warps: int, m_tiles: int, block_ke
         row_max = cuda.local.array(ROW_REGS, float32)        # per lane row (m16 tile im, half h) at 2im + h: raw scores
         row_sum = cuda.local.array(ROW_REGS, float32)        # this lane's share (summed over the row's 4 lanes at the end)
         row_pos = cuda.local.array(ROW_REGS, int32)          # the row's position in the current run, -1 outside it
+        tile_max = cuda.local.array(ROW_REGS, float32)       # the row's max over the keys so far (this tile's update)
         tid = cuda.threadIdx.x
         lane = tid % WARP
         warp = tid // WARP
@@ -178,6 +185,7 @@ def prefill_kernel(head_dim: int, group: int, warps: int, m_tiles: int, block_ke
         shift_u = uint32(page_shift)
         n_tiles = (n_tokens + BQ - 1) // BQ
         n_work = n_tiles * num_kv_heads
+        rescale_raw = float32(RESCALE_LOG2) / scale_log2    # the rescale threshold in raw score units
 
         for work in range(cuda.blockIdx.x, n_work, cuda.gridDim.x):
             kvh = work % num_kv_heads
@@ -260,33 +268,40 @@ def prefill_kernel(head_dim: int, group: int, warps: int, m_tiles: int, block_ke
                                     if int32(8 * j + c) > last:
                                         sf[4 * ((r >> 1) * S_TILES + j) + 2 * (r & 1) + c] = NEG_INF
 
-                    # 2. online softmax, per lane row (m16 tile im, half h: accumulator entries 2h, 2h + 1)
-                    for im in range(MT):
-                        for h in range(2):
-                            r = 2 * im + h
-                            mx = row_max[r]
-                            for j in range(S_TILES):
-                                o = 4 * (im * S_TILES + j) + 2 * h
-                                mx = max(mx, max(sf[o], sf[o + 1]))
-                            mx = lane_group_max(mx, 4)
-                            alpha = float32(0.0)
-                            if row_max[r] != NEG_INF:
-                                alpha = exp2_approx((row_max[r] - mx) * scale_log2)
-                            row_max[r] = mx
-                            base = mx * scale_log2 if mx != NEG_INF else float32(0.0)   # masked: 2^-inf = 0
-                            total = float32(0.0)
-                            for j in range(S_TILES):
-                                o = 4 * (im * S_TILES + j) + 2 * h
-                                p0 = exp2_approx(sf[o] * scale_log2 - base)
-                                p1 = exp2_approx(sf[o + 1] * scale_log2 - base)
-                                sf[o] = p0
-                                sf[o + 1] = p1
-                                total += p0 + p1
-                            row_sum[r] = row_sum[r] * alpha + total
+                    # 2. online softmax, per lane row r = 2·im + h (m16 tile im, accumulator entries 2h, 2h + 1).
+                    # The base a row's probabilities are taken against moves up only when the tile's max passes it
+                    # by more than RESCALE_LOG2 (or it was -inf): then O and the row sum are rescaled, skipped by the
+                    # whole warp when no row of it moved (after the first tiles, nearly always).
+                    grow = False
+                    for r in range(ROW_REGS):
+                        mx = row_max[r]
+                        for j in range(S_TILES):
+                            o = 4 * ((r >> 1) * S_TILES + j) + 2 * (r & 1)
+                            mx = max(mx, max(sf[o], sf[o + 1]))
+                        tile_max[r] = lane_group_max(mx, 4)
+                        grow = grow or tile_max[r] > row_max[r] + rescale_raw
+                    if warp_any(grow):
+                        for r in range(ROW_REGS):
+                            alpha = float32(1.0)
+                            if tile_max[r] > row_max[r] + rescale_raw:        # (2^-inf = 0 from an empty row)
+                                alpha = exp2_approx((row_max[r] - tile_max[r]) * scale_log2)
+                                row_max[r] = tile_max[r]
+                            row_sum[r] *= alpha
                             for jd in range(O_TILES):
-                                o = 4 * (im * O_TILES + jd) + 2 * h
+                                o = 4 * ((r >> 1) * O_TILES + jd) + 2 * (r & 1)
                                 of[o] *= alpha
                                 of[o + 1] *= alpha
+                    for r in range(ROW_REGS):
+                        base = row_max[r] * scale_log2 if row_max[r] != NEG_INF else float32(0.0)   # masked: 0
+                        total = float32(0.0)
+                        for j in range(S_TILES):
+                            o = 4 * ((r >> 1) * S_TILES + j) + 2 * (r & 1)
+                            p0 = exp2_approx(sf[o] * scale_log2 - base)
+                            p1 = exp2_approx(sf[o + 1] * scale_log2 - base)
+                            sf[o] = p0
+                            sf[o + 1] = p1
+                            total += p0 + p1
+                        row_sum[r] += total
 
                     # 3. O += bf16(P) V
                     for kk in range(PV_STEPS):

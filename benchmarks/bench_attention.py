@@ -338,8 +338,8 @@ def bench_prefill(rng, rows, tokens=PREFILL_TOKENS, prefix=0, geometries=(None,)
 def print_prefill_row(r):
     geo = "split-K" if r["method"] == "split" else ("tile " if r["forced"] else "default ") + ",".join(
         map(str, r["geometry"]))
-    torch = (f"  torch {r['torch_us']:9.1f} us {r['torch_TFLOPs']:6.1f} TFLOP/s  torch/ours {r['torch_us'] / r['us']:4.2f}"
-             if "torch_us" in r else "")
+    torch = (f"  torch {r['torch_us']:9.1f} us {r['torch_TFLOPs']:6.1f} TFLOP/s  "
+             f"torch/ours {r['torch_us'] / r['us']:4.2f}" if "torch_us" in r else "")
     checks = "".join(f"  {name} {r[key]:.1e}" for name, key in (("rel-L2 vs torch", "rel_l2_vs_torch"),
                                                                  ("vs split", "rel_l2_prefill_vs_split")) if key in r)
     print(f"  {r['model']:13s} T {r['T']:6d} prefix {r['prefix']:5d}  {geo:18s} {r['us']:10.1f} us "
@@ -379,8 +379,9 @@ def sweep(rng, read_bw, rows):
             geos = [(1, 1, 16, 2), (1, 2, 32, 3)]
         else:
             geos = [g for g in tiles[D] if 2 * D * (16 * g[0] * g[1] + 2 * g[3] * g[2]) <= 227 * 1024]
-        bench_prefill(rng, rows, tokens=(8192,) if not SIM else PREFILL_TOKENS, geometries=[A.geometry(*g) for g in geos],
-                      models={model: (nq, nkv, D)}, label="sweep-p", split_check=0)
+        bench_prefill(rng, rows, tokens=(8192,) if not SIM else PREFILL_TOKENS,
+                      geometries=[A.geometry(*g) for g in geos], models={model: (nq, nkv, D)}, label="sweep-p",
+                      split_check=0)
     print("\nsplit vs tiled for a chunk of T tokens after a 4096-token prefix", flush=True)
     bench_prefill(rng, rows, tokens=(16, 32, 64, 128, 256, 512) if not SIM else (4, 8), prefix=4096 if not SIM else 16,
                   models=q3, label="crossover", split_check=1 << 30)

@@ -1,7 +1,7 @@
 """The primitives the prefill attention kernel adds: ``ldmatrix_x4_trans`` hands every lane the documented
 (transposed) words, and its fragments of a row-major V tile feed ``mma_bf16_m16n8k16`` as ``P · V``;
-``exp2_approx`` is 2^x, 0 at -inf; ``warp_any`` gives every lane of a warp whether any lane's predicate holds.  In the simulator this checks the twins against the layout; on a GPU, the
-instructions."""
+``exp2_approx`` is 2^x, 0 at -inf; ``warp_any`` gives every lane of a warp whether any lane's predicate holds.
+In the simulator this checks the twins against the layout; on a GPU, the instructions."""
 import math
 
 import numpy as np

@@ -47,9 +47,9 @@ last position are zero-filled (their scores are masked, and a zero V keeps ``0 �
 
 Indices into shared memory are ``uint32`` (numba adds a negative-index wraparound and 64-bit arithmetic to every
 signed one); each lane's ``ldmatrix`` row offsets within a 16-row tile are worked out once (``qv_off``, ``k_off``:
-the swizzle of a lane's row depends only on the lane), so a fragment load is one register add and an immediate.  In the simulator the warp-wide mma, ``ldmatrix`` and
-``cp.async`` are emulated (``primitives``), so the same kernel is tested there.  PDL: the kernel lets the next launch
-start and waits at its start (``pdl_prologue``).
+the swizzle of a lane's row depends only on the lane), so a fragment load is one register add and an immediate.
+In the simulator the warp-wide mma, ``ldmatrix``, ``cp.async`` and the warp vote are emulated (``primitives``), so
+the same kernel is tested there.  PDL: the kernel lets the next launch start and waits at its start (``pdl_prologue``).
 """
 from __future__ import annotations
 
@@ -153,12 +153,15 @@ def prefill_kernel(head_dim: int, group: int, warps: int, m_tiles: int, block_ke
         qv_off = cuda.local.array(NOFF, uint32)            # a lane's ldmatrix row offsets (below)
         k_off = cuda.local.array(NOFF, uint32)
         qa = cuda.local.array(A_REGS, uint32)              # A fragments of Q (one k16 step) or of P
-        sf = cuda.local.array(S_REGS, float32)             # S / P accumulators, m16 tile im, n8 tile j at 4(im·S_TILES + j)
-        of = cuda.local.array(O_REGS, float32)             # O accumulators, m16 tile im, n8 tile jd at 4(im·O_TILES + jd)
-        row_max = cuda.local.array(ROW_REGS, float32)        # per lane row (m16 tile im, half h) at 2im + h: raw scores
-        row_sum = cuda.local.array(ROW_REGS, float32)        # this lane's share (summed over the row's 4 lanes at the end)
-        row_pos = cuda.local.array(ROW_REGS, int32)          # the row's position in the current run, -1 outside it
-        tile_max = cuda.local.array(ROW_REGS, float32)       # the row's max over the keys so far (this tile's update)
+        sf = cuda.local.array(S_REGS, float32)             # S / P: m16 tile im, n8 tile j at 4(im·S_TILES + j)
+        of = cuda.local.array(O_REGS, float32)             # O: m16 tile im, n8 tile jd at 4(im·O_TILES + jd)
+        # per lane row r = 2·im + h (m16 tile im, row g + 8h): the base of its probabilities (raw score units), this
+        # lane's share of its sum (the row's 4 lanes are summed at the end), its position in the current run (-1
+        # outside it) and its max over the keys so far
+        row_max = cuda.local.array(ROW_REGS, float32)
+        row_sum = cuda.local.array(ROW_REGS, float32)
+        row_pos = cuda.local.array(ROW_REGS, int32)
+        tile_max = cuda.local.array(ROW_REGS, float32)
         tid = cuda.threadIdx.x
         lane = tid % WARP
         warp = tid // WARP

@@ -4,6 +4,7 @@ before a CUDA graph is captured; which splits do work is decided on the device f
 Why these values: ``docs/perf/attention.md``."""
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import NamedTuple
 
 from pegainfer.device import SIMULATOR
@@ -84,16 +85,17 @@ class PrefillGeometry(NamedTuple):
         return 2 * head_dim * (self.rows + 2 * self.stages * self.block_keys)
 
 
-PREFILL_TUNED = {
+PREFILL_TILES = MappingProxyType({
     128: PrefillGeometry(warps=4, m_tiles=2, block_keys=64, stages=2),
     256: PrefillGeometry(warps=8, m_tiles=1, block_keys=64, stages=2),
-}
-"""The prefill tile per head dim on the GPU (any group that divides 128 rows); smaller heads take the 128 tile."""
+})
+"""The prefill tile per head dim on the GPU (any group that divides 128 rows; smaller heads take the 128 tile);
+``benchmarks/bench_attention.py --prefill-geometry`` / ``--sweep`` time others against them."""
 
 
 def prefill_geometry(head_dim: int, group: int = 1, policy: LaunchPolicy = DEFAULT_POLICY) -> PrefillGeometry:
     """The prefill kernel's tile for heads of ``head_dim`` dims, ``group`` q heads per kv head: the policy's
-    ``tuned("prefill")`` entry for ``(head_dim, group)`` first, then ``PREFILL_TUNED``.
+    ``tuned("prefill")`` entry for ``(head_dim, group)`` first, then ``PREFILL_TILES``.
 
     128 query rows a block on the GPU, which every K/V tile serves (32 tokens × 4 heads at GQA 4).  D = 128: four
     warps of two m16 tiles (a warp reuses every K / V fragment it loads for 32 rows; O takes 128 registers a lane),
@@ -106,7 +108,7 @@ def prefill_geometry(head_dim: int, group: int = 1, policy: LaunchPolicy = DEFAU
         return PrefillGeometry(**tuned)
     if SIMULATOR:
         return PrefillGeometry(warps=1, m_tiles=1, block_keys=16, stages=2)
-    return PREFILL_TUNED[256 if head_dim > 128 else 128]
+    return PREFILL_TILES[256 if head_dim > 128 else 128]
 
 
 def prefill_supported(group: int, head_dim: int = 128, policy: LaunchPolicy = DEFAULT_POLICY) -> bool:

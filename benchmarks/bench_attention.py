@@ -6,15 +6,22 @@
   size 16, pages shuffled, ``max_model_len`` 32768 (which, with T, fixes the number of splits).  Each "layer" has
   its own cache, and a CUDA graph replays calls round-robin over enough layers (>= 256 MB of K/V) that the K/V
   comes from HBM, not from the 50 MB L2 -- as in a real decode step.
-* Prefill: one 2048-token prompt (positions 0..2047, one slot), tiled tensor-core kernel and, for reference, the
-  split-K kernel; causal TFLOP/s, and the relative L2 difference between the two paths' outputs as a sanity check.
+* Prefill: one prompt of 2048, 8192 and 32768 tokens (positions 0 .. T-1, one slot, shuffled 16-token pages), the
+  tiled tensor-core kernel (``paged_attention(method="prefill")``) on both shapes: µs per call and causal TFLOP/s
+  (``4 · T²/2 · D · nq``: QK^T and PV over the keys at or before each query), beside torch's
+  ``scaled_dot_product_attention`` (flash backend, causal, GQA) on the same q / K / V in the same run -- the peer
+  (torch is imported only here, as a yardstick).  Sanity checks: the relative L2 difference of the two outputs,
+  and at 2048 tokens that of the split-K kernel's.
+* ``--prefill-geometry W,M,BK,S`` (repeatable) times forced tiles of the prefill kernel (warps, m16 tiles a warp,
+  keys a K/V tile, ring stages: ``attention.PrefillGeometry``) beside the default, every shape and length.
 * ``--sweep`` (minutes: each geometry is a compile): decode geometries (warps per block, warp pairs over the head
-  dims), split counts and minimum split sizes, prefill tile shapes, and the split-vs-tiled crossover
+  dims), split counts and minimum split sizes, prefill tiles, and the split-vs-tiled crossover
   for chunks of T tokens after a 4096-token prefix -- the numbers behind the split geometry, ``SPLIT_TARGET_ROWS``
   / ``MIN_SPLIT_TOKENS``, the prefill geometry and ``PREFILL_MIN_TOKENS``.
 
-Times come from CUDA-graph replays (an eager numba launch costs ~20 us of host time, more than the kernels).
-Without a GPU it runs as a smoke test in the simulator (tiny shapes, wall-clock times, no graphs).
+Times come from CUDA-graph replays (an eager numba launch costs ~20 us of host time, more than the kernels); torch's
+from CUDA events around back-to-back calls.  Without a GPU it runs as a smoke test in the simulator (tiny shapes,
+wall-clock times, no graphs, no torch).
 """
 from __future__ import annotations
 
@@ -39,10 +46,11 @@ PAGE = 16
 MAX_MODEL_LEN = 32768
 MODELS = {"qwen3-4b": (32, 8, 128), "qwen3.5-full": (16, 4, 256)}
 CONTEXTS = (512, 4096, 32768)
-PREFILL_T = 2048
+PREFILL_TOKENS = (2048, 8192, 32768)
+SPLIT_CHECK_TOKENS = 2048      # the split-K kernel's output is compared with the tiled one's up to this length
 HBM_SET_BYTES = 256 << 20      # K/V bytes cycled through per graph, > 5x the H200's L2
 if SIM:
-    PAGE, MAX_MODEL_LEN, CONTEXTS, PREFILL_T, HBM_SET_BYTES = 4, 64, (9, 40), 24, 0
+    PAGE, MAX_MODEL_LEN, CONTEXTS, PREFILL_TOKENS, SPLIT_CHECK_TOKENS, HBM_SET_BYTES = 4, 64, (9, 40), (24,), 24, 0
     MODELS = {"tiny": (4, 2, 32)}
 
 
@@ -61,7 +69,8 @@ def attention_api() -> SimpleNamespace:
         split=find("paged_attention_split", "_paged_attention_split"),
         prefill=find("paged_attention_prefill", "_paged_attention_prefill"),
         split_geometry=find("split_geometry", "_split_geometry"),
-        prefill_geometry=find("prefill_geometry", "_prefill_geometry"))
+        prefill_geometry=find("prefill_geometry", "_prefill_geometry"),
+        geometry=find("PrefillGeometry"))
 
 
 A = None   # attention_api(), set by main
@@ -153,64 +162,184 @@ def print_decode_row(r):
           f"{pct}", flush=True)
 
 
-def prefill_inputs(rng, T, prefix, nq, nkv, D):
-    from numba import cuda
-    ctx = prefix + T
-    L = Layers(1, ctx, nkv, D, rng)
-    q = random_bf16((T, nq, D), rng)
-    pos = cuda.to_device(np.arange(prefix, ctx, dtype=np.int32))
-    slots = cuda.to_device(np.zeros(T, np.int32))
-    ws = cuda.device_array(A.workspace_size(T, nq, D, MAX_MODEL_LEN, PAGE), np.float32)
-    return L, q, pos, slots, ws
+class PrefillInputs:
+    """One slot's prompt of ``prefix + T`` tokens for a prefill chunk of the last ``T``: q ``[T, nq, D]``, the K/V of
+    every position scattered over shuffled pages of the paged cache, and the same K/V contiguous (``[ctx, nkv,
+    D]``, what torch reads), all device bf16 bits of N(0, 1) values."""
+
+    def __init__(self, rng, T, prefix, nq, nkv, D):
+        from numba import cuda
+        ctx = prefix + T
+        pages = -(-ctx // PAGE)
+        perm = rng.permutation(pages).astype(np.int32)
+        table = np.zeros((1, max(pages, MAX_MODEL_LEN // PAGE)), np.int32)
+        table[0, :pages] = perm
+        self.tables = cuda.to_device(table)
+        self.k_seq, self.v_seq, self.k, self.v = [], [], None, None
+        for name in ("k", "v"):
+            seq = random_bits((pages * PAGE, nkv, D), rng)
+            cache = np.empty_like(seq).reshape(pages, PAGE, nkv, D)
+            cache[perm] = seq.reshape(pages, PAGE, nkv, D)      # logical page i lives in physical page perm[i]
+            setattr(self, name, cuda.to_device(cache))
+            setattr(self, name + "_seq", cuda.to_device(seq[:ctx]))
+        self.q = random_bf16((T, nq, D), rng)
+        self.pos = cuda.to_device(np.arange(prefix, ctx, dtype=np.int32))
+        self.slots = cuda.to_device(np.zeros(T, np.int32))
+        self.shape, self.prefix, self.scale = (T, nq, D), prefix, 1 / math.sqrt(D)
+
+    def workspace(self):
+        from numba import cuda
+        T, nq, D = self.shape
+        return cuda.device_array(A.workspace_size(T, nq, D, MAX_MODEL_LEN, PAGE), np.float32)
+
+    def call(self, out, method="prefill", geometry=None, ws=None):
+        """A function that runs the attention of the chunk into ``out``: ``paged_attention(method=)`` as a prompt
+        chunk calls it, or the tiled kernel forced to ``geometry``."""
+        if geometry is not None:
+            return lambda: A.prefill(self.q, self.k, self.v, self.tables, self.slots, self.pos, out, self.scale,
+                                     geometry=geometry)
+        return lambda: A.paged_attention(self.q, self.k, self.v, self.tables, self.slots, self.pos, out,
+                                         self.scale, ws, method=method)
+
+
+def random_bits(shape, rng):
+    """Host bf16 bits of N(0, 1) values."""
+    return (rng.standard_normal(shape, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
 
 
 def causal_flops(T, prefix, nq, D):
-    keys = sum(prefix + t + 1 for t in range(T))
-    return 4.0 * nq * D * keys        # QK^T and PV, 2 flops per multiply-add
+    """QK^T and PV of a causal chunk, 2 flops a multiply-add: ``4 · nq · D · (T²/2 + prefix · T)``."""
+    return 4.0 * nq * D * (T * T / 2 + prefix * T)
 
 
-def bench_prefill(rng, rows, T=PREFILL_T, prefix=0, methods=("prefill", "split"), prefill_geometry=None,
-                  label="prefill", models=None, quiet=False):
+def bf16_rel_l2(a_bits, b_bits, rows=None) -> float:
+    """Relative L2 difference of two host bf16-bit arrays (over ``rows`` of the first axis when given)."""
+    if rows is not None:
+        a_bits, b_bits = a_bits[rows], b_bits[rows]
+    a, b = ((x.astype(np.uint32) << 16).view(np.float32).astype(np.float64) for x in (a_bits, b_bits))
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+class TorchSDPA:
+    """torch's ``scaled_dot_product_attention`` (flash backend, causal) on the chunk's q and contiguous K / V: zero-copy
+    bf16 views of the same device arrays, heads moved to dim 1 by strides.  GQA by ``enable_gqa`` where this torch
+    has it, else K / V repeated per q head (the kernel then reads G times the bytes; noted in the output)."""
+
+    def __init__(self):
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        self.torch, self.flash = torch, (lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION))
+        self.how = None
+
+    def view(self, arr):
+        """``[tokens, heads, D]`` bf16 bits (a numba device array) as torch's ``[1, heads, tokens, D]`` bf16, no copy
+        (through int16: torch's uint16 tensors are recent)."""
+        t = self.torch.as_tensor(arr.view(np.int16), device="cuda")
+        return t.view(self.torch.bfloat16).unsqueeze(0).transpose(1, 2)
+
+    def prepare(self, inp):
+        """The call for ``inp``; it leaves its output (``[1, nq, T, D]``) in ``self.out``."""
+        T, nq, D = inp.shape
+        if inp.prefix:
+            raise ValueError("the torch peer times chunks without a prefix")
+        q, k, v = self.view(inp.q), self.view(inp.k_seq), self.view(inp.v_seq)
+        sdpa = self.torch.nn.functional.scaled_dot_product_attention
+        try:
+            with self.flash():
+                sdpa(q[:, :, :64], k[:, :, :64], v[:, :, :64], is_causal=True, enable_gqa=True)
+            self.how, extra = "flash, enable_gqa", dict(enable_gqa=True)
+        except (TypeError, RuntimeError):
+            group = nq // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            self.how, extra = "flash, K/V repeated per q head", {}
+
+        def run():
+            with self.flash():
+                self.out = sdpa(q, k, v, is_causal=True, **extra)
+        return run
+
+    def time(self, run, calls: int) -> float:
+        """Seconds per call: median of 5 timings of ``calls`` back-to-back calls (after two warm-up calls)."""
+        torch = self.torch
+        for _ in range(2):
+            run()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(5):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(calls):
+                run()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e-3 / calls)
+        return float(np.median(times))
+
+    def output_bits(self):
+        return self.out[0].transpose(0, 1).contiguous().view(self.torch.int16).cpu().numpy().view(np.uint16)
+
+
+def calls_for(T) -> int:
+    """Calls a timing covers: enough that the shortest prompts still give a few hundred µs."""
+    return 1 if SIM else max(1, min(20, 2 ** 26 // (T * T) + 1))
+
+
+def bench_prefill(rng, rows, tokens=PREFILL_TOKENS, prefix=0, geometries=(None,), label="prefill", models=None,
+                  torch=None, split_check=SPLIT_CHECK_TOKENS, quiet=False):
+    """Time the tiled kernel on every shape and chunk length, at its default tile (``None`` in ``geometries``) and at
+    each forced one; torch beside it when given, the split-K kernel up to ``split_check`` tokens.  One row each."""
     from numba import cuda
     for model, (nq, nkv, D) in (models or MODELS).items():
-        L, q, pos, slots, ws = prefill_inputs(rng, T, prefix, nq, nkv, D)
-        outs = {}
-        for method in methods:
-            out = cuda.device_array((T, nq, D), np.uint16)
-            if method == "prefill" and prefill_geometry is not None:
-                fn = (lambda out=out, L=L: A.prefill(q, L.k[0], L.v[0], L.tables, slots, pos, out, 1 / math.sqrt(D),
-                                                     geometry=prefill_geometry))
-            else:
-                fn = (lambda out=out, method=method, L=L: A.paged_attention(
-                    q, L.k[0], L.v[0], L.tables, slots, pos, out, 1 / math.sqrt(D), ws, method=method))
-            sec = time_calls([fn] * (1 if SIM else 5))
-            outs[method] = out
-            row = dict(kind=label, model=model, nq=nq, nkv=nkv, D=D, T=T, prefix=prefix, method=method,
-                       geometry=list(prefill_geometry or A.prefill_geometry(D)) if method == "prefill" else None,
-                       us=sec * 1e6, TFLOPs=causal_flops(T, prefix, nq, D) / sec / 1e12)
-            rows.append(row)
-        if "prefill" in outs and "split" in outs:
-            a, b = (outs[m].copy_to_host().astype(np.uint32) << 16 for m in ("prefill", "split"))
-            a, b = a.view(np.float32).astype(np.float64), b.view(np.float32).astype(np.float64)
-            diff = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-            for r in rows[-len(methods):]:
-                r["rel_l2_prefill_vs_split"] = diff
-        if not quiet:
-            for r in rows[-len(methods):]:
-                print_prefill_row(r)
-        del L
+        for T in tokens:
+            inp = PrefillInputs(rng, T, prefix, nq, nkv, D)
+            flops = causal_flops(T, prefix, nq, D)
+            check_rows = np.arange(0, T, max(1, T // 512))       # the outputs compared: 512 tokens spread over T
+            outs, peer, new = {}, {}, []
+            if torch is not None and not prefix:
+                run = torch.prepare(inp)
+                peer = dict(torch_us=torch.time(run, calls_for(T)) * 1e6, torch_how=torch.how)
+                peer["torch_TFLOPs"] = flops / peer["torch_us"] / 1e6
+                outs["torch"] = torch.output_bits()
+            runs = [("prefill", g) for g in geometries] + ([("split", None)] if T <= split_check else [])
+            for method, geometry in runs:
+                out = cuda.device_array((T, nq, D), np.uint16)
+                fn = inp.call(out, method, geometry, ws=inp.workspace() if method == "split" else None)
+                try:
+                    fn()
+                except ValueError as e:          # a forced tile this shape cannot take (too much shared memory)
+                    print(f"  {model:13s} T {T:6d}  tile {','.join(map(str, geometry))}: skipped ({e})", flush=True)
+                    continue
+                sec = time_calls([fn] * calls_for(T))
+                geo = list(geometry or A.prefill_geometry(D, nq // nkv)) if method == "prefill" else None
+                key = method if geometry is None else ",".join(map(str, geometry))
+                outs[key] = out.copy_to_host()
+                new.append(dict(kind=label, model=model, nq=nq, nkv=nkv, D=D, T=T, prefix=prefix, method=method,
+                                forced=geometry is not None, geometry=geo, us=sec * 1e6, TFLOPs=flops / sec / 1e12,
+                                key=key, **peer))
+            for r in new:
+                for peer_key, field in (("torch", "rel_l2_vs_torch"), ("split", "rel_l2_prefill_vs_split")):
+                    if peer_key in outs and r["key"] != peer_key:
+                        r[field] = bf16_rel_l2(outs[r["key"]], outs[peer_key], check_rows)
+                if not quiet:
+                    print_prefill_row(r)
+            rows += new
+            del inp, outs
     return rows
 
 
 def print_prefill_row(r):
-    extra = f"  tiled-vs-split rel L2 {r['rel_l2_prefill_vs_split']:.1e}" if "rel_l2_prefill_vs_split" in r else ""
-    print(f"  {r['kind']:9s} {r['model']:13s} T {r['T']:5d} prefix {r['prefix']:5d}  {r['method']:7s}"
-          f"  geom {r['geometry']}  {r['us']:10.1f} us  {r['TFLOPs']:6.1f} TFLOP/s{extra}", flush=True)
+    geo = "split-K" if r["method"] == "split" else ("tile " if r["forced"] else "default ") + ",".join(
+        map(str, r["geometry"]))
+    torch = (f"  torch {r['torch_us']:9.1f} us {r['torch_TFLOPs']:6.1f} TFLOP/s  "
+             f"torch/ours {r['torch_us'] / r['us']:4.2f}" if "torch_us" in r else "")
+    checks = "".join(f"  {name} {r[key]:.1e}" for name, key in (("rel-L2 vs torch", "rel_l2_vs_torch"),
+                                                                 ("vs split", "rel_l2_prefill_vs_split")) if key in r)
+    print(f"  {r['model']:13s} T {r['T']:6d} prefix {r['prefix']:5d}  {geo:18s} {r['us']:10.1f} us "
+          f"{r['TFLOPs']:6.1f} TFLOP/s{torch}{checks}", flush=True)
 
 
 def sweep(rng, read_bw, rows):
     q3 = {"qwen3-4b": MODELS["qwen3-4b"]} if not SIM else MODELS
-    nq, nkv, D = next(iter(q3.values()))
     print("\ndecode geometry sweep (warps per block, warp pairs over the head dims; min split = 16 keys per warp "
           "or pair)", flush=True)
     if SIM:
@@ -234,28 +363,51 @@ def sweep(rng, read_bw, rows):
     for r in best.values():
         print(f"  best {r['ctx']:6d}: splits {r['splits']:3d} min {r['min_split_tokens']:3d}  {r['us']:8.2f} us  "
               f"{r['GBps']:6.0f} GB/s")
-    print("\nprefill tile sweep (warps, keys per tile, Q in registers)", flush=True)
-    for warps in ((4, 8) if not SIM else (1, 2)):
-        for bk in ((32, 64) if not SIM else (16, 32)):
-            bench_prefill(rng, rows, methods=("prefill",), prefill_geometry=(warps, bk, D <= 128), models=q3,
-                          label="sweep-p")
+    print("\nprefill tile sweep (warps, m16 tiles a warp, keys a tile, stages), 8192 tokens", flush=True)
+    tiles = {128: [(4, 2, 64, 2), (4, 2, 64, 3), (8, 1, 64, 2), (8, 1, 64, 3), (4, 2, 32, 3), (8, 2, 64, 2)],
+             256: [(8, 1, 64, 2), (8, 1, 32, 3), (4, 1, 64, 2), (4, 1, 32, 4)]}
+    for model, (nq, nkv, D) in MODELS.items():
+        if SIM:
+            geos = [(1, 1, 16, 2), (1, 2, 32, 3)]
+        else:
+            geos = [g for g in tiles[D] if 2 * D * (16 * g[0] * g[1] + 2 * g[3] * g[2]) <= 227 * 1024]
+        bench_prefill(rng, rows, tokens=(8192,) if not SIM else PREFILL_TOKENS,
+                      geometries=[A.geometry(*g) for g in geos], models={model: (nq, nkv, D)}, label="sweep-p",
+                      split_check=0)
     print("\nsplit vs tiled for a chunk of T tokens after a 4096-token prefix", flush=True)
-    for T in ((16, 32, 64, 128, 256, 512) if not SIM else (4, 8)):
-        bench_prefill(rng, rows, T=T, prefix=4096 if not SIM else 16, models=q3, label="crossover")
+    bench_prefill(rng, rows, tokens=(16, 32, 64, 128, 256, 512) if not SIM else (4, 8), prefix=4096 if not SIM else 16,
+                  models=q3, label="crossover", split_check=1 << 30)
     return rows
+
+
+def parse_geometry(text: str):
+    """``W,M,BK,S`` -> the prefill tile (``attention.PrefillGeometry``)."""
+    try:
+        return A.geometry(*(int(v) for v in text.split(",")))
+    except (TypeError, ValueError):
+        raise SystemExit(f"error: --prefill-geometry {text!r}: expected warps,m_tiles,block_keys,stages, e.g. 4,2,64,2")
 
 
 def main(argv=None) -> int:
     global A
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--only", choices=("decode", "prefill"), help="run only the decode or only the prefill part")
+    ap.add_argument("--tokens", help="prefill chunk lengths, comma-separated (default: %s)" %
+                    ",".join(map(str, PREFILL_TOKENS)))
+    ap.add_argument("--prefill-geometry", action="append", default=[], metavar="W,M,BK,S",
+                    help="also time this prefill tile (warps, m16 tiles a warp, keys a K/V tile, ring stages)")
+    ap.add_argument("--shapes", help="prefill shapes, comma-separated (default: %s)" % ",".join(MODELS))
+    ap.add_argument("--no-torch", action="store_true", help="skip the torch SDPA peer")
     ap.add_argument("--sweep", action="store_true", help="also sweep geometries / splits / crossover (minutes)")
     args = ap.parse_args(argv)
     A = attention_api()
+    geometries = [None] + [parse_geometry(g) for g in args.prefill_geometry]
+    tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else PREFILL_TOKENS
     t_start = time.perf_counter()
     print(pegainfer.device.describe(), flush=True)
     if SIM:
-        print("smoke run: tiny shapes, wall-clock times (meaningless), no CUDA graphs", flush=True)
+        print("smoke run: tiny shapes, wall-clock times (meaningless), no CUDA graphs, no torch", flush=True)
         read_bw = 0.0
     else:
         from pegainfer.kernels.memory import measure_read_bandwidth
@@ -263,11 +415,21 @@ def main(argv=None) -> int:
         print(f"read bandwidth (16-byte loads over 2 GB): {read_bw / 1e9:.0f} GB/s", flush=True)
     rng = np.random.default_rng(0)
     rows: list[dict] = []
-    print(f"\ndecode, batch 1 (split-K, combine fused; bytes = K + V of the context; page {PAGE}, "
-          f"max_model_len {MAX_MODEL_LEN})", flush=True)
-    bench_decode(rng, read_bw, rows)
-    print(f"\nprefill, one {PREFILL_T}-token prompt (causal TFLOP/s)", flush=True)
-    bench_prefill(rng, rows)
+    if args.only != "prefill":
+        print(f"\ndecode, batch 1 (split-K, combine fused; bytes = K + V of the context; page {PAGE}, "
+              f"max_model_len {MAX_MODEL_LEN})", flush=True)
+        bench_decode(rng, read_bw, rows)
+    if args.only != "decode":
+        torch = None if SIM or args.no_torch else TorchSDPA()
+        print(f"\nprefill, one prompt of T tokens (causal TFLOP/s = 4·T²/2·D·nq / time; tile = warps, m16 tiles "
+              f"a warp, keys a tile, stages){'; peer: torch SDPA' if torch else ''}", flush=True)
+        shapes = args.shapes.split(",") if args.shapes else list(MODELS)
+        if any(m not in MODELS for m in shapes):
+            raise SystemExit(f"error: --shapes: choose from {', '.join(MODELS)}")
+        bench_prefill(rng, rows, tokens=tokens, geometries=geometries, torch=torch,
+                      models={m: MODELS[m] for m in shapes})
+        if torch is not None and torch.how:
+            print(f"  (torch SDPA: {torch.how})", flush=True)
     if args.sweep:
         sweep(rng, read_bw, rows)
     result = dict(device=pegainfer.device.describe(), read_bw_GBps=read_bw / 1e9, page_size=PAGE,

@@ -1,5 +1,5 @@
 """``benchmarks/bench_attention.py`` as a smoke run in the simulator: it finds the attention names it uses and runs
-the decode and prefill paths (the tiled prefill and split-K outputs agree)."""
+the decode and prefill paths, a forced prefill tile among them (the tiled prefill and split-K outputs agree)."""
 import json
 import os
 
@@ -12,8 +12,10 @@ SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 def test_smoke_run(bench_modules, tmp_path):
     import bench_attention
     out = tmp_path / "att.json"
-    assert bench_attention.main(["--json", str(out)]) == 0
+    assert bench_attention.main(["--json", str(out), "--prefill-geometry", "1,2,32,3"]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert {r["kind"] for r in rows} == {"decode", "prefill"}
     assert all(r["us"] > 0 for r in rows)
-    assert all(r["rel_l2_prefill_vs_split"] < 1e-2 for r in rows if r["kind"] == "prefill")
+    tiled = [r for r in rows if r["kind"] == "prefill" and r["method"] == "prefill"]
+    assert [r["geometry"] for r in tiled if r["forced"]] == [[1, 2, 32, 3]] and len(tiled) == 2
+    assert all(r["rel_l2_prefill_vs_split"] < 1e-2 for r in tiled)

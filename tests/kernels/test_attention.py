@@ -17,7 +17,7 @@ from numba import cuda
 from pegainfer.kernels import attention
 from pegainfer.kernels.attention import (PrefillGeometry, attention_workspace_size, paged_attention,
                                          paged_attention_prefill, reference_paged_attention)
-from tests.util import bf16_randn, from_bf16_bits, rel_l2
+from tests.util import bf16_randn, from_bf16_bits, rel_l2, to_bf16_bits
 
 PAGE = 4
 
@@ -202,18 +202,83 @@ def test_long_chunk(rng):
     assert_attention(case, case.run(method="prefill"))
 
 
-def test_prefill_q_from_memory(rng):
-    """The tiled kernel's D=256 variant (Q fragments re-read from memory per tile instead of held in registers)."""
-    warps, block_keys, _ = attention.prefill_geometry(32)
-    case = Case(rng, 4, 2, 32, slots=[1] * 4, positions=list(range(14, 18)))
-    got = case.run(paged_attention_prefill, with_workspace=False, geometry=PrefillGeometry(warps, block_keys, False))
+def run_prefill(case, geometry):
+    """bf16 bits of the tiled kernel alone, forced to ``geometry``."""
+    return case.run(paged_attention_prefill, with_workspace=False, geometry=geometry)
+
+
+DEEP_RING = PrefillGeometry(warps=1, m_tiles=2, block_keys=16, stages=3)
+"""Two m16 tiles a warp (32 rows) and a ring of three 16-key stages: two tiles in flight while one is computed."""
+
+
+@pytest.mark.parametrize("geometry", [DEEP_RING, PrefillGeometry(warps=2, m_tiles=1, block_keys=32, stages=2)],
+                         ids=["2m16-3stages", "2warps-32keys"])
+def test_prefill_geometries_after_a_prefix(rng, geometry):
+    """A 13-token chunk after a 37-token prefix (up to four key tiles, the last crossing the diagonal) with the
+    ring deeper than two stages, two m16 tiles a warp, two warps sharing the copies, 32-key tiles."""
+    case = Case(rng, 4, 2, 32, slots=[1] * 13, positions=list(range(37, 50)), max_pages=13, num_pages=29)
+    assert_attention(case, run_prefill(case, geometry))
+
+
+def test_prefill_head_dim_256(rng):
+    """Qwen3.5's 256-dim heads (32 chunks a row, the swizzle over 8 of them), GQA 2, a chunk after a prefix that
+    crosses a key-tile boundary."""
+    case = Case(rng, 4, 2, 256, slots=[0] * 3, positions=[15, 16, 17], max_pages=5, num_pages=11)
+    assert_attention(case, case.run(method="prefill"))
+
+
+@pytest.mark.parametrize("nq,nkv", [(2, 2), (8, 2), (16, 1)], ids=["G1", "G4", "G16"])
+def test_prefill_gqa_groups(rng, nq, nkv):
+    """Every group size that divides the tile's rows: 1 (16 tokens a tile), 4, 16 (one token a tile, all its heads
+    on one kv head)."""
+    case = Case(rng, nq, nkv, 16, slots=[0] * 6 + [1] * 4, positions=list(range(3, 9)) + list(range(8, 12)),
+                num_pages=17)
+    assert_attention(case, case.run(method="prefill"))
+
+
+def test_prefill_several_slots_and_padding_in_one_chunk(rng):
+    """One chunk of three sequences with cached prefixes of different lengths (two in the same tile, one crossing
+    into the next) and padding tokens between and after them (a fixed-size batch): each run sees only its slot's
+    keys, the padding rows get zeros."""
+    slots = [2, 2, 2, -1, 0, 0, 0, 0, 0, -1, 1, 1, 1, 1, -1, -1]
+    positions = [9, 10, 11, 0, 20, 21, 22, 23, 24, 7, 0, 1, 2, 3, 0, 5]
+    case = Case(rng, 4, 2, 32, slots=slots, positions=positions, num_slots=3, max_pages=7, num_pages=23)
+    out = cuda.to_device(np.full(case.shape, 0x3F80, np.uint16))       # 1.0 everywhere: padding must be cleared
+    paged_attention_prefill(*case.dev, out, case.scale, geometry=DEEP_RING)
+    got = out.copy_to_host()
+    assert not got[[3, 9, 14, 15]].any()
     assert_attention(case, got)
+
+
+def test_prefill_running_max_jumps(rng):
+    """Keys whose pages are scaled by 1 .. 2^6 (exact in bf16): scores jump by far more than the kernel's rescale
+    threshold between key tiles, so rows rescale O mid-sequence as well as taking probabilities above 1 against an
+    older base."""
+    case = Case(rng, 4, 2, 32, slots=[0] * 12, positions=list(range(50, 62)), max_pages=16, num_pages=33)
+    case.k = case.k * (2.0 ** rng.integers(0, 7, size=case.k.shape[0]))[:, None, None, None]
+    case.k_bits = to_bf16_bits(case.k.astype(np.float32))
+    case.dev[1] = cuda.to_device(case.k_bits)
+    assert_attention(case, run_prefill(case, DEEP_RING))
 
 
 def test_prefill_then_gate_kernel(rng):
     """Gated prompt chunks: the tiled kernel followed by ``sigmoid_gate_mul`` (its rounding is the reference's)."""
     case = Case(rng, 4, 2, 16, slots=[1] * 5, positions=list(range(5, 10)), gate=True)
     assert_attention(case, case.run(method="prefill"))
+
+
+def test_prefill_tile_errors(rng):
+    """A forced tile that is not one (keys not a multiple of 16, one stage), cannot hold whole tokens of the group,
+    or needs more shared memory than a block gets: one ValueError naming the fix."""
+    case = Case(rng, 6, 2, 16, slots=[0] * 2, positions=[0, 1])          # G = 3 does not divide 16 rows
+    with pytest.raises(ValueError, match="divide"):
+        run_prefill(case, PrefillGeometry(1, 1, 16, 2))
+    for bad in (PrefillGeometry(1, 1, 24, 2), PrefillGeometry(1, 1, 16, 1)):
+        with pytest.raises(ValueError, match="multiple of 16"):
+            run_prefill(case, bad)
+    case = Case(rng, 4, 2, 256, slots=[0] * 2, positions=[0, 1])
+    with pytest.raises(ValueError, match="shared memory"):
+        run_prefill(case, PrefillGeometry(8, 1, 256, 4))
 
 
 # ------------------------------------------------------------------------------------------------ host helpers
@@ -243,14 +308,26 @@ def test_split_counts_fill_the_gpu_within_the_context():
 
 
 def test_geometries():
-    """The split-K block (pairs over the dims for heads wider than 128) and the prefill tile."""
+    """The split-K block (pairs over the dims for heads wider than 128) and the prefill tile: 128 rows on the GPU
+    (two m16 tiles a warp at D = 128, one at 256), one warp in the simulator, a policy's ``tuned("prefill")`` entry
+    over both; whether a group fits the tile."""
     from pegainfer.device import SIMULATOR
+    from pegainfer.kernels.policy import LaunchPolicy, TuningEntry
 
     assert attention.split_geometry(256, 4).dim_split and not attention.split_geometry(128, 4).dim_split
     assert attention.split_geometry(128, 4).warps == (1 if SIMULATOR else 8)
     assert attention.split_geometry(256, 4).warps == (2 if SIMULATOR else attention.DIM_SPLIT_WARPS)
-    assert attention.prefill_geometry(128).q_in_regs and not attention.prefill_geometry(256).q_in_regs
-    assert attention.prefill_supported(4) and not attention.prefill_supported(3)
+    for D in (128, 256):
+        geo = attention.prefill_geometry(D, 4)
+        assert geo.rows == (16 if SIMULATOR else 128)
+        assert geo.shared_bytes(D) == 2 * D * (geo.rows + 2 * geo.stages * geo.block_keys)
+    if not SIMULATOR:
+        assert attention.prefill_geometry(128, 4).m_tiles == 2 and attention.prefill_geometry(256, 4).m_tiles == 1
+    tuned = PrefillGeometry(warps=2, m_tiles=2, block_keys=32, stages=3)
+    policy = LaunchPolicy(tuning=(TuningEntry("prefill", (128, 4), tuple(sorted(tuned._asdict().items()))),))
+    assert attention.prefill_geometry(128, 4, policy) == tuned
+    assert attention.prefill_geometry(128, 2, policy) == attention.prefill_geometry(128, 2)
+    assert attention.prefill_supported(4) and attention.prefill_supported(16) and not attention.prefill_supported(3)
 
 
 # ------------------------------------------------------------------------------------------------ GPU shapes

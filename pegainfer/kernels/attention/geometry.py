@@ -4,9 +4,11 @@ before a CUDA graph is captured; which splits do work is decided on the device f
 Why these values: ``docs/perf/attention.md``."""
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import NamedTuple
 
 from pegainfer.device import SIMULATOR
+from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
 from pegainfer.kernels.primitives import threads
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -65,26 +67,53 @@ def attention_num_splits(num_tokens: int, nq: int, max_model_len: int, page_size
 
 
 class PrefillGeometry(NamedTuple):
-    """Tile of the prefill kernel: ``warps`` of 16 query rows, K/V tiles of ``block_keys`` keys, the Q fragments
-    held in registers (``q_in_regs``) or re-read from global memory (L1) for every key tile."""
+    """Tile of the prefill kernel (``prefill.py``): ``warps`` warps of ``m_tiles`` m16 tiles (16 query rows each),
+    so ``16 · warps · m_tiles`` query rows a block; K/V tiles of ``block_keys`` keys; a ring of ``stages`` K/V
+    tiles in shared memory (``stages - 1`` in flight while one is multiplied)."""
     warps: int
+    m_tiles: int
     block_keys: int
-    q_in_regs: bool
+    stages: int
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.warps * self.m_tiles
+
+    def shared_bytes(self, head_dim: int) -> int:
+        """Dynamic shared memory of a block: the Q tile ``[rows, D]`` and ``stages`` K and V tiles ``[block_keys,
+        D]``, bf16."""
+        return 2 * head_dim * (self.rows + 2 * self.stages * self.block_keys)
 
 
-def prefill_geometry(head_dim: int) -> PrefillGeometry:
-    """64 query rows and 64-key tiles (32 for D = 256, to stay within 48 KB of static shared memory); for D = 256
-    the O accumulator alone takes 128 registers a lane, so Q is re-read instead of held.  One warp and 16-key tiles
-    in the simulator."""
-    q_in_regs = head_dim <= 128
+PREFILL_TILES = MappingProxyType({
+    128: PrefillGeometry(warps=4, m_tiles=2, block_keys=64, stages=2),
+    256: PrefillGeometry(warps=8, m_tiles=1, block_keys=64, stages=2),
+})
+"""The prefill tile per head dim on the GPU (any group that divides 128 rows; smaller heads take the 128 tile);
+``benchmarks/bench_attention.py --prefill-geometry`` / ``--sweep`` time others against them."""
+
+
+def prefill_geometry(head_dim: int, group: int = 1, policy: LaunchPolicy = DEFAULT_POLICY) -> PrefillGeometry:
+    """The prefill kernel's tile for heads of ``head_dim`` dims, ``group`` q heads per kv head: the policy's
+    ``tuned("prefill")`` entry for ``(head_dim, group)`` first, then ``PREFILL_TILES``.
+
+    128 query rows a block on the GPU, which every K/V tile serves (32 tokens × 4 heads at GQA 4).  D = 128: four
+    warps of two m16 tiles (a warp reuses every K / V fragment it loads for 32 rows; O takes 128 registers a lane),
+    64-key tiles, double-buffered (96 KB, two blocks an SM).  D = 256: the O accumulator of one m16 tile alone is
+    128 registers a lane, so eight warps of one m16 tile; 64-key tiles, double-buffered (192 KB, one block an SM).
+    In the simulator one warp of one m16 tile, 16-key tiles, two stages.  Why these values:
+    ``docs/perf/attention.md``."""
+    tuned = policy.tuned("prefill").get((head_dim, group))
+    if tuned is not None:
+        return PrefillGeometry(**tuned)
     if SIMULATOR:
-        return PrefillGeometry(1, 16, q_in_regs)
-    return PrefillGeometry(4, 64 if head_dim <= 128 else 32, q_in_regs)
+        return PrefillGeometry(warps=1, m_tiles=1, block_keys=16, stages=2)
+    return PREFILL_TILES[256 if head_dim > 128 else 128]
 
 
-def prefill_supported(group: int) -> bool:
+def prefill_supported(group: int, head_dim: int = 128, policy: LaunchPolicy = DEFAULT_POLICY) -> bool:
     """Whether the prefill kernel's tile holds whole tokens for ``group`` q heads per kv head."""
-    return (16 * prefill_geometry(128).warps) % group == 0
+    return prefill_geometry(head_dim, group, policy).rows % group == 0
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -8,6 +8,9 @@ and never checks which world it runs in; this package is the only place that doe
 * ``loads`` -- 16-byte and 8-byte loads and stores, ``as_words``
 * ``reductions`` -- warp and block reductions (sums, maxima, argmax)
 * ``mma`` -- the warp-wide bf16 tensor-core multiply-accumulate and ``ldmatrix``, which loads its fragments
+* ``ldmatrix_trans`` -- the transposing ``ldmatrix``: B fragments of ``P · V`` from a row-major V tile
+* ``fast_exp2`` -- 2^x in one instruction (softmax probabilities)
+* ``warp_vote`` -- ``warp_any``: a predicate of any lane, in every lane
 * ``async_copy`` -- ``cp.async`` and the sm_90 bulk copies with their mbarrier
 * ``pdl`` -- programmatic dependent launch (``grid_dependency_wait``, ``launch_dependents``, ``pdl_prologue``) and the
   clock registers of the timeline stamps
@@ -49,8 +52,10 @@ from pegainfer.kernels.primitives.async_copy import (bulk_barrier_init, bulk_cop
                                                      bulk_wait, cp_async_16, cp_async_commit, cp_async_wait_group)
 from pegainfer.kernels.primitives.bf16 import (bf16_to_f32, bf16x2_hi, bf16x2_lo, bits_f32, f32_bits,
                                                f32_to_bf16, from_bf16_bits, pack_bf16x2, to_bf16_bits)
+from pegainfer.kernels.primitives.fast_exp2 import exp2_approx
 from pegainfer.kernels.primitives.launch_shape import (device_fn, float32, grid, int32, kernel, threads,
                                                        uint16, uint32)
+from pegainfer.kernels.primitives.ldmatrix_trans import ldmatrix_x4_trans
 from pegainfer.kernels.primitives.loads import (as_words, load_f32x2, load_f32x4, load_u32_l2, load_u32x4,
                                                 store_f32x2, store_f32x4)
 from pegainfer.kernels.primitives.mma import ldmatrix_x4, mma_bf16_m16n8k16
@@ -59,6 +64,7 @@ from pegainfer.kernels.primitives.pdl import (GRID_DEPENDENCY_CONTROL, global_ti
 from pegainfer.kernels.primitives.reductions import (FULL_MASK, NO_INDEX, WARP, block_argmax, block_max,
                                                      block_sum, lane_group_max, lane_group_sum, warp_argmax, warp_max,
                                                      warp_row_sums_to_shared, warp_sum, warp_sums_to_shared)
+from pegainfer.kernels.primitives.warp_vote import warp_any
 
 __all__ = ["as_words", "bf16_to_f32", "bf16x2_hi", "bf16x2_lo", "bits_f32", "block_argmax", "block_max", "block_sum",
            "bulk_barrier_init", "bulk_copy", "bulk_expect_bytes", "bulk_wait", "cp_async_16", "cp_async_commit",
@@ -68,3 +74,4 @@ __all__ = ["as_words", "bf16_to_f32", "bf16x2_hi", "bf16x2_lo", "bits_f32", "blo
            "load_u32x4", "math", "mma_bf16_m16n8k16", "NO_INDEX", "pack_bf16x2", "pdl_prologue", "SIMULATOR",
            "sm_id", "store_f32x2", "store_f32x4", "threads", "to_bf16_bits", "uint16", "uint32", "WARP",
            "warp_argmax", "warp_max", "warp_row_sums_to_shared", "warp_sum", "warp_sums_to_shared"]
+__all__ += ["exp2_approx", "ldmatrix_x4_trans", "warp_any"]

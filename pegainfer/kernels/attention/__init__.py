@@ -110,7 +110,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, o
                             gate=None if gate is None else gate[part], policy=policy)
         return
     if method == "auto":
-        method = "prefill" if T >= PREFILL_MIN_TOKENS and prefill_supported(nq // nkv) else "split"
+        method = "prefill" if T >= PREFILL_MIN_TOKENS and prefill_supported(nq // nkv, D, policy) else "split"
     if gate is not None and (gate.dtype != np.uint16 or gate.ndim != 2 or gate.shape[0] != T
                              or gate.shape[1] < 2 * nq * D):
         raise ValueError(f"gate must be uint16 [{T}, >= {2 * nq * D}], got {gate.dtype} {gate.shape}")

@@ -74,8 +74,12 @@ class GrammarCompiler:
                 eos = [t for t in self.eos_token_ids if t < self.tokenizer.vocab_size]
                 if not eos and self.tokenizer.eos_token_id is not None:
                     eos = [self.tokenizer.eos_token_id]
-                self._ll_tokenizer = llguidance.LLTokenizer(self.tokenizer.to_json(), n_vocab=self.vocab_size,
-                                                            eos_token=eos)
+                try:
+                    self._ll_tokenizer = llguidance.LLTokenizer(self.tokenizer.to_json(), n_vocab=self.vocab_size,
+                                                                eos_token=eos)
+                except TypeError:       # llguidance releases before 1.9 take one end-of-sequence id, not a list
+                    self._ll_tokenizer = llguidance.LLTokenizer(self.tokenizer.to_json(), n_vocab=self.vocab_size,
+                                                                eos_token=eos[0] if eos else None)
             return self._ll_tokenizer
 
     # -------------------------------------------------------------------------------------------- grammars

@@ -106,12 +106,3 @@ def test_qwen3_vocab_needs_a_folder():
     assert one_line_error(r) == "error: --qwen3-vocab needs --model-path (a folder with a Qwen3-sized embedding)"
 
 
-def test_a_tokenizer_llguidance_refuses_is_one_message(cd):
-    """The random GPU folders' case (EOS 151645 outside the demo tokenizer): a BenchError naming the fix, not a
-    traceback from llguidance."""
-    from tests.engine.hash_engine import hash_engine
-    engine = hash_engine(max_batch=1, max_model_len=64)
-    engine.eos_token_ids = [151645]
-    args = cd.parse_args(["--batches", "1", "--json-batches", "1", "--max-tokens", "4", "--skip", "1"])
-    with pytest.raises(cd.BenchError, match=r"EOS token ID 151645 .*add --qwen3-vocab"):
-        cd.bench(engine, args)

@@ -184,6 +184,24 @@ def test_auto_method_picks_prefill_from_the_threshold(rng, monkeypatch):
     assert calls == ["split", "prefill"]
 
 
+def test_a_decode_step_of_many_sequences_takes_split_k(monkeypatch):
+    """A decode step of ``PREFILL_MIN_TOKENS`` sequences or more (batched decode at 128+ streams) is one query per
+    sequence: split-K, never the tiled prompt kernel (which spent ~0.5 ms a layer on a 256-sequence step); a mixed
+    step's decodes too, its chunks by their own count."""
+    calls = []
+    monkeypatch.setattr(attention, "paged_attention_prefill", lambda q, *a, **k: calls.append(("prefill", len(q))))
+    monkeypatch.setattr(attention, "paged_attention_split", lambda q, *a, **k: calls.append(("split", len(q))))
+    T = 2 * attention.PREFILL_MIN_TOKENS
+    q = cuda.device_array((T, 4, 16), np.uint16)
+    cache = cuda.device_array((4, PAGE, 2, 16), np.uint16)
+    i32 = cuda.to_device(np.zeros(T, np.int32))
+    tables = cuda.to_device(np.zeros((1, 4), np.int32))
+    paged_attention(q, cache, cache, tables, i32, i32, q, 0.25, None, decode=True)
+    paged_attention(q, cache, cache, tables, i32, i32, q, 0.25, None, num_decode=T - attention.PREFILL_MIN_TOKENS)
+    assert calls == [("split", T), ("split", T - attention.PREFILL_MIN_TOKENS),
+                     ("prefill", attention.PREFILL_MIN_TOKENS)]
+
+
 # ------------------------------------------------------------------------------------------------ tiled prefill
 def test_prefill_mixed_tile(rng):
     """The tiled kernel with a tile holding runs of two slots and a decode token (runs 2 + 1 + 5 tokens, then a

@@ -151,3 +151,21 @@ def test_an_eos_id_past_the_tokenizer_is_left_out(compiler):
     far = GrammarCompiler(tok, 151936, [151645, tok.eos_token_id])
     text, complete = walk(far, GrammarCompiler.json_schema(NOTE), seed=1)
     assert complete and not errors(json.loads(text), NOTE)
+
+
+def test_an_llguidance_that_takes_one_eos_id(compiler, monkeypatch):
+    """llguidance before 1.9 takes one end-of-sequence id, not a list (the GPU host's 1.6.1 raised a TypeError on
+    every structured request): the compiler falls back to the first id and its grammars still work."""
+    import llguidance
+    real = llguidance.LLTokenizer
+
+    def one_id_only(text, n_vocab=None, eos_token=None):
+        if isinstance(eos_token, list):
+            raise TypeError("argument 'eos_token': 'list' object cannot be interpreted as an integer")
+        return real(text, n_vocab=n_vocab, eos_token=eos_token)
+
+    monkeypatch.setattr(llguidance, "LLTokenizer", one_id_only)
+    tok = compiler.tokenizer
+    old = GrammarCompiler(tok, tok.vocab_size, [tok.eos_token_id])
+    text, complete = walk(old, GrammarCompiler.json_schema(NOTE), seed=2)
+    assert complete and not errors(json.loads(text), NOTE)

@@ -67,7 +67,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, o
     ``[num_slots, max_pages]``, token_slots ``[T]``, positions ``[T]`` int32; workspace: f32 device array of at least
     ``attention_workspace_size(...)`` elements (may be None when the split-K path uses one split).
     ``num_splits`` / ``min_split_tokens`` force the split-K launch (tests); ``method``: "auto" (the tiled prefill
-    kernel from ``PREFILL_MIN_TOKENS`` tokens up, else split-K), "split" or "prefill".
+    kernel from ``PREFILL_MIN_TOKENS`` prompt tokens up, else split-K: always for ``decode``), "split" or "prefill".
     ``decode``: every token is its sequence's newest (a decode step), so of the cache only the key / value at
     ``positions[t]`` was written by the kernel before; the split-K kernel then reads the older ones before its PDL
     wait (``decode.py``).  Wrong when a token's earlier positions were stored in the same step (a prompt chunk).
@@ -109,8 +109,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, token_slots, positions, o
                             method="split" if part_decode else method, decode=part_decode,
                             gate=None if gate is None else gate[part], policy=policy)
         return
-    if method == "auto":
-        method = "prefill" if T >= PREFILL_MIN_TOKENS and prefill_supported(nq // nkv, D, policy) else "split"
+    if method == "auto":       # a decode step's tokens are one query each, of as many sequences: split-K, whatever T
+        method = ("prefill" if not decode and T >= PREFILL_MIN_TOKENS and prefill_supported(nq // nkv, D, policy)
+                  else "split")
     if gate is not None and (gate.dtype != np.uint16 or gate.ndim != 2 or gate.shape[0] != T
                              or gate.shape[1] < 2 * nq * D):
         raise ValueError(f"gate must be uint16 [{T}, >= {2 * nq * D}], got {gate.dtype} {gate.shape}")

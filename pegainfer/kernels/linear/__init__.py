@@ -11,8 +11,8 @@ Modules:
 * ``reference``: the math, one thread per output (the oracle of the tests).
 * ``api``: ``linear``, ``linear_silu_mul`` (the MLP's gate/up + SwiGLU), ``linear_add_rms_norm`` (the decoder's
   residual add + RMSNorm in front of a projection) and ``default_impl``: for T tokens, on a GPU the one-token GEMV
-  for T = 1, the skinny tensor-core kernel for 2 <= T <= 16, the tensor-core GEMM above; in the simulator
-  the GEMV up to 8 tokens and the FMA tiles above.
+  for T = 1, the skinny tensor-core kernel for 2 <= T <= 16, a GEMM above (``gemm_wgmma`` on Hopper, ``gemm_mma``
+  elsewhere); in the simulator the GEMV up to 8 tokens and the FMA tiles above.
 * ``geometry``: how a GEMV, skinny or GEMM launch splits a weight, per shape (built-in measured tables, the launch
   policy's tuning entries, heuristics).
 * ``gemv_multi``: the GEMV for up to 8 tokens a pass, streaming every weight byte once.
@@ -21,8 +21,8 @@ Modules:
 * ``gemv_preloaded``: the one-token GEMV whose weights are copied into shared memory while the kernel before runs
   (``linear_preloaded``: o after attention, out_proj after the Gated DeltaNet step).
 * ``skinny``: up to 16 tokens on tensor cores, weights streamed straight into mma fragments.
-* ``gemm``: the tensor-core GEMM (``gemm_mma``): a ``cp.async`` shared-memory ring, ``ldmatrix`` fragments,
-  ``mma.sync``; tiles from all tokens of a decode batch × 128 columns to 128 × 128 for prompts.
+* ``gemm``: the ``mma.sync`` GEMM (``gemm_mma``, GPUs without ``wgmma``): a ``cp.async`` shared-memory ring,
+  ``ldmatrix`` fragments; tiles from all tokens of a decode batch × 64 columns to 128 × 128 for prompts.
 * ``gemm_wgmma``: the Hopper GEMM (``wgmma`` from 128-byte-swizzled shared-memory tiles, a ``cp.async`` ring).
 * ``splitk``: split-K for both GEMMs (blocks sharing a tile's K, the last one summing their partials in a fixed
   order) and the caller's workspace (``linear_workspace_size``).

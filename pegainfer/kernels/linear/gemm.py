@@ -1,5 +1,6 @@
-"""The tensor-core GEMM: ``out = x @ W.T`` on a GPU for every T >= 2 tokens, from a batched decode step (a weight
-stream) to a long prompt (arithmetic-bound).
+"""The ``mma.sync`` tensor-core GEMM: ``out = x @ W.T`` for T > 16 tokens on GPUs without Hopper's ``wgmma``
+(Ampere, Ada, Blackwell; ``gemm_wgmma`` on sm_90), from a batched decode step (a weight stream) to a long prompt
+(arithmetic-bound).
 
 Math: ``out[t, n] = bf16(Σ_k x[t, k] · W[n, k])`` with f32 accumulation; gated (``linear_silu_mul``), the weight
 is ``2I`` logical columns interleaved in pairs (``common.weight_row``) and each pair becomes one SwiGLU output.

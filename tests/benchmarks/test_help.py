@@ -11,6 +11,7 @@ QUESTIONS = {
     "bench_attention.py": "How fast is pegainfer's paged attention",
     "constrained_decode.py": "Does grammar-constrained decoding (structured output) slow a batch down?",
     "bench_sampling.py": "How long does token selection take on this GPU?",
+    "launch_cost.py": "How much host time does one eager kernel launch take?",
     "bench_server.py": "What does the OpenAI HTTP server add to time-to-first-token and time-per-output-token?",
     "accuracy_floor.py": "How far apart are two *valid* bf16 implementations of the same model",
     "prefix_cache_ttft.py": "How much sooner does the first token of a prompt come when an earlier request computed "

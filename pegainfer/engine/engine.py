@@ -244,6 +244,12 @@ class Engine:
             self.pool.prefix_queries = self.pool.prefix_hits = 0
             if graphs is not None:
                 progress.phase("capturing the CUDA graphs")
+                if self.runner.pad_mixed:   # a full decode batch (or 64 of it) beside one or two arriving prompts
+                    from pegainfer.engine.cuda_graph import mixed_warmup_shapes
+                    m = self.model
+                    for batch in sorted({min(64, self.scheduler.max_batch), self.scheduler.max_batch}):
+                        graphs.mixed_shapes += mixed_warmup_shapes(self.runner.padded_batch(batch), m.max_tokens,
+                                                                   m.max_rows)
                 graphs.capture_all()
 
     # ------------------------------------------------------------------------------------------------ requests
@@ -335,7 +341,7 @@ class Engine:
                 if token is not None:
                     outputs.append(self._append(seq, token, 0))
             elif sched.kind == "mixed":
-                outputs += self._mixed(sched)
+                outputs += self._mixed(sched, trace_kernels)
             elif self.async_scheduling and not trace_kernels:
                 outputs += self._read_launching_ahead(self.runner.launch_decode(sched.decodes))
             else:
@@ -350,9 +356,9 @@ class Engine:
             tracer.span(_step_label(sched), t_step, time.perf_counter(), "engine steps")
         return outputs
 
-    def _mixed(self, sched) -> list[RequestOutput]:
+    def _mixed(self, sched, trace_kernels: bool = False) -> list[RequestOutput]:
         """Run a step of decodes and prompt chunks; append the token of every sequence whose tokens it finished."""
-        tokens = self.runner.mixed(sched.decodes, sched.chunks)
+        tokens = self.runner.mixed(sched.decodes, sched.chunks, force_eager=trace_kernels)
         outputs = []
         for row, seq in enumerate(sched.decodes):
             self.scheduler.computed(seq, seq.num_tokens)

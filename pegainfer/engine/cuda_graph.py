@@ -67,6 +67,11 @@ MIXED_GRAPHS_MAX = 64
 shapes run eagerly."""
 
 
+MIXED_SPARE_ROWS = 32
+"""Logits rows a model that pads mixed steps holds beyond ``max_batch``: a full decode batch padded to its graph size
+still leaves rows for the chunks' (padded) rows, so such steps keep a graph."""
+
+
 def mixed_rows(num_chunks: int) -> int:
     """The logits rows a mixed step's ``num_chunks`` chunks take: the next power of two (0 for none)."""
     return 0 if num_chunks == 0 else 1 << (num_chunks - 1).bit_length()

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from pegainfer.engine.cuda_graph import MIXED_SPARE_ROWS
 from pegainfer.engine.kv_cache import PagePool
 from pegainfer.engine.runner import ModelRunner, PendingStep
 from pegainfer.engine.scheduler import Scheduler
@@ -160,10 +161,12 @@ class Engine:
             raise PegainferError(f"prefix caching is not supported for {cfg.arch} (its recurrent state is not "
                                  f"cached): drop --enable-prefix-caching")
         step_tokens = max(max_num_batched_tokens, max_batch)
+        # rows for a mixed step's chunks beside a full decode batch padded to a graph size (``cuda_graph.mixed_shape``)
+        spare_rows = MIXED_SPARE_ROWS if getattr(Model, "pads_mixed", False) and not SIMULATOR else 0
 
         def plan(mml: int):
             """The model for context ``mml``, its KV pages and the bytes it needs besides them."""
-            m = Model(cfg, mml, max_tokens=step_tokens, max_rows=max(max_batch, SCORE_ROWS), policy=policy)
+            m = Model(cfg, mml, max_tokens=step_tokens, max_rows=max(max_batch + spare_rows, SCORE_ROWS), policy=policy)
             fixed = m.weight_bytes() + m.scratch_bytes() + getattr(m, "state_bytes", lambda n: 0)(max_batch)
             page_bytes = PAGE_SIZE * m.kv_bytes_per_token()
             one_seq = -(-mml // PAGE_SIZE)

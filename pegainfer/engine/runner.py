@@ -3,7 +3,9 @@ sampled token ids back to the host.
 
 Decode steps of a given batch size can be captured once into a CUDA graph and replayed (``CudaGraphs``); the
 per-step values (token ids, positions, slots, sampling parameters) live in device buffers that are refreshed
-before each replay, so the graph itself never changes.
+before each replay, so the graph itself never changes.  So do prompt chunks padded to a bucket and, for models
+whose kernels allow it (``pads_mixed``), mixed steps padded to a (decode batch, prompt bucket, rows) shape
+(``mixed``); eager steps are padded the same way, so both paths run the very same kernels.
 
 Decode steps can also be *launched* without being waited for (``launch_decode`` → ``PendingStep``, read later by
 ``wait``), which is what the engine's async scheduling builds on: a step launched with ``ahead=1`` takes its input

@@ -7,7 +7,12 @@ one would cost more than the GPU work. Instead, each step shape is captured once
   ``max_batch``): T = B tokens, B logits rows; a batch between two sizes runs as the larger, padded with empty rows
   (slot -1), as vLLM does;
 * prefill chunks padded up to a bucket of T tokens (16, 32, ... 512, 768, 1024, 1536, 2048: ``prefill_buckets``),
-  one logits row.
+  one logits row;
+* mixed steps (every running decode plus prompt chunks, ``engine/scheduler.py``) of models whose ``pads_mixed``
+  says so, padded to ``mixed_shape``'s (Dp, Cp, Rp): D decodes run as Dp = a decode graph size, the chunks' L
+  tokens as Cp = a prefill bucket, their logits rows as Rp = a power of two.  These graphs are keyed
+  ``("mixed", Dp, Cp, Rp)`` and captured lazily (``replay_or_capture``: the second time a shape is met, at most
+  ``MIXED_GRAPHS_MAX`` of them), besides those ``capture_all`` takes at warm-up.
   Padding tokens carry slot -1: their K/V are not written and their attention output is ignored.
 
 Everything that changes per step — token ids, positions, slots, block tables, sampling parameters — lives in
@@ -16,7 +21,11 @@ a captured graph never changes.
 """
 from __future__ import annotations
 
+import logging
+
 from pegainfer.kernels.launch import on_stream
+
+log = logging.getLogger("pegainfer.engine")
 
 PREFILL_GRAPH_MAX = 2048
 """Largest prompt chunk replayed from a graph (the default token budget): an eager chunk pays the host cost of its
@@ -53,6 +62,49 @@ def prefill_bucket(length: int, max_tokens: int):
     return None
 
 
+MIXED_GRAPHS_MAX = 64
+"""Most mixed-step graphs captured at run time (each holds a step's ~500 kernel nodes); past it, mixed steps of new
+shapes run eagerly."""
+
+
+MIXED_SPARE_ROWS = 32
+"""Logits rows a model that pads mixed steps holds beyond ``max_batch``: a full decode batch padded to its graph size
+still leaves rows for the chunks' (padded) rows, so such steps keep a graph."""
+
+
+def mixed_rows(num_chunks: int) -> int:
+    """The logits rows a mixed step's ``num_chunks`` chunks take: the next power of two (0 for none)."""
+    return 0 if num_chunks == 0 else 1 << (num_chunks - 1).bit_length()
+
+
+def mixed_shape(padded_decodes: int, chunk_tokens: int, num_chunks: int, max_tokens: int, max_rows: int):
+    """(Dp, Cp, Rp): the padded shape a mixed step of ``padded_decodes`` (Dp, already ``padded_batch``) decode rows
+    and ``num_chunks`` chunks of ``chunk_tokens`` tokens in all runs as, or None when it runs unpadded (chunks
+    longer than ``PREFILL_GRAPH_MAX``, or more rows than the buffers hold).  Cp is the chunks' prefill bucket within
+    the tokens left after the decodes (or all of them: a full step); Rp the chunks' rows rounded up to a power of two
+    within ``max_rows``.  The step's launches depend only on this shape, so it names the step's graph."""
+    room = max_tokens - padded_decodes
+    if chunk_tokens > min(PREFILL_GRAPH_MAX, room) or num_chunks == 0:
+        return None
+    Cp = prefill_bucket(chunk_tokens, room) or room
+    Rp = min(mixed_rows(num_chunks), max_rows - padded_decodes)
+    if Rp < num_chunks:
+        return None
+    return padded_decodes, Cp, Rp
+
+
+def mixed_warmup_shapes(padded_decodes: int, max_tokens: int, max_rows: int, chunk_tokens=(128, 256)) -> list:
+    """The mixed shapes captured at warm-up: a full decode batch (``padded_decodes``) beside one or two arriving
+    prompts of a few hundred tokens, what a steady load of many streams meets at every step."""
+    shapes = []
+    for L in chunk_tokens:
+        for n in (1, 2):
+            shape = mixed_shape(padded_decodes, L, n, max_tokens, max_rows)
+            if shape is not None and shape not in shapes:
+                shapes.append(shape)
+    return shapes
+
+
 def _check(result):
     from cuda.bindings import driver as drv
     err = result[0] if isinstance(result, tuple) else result
@@ -62,17 +114,23 @@ def _check(result):
 
 
 class StepGraphs:
-    """Instantiated graphs keyed by (tokens T, logits rows B)."""
+    """Instantiated graphs keyed by (tokens T, logits rows B) for decode steps and prompt chunks, and by tuples
+    naming their kind for the others (``("forward", B)``, ``("sample", B)``, ``("mixed", Dp, Cp, Rp)``)."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, max_lazy: int = MIXED_GRAPHS_MAX):
         self.runner = runner
-        self.execs: dict[tuple[int, int], object] = {}
+        self.execs: dict[tuple, object] = {}
         self._graphs: list = []
         pads = getattr(runner.model, "pads_prefill", False)
         self.prefill_buckets = prefill_buckets(runner.model.max_tokens) if pads else []
+        self.mixed_shapes: list[tuple] = []     # captured by capture_all (set by the engine's warm-up)
+        self.max_lazy = max_lazy
+        self._lazy: set = set()                 # keys captured by replay_or_capture
+        self._seen: set = set()                 # keys met once, not captured yet
+        self._failed: set = set()               # keys whose capture failed: eager from then on
 
-    def has(self, T, B: int) -> bool:
-        return (T, B) in self.execs
+    def has(self, *key) -> bool:
+        return key in self.execs
 
     def _cu_stream(self):
         from cuda.bindings import driver as drv
@@ -98,6 +156,37 @@ class StepGraphs:
         self._graphs.append(graph)
         self.execs[key] = _check(drv.cuGraphInstantiate(graph, 0))
 
+    def replay_or_capture(self, key: tuple, run) -> bool:
+        """Replay ``key``'s graph, capturing it from ``run()`` the second time the key is met (the first runs
+        eagerly, which compiles any kernel variant the shape needs outside the capture); False when the caller
+        must run the step eagerly: the key's first time, ``max_lazy`` graphs captured already, or a capture that
+        failed (logged once; the key stays eager)."""
+        if key in self.execs:
+            self.replay(*key)
+            return True
+        if key in self._failed or len(self._lazy) >= self.max_lazy:
+            return False
+        if key not in self._seen:
+            self._seen.add(key)
+            return False
+        self._seen.discard(key)
+        if not self.try_capture(key, run):
+            return False
+        self._lazy.add(key)
+        self.replay(*key)
+        return True
+
+    def try_capture(self, key: tuple, run) -> bool:
+        """``capture_fn``, where a failure is logged once and leaves ``key`` eager instead of raising: a step the
+        graph cannot hold must not take the server down."""
+        try:
+            self.capture_fn(key, run)
+        except Exception as e:
+            self._failed.add(key)
+            log.warning("CUDA graph capture of step %s failed (%s): such steps run eagerly", key, e)
+            return False
+        return True
+
     def capture_all(self) -> None:
         for B in self.runner.decode_sizes:
             if not self.has(B, B):
@@ -105,8 +194,11 @@ class StepGraphs:
         for T in self.prefill_buckets:
             if not self.has(T, 1):
                 self.capture(T, 1)
+        for Dp, Cp, Rp in self.mixed_shapes:
+            if not self.has("mixed", Dp, Cp, Rp) and ("mixed", Dp, Cp, Rp) not in self._failed:
+                self.runner.warm_mixed(Dp, Cp, Rp)
         self.runner.stream.synchronize()
 
-    def replay(self, T, B: int) -> None:
+    def replay(self, *key) -> None:
         from cuda.bindings import driver as drv
-        _check(drv.cuGraphLaunch(self.execs[(T, B)], self._cu_stream()))
+        _check(drv.cuGraphLaunch(self.execs[key], self._cu_stream()))

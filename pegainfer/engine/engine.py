@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from pegainfer.engine.cuda_graph import MIXED_SPARE_ROWS
 from pegainfer.engine.kv_cache import PagePool
 from pegainfer.engine.runner import ModelRunner, PendingStep
 from pegainfer.engine.scheduler import Scheduler
@@ -160,10 +161,12 @@ class Engine:
             raise PegainferError(f"prefix caching is not supported for {cfg.arch} (its recurrent state is not "
                                  f"cached): drop --enable-prefix-caching")
         step_tokens = max(max_num_batched_tokens, max_batch)
+        # rows for a mixed step's chunks beside a full decode batch padded to a graph size (``cuda_graph.mixed_shape``)
+        spare_rows = MIXED_SPARE_ROWS if getattr(Model, "pads_mixed", False) and not SIMULATOR else 0
 
         def plan(mml: int):
             """The model for context ``mml``, its KV pages and the bytes it needs besides them."""
-            m = Model(cfg, mml, max_tokens=step_tokens, max_rows=max(max_batch, SCORE_ROWS), policy=policy)
+            m = Model(cfg, mml, max_tokens=step_tokens, max_rows=max(max_batch + spare_rows, SCORE_ROWS), policy=policy)
             fixed = m.weight_bytes() + m.scratch_bytes() + getattr(m, "state_bytes", lambda n: 0)(max_batch)
             page_bytes = PAGE_SIZE * m.kv_bytes_per_token()
             one_seq = -(-mml // PAGE_SIZE)
@@ -244,6 +247,12 @@ class Engine:
             self.pool.prefix_queries = self.pool.prefix_hits = 0
             if graphs is not None:
                 progress.phase("capturing the CUDA graphs")
+                if self.runner.pad_mixed:   # a full decode batch (or 64 of it) beside one or two arriving prompts
+                    from pegainfer.engine.cuda_graph import mixed_warmup_shapes
+                    m = self.model
+                    for batch in sorted({min(64, self.scheduler.max_batch), self.scheduler.max_batch}):
+                        graphs.mixed_shapes += mixed_warmup_shapes(self.runner.padded_batch(batch), m.max_tokens,
+                                                                   m.max_rows)
                 graphs.capture_all()
 
     # ------------------------------------------------------------------------------------------------ requests
@@ -335,7 +344,7 @@ class Engine:
                 if token is not None:
                     outputs.append(self._append(seq, token, 0))
             elif sched.kind == "mixed":
-                outputs += self._mixed(sched)
+                outputs += self._mixed(sched, trace_kernels)
             elif self.async_scheduling and not trace_kernels:
                 outputs += self._read_launching_ahead(self.runner.launch_decode(sched.decodes))
             else:
@@ -350,9 +359,9 @@ class Engine:
             tracer.span(_step_label(sched), t_step, time.perf_counter(), "engine steps")
         return outputs
 
-    def _mixed(self, sched) -> list[RequestOutput]:
+    def _mixed(self, sched, trace_kernels: bool = False) -> list[RequestOutput]:
         """Run a step of decodes and prompt chunks; append the token of every sequence whose tokens it finished."""
-        tokens = self.runner.mixed(sched.decodes, sched.chunks)
+        tokens = self.runner.mixed(sched.decodes, sched.chunks, force_eager=trace_kernels)
         outputs = []
         for row, seq in enumerate(sched.decodes):
             self.scheduler.computed(seq, seq.num_tokens)

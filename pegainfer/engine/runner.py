@@ -3,7 +3,9 @@ sampled token ids back to the host.
 
 Decode steps of a given batch size can be captured once into a CUDA graph and replayed (``CudaGraphs``); the
 per-step values (token ids, positions, slots, sampling parameters) live in device buffers that are refreshed
-before each replay, so the graph itself never changes.
+before each replay, so the graph itself never changes.  So do prompt chunks padded to a bucket and, for models
+whose kernels allow it (``pads_mixed``), mixed steps padded to a (decode batch, prompt bucket, rows) shape
+(``mixed``); eager steps are padded the same way, so both paths run the very same kernels.
 
 Decode steps can also be *launched* without being waited for (``launch_decode`` → ``PendingStep``, read later by
 ``wait``), which is what the engine's async scheduling builds on: a step launched with ``ahead=1`` takes its input
@@ -35,7 +37,7 @@ import numpy as np
 from numba import cuda
 
 from pegainfer.device import SIMULATOR
-from pegainfer.engine.cuda_graph import prefill_bucket
+from pegainfer.engine.cuda_graph import mixed_shape, prefill_bucket
 from pegainfer.kernels import sampling
 from pegainfer.kernels.launch import on_stream
 from pegainfer.kernels.token_mask import apply_token_mask
@@ -101,6 +103,10 @@ class ModelRunner:
         # free during that wait): AsyncEngine hands the previous step's outputs to the server's event loop there.
         self.before_wait = None
         self.graphs = None
+        # mixed steps run padded to ``cuda_graph.mixed_shape`` (model kernels that skip slot -1 tokens and rows
+        # throughout, ``pads_mixed``); ``_row_order``: the padded step's rows of its sequences, for logits_host
+        self.pad_mixed = bool(getattr(model, "pads_mixed", False)) and not SIMULATOR
+        self._row_order = None
         # decode batch sizes (``padded_batch``): those that get a graph; eager steps are padded the same way, so
         # both paths run the very same kernels
         self.decode_sizes = None
@@ -202,6 +208,7 @@ class ModelRunner:
         ids = seq.token_ids[start:start + length]
         last = start + length >= seq.num_tokens
         self._wait_inputs_free()
+        self._row_order = None
         self.h_ids[:T] = ids
         self.h_pos[:T] = np.arange(start, start + length, dtype=np.int32)
         self.h_slots[:T] = seq.slot
@@ -244,13 +251,24 @@ class ModelRunner:
         """One token for each sequence in ``seqs`` (their last token goes in; the sampled next token comes out)."""
         return self.wait(self.launch_decode(seqs, force_eager=force_eager))
 
-    def mixed(self, decodes, chunks) -> list[int]:
+    def mixed(self, decodes, chunks, force_eager: bool = False) -> list[int]:
         """One step of decodes and prompt chunks (``scheduler.ScheduledStep``): the decode tokens first, then each
         chunk's tokens; one logits row per sequence (a decode's token, a chunk's last token).  Returns the sampled
-        token of every row (meaningful for the rows whose chunk ends its sequence's tokens).  Launched eagerly:
-        its shape changes from step to step."""
-        nd = len(decodes)
-        B = nd + len(chunks)
+        token of every row, decodes then chunks (meaningful for the rows whose chunk ends its sequence's tokens);
+        ``logits_host`` gives the rows in that order.
+
+        With ``pad_mixed`` the step runs padded to ``cuda_graph.mixed_shape`` (Dp, Cp, Rp): decode rows up to Dp
+        (slot -1, as ``_stage_decode`` pads), chunk tokens up to Cp (slot -1, as ``prefill`` pads), chunk rows up
+        to Rp (greedy rows of a real token, their draws ignored).  Its launches are then fixed by the shape, so it
+        replays the shape's CUDA graph (``StepGraphs.replay_or_capture``) or, eagerly, the very same kernels."""
+        nd, nc = len(decodes), len(chunks)
+        L = sum(n for _, _, n in chunks)
+        shape = None
+        if self.pad_mixed:
+            Dp = self.padded_batch(nd) if nd else 0
+            shape = mixed_shape(Dp, L, nc, self.model.max_tokens, self.model.max_rows)
+        Dp, Cp, Rp = shape if shape is not None else (nd, L, nc)
+        B = Dp + Rp
         self._wait_inputs_free()
         sampled = []
         for r, seq in enumerate(decodes):
@@ -260,9 +278,10 @@ class ModelRunner:
             self.h_rows[r] = r
             self._set_sampling(r, seq)
             sampled.append((seq, r))
-        t = nd
+        self._pad_rows(nd, Dp)
+        t = Dp
         for j, (seq, start, n) in enumerate(chunks):
-            r = nd + j
+            r = Dp + j
             self.h_ids[t:t + n] = seq.token_ids[start:start + n]
             self.h_pos[t:t + n] = np.arange(start, start + n, dtype=np.int32)
             self.h_slots[t:t + n] = seq.slot
@@ -271,11 +290,52 @@ class ModelRunner:
             if start + n >= seq.num_tokens:
                 sampled.append((seq, r))
             t += n
+        T = Dp + Cp
+        self.h_ids[t:T] = 0            # padding tokens: slot -1, no K/V written, outputs ignored
+        self.h_pos[t:T] = 0
+        self.h_slots[t:T] = -1
+        for r in range(Dp + nc, B):    # padding rows: a greedy draw from the last real token, ignored
+            self.h_rows[r] = t - 1
+            self.sampling.set_row(r, 0.0, 0, 1.0, 0.0, 0, 0)
         self._fill_masks(sampled, B)
+        order = list(range(nd)) + list(range(Dp, Dp + nc))
+        self._row_order = order if shape is not None else None
         with on_stream(self.stream):
             self._upload()
-            self.forward_and_sample(t, B, num_decode=nd)
-        return [int(x) for x in self._finish(B)]
+            run = lambda: self.forward_and_sample(T, B, num_decode=Dp)   # noqa: E731
+            key = ("mixed", Dp, Cp, Rp)
+            if shape is None or self.graphs is None or force_eager or not self.graphs.replay_or_capture(key, run):
+                run()
+        out = self._finish(B)
+        return [int(out[r]) for r in order]
+
+    def _pad_rows(self, first: int, end: int) -> None:
+        """Decode padding rows ``first .. end``: slot -1 (no K/V written, nothing read), a greedy draw ignored."""
+        for r in range(first, end):
+            self.h_ids[r] = 0
+            self.h_pos[r] = 0
+            self.h_slots[r] = -1
+            self.h_rows[r] = r
+            self.sampling.set_row(r, 0.0, 0, 1.0, 0.0, 0, 0)
+
+    def warm_mixed(self, Dp: int, Cp: int, Rp: int) -> None:
+        """Capture the graph of mixed shape (Dp, Cp, Rp) at warm-up: one eager run of a step whose every token is
+        padding (compiling what the shape needs, touching no sequence), then the capture."""
+        T, B = Dp + Cp, Dp + Rp
+        self._wait_inputs_free()
+        self.h_ids[:T] = 0
+        self.h_pos[:T] = 0
+        self.h_slots[:T] = -1
+        for r in range(B):
+            self.h_rows[r] = 0
+            self.sampling.set_row(r, 0.0, 0, 1.0, 0.0, 0, 0)
+        self._fill_masks((), B)
+        self._row_order = None
+        run = lambda: self.forward_and_sample(T, B, num_decode=Dp)   # noqa: E731
+        with on_stream(self.stream):
+            self._upload()
+            run()
+            self.graphs.try_capture(("mixed", Dp, Cp, Rp), run)
 
     def launch_decode(self, seqs, ahead: int = 0, force_eager: bool = False) -> PendingStep:
         """Enqueue one decode step for ``seqs`` (uploads, forward + sample, the copy of the ids to a pinned buffer)
@@ -316,12 +376,8 @@ class ModelRunner:
             self.h_slots[r] = seq.slot
             self.h_rows[r] = r
             self._set_sampling(r, seq, ahead)
-        for r in range(B, Bp):       # padding rows: slot -1 (no K/V written, nothing read), a greedy draw ignored
-            self.h_ids[r] = 0
-            self.h_pos[r] = 0
-            self.h_slots[r] = -1
-            self.h_rows[r] = r
-            self.sampling.set_row(r, 0.0, 0, 1.0, 0.0, 0, 0)
+        self._pad_rows(B, Bp)
+        self._row_order = None
         return B, Bp
 
     def _keep_logits_before(self, ahead: int, B: int) -> None:
@@ -394,9 +450,12 @@ class ModelRunner:
 
     def logits_host(self, B: int) -> np.ndarray:
         """The logits rows of the last step whose ids were read, as float32 on the host (for logprobs and tests);
-        while a step launched ahead is unread, these are the copy taken before it overwrote the model's logits."""
+        while a step launched ahead is unread, these are the copy taken before it overwrote the model's logits.
+        After a padded mixed step, row i is its i-th sequence's (decodes, then chunks: ``mixed``'s order)."""
         from pegainfer.kernels.primitives import from_bf16_bits
         logits = self.model.logits
+        if self._row_order is not None:     # a padded mixed step: its sequences' rows, in step order
+            return from_bf16_bits(logits[:self._row_order[B - 1] + 1].copy_to_host()[self._row_order[:B]])
         if self._unread_ahead is not None:
             if not self._prev_logits_kept:
                 raise RuntimeError("the step whose logits were asked for was overwritten by a step launched ahead: "

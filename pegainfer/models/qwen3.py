@@ -34,6 +34,9 @@ class Qwen3Model(DecoderModel):
 
     arch = "qwen3"
     pads_prefill = True    # every kernel skips tokens with slot -1, so prefill chunks can be padded to graph sizes
+    # ... wherever they are in the step, and a step's launches depend only on its token and row counts, so mixed
+    # steps can be padded too: decode rows and chunk tokens with slot -1 (``cuda_graph.mixed_shape``)
+    pads_mixed = True
 
     def __init__(self, cfg, max_model_len: int, max_tokens: int, max_rows: int, policy=DEFAULT_POLICY):
         super().__init__(cfg, max_model_len, max_tokens, max_rows, policy)

@@ -64,6 +64,10 @@ class Qwen35Model(DecoderModel):
     # output zeros, and the sequence table ends before them (gated_delta.sequence_table), so the conv and
     # delta-rule states are those of the unpadded chunk.  So prefill chunks can be padded to CUDA-graph buckets.
     pads_prefill = True
+    # Mixed steps stay unpadded (eager): the sequence table ends at the first slot -1 token, so padding decode rows
+    # between the decodes and the chunks would hide the chunks from the Gated DeltaNet kernels, and a padded step
+    # whose tokens equal its rows (T == B) would switch them to the token-by-token form.
+    pads_mixed = False
     has_recurrent_state = True   # per-slot conv windows and delta-rule states: no prefix caching (README)
     chunk_size = gated_delta.MAX_CHUNK  # tokens per chunk of the chunked delta rule (tests may lower it)
 

@@ -76,3 +76,48 @@ def test_async_scheduling_gives_identical_tokens(tmp_path):
         assert eng.stats()["kv_pages_used"] == 0
     assert [len(t) for t in results[True]] == [32, 20] * 3
     assert results[True] == results[False]
+
+
+def test_mixed_steps_replayed_from_graphs_give_the_eager_tokens(tmp_path):
+    """Catches a mixed-step graph (decodes beside prompt chunks, padded to its (Dp, Cp, Rp) shape) that differs from
+    the same padded step launched eagerly, or padding that leaks into real rows: three waves of eight streams, each
+    arriving one step after the one before while the earlier ones decode (every step of a wave's start is mixed);
+    the waves' prompts differ in length but not in bucket, so the first wave's shapes run eagerly, the second
+    captures them and the third replays them.  Graphs and eager give the same tokens, greedy and sampled."""
+    from pegainfer.engine.engine import Engine
+    from pegainfer.engine.types import SamplingParams
+
+    folder = _mid_qwen3(tmp_path)
+    base = (5, 40, 100, 7, 20, 60, 3, 90)        # + wave (0..2): each stays within its prefill bucket
+    results, replayed = {}, []
+    for graphs in (True, False):
+        eng = Engine.from_folder(str(folder), max_model_len=1024, max_batch=24, use_cuda_graph=graphs)
+        assert eng.runner.pad_mixed
+        if graphs:
+            assert eng.runner.graphs.has("mixed", 24, 128, 1)     # captured at warm-up
+            replay = eng.runner.graphs.replay
+            eng.runner.graphs.replay = lambda *key: (replayed.append(key), replay(*key))[1]
+        toks, kinds = {}, []
+        schedule = eng.scheduler.schedule
+        eng.scheduler.schedule = lambda: (lambda s: (kinds.append(s and s.kind), s)[1])(schedule())
+        for wave in range(3):
+            for i, n in enumerate(base):
+                rid = f"w{wave}r{i}"
+                prompt = np.random.default_rng(10 * wave + i).integers(0, 400, size=n + wave).tolist()
+                eng.add_request(rid, prompt, SamplingParams(max_tokens=10 + i, temperature=0.0 if i % 2 else 0.8,
+                                                            top_p=0.9, seed=i, ignore_eos=True))
+                toks[rid] = []
+                for out in eng.step():
+                    toks[out.request_id].extend(out.new_token_ids)
+            while eng.has_unfinished():
+                for out in eng.step():
+                    toks[out.request_id].extend(out.new_token_ids)
+        results[graphs] = toks
+        assert kinds.count("mixed") >= 3 * 6, kinds
+        assert eng.stats()["kv_pages_used"] == 0
+        assert all(len(toks[f"w{w}r{i}"]) == 10 + i for w in range(3) for i in range(8))
+    mixed_replays = [k for k in replayed if k[0] == "mixed"]
+    assert len(mixed_replays) >= 2 * 6, replayed
+    first_difference = {rid: next(j for j, (a, b) in enumerate(zip(t, results[False][rid])) if a != b)
+                        for rid, t in results[True].items() if t != results[False][rid]}
+    assert not first_difference, first_difference

@@ -180,3 +180,63 @@ def test_every_step_launch_keeps_the_pdl_contract(tiny):
     with the kernel before it on a GPU): prefill and decode."""
     _, engine = tiny
     assert_pdl_contract(launches_during(lambda: greedy_decode(engine, _prompt(), 2, "pdl")))
+
+
+def _mixed_streams(engine, prompts, steps):
+    """Greedy streams (``steps`` tokens each, with the chosen token's logprob and top 3) of ``prompts``, each added
+    one step after the one before, so later prompts are prefilled beside earlier ones' decodes.  Returns
+    ({name: [(token, logprob, top), ...]}, the kinds of the steps run)."""
+    from pegainfer.engine.types import SamplingParams
+
+    kinds, schedule = [], engine.scheduler.schedule
+
+    def recording():
+        sched = schedule()
+        if sched is not None:
+            kinds.append(sched.kind)
+        return sched
+    engine.scheduler.schedule = recording
+    got = {k: [] for k in prompts}
+    try:
+        for k, p in prompts.items():
+            engine.add_request(k, p, SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True, logprobs=3))
+            for out in engine.step():
+                got[out.request_id] += [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs]
+        while engine.has_unfinished():
+            for out in engine.step():
+                got[out.request_id] += [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs]
+    finally:
+        engine.scheduler.schedule = schedule
+    return got, kinds
+
+
+def test_padded_mixed_step_gives_the_unpadded_tokens_and_logits(tiny):
+    """Catches padding of a mixed step (decode rows, chunk tokens and chunk rows with slot -1, as its CUDA graph
+    replays it) that writes K/V, shifts the real rows or mixes up which logits row is whose: a decode padded from 1
+    to 4 rows beside a 6-token chunk padded to 16 tokens gives the unpadded step's tokens and logprobs (top 3)."""
+    _, engine = tiny
+    rng = np.random.default_rng(3)
+    prompts = {"first": rng.integers(0, VOCAB, size=5).tolist(), "second": rng.integers(0, VOCAB, size=6).tolist()}
+    runner, runs, shapes = engine.runner, [], []
+    forward_and_sample = runner.forward_and_sample
+
+    def recording(T, B, decode=False, num_decode=0):
+        shapes.append((T, B, num_decode))
+        return forward_and_sample(T, B, decode=decode, num_decode=num_decode)
+    for pad in (False, True):
+        runner.pad_mixed, runner.decode_sizes, runner.forward_and_sample = pad, [4] if pad else None, recording
+        try:
+            runs.append(_mixed_streams(engine, prompts, 3))
+        finally:
+            runner.pad_mixed, runner.decode_sizes = False, None
+            del runner.forward_and_sample
+    (plain, kinds), (padded, padded_kinds) = runs
+    assert "mixed" in kinds and kinds == padded_kinds, (kinds, padded_kinds)
+    assert (1 + 6, 2, 1) in shapes and (4 + 16, 4 + 1, 4) in shapes, shapes   # the mixed step, unpadded and padded
+    assert all(len(t) == 3 for t in plain.values())
+    for k in prompts:
+        assert [t for t, _, _ in padded[k]] == [t for t, _, _ in plain[k]], k
+        for (_, lp, top), (_, lp0, top0) in zip(padded[k], plain[k]):
+            assert [i for i, _ in top] == [i for i, _ in top0] and abs(lp - lp0) < 1e-2, (k, top, top0)
+            assert np.allclose([v for _, v in top], [v for _, v in top0], atol=1e-2), (k, top, top0)
+    assert engine.stats()["kv_pages_used"] == 0

@@ -27,18 +27,23 @@ def _serialized_policy():
     return dataclasses.replace(LaunchPolicy.from_options(pdl=False), pdl=frozenset({"gemv_preloaded"}))
 
 
-def _run(folder, policy, prompts):
-    """Decode ``STEPS`` tokens for each prompt at once (greedy and seeded sampling alternating), through the engine
-    with async scheduling and CUDA graphs: per ``step()`` call, (the tokens it returned, its logits rows as bf16
-    bits)."""
+def _engine(folder, policy):
     from pegainfer.engine.engine import Engine
-    from pegainfer.engine.types import SamplingParams
-    from pegainfer.kernels.primitives import to_bf16_bits
 
     engine = Engine.from_folder(str(folder), max_model_len=1536, max_batch=8, max_num_batched_tokens=512,
                                 policy=policy, use_cuda_graph=True)
     assert engine.runner.graphs is not None
     engine.runner.keep_logits = True        # logits_host reads a step's rows also while the next one runs ahead
+    return engine
+
+
+def _run(engine, prompts):
+    """Decode ``STEPS`` tokens for each prompt at once (greedy and seeded sampling alternating), through the engine
+    with async scheduling and CUDA graphs: per ``step()`` call, (the tokens it returned, its logits rows as bf16
+    bits)."""
+    from pegainfer.engine.types import SamplingParams
+    from pegainfer.kernels.primitives import to_bf16_bits
+
     for i, p in enumerate(prompts):
         params = SamplingParams(max_tokens=STEPS, ignore_eos=True, temperature=0.0 if i % 2 == 0 else 0.8,
                                 top_p=0.95, seed=i)
@@ -49,7 +54,7 @@ def _run(folder, policy, prompts):
         if outs:
             record.append((outs, to_bf16_bits(engine.runner.logits_host(len(outs)))))
     assert sum(len(t) for outs, _ in record for _, t in outs) == STEPS * len(prompts)
-    del engine
+    assert engine.stats()["kv_pages_used"] == 0
     return record
 
 
@@ -68,26 +73,36 @@ def _first_difference(a, b):
     return None
 
 
+PROMPTS = {1: (300,), 8: BATCH_8_PROMPTS}
+
+
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return make_shallow_qwen3(models_root(tmp_path_factory) / "qwen3-4b-width-3-layers", SHALLOW_QWEN3_4B)
-
-
-@pytest.mark.parametrize("batch", [1, 8])
-def test_pdl_decode_graph_gives_the_bits_of_serialized_launches(folder, batch):
-    """Catches an early read before ``griddepcontrol.wait`` of a buffer the previous kernel writes, or a release
-    point too early, in any kernel of the decode graph (batch 1: the GEMVs, the preloaded o, decode attention of one
-    split; batch 8: the multi-token GEMVs / skinny GEMMs, split-K attention) over 200 steps with a real writer
-    before every kernel."""
+def runs(tmp_path_factory):
+    """{(policy, batch): the run's record}: one engine per policy, running the batch-1 then the batch-8 prompts."""
     from pegainfer.kernels.launch import can_overlap
     from pegainfer.kernels.policy import LaunchPolicy
 
     if not can_overlap():
         pytest.skip("PDL needs sm_90")
-    lengths = (300,) if batch == 1 else BATCH_8_PROMPTS
-    prompts = [np.random.default_rng(100 + i).integers(0, 150000, size=n).tolist() for i, n in enumerate(lengths)]
-    overlapped = _run(folder, LaunchPolicy.from_options(), prompts)
-    serialized = _run(folder, _serialized_policy(), prompts)
+    folder = make_shallow_qwen3(models_root(tmp_path_factory) / "qwen3-4b-width-3-layers", SHALLOW_QWEN3_4B)
+    out = {}
+    for name, policy in (("overlapped", LaunchPolicy.from_options()), ("serialized", _serialized_policy())):
+        engine = _engine(folder, policy)
+        for batch, lengths in PROMPTS.items():
+            prompts = [np.random.default_rng(100 + i).integers(0, 150000, size=n).tolist()
+                       for i, n in enumerate(lengths)]
+            out[name, batch] = _run(engine, prompts)
+        del engine
+    return out
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_pdl_decode_graph_gives_the_bits_of_serialized_launches(runs, batch):
+    """Catches an early read before ``griddepcontrol.wait`` of a buffer the previous kernel writes, or a release
+    point too early, in any kernel of the decode graph (batch 1: the GEMVs, the preloaded o, decode attention of one
+    split; batch 8: the multi-token GEMVs / skinny GEMMs, split-K attention) over 200 steps with a real writer
+    before every kernel."""
+    overlapped, serialized = runs["overlapped", batch], runs["serialized", batch]
     steps = len(overlapped)
     print(f"batch {batch}: {steps} engine steps, {sum(b.size for _, b in overlapped)} logits compared bit for bit")
     difference = _first_difference(overlapped, serialized)

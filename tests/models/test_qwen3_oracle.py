@@ -6,7 +6,8 @@ The tiny config sets every field the loader reads to a value other than its defa
 so code that ignored a configured value would not match.  The oracles are HF's bf16 forward (whose rounding points
 pegainfer follows) and HF's float32 forward of the same bf16 weights: at every position pegainfer must be at most
 ``RATIO`` times as far from float32 as HF's own bf16 is (and the first position, which attention does not mix, bit
-for bit equal to HF bf16)."""
+for bit equal to HF bf16).  Batching, padding, mixed steps and the launch contract are checked on the tied model
+only: tied and untied differ in which weight the LM head reads, not in those paths (the same kernels launch)."""
 import shutil
 
 import numpy as np
@@ -45,14 +46,35 @@ def _write_tiny_qwen3(folder, tie: bool, seed: int = 0):
     return bf16, f32
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
-def tiny(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """``tiny_models(tie)``: the HF references (bf16, f32) and pegainfer's engine of the tied or untied tiny model,
+    each built once for the module."""
     from pegainfer.engine.engine import Engine
 
-    folder = tmp_path_factory.mktemp(f"qwen3_{request.param}")
-    bf16, f32 = _write_tiny_qwen3(folder, tie=request.param)
-    engine = Engine.from_folder(str(folder), max_model_len=64, max_batch=2, use_cuda_graph=False)
-    return (bf16, f32), engine
+    built = {}
+
+    def get(tie: bool):
+        if tie not in built:
+            folder = tmp_path_factory.mktemp(f"qwen3_{tie}")
+            bf16, f32 = _write_tiny_qwen3(folder, tie=tie)
+            engine = Engine.from_folder(str(folder), max_model_len=64, max_batch=2, use_cuda_graph=False)
+            built[tie] = (bf16, f32), engine
+        return built[tie]
+    return get
+
+
+@pytest.fixture(params=[True, False], ids=["tied", "untied"])
+def tiny(request, tiny_models):
+    """Both heads: for the loader and the logits, where tied and untied differ (which weight the LM head reads)."""
+    return tiny_models(request.param)
+
+
+@pytest.fixture
+def tied(tiny_models):
+    """The tied model alone: for batching, padding, mixed steps and the launch contract, which do not depend on
+    which weight the LM head reads (the same kernels launch for both heads; the logits tests hold both to HF)."""
+    return tiny_models(True)
 
 
 def _prompt(seed=7):
@@ -110,13 +132,14 @@ def test_greedy_decode_matches_hf(tiny):
     assert engine.stats()["kv_pages_used"] == 0 and engine.stats()["slots_used"] == 0
 
 
-def test_batched_decode_matches_each_sequence_alone(tiny):
+def test_batched_decode_matches_each_sequence_alone(tied):
     """Catches a batched (B = 2) decode step that mixes rows, slots or positions: two prompts of different lengths
     decoded together, each across the 16-token page boundary, give each one's tokens of the one-sequence run (rows
-    are independent, so exactly; the one-sequence run is held to HF by ``test_greedy_decode_matches_hf``)."""
+    are independent, so exactly; the one-sequence run is held to HF by ``test_greedy_decode_matches_hf``).  Tied
+    head only: how rows are batched does not depend on which weight the LM head reads."""
     from pegainfer.engine.types import SamplingParams
 
-    _, engine = tiny
+    _, engine = tied
     steps = 3
     rng = np.random.default_rng(1)                                    # 15 and 16 tokens: both decode past position 16
     prompts = {"a": rng.integers(0, VOCAB, size=15).tolist(), "b": rng.integers(0, VOCAB, size=16).tolist()}
@@ -134,12 +157,13 @@ def test_batched_decode_matches_each_sequence_alone(tiny):
     assert engine.stats()["kv_pages_used"] == 0
 
 
-def test_prompt_prefilled_beside_a_decode_matches_each_alone(tiny):
+def test_prompt_prefilled_beside_a_decode_matches_each_alone(tied):
     """Catches a mixed step (one sequence's decode and another's prompt chunk in one forward pass) that mixes
-    slots, positions or the attention of the two kinds of token: each stream equals its one-sequence run."""
+    slots, positions or the attention of the two kinds of token: each stream equals its one-sequence run.  Tied
+    head only: the mixed step does not depend on which weight the LM head reads."""
     from tests.util import streams_with_a_late_arrival
 
-    _, engine = tiny
+    _, engine = tied
     rng = np.random.default_rng(3)
     first, second = rng.integers(0, VOCAB, size=5).tolist(), rng.integers(0, VOCAB, size=6).tolist()
     alone = {k: greedy_decode(engine, p, 3, f"alone-{k}")[0] for k, p in (("first", first), ("second", second))}
@@ -149,12 +173,13 @@ def test_prompt_prefilled_beside_a_decode_matches_each_alone(tiny):
     assert engine.stats()["kv_pages_used"] == 0
 
 
-def test_padded_decode_batch_gives_the_unpadded_tokens(tiny):
+def test_padded_decode_batch_gives_the_unpadded_tokens(tied):
     """Catches padding rows (slot -1) of a decode batch run at a captured graph's size that write K/V, read pages
-    or shift the real rows: two sequences decoded as a batch of 4 give the tokens of the unpadded batch of 2."""
+    or shift the real rows: two sequences decoded as a batch of 4 give the tokens of the unpadded batch of 2.  Tied
+    head only: padding does not depend on which weight the LM head reads."""
     from pegainfer.engine.types import SamplingParams
 
-    _, engine = tiny
+    _, engine = tied
     rng = np.random.default_rng(5)
     prompts = {"a": rng.integers(0, VOCAB, size=3).tolist(), "b": rng.integers(0, VOCAB, size=4).tolist()}
     runs = []
@@ -175,8 +200,9 @@ def test_padded_decode_batch_gives_the_unpadded_tokens(tiny):
     assert engine.stats()["kv_pages_used"] == 0
 
 
-def test_every_step_launch_keeps_the_pdl_contract(tiny):
+def test_every_step_launch_keeps_the_pdl_contract(tied):
     """Catches a kernel launched outside the PDL contract, or one that never waits for its inputs (it would race
-    with the kernel before it on a GPU): prefill and decode."""
-    _, engine = tiny
+    with the kernel before it on a GPU): prefill and decode.  Tied head only: the untied model launches the same
+    kernels in the same order (one LM-head GEMV reading another weight)."""
+    _, engine = tied
     assert_pdl_contract(launches_during(lambda: greedy_decode(engine, _prompt(), 2, "pdl")))

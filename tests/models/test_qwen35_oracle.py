@@ -197,7 +197,9 @@ def test_prompt_prefilled_beside_a_decode_matches_each_alone(tiny):
 def test_preempted_sequences_resume_with_the_same_tokens(tiny, tmp_path):
     """Catches a preempted Qwen3.5 sequence that resumes from a stale recurrent state (its slot not cleared before
     the recomputation) or loses tokens: with pages for barely two growing sequences, preemptions happen and each
-    greedy stream equals its one-sequence run."""
+    greedy stream equals its one-sequence run.  Long prompts and few tokens (prefill tokens cost the simulator far
+    less than decode steps): the 16-token prompt's first decode needs a second page after the 15-token one took the
+    last, so it is preempted with one token and recomputes (prompt and that token) for its other three."""
     from pegainfer.engine.types import SamplingParams
     from tests.util import greedy_decode
 
@@ -205,8 +207,8 @@ def test_preempted_sequences_resume_with_the_same_tokens(tiny, tmp_path):
     folder = tmp_path / "qwen35_preempt"
     _write_tiny_qwen35(folder, multimodal=False)                 # the fixture's weights (same seed)
     tight = _engine(folder, max_model_len=32, num_pages=3)      # 2 pages a sequence, 3 for both
-    prompts = {"a": _prompt(9, seed=8), "b": _prompt(10, seed=9)}   # both write position 16: a second page
-    steps = 10
+    prompts = {"a": _prompt(15, seed=8), "b": _prompt(16, seed=9)}   # both write position 16: a second page
+    steps = 4
     alone = {k: greedy_decode(roomy, p, steps, f"alone-{k}")[0] for k, p in prompts.items()}
     for k, p in prompts.items():
         tight.add_request(k, p, SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))

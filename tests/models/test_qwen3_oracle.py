@@ -81,6 +81,20 @@ def _prompt(seed=7):
     return np.random.default_rng(seed).integers(0, VOCAB, size=PROMPT_LEN).tolist()
 
 
+_rng = np.random.default_rng(1)
+ALONE_PROMPTS = {15: _rng.integers(0, VOCAB, size=15).tolist(),      # 15 and 16 tokens: in 3 steps both decode
+                 16: _rng.integers(0, VOCAB, size=16).tolist()}      # past position 16 (a second KV page)
+ALONE_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_models):
+    """The greedy tokens of each ``ALONE_PROMPTS`` prompt decoded by itself on the tied model, computed once for the
+    tests that compare sequences run together against their one-sequence runs."""
+    _, engine = tiny_models(True)
+    return {n: greedy_decode(engine, p, ALONE_STEPS, f"alone-{n}")[0] for n, p in ALONE_PROMPTS.items()}
+
+
 def _hf_logits(model, ids):
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float().numpy()
@@ -132,7 +146,7 @@ def test_greedy_decode_matches_hf(tiny):
     assert engine.stats()["kv_pages_used"] == 0 and engine.stats()["slots_used"] == 0
 
 
-def test_batched_decode_matches_each_sequence_alone(tied):
+def test_batched_decode_matches_each_sequence_alone(tied, alone):
     """Catches a batched (B = 2) decode step that mixes rows, slots or positions: two prompts of different lengths
     decoded together, each across the 16-token page boundary, give each one's tokens of the one-sequence run (rows
     are independent, so exactly; the one-sequence run is held to HF by ``test_greedy_decode_matches_hf``).  Tied
@@ -140,36 +154,30 @@ def test_batched_decode_matches_each_sequence_alone(tied):
     from pegainfer.engine.types import SamplingParams
 
     _, engine = tied
-    steps = 3
-    rng = np.random.default_rng(1)                                    # 15 and 16 tokens: both decode past position 16
-    prompts = {"a": rng.integers(0, VOCAB, size=15).tolist(), "b": rng.integers(0, VOCAB, size=16).tolist()}
-    alone = {k: greedy_decode(engine, p, steps, f"alone-{k}")[0] for k, p in prompts.items()}
-    for k, p in prompts.items():
-        engine.add_request(k, p, SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
-    together = {k: [] for k in prompts}
+    for n, p in ALONE_PROMPTS.items():
+        engine.add_request(str(n), p, SamplingParams(max_tokens=ALONE_STEPS, temperature=0.0, ignore_eos=True))
+    together = {n: [] for n in ALONE_PROMPTS}
     most_running = 0
     while engine.has_unfinished():
         most_running = max(most_running, len(engine.scheduler.running))
         for out in engine.step():
-            together[out.request_id].extend(out.new_token_ids)
+            together[int(out.request_id)].extend(out.new_token_ids)
     assert most_running == 2, "the two sequences never decoded in one step"
     assert together == alone
     assert engine.stats()["kv_pages_used"] == 0
 
 
-def test_prompt_prefilled_beside_a_decode_matches_each_alone(tied):
+def test_prompt_prefilled_beside_a_decode_matches_each_alone(tied, alone):
     """Catches a mixed step (one sequence's decode and another's prompt chunk in one forward pass) that mixes
-    slots, positions or the attention of the two kinds of token: each stream equals its one-sequence run.  Tied
-    head only: the mixed step does not depend on which weight the LM head reads."""
+    slots, positions or the attention of the two kinds of token: each stream equals its one-sequence run (the
+    15-token prompt arrives once the 16-token one has its first token).  Tied head only: the mixed step does not
+    depend on which weight the LM head reads."""
     from tests.util import streams_with_a_late_arrival
 
     _, engine = tied
-    rng = np.random.default_rng(3)
-    first, second = rng.integers(0, VOCAB, size=5).tolist(), rng.integers(0, VOCAB, size=6).tolist()
-    alone = {k: greedy_decode(engine, p, 3, f"alone-{k}")[0] for k, p in (("first", first), ("second", second))}
-    together, kinds = streams_with_a_late_arrival(engine, first, second, 3, after=1)
+    together, kinds = streams_with_a_late_arrival(engine, ALONE_PROMPTS[16], ALONE_PROMPTS[15], ALONE_STEPS, after=1)
     assert "mixed" in kinds, kinds
-    assert together == alone
+    assert together == {"first": alone[16], "second": alone[15]}
     assert engine.stats()["kv_pages_used"] == 0
 
 

@@ -107,6 +107,19 @@ def _prompt(n, seed=7):
     return np.random.default_rng(seed + n).integers(0, VOCAB, size=n).tolist()
 
 
+ALONE_PROMPTS = {15: _prompt(15, seed=8), 16: _prompt(16, seed=9)}   # decoded, both write position 16: a 2nd page
+ALONE_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def alone(tiny):
+    """The greedy tokens of each ``ALONE_PROMPTS`` prompt decoded by itself (``ALONE_STEPS`` of them), computed once
+    for the tests that compare sequences run together against their one-sequence runs (a greedy run of fewer steps
+    gives the first tokens of these)."""
+    _, engine = tiny
+    return {n: greedy_decode(engine, p, ALONE_STEPS, f"alone-{n}")[0] for n, p in ALONE_PROMPTS.items()}
+
+
 def _hf_logits(ref, ids):
     with torch.no_grad():
         return ref(torch.tensor([ids])).logits[0].float().numpy()
@@ -179,41 +192,37 @@ def test_greedy_decode_matches_hf(tiny):
         _assert_rows_close(logits[k], theirs)
 
 
-def test_prompt_prefilled_beside_a_decode_matches_each_alone(tiny):
+def test_prompt_prefilled_beside_a_decode_matches_each_alone(tiny, alone):
     """Catches a mixed step (a decode and another sequence's prompt chunks in one forward pass, the decode taking
     the chunked Gated DeltaNet path as a one-token chunk) that mixes slots, states or positions: each stream equals
-    its one-sequence run."""
-    from tests.util import greedy_decode, streams_with_a_late_arrival
+    its one-sequence run.  The 15-token prompt arrives once the 16-token one has its first token and is prefilled
+    in chunks of 8 (the budget's 9 less a decode) and 7 beside that one's decodes."""
+    from tests.util import streams_with_a_late_arrival
 
     _, engine = tiny
-    first, second = _prompt(4, seed=4), _prompt(11, seed=5)   # 11: chunks of 8 (the budget's 9 less a decode) + 3
-    alone = {k: greedy_decode(engine, p, 3, f"alone-{k}")[0] for k, p in (("first", first), ("second", second))}
-    together, kinds = streams_with_a_late_arrival(engine, first, second, 3, after=1)
-    assert "mixed" in kinds, kinds
-    assert together == alone
+    steps = 3
+    together, kinds = streams_with_a_late_arrival(engine, ALONE_PROMPTS[16], ALONE_PROMPTS[15], steps, after=1)
+    assert kinds.count("mixed") == 2, kinds
+    assert together == {"first": alone[16][:steps], "second": alone[15][:steps]}
     assert engine.stats()["kv_pages_used"] == 0
 
 
-def test_preempted_sequences_resume_with_the_same_tokens(tiny, tmp_path):
+def test_preempted_sequences_resume_with_the_same_tokens(tiny, alone):
     """Catches a preempted Qwen3.5 sequence that resumes from a stale recurrent state (its slot not cleared before
     the recomputation) or loses tokens: with pages for barely two growing sequences, preemptions happen and each
-    greedy stream equals its one-sequence run."""
+    greedy stream equals its one-sequence run.  Long prompts and few tokens (prefill tokens cost the simulator far
+    less than decode steps): the 16-token prompt's first decode needs a second page after the 15-token one took the
+    last, so it is preempted with one token and recomputes (prompt and that token) for its other three."""
     from pegainfer.engine.types import SamplingParams
-    from tests.util import greedy_decode
 
     _, roomy = tiny
-    folder = tmp_path / "qwen35_preempt"
-    _write_tiny_qwen35(folder, multimodal=False)                 # the fixture's weights (same seed)
-    tight = _engine(folder, max_model_len=32, num_pages=3)      # 2 pages a sequence, 3 for both
-    prompts = {"a": _prompt(9, seed=8), "b": _prompt(10, seed=9)}   # both write position 16: a second page
-    steps = 10
-    alone = {k: greedy_decode(roomy, p, steps, f"alone-{k}")[0] for k, p in prompts.items()}
-    for k, p in prompts.items():
-        tight.add_request(k, p, SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
-    got = {k: [] for k in prompts}
+    tight = _engine(roomy.folder, max_model_len=32, num_pages=3)   # the same weights; 2 pages a sequence, 3 in all
+    for n, p in ALONE_PROMPTS.items():
+        tight.add_request(str(n), p, SamplingParams(max_tokens=ALONE_STEPS, temperature=0.0, ignore_eos=True))
+    got = {n: [] for n in ALONE_PROMPTS}
     while tight.has_unfinished():
         for out in tight.step():
-            got[out.request_id].extend(out.new_token_ids)
+            got[int(out.request_id)].extend(out.new_token_ids)
     assert tight.stats()["num_preemptions"] > 0
     assert got == alone
     assert tight.stats()["kv_pages_used"] == 0

@@ -6,7 +6,8 @@ The tiny config sets every field the loader reads to a value other than its defa
 so code that ignored a configured value would not match.  The oracles are HF's bf16 forward (whose rounding points
 pegainfer follows) and HF's float32 forward of the same bf16 weights: at every position pegainfer must be at most
 ``RATIO`` times as far from float32 as HF's own bf16 is (and the first position, which attention does not mix, bit
-for bit equal to HF bf16)."""
+for bit equal to HF bf16).  Batching, padding, mixed steps and the launch contract are checked on the tied model
+only: tied and untied differ in which weight the LM head reads, not in those paths (the same kernels launch)."""
 import shutil
 
 import numpy as np
@@ -45,18 +46,53 @@ def _write_tiny_qwen3(folder, tie: bool, seed: int = 0):
     return bf16, f32
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
-def tiny(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """``tiny_models(tie)``: the HF references (bf16, f32) and pegainfer's engine of the tied or untied tiny model,
+    each built once for the module."""
     from pegainfer.engine.engine import Engine
 
-    folder = tmp_path_factory.mktemp(f"qwen3_{request.param}")
-    bf16, f32 = _write_tiny_qwen3(folder, tie=request.param)
-    engine = Engine.from_folder(str(folder), max_model_len=64, max_batch=2, use_cuda_graph=False)
-    return (bf16, f32), engine
+    built = {}
+
+    def get(tie: bool):
+        if tie not in built:
+            folder = tmp_path_factory.mktemp(f"qwen3_{tie}")
+            bf16, f32 = _write_tiny_qwen3(folder, tie=tie)
+            engine = Engine.from_folder(str(folder), max_model_len=64, max_batch=2, use_cuda_graph=False)
+            built[tie] = (bf16, f32), engine
+        return built[tie]
+    return get
+
+
+@pytest.fixture(params=[True, False], ids=["tied", "untied"])
+def tiny(request, tiny_models):
+    """Both heads: for the loader and the logits, where tied and untied differ (which weight the LM head reads)."""
+    return tiny_models(request.param)
+
+
+@pytest.fixture
+def tied(tiny_models):
+    """The tied model alone: for batching, padding, mixed steps and the launch contract, which do not depend on
+    which weight the LM head reads (the same kernels launch for both heads; the logits tests hold both to HF)."""
+    return tiny_models(True)
 
 
 def _prompt(seed=7):
     return np.random.default_rng(seed).integers(0, VOCAB, size=PROMPT_LEN).tolist()
+
+
+_rng = np.random.default_rng(1)
+ALONE_PROMPTS = {15: _rng.integers(0, VOCAB, size=15).tolist(),      # 15 and 16 tokens: in 3 steps both decode
+                 16: _rng.integers(0, VOCAB, size=16).tolist()}      # past position 16 (a second KV page)
+ALONE_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_models):
+    """The greedy tokens of each ``ALONE_PROMPTS`` prompt decoded by itself on the tied model, computed once for the
+    tests that compare sequences run together against their one-sequence runs."""
+    _, engine = tiny_models(True)
+    return {n: greedy_decode(engine, p, ALONE_STEPS, f"alone-{n}")[0] for n, p in ALONE_PROMPTS.items()}
 
 
 def _hf_logits(model, ids):
@@ -110,51 +146,48 @@ def test_greedy_decode_matches_hf(tiny):
     assert engine.stats()["kv_pages_used"] == 0 and engine.stats()["slots_used"] == 0
 
 
-def test_batched_decode_matches_each_sequence_alone(tiny):
+def test_batched_decode_matches_each_sequence_alone(tied, alone):
     """Catches a batched (B = 2) decode step that mixes rows, slots or positions: two prompts of different lengths
     decoded together, each across the 16-token page boundary, give each one's tokens of the one-sequence run (rows
-    are independent, so exactly; the one-sequence run is held to HF by ``test_greedy_decode_matches_hf``)."""
+    are independent, so exactly; the one-sequence run is held to HF by ``test_greedy_decode_matches_hf``).  Tied
+    head only: how rows are batched does not depend on which weight the LM head reads."""
     from pegainfer.engine.types import SamplingParams
 
-    _, engine = tiny
-    steps = 3
-    rng = np.random.default_rng(1)                                    # 15 and 16 tokens: both decode past position 16
-    prompts = {"a": rng.integers(0, VOCAB, size=15).tolist(), "b": rng.integers(0, VOCAB, size=16).tolist()}
-    alone = {k: greedy_decode(engine, p, steps, f"alone-{k}")[0] for k, p in prompts.items()}
-    for k, p in prompts.items():
-        engine.add_request(k, p, SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
-    together = {k: [] for k in prompts}
+    _, engine = tied
+    for n, p in ALONE_PROMPTS.items():
+        engine.add_request(str(n), p, SamplingParams(max_tokens=ALONE_STEPS, temperature=0.0, ignore_eos=True))
+    together = {n: [] for n in ALONE_PROMPTS}
     most_running = 0
     while engine.has_unfinished():
         most_running = max(most_running, len(engine.scheduler.running))
         for out in engine.step():
-            together[out.request_id].extend(out.new_token_ids)
+            together[int(out.request_id)].extend(out.new_token_ids)
     assert most_running == 2, "the two sequences never decoded in one step"
     assert together == alone
     assert engine.stats()["kv_pages_used"] == 0
 
 
-def test_prompt_prefilled_beside_a_decode_matches_each_alone(tiny):
+def test_prompt_prefilled_beside_a_decode_matches_each_alone(tied, alone):
     """Catches a mixed step (one sequence's decode and another's prompt chunk in one forward pass) that mixes
-    slots, positions or the attention of the two kinds of token: each stream equals its one-sequence run."""
+    slots, positions or the attention of the two kinds of token: each stream equals its one-sequence run (the
+    15-token prompt arrives once the 16-token one has its first token).  Tied head only: the mixed step does not
+    depend on which weight the LM head reads."""
     from tests.util import streams_with_a_late_arrival
 
-    _, engine = tiny
-    rng = np.random.default_rng(3)
-    first, second = rng.integers(0, VOCAB, size=5).tolist(), rng.integers(0, VOCAB, size=6).tolist()
-    alone = {k: greedy_decode(engine, p, 3, f"alone-{k}")[0] for k, p in (("first", first), ("second", second))}
-    together, kinds = streams_with_a_late_arrival(engine, first, second, 3, after=1)
+    _, engine = tied
+    together, kinds = streams_with_a_late_arrival(engine, ALONE_PROMPTS[16], ALONE_PROMPTS[15], ALONE_STEPS, after=1)
     assert "mixed" in kinds, kinds
-    assert together == alone
+    assert together == {"first": alone[16], "second": alone[15]}
     assert engine.stats()["kv_pages_used"] == 0
 
 
-def test_padded_decode_batch_gives_the_unpadded_tokens(tiny):
+def test_padded_decode_batch_gives_the_unpadded_tokens(tied):
     """Catches padding rows (slot -1) of a decode batch run at a captured graph's size that write K/V, read pages
-    or shift the real rows: two sequences decoded as a batch of 4 give the tokens of the unpadded batch of 2."""
+    or shift the real rows: two sequences decoded as a batch of 4 give the tokens of the unpadded batch of 2.  Tied
+    head only: padding does not depend on which weight the LM head reads."""
     from pegainfer.engine.types import SamplingParams
 
-    _, engine = tiny
+    _, engine = tied
     rng = np.random.default_rng(5)
     prompts = {"a": rng.integers(0, VOCAB, size=3).tolist(), "b": rng.integers(0, VOCAB, size=4).tolist()}
     runs = []
@@ -175,10 +208,11 @@ def test_padded_decode_batch_gives_the_unpadded_tokens(tiny):
     assert engine.stats()["kv_pages_used"] == 0
 
 
-def test_every_step_launch_keeps_the_pdl_contract(tiny):
+def test_every_step_launch_keeps_the_pdl_contract(tied):
     """Catches a kernel launched outside the PDL contract, or one that never waits for its inputs (it would race
-    with the kernel before it on a GPU): prefill and decode."""
-    _, engine = tiny
+    with the kernel before it on a GPU): prefill and decode.  Tied head only: the untied model launches the same
+    kernels in the same order (one LM-head GEMV reading another weight)."""
+    _, engine = tied
     assert_pdl_contract(launches_during(lambda: greedy_decode(engine, _prompt(), 2, "pdl")))
 
 

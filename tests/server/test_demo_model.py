@@ -146,10 +146,10 @@ def test_concurrent_streaming_clients(demo):
 
 def test_prefix_cache_reports_cached_prompt_tokens(demo):
     """Catches a prefix-cache hit that is not reported, or that changes the output: the second of two requests
-    with the same 40-token prompt reports its two full pages (32 tokens) in usage.prompt_tokens_details and gets
+    with the same 33-token prompt reports its two full pages (32 tokens) in usage.prompt_tokens_details and gets
     the first one's text."""
     url, ae, engine, _ = demo
-    prompt = [(7 * i + 3) % 500 for i in range(40)]
+    prompt = [(7 * i + 3) % 500 for i in range(33)]       # two full pages and the one token a request must compute
     got = [client(url).completions.create(model=engine.model_name, prompt=prompt, max_tokens=1, temperature=0,
                                           extra_body={"ignore_eos": True}) for _ in range(2)]
     assert got[0].usage.prompt_tokens_details.cached_tokens == 0

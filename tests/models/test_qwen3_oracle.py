@@ -244,11 +244,12 @@ def _mixed_streams(engine, prompts, steps):
     return got, kinds
 
 
-def test_padded_mixed_step_gives_the_unpadded_tokens_and_logits(tiny):
+def test_padded_mixed_step_gives_the_unpadded_tokens_and_logits(tied):
     """Catches padding of a mixed step (decode rows, chunk tokens and chunk rows with slot -1, as its CUDA graph
     replays it) that writes K/V, shifts the real rows or mixes up which logits row is whose: a decode padded from 1
-    to 4 rows beside a 6-token chunk padded to 16 tokens gives the unpadded step's tokens and logprobs (top 3)."""
-    _, engine = tiny
+    to 4 rows beside a 6-token chunk padded to 16 tokens gives the unpadded step's tokens and logprobs (top 3).
+    Tied head only: padding does not depend on which weight the LM head reads."""
+    _, engine = tied
     rng = np.random.default_rng(3)
     prompts = {"first": rng.integers(0, VOCAB, size=5).tolist(), "second": rng.integers(0, VOCAB, size=6).tolist()}
     runner, runs, shapes = engine.runner, [], []

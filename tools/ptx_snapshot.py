@@ -204,7 +204,8 @@ class Recorder:
         self.launches: list[tuple[str, str, tuple]] = []
         self.kernels: dict[tuple, tuple] = {}       # fingerprint -> (dispatcher, argument types)
 
-    def __call__(self, kernel, grid, block, args, shared=0, pdl=False, name=None, *more, **options):
+    def __call__(self, kernel, grid, block, args, shared=0, policy=None, name=None, *more, **options):
+        pdl = policy is not None and policy.overlaps(name)      # as ``launch._launch`` decides on an sm_90 GPU
         types = tuple(kernel.typeof_pyval(a) for a in args)
         fp = fingerprint(kernel, types)
         self.kernels.setdefault(fp, (kernel, types))

@@ -5,7 +5,7 @@ import pytest
 import pegainfer
 
 SIMULATOR = pegainfer.SIMULATOR
-if SIMULATOR:   # the same kernels, with device-function calls about half as costly (tests/simulator_calls.py)
+if SIMULATOR:   # the same kernels; device-function calls cost far less (tests/simulator_calls.py)
     from tests.simulator_calls import patch_device_calls
     patch_device_calls()
 

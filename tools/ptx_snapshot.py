@@ -26,9 +26,9 @@ sorted (NVVM's order of them varies from run to run): the same code compiled in 
 hashes alike.  ``--ptx-dir`` keeps the normalized PTX, to diff a kernel that changed.
 
 Fixed: the engine's limits (``MAX_MODEL_LEN`` 4096, ``MAX_PREFILL_TOKENS`` 2048, ``MAX_BATCH`` 64, 16-token
-pages) and the default settings (``PEGAINFER_PDL``, ``PEGAINFER_HEAD_ARGMAX``, module switches such as
-``attention.DECODE_RELEASE``: variants behind other values are not compiled).  Not covered: kernels no engine step
-launches (``sampling.argmax`` / ``logsumexp``, ``kernels.memory``, the paths tests and benchmarks force).
+pages) and the default launch policy (``LaunchPolicy``: kernel variants only another policy selects are not
+compiled).  Not covered: kernels no engine step launches (``sampling.argmax`` / ``logsumexp``, ``kernels.memory``,
+the paths tests and benchmarks force).
 """
 from __future__ import annotations
 
@@ -248,7 +248,7 @@ def record(model_names, case_names, recorder: Recorder):
     """Build each model and run the asked cases through ``ModelRunner.forward_and_sample``."""
     home = sys.modules[_launch_module.launch.__module__]     # where ``launch`` looks ``_launch`` up
     home._launch = recorder
-    if getattr(home, "_launch_pdl", 0) is None and os.environ.get("PEGAINFER_PDL") != "0":
+    if getattr(home, "_launch_pdl", 0) is None:
         home._launch_pdl = object()    # the H200 has PDL, and ``overlaps()`` picks kernel variants
     for model in model_names:
         recorder.case = f"{model}/setup"

@@ -131,6 +131,8 @@ def patch_block_runner() -> None:
             if crew.done < len(points):            # a thread still runs (it never reached a barrier): a new crew
                 crews.pop(len(points), None)
             raise block.failed.exception[0].with_traceback(block.failed.exception[1])
+        for w in crew.workers:                     # hold no launch's arrays until the next block of this size
+            w.fn = w._manager = None
 
     run.persistent_threads = True
     simulated.BlockThread.syncthreads = syncthreads

@@ -5,9 +5,11 @@ import pytest
 import pegainfer
 
 SIMULATOR = pegainfer.SIMULATOR
-if SIMULATOR:   # the same kernels; device-function calls cost far less (tests/simulator_calls.py)
+if SIMULATOR:   # the same kernels, simulated faster: tests/simulator_calls.py, tests/simulator_blocks.py
+    from tests.simulator_blocks import patch_block_runner
     from tests.simulator_calls import patch_device_calls
     patch_device_calls()
+    patch_block_runner()
 
 
 @pytest.fixture

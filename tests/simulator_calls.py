@@ -2,7 +2,7 @@
 
 In the simulator every call of a ``@cuda.jit(device=True)`` function goes through a context manager that takes two
 locks, rescans the function's module globals for the ``cuda`` module, points them at the launch's fake module and
-restores them on the way out: in a tiny model's decode step that is about 40 % of the simulator's CPU time.  Here
+restores them on the way out: a large share of the simulator's CPU time in a tiny model's decode step.  Here
 the first call from a module during a launch points that module's ``cuda`` names at the launch's fake module, later
 calls find them pointed already and call straight through, and the launch puts every module back when it ends.
 What a kernel computes is unchanged: device functions see the same fake module as upstream gives them."""

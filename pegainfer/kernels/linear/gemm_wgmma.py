@@ -43,8 +43,8 @@ import numpy as np
 from numba import types as nbtypes
 
 from pegainfer.kernels.launch import launch
-from pegainfer.kernels.linear.common import bounded_kernel, weight_row
-from pegainfer.kernels.linear.gemm import store_mma_tiles
+from pegainfer.kernels.linear.common import bounded_kernel
+from pegainfer.kernels.linear.gemm import _plan_rows, store_mma_tiles
 from pegainfer.kernels.linear.geometry import WgmmaGeometry, mma_units, wgmma_geometry
 from pegainfer.kernels.linear.splitk import build_finish_tile, split_workspace
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
@@ -59,18 +59,6 @@ int64 = np.int64
 
 WGMMA_BK = 64                 # K per stage: one 128-byte swizzled row per operand row, four k16 steps
 ROW_WORDS = WGMMA_BK // 2     # uint32 words of a stage row
-
-
-@device_fn
-def _plan_rows(src, lim, per_thread, step, first, row0, n_rows, n_out, gated, k_words, k):
-    """A thread's copy slices of one operand for a unit: slice p is tile row ``first + p·step``, global row
-    ``row0 + first + p·step`` of an ``[n_rows, K]`` operand (rows ``weight_row`` finds when gated).  ``src[p]``: the
-    word offset of its row (rows past the end re-read the last one: loads stay in bounds); ``lim[p]``: K for a row
-    inside the operand, 0 outside (its chunks are then zero-filled)."""
-    for p in range(per_thread):
-        row = row0 + first + p * step
-        src[p] = int64(weight_row(min(row, n_rows - 1), n_out, gated)) * k_words
-        lim[p] = k if row < n_rows else 0
 
 
 @device_fn

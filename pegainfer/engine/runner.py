@@ -15,7 +15,8 @@ positions and sampling counters one further than the host knows.  So between two
 one upload and the ids' copy to the host, nothing else (``keep_logits`` adds a copy of the logits), and a token
 costs what its graph does (``docs/perf/launch.md``; ``benchmarks/step_profile.py gaps``).  Two pinned output buffers alternate between launches, so the result of the step being read is never overwritten by
 the copy of the step launched after it; the pinned input mirrors are only rewritten once the previous upload
-from them has completed (``_wait_inputs_free``).
+from them has completed (``_wait_inputs_free``; the grammar flags and bitmasks have a fence of their own,
+as the two parts of a constrained step upload them at different times).
 
 Structured output: before a step that samples a constrained sequence's next token, the host fills that row's
 grammar bitmask (``text/structured.py``, llguidance) and flags the row; the step uploads the flagged rows' masks
@@ -28,6 +29,10 @@ has them and has filled the masks -- the GPU computes the forward pass while the
 
     host:  launch fwd N+1 │ wait N, append N, fill masks N+1 │ launch mask+sample N+1 │ launch fwd N+2 │ ...
     GPU:   ═ mask+sample N ╪═══════════ fwd N+1 ══════════════╪═ mask+sample N+1 ═════╪═ fwd N+2 ══ ...
+
+The forward pass uploads every input but the ids and the grammar flags, the sampler the flags and masks: the host
+stages fwd N+2 as soon as fwd N+1's upload has run, not after fwd N+1 itself (which would leave the GPU idle while
+the host stages the next step).
 """
 from __future__ import annotations
 
@@ -41,7 +46,7 @@ from pegainfer.engine.cuda_graph import mixed_shape, prefill_bucket
 from pegainfer.kernels import sampling
 from pegainfer.kernels.launch import on_stream
 from pegainfer.kernels.token_mask import apply_token_mask
-from pegainfer.engine.step_inputs import StepInputs, TokenMasks, wait_event
+from pegainfer.engine.step_inputs import StepInputs, TokenMasks, UploadFence, wait_event
 
 
 @dataclass
@@ -83,10 +88,12 @@ class ModelRunner:
         self.h_outs = [_pinned(R), _pinned(R)]
         self.out_done = [cuda.event(timing=False), cuda.event(timing=False)] if not SIMULATOR else [None, None]
         self._next_buffer = 0
-        # Recorded after each step's input upload: the pinned input mirrors (StepInputs, SamplingBuffers) may only
-        # be rewritten once it has completed, since an asynchronous copy reads pinned memory when it executes.
-        self.inputs_uploaded = cuda.event(timing=False) if not SIMULATOR else None
-        self._uploaded_recorded = False
+        # Recorded after each upload from the pinned mirrors: a mirror may only be rewritten once the last copy from
+        # it has executed, since an asynchronous copy reads pinned memory when it executes.  The step's inputs
+        # (StepInputs but its grammar flags, SamplingBuffers) and the grammar flags with the bitmasks (TokenMasks)
+        # have a fence each: a constrained step launched ahead uploads them in its two parts.
+        self.inputs_uploaded = UploadFence()
+        self.masks_uploaded = UploadFence()
         # A step launched ahead overwrites the model's logits before the host has read the previous step's tokens.
         # With ``keep_logits`` (tests, tools: the engine never launches ahead for a request that wants logprobs)
         # the previous step's logits rows are first copied (on the device, in stream order) here, and logits_host
@@ -126,25 +133,26 @@ class ModelRunner:
 
     def _wait_inputs_free(self) -> None:
         """Block until the last upload from the pinned input mirrors has executed (at once in synchronous use)."""
-        if self._uploaded_recorded:
-            wait_event(self.inputs_uploaded)
-            self._uploaded_recorded = False
+        self.inputs_uploaded.wait()
 
-    def _upload(self, with_ids: bool = True) -> None:
+    def _upload(self, with_ids: bool = True, with_flags: bool = True) -> None:
+        """Upload the staged step (one copy, with the sampling parameters) and, ``with_flags``, its grammar flags
+        and the constrained rows' bitmasks."""
         s = self.stream
         self.pool.sync(s)
-        self.step.upload(s, with_ids)     # with the sampling parameters: one copy
-        if self._mask_rows:
-            self.masks.upload(self._mask_rows, s)
-        if self.inputs_uploaded is not None:
-            self.inputs_uploaded.record(s)
-            self._uploaded_recorded = True
+        self.step.upload(s, with_ids, with_flags)
+        self.inputs_uploaded.record(s)
+        if with_flags:
+            if self._mask_rows:
+                self.masks.upload(self._mask_rows, s)
+            self.masks_uploaded.record(s)
 
     def _fill_masks(self, rows, B: int) -> None:
         """Flag and fill the grammar bitmask of each ``(seq, row)`` whose next token a grammar constrains; clear the
         flags of the step's other rows.  The mask depends on every token so far, so a step launched ahead gets its
         masks after its forward pass is launched (``launch_sample``)."""
         from pegainfer.text.structured import fill_masks
+        self.masks_uploaded.wait()
         self.step.h_masked[:B] = 0
         todo = [(seq.constraint, row) for seq, row in rows if seq.constraint is not None and seq.constraint.masks]
         self._mask_rows = max(row for _, row in todo) + 1 if todo else 0
@@ -393,11 +401,9 @@ class ModelRunner:
         without its mask and sampler: for steps with grammar-constrained rows, whose masks need the tokens of the
         step in flight.  ``launch_sample`` finishes it."""
         B, Bp = self._stage_decode(seqs, ahead=1)
-        self.step.h_masked[:Bp] = 0
-        self._mask_rows = 0
         with on_stream(self.stream):
             self._keep_logits_before(1, B)
-            self._upload(with_ids=False)
+            self._upload(with_ids=False, with_flags=False)
             self._replay_or_run(("forward", Bp), lambda: self.forward_only(Bp))
         return PendingForward(list(seqs), B, Bp)
 
@@ -406,16 +412,13 @@ class ModelRunner:
         masks of its still-running constrained rows (their previous tokens are now on the host), upload them with
         the rows' flags, sample, and start the ids' copy to the host."""
         from pegainfer.engine.sequence import Status
-        self._wait_inputs_free()
         live = [(seq, r) for r, seq in enumerate(fwd.seqs) if seq.status is not Status.FINISHED]
         self._fill_masks(live, fwd.Bp)
         with on_stream(self.stream):
-            self.step.upload_rows(self.step.MASKED, fwd.Bp, self.stream)
+            self.step.upload_flags(fwd.Bp, self.stream)
             if self._mask_rows:
                 self.masks.upload(self._mask_rows, self.stream)
-            if self.inputs_uploaded is not None:
-                self.inputs_uploaded.record(self.stream)
-                self._uploaded_recorded = True
+            self.masks_uploaded.record(self.stream)
             self._replay_or_run(("sample", fwd.Bp), lambda: self.sample_only(fwd.Bp))
             buffer = self._copy_out(fwd.B)
         pending = PendingStep(fwd.seqs, fwd.B, buffer, 1)

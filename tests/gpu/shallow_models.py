@@ -31,6 +31,9 @@ SHALLOW_QWEN35_4B = dict(hidden_size=2560, intermediate_size=9216, num_hidden_la
                                           "partial_rotary_factor": 0.25})
 
 
+MEAN_FP32_RATIO = 1.05   # check_against_hf: mean over positions of (ours vs fp32) / (HF bf16 vs fp32)
+
+
 def models_root(tmp_path_factory) -> Path:
     """$PEGAINFER_GPU_MODELS (folders reused across runs) or a pytest tmp dir."""
     return Path(os.environ.get("PEGAINFER_GPU_MODELS") or tmp_path_factory.getbasetemp() / "gpu_models")
@@ -145,23 +148,24 @@ def check_against_hf(model_class, folder: Path, prompt_len: int, decode_steps: i
                      device: str = "cuda", prompt_vocab: int = 150000) -> dict:
     """Per position, for the ``prompt_len`` prompt rows and the ``decode_steps`` greedy steps (teacher-forced in HF):
 
-    * against HF bf16 (sdpa): ``ours_vs_bf16[t] <= max(rounding[t], 0.5 * bf16_vs_fp32[t], 1.5 * eager_vs_sdpa[t])``.
-      Our kernels round where HF's bf16 forward rounds, so the two differ only where an f32 sum in another order
-      lands on the other side of a bf16 rounding point -- and each such flip moves a value by a whole bf16 step,
-      so a difference of 1e-5 before rounding shows as ~sqrt(1e-5 * 2^-8) ~ 2e-4 after it, and grows a little at
-      every rounding point down the layers.  ``rounding[t]`` is one bf16 rounding of the fp32 logits row
-      (~2e-3): the floor two near-bit-equal implementations can sit at.  ``0.5 * bf16_vs_fp32[t]``: half of HF
-      bf16's own error (an independent bf16 implementation sits at ~0.3-0.6 of it after the rounding of the
-      logits); ``eager_vs_sdpa[t]``: HF's two attention backends' distance, the spread between valid bf16
-      implementations at that very position.  An extra error of 1 % on a 3-layer model (HF bf16 ~0.5 % from fp32)
-      fails.
+    * against HF bf16 (sdpa): ``ours_vs_bf16[t] <= max(rounding[t], bf16_vs_fp32[t], 1.5 * eager_vs_sdpa[t])`` --
+      no further from HF's bf16 forward than that forward is from the exact model, or than HF's two attention
+      backends are from each other, at that very position.  ``rounding[t]`` is one bf16 rounding of the fp32 logits
+      row (~2e-3), the floor two near-bit-equal implementations can sit at.  At full width HF's GEMMs (cuBLAS) sum
+      in another order than ours, so the two bf16 forwards are independent bf16 implementations that round at the
+      same points: measured on the H200 (2026-12-02) ours sat at <= 0.84x HF bf16's own error at every position
+      (mean 0.4-0.7x), the prompt's first position (one key: HF's two backends agree there) the closest.
     * against HF fp32 (the second reference): ``ours_vs_fp32[t] <= max(1.2 * bf16_vs_fp32[t], 1.1 *
-      eager_vs_fp32[t])`` -- no position may be more than 20 % further from the exact model than HF's bf16 forward
-      (sdpa) is, or 10 % further than HF's eager bf16 forward when that one is the further at this position (on a
-      tiny CPU model HF eager itself was 1.41x sdpa's distance at one position: the per-position ratio of two valid
-      bf16 forwards is not always under 1.2).
+      eager_vs_fp32[t])`` -- no position more than 20 % further from the exact model than HF's bf16 forward (sdpa)
+      is, or 10 % further than HF's eager bf16 forward when that one is the further at this position (the
+      per-position ratio of two valid bf16 forwards is not always under 1.2: HF eager sat at 1.41x sdpa's
+      distance at one position).  Measured: <= 1.07x.
+    * on average over the positions of each part (prompt, decode): ``mean(ours_vs_fp32 / bf16_vs_fp32) <= 1.05``.
+      Two valid bf16 forwards are equally far from the exact model on average (measured 0.999-1.004); an extra
+      error independent of bf16 rounding adds in quadrature, so one of a third of HF bf16's own (~0.6 % of the
+      logits' norm at these shapes, HF bf16 sitting ~1.7 % from fp32) fails.
 
-    Prints (and records) the maxima of every ratio, so the bounds can be tightened to what the GPU measures."""
+    Prints (and records) every ratio's maximum and mean."""
     import torch
 
     prompt = np.random.default_rng(0).integers(0, prompt_vocab, size=prompt_len).tolist()
@@ -187,7 +191,7 @@ def check_against_hf(model_class, folder: Path, prompt_len: int, decode_steps: i
             hf, spread = rel_l2(sdpa[r], fp32[r]), rel_l2(eager[r], sdpa[r])
             eager_fp32 = rel_l2(eager[r], fp32[r])
             rounding = rel_l2(bf16_round(fp32[r]), fp32[r])
-            bound = max(rounding, 0.5 * hf, 1.5 * spread)
+            bound = max(rounding, hf, 1.5 * spread)
             identical += bool(np.array_equal(ours[i], sdpa[r]))
             for k, v in (("ours_vs_bf16", ob), ("ours_vs_fp32", of), ("bf16_vs_fp32", hf), ("eager_vs_sdpa", spread),
                          ("eager_vs_fp32", eager_fp32), ("rounding", rounding),
@@ -204,6 +208,10 @@ def check_against_hf(model_class, folder: Path, prompt_len: int, decode_steps: i
             entry[f"{part}_{k}_mean"] = float(np.mean(v))
         # HF eager's own distance from fp32 relative to sdpa's: the 1.2 margin of the fp32 check, as HF meets it
         entry[f"{part}_hf_eager_fp32_ratio_max"] = float(np.max(np.array(e["eager_vs_fp32"]) / np.array(e["bf16_vs_fp32"])))
+        mean_fp32 = float(np.mean(e["fp32_ratio"]))
+        if not mean_fp32 <= MEAN_FP32_RATIO:
+            failures.append((part, "mean over positions", "vs HF fp32 / HF bf16 vs fp32", round(mean_fp32, 4),
+                             "bound", MEAN_FP32_RATIO))
     d_rows = range(n - 1, n - 1 + decode_steps)
     entry["greedy_agreement_with_hf_bf16"] = float(np.mean([int(np.argmax(sdpa[r])) == t for r, t in zip(d_rows, tokens)]))
     record(entry)

@@ -51,7 +51,8 @@ def overlapped() -> list[dict]:
 
 
 def where(o: dict) -> str:
-    return f"{o['label']} ({o['kernel']}, {', '.join(o['cases'])})"
+    """The launch name, the kernel function and the steps that launch this variant of it."""
+    return f"{o['label']} ({o['kernel'].split('.')[-1]}; {', '.join(o['cases'])})"
 
 
 def test_every_overlapped_launch_is_analyzed(overlapped):
@@ -63,24 +64,28 @@ def test_every_overlapped_launch_is_analyzed(overlapped):
 def test_every_overlapped_kernel_waits(overlapped):
     """Catches an overlapped kernel whose ``grid_dependency_wait`` was deleted: all of it would run alongside the
     kernel before it."""
-    assert [where(o) for o in overlapped if not o["waits"]] == []
+    bad = [where(o) for o in overlapped if not o["waits"]]
+    if bad:
+        pytest.fail("no griddepcontrol.wait:\n" + "\n".join(bad), pytrace=False)
 
 
 def test_no_global_write_before_the_wait(overlapped):
     """Catches a global write that can run before the wait on some path of the compiled code (one moved above the
     wait, or a branch that skips it): the kernel before may still read or write that memory."""
-    bad = {where(o): o["writes"][:4] for o in overlapped if o["writes"]}
-    assert bad == {}, "global writes before griddepcontrol.wait:\n" + "\n".join(f"{k}: {v}" for k, v in bad.items())
+    bad = [f"{where(o)}: {len(o['writes'])}, e.g. {o['writes'][:3]}" for o in overlapped if o["writes"]]
+    if bad:
+        pytest.fail("global writes before griddepcontrol.wait:\n" + "\n".join(bad), pytrace=False)
 
 
 def test_reads_before_the_wait_are_declared(overlapped):
     """Catches a read moved before the wait of a buffer the kernel before may still be writing (an activation, or
     the residual of a launch that is not ``residual_ready``), or a kernel whose ``reads_before_wait`` no longer says
     what its code reads."""
-    bad = {where(o): sorted(set(o["reads"]) - set(o["declared"])) for o in overlapped}
-    bad = {k: v for k, v in bad.items() if v}
-    assert bad == {}, "read before griddepcontrol.wait, not declared:\n" + "\n".join(f"{k}: {v}" for k, v in
-                                                                                      bad.items())
+    bad = [f"{where(o)}: reads {sorted(set(o['reads']) - set(o['declared']))}, declares {o['declared']}"
+           for o in overlapped if set(o["reads"]) - set(o["declared"])]
+    if bad:
+        pytest.fail("read before griddepcontrol.wait, not declared (reads_before_wait):\n" + "\n".join(bad),
+                    pytrace=False)
 
 
 def test_declaring_an_argument_the_kernel_lacks_fails_at_once():

@@ -169,8 +169,8 @@ def split_kernel(head_dim: int, group: int, warps: int, decode: bool = False, ga
     merge = build_merge(D, G, W, dim_split, gated)
     SM_O = merge.o_words
     stage_warp_state, merge_warps, merge_splits = merge.stage_warp_state, merge.merge_warps, merge.merge_splits
-    # decode: before the PDL wait, a work item's slot, position, block table and its first step's K / V rows of
-    # the older keys (not the newest key's: the kernel before writes those)
+    # decode: read before the PDL wait (of the caches only the first key step's rows of the older keys: the kernel
+    # before writes the newest key's)
     early_reads = ("k32", "v32", "block_tables", "token_slots", "positions") if DECODE else ()
 
     @device_fn

@@ -128,13 +128,13 @@ def qk_norm_rope_kernel(head_dim: int, rotary_dim: int, stamps: bool = False):
         position and slot; then the cos/sin rows and the block-table entry, which need the position; then the
         head's values), and every index is unsigned (no negative-index wraparound code) and 64-bit from the start,
         a base per array plus ``32 j`` for register j: one add, or an immediate offset, per access.  Only the
-        head's values come from the kernel before (the projection): with PDL (``launch``) everything else
-        (``reads_before_wait`` above) is read before ``grid_dependency_wait``, while the projection finishes, and the attention kernel after this one may
-        launch at once (``launch_dependents`` first: its early loads are small).  Lane l rotates the pairs
-        ``(p, p + half)``, ``p = l, l + 32, ..``: when ``half`` is a multiple of 32 (every served model) the partner
-        ``p + half`` is in the same lane's registers; otherwise (tiny test heads) it is re-read (an L1 hit).  Every
-        lane of the block runs the same number of items and calls ``warp_sum`` once per item (v heads and idle tail
-        warps too), as the simulator's emulated shuffles require.
+        head's values come from the kernel before (the projection): with PDL (``launch``) everything else is read
+        before ``grid_dependency_wait`` (``reads_before_wait`` above), while the projection finishes, and the
+        attention kernel after this one may launch at once (``launch_dependents`` first: its early loads are small).
+        Lane l rotates the pairs ``(p, p + half)``, ``p = l, l + 32, ..``: when ``half`` is a multiple of 32 (every
+        served model) the partner ``p + half`` is in the same lane's registers; otherwise (tiny test heads) it is
+        re-read (an L1 hit).  Every lane of the block runs the same number of items and calls ``warp_sum`` once per
+        item (v heads and idle tail warps too), as the simulator's emulated shuffles require.
         """
         t_entry = t_wait = uint64(0)
         if STAMPS:

@@ -1,34 +1,40 @@
-"""What does each overlapped (PDL) launch touch before its ``griddepcontrol.wait``?
+"""What does each overlapped (PDL) launch touch before its ``griddepcontrol.wait``, and is that what it declares?
 
 A kernel launched with programmatic dependent launch starts while the kernel before it still runs; until its
 ``grid_dependency_wait()`` it may read only buffers no kernel of the step writes (weights, norm weights, RoPE tables,
-block tables) and may write nothing in global memory (``primitives/pdl.py``, ``launch.py``).  A test that runs the
-kernel alone cannot see a break of that contract, and the GPU does not fail loudly on one: the read just sees old
-data now and then.  This reads the contract off the compiled code instead.
+block tables) and may write nothing in global memory (``primitives/pdl.py``, ``launch.py``).  What a kernel may
+read there is declared once, on the kernel: ``@reads_before_wait("w32", ...)`` names the arguments (none declared:
+none).  A test that runs the kernel alone cannot see a break of that contract, and the GPU does not fail loudly on
+one: the read just sees old data now and then.  This reads the contract off the compiled code instead.
 
 Without a GPU (NVVM from ``numba-cuda[cu13]``): the engine's own steps are recorded and compiled as in
-``ptx_snapshot.py`` (Qwen3-4B and Qwen3.5-4B shapes, decode and prompt cases); for every launch that overlaps, the
-sm_90a PTX is read from its entry to the first ``griddepcontrol.wait``, following which kernel argument each address
-register comes from (``ld.param`` of an array's data pointer, then any arithmetic on it), and lists
+``ptx_snapshot.py`` (Qwen3-4B and Qwen3.5-4B shapes; ``CASES``: decode, prompt and scoring steps that launch every
+overlapped kernel variant the engine does); for every kernel an overlapping launch runs, its sm_90a PTX is split
+into basic blocks, "a wait has run on every path from the entry to here" is propagated to a fixed point, and every
+instruction that can run before a wait on some path is looked at, following which kernel argument each address
+register comes from (``ld.param`` of an array's data pointer, then any arithmetic on it):
 
-* the arguments whose memory it reads there (``ld`` from global or generic addresses, ``cp.async`` sources), and
-* every global write there (``st`` / ``atom`` / ``red`` to global or generic addresses): there must be none.
+* the arguments whose memory it reads there (``ld`` from global or generic addresses, ``cp.async`` sources) must be
+  among those the kernel declares, and
+* there must be no global write there (``st`` / ``atom`` / ``red`` to global or generic addresses), and the kernel
+  must have a wait at all.
 
-    python tools/pdl_early_reads.py            # a table: kernel -> arguments read before the wait
+    python tools/pdl_early_reads.py            # a table: kernel -> arguments read before the wait; exit 1 on a break
+    python tools/pdl_early_reads.py --json     # the same as JSON (tests/kernels/test_pdl_wait_position.py)
 
-The analysis is path-insensitive, so it errs towards reporting: a path the kernel's logic never takes still counts.
-``paged_decode_attention`` shows this: a work item whose key loop ran zero times would skip the wait and still write
-its output, and the tool reports those writes, although a split that has work always has keys.  Read each report
-against the kernel's docstring (measured on 2026-12-02: every kernel of the default PDL set reads before its wait
-exactly what its docstring allows -- weights, norm weights, RoPE tables, block tables, slots and positions, the
-recurrent state of ``gated_delta_decode_step``, the residual of a ``residual_ready`` launch -- and writes nothing
-there, but for that one report).
+The analysis is path-insensitive: a path the kernel's logic never takes still counts, so a kernel passes only when
+a wait precedes its first global write on every path of its compiled code (``attention/decode.py`` waits once more
+before its merge for that reason).  Reading a declared argument is all it checks of reads: which rows of it (e.g.
+only the older keys' K/V rows) is the kernel's docstring's business.
 """
 from __future__ import annotations
 
+import argparse
 import inspect
+import json
 import re
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -37,6 +43,10 @@ import tools.ptx_snapshot as snap  # noqa: E402  (sets the stand-in H200 up befo
 _PARAM = re.compile(r"ld\.param\.\w+\s+(%\w+),\s*\[(\w+)\]")
 _REG = re.compile(r"%\w+")
 _WAIT = "griddepcontrol.wait"
+MODELS = ("4b", "3.5-4b")
+CASES = ("decode1", "decode8", "prefill16", "prefill512", "score1")
+"""Between them these launch every overlapped kernel variant that the two models' every engine step shape
+(``ptx_snapshot.every_engine_case``) does (25 kernels with the default launch policy when written)."""
 
 
 def param_owner(kernel, types) -> dict[int, str]:
@@ -113,16 +123,15 @@ def _early(statements: list[str]) -> list[bool]:
     return out
 
 
-def before_wait(ptx: str, owner: dict[int, str]) -> tuple[set, list]:
-    """(argument names read before the wait, global writes before it) of a kernel's PTX: every load, copy or store
-    that can run before a ``griddepcontrol.wait`` on some path from the entry; an address register's arguments are
-    those of every register it is computed from (the data pointer loaded with ``ld.param``)."""
+def before_wait(ptx: str, owner: dict[int, str]) -> tuple[bool, set, list]:
+    """(whether the entry has a ``griddepcontrol.wait`` at all, argument names read before the wait, global writes
+    before it) of a kernel's PTX: every load, copy or store that can run before a wait on some path from the entry
+    (all of them when there is no wait); an address register's arguments are those of every register it is computed
+    from (the data pointer loaded with ``ld.param``)."""
     entry = ptx[ptx.index(".entry"):]                       # (device functions may come first)
     params = re.findall(r"\.param \.\w+ (\w+)", entry.split("{", 1)[0])
     index = {p: k for k, p in enumerate(params)}
     statements = _statements(entry.split("{", 1)[1])
-    if not any(_WAIT in st for st in statements):
-        return set(), []
     origin: dict[str, set] = {}
     for _ in range(2):                                       # loops: a register may be set after its use
         for st in statements:
@@ -151,35 +160,71 @@ def before_wait(ptx: str, owner: dict[int, str]) -> tuple[set, list]:
             writes.append(st)
         elif op.startswith(("ld.", "prefetch")) and not local and brackets:
             reads |= {n for r in _REG.findall(brackets[0]) for n in origin.get(r, set())}
-    return reads, writes
+    return any(_WAIT in st for st in statements), reads, writes
 
 
-def report(models=("4b", "3.5-4b"), cases=("decode1", "decode8", "prefill16", "prefill512")) -> dict:
-    """``{kernel label: (sorted argument names read before the wait, global writes before it)}`` over every
-    overlapped launch of the cases (labels of one kernel merged)."""
+@dataclass
+class Overlapped:
+    """One overlapped launch's kernel (one compiled variant) and what its PTX does before the wait."""
+    label: str              # the launch's name (``LaunchPolicy.pdl``)
+    kernel: str             # the kernel function
+    cases: list[str]        # the recorded steps that launch it
+    waits: bool             # the PTX has a ``griddepcontrol.wait``
+    reads: list[str]        # arguments read on some path before the wait
+    declared: list[str]     # what the kernel's ``reads_before_wait`` declares
+    writes: list[str]       # global writes on some path before the wait
+
+    def problems(self) -> list[str]:
+        """Each break of the contract, one line each; none when the kernel follows it."""
+        out = [] if self.waits else ["no griddepcontrol.wait"]
+        undeclared = sorted(set(self.reads) - set(self.declared))
+        if undeclared:
+            out.append(f"reads {', '.join(undeclared)} before the wait (declared: {', '.join(self.declared) or '-'})")
+        if self.writes:
+            out.append(f"{len(self.writes)} global writes before the wait: {'; '.join(self.writes[:4])}"
+                       + (" ..." if len(self.writes) > 4 else ""))
+        return out
+
+
+def report(models=MODELS, cases=CASES) -> list[Overlapped]:
+    """Every kernel variant an overlapped launch of the cases runs, with its contract and what its PTX does before
+    the wait, in label order."""
     recorder = snap.Recorder()
     snap.record(list(models), list(cases), recorder)
-    pdl = {fp for _, desc, fp in recorder.launches if " pdl=1 " in desc}
-    labels = {}
-    for _, desc, fp in recorder.launches:
-        if fp in pdl:
-            labels.setdefault(fp, desc.split(" grid=")[0])
-    out: dict[str, tuple[set, list]] = {}
-    for fp in pdl:
+    seen: dict[tuple, tuple[str, list]] = {}
+    for case, desc, fp in recorder.launches:
+        if " pdl=1 " in desc:
+            label, where = seen.setdefault(fp, (desc.split(" grid=")[0], []))
+            if case not in where:
+                where.append(case)
+    out = []
+    for fp, (label, where) in seen.items():
         kernel, types = recorder.kernels[fp]
         ptx = snap._Kernel(kernel.py_func, types, **kernel.targetoptions).inspect_asm(None)
-        reads, writes = before_wait(ptx, param_owner(kernel, types))
-        r, w = out.setdefault(labels[fp], (set(), []))
-        r |= reads
-        w += writes
-    return {k: (sorted(r), w) for k, (r, w) in sorted(out.items())}
+        waits, reads, writes = before_wait(ptx, param_owner(kernel, types))
+        out.append(Overlapped(label, kernel.py_func.__qualname__, where, waits, sorted(reads),
+                              sorted(getattr(kernel, "pdl_early_reads", ())), writes))
+    return sorted(out, key=lambda o: (o.label, o.cases))
 
 
-def main() -> int:
-    res = report()
-    for label, (reads, writes) in res.items():
-        print(f"{label:32s} reads early: {', '.join(reads) or '-'}" + (f"   WRITES: {writes}" if writes else ""))
-    return 1 if any(w for _, w in res.values()) else 0
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(MODELS), help="comma-separated, of %s" % ", ".join(snap.MODELS))
+    p.add_argument("--cases", default=",".join(CASES), help="comma-separated decodeB, prefillT, scoreT "
+                   "(default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the result as a JSON list, one object a kernel")
+    args = p.parse_args(argv)
+    res = report(args.models.split(","), args.cases.split(","))
+    if args.json:
+        print(json.dumps([asdict(o) for o in res], indent=1))
+    else:
+        for o in res:
+            print(f"{o.label:26s} {o.cases[0]:16s} reads early: {', '.join(o.reads) or '-'}")
+            for problem in o.problems():
+                print(f"{'':26s} {'':16s} CONTRACT BROKEN: {problem}")
+        print(f"{len(res)} overlapped kernels, {sum(bool(o.problems()) for o in res)} breaking their contract",
+              file=sys.stderr)
+    return 1 if any(o.problems() for o in res) else 0
 
 
 if __name__ == "__main__":

@@ -13,9 +13,10 @@ previous kernel on the stream has finished: its blocks take SMs as soon as the p
 kernel may do before the wait).  Captured into a CUDA graph these launches become programmatic edges, so the
 overlap replays every token.
 
-A kernel that follows that contract is launched with ``policy=``: it overlaps the kernel before it when the launch
-policy names it (``LaunchPolicy.pdl``, by the launch's ``name``) and the GPU can (sm_90+, not the simulator).  Which
-launches overlap by default, and why, is in ``policy.py`` and ``docs/perf/launch.md``.
+A kernel that follows that contract (what it reads before its wait: its ``reads_before_wait``; checked on the
+compiled code by ``tools/pdl_early_reads.py``) is launched with ``policy=``: it overlaps the kernel before it when
+the launch policy names it (``LaunchPolicy.pdl``, by the launch's ``name``) and the GPU can (sm_90+, not the
+simulator).  Which launches overlap by default, and why, is in ``policy.py`` and ``docs/perf/launch.md``.
 """
 from __future__ import annotations
 

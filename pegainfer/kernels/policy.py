@@ -8,10 +8,11 @@ build two policies in one process and compare them (``benchmarks/ab_policy.py``)
 What the policy decides:
 
 * ``pdl`` -- which launches may overlap the kernel before them through programmatic dependent launch (PDL, sm_90+;
-  ``launch.py`` says what a kernel may do before its wait).  By name: the ``name=`` of each ``launch``.  The default
-  set is the weight-streaming kernels plus the latency-bound kernels of a decode step whose early start measured
-  faster (``docs/perf/launch.md``).  ``None`` lets every launch that follows the contract overlap; an empty set
-  none.  Where the GPU cannot (the simulator, before sm_90) no launch overlaps, whatever the policy says.
+  ``launch.py`` says what a kernel may do before its wait; each kernel's ``reads_before_wait``, what it reads
+  there).  By name: the ``name=`` of each ``launch``.  The default set is the weight-streaming kernels plus the
+  latency-bound kernels of a decode step whose early start measured faster (``docs/perf/launch.md``).  ``None`` lets
+  every launch that follows the contract overlap; an empty set none.  Where the GPU cannot (the simulator, before
+  sm_90) no launch overlaps, whatever the policy says.
 * ``preload_o`` -- the one-token o / out_proj projection copies its weights into the SMs' shared memory while the
   kernel before it still runs (``linear.linear_preloaded``): Qwen3-4B TPOT −2.1 %, Qwen3.5-4B −0.8 %.
 * ``head_argmax`` -- the LM head of a one-sequence step also picks the greedy token (``linear.linear_add_rms_norm``

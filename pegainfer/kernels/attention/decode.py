@@ -32,9 +32,13 @@ splits (``merge.py``).  A padding token (``token_slots[t] < 0``) reads nothing a
 
 PDL (``launch.py``): a plain launch lets the next kernel launch and waits for the previous one at its start.  A
 ``decode`` launch (every token is its sequence's newest, so the kernel before -- qk-norm/RoPE -- wrote only q and
-the K/V row at ``positions[t]``) first reads what no kernel of the step writes: slot, position, block table and the
-first step's K/V rows of the older keys; then waits, reads q, the gates and the newest key's rows, and lets the next
-kernel (the o projection, whose blocks then copy its weights) launch right after that wait.
+the K/V row at ``positions[t]``) first reads what no kernel of the step writes (the kernel's ``reads_before_wait``;
+of the caches, the first key step's rows of the older keys); then waits, reads q, the gates and the newest key's
+rows, and lets the next kernel (the o projection, whose blocks then copy its weights) launch right after that wait.
+Each work item waits once more before its merge, which writes global memory.  At run time that wait is a no-op
+(the first key step waited); it covers the paths the compiled code has but never takes -- no key step at all (a
+split with work has keys) and a first step that skips its wait (the compiler keeps "first step" a runtime test) --
+so that a wait precedes every global write on every path of the compiled kernel (``tools/pdl_early_reads.py``).
 """
 from __future__ import annotations
 
@@ -52,7 +56,7 @@ from pegainfer.kernels.launch import launch
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
 from pegainfer.kernels.primitives import (cuda, device_fn, float32, global_timer, grid, grid_dependency_wait, int32,
                                           kernel, lane_group_max, launch_dependents, load_u32x4, mma_bf16_m16n8k16,
-                                          pack_bf16x2, pdl_prologue, uint16, uint32)
+                                          pack_bf16x2, pdl_prologue, reads_before_wait, uint16, uint32)
 
 uint64 = np.uint64
 
@@ -165,6 +169,9 @@ def split_kernel(head_dim: int, group: int, warps: int, decode: bool = False, ga
     merge = build_merge(D, G, W, dim_split, gated)
     SM_O = merge.o_words
     stage_warp_state, merge_warps, merge_splits = merge.stage_warp_state, merge.merge_warps, merge.merge_splits
+    # decode: read before the PDL wait (of the caches only the first key step's rows of the older keys: the kernel
+    # before writes the newest key's)
+    early_reads = ("k32", "v32", "block_tables", "token_slots", "positions") if DECODE else ()
 
     @device_fn
     def load_q(q32, t, nq, head0, g, tq, dim0, qa):
@@ -263,6 +270,7 @@ def split_kernel(head_dim: int, group: int, warps: int, decode: bool = False, ga
             of[2 * jd], of[2 * jd + 1], _, _ = mma_bf16_m16n8k16(
                 a0, zero, a2, zero, b0, b1, of[2 * jd] * alpha, of[2 * jd + 1] * alpha, fzero, fzero)
 
+    @reads_before_wait(*early_reads)
     @kernel
     def paged_attention_split_kernel(q32, k32, v32, block_tables, token_slots, positions, out, ws_acc, ws_m, ws_l,
                                      counters, scale_log2, num_kv_heads, page_shift, num_splits, min_chunk, gate,
@@ -367,6 +375,8 @@ def split_kernel(head_dim: int, group: int, warps: int, decode: bool = False, ga
                 m, l, alpha, a0, a2 = online_softmax_step(m, l, s0, s1, s2, s3)
                 accumulate_pv(of, vw, a0, a2, alpha)
 
+            if DECODE:                                    # the merge writes: no path may reach it unwaited
+                grid_dependency_wait()                    # (a no-op after the first key step's; module docstring)
             if STAMPS and t_ready == uint64(0) and of[0] != float32(-1.25e-38):   # (after the last P V product)
                 t_ready = global_timer()
             # merge the block's step warps, then (several splits at work) the splits

@@ -4,8 +4,8 @@ sequence in one launch, with each thread's part of the state in registers.
 ``gated_delta_decode_step`` computes, bit for bit, what ``conv.causal_conv1d_silu`` → ``reference.
 reference_gated_delta`` → ``gated_norm.gated_rms_norm`` compute, in one kernel: the state is read once into
 registers, decayed and updated there and written once, and in a decode step (``decode_token_slots``) a block loads
-its state, conv weights, older ring inputs and norm weights before its PDL wait, so only the projection's outputs
-are loaded after it.
+what no kernel of the step writes for its first item before its PDL wait (the kernel's ``reads_before_wait``), so
+only the projection's outputs are loaded after it.
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from pegainfer.kernels.norm import inverse_rms
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
 from pegainfer.kernels.primitives import (WARP, bf16_to_f32, cuda, device_fn, f32_to_bf16, float32, global_timer,
                                           grid, grid_dependency_wait, int32, launch_dependents, load_f32x2,
-                                          load_f32x4, math, pdl_prologue, store_f32x2, store_f32x4, uint16,
-                                          warp_sum)
+                                          load_f32x4, math, pdl_prologue, reads_before_wait, store_f32x2,
+                                          store_f32x4, uint16, warp_sum)
 
 uint64 = np.uint64
 
@@ -202,6 +202,11 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
             if j < VD:
                 nw[r] = norm_weight[j]
 
+    # decode: what a block reads for its first item before the PDL wait (no kernel of the step writes it)
+    early_reads = ("ssm_state", "conv_weight", "conv_state", "norm_weight", "a_log", "dt_bias", "positions",
+                   "token_slots") if DECODE else ()
+
+    @reads_before_wait(*early_reads)
     @bounded_kernel(NT)
     def gated_delta_decode_step_kernel(x, conv_weight, conv_state, z, a, b, a_log, dt_bias, norm_weight, eps,
                                        ssm_state, slot_ids, token_offsets, positions, token_slots, out, stamp_buf):
@@ -246,8 +251,8 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
         PDL: without ``decode`` the kernel lets the next one launch and waits for the previous one at its start.
         With ``decode`` (a decode step: sequence ``b`` is token ``b``, its slot ``token_slots[b]`` and position
         ``positions[b]``, which the host wrote before the step; ``slot_ids`` / ``token_offsets`` are then not read)
-        a block first loads what no kernel of the step writes for its first item -- its state, its conv weights and
-        older ring inputs, the norm weights -- into registers, then waits for the projection and issues its loads
+        a block first loads what no kernel of the step writes for its first item (``reads_before_wait`` above; of
+        the conv ring only the older inputs) into registers, then waits for the projection and issues its loads
         of ``x``, ``a``, ``b`` and ``z`` together: one memory round trip after the wait.  It lets the next kernel
         (the preloaded out_proj) launch once those loads have arrived, so that out_proj's weight copies do not
         compete with them for HBM (faster than releasing at the start or after the outputs on the H200:

@@ -31,7 +31,7 @@ from pegainfer.kernels.policy import LaunchPolicy
 from pegainfer.kernels.primitives import (NO_INDEX, WARP, as_words, bf16x2_hi, bf16x2_lo, bits_f32, block_argmax,
                                           block_sum, cuda, device_fn, f32_to_bf16, float32, global_timer, grid,
                                           grid_dependency_wait, launch_dependents, load_u32_l2, load_u32x4, math,
-                                          uint32, warp_sums_to_shared)
+                                          reads_before_wait, uint32, warp_sums_to_shared)
 
 int32, int64, uint64 = np.int32, np.int64, np.uint64
 
@@ -323,7 +323,10 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
         read_early, stage_normed_x = _norm_steps(1, warps, False, False, False)
         stage_x = _stage_x_step(warps, x_slices)
     merge_head_argmax = _head_argmax_step(warps)
+    early_reads = (("w32",) + (("norm_weight32",) if NORM else ())
+                   + (("residual_in32",) if NORM and residual_early and not gather else ()))
 
+    @reads_before_wait(*early_reads)
     @bounded_kernel(warps * WARP)
     def gemv_decode(x32, w32, out, k, k_split, residual_in32, delta32, norm_weight32, residual_out32, eps,
                     weight_offset, round_before_weight, has_delta, row_ids, head_max, head_index, head_token,
@@ -333,8 +336,9 @@ def _gemv_decode_kernel(rows_per_warp: int, stages: int, warps: int, gated: bool
         x32 ``[K/2]``, w32 ``[rows · K/2]`` uint32 (bf16 pairs of x ``[1, K]`` and W ``[rows, K]``), out
         ``[1, n_out]`` bf16 bits, ``k`` = K (a multiple of 8), ``k_split`` warps per row group.
 
-        1. *Before the PDL wait* (what no kernel writes): the first tile's first ``stages - 1`` steps of weight
-           loads, and with the prologue its norm weights (and the residual when ``residual_early``).
+        1. *Before the PDL wait* (``reads_before_wait`` above: what no kernel writes): the first tile's first
+           ``stages - 1`` steps of weight loads, and with the prologue its norm weights (and the residual when
+           ``residual_early``).
         2. *Stage x once per block* as bf16 pairs in shared memory (``_x_word_index`` order: no bank conflicts when
            a warp reads the 4 words of its 32 slices), ~``2K`` bytes, so even K = 12288 fits.  With the prologue
            (blocks of ``NORM_THREADS``) x is not read: every block computes ``s = bf16(residual + delta)``

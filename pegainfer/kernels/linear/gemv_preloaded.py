@@ -22,8 +22,8 @@ from pegainfer.kernels.linear.common import bounded_kernel, shared_optin, sm_cou
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
 from pegainfer.kernels.primitives import (WARP, as_words, bf16x2_hi, bf16x2_lo, bits_f32, bulk_barrier_init,
                                           bulk_copy, bulk_expect_bytes, bulk_wait, cuda, f32_to_bf16, float32,
-                                          global_timer, grid_dependency_wait, launch_dependents, threads, uint32,
-                                          warp_row_sums_to_shared, warp_sums_to_shared)
+                                          global_timer, grid_dependency_wait, launch_dependents, reads_before_wait,
+                                          threads, uint32, warp_row_sums_to_shared, warp_sums_to_shared)
 
 uint64 = np.uint64
 
@@ -51,6 +51,7 @@ def _gemv_preloaded_kernel(rows: int, k: int, nthreads: int, stamps: bool = Fals
     BULK_CHUNKS = -(-rows * k * 2 // BULK_CHUNK_BYTES)
     ROW_SUMS = rows <= WARP
 
+    @reads_before_wait("w32")
     @bounded_kernel(nthreads)
     def gemv_preloaded(x32, w32, out, n_rows, stamp_buf):
         """``out[0, n] = bf16(Σ_k x[k] · W[n, k])`` for one token, with the block's weight rows copied into shared

@@ -12,8 +12,8 @@ and never checks which world it runs in; this package is the only place that doe
 * ``fast_exp2`` -- 2^x in one instruction (softmax probabilities)
 * ``warp_vote`` -- ``warp_any``: a predicate of any lane, in every lane
 * ``async_copy`` -- ``cp.async`` and the sm_90 bulk copies with their mbarrier
-* ``pdl`` -- programmatic dependent launch (``grid_dependency_wait``, ``launch_dependents``, ``pdl_prologue``) and the
-  clock registers of the timeline stamps
+* ``pdl`` -- programmatic dependent launch (``grid_dependency_wait``, ``launch_dependents``, ``pdl_prologue``, the
+  ``reads_before_wait`` declaration) and the clock registers of the timeline stamps
 * ``ptx`` (GPU) -- helpers for writing inline-PTX intrinsics; ``simulator`` (simulator) -- a faster, race-free block
   scheduler and shared-memory allocator for Numba's simulator
 
@@ -60,7 +60,7 @@ from pegainfer.kernels.primitives.loads import (as_words, load_f32x2, load_f32x4
                                                 store_f32x2, store_f32x4)
 from pegainfer.kernels.primitives.mma import ldmatrix_x4, mma_bf16_m16n8k16
 from pegainfer.kernels.primitives.pdl import (GRID_DEPENDENCY_CONTROL, global_timer, grid_dependency_wait,
-                                              launch_dependents, pdl_prologue, sm_id)
+                                              launch_dependents, pdl_prologue, reads_before_wait, sm_id)
 from pegainfer.kernels.primitives.reductions import (FULL_MASK, NO_INDEX, WARP, block_argmax, block_max,
                                                      block_sum, lane_group_max, lane_group_sum, warp_argmax, warp_max,
                                                      warp_row_sums_to_shared, warp_sum, warp_sums_to_shared)
@@ -74,4 +74,4 @@ __all__ = ["as_words", "bf16_to_f32", "bf16x2_hi", "bf16x2_lo", "bits_f32", "blo
            "load_u32x4", "math", "mma_bf16_m16n8k16", "NO_INDEX", "pack_bf16x2", "pdl_prologue", "SIMULATOR",
            "sm_id", "store_f32x2", "store_f32x4", "threads", "to_bf16_bits", "uint16", "uint32", "WARP",
            "warp_argmax", "warp_max", "warp_row_sums_to_shared", "warp_sum", "warp_sums_to_shared"]
-__all__ += ["exp2_approx", "ldmatrix_x4_trans", "warp_any"]
+__all__ += ["exp2_approx", "ldmatrix_x4_trans", "reads_before_wait", "warp_any"]

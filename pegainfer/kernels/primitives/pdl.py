@@ -9,10 +9,19 @@ Programmatic dependent launch (PDL, sm_90+).  A kernel launched with a policy th
   without it the next kernel starts when this one's blocks exit.
 Both are no-ops when there is nothing to wait for / no dependent, in the simulator and before sm_90.
 
+``reads_before_wait(*names)``: the one statement of what a kernel reads before its wait -- the names of the kernel
+arguments whose memory it may read there, each one no kernel of a step writes (or, like a ready residual, one whose
+writer has completed when the launch starts: the launch policy's ``residual_ready``).  A kernel that declares
+nothing may read nothing before its wait.  ``tools/pdl_early_reads.py`` checks every overlapped launch's compiled
+code against it (``tests/kernels/test_pdl_wait_position.py``): no argument read before the wait that is not
+declared, no global write before it on any path.
+
 ``global_timer`` / ``sm_id``: the GPU's global nanosecond clock and the SM a block runs on, for the timeline stamps
 (``pegainfer/kernels/timeline.py``).
 """
 from __future__ import annotations
+
+import inspect
 
 import numpy as np
 from numba import cuda
@@ -87,3 +96,16 @@ def pdl_prologue():
     wait for the previous one (kernels that stream weights meanwhile call the two primitives themselves)."""
     launch_dependents()
     grid_dependency_wait()
+
+
+def reads_before_wait(*names: str):
+    """Declare, on a ``@kernel``, the arguments it may read before its ``grid_dependency_wait`` (module docstring):
+    the decorated kernel gets ``pdl_early_reads``, a frozenset of those names.  A name that is not one of the
+    kernel's parameters is a TypeError at once."""
+    def declare(kern):
+        unknown = set(names) - set(inspect.signature(kern.py_func).parameters)
+        if unknown:
+            raise TypeError(f"reads_before_wait: {kern.py_func.__name__} has no argument {sorted(unknown)}")
+        kern.pdl_early_reads = frozenset(names)
+        return kern
+    return declare

@@ -23,8 +23,8 @@ from pegainfer.kernels.launch import launch
 from pegainfer.kernels.norm import normalize_element
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
 from pegainfer.kernels.primitives import (WARP, bf16_to_f32, cuda, device_fn, f32_to_bf16, float32, global_timer,
-                                          grid, grid_dependency_wait, int32, kernel, launch_dependents, math, threads,
-                                          uint16, warp_sum)
+                                          grid, grid_dependency_wait, int32, kernel, launch_dependents, math,
+                                          reads_before_wait, threads, uint16, warp_sum)
 
 uint64 = np.uint64
 
@@ -96,6 +96,7 @@ def qk_norm_rope_kernel(head_dim: int, rotary_dim: int, stamps: bool = False):
     def past_rotary(j, lane):
         return j >= ROT_J if ROT_WHOLE else WARP * j >= ROT - lane
 
+    @reads_before_wait("q_norm_w", "k_norm_w", "cos", "sin", "positions", "token_slots", "block_tables")
     @kernel
     def qk_norm_rope_store_kernel(qkv, row, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables,
                                   pages_per_seq, k_cache, v_cache, page_shift, num_kv_heads, q_out, num_q_heads,
@@ -128,12 +129,12 @@ def qk_norm_rope_kernel(head_dim: int, rotary_dim: int, stamps: bool = False):
         head's values), and every index is unsigned (no negative-index wraparound code) and 64-bit from the start,
         a base per array plus ``32 j`` for register j: one add, or an immediate offset, per access.  Only the
         head's values come from the kernel before (the projection): with PDL (``launch``) everything else is read
-        before ``grid_dependency_wait``, while the projection finishes, and the attention kernel after this one may
-        launch at once (``launch_dependents`` first: its early loads are small).  Lane l rotates the pairs
-        ``(p, p + half)``, ``p = l, l + 32, ..``: when ``half`` is a multiple of 32 (every served model) the partner
-        ``p + half`` is in the same lane's registers; otherwise (tiny test heads) it is re-read (an L1 hit).  Every
-        lane of the block runs the same number of items and calls ``warp_sum`` once per item (v heads and idle tail
-        warps too), as the simulator's emulated shuffles require.
+        before ``grid_dependency_wait`` (``reads_before_wait`` above), while the projection finishes, and the
+        attention kernel after this one may launch at once (``launch_dependents`` first: its early loads are small).
+        Lane l rotates the pairs ``(p, p + half)``, ``p = l, l + 32, ..``: when ``half`` is a multiple of 32 (every
+        served model) the partner ``p + half`` is in the same lane's registers; otherwise (tiny test heads) it is
+        re-read (an L1 hit).  Every lane of the block runs the same number of items and calls ``warp_sum`` once per
+        item (v heads and idle tail warps too), as the simulator's emulated shuffles require.
         """
         t_entry = t_wait = uint64(0)
         if STAMPS:

@@ -122,3 +122,23 @@ def streams_with_a_late_arrival(engine, first, second, steps, after=2):
     finally:
         engine.scheduler.schedule = schedule
     return got, kinds
+
+
+def emulated_graphs(runner):
+    """``runner``'s ``StepGraphs`` (same keys, lazy capture and cap) with capture and replay emulated for the
+    simulator: a capture keeps the step's launch function, whose shape is baked in as in a graph, and a replay
+    calls it (the capturing step's T, B and row counts with the replaying step's inputs, as a graph replays).
+    ``replayed`` lists the keys replayed."""
+    from pegainfer.engine.cuda_graph import StepGraphs
+
+    class EmulatedGraphs(StepGraphs):
+        def capture_fn(self, key, run):
+            self.execs[key] = run
+
+        def replay(self, *key):
+            self.replayed.append(key)
+            self.execs[key]()
+
+    graphs = EmulatedGraphs(runner)
+    graphs.replayed = []
+    return graphs

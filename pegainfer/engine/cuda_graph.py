@@ -13,7 +13,8 @@ one would cost more than the GPU work. Instead, each step shape is captured once
   tokens as Cp = a prefill bucket, their logits rows as Rp = a power of two.  These graphs are keyed
   ``("mixed", Dp, Cp, Rp)`` and captured lazily (``replay_or_capture``: the second time a shape is met, at most
   ``MIXED_GRAPHS_MAX`` of them), besides those ``capture_all`` takes at warm-up.
-  Padding tokens carry slot -1: their K/V are not written and their attention output is ignored.
+  Padding tokens carry slot -1: their K/V are not written, their attention output is ignored, and Qwen3.5's
+  Gated DeltaNet layers neither read nor write a recurrent state for them (``models/qwen35.py``, "Padding").
 
 Everything that changes per step — token ids, positions, slots, block tables, sampling parameters — lives in
 device buffers that the runner refreshes with asynchronous copies on the same stream before ``cuGraphLaunch``, so

@@ -4,8 +4,9 @@ sampled token ids back to the host.
 Decode steps of a given batch size can be captured once into a CUDA graph and replayed (``CudaGraphs``); the
 per-step values (token ids, positions, slots, sampling parameters) live in device buffers that are refreshed
 before each replay, so the graph itself never changes.  So do prompt chunks padded to a bucket and, for models
-whose kernels allow it (``pads_mixed``), mixed steps padded to a (decode batch, prompt bucket, rows) shape
-(``mixed``); eager steps are padded the same way, so both paths run the very same kernels.
+whose kernels skip padding wherever it sits (``pads_mixed``: Qwen3, and Qwen3.5, whose Gated DeltaNet kernels skip
+a padding run between the decodes and the chunks), mixed steps padded to a (decode batch, prompt bucket, rows)
+shape (``mixed``); eager steps are padded the same way, so both paths run the very same kernels.
 
 Decode steps can also be *launched* without being waited for (``launch_decode`` → ``PendingStep``, read later by
 ``wait``), which is what the engine's async scheduling builds on: a step launched with ``ahead=1`` takes its input
@@ -169,14 +170,15 @@ class ModelRunner:
         p = seq.params
         self.sampling.set_row(row, p.temperature, p.top_k, p.top_p, p.min_p, seq.seed, len(seq.output_ids) + ahead)
 
-    def forward_and_sample(self, T: int, B: int, decode: bool = False, num_decode: int = 0):
+    def forward_and_sample(self, T: int, B: int, decode: bool = False, num_decode: int = 0, mixed: bool = False):
         """Run the model on the uploaded step and sample B tokens (device) into ``out_ids`` -- the step's first B
         input ids, which the forward pass has consumed (so a decode step launched next on the device finds its
         ids in place); returns the logits view.  ``decode``: T = B sequences, one newest token each (the model's
-        ``forward``); ``num_decode``: a mixed step's leading decode tokens."""
+        ``forward``); ``num_decode``: a mixed step's leading decode tokens; ``mixed``: one of ``mixed``'s steps, padded
+        or not (the model's kernels must not depend on the padding: ``models/qwen35.py``)."""
         head = self.head_argmax if self.head_argmax is not None and self.model.lm_head_argmax(T, B) else None
         logits = self.model.forward(self.step, self.pool.block_tables, T, B, decode=decode, head=head,
-                                    num_decode=num_decode)
+                                    num_decode=num_decode, mixed=mixed)
         apply_token_mask(logits, self.masks.device, self.step.masked_rows, self.sampling.temperature, head=head,
                          policy=self.model.policy)
         sampling.sample(logits, self.sampling, self.out_ids[:B], self.sample_workspace, head=head,
@@ -310,7 +312,7 @@ class ModelRunner:
         self._row_order = order if shape is not None else None
         with on_stream(self.stream):
             self._upload()
-            run = lambda: self.forward_and_sample(T, B, num_decode=Dp)   # noqa: E731
+            run = lambda: self.forward_and_sample(T, B, num_decode=Dp, mixed=True)   # noqa: E731
             key = ("mixed", Dp, Cp, Rp)
             if shape is None or self.graphs is None or force_eager or not self.graphs.replay_or_capture(key, run):
                 run()
@@ -339,7 +341,7 @@ class ModelRunner:
             self.sampling.set_row(r, 0.0, 0, 1.0, 0.0, 0, 0)
         self._fill_masks((), B)
         self._row_order = None
-        run = lambda: self.forward_and_sample(T, B, num_decode=Dp)   # noqa: E731
+        run = lambda: self.forward_and_sample(T, B, num_decode=Dp, mixed=True)   # noqa: E731
         with on_stream(self.stream):
             self._upload()
             run()

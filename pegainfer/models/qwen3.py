@@ -95,7 +95,8 @@ class Qwen3Model(DecoderModel):
         """A new sequence takes ``slot`` (no per-slot state besides KV pages for Qwen3)."""
 
     # ------------------------------------------------------------------------------------------------ forward
-    def forward(self, step, block_tables, T: int, B: int, decode: bool = False, head=None, num_decode: int = 0):
+    def forward(self, step, block_tables, T: int, B: int, decode: bool = False, head=None, num_decode: int = 0,
+                mixed: bool = False):
         """Run T tokens through the model; return the device logits view ``[B, V]`` for ``step.logit_rows[:B]``.
 
         ``step`` holds the step's device inputs (``engine.step_inputs.StepInputs``): int32 ``ids``, ``positions``,
@@ -104,7 +105,9 @@ class Qwen3Model(DecoderModel):
         read the older keys before the kernel storing the new one has finished (``attention.paged_attention``).
         ``head`` (``sampling.HeadArgmax``, only where ``lm_head_argmax(T, B)``): the LM head also writes the row's
         greedy token there.  ``num_decode``: a mixed step whose first ``num_decode`` tokens are decodes and the rest
-        prompt chunks (``engine/scheduler.py``): attention takes the two kinds in separate launches."""
+        prompt chunks (``engine/scheduler.py``): attention takes the two kinds in separate launches.  ``mixed``: the
+        step is a mixed step (decodes and prompt chunks, or several chunks; padded or not): Qwen3 launches the same
+        kernels either way (Qwen3.5's Gated DeltaNet layers then take their chunked form)."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         ids, pos, slots = step.ids[:T], step.positions[:T], step.token_slots[:T]

@@ -31,13 +31,22 @@ previous chunk left.
 
 **Sequences in a step.**  The Gated DeltaNet kernels take a per-sequence table (``seq_slots``, ``seq_offsets``),
 built on the device from ``token_slots`` (``gated_delta.sequence_table``: one sequence per run of equal slots).  The
-number of sequences is at most B (every sequence of a step asks for at least one logits row).  When ``T == B``
-(decode, or a prompt scored row by row) each sequence is short and the token-by-token form runs; when ``T > B``
-(a prompt chunk) the chunked form runs.  Both are exact for any table, this choice is only about speed.  Padding
-tokens (slot -1, after the real tokens of a prefill chunk padded to a CUDA-graph bucket) end the table: they belong
-to no sequence, touch no recurrent state and get zero rule outputs, as the full-attention kernels skip them.  A
-decode step (``forward(decode=True)``: one token per sequence) builds no table: the fused Gated DeltaNet step then
-takes sequence ``b`` = token ``b`` and its slot from ``token_slots`` (``gated_delta_decode_step``'s decode mode).
+number of its runs is at most B (every sequence of a step asks for at least one logits row, and so does each
+padding decode row).  When ``T == B`` outside a mixed step (decode, or a prompt scored row by row) the
+token-by-token form runs; otherwise (a prompt chunk, a mixed step) the chunked form, in which a decode is a one-token
+chunk.  Both are exact for any table; which one runs is fixed by the kind of step, not its padded sizes, so a
+padded step runs the form its unpadded step runs.  A decode step (``forward(decode=True)``: one token per sequence)
+builds no table: the fused Gated DeltaNet step then takes sequence ``b`` = token ``b`` and its slot from
+``token_slots`` (``gated_delta_decode_step``'s decode mode).
+
+**Padding.**  Tokens with slot -1 -- after a prefill chunk's real tokens (padded to a CUDA-graph bucket), a mixed
+step's decode rows padded to a graph batch (between the decodes and the chunks) and its chunk tokens padded to a
+bucket (after them) -- belong to no sequence: trailing ones end the table, the padding decode rows form a padding
+sequence of slot -1 in it, and every Gated DeltaNet kernel skips both (no conv window or delta-rule state read or
+written, zero rule outputs), as the full-attention kernels skip them (no K/V written, zero outputs).  So padding
+changes no real row: a padded step gives the unpadded step's states and logits, bit for bit where the projections
+take the same kernel path at both token counts (``tests/models/test_qwen35_oracle.py``; on the GPU a larger T may
+switch a projection to a tensor-core path, whose f32 sums can differ in the last bit: ``linear/reference.py``).
 """
 from __future__ import annotations
 
@@ -60,14 +69,12 @@ class Qwen35Model(DecoderModel):
     state slots and activation buffers on the device, and the forward pass."""
 
     arch = "qwen3_5"
-    # Tokens with slot -1 (padding after a prefill chunk's real tokens) touch no state: no K/V written, attention
-    # output zeros, and the sequence table ends before them (gated_delta.sequence_table), so the conv and
-    # delta-rule states are those of the unpadded chunk.  So prefill chunks can be padded to CUDA-graph buckets.
+    # Tokens with slot -1 touch no state wherever they are (module docstring, "Padding"): no K/V written, attention
+    # output zeros, no sequence of the Gated DeltaNet table (gated_delta.sequence_table), so the conv and delta-rule
+    # states are those of the unpadded step.  So prefill chunks can be padded to CUDA-graph buckets, and mixed steps
+    # to ``cuda_graph.mixed_shape`` (their Gated DeltaNet layers take the chunked form, padded or not).
     pads_prefill = True
-    # Mixed steps stay unpadded (eager): the sequence table ends at the first slot -1 token, so padding decode rows
-    # between the decodes and the chunks would hide the chunks from the Gated DeltaNet kernels, and a padded step
-    # whose tokens equal its rows (T == B) would switch them to the token-by-token form.
-    pads_mixed = False
+    pads_mixed = True
     has_recurrent_state = True   # per-slot conv windows and delta-rule states: no prefix caching (README)
     chunk_size = gated_delta.MAX_CHUNK  # tokens per chunk of the chunked delta rule (tests may lower it)
 
@@ -212,11 +219,13 @@ class Qwen35Model(DecoderModel):
                 self.ssm_state.reshape(rows, self.Hv, self.Dk, self.Dv))
 
     # ------------------------------------------------------------------------------------------------ forward
-    def forward(self, step, block_tables, T: int, B: int, decode: bool = False, head=None, num_decode: int = 0):
+    def forward(self, step, block_tables, T: int, B: int, decode: bool = False, head=None, num_decode: int = 0,
+                mixed: bool = False):
         """Run T tokens through the model; return the device logits view ``[B, V]`` for ``step.logit_rows[:B]``.
         ``step``: the step's device inputs (``engine.step_inputs.StepInputs``, as in ``Qwen3Model.forward``);
-        ``decode``, ``head`` and ``num_decode`` as there (a mixed step's Gated DeltaNet layers take every sequence
-        through the chunked path: a decode is a one-token chunk)."""
+        ``decode``, ``head``, ``num_decode`` and ``mixed`` as there.  A mixed step's Gated DeltaNet layers take
+        every sequence through the chunked path (a decode is a one-token chunk), whatever T and B: so padding,
+        which changes them, never changes the form."""
         eps, policy, ws = self.cfg.rms_norm_eps, self.policy, self.linear_workspace   # ws: split-K scratch
         ids, pos, slots = step.ids[:T], step.positions[:T], step.token_slots[:T]
         residual, spare = self.residuals[0][:T], self.residuals[1][:T]
@@ -224,7 +233,7 @@ class Qwen35Model(DecoderModel):
         seq_slots, seq_offsets = self.seq_slots[:B], self.seq_offsets[:B + 1]
         if self.linear_layers and not decode:   # a decode step's Gated DeltaNet reads the token slots instead
             gated_delta.sequence_table(slots, seq_slots, seq_offsets, policy=policy)
-        token_by_token = T == B
+        token_by_token = T == B and not mixed
 
         first = self.layers[0]
         stream_in, row_ids = self._embed(ids, residual, first["qkv"] if 0 in self.full_layers else first["in_proj"])

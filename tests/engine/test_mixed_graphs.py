@@ -1,7 +1,8 @@
 """Mixed steps (decodes plus prompt chunks) replayed from CUDA graphs (``engine/cuda_graph.py``): the padded shape
 that names a step's graph, and the lazily captured graphs' cap and capture failures.  The simulator cannot capture,
-so capture and replay are stood in for here; ``tests/gpu/test_graphs.py`` compares real graphs with eager steps,
-and ``tests/models/test_qwen3_oracle.py`` the padded step with the unpadded one."""
+so capture and replay are stood in for here; ``tests/gpu/test_graphs.py`` compares real graphs with eager steps
+(Qwen3 and Qwen3.5), ``tests/models/test_qwen3_oracle.py`` and ``test_qwen35_oracle.py`` the padded step with the
+unpadded one (the latter also through emulated graphs: ``tests.util.emulated_graphs``)."""
 from types import SimpleNamespace
 
 from pegainfer.engine.cuda_graph import (MIXED_GRAPHS_MAX, StepGraphs, decode_graph_sizes, mixed_shape,

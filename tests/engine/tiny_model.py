@@ -75,7 +75,8 @@ class TinyHistoryModel:
         """No LM head here: the sampler always picks (``DecoderModel.lm_head_argmax``)."""
         return False
 
-    def forward(self, step, block_tables, T: int, B: int, decode: bool = False, head=None, num_decode: int = 0):
+    def forward(self, step, block_tables, T: int, B: int, decode: bool = False, head=None, num_decode: int = 0,
+                mixed: bool = False):
         assert head is None
         launch(write_cache_kernel, grid(T), threads(gpu=128, sim=32), step.ids, step.positions, step.token_slots,
                block_tables, self.cache, T, self.page_size)

@@ -19,6 +19,18 @@ def _mid_qwen3(tmp_path):
     return folder
 
 
+def _mid_qwen35(tmp_path):
+    """A random-weight Qwen3.5 of the same width class (3 Gated DeltaNet layers, 1 full attention), by transformers."""
+    pytest.importorskip("transformers")
+    from tests.gpu.shallow_models import SHALLOW_QWEN35_4B, make_shallow_qwen35
+
+    mid = dict(SHALLOW_QWEN35_4B, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+               layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=4,
+               num_key_value_heads=2, head_dim=128, linear_num_key_heads=4, linear_num_value_heads=8,
+               vocab_size=4096, max_position_embeddings=2048)
+    return make_shallow_qwen35(tmp_path / "mid35", mid, seed=3)
+
+
 def test_graph_and_eager_paths_give_identical_tokens(tmp_path):
     """Catches a captured graph that differs from its eager launches, or a padded decode batch that leaks into
     real rows: ten concurrent requests (decode batches padded from 9 and 10 to the captured 12, prompts arriving
@@ -78,16 +90,18 @@ def test_async_scheduling_gives_identical_tokens(tmp_path):
     assert results[True] == results[False]
 
 
-def test_mixed_steps_replayed_from_graphs_give_the_eager_tokens(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_mixed_steps_replayed_from_graphs_give_the_eager_tokens(tmp_path, arch):
     """Catches a mixed-step graph (decodes beside prompt chunks, padded to its (Dp, Cp, Rp) shape) that differs from
-    the same padded step launched eagerly, or padding that leaks into real rows: three waves of eight streams, each
+    the same padded step launched eagerly, or padding that leaks into real rows (Qwen3.5: into the Gated DeltaNet
+    states, through the padding decode rows between the decodes and the chunks): three waves of eight streams, each
     arriving one step after the one before while the earlier ones decode (every step of a wave's start is mixed);
     the waves' prompts differ in length but not in bucket, so the first wave's shapes run eagerly, the second
     captures them and the third replays them.  Graphs and eager give the same tokens, greedy and sampled."""
     from pegainfer.engine.engine import Engine
     from pegainfer.engine.types import SamplingParams
 
-    folder = _mid_qwen3(tmp_path)
+    folder = _mid_qwen3(tmp_path) if arch == "qwen3" else _mid_qwen35(tmp_path)
     base = (5, 40, 100, 7, 20, 60, 3, 90)        # + wave (0..2): each stays within its prefill bucket
     results, replayed = {}, []
     for graphs in (True, False):
@@ -114,8 +128,9 @@ def test_mixed_steps_replayed_from_graphs_give_the_eager_tokens(tmp_path):
                     toks[out.request_id].extend(out.new_token_ids)
         results[graphs] = toks
         assert kinds.count("mixed") >= 3 * 6, kinds
-        assert eng.stats()["kv_pages_used"] == 0
+        assert eng.model.arch == arch and eng.stats()["kv_pages_used"] == 0 and eng.stats()["slots_used"] == 0
         assert all(len(toks[f"w{w}r{i}"]) == 10 + i for w in range(3) for i in range(8))
+        del eng
     mixed_replays = [k for k in replayed if k[0] == "mixed"]
     assert len(mixed_replays) >= 2 * 6, replayed
     first_difference = {rid: next(j for j, (a, b) in enumerate(zip(t, results[False][rid])) if a != b)

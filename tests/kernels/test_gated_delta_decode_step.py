@@ -127,6 +127,23 @@ def test_decode_step_sequences_of_several_tokens(rng):
             assert rel_l2(got[sl], want) < 1e-2, (k, rel_l2(got[sl], want))
 
 
+def test_decode_step_skips_a_padding_sequence(rng):
+    """Catches the fused step's table mode running a padding sequence (slot -1 between real ones, as in a padded
+    mixed step), whose state reads and writes would wrap to the last slot: a one-token sequence, two padding tokens,
+    a two-token sequence; bit-identical to conv → reference rule → gated norm (the padding rows: the gated norm of
+    zeros), the last slot untouched."""
+    layer = make_decode_layer(rng, key_dim=8, value_dim=8)
+    num_slots = 3
+    ring = bf16_randn((num_slots, layer["conv_w"].shape[0], 4), rng)[0]
+    state = (rng.standard_normal((num_slots, layer["num_v_heads"], 8, 8)) * 0.3).astype(np.float32)
+    token_slots = [1, -1, -1, 0, 0]
+    positions = cuda.to_device(np.array([4, 0, 0, 2, 3], np.int32))
+    fused = assert_fused_equals_three_kernels(layer, ring, state, decode_inputs(rng, layer, 5),
+                                              table_of(token_slots, 3), positions)
+    np.testing.assert_array_equal(fused[0][2], ring[2])
+    np.testing.assert_array_equal(fused[1][2], state[2])
+
+
 def test_prefill_chunks_then_fused_decode(rng):
     """A 7-token prompt prefilled in chunks of 4 and 3 (conv ring, chunked rule, gated norm, each chunk continuing
     from the state the last one left), then 4 fused decode steps: every output row equals the float64 layer over

@@ -41,13 +41,15 @@ def test_sequence_table_from_token_slots():
     ([2, 2, 2, -1, -1], [0, 3, 3], [2, 0]),             # a prefill chunk padded to a bucket: the table ends at 3
     ([3, 0, -1, -1], [0, 1, 2], [3, 0]),                 # two decode tokens and padding
     ([-1, -1, -1], [0, 0, 0], [0, 0]),                   # nothing but padding: every sequence empty
-    ([4, 4, -1, 4, 1], [0, 2, 2], [4, 0]),               # tokens after the first padding token are ignored
+    ([3, -1, -1, 2, 2, 2, -1], [0, 1, 3, 6], [3, -1, 2]),   # a padded mixed step: decode, padding rows, chunk, padding
+    ([1, -1, 5, 5], [0, 1, 2, 4], [1, -1, 5]),           # ... whose chunk fills its bucket: no trailing padding
 ])
-def test_sequence_table_ends_at_padding(token_slots, offsets, slots):
-    """Padding tokens (slot < 0) belong to no sequence: the table ends at the first one, with a table of exactly
-    as many entries as the runner asks for (one logits row per real sequence)."""
-    seq_slots = cuda.to_device(np.full(2, -7, np.int32))
-    seq_offsets = cuda.to_device(np.full(3, -7, np.int32))
+def test_sequence_table_skips_padding(token_slots, offsets, slots):
+    """Catches padding tokens (slot -1) that join a sequence or hide the real tokens after them: the table ends after
+    the last real token, a run of padding between real tokens (a mixed step's padding decode rows) is a padding
+    sequence of slot -1, and the table has exactly as many entries as the runner asks for (one logits row per run)."""
+    seq_slots = cuda.to_device(np.full(len(slots), -7, np.int32))
+    seq_offsets = cuda.to_device(np.full(len(slots) + 1, -7, np.int32))
     sequence_table(cuda.to_device(np.array(token_slots, np.int32)), seq_slots, seq_offsets)
     np.testing.assert_array_equal(seq_offsets.copy_to_host(), offsets)
     np.testing.assert_array_equal(seq_slots.copy_to_host(), slots)
@@ -128,6 +130,69 @@ def test_padded_prefill_equals_unpadded(rng, num_real, padded, chunk):
             np.testing.assert_array_equal(padded_run[1][s], state[s])
             np.testing.assert_array_equal(padded_run[0][s], conv_bits[s])
     assert not np.array_equal(plain[1][slot], state[slot]), "the real tokens must have changed the state"
+
+
+def test_padded_mixed_step_equals_unpadded(rng):
+    """Catches a padding run between sequences (a mixed step's decode rows padded to a graph batch, before its chunk)
+    that hides the chunk, shifts it, or reads or writes a state (slot -1 would wrap to the last slot): a decode
+    (slot 2) and two padding rows, then a 5-token chunk (slot 0, crossing a 4-token chunk boundary) and two padding
+    tokens, give the unpadded step's conv and delta-rule states and real output rows bit for bit, with NaN / inf in
+    every padding row's inputs; the conv leaves the padding rows alone and the rule writes zeros there.  Both rule
+    forms; slots 1 and 3 untouched."""
+    layer = make_layer(rng, key_dim=8, value_dim=8)
+    num_slots, taps = 4, 4
+    real_rows = np.array([0, 3, 4, 5, 6, 7])               # the padded step's rows of the unpadded step's tokens
+    token_slots = [2, -1, -1, 0, 0, 0, 0, 0, -1, -1]
+    padded = len(token_slots)
+    qkv_bits, _, a_bits, _, b_bits, _ = make_tokens(rng, layer, len(real_rows))
+    conv_dim = qkv_bits.shape[1]
+    w_bits, _ = bf16_randn((conv_dim, taps), rng, scale=0.5)
+    conv_bits, _ = bf16_randn((num_slots, conv_dim, taps), rng)
+    state = (rng.standard_normal((num_slots, layer["num_v_heads"], 8, 8)) * 0.3).astype(np.float32)
+    d_w, d_a_log, d_dt_bias = (cuda.to_device(x) for x in (w_bits, layer["a_log"], layer["dt_bias"]))
+    positions = np.array([6, 3, 4, 5, 6, 7], np.int32)
+    sentinel = 0x1234
+    width = layer["num_v_heads"] * layer["value_dim"]
+
+    def spread(bits, rows, num_tokens):
+        """``bits``' rows at ``rows`` of a ``num_tokens``-row array whose other rows are NaN / inf / random."""
+        out = poison(np.zeros((num_tokens,) + bits.shape[1:], bits.dtype), 0, rng)
+        out[rows] = bits
+        return out
+
+    def run(rows, num_tokens, table, form):
+        x, a, b = (cuda.to_device(spread(v, rows, num_tokens)) for v in (qkv_bits, a_bits, b_bits))
+        d_conv, d_state = cuda.to_device(conv_bits), cuda.to_device(state)
+        mixed = cuda.to_device(np.full((num_tokens, conv_dim), sentinel, np.uint16))
+        pos = np.zeros(num_tokens, np.int32)
+        pos[rows] = positions
+        causal_conv1d_silu(x, d_w, d_conv, *table, cuda.to_device(pos), mixed, max_seq_tokens=num_tokens,
+                           tokens_per_thread=3)
+        mixed_host = mixed.copy_to_host()
+        pad = np.setdiff1d(np.arange(num_tokens), rows)
+        assert (mixed_host[pad] == sentinel).all(), "the conv wrote a padding row"
+        mixed.copy_to_device(spread(mixed_host[rows], rows, num_tokens))  # the rule must not read them either
+        out = cuda.to_device(np.full((num_tokens, width), sentinel, np.uint16))
+        args = (mixed, a, b, d_a_log, d_dt_bias, d_state, *table, out)
+        if form == "reference":
+            reference_gated_delta(*args)
+        else:
+            scratch = allocate_chunk_scratch(num_tokens, layer["num_k_heads"], layer["num_v_heads"], 4)
+            gated_delta_chunked(*args, scratch, max_seq_tokens=num_tokens)
+        out_host = out.copy_to_host()
+        assert not out_host[pad].any(), f"{form}: padding output rows must be zeros"
+        return d_conv.copy_to_host(), d_state.copy_to_host(), mixed_host[rows], out_host[rows]
+
+    for form in ("chunked", "reference"):
+        plain = run(np.arange(len(real_rows)), len(real_rows), sequences([1, 5], [2, 0])[:2], form)
+        padded_run = run(real_rows, padded, table_of(token_slots, 4), form)    # 3 runs, a table of Dp + Rp = 4
+        for name, want, got in zip(("conv state", "delta-rule state", "conv output", "rule output"), plain,
+                                   padded_run):
+            np.testing.assert_array_equal(got, want, err_msg=f"{form}: {name}")
+        for s in (1, 3):
+            np.testing.assert_array_equal(padded_run[1][s], state[s])
+            np.testing.assert_array_equal(padded_run[0][s], conv_bits[s])
+    assert not np.array_equal(plain[1][0], state[0]), "the chunk must have changed the state"
 
 
 def test_padded_decode_step_equals_unpadded(rng):

@@ -8,7 +8,8 @@ Paths exercised: ``score`` runs a logits row per token (T == B: the token-by-tok
 runs one logits row (the chunked form, here with chunks of 8 tokens and prefill steps of at most 9 tokens, so a
 13-token prompt takes two prefill steps that cross chunk boundaries); decode runs one token per sequence.  A prefill
 padded with slot -1 tokens (as the runner pads to CUDA-graph buckets on a GPU) must equal the unpadded one bit for
-bit.
+bit, and so must a mixed step padded to its graph's (decodes, prompt tokens, rows) shape, run as the runner runs it
+on a GPU (padding turned on by hand, graphs emulated: the simulator has neither).
 """
 import json
 import shutil
@@ -296,6 +297,103 @@ def test_prefill_padded_to_a_bucket_equals_unpadded(tiny):
     for k, (want, got) in enumerate(zip(plain_logits, padded_logits)):
         np.testing.assert_array_equal(got, want, err_msg=f"logits row {k} (0: prefill, 1: decode)")
     _assert_rows_close(plain_logits[:1], _hf_logits(ref, prompt)[-1:])   # and they are HF's
+
+
+MIXED_BUDGETS = (8, 8, 8, 2, 8)   # the token budget of each step (below)
+
+
+def _late_arrival_mixed_steps(engine, pad: bool):
+    """The 16-token ``ALONE_PROMPTS`` prompt (4 greedy tokens), then the 15-token one (1 token) once the first has
+    its first token, one step per ``MIXED_BUDGETS`` budget: two prefill steps, then three mixed steps of one decode
+    and a chunk of 7, 1 (T == B unpadded) and 7 tokens.  ``pad``: run them as the runner does on a GPU -- decode rows
+    padded to a batch of 2, chunk tokens to the 7 tokens left, replayed from (emulated) graphs.  Returns the
+    streams, the kinds of the steps, each mixed step's logits rows (the runner's ``logits_host``: decodes, then
+    chunks) and, after the first two, both sequences' conv and delta-rule states, the forward passes' (T, B,
+    num_decode, mixed) and the graph keys replayed."""
+    from pegainfer.engine.types import SamplingParams
+    from tests.util import emulated_graphs
+
+    runner, scheduler = engine.runner, engine.scheduler
+    observed, shapes, kinds = [], [], []
+    mixed, forward_and_sample, schedule = runner.mixed, runner.forward_and_sample, scheduler.schedule
+
+    def recording_mixed(decodes, chunks, force_eager=False):
+        tokens = mixed(decodes, chunks, force_eager)
+        observed.append(runner.logits_host(len(decodes) + len(chunks)))
+        return tokens
+
+    def recording_forward(T, B, decode=False, num_decode=0, mixed=False):
+        shapes.append((T, B, num_decode, mixed))
+        return forward_and_sample(T, B, decode=decode, num_decode=num_decode, mixed=mixed)
+
+    def recording_schedule():
+        sched = schedule()
+        if sched is not None:
+            kinds.append(sched.kind)
+        return sched
+
+    budget = scheduler.max_num_batched_tokens
+    graphs = emulated_graphs(runner) if pad else None
+    runner.mixed, runner.forward_and_sample, scheduler.schedule = recording_mixed, recording_forward, recording_schedule
+    runner.pad_mixed, runner.decode_sizes, runner.graphs = pad, [2] if pad else None, graphs
+    got = {"first": [], "second": []}
+    try:
+        engine.add_request("first", ALONE_PROMPTS[16], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        for step, step_budget in enumerate(MIXED_BUDGETS):
+            scheduler.max_num_batched_tokens = step_budget
+            for out in engine.step():
+                got[out.request_id].extend(out.new_token_ids)
+            if step in (2, 3):    # the slots of both sequences (freed, and so unreadable, after the last step)
+                conv, ssm = engine.model.conv_state.copy_to_host(), engine.model.ssm_state.copy_to_host()
+                observed.append({rid: (conv[:, seq.slot], ssm[:, seq.slot]) for rid, seq in engine._seqs.items()})
+            if step == 1:
+                engine.add_request("second", ALONE_PROMPTS[15],
+                                   SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        assert not engine.has_unfinished()
+    finally:
+        scheduler.max_num_batched_tokens = budget
+        runner.pad_mixed, runner.decode_sizes, runner.graphs = False, None, None
+        del runner.mixed, runner.forward_and_sample, scheduler.schedule
+    assert engine.stats()["kv_pages_used"] == 0 and engine.stats()["slots_used"] == 0
+    return got, kinds, observed, shapes, (graphs.replayed if pad else [])
+
+
+@pytest.fixture(scope="module")
+def mixed_runs(tiny):
+    """``_late_arrival_mixed_steps`` unpadded (False) and padded from graphs (True), run once for the module."""
+    _, engine = tiny
+    return {pad: _late_arrival_mixed_steps(engine, pad) for pad in (False, True)}
+
+
+def test_padded_mixed_steps_equal_unpadded(mixed_runs):
+    """Catches padding of a Qwen3.5 mixed step that changes a real row: a padding decode row between the decode and
+    the chunk (a padding sequence of the Gated DeltaNet table), padding chunk tokens after it, or a padded step
+    switching the Gated DeltaNet form (the 1-token chunk's unpadded step has T == B): every mixed step's logits
+    rows, the conv and delta-rule states after the first two, and the streams equal the unpadded run's, bit for
+    bit."""
+    plain, padded = mixed_runs[False], mixed_runs[True]
+    assert plain[1] == padded[1] == ["prefill", "prefill", "mixed", "mixed", "mixed"], (plain[1], padded[1])
+    assert [s for s in plain[3] if s[3]] == [(8, 2, 1, True), (2, 2, 1, True), (8, 2, 1, True)], plain[3]
+    assert [s for s in padded[3] if s[3]] == [(2 + 7, 2 + 1, 2, True)] * 3, padded[3]
+    assert plain[0] == padded[0]
+    assert len(plain[2]) == len(padded[2]) == 5
+    for k, (want, got) in enumerate(zip(plain[2], padded[2])):     # logits, states, logits, states, logits
+        if isinstance(want, dict):
+            assert want.keys() == got.keys() == {"first", "second"}
+            for rid in want:
+                for name, w, g in zip(("conv", "delta-rule"), want[rid], got[rid]):
+                    np.testing.assert_array_equal(g, w, err_msg=f"{rid}'s {name} state after entry {k}")
+        else:
+            np.testing.assert_array_equal(got, want, err_msg=f"entry {k}: a mixed step's logits rows")
+
+
+def test_mixed_steps_replayed_from_graphs_give_the_one_sequence_tokens(mixed_runs, alone):
+    """Catches a Qwen3.5 mixed-step graph (keyed, captured and replayed as Qwen3's) whose replay mixes up slots,
+    states or positions: the shape's first step runs eagerly, the second captures and replays it, the third replays
+    it, and each stream equals its one-sequence run."""
+    got, _, _, _, replayed = mixed_runs[True]
+    assert replayed == [("mixed", 2, 7, 1)] * 2, replayed
+    assert got == {"first": alone[16][:4], "second": alone[15][:1]}
 
 
 # ------------------------------------------------------------------------------------------------ GPU

@@ -255,9 +255,9 @@ def test_padded_mixed_step_gives_the_unpadded_tokens_and_logits(tied):
     runner, runs, shapes = engine.runner, [], []
     forward_and_sample = runner.forward_and_sample
 
-    def recording(T, B, decode=False, num_decode=0):
+    def recording(T, B, decode=False, num_decode=0, mixed=False):
         shapes.append((T, B, num_decode))
-        return forward_and_sample(T, B, decode=decode, num_decode=num_decode)
+        return forward_and_sample(T, B, decode=decode, num_decode=num_decode, mixed=mixed)
     for pad in (False, True):
         runner.pad_mixed, runner.decode_sizes, runner.forward_and_sample = pad, [4] if pad else None, recording
         try:

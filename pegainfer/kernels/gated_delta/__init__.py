@@ -24,10 +24,13 @@ Modules:
 
 **Sequences, slots, padding.**  Every kernel takes a batch of sequences (``slot_ids [B]``, ``token_offsets [B+1]``
 int32: ``state.py``); a decode step is B sequences of one token each.  Empty sequences (equal offsets) are skipped
-and leave their slot alone.  A prefill chunk padded to a CUDA-graph bucket has its padding tokens (slot -1) after
-the real ones; they belong to no sequence (``sequence_table`` ends the table at the first of them), so the state
-after the step is bit for bit the state an unpadded step leaves.  The rule kernels write zeros to the output rows
-from ``token_offsets[B]`` on (what reads them downstream stays finite); the conv leaves its rows there as they were.
+and leave their slot alone.  Padding tokens (slot -1: a prefill chunk padded to a CUDA-graph bucket, a mixed step
+padded to its graph's shape) belong to no sequence: ``sequence_table`` ends the table after the last real token,
+and a run of padding tokens between real ones (a mixed step's padding decode rows) becomes a *padding sequence*
+(slot -1) that every kernel skips like an empty one, so the state after the step is bit for bit the state an
+unpadded step leaves.  The rule kernels write zeros to the output rows of padding tokens (from
+``token_offsets[B]`` on, and a padding sequence's: what reads them downstream stays finite); the conv leaves its
+rows there as they were.
 State buffers::
 
     conv_state [slots, conv_dim, K]    bf16   ring of the conv's inputs by position (``conv.py``)

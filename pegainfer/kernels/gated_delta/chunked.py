@@ -91,8 +91,8 @@ def _chunk_prepare_kernel(key_dim: int):
     KW = key_dim // 2
 
     @kernel
-    def gated_delta_chunk_prepare_kernel(qkv, a, b, a_log, dt_bias, token_offsets, chunk_size, max_chunks, tinv,
-                                         intra, gcum, beta, qk_inv):
+    def gated_delta_chunk_prepare_kernel(qkv, a, b, a_log, dt_bias, slot_ids, token_offsets, chunk_size, max_chunks,
+                                         tinv, intra, gcum, beta, qk_inv):
         """The state-independent half of the chunked form, for every chunk of every sequence in parallel.
 
         Inputs as in ``reference.gated_delta_recurrent_kernel`` (``Hv`` from ``a.shape[1]``, ``Hk`` from
@@ -103,6 +103,8 @@ def _chunk_prepare_kernel(key_dim: int):
             beta[t0+i, h]    = bf16(sigmoid(b));     gcum[t0+i, h] = G_i = Σ_{s≤i} g_s
             tinv[t0+i, h, m] = ((I + L)⁻¹)[i, m]     (0 above the diagonal)
             intra[t0+i, h, m] = exp(G_i − G_m)·(q_i·k_m) for m ≤ i, else 0
+
+        A padding sequence (slot -1, ``state.sequence_table``) is skipped like an empty one.
 
         Geometry: one block per (sequence, chunk, value head), grid-strided; ``max_chunks`` bounds chunks per
         sequence.  The chunk's k rows are staged in shared memory; threads stride over tokens for the per-token
@@ -134,7 +136,7 @@ def _chunk_prepare_kernel(key_dim: int):
             seq = item // (num_v_heads * max_chunks)
             t0 = token_offsets[seq] + chunk * chunk_size
             n = min(chunk_size, token_offsets[seq + 1] - t0)
-            if n <= 0:
+            if n <= 0 or slot_ids[seq] < 0:
                 continue  # uniform across the block: the whole block skips
             hk = h // heads_per_key
             q_col = hk * KD
@@ -284,7 +286,8 @@ def _chunk_scan_kernel(key_dim: int, copy_async: bool):
             out_i = bf16(exp(G_i)·Sᵀq_i + Σ_{m≤i} intra[i,m]·U_m)      step 3 (3a: the first term, 3b: the sum)
             S     = exp(G_{n−1})·S + Σ_i exp(G_{n−1} − G_i)·k_i ⊗ U_i   step 4
 
-        Rows of ``out`` after the last sequence (``token_offsets[B] :``, padding tokens) are set to zero.
+        Rows of ``out`` of padding tokens -- after the last sequence (``token_offsets[B] :``) and those of a padding
+        sequence (slot -1, ``state.sequence_table``) -- are set to zero; no state is read or written for them.
 
         Geometry: one block per (sequence, value head, tile of 32 value columns), grid-strided; the tile of S lives
         in shared memory for the whole sequence.  Lane ``l`` owns column ``l`` of the tile; warps stride over tokens
@@ -330,6 +333,11 @@ def _chunk_scan_kernel(key_dim: int, copy_async: bool):
             slot = slot_ids[seq]
             j = tile * COL_TILE + lane
             has_col = j < value_dim
+            if slot < 0:  # a padding sequence: its rows of this head's tile are zeros (uniform across the block)
+                if has_col:
+                    for i in range(warp, seq_len, num_warps):
+                        out[seq_start + i, h * value_dim + j] = 0
+                continue
             q_word = hk * KW                  # this key head's q, then k, in a token's qkv32 row
             k_word = (k_base + hk * KD) // 2
             for d in range(warp, KD, num_warps):
@@ -431,8 +439,8 @@ def gated_delta_chunked(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids, token_of
     max_chunks = max(1, -(-max_tokens // chunk))
     s = scratch
     launch(_chunk_prepare_kernel(key_dim), grid(slot_ids.shape[0] * max_chunks * num_v_heads, sim_cap=16),
-           threads(gpu=128, sim=32), qkv, a, b, a_log, dt_bias, token_offsets, np.int32(chunk), np.int32(max_chunks),
-           s.tinv, s.intra, s.gcum, s.beta, s.qk_inv, policy=policy)
+           threads(gpu=128, sim=32), qkv, a, b, a_log, dt_bias, slot_ids, token_offsets, np.int32(chunk),
+           np.int32(max_chunks), s.tinv, s.intra, s.gcum, s.beta, s.qk_inv, policy=policy)
     copy_async = (key_dim % 8 == 0 and qkv.shape[1] % 8 == 0 and chunk % 4 == 0 and _aligned_16(qkv)
                   and _aligned_16(s.tinv) and _aligned_16(s.intra))
     items = slot_ids.shape[0] * num_v_heads * (-(-value_dim // COL_TILE))

@@ -83,8 +83,8 @@ def causal_conv1d_silu_kernel(x, weight, conv_state, slot_ids, token_offsets, po
 
     where ``input[s]`` is ``x`` for ``s ≥ 0`` and the ring entry of position ``P + s`` before the sequence
     (zero below position 0).  Afterwards the ring holds the sequence's last ``K−1`` inputs at their entries (with
-    fewer tokens than that, the older entries stay as they are).  Rows of ``out`` after the last sequence
-    (padding) are not written.
+    fewer tokens than that, the older entries stay as they are).  Rows of ``out`` of padding tokens (after the last
+    sequence, or a padding sequence of slot -1) are not written.
 
     Geometry: one work item per (sequence, channel, piece of ``tokens_per_thread`` consecutive tokens), flattened
     channel-fastest (coalesced) and grid-strided; ``max_pieces`` bounds the pieces per sequence.  Only the thread
@@ -105,6 +105,8 @@ def causal_conv1d_silu_kernel(x, weight, conv_state, slot_ids, token_offsets, po
         if first >= n:
             continue
         slot = slot_ids[seq]
+        if slot < 0:
+            continue  # a padding sequence (``state.sequence_table``): no state, its rows not written
         first_pos = positions[start]
         for t in range(first, min(first + tokens_per_thread, n)):
             out[start + t, c] = conv_silu(x, weight, conv_state, slot, c, start, t, first_pos)

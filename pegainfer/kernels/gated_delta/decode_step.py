@@ -225,8 +225,8 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
             S = S·exp(g);  delta = (v − Sᵀk̂)·beta;  S += k̂ ⊗ delta;  o = bf16(Sᵀq̂)     (k̂, q̂ l2-normalised)
             out = bf16(bf16(w · bf16(o · rms(o)⁻¹)) · silu(z))
 
-        Rows after the last sequence (``token_offsets[B]:``, padding) get the gated norm of a zero row (what the
-        three kernels leave there).  Sequences of several tokens (a prompt scored row by row) are also exact:
+        Rows of padding tokens (after the last sequence, ``token_offsets[B]:``, and those of a padding sequence,
+        slot -1) get the gated norm of a zero row (what the three kernels leave there).  Sequences of several tokens (a prompt scored row by row) are also exact:
         one block per key head then runs its value heads one after another (below).
 
         Geometry: one block per (sequence, value head), grid-strided, of ``row_groups`` warps per
@@ -356,11 +356,18 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
             else:
                 start = token_offsets[seq]
                 n = token_offsets[seq + 1] - start
+                slot = slot_ids[seq]
+                if slot < 0:  # a padding sequence (``state.sequence_table``): the rule's zeros through the norm
+                    for idx in range(tid, max(n, 0) * VD, NT):
+                        pad_t = start + idx // VD
+                        pad_col = first_head * VD + idx % VD
+                        out[pad_t, pad_col] = gated_norm_value(float32(0.0), inv_rms_zero, norm_weight[idx % VD],
+                                                               z[pad_t, pad_col])
+                    continue
                 if n > 1:
                     heads = heads_per_key if first_head % heads_per_key == 0 else 0
                 if n <= 0 or heads == 0:
                     continue  # uniform across the block: an empty sequence leaves its slot alone
-                slot = slot_ids[seq]
             first_pos = pre_pos if kept else positions[start]
             hk = first_head // heads_per_key
             # one (head, token) per step: a single step for a decode token

@@ -37,7 +37,8 @@ def gated_delta_recurrent_kernel(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids,
     ``[tokens, Hv, Dv]``), a, b ``[tokens, Hv]`` bf16, a_log, dt_bias ``[Hv]`` f32, ssm_state ``[slots, Hv, Dk, Dv]``
     f32 (updated in place), slot_ids ``[B]``, token_offsets ``[B+1]`` int32 (sequence ``s`` owns tokens
     ``token_offsets[s] : token_offsets[s+1]`` and state ``ssm_state[slot_ids[s]]``), out ``[tokens, Hv·Dv]`` bf16.
-    Rows of ``out`` after the last sequence (``token_offsets[B]:``, padding tokens) are set to zero.
+    Rows of ``out`` of padding tokens (after the last sequence, ``token_offsets[B]:``, and those of a padding
+    sequence, slot -1) are set to zero.
 
     Geometry: one block per (sequence, value head, tile of 32 value columns), grid-strided.  Lane ``l`` owns column
     ``j = tile·32 + l``; warp ``w`` of ``W`` owns key rows ``w, w+W, …``.  Each warp computes the l2 norms itself (a
@@ -71,6 +72,11 @@ def gated_delta_recurrent_kernel(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids,
         slot = slot_ids[seq]
         j = tile * COL_TILE + lane
         has_col = j < value_dim
+        if slot < 0:  # a padding sequence (``state.sequence_table``): zero rows, no state (uniform across the block)
+            if warp == 0 and has_col:
+                for t in range(token_offsets[seq], token_offsets[seq + 1]):
+                    out[t, h * value_dim + j] = 0
+            continue
         for t in range(token_offsets[seq], token_offsets[seq + 1]):
             # q̂ = q·q_mul, k̂ = k·k_mul; decay = exp(g); beta
             ssq = float32(0.0)

@@ -4,7 +4,9 @@ Every kernel of the family takes a batch of sequences laid out as in vLLM/FLA: `
 (sequence ``b`` owns tokens ``token_offsets[b] : token_offsets[b+1]`` of the token-major inputs) and ``slot_ids [B]``
 int32 (the row of the per-sequence state buffers it reads and updates).  ``sequence_table`` builds both on the device
 from the runner's per-token slots, so a step can be captured in a CUDA graph and replayed.  A new sequence's slot
-must start from zeros (``clear_state_slots``), as HF starts without a cache.
+must start from zeros (``clear_state_slots``), as HF starts without a cache.  Padding tokens (slot -1) belong to no
+sequence: trailing ones end the table, a run of them between real tokens is a padding sequence (slot -1) that every
+kernel skips (``sequence_table_kernel``).
 """
 from __future__ import annotations
 
@@ -57,26 +59,28 @@ def sequence_table_kernel(token_slots, seq_slots, seq_offsets):
     """The per-sequence table the kernels above take, built from the runner's per-token slots.
 
     A step's tokens come in runs, one per sequence: a sequence's tokens are consecutive and no two sequences of a
-    step share a slot.  So run ``r`` (a maximal stretch of equal ``token_slots``) is sequence ``r``.  Padding
-    tokens (slot < 0: a prefill chunk padded to a CUDA-graph bucket) come after every real token; the first of
-    them ends the table, so no kernel above reads them or lets them touch any state.
-    token_slots ``[T]``; seq_slots ``[S]``, seq_offsets ``[S+1]`` int32 with ``S`` ≥ the number of runs:
-    ``seq_offsets[r]`` = first token of run ``r``, ``seq_slots[r]`` = its slot; entries after the last run are
-    empty sequences (offset = end of the real tokens, slot 0), which every kernel above skips.
+    step share a slot.  So run ``r`` (a maximal stretch of equal ``token_slots``) is sequence ``r``.  Padding tokens
+    (slot -1) belong to no sequence: those after the last real token (a prefill chunk padded to a CUDA-graph bucket,
+    a mixed step's chunk tokens padded to theirs) end the table, and a run of them between real tokens (a mixed
+    step's decode rows padded to a graph batch, before its chunks) is a *padding sequence* with slot -1, which every
+    kernel above skips (no state read or written; zero rule outputs).  token_slots ``[T]``; seq_slots ``[S]``,
+    seq_offsets ``[S+1]`` int32 with ``S`` ≥ the number of runs up to the last real token: ``seq_offsets[r]`` =
+    first token of run ``r``, ``seq_slots[r]`` = its slot; entries after the last run are empty sequences (offset =
+    one past the last real token, slot 0), which every kernel above skips.
 
-    Geometry: one block (barriers order the padding search, the fill and the writes), block-stride over tokens;
-    the end of the real tokens is a shared-memory ``atomic.min`` over the padding tokens; a run's first token finds
+    Geometry: one block (barriers order the search for the last real token, the fill and the writes), block-stride
+    over tokens; the end of the real tokens is a shared-memory ``atomic.max`` over them; a run's first token finds
     its run index by counting the run starts before it (O(T) each: T is one step's tokens).
     """
     pdl_prologue()
     num_tokens = token_slots.shape[0]
     real_end = cuda.shared.array(1, int32)
     if cuda.threadIdx.x == 0:
-        real_end[0] = int32(num_tokens)
+        real_end[0] = int32(0)
     cuda.syncthreads()
     for t in range(cuda.threadIdx.x, num_tokens, cuda.blockDim.x):
-        if token_slots[t] < 0:
-            cuda.atomic.min(real_end, 0, int32(t))
+        if token_slots[t] >= 0:
+            cuda.atomic.max(real_end, 0, int32(t + 1))
     cuda.syncthreads()
     end = real_end[0]
     for r in range(cuda.threadIdx.x, seq_slots.shape[0] + 1, cuda.blockDim.x):
@@ -97,8 +101,8 @@ def sequence_table_kernel(token_slots, seq_slots, seq_offsets):
 
 def sequence_table(token_slots, seq_slots, seq_offsets, *, policy: LaunchPolicy = DEFAULT_POLICY) -> None:
     """Fill ``seq_slots [S]`` / ``seq_offsets [S+1]`` (int32 device arrays) from ``token_slots [T]``: one sequence
-    per run of equal slots up to the first padding token (slot < 0), then empty sequences.  ``S`` must be ≥ the
-    number of sequences in the step."""
+    per run of equal slots up to the last real token (a run of padding tokens, slot -1, among them is a padding
+    sequence), then empty sequences.  ``S`` must be ≥ the number of those runs."""
     for arr in (token_slots, seq_slots, seq_offsets):
         assert arr.ndim == 1 and arr.dtype == np.int32, (arr.shape, arr.dtype)
     assert seq_offsets.shape[0] == seq_slots.shape[0] + 1, (seq_slots.shape, seq_offsets.shape)

@@ -1,7 +1,7 @@
 """The gated delta rule for prompts in chunks, its products on tensor cores (``mma.sync.m16n8k16``, bf16 in, f32 sums).
 
-The same chunked ("WY / UT-transform") form as ``chunked.py``, whose docstring derives it.  Per chunk of C tokens and
-value head, with ``G_i`` the cumulative log decay from the chunk start (``G_last`` at its last token), ``S [Dk, Dv]``
+The token-by-token rule (``reference.py``) with the work of a chunk done at once: the chunked ("WY / UT-transform")
+form of flash-linear-attention.  Per chunk of C tokens and value head, with ``G_i`` the cumulative log decay from the chunk start (``G_last`` at its last token), ``S [Dk, Dv]``
 the state before the chunk, ``q, k, v`` the raw bf16 rows and ``q̂ = q·qinv``, ``k̂ = k·kinv`` their l2-normalised
 forms (``qinv`` includes ``1/sqrt(Dk)``)::
 
@@ -12,6 +12,10 @@ forms (``qinv`` includes ``1/sqrt(Dk)``)::
     U          = Tinv R                       (the deltas written)
     o_i        = exp(G_i)·qinv_i · (Q S)_i + Σ_m intra[i,m] · U_m
     S_next     = exp(G_last) · S + Kᵀ · diag(exp(G_last − G_i)·kinv_i) · U
+
+(Unrolling the recurrence inside a chunk gives ``U_i = R_i − Σ_{m<i} L[i,m] U_m``, i.e. ``(I + L) U = R``: ``R_i`` is
+the delta token i would write against the state before the chunk, ``U_i`` the one it writes after the chunk's earlier
+tokens.)
 
 **Two kernels.**  ``_prepare_kernel`` does the state-independent part for every chunk in parallel: the Gram
 products ``K Kᵀ`` and ``Q Kᵀ`` of a key head once for the value heads that share it, then per value head ``L``,
@@ -49,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import types as nbtypes
 
-from pegainfer.kernels.gated_delta.common import (check_rule_args, inverse_l2_norm, log_decay, num_k_heads_of,
+from pegainfer.kernels.gated_delta.common import (MAX_CHUNK, check_rule_args, inverse_l2_norm, log_decay, num_k_heads_of,
                                                   write_strength, zero_rows_from)
 from pegainfer.kernels.gated_delta.geometry import MMA_TILE, ChunkGeometry, chunk_geometry
 from pegainfer.kernels.launch import launch
@@ -91,8 +95,10 @@ class ChunkScratch:
         return num_v_heads * (2 * 2 * 2 * padded + 4 * (SCALES + 1))
 
 
-def allocate_chunk_scratch(max_tokens: int, num_k_heads: int, num_v_heads: int, chunk_size: int) -> ChunkScratch:
-    """Device scratch for ``gated_delta_chunked_mma`` over at most ``max_tokens`` tokens per call (allocate once)."""
+def allocate_chunk_scratch(max_tokens: int, num_k_heads: int, num_v_heads: int,
+                           chunk_size: int = MAX_CHUNK) -> ChunkScratch:
+    """Device scratch for ``gated_delta_chunked`` over at most ``max_tokens`` tokens per call (allocate once)."""
+    assert 1 <= chunk_size <= MAX_CHUNK, chunk_size
     n = max(1, max_tokens)
     padded = MMA_TILE * -(-chunk_size // MMA_TILE)
     return ChunkScratch(tinv=cuda.device_array((n, num_v_heads, 2, padded), np.uint16),
@@ -623,7 +629,7 @@ def _aligned_16(a) -> bool:
     return addr % 16 == 0
 
 
-def gated_delta_chunked_mma(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids, token_offsets, out,
+def gated_delta_chunked(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids, token_offsets, out,
                             scratch: ChunkScratch, max_seq_tokens: int | None = None, *,
                             geometry: ChunkGeometry | None = None, policy: LaunchPolicy = DEFAULT_POLICY) -> None:
     """Gated delta rule for prompts, chunk by chunk on tensor cores (the result of ``reference_gated_delta``).
@@ -643,7 +649,7 @@ def gated_delta_chunked_mma(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids, toke
         raise ValueError(f"gated delta geometry chunk {geo.chunk} != the scratch's {scratch.chunk_size}: allocate the "
                          "scratch with the geometry's chunk")
     if not _aligned_16(qkv):
-        raise ValueError("gated_delta_chunked_mma: qkv must start on a 16-byte boundary (cp.async copies)")
+        raise ValueError("gated_delta_chunked (tensor cores): qkv must start on a 16-byte boundary (cp.async copies)")
     assert scratch.max_tokens >= num_tokens, (scratch.max_tokens, num_tokens)
     assert scratch.tinv.shape[1:] == (num_v_heads, 2, geo.padded), (scratch.tinv.shape, num_v_heads, geo.padded)
     for words, what in ((geo.prepare_shared_words(key_dim), "prepare"), (geo.scan_shared_words(key_dim), "scan")):

@@ -17,7 +17,7 @@ SCAN_COLUMNS_PER_WARP = 16
 
 
 class ChunkGeometry(NamedTuple):
-    """How ``gated_delta_chunked_mma`` launches.
+    """How ``chunked_mma.gated_delta_chunked`` launches.
 
     chunk: tokens per chunk C (1 .. ``MAX_CHUNK``); the kernels work on ``tiles = ceil(C / 16)`` tiles of 16 tokens
       (``padded = 16 · tiles`` rows, those past C zero).  The prepare kernel runs ``tiles`` warps, one per tile.

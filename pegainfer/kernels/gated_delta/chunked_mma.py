@@ -133,6 +133,7 @@ def _prepare_kernel(key_dim: int, tiles: int):
     KCH = KD // 8                      # 16-byte chunks of a q / k row
     KSTEPS = KD // 16                  # k16 steps over the key dims
     NT8 = CP // 8                      # n8 tiles over the chunk's tokens
+    G_REGS = 4 * NT8                   # a Gram tile: 16 rows × CP columns, 4 f32 a lane per n8 tile
     LROW = CP + 1                      # f32 words a row of L and of (I+L)⁻¹
     HALF = CP // 2                     # words of a hi or lo row in global scratch
     K_OFF, Q_OFF = 0, CP * KROW
@@ -171,8 +172,8 @@ def _prepare_kernel(key_dim: int, tiles: int):
         pdl_prologue()
         smem = cuda.shared.array(0, nbtypes.uint32)
         smemf = cuda.shared.array(0, nbtypes.float32)      # the same bytes as f32
-        kk = cuda.local.array(4 * NT8, float32)              # K Kᵀ: n8 tile j at 4j (rows g, g+8 × cols 2t, 2t+1)
-        qk = cuda.local.array(4 * NT8, float32)              # Q Kᵀ
+        kk = cuda.local.array(G_REGS, float32)               # K Kᵀ: n8 tile j at 4j (rows g, g+8 × cols 2t, 2t+1)
+        qk = cuda.local.array(G_REGS, float32)               # Q Kᵀ
         tid = cuda.threadIdx.x
         lane = tid % WARP
         warp = tid // WARP
@@ -365,6 +366,7 @@ def _scan_kernel(key_dim: int, value_dim: int, tiles: int, warps: int, stages: i
     HALF = CP // 2
     KSTEPS = KD // 16
     NT8 = CP // 8
+    C_REGS = 4 * NT8                    # a [16 columns, CP tokens] tile: n8 tile jt at 4·jt
     S_REGS = 4 * (KD // 8)              # the state tile: n8 tile jd of Sᵀ (key dims 8jd ..) at 4·jd
     K_OFF, Q_OFF = 0, CP * KROW
     T_OFF = 2 * CP * KROW               # Tinv: CP hi rows, then CP lo rows
@@ -411,6 +413,63 @@ def _scan_kernel(key_dim: int, value_dim: int, tiles: int, warps: int, stages: i
             cp_async_16(smem, uint32(stage + SC_OFF + i * SCALES), scales32, src, 16 if i < n else 0)
         cp_async_commit()
 
+    @device_fn
+    def state_times_rows(xa, pa, st, fa, smem, k_at, q_at):
+        """``xa = Sᵀ · Kᵀ``, ``pa = Sᵀ · Qᵀ`` over the key dims: the warp's state tile (``st``, split into hi / lo per
+        k16 step through ``fa``) times the chunk's CP staged k and q rows at words ``k_at`` / ``q_at`` (the lane's
+        ``ldmatrix`` offset included), exact bf16: 2 mma per n8 tile of tokens, k16 step and product.  (Both in
+        one pass: the state's split is made once; done twice, the compiler keeps the first one's 128 words live
+        for the second.)"""
+        for i in range(C_REGS):
+            xa[i] = float32(0.0)
+            pa[i] = float32(0.0)
+        for ks in range(KSTEPS):
+            for r in range(4):
+                fa[r], fa[4 + r] = split_bf16x2(st[8 * ks + 2 * r], st[8 * ks + 2 * r + 1])
+            for j2 in range(CT):
+                o = 8 * j2
+                for which in range(2):
+                    b0, b1, b2, b3 = ldmatrix_x4(smem, (q_at if which else k_at) + uint32(16 * j2 * KROW + 8 * ks))
+                    for part in range(2):
+                        p = 4 * part
+                        if which:
+                            pa[o], pa[o + 1], pa[o + 2], pa[o + 3] = mma_bf16_m16n8k16(
+                                fa[p], fa[p + 1], fa[p + 2], fa[p + 3], b0, b1, pa[o], pa[o + 1], pa[o + 2], pa[o + 3])
+                            pa[o + 4], pa[o + 5], pa[o + 6], pa[o + 7] = mma_bf16_m16n8k16(
+                                fa[p], fa[p + 1], fa[p + 2], fa[p + 3], b2, b3,
+                                pa[o + 4], pa[o + 5], pa[o + 6], pa[o + 7])
+                        else:
+                            xa[o], xa[o + 1], xa[o + 2], xa[o + 3] = mma_bf16_m16n8k16(
+                                fa[p], fa[p + 1], fa[p + 2], fa[p + 3], b0, b1, xa[o], xa[o + 1], xa[o + 2], xa[o + 3])
+                            xa[o + 4], xa[o + 5], xa[o + 6], xa[o + 7] = mma_bf16_m16n8k16(
+                                fa[p], fa[p + 1], fa[p + 2], fa[p + 3], b2, b3,
+                                xa[o + 4], xa[o + 5], xa[o + 6], xa[o + 7])
+
+    @device_fn
+    def split_times_rows(acc, src, fa, smem, rows_at):
+        """``acc += srcᵀ-tile · Mᵀ`` over the chunk's tokens m, for a lower-triangular ``M`` (``Tinv`` or ``intra``)
+        staged as CP hi rows then CP lo rows at word ``rows_at`` (the lane's ``ldmatrix`` offset included): ``src``'s
+        accumulators (n8 tiles 2s, 2s + 1 = the A fragment of k16 step s) split into hi / lo, 3 mma per n8 tile and
+        step (hi·hi, lo·hi, hi·lo); token tiles j2 < s are zero blocks of M, skipped."""
+        for s in range(CT):
+            for r in range(4):
+                fa[r], fa[4 + r] = split_bf16x2(src[8 * s + 2 * r], src[8 * s + 2 * r + 1])
+            for j2 in range(CT):
+                if j2 < s:
+                    continue                        # (a fixed-count loop: unrolled, the test folds away)
+                at = rows_at + uint32(16 * j2 * CROW + 8 * s)
+                h0, h1, h2, h3 = ldmatrix_x4(smem, at)
+                l0, l1, l2, l3 = ldmatrix_x4(smem, at + uint32(CP * CROW))
+                o = 8 * j2
+                for part in range(3):
+                    p = 4 if part == 1 else 0
+                    c0, c1, c2, c3 = (l0, l1, l2, l3) if part == 2 else (h0, h1, h2, h3)
+                    acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma_bf16_m16n8k16(
+                        fa[p], fa[p + 1], fa[p + 2], fa[p + 3], c0, c1, acc[o], acc[o + 1], acc[o + 2], acc[o + 3])
+                    acc[o + 4], acc[o + 5], acc[o + 6], acc[o + 7] = mma_bf16_m16n8k16(
+                        fa[p], fa[p + 1], fa[p + 2], fa[p + 3], c2, c3,
+                        acc[o + 4], acc[o + 5], acc[o + 6], acc[o + 7])
+
     @bounded_kernel(NTHREADS, warps)
     def gated_delta_chunk_scan_mma_kernel(qkv32, ssm_state, slot_ids, token_offsets, num_k_heads, chunk_size,
                                           tinv32, intra32, scales32, gcum, out, out32):
@@ -422,13 +481,13 @@ def _scan_kernel(key_dim: int, value_dim: int, tiles: int, warps: int, stages: i
         Per chunk, warp w (value columns ``16w ..`` of the slice; the lane's state entries are those of the
         accumulator layout: columns g, g + 8 × key dims 8jd + 2t, +1):
 
-        1. ``Xᵀ = Sᵀ Kᵀ`` and ``Pᵀ = Sᵀ Qᵀ``: per k16 step of Dk the state's A fragment split into hi / lo, the k / q
-           rows' B fragments by ``ldmatrix``: 4 mma per pair of token n8 tiles;
+        1. ``Xᵀ = Sᵀ Kᵀ`` and ``Sᵀ Qᵀ`` (``state_times_rows``: per k16 step of Dk the state's A fragment split into
+           hi / lo, the k and q rows' B fragments by ``ldmatrix``);
         2. ``Rᵀ[j,i] = beta_i·v[i,j] − (write factor)_i · Xᵀ[j,i]`` in the accumulators;
-        3. ``Uᵀ = Rᵀ Tinvᵀ``: R's accumulators as A fragments (hi / lo), Tinv's hi / lo rows as B; the blocks above
-           the diagonal skipped;
-        4. ``Oᵀ = (read factor) ⊙ Pᵀ + Uᵀ intraᵀ`` likewise; staged as f32 in shared memory, written out as bf16
-           rows after a barrier;
+        3. ``Uᵀ = Rᵀ Tinvᵀ`` (``split_times_rows``: R's accumulators as A fragments, Tinv's hi / lo rows as B; the
+           blocks above the diagonal skipped);
+        4. ``Oᵀ = (read factor) ⊙ Sᵀ Qᵀ + Uᵀ intraᵀ`` likewise, staged as f32 in shared memory and written out as
+           bf16 rows after a barrier;
         5. ``Sᵀ = exp(G_last)·Sᵀ + Yᵀ K`` with ``Yᵀ[j,i] = Uᵀ[j,i] · (carry factor)_i``: Y's accumulators as A
            fragments, K's B fragments by ``ldmatrix .trans`` from the same k rows.
 
@@ -440,9 +499,9 @@ def _scan_kernel(key_dim: int, value_dim: int, tiles: int, warps: int, stages: i
         smem = cuda.shared.array(0, nbtypes.uint32)
         smemf = cuda.shared.array(0, nbtypes.float32)
         st = cuda.local.array(S_REGS, float32)          # Sᵀ: this warp's 16 columns × Dk
-        xa = cuda.local.array(4 * NT8, float32)         # Xᵀ, then Rᵀ
-        pa = cuda.local.array(4 * NT8, float32)         # Pᵀ, then Oᵀ
-        ua = cuda.local.array(4 * NT8, float32)         # Uᵀ, then Yᵀ
+        xa = cuda.local.array(C_REGS, float32)          # Xᵀ, then Rᵀ
+        pa = cuda.local.array(C_REGS, float32)          # Sᵀ Qᵀ, then Oᵀ
+        ua = cuda.local.array(C_REGS, float32)          # Uᵀ, then Yᵀ
         fa = cuda.local.array(8, uint32)                # A fragment: hi a0..a3, lo a0..a3
         num_v_heads = ssm_state.shape[1]
         heads_per_key = num_v_heads // num_k_heads
@@ -497,36 +556,9 @@ def _scan_kernel(key_dim: int, value_dim: int, tiles: int, warps: int, stages: i
                 decay = float32(math.exp(gcum[t0 + n - 1, h]))
                 cuda.syncthreads()                     # the chunk's tiles are in
 
-                # 1. Xᵀ = Sᵀ Kᵀ, Pᵀ = Sᵀ Qᵀ (the state split into hi / lo; k and q rows exact)
-                for i in range(4 * NT8):
-                    xa[i] = float32(0.0)
-                    pa[i] = float32(0.0)
-                for ks in range(KSTEPS):
-                    for r in range(4):
-                        fa[r], fa[4 + r] = split_bf16x2(st[8 * ks + 2 * r], st[8 * ks + 2 * r + 1])
-                    for j2 in range(CT):
-                        at = sb + uint32(16 * j2 * KROW + 8 * ks) + b_k
-                        for which in range(2):
-                            b0, b1, b2, b3 = ldmatrix_x4(smem, at + uint32(Q_OFF if which else K_OFF))
-                            for part in range(2):
-                                o = 8 * j2
-                                p = 4 * part
-                                if which:
-                                    pa[o], pa[o + 1], pa[o + 2], pa[o + 3] = mma_bf16_m16n8k16(
-                                        fa[p], fa[p + 1], fa[p + 2], fa[p + 3], b0, b1,
-                                        pa[o], pa[o + 1], pa[o + 2], pa[o + 3])
-                                    pa[o + 4], pa[o + 5], pa[o + 6], pa[o + 7] = mma_bf16_m16n8k16(
-                                        fa[p], fa[p + 1], fa[p + 2], fa[p + 3], b2, b3,
-                                        pa[o + 4], pa[o + 5], pa[o + 6], pa[o + 7])
-                                else:
-                                    xa[o], xa[o + 1], xa[o + 2], xa[o + 3] = mma_bf16_m16n8k16(
-                                        fa[p], fa[p + 1], fa[p + 2], fa[p + 3], b0, b1,
-                                        xa[o], xa[o + 1], xa[o + 2], xa[o + 3])
-                                    xa[o + 4], xa[o + 5], xa[o + 6], xa[o + 7] = mma_bf16_m16n8k16(
-                                        fa[p], fa[p + 1], fa[p + 2], fa[p + 3], b2, b3,
-                                        xa[o + 4], xa[o + 5], xa[o + 6], xa[o + 7])
-
-                # 2. Rᵀ = beta ⊙ Vᵀ − (write factor) ⊙ Xᵀ; and Pᵀ scaled by the read factor
+                # 1. Xᵀ = Sᵀ Kᵀ and Sᵀ Qᵀ
+                state_times_rows(xa, pa, st, fa, smem, sb + uint32(K_OFF) + b_k, sb + uint32(Q_OFF) + b_k)
+                # 2. Rᵀ = beta ⊙ Vᵀ − (write factor) ⊙ Xᵀ
                 for jt in range(NT8):
                     for e in range(4):
                         i = uint32(8 * jt + 2 * tq + (e & 1))
@@ -535,45 +567,16 @@ def _scan_kernel(key_dim: int, value_dim: int, tiles: int, warps: int, stages: i
                         v = bf16x2_hi(word) if jl & 1 else bf16x2_lo(word)
                         sc = sb + uint32(SC_OFF) + i * uint32(SCALES)
                         xa[4 * jt + e] = bits_f32(smem[sc]) * v - bits_f32(smem[sc + uint32(1)]) * xa[4 * jt + e]
-                        pa[4 * jt + e] *= bits_f32(smem[sc + uint32(2)])
-
-                # 3. Uᵀ = Rᵀ Tinvᵀ: k16 step s (tokens m) meets token tiles j2 >= s only
-                for i in range(4 * NT8):
+                # 3. Uᵀ = Rᵀ Tinvᵀ
+                for i in range(C_REGS):
                     ua[i] = float32(0.0)
-                for s in range(CT):
-                    for r in range(4):
-                        fa[r], fa[4 + r] = split_bf16x2(xa[8 * s + 2 * r], xa[8 * s + 2 * r + 1])
-                    for j2 in range(s, CT):
-                        at = sb + uint32(T_OFF + 16 * j2 * CROW + 8 * s) + b_c
-                        h0, h1, h2, h3 = ldmatrix_x4(smem, at)
-                        l0, l1, l2, l3 = ldmatrix_x4(smem, at + uint32(CP * CROW))
-                        o = 8 * j2
-                        for part in range(3):           # hi·hi, lo·hi, hi·lo
-                            p = 4 if part == 1 else 0
-                            c0, c1, c2, c3 = (l0, l1, l2, l3) if part == 2 else (h0, h1, h2, h3)
-                            ua[o], ua[o + 1], ua[o + 2], ua[o + 3] = mma_bf16_m16n8k16(
-                                fa[p], fa[p + 1], fa[p + 2], fa[p + 3], c0, c1, ua[o], ua[o + 1], ua[o + 2], ua[o + 3])
-                            ua[o + 4], ua[o + 5], ua[o + 6], ua[o + 7] = mma_bf16_m16n8k16(
-                                fa[p], fa[p + 1], fa[p + 2], fa[p + 3], c2, c3,
-                                ua[o + 4], ua[o + 5], ua[o + 6], ua[o + 7])
-
-                # 4. Oᵀ = Pᵀ + Uᵀ intraᵀ, into the output tile
-                for s in range(CT):
-                    for r in range(4):
-                        fa[r], fa[4 + r] = split_bf16x2(ua[8 * s + 2 * r], ua[8 * s + 2 * r + 1])
-                    for j2 in range(s, CT):
-                        at = sb + uint32(I_OFF + 16 * j2 * CROW + 8 * s) + b_c
-                        h0, h1, h2, h3 = ldmatrix_x4(smem, at)
-                        l0, l1, l2, l3 = ldmatrix_x4(smem, at + uint32(CP * CROW))
-                        o = 8 * j2
-                        for part in range(3):
-                            p = 4 if part == 1 else 0
-                            c0, c1, c2, c3 = (l0, l1, l2, l3) if part == 2 else (h0, h1, h2, h3)
-                            pa[o], pa[o + 1], pa[o + 2], pa[o + 3] = mma_bf16_m16n8k16(
-                                fa[p], fa[p + 1], fa[p + 2], fa[p + 3], c0, c1, pa[o], pa[o + 1], pa[o + 2], pa[o + 3])
-                            pa[o + 4], pa[o + 5], pa[o + 6], pa[o + 7] = mma_bf16_m16n8k16(
-                                fa[p], fa[p + 1], fa[p + 2], fa[p + 3], c2, c3,
-                                pa[o + 4], pa[o + 5], pa[o + 6], pa[o + 7])
+                split_times_rows(ua, xa, fa, smem, sb + uint32(T_OFF) + b_c)
+                # 4. Oᵀ = (read factor) ⊙ Sᵀ Qᵀ + Uᵀ intraᵀ, into the output tile
+                for jt in range(NT8):
+                    for e in range(4):
+                        i = uint32(8 * jt + 2 * tq + (e & 1))
+                        pa[4 * jt + e] *= bits_f32(smem[sb + uint32(SC_OFF + 2) + i * uint32(SCALES)])
+                split_times_rows(pa, ua, fa, smem, sb + uint32(I_OFF) + b_c)
                 for jt in range(NT8):
                     for e in range(4):
                         i = uint32(8 * jt + 2 * tq + (e & 1))

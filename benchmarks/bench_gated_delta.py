@@ -9,13 +9,14 @@ L2 of states and outputs, the share of bf16 outputs bit-equal.  ``--geometry W,S
 tensor-core kernels with W warps a scan block and S stages (``gated_delta.ChunkGeometry``).  ``--trace`` prints
 the time of each kernel of one eager call of each path (the launch tracer), so prepare and scan show apart.
 
-    python benchmarks/bench_gated_delta.py [--tokens 2048,8192] [--geometry 1,2 --geometry 4,2] [--trace]
+    python benchmarks/bench_gated_delta.py [--tokens 2048,8192] [--geometry 1,2 --geometry 4,2] [--trace] [--json F]
 
 Without a GPU it runs as a smoke test in the simulator (tiny heads, 40 tokens, chunks of 16, wall-clock times).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -121,12 +122,14 @@ def main(argv=None) -> int:
                     help="also time the tensor-core kernels with W warps a scan block and S stages")
     ap.add_argument("--calls", type=int, default=3, help="calls a CUDA-graph replay times (default 3)")
     ap.add_argument("--trace", action="store_true", help="print each kernel's time of one eager call of each path")
+    ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     from pegainfer.kernels.gated_delta import ChunkGeometry, chunk_geometry
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else list(TOKENS)
     forced = [ChunkGeometry(CHUNK, *map(int, g.split(","))) for g in args.geometry]
     default = chunk_geometry(HEADS["key_dim"], HEADS["value_dim"], CHUNK)
     rng = np.random.default_rng(0)
+    rows = []
     print(f"heads {HEADS}, chunk {CHUNK}; tensor-core default geometry {tuple(default)}; times per layer "
           f"({'simulator: wall clock' if SIM else 'CUDA-graph replays'})")
     print(f"{'T':>6s}  {'path':22s} {'us/layer':>10s} {'x24 ms':>8s} {'speed-up':>8s}  {'state vs ref':>12s} "
@@ -142,12 +145,18 @@ def main(argv=None) -> int:
             out, state = layer.result(fn)
             sec = time_calls([fn] * (1 if SIM else args.calls))
             base = base or sec
-            print(f"{T:6d}  {label:22s} {sec * 1e6:10.1f} {sec * 1e3 * LAYERS:8.2f} {base / sec:8.2f}  "
-                  f"{rel_l2(state, ref_state):12.2e} {rel_l2(out, ref_out):10.2e} {np.mean(out == ref_out):10.4f}",
-                  flush=True)
+            row = dict(T=T, path=label, us=sec * 1e6, speedup=base / sec, state_rel_l2=rel_l2(state, ref_state),
+                       out_rel_l2=rel_l2(out, ref_out), out_bit_equal=float(np.mean(out == ref_out)))
+            rows.append(row)
+            print(f"{T:6d}  {label:22s} {row['us']:10.1f} {sec * 1e3 * LAYERS:8.2f} {row['speedup']:8.2f}  "
+                  f"{row['state_rel_l2']:12.2e} {row['out_rel_l2']:10.2e} {row['out_bit_equal']:10.4f}", flush=True)
             if args.trace and not SIM:
-                print("          " + ", ".join(f"{name} {us:.1f} us" for name, us in trace_call(fn)), flush=True)
+                row["kernels_us"] = trace_call(fn)
+                print("          " + ", ".join(f"{name} {us:.1f} us" for name, us in row["kernels_us"]), flush=True)
         del layer
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(heads=HEADS, chunk=CHUNK, default_geometry=list(default), rows=rows), f, indent=1)
     return 0
 
 

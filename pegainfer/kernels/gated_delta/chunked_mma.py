@@ -1,9 +1,9 @@
 """The gated delta rule for prompts in chunks, its products on tensor cores (``mma.sync.m16n8k16``, bf16 in, f32 sums).
 
 The token-by-token rule (``reference.py``) with the work of a chunk done at once: the chunked ("WY / UT-transform")
-form of flash-linear-attention.  Per chunk of C tokens and value head, with ``G_i`` the cumulative log decay from the chunk start (``G_last`` at its last token), ``S [Dk, Dv]``
-the state before the chunk, ``q, k, v`` the raw bf16 rows and ``q̂ = q·qinv``, ``k̂ = k·kinv`` their l2-normalised
-forms (``qinv`` includes ``1/sqrt(Dk)``)::
+form of flash-linear-attention.  Per chunk of C tokens and value head, with ``G_i`` the cumulative log decay from the
+chunk start (``G_last`` at its last token), ``S [Dk, Dv]`` the state before the chunk, ``q, k, v`` the raw bf16
+rows and ``q̂ = q·qinv``, ``k̂ = k·kinv`` their l2-normalised forms (``qinv`` includes ``1/sqrt(Dk)``)::
 
     L[i,m]     = beta_i · exp(G_i − G_m) · kinv_i·kinv_m · (k_i·k_m)      m < i     (K Kᵀ on tensor cores)
     Tinv       = (I + L)⁻¹                                                          (f32, blocked substitution)
@@ -30,15 +30,16 @@ as two bf16 parts, ``x ≈ hi + lo`` (``primitives.split_bf16x2``, 2⁻¹⁶ rel
 part products: ``hi·k + lo·k`` against an exact bf16 ``k`` / ``q`` row, ``hi·hi' + lo·hi' + hi·lo'`` between two split
 operands (``lo·lo'`` is below 2⁻¹⁶).  The norms, decays and write strengths scale rows and columns in f32 outside the
 products, so ``K Kᵀ``, ``Q Kᵀ``, ``K S``, ``Q S`` and ``Kᵀ U`` multiply the raw bf16 q / k rows.  The result is the
-f32 rule's to about 1e-5 relative (states) and bf16 rounding (outputs): ``tests/kernels/test_gated_delta_chunked_mma.py``.
+f32 rule's to a few 1e-6 relative (states) and bf16 rounding (outputs):
+``tests/kernels/test_gated_delta_chunked_mma.py``.
 
 **The transposed state.**  The scan keeps ``Sᵀ [Dv, Dk]`` as mma accumulators: warp w of a block owns value columns
 ``16w .. 16w + 15`` of the block's slice -- one m16 tile of ``Sᵀ`` by all Dk, ``Dk / 2`` f32 a lane.  Every product
-of the chunk is then computed transposed (``Xᵀ = Sᵀ Kᵀ``, ``Uᵀ = Rᵀ Tinvᵀ``, ``Oᵀ = …``, ``Sᵀ += Yᵀ K``), which lets each
-accumulator feed the next product as its A operand straight from registers (the accumulators of n8 tiles ``2s, 2s+1``
-are the A fragment of k16 step s, as FlashAttention's P), while the B operands -- rows of k, q, ``Tinv``, ``intra``
--- come from shared memory with ``ldmatrix`` (``.trans`` for ``K`` in the state update).  A warp's columns never
-meet another warp's: no reduction across warps.
+of the chunk is then computed transposed (``Xᵀ = Sᵀ Kᵀ``, ``Uᵀ = Rᵀ Tinvᵀ``, ``Oᵀ = …``, ``Sᵀ += Yᵀ K``), which lets
+each accumulator feed the next product as its A operand straight from registers (the accumulators of n8 tiles
+``2s, 2s+1`` are the A fragment of k16 step s, as FlashAttention's P), while the B operands -- rows of k, q,
+``Tinv``, ``intra`` -- come from shared memory with ``ldmatrix`` (``.trans`` for ``K`` in the state update).  A
+warp's columns never meet another warp's: no reduction across warps.
 
 Shapes: qkv ``[T, 2·Hk·Dk + Hv·Dv]`` bf16 (q | k | v; value head h reads key head ``h // (Hv/Hk)``), a, b ``[T, Hv]``
 bf16, a_log, dt_bias ``[Hv]`` f32, ssm_state ``[slots, Hv, Dk, Dv]`` f32 (in place), slot_ids ``[B]``,
@@ -53,8 +54,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import types as nbtypes
 
-from pegainfer.kernels.gated_delta.common import (MAX_CHUNK, check_rule_args, inverse_l2_norm, log_decay, num_k_heads_of,
-                                                  write_strength, zero_rows_from)
+from pegainfer.kernels.gated_delta.common import (MAX_CHUNK, check_rule_args, inverse_l2_norm, log_decay,
+                                                  num_k_heads_of, write_strength, zero_rows_from)
 from pegainfer.kernels.gated_delta.geometry import MMA_TILE, ChunkGeometry, chunk_geometry
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.linear.common import bounded_kernel, shared_optin
@@ -539,8 +540,8 @@ def _scan_kernel(key_dim: int, value_dim: int, tiles: int, warps: int, stages: i
                     j = col0 + col_w + g + 8 * (e >> 1)
                     st[4 * jd + e] = ssm_state[slot, h, d, j] if j < DV else float32(0.0)
             n_chunks = (seq_end - seq_start + chunk_size - 1) // chunk_size
-            stage_chunk(smem, uint32(0), qkv32, seq_start, min(chunk_size, seq_end - seq_start), token_words, q_word, k_word,
-                        v_word, v_cols, tinv32, intra32, scales32, h, num_v_heads, tid)
+            stage_chunk(smem, uint32(0), qkv32, seq_start, min(chunk_size, seq_end - seq_start), token_words, q_word,
+                        k_word, v_word, v_cols, tinv32, intra32, scales32, h, num_v_heads, tid)
             for ci in range(n_chunks):
                 t0 = seq_start + ci * chunk_size
                 n = min(chunk_size, seq_end - t0)

@@ -9,6 +9,7 @@ QUESTIONS = {
     "bench_gemv.py": "How close do pegainfer's weight projections come to the GPU's read bandwidth",
     "bench_gemm.py": "How fast are pegainfer's projection GEMMs at every token count",
     "bench_attention.py": "How fast is pegainfer's paged attention",
+    "bench_gated_delta.py": "How fast is one Gated DeltaNet layer's chunked delta rule on a prompt",
     "constrained_decode.py": "Does grammar-constrained decoding (structured output) slow a batch down?",
     "bench_sampling.py": "How long does token selection take on this GPU?",
     "launch_cost.py": "How much host time does one eager kernel launch take?",

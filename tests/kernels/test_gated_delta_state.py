@@ -89,13 +89,13 @@ def test_padded_prefill_equals_unpadded(rng, num_real, padded, chunk):
     built from the token slots: conv state, delta-rule state and the real output rows must be bit for bit those of
     the unpadded chunk, with NaN / inf in the padding rows of every input; the rule's padding rows come out zero.
     Both rule forms, each continuing from a non-zero state in slot 1 (slots 0 and 2 untouched)."""
-    layer = make_layer(rng, key_dim=8, value_dim=8)
+    layer = make_layer(rng, key_dim=16, value_dim=8)   # (the tensor-core chunked form takes key dims by 16)
     slot, num_slots = 1, 3
     qkv_bits, _, a_bits, _, b_bits, _ = make_tokens(rng, layer, padded)
     conv_dim, taps = qkv_bits.shape[1], 4
     w_bits, _ = bf16_randn((conv_dim, taps), rng, scale=0.5)
     conv_bits, _ = bf16_randn((num_slots, conv_dim, taps), rng)
-    state = (rng.standard_normal((num_slots, layer["num_v_heads"], 8, 8)) * 0.3).astype(np.float32)
+    state = (rng.standard_normal((num_slots, layer["num_v_heads"], 16, 8)) * 0.3).astype(np.float32)
     d_w, d_a_log, d_dt_bias = (cuda.to_device(x) for x in (w_bits, layer["a_log"], layer["dt_bias"]))
     sentinel = 0x1234
     width = layer["num_v_heads"] * layer["value_dim"]

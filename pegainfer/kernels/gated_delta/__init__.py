@@ -16,7 +16,10 @@ Modules:
 * ``reference`` -- the gated delta rule token by token, its math line by line (``reference_gated_delta``): the
   oracle of the tuned kernels.
 * ``conv`` -- the causal conv1d + SiLU for prompts, and the conv ring by position (``causal_conv1d_silu``).
-* ``chunked`` -- the rule for prompts in chunks (``gated_delta_chunked``, ``allocate_chunk_scratch``).
+* ``chunked_mma`` -- the rule for prompts in chunks, its products on tensor cores (``gated_delta_chunked``,
+  ``allocate_chunk_scratch``); ``geometry`` -- its launch geometry (``ChunkGeometry``, ``chunk_geometry``).
+* ``chunked`` -- the same chunked form with scalar f32 loops (the path ``chunked_mma`` replaces; kept until the two
+  are measured against each other on the GPU).
 * ``gated_norm`` -- the gated RMSNorm for prompts (``gated_rms_norm``).
 * ``decode_step`` -- conv, rule and gated norm of a decode step in one launch (``gated_delta_decode_step``).
 * ``state`` -- the per-sequence table and state slots (``sequence_table``, ``clear_state_slots``).
@@ -40,14 +43,18 @@ State buffers::
 ``g`` in f32 from bf16 ``a``; the rule runs in f32 and its output is rounded to bf16; the gated norm rounds
 ``bf16(x·r)``, then ``bf16(w · that)``, then ``bf16(that · silu(z))``.
 """
-from pegainfer.kernels.gated_delta.chunked import ChunkScratch, allocate_chunk_scratch, gated_delta_chunked
+# The chunked rule prompts take (the model calls these names): the tensor-core kernels.  To switch to the scalar
+# kernels, import the same three names from ``pegainfer.kernels.gated_delta.chunked`` instead.
+from pegainfer.kernels.gated_delta.chunked_mma import ChunkScratch, allocate_chunk_scratch, gated_delta_chunked
 from pegainfer.kernels.gated_delta.common import MAX_CHUNK, MAX_KEY_DIM
 from pegainfer.kernels.gated_delta.conv import causal_conv1d_silu
 from pegainfer.kernels.gated_delta.decode_step import DECODE_TILES_PER_THREAD, gated_delta_decode_step
 from pegainfer.kernels.gated_delta.gated_norm import gated_rms_norm
+from pegainfer.kernels.gated_delta.geometry import ChunkGeometry, chunk_geometry
 from pegainfer.kernels.gated_delta.reference import RULE_WARPS, reference_gated_delta
 from pegainfer.kernels.gated_delta.state import clear_state_slots, sequence_table
 
 __all__ = ["causal_conv1d_silu", "reference_gated_delta", "gated_delta_chunked", "gated_rms_norm",
            "gated_delta_decode_step", "clear_state_slots", "sequence_table", "ChunkScratch", "allocate_chunk_scratch",
+           "ChunkGeometry", "chunk_geometry",
            "MAX_KEY_DIM", "MAX_CHUNK", "RULE_WARPS", "DECODE_TILES_PER_THREAD"]

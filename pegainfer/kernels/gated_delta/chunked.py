@@ -58,6 +58,11 @@ class ChunkScratch:
     def max_tokens(self) -> int:
         return self.tinv.shape[0]
 
+    @staticmethod
+    def bytes_per_token(num_k_heads: int, num_v_heads: int, chunk_size: int) -> int:
+        """Device bytes a token of ``allocate_chunk_scratch`` takes."""
+        return 4 * (2 * num_v_heads * chunk_size + 2 * num_v_heads + 2 * num_k_heads)
+
 
 def allocate_chunk_scratch(max_tokens: int, num_k_heads: int, num_v_heads: int,
                            chunk_size: int = MAX_CHUNK) -> ChunkScratch:

@@ -4,7 +4,7 @@ Every other kernel module imports its building blocks from here (``from pegainfe
 and never checks which world it runs in; this package is the only place that does.
 
 * ``launch_shape`` -- ``@kernel`` / ``@device_fn``, the scalar types, ``threads`` / ``grid`` (smaller in the simulator)
-* ``bf16`` -- bf16 as raw bits: conversions, packed pairs, host conversions
+* ``bf16`` -- bf16 as raw bits: conversions, packed pairs, an f32 split into two bf16, host conversions
 * ``loads`` -- 16-byte and 8-byte loads and stores, ``as_words``
 * ``reductions`` -- warp and block reductions (sums, maxima, argmax)
 * ``mma`` -- the warp-wide bf16 tensor-core multiply-accumulate and ``ldmatrix``, which loads its fragments
@@ -51,7 +51,8 @@ if SIMULATOR:
 from pegainfer.kernels.primitives.async_copy import (bulk_barrier_init, bulk_copy, bulk_expect_bytes,
                                                      bulk_wait, cp_async_16, cp_async_commit, cp_async_wait_group)
 from pegainfer.kernels.primitives.bf16 import (bf16_to_f32, bf16x2_hi, bf16x2_lo, bits_f32, f32_bits,
-                                               f32_to_bf16, from_bf16_bits, pack_bf16x2, to_bf16_bits)
+                                               f32_to_bf16, from_bf16_bits, pack_bf16x2, split_bf16x2,
+                                               to_bf16_bits)
 from pegainfer.kernels.primitives.fast_exp2 import exp2_approx
 from pegainfer.kernels.primitives.launch_shape import (device_fn, float32, grid, int32, kernel, threads,
                                                        uint16, uint32)
@@ -74,4 +75,4 @@ __all__ = ["as_words", "bf16_to_f32", "bf16x2_hi", "bf16x2_lo", "bits_f32", "blo
            "load_u32x4", "math", "mma_bf16_m16n8k16", "NO_INDEX", "pack_bf16x2", "pdl_prologue", "SIMULATOR",
            "sm_id", "store_f32x2", "store_f32x4", "threads", "to_bf16_bits", "uint16", "uint32", "WARP",
            "warp_argmax", "warp_max", "warp_row_sums_to_shared", "warp_sum", "warp_sums_to_shared"]
-__all__ += ["exp2_approx", "ldmatrix_x4_trans", "reads_before_wait", "warp_any"]
+__all__ += ["exp2_approx", "ldmatrix_x4_trans", "reads_before_wait", "split_bf16x2", "warp_any"]

@@ -3,7 +3,8 @@
 ``bf16_to_f32`` widens one value, ``f32_to_bf16`` rounds to nearest even (NaN as PyTorch's 0x7FC0); ``f32_bits`` /
 ``bits_f32`` reinterpret an f32 as its uint32 bits and back; ``bf16x2_lo`` / ``bf16x2_hi`` read the two halves of a
 packed pair (a ``uint32`` holding two bf16, the lower index in the low half) and ``pack_bf16x2`` builds one;
-``to_bf16_bits`` / ``from_bf16_bits`` convert host arrays.
+``to_bf16_bits`` / ``from_bf16_bits`` convert host arrays.  ``split_bf16x2`` writes two f32 as two packed pairs,
+a rounded pair and the pair of what it missed, for tensor-core products that keep close to f32.
 """
 from __future__ import annotations
 
@@ -98,6 +99,17 @@ def bf16x2_lo(word):
 def bf16x2_hi(word):
     """f32 value of the high bf16 of a packed pair."""
     return bits_f32(uint32(word) & uint32(0xFFFF0000))
+
+
+@device_fn
+def split_bf16x2(x0, x1):
+    """Two f32 as ``(hi, lo)``, two packed bf16 pairs (``x0`` in the low halves) with ``x ≈ hi + lo``: ``hi`` rounds
+    ``x`` to bf16, ``lo`` rounds the remainder ``x − hi`` (exact in f32).  ``hi + lo`` misses ``x`` by at most
+    2⁻¹⁶·|x| (normal numbers; ``hi`` by 2⁻⁸·|x|), so tensor-core products of ``hi`` and ``lo`` with an exact bf16
+    operand, summed in f32, carry ~16 bits where one bf16 operand carries 8."""
+    hi = pack_bf16x2(x0, x1)
+    lo = pack_bf16x2(float32(x0) - bf16x2_lo(hi), float32(x1) - bf16x2_hi(hi))
+    return hi, lo
 
 
 def to_bf16_bits(a) -> np.ndarray:

@@ -1,0 +1,164 @@
+"""How fast is one Gated DeltaNet layer's chunked delta rule on a prompt: the scalar kernels (``gated_delta.chunked``)
+against the tensor-core ones (``gated_delta.chunked_mma``), with a correctness check.
+
+Qwen3.5-4B's heads (16 key / 32 value heads × 128, chunks of 64), one prompt of 2048 and 8192 tokens (``--tokens``)
+continuing from a random state: µs per layer (prepare + scan; times from CUDA-graph replays of ``--calls`` calls),
+the speed-up, and what 24 such layers (Qwen3.5-4B's Gated DeltaNet layers) add to a prompt.  The check runs each path
+once from the same state and compares outputs and final states with the token-by-token reference kernel: relative
+L2 of states and outputs, the share of bf16 outputs bit-equal.  ``--geometry W,S`` (repeatable) also times the
+tensor-core kernels with W warps a scan block and S stages (``gated_delta.ChunkGeometry``).  ``--trace`` prints
+the time of each kernel of one eager call of each path (the launch tracer), so prepare and scan show apart.
+
+    python benchmarks/bench_gated_delta.py [--tokens 2048,8192] [--geometry 1,2 --geometry 4,2] [--trace] [--json F]
+
+Without a GPU it runs as a smoke test in the simulator (tiny heads, 40 tokens, chunks of 16, wall-clock times).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import graph_timing  # noqa: E402  (puts the checkout on sys.path)
+from graph_timing import time_calls  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import pegainfer  # noqa: E402
+
+SIM = pegainfer.SIMULATOR
+HEADS = dict(num_k_heads=16, num_v_heads=32, key_dim=128, value_dim=128)   # Qwen3.5-4B's linear attention
+CHUNK = 64
+TOKENS = (2048, 8192)
+LAYERS = 24
+if SIM:
+    HEADS, CHUNK, TOKENS = dict(num_k_heads=1, num_v_heads=2, key_dim=16, value_dim=16), 16, (40,)
+
+
+class Layer:
+    """One layer's rule inputs on the device for one prompt of ``T`` tokens: qkv ``[T, 2·Hk·Dk + Hv·Dv]``, a, b
+    ``[T, Hv]`` (bf16 bits of N(0, 1) values, b × 2), a_log / dt_bias as the tests draw them, a state ``[1, Hv, Dk,
+    Dv]`` of N(0, 0.05²) values (``reset`` puts it back)."""
+
+    def __init__(self, rng, T):
+        from numba import cuda
+        hk, hv, kd, vd = (HEADS[k] for k in ("num_k_heads", "num_v_heads", "key_dim", "value_dim"))
+        self.hk, self.hv, self.T = hk, hv, T
+        bits = lambda shape, scale=1.0: (np.asarray(rng.standard_normal(shape) * scale, np.float32)  # noqa: E731
+                                         .view(np.uint32) >> 16).astype(np.uint16)
+        self.qkv = cuda.to_device(bits((T, 2 * hk * kd + hv * vd)))
+        self.a = cuda.to_device(bits((T, hv)))
+        self.b = cuda.to_device(bits((T, hv), 2.0))
+        self.a_log = cuda.to_device(np.log(rng.uniform(0.05, 2.0, hv)).astype(np.float32))
+        self.dt_bias = cuda.to_device(rng.uniform(-1.0, 1.0, hv).astype(np.float32))
+        self.state0 = (rng.standard_normal((1, hv, kd, vd)) * 0.05).astype(np.float32)
+        self.state = cuda.to_device(self.state0)
+        self.slots = cuda.to_device(np.zeros(1, np.int32))
+        self.offsets = cuda.to_device(np.array([0, T], np.int32))
+        self.out = cuda.device_array((T, hv * vd), np.uint16)
+
+    def reset(self):
+        self.state.copy_to_device(self.state0)
+
+    def args(self):
+        return (self.qkv, self.a, self.b, self.a_log, self.dt_bias, self.state, self.slots, self.offsets, self.out)
+
+    def call(self, path, geometry=None):
+        """A function that runs the rule of ``path`` ("scalar", "mma" or "reference") on this layer."""
+        from pegainfer.kernels.gated_delta import chunked, chunked_mma, reference_gated_delta
+        if path == "reference":
+            return lambda: reference_gated_delta(*self.args())
+        module = chunked_mma if path == "mma" else chunked
+        scratch = module.allocate_chunk_scratch(self.T, self.hk, self.hv, CHUNK)
+        options = dict(geometry=geometry) if geometry is not None else {}
+        return lambda: module.gated_delta_chunked(*self.args(), scratch, max_seq_tokens=self.T, **options)
+
+    def result(self, fn):
+        """(out as float64, final state) of one run of ``fn`` from the initial state."""
+        from pegainfer.kernels.primitives import from_bf16_bits
+        self.reset()
+        fn()
+        return from_bf16_bits(self.out.copy_to_host()).astype(np.float64), self.state.copy_to_host()
+
+
+def rel_l2(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def trace_call(fn):
+    """Per-kernel GPU times (µs) of one eager call of ``fn`` through the launch tracer: [(kernel name, µs)]."""
+    from numba import cuda
+
+    from pegainfer.kernels import launch as launch_module
+    times = []
+
+    class Timer:
+        def __init__(self, name):
+            self.name = name
+
+        def __enter__(self):
+            self.start, self.end = cuda.event(), cuda.event()
+            self.start.record()
+
+        def __exit__(self, *exc):
+            self.end.record()
+            self.end.synchronize()
+            times.append((self.name, cuda.event_elapsed_time(self.start, self.end) * 1e3))
+
+    fn()     # compiled and warm
+    cuda.synchronize()
+    with launch_module.traced(Timer):
+        fn()
+    return times
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", help="prompt lengths, comma-separated (default: %s)" % ",".join(map(str, TOKENS)))
+    ap.add_argument("--geometry", action="append", default=[], metavar="W,S",
+                    help="also time the tensor-core kernels with W warps a scan block and S stages")
+    ap.add_argument("--calls", type=int, default=3, help="calls a CUDA-graph replay times (default 3)")
+    ap.add_argument("--trace", action="store_true", help="print each kernel's time of one eager call of each path")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    from pegainfer.kernels.gated_delta import ChunkGeometry, chunk_geometry
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else list(TOKENS)
+    forced = [ChunkGeometry(CHUNK, *map(int, g.split(","))) for g in args.geometry]
+    default = chunk_geometry(HEADS["key_dim"], HEADS["value_dim"], CHUNK)
+    rng = np.random.default_rng(0)
+    rows = []
+    print(f"heads {HEADS}, chunk {CHUNK}; tensor-core default geometry {tuple(default)}; times per layer "
+          f"({'simulator: wall clock' if SIM else 'CUDA-graph replays'})")
+    print(f"{'T':>6s}  {'path':22s} {'us/layer':>10s} {'x24 ms':>8s} {'speed-up':>8s}  {'state vs ref':>12s} "
+          f"{'out vs ref':>10s} {'out bit-eq':>10s}")
+    for T in tokens:
+        layer = Layer(rng, T)
+        ref_out, ref_state = layer.result(layer.call("reference"))
+        runs = [("scalar", "scalar", None), (f"mma {tuple(default)[1:]}", "mma", None)]
+        runs += [(f"mma {tuple(g)[1:]}", "mma", g) for g in forced]
+        base = None
+        for label, path, geo in runs:
+            fn = layer.call(path, geo)
+            out, state = layer.result(fn)
+            sec = time_calls([fn] * (1 if SIM else args.calls))
+            base = base or sec
+            row = dict(T=T, path=label, us=sec * 1e6, speedup=base / sec, state_rel_l2=rel_l2(state, ref_state),
+                       out_rel_l2=rel_l2(out, ref_out), out_bit_equal=float(np.mean(out == ref_out)))
+            rows.append(row)
+            print(f"{T:6d}  {label:22s} {row['us']:10.1f} {sec * 1e3 * LAYERS:8.2f} {row['speedup']:8.2f}  "
+                  f"{row['state_rel_l2']:12.2e} {row['out_rel_l2']:10.2e} {row['out_bit_equal']:10.4f}", flush=True)
+            if args.trace and not SIM:
+                row["kernels_us"] = trace_call(fn)
+                print("          " + ", ".join(f"{name} {us:.1f} us" for name, us in row["kernels_us"]), flush=True)
+        del layer
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(heads=HEADS, chunk=CHUNK, default_geometry=list(default), rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -139,7 +139,7 @@ def test_padded_mixed_step_equals_unpadded(rng):
     tokens, give the unpadded step's conv and delta-rule states and real output rows bit for bit, with NaN / inf in
     every padding row's inputs; the conv leaves the padding rows alone and the rule writes zeros there.  Both rule
     forms; slots 1 and 3 untouched."""
-    layer = make_layer(rng, key_dim=8, value_dim=8)
+    layer = make_layer(rng, key_dim=16, value_dim=8)   # (the tensor-core chunked form takes key dims by 16)
     num_slots, taps = 4, 4
     real_rows = np.array([0, 3, 4, 5, 6, 7])               # the padded step's rows of the unpadded step's tokens
     token_slots = [2, -1, -1, 0, 0, 0, 0, 0, -1, -1]
@@ -148,7 +148,7 @@ def test_padded_mixed_step_equals_unpadded(rng):
     conv_dim = qkv_bits.shape[1]
     w_bits, _ = bf16_randn((conv_dim, taps), rng, scale=0.5)
     conv_bits, _ = bf16_randn((num_slots, conv_dim, taps), rng)
-    state = (rng.standard_normal((num_slots, layer["num_v_heads"], 8, 8)) * 0.3).astype(np.float32)
+    state = (rng.standard_normal((num_slots, layer["num_v_heads"], 16, 8)) * 0.3).astype(np.float32)
     d_w, d_a_log, d_dt_bias = (cuda.to_device(x) for x in (w_bits, layer["a_log"], layer["dt_bias"]))
     positions = np.array([6, 3, 4, 5, 6, 7], np.int32)
     sentinel = 0x1234

@@ -477,7 +477,8 @@ def _scan_kernel(key_dim: int, value_dim: int, tiles: int, warps: int, stages: i
         """The state-carrying half (module docstring), for a (sequence, value head, slice of ``16 · warps`` value
         columns) work item, grid-strided: the chunks of the sequence in order.  ``tinv32`` / ``intra32`` /
         ``scales32``: the ``ChunkScratch`` arrays as flat uint32; ``out32``: ``out`` as flat uint32.  Rows of
-        ``out`` after the last sequence (padding tokens) are set to zero.
+        ``out`` of padding tokens -- after the last sequence, and those of a padding sequence (slot -1,
+        ``state.sequence_table``) -- are set to zero; no state is read or written for them.
 
         Per chunk, warp w (value columns ``16w ..`` of the slice; the lane's state entries are those of the
         accumulator layout: columns g, g + 8 × key dims 8jd + 2t, +1):
@@ -531,6 +532,10 @@ def _scan_kernel(key_dim: int, value_dim: int, tiles: int, warps: int, stages: i
             hk = h // heads_per_key
             col0 = sl * NC
             v_cols = min(NC, DV - col0)
+            if slot < 0:     # a padding sequence: its rows of this slice are zeros, no state touched (uniform)
+                for idx in range(tid, (seq_end - seq_start) * v_cols, NTHREADS):
+                    out[seq_start + idx // v_cols, h * DV + col0 + idx % v_cols] = 0
+                continue
             q_word = hk * (KD // 2)
             k_word = num_k_heads * (KD // 2) + q_word
             v_word = (2 * num_k_heads * KD + h * DV + col0) // 2

@@ -1,13 +1,14 @@
-"""How fast is one Gated DeltaNet layer's chunked delta rule on a prompt: the scalar kernels (``gated_delta.chunked``)
-against the tensor-core ones (``gated_delta.chunked_mma``), with a correctness check.
+"""How fast is one Gated DeltaNet layer's chunked delta rule on a prompt: the tensor-core kernels
+(``gated_delta.chunked_mma``) at their default launch geometry and at forced ones, with a correctness check.
 
 Qwen3.5-4B's heads (16 key / 32 value heads × 128, chunks of 64), one prompt of 2048 and 8192 tokens (``--tokens``)
-continuing from a random state: µs per layer (prepare + scan; times from CUDA-graph replays of ``--calls`` calls),
-the speed-up, and what 24 such layers (Qwen3.5-4B's Gated DeltaNet layers) add to a prompt.  The check runs each path
-once from the same state and compares outputs and final states with the token-by-token reference kernel: relative
-L2 of states and outputs, the share of bf16 outputs bit-equal.  ``--geometry W,S`` (repeatable) also times the
-tensor-core kernels with W warps a scan block and S stages (``gated_delta.ChunkGeometry``).  ``--trace`` prints
-the time of each kernel of one eager call of each path (the launch tracer), so prepare and scan show apart.
+continuing from a random state: µs per layer (prepare + scan; times from CUDA-graph replays of ``--calls`` calls) and
+what 24 such layers (Qwen3.5-4B's Gated DeltaNet layers) add to a prompt.  ``--geometry W,S`` (repeatable) also
+times the kernels with W warps a scan block and S stages (``gated_delta.ChunkGeometry``), with their speed-up over
+the default geometry.  The check runs each geometry once from the same state and compares outputs and final states
+with the token-by-token reference kernel: relative L2 of states and outputs, the share of bf16 outputs bit-equal.
+``--trace`` prints the time of each kernel of one eager call of each geometry (the launch tracer), so prepare and
+scan show apart.
 
     python benchmarks/bench_gated_delta.py [--tokens 2048,8192] [--geometry 1,2 --geometry 4,2] [--trace] [--json F]
 
@@ -65,15 +66,17 @@ class Layer:
     def args(self):
         return (self.qkv, self.a, self.b, self.a_log, self.dt_bias, self.state, self.slots, self.offsets, self.out)
 
-    def call(self, path, geometry=None):
-        """A function that runs the rule of ``path`` ("scalar", "mma" or "reference") on this layer."""
-        from pegainfer.kernels.gated_delta import chunked, chunked_mma, reference_gated_delta
-        if path == "reference":
-            return lambda: reference_gated_delta(*self.args())
-        module = chunked_mma if path == "mma" else chunked
-        scratch = module.allocate_chunk_scratch(self.T, self.hk, self.hv, CHUNK)
+    def reference(self):
+        """A function that runs the token-by-token reference kernel on this layer."""
+        from pegainfer.kernels.gated_delta import reference_gated_delta
+        return lambda: reference_gated_delta(*self.args())
+
+    def chunked(self, geometry=None):
+        """A function that runs the chunked kernels on this layer (at ``geometry``; None: the default)."""
+        from pegainfer.kernels.gated_delta import allocate_chunk_scratch, gated_delta_chunked
+        scratch = allocate_chunk_scratch(self.T, self.hk, self.hv, CHUNK)
         options = dict(geometry=geometry) if geometry is not None else {}
-        return lambda: module.gated_delta_chunked(*self.args(), scratch, max_seq_tokens=self.T, **options)
+        return lambda: gated_delta_chunked(*self.args(), scratch, max_seq_tokens=self.T, **options)
 
     def result(self, fn):
         """(out as float64, final state) of one run of ``fn`` from the initial state."""
@@ -119,9 +122,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", help="prompt lengths, comma-separated (default: %s)" % ",".join(map(str, TOKENS)))
     ap.add_argument("--geometry", action="append", default=[], metavar="W,S",
-                    help="also time the tensor-core kernels with W warps a scan block and S stages")
+                    help="also time the kernels with W warps a scan block and S stages")
     ap.add_argument("--calls", type=int, default=3, help="calls a CUDA-graph replay times (default 3)")
-    ap.add_argument("--trace", action="store_true", help="print each kernel's time of one eager call of each path")
+    ap.add_argument("--trace", action="store_true",
+                    help="print each kernel's time of one eager call of each geometry")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     from pegainfer.kernels.gated_delta import ChunkGeometry, chunk_geometry
@@ -130,22 +134,21 @@ def main(argv=None) -> int:
     default = chunk_geometry(HEADS["key_dim"], HEADS["value_dim"], CHUNK)
     rng = np.random.default_rng(0)
     rows = []
-    print(f"heads {HEADS}, chunk {CHUNK}; tensor-core default geometry {tuple(default)}; times per layer "
-          f"({'simulator: wall clock' if SIM else 'CUDA-graph replays'})")
-    print(f"{'T':>6s}  {'path':22s} {'us/layer':>10s} {'x24 ms':>8s} {'speed-up':>8s}  {'state vs ref':>12s} "
+    print(f"heads {HEADS}, chunk {CHUNK}; default geometry {tuple(default)}; times per layer "
+          f"({'simulator: wall clock' if SIM else 'CUDA-graph replays'}); (warps, stages) of the scan")
+    print(f"{'T':>6s}  {'geometry':22s} {'us/layer':>10s} {'x24 ms':>8s} {'speed-up':>8s}  {'state vs ref':>12s} "
           f"{'out vs ref':>10s} {'out bit-eq':>10s}")
     for T in tokens:
         layer = Layer(rng, T)
-        ref_out, ref_state = layer.result(layer.call("reference"))
-        runs = [("scalar", "scalar", None), (f"mma {tuple(default)[1:]}", "mma", None)]
-        runs += [(f"mma {tuple(g)[1:]}", "mma", g) for g in forced]
+        ref_out, ref_state = layer.result(layer.reference())
+        runs = [(f"{tuple(default)[1:]} default", None)] + [(f"{tuple(g)[1:]}", g) for g in forced]
         base = None
-        for label, path, geo in runs:
-            fn = layer.call(path, geo)
+        for label, geo in runs:
+            fn = layer.chunked(geo)
             out, state = layer.result(fn)
             sec = time_calls([fn] * (1 if SIM else args.calls))
             base = base or sec
-            row = dict(T=T, path=label, us=sec * 1e6, speedup=base / sec, state_rel_l2=rel_l2(state, ref_state),
+            row = dict(T=T, geometry=label, us=sec * 1e6, speedup=base / sec, state_rel_l2=rel_l2(state, ref_state),
                        out_rel_l2=rel_l2(out, ref_out), out_bit_equal=float(np.mean(out == ref_out)))
             rows.append(row)
             print(f"{T:6d}  {label:22s} {row['us']:10.1f} {sec * 1e3 * LAYERS:8.2f} {row['speedup']:8.2f}  "

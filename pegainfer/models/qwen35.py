@@ -9,7 +9,7 @@ Three of every four layers (``cfg.layer_types``) are **linear attention** (HF ``
     proj   = normed @ [W_qkv; W_z; W_b; W_a]^T         one fused projection  [T, conv_dim + Hv·Dv + 2·Hv]
     mixed  = silu(causal_conv1d(proj.qkv))            conv state per slot   (gated_delta.causal_conv1d_silu)
     core   = gated delta rule(mixed, a, b)            recurrent state per slot: token by token for decode,
-                                                      chunked for prompts   (gated_delta.gated_delta_*)
+                                                      chunked on tensor cores for prompts (gated_delta.gated_delta_*)
     core   = RMSNormGated(core, silu(proj.z))         per value head
     delta  = core @ W_out^T
 

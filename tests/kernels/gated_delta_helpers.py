@@ -5,8 +5,9 @@ from numba import cuda
 
 from tests.util import bf16_randn, bf16_round, from_bf16_bits, to_bf16_bits
 
-from pegainfer.kernels.gated_delta import (causal_conv1d_silu, chunked, chunked_mma, gated_delta_decode_step,
-                                           gated_rms_norm, reference_gated_delta, sequence_table)
+from pegainfer.kernels.gated_delta import (allocate_chunk_scratch, causal_conv1d_silu, gated_delta_chunked,
+                                           gated_delta_decode_step, gated_rms_norm, reference_gated_delta,
+                                           sequence_table)
 from pegainfer.kernels.policy import DEFAULT_POLICY
 
 EPS = 1e-6
@@ -176,9 +177,9 @@ def decode_inputs(rng, layer, num_tokens):
 
 # ------------------------------------------------------------------------------------------------ runners
 def run_rule(form, layer, qkv_bits, a_bits, b_bits, state, slots, lengths, chunk=4, geometry=None):
-    """Run the reference (``form="reference"``), the scalar chunked kernels (``"chunked"``) or the tensor-core ones
-    (``"mma"``, at ``geometry`` if given) on ``lengths`` tokens of sequences in ``slots`` (rows of ``qkv_bits`` past
-    them: padding); returns (out as float64, final state)."""
+    """Run the reference kernel (``form="reference"``) or the chunked one on tensor cores (``"mma"``, chunks of
+    ``chunk`` tokens, at ``geometry`` if given) on ``lengths`` tokens of sequences in ``slots`` (rows of ``qkv_bits``
+    past them: padding); returns (out as float64, final state)."""
     slot_ids, token_offsets, _ = sequences(lengths, slots)
     d_state = cuda.to_device(state.astype(np.float32))
     out = cuda.to_device(np.zeros((qkv_bits.shape[0], layer["num_v_heads"] * layer["value_dim"]), np.uint16))
@@ -187,10 +188,10 @@ def run_rule(form, layer, qkv_bits, a_bits, b_bits, state, slots, lengths, chunk
     if form == "reference":
         reference_gated_delta(*args)
     else:
-        module = chunked_mma if form == "mma" else chunked
-        scratch = module.allocate_chunk_scratch(qkv_bits.shape[0], layer["num_k_heads"], layer["num_v_heads"], chunk)
+        assert form == "mma", form
+        scratch = allocate_chunk_scratch(qkv_bits.shape[0], layer["num_k_heads"], layer["num_v_heads"], chunk)
         options = dict(geometry=geometry) if geometry is not None else {}
-        module.gated_delta_chunked(*args, scratch, max_seq_tokens=max(lengths), **options)
+        gated_delta_chunked(*args, scratch, max_seq_tokens=max(lengths), **options)
     return from_bf16_bits(out.copy_to_host()).astype(np.float64), d_state.copy_to_host()
 
 

@@ -18,8 +18,6 @@ Modules:
 * ``conv`` -- the causal conv1d + SiLU for prompts, and the conv ring by position (``causal_conv1d_silu``).
 * ``chunked_mma`` -- the rule for prompts in chunks, its products on tensor cores (``gated_delta_chunked``,
   ``allocate_chunk_scratch``); ``geometry`` -- its launch geometry (``ChunkGeometry``, ``chunk_geometry``).
-* ``chunked`` -- the same chunked form with scalar f32 loops (the path ``chunked_mma`` replaces; kept until the two
-  are measured against each other on the GPU).
 * ``gated_norm`` -- the gated RMSNorm for prompts (``gated_rms_norm``).
 * ``decode_step`` -- conv, rule and gated norm of a decode step in one launch (``gated_delta_decode_step``).
 * ``state`` -- the per-sequence table and state slots (``sequence_table``, ``clear_state_slots``).
@@ -43,8 +41,6 @@ State buffers::
 ``g`` in f32 from bf16 ``a``; the rule runs in f32 and its output is rounded to bf16; the gated norm rounds
 ``bf16(x·r)``, then ``bf16(w · that)``, then ``bf16(that · silu(z))``.
 """
-# The chunked rule prompts take (the model calls these names): the tensor-core kernels.  To switch to the scalar
-# kernels, import the same three names from ``pegainfer.kernels.gated_delta.chunked`` instead.
 from pegainfer.kernels.gated_delta.chunked_mma import ChunkScratch, allocate_chunk_scratch, gated_delta_chunked
 from pegainfer.kernels.gated_delta.common import MAX_CHUNK, MAX_KEY_DIM
 from pegainfer.kernels.gated_delta.conv import causal_conv1d_silu

@@ -633,14 +633,15 @@ def _scan_kernel(key_dim: int, value_dim: int, tiles: int, warps: int, stages: i
 
 
 def _aligned_16(a) -> bool:
+    """Whether the array's first byte sits on a 16-byte boundary (``cp.async``'s 16-byte copies need it)."""
     cai = getattr(a, "__cuda_array_interface__", None)
     addr = cai["data"][0] if cai is not None else a.__array_interface__["data"][0]
     return addr % 16 == 0
 
 
 def gated_delta_chunked(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids, token_offsets, out,
-                            scratch: ChunkScratch, max_seq_tokens: int | None = None, *,
-                            geometry: ChunkGeometry | None = None, policy: LaunchPolicy = DEFAULT_POLICY) -> None:
+                        scratch: ChunkScratch, max_seq_tokens: int | None = None, *,
+                        geometry: ChunkGeometry | None = None, policy: LaunchPolicy = DEFAULT_POLICY) -> None:
     """Gated delta rule for prompts, chunk by chunk on tensor cores (the result of ``reference_gated_delta``).
     Shapes as in ``reference_gated_delta`` (``qkv`` and ``out`` contiguous, ``qkv`` 16-byte aligned); ``scratch``
     from ``allocate_chunk_scratch`` (its chunk size is used); ``max_seq_tokens`` bounds any sequence's length (grid

@@ -15,8 +15,9 @@ Each value head ``h`` keeps a state ``S[h]`` of shape ``[Dk, Dv]`` (f32) and rea
     out[t, h] = bf16(Sᵀ q̂)                                          read                    [Dv]
 
 Everything runs in f32; ``beta`` and ``out`` are the only bf16 roundings.  The tuned kernels compute the same rule:
-``gated_delta_chunked`` for prompts (``chunked_mma``; a different, equivalent order of f32 sums: close, not bit-equal) and
-``decode_step.gated_delta_decode_step`` (bit-identical to this kernel run with ``warps = row_groups``).
+``chunked_mma.gated_delta_chunked`` for prompts (on tensor cores, in chunks: a different, equivalent order of sums,
+close, not bit-equal) and ``decode_step.gated_delta_decode_step`` (bit-identical to this kernel run with
+``warps = row_groups``).
 """
 from __future__ import annotations
 

@@ -142,3 +142,16 @@ def emulated_graphs(runner):
     graphs = EmulatedGraphs(runner)
     graphs.replayed = []
     return graphs
+
+
+def record_gpu_result(entry: dict) -> None:
+    """Print a GPU test's ``entry`` as one JSON line; append it to $PEGAINFER_GPU_RESULTS when set (the file
+    ``benchmarks/run_all.sh`` collects)."""
+    import json
+    import os
+    print(json.dumps(entry))
+    path = os.environ.get("PEGAINFER_GPU_RESULTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+

@@ -9,7 +9,6 @@ their tensor-core GEMM paths for T > 16, not 16-token chunks), runs greedy decod
 the per-position bounds of its docstring against HF bf16 and HF fp32."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.util import bf16_round, greedy_decode, rel_l2
+from tests.util import bf16_round, greedy_decode, record_gpu_result, rel_l2
 
 SHALLOW_QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=3, num_attention_heads=32,
                         num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
@@ -110,15 +109,6 @@ def hf_logits(model_class, folder, ids, dtype, attn: str = "sdpa", device: str =
     if device == "cuda":
         torch.cuda.empty_cache()
     return out
-
-
-def record(entry: dict) -> None:
-    """Print ``entry`` as one JSON line; append it to $PEGAINFER_GPU_RESULTS when set."""
-    print(json.dumps(entry))
-    path = os.environ.get("PEGAINFER_GPU_RESULTS")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(entry) + "\n")
 
 
 def score_in_one_step(folder: Path, prompt: list[int], decode_steps: int, device: str = "cuda"):
@@ -214,6 +204,6 @@ def check_against_hf(model_class, folder: Path, prompt_len: int, decode_steps: i
                              "bound", MEAN_FP32_RATIO))
     d_rows = range(n - 1, n - 1 + decode_steps)
     entry["greedy_agreement_with_hf_bf16"] = float(np.mean([int(np.argmax(sdpa[r])) == t for r, t in zip(d_rows, tokens)]))
-    record(entry)
+    record_gpu_result(entry)
     assert not failures, f"{name}: {len(failures)} positions over the bound, first: {failures[:6]}"
     return entry

@@ -31,6 +31,12 @@ def _mid_qwen35(tmp_path):
     return make_shallow_qwen35(tmp_path / "mid35", mid, seed=3)
 
 
+def _step(eng, toks) -> None:
+    """One engine step; each output's new tokens appended to its request's list in ``toks``."""
+    for out in eng.step():
+        toks[out.request_id].extend(out.new_token_ids)
+
+
 def test_graph_and_eager_paths_give_identical_tokens(tmp_path):
     """Catches a captured graph that differs from its eager launches, or a padded decode batch that leaks into
     real rows: ten concurrent requests (decode batches padded from 9 and 10 to the captured 12, prompts arriving
@@ -50,11 +56,9 @@ def test_graph_and_eager_paths_give_identical_tokens(tmp_path):
             eng.add_request(f"r{i}", p, SamplingParams(max_tokens=24 + i, temperature=0.8, top_p=0.9, seed=i,
                                                        ignore_eos=True))
             toks[f"r{i}"] = []
-            for out in eng.step():
-                toks[out.request_id].extend(out.new_token_ids)
+            _step(eng, toks)
         while eng.has_unfinished():
-            for out in eng.step():
-                toks[out.request_id].extend(out.new_token_ids)
+            _step(eng, toks)
         results[graphs] = toks
         assert eng.stats()["kv_pages_used"] == 0
         assert [len(toks[f"r{i}"]) for i in range(10)] == [24 + i for i in range(10)]
@@ -121,11 +125,9 @@ def test_mixed_steps_replayed_from_graphs_give_the_eager_tokens(tmp_path, arch):
                 eng.add_request(rid, prompt, SamplingParams(max_tokens=10 + i, temperature=0.0 if i % 2 else 0.8,
                                                             top_p=0.9, seed=i, ignore_eos=True))
                 toks[rid] = []
-                for out in eng.step():
-                    toks[out.request_id].extend(out.new_token_ids)
+                _step(eng, toks)
             while eng.has_unfinished():
-                for out in eng.step():
-                    toks[out.request_id].extend(out.new_token_ids)
+                _step(eng, toks)
         results[graphs] = toks
         assert kinds.count("mixed") >= 3 * 6, kinds
         assert eng.model.arch == arch and eng.stats()["kv_pages_used"] == 0 and eng.stats()["slots_used"] == 0

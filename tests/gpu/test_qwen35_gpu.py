@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.util import greedy_decode, rel_l2
+from tests.util import greedy_decode, record_gpu_result, rel_l2
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -152,7 +152,7 @@ def check_against_hf(folder: Path, prompt_len: int, decode_steps: int, device: s
     entry["greedy_agreement_with_fp32"] = float(np.mean([int(np.argmax(fp32[r])) == t for r, t in zip(d_rows, tokens)]))
     entry["hf_bf16_greedy_agreement_with_fp32"] = float(np.mean([np.argmax(bf16[r]) == np.argmax(fp32[r])
                                                                  for r in d_rows]))
-    _record(entry)
+    record_gpu_result(entry)
     for part in parts:
         floor = entry[f"{part}_hf_bf16_vs_hf_fp32_mean"]
         bound = max(2e-2, 1.1 * floor)
@@ -168,14 +168,6 @@ def check_against_hf(folder: Path, prompt_len: int, decode_steps: int, device: s
     print(json.dumps(entry))
     assert entry["greedy_agreement_with_fp32"] >= p_hf - slack, entry
     return entry
-
-
-def _record(entry: dict) -> None:
-    print(json.dumps(entry))
-    path = os.environ.get("PEGAINFER_GPU_RESULTS")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(entry) + "\n")
 
 
 @pytest.mark.gpu

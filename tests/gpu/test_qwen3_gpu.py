@@ -3,7 +3,6 @@ against Hugging Face bf16 on the same GPU. Skipped without a GPU.
 
 Folders are written under $PEGAINFER_GPU_MODELS (default: a pytest tmp dir) and reused when present. Results are
 appended as JSON lines to $PEGAINFER_GPU_RESULTS when set (copied into docs/perf/accuracy.md)."""
-import json
 import os
 import time
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.util import greedy_decode, hf_logits_on_gpu, rel_l2
+from tests.util import greedy_decode, hf_logits_on_gpu, record_gpu_result, rel_l2
 
 pytestmark = pytest.mark.gpu
 
@@ -47,14 +46,6 @@ def make_random_qwen3(folder: Path, shape: dict, seed: int = 0) -> Path:
         shutil.copy(demo / name, tmp / name)
     tmp.rename(folder)
     return folder
-
-
-def _record(entry):
-    path = os.environ.get("PEGAINFER_GPU_RESULTS")
-    print(json.dumps(entry))
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(entry) + "\n")
 
 
 def hf_logits(folder, ids, attn: str, dtype=None):
@@ -116,7 +107,7 @@ def test_qwen3_matches_hf_bf16_on_gpu(name, tmp_path_factory):
     for k, v in e.items():
         entry[k + "_mean"] = float(np.mean(v))
         entry[k + "_max"] = float(np.max(v))
-    _record(entry)
+    record_gpu_result(entry)
     for part in ("prompt", "decode"):
         bound = max(2e-2, 1.1 * float(np.mean(e[f"{part}_eager_vs_sdpa"])))
         assert float(np.mean(e[f"{part}_ours_vs_sdpa"])) < bound, (part, entry)

@@ -74,7 +74,7 @@ def test_mma_chunked_rejects_shapes_it_cannot_take():
 def test_gpu_mma_chunked_qwen35_shapes(rng, lengths):
     """Qwen3.5-4B's heads (16 key / 32 value heads × 128, chunks of 64) on a 2048-token prompt and a batch of three
     from non-zero states: the reference kernel's result -- catches what the simulator cannot: the inline-PTX mma /
-    ldmatrix / cp.async, the GPU geometry (2 warps, 2 stages, ~150 KB of shared memory), register-tile unrolling."""
+    ldmatrix / cp.async, the GPU geometry (4 warps, 2 stages, ~180 KB of shared memory), register-tile unrolling."""
     layer = make_layer(rng, **QWEN35_4B)
     slots = list(range(len(lengths)))[::-1]
     state = rng.standard_normal((len(lengths), 32, 128, 128)) * 0.05

@@ -72,10 +72,11 @@ class ChunkGeometry(NamedTuple):
             raise ValueError(f"value head dim {value_dim}: the tensor-core chunked rule needs a multiple of 8")
 
 
-CHUNK_GEOMETRY_GPU = ChunkGeometry(chunk=MAX_CHUNK, scan_warps=2, scan_stages=2)
-"""On the GPU: 64-token chunks (HF and FLA use 64); scan blocks of 2 warps, i.e. 32 value columns: Qwen3.5-4B's 32
-value heads × 4 column slices = 128 blocks for one prompt, one an SM on the H200's 132; two stages (~150 KB of
-shared memory at Dk = 128)."""
+CHUNK_GEOMETRY_GPU = ChunkGeometry(chunk=MAX_CHUNK, scan_warps=4, scan_stages=2)
+"""On the GPU: 64-token chunks (HF and FLA use 64); scan blocks of 4 warps, i.e. 64 value columns: Qwen3.5-4B's 32
+value heads × 2 column slices = 64 blocks for one prompt; two stages (~180 KB of shared memory at Dk = 128).  Each
+chunk's staged k / q / (I+L)⁻¹ tiles serve twice the columns of 2-warp blocks, which beat the fuller grid by 1.2×
+(``docs/perf/gated_delta.md``)."""
 
 
 def chunk_geometry(key_dim: int, value_dim: int, chunk: int = MAX_CHUNK,

@@ -221,16 +221,21 @@ def bench_child(spec: str, bench_args: list[str]) -> int:
 
 
 def run_benches(args, variants, specs, bench_args) -> list[dict]:
+    """Each variant's ``pegainfer bench`` per round: TTFT and TPOT p50, or with ``--batch`` the decode step's p50
+    (in the ``tpot_ms`` column: a step of the batch; no TTFT)."""
     rows = []
     print(f"{'variant':16s} {'round':>5s} {'ttft_ms':>9s} {'tpot_ms':>9s} {'floor %':>8s}", flush=True)
     for rnd in range(1, args.rounds + 1):
         for (label, _), spec in zip(variants, specs):
             res = run_bench_variant(spec, bench_args, args.timeout)
-            row = {"variant": label, "round": rnd, "ttft_ms": res["ttft_ms"]["p50"], "tpot_ms": res["tpot_ms"]["p50"],
+            ttft = res["ttft_ms"]["p50"] if "ttft_ms" in res else None
+            step = res["tpot_ms"]["p50"] if "tpot_ms" in res else res["step_ms"]["p50"]
+            row = {"variant": label, "round": rnd, "ttft_ms": ttft, "tpot_ms": step,
                    "floor_ratio": res.get("floor_ratio"), "bench": res}
             rows.append(row)
             floor = f"{100 * row['floor_ratio']:8.1f}" if row["floor_ratio"] else f"{'-':>8s}"
-            print(f"{label[:16]:16s} {rnd:5d} {row['ttft_ms']:9.3f} {row['tpot_ms']:9.3f} {floor}", flush=True)
+            ttft_text = f"{ttft:9.3f}" if ttft is not None else f"{'-':>9s}"
+            print(f"{label[:16]:16s} {rnd:5d} {ttft_text} {step:9.3f} {floor}", flush=True)
     return rows
 
 
@@ -307,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         base = None
         for label, fields in variants:
             mine = [r for r in rows if r["variant"] == label]
-            ttft = statistics.median(r["ttft_ms"] for r in mine)
+            ttfts = [r["ttft_ms"] for r in mine if r["ttft_ms"] is not None]
+            ttft = statistics.median(ttfts) if ttfts else float("nan")
             tpot = statistics.median(r["tpot_ms"] for r in mine)
             base = tpot if base is None else base
             print(f"{label[:16]:16s} {ttft:9.3f} {tpot:9.3f} {100 * (tpot / base - 1):+13.2f}%   {describe(fields)}")

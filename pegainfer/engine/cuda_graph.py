@@ -9,10 +9,11 @@ one would cost more than the GPU work. Instead, each step shape is captured once
 * prefill chunks padded up to a bucket of T tokens (16, 32, ... 512, 768, 1024, 1536, 2048: ``prefill_buckets``),
   one logits row;
 * mixed steps (every running decode plus prompt chunks, ``engine/scheduler.py``) of models whose ``pads_mixed``
-  says so, padded to ``mixed_shape``'s (Dp, Cp, Rp): D decodes run as Dp = a decode graph size, the chunks' L
-  tokens as Cp = a prefill bucket, their logits rows as Rp = a power of two.  These graphs are keyed
-  ``("mixed", Dp, Cp, Rp)`` and captured lazily (``replay_or_capture``: the second time a shape is met, at most
-  ``MIXED_GRAPHS_MAX`` of them), besides those ``capture_all`` takes at warm-up.
+  says so, padded to ``mixed_shape``'s (Dp, Cp, Rp): D decodes run as Dp = ``mixed_decode_rows`` (powers of two,
+  then 1.5 times one: coarser than the decode graphs' sizes), the chunks' L tokens as Cp = a prefill bucket, their
+  logits rows as Rp = a power of two, at least ``MIXED_MIN_ROWS``.  These graphs are keyed ``("mixed", Dp, Cp,
+  Rp)`` and captured lazily (``replay_or_capture``: the first time a shape is met, at most ``MIXED_GRAPHS_MAX`` of
+  them), besides those ``capture_all`` takes at warm-up.
   Padding tokens carry slot -1: their K/V are not written, their attention output is ignored, and Qwen3.5's
   Gated DeltaNet layers neither read nor write a recurrent state for them (``models/qwen35.py``, "Padding").
 
@@ -63,27 +64,51 @@ def prefill_bucket(length: int, max_tokens: int):
     return None
 
 
-MIXED_GRAPHS_MAX = 64
+MIXED_GRAPHS_MAX = 128
 """Most mixed-step graphs captured at run time (each holds a step's ~500 kernel nodes); past it, mixed steps of new
 shapes run eagerly."""
 
 
 MIXED_SPARE_ROWS = 32
-"""Logits rows a model that pads mixed steps holds beyond ``max_batch``: a full decode batch padded to its graph size
-still leaves rows for the chunks' (padded) rows, so such steps keep a graph."""
+"""Logits rows a model that pads mixed steps holds beyond ``max_batch``: a full decode batch still leaves rows for
+the chunks' (padded) rows, so such steps keep a graph."""
+
+MIXED_MIN_ROWS = 8
+"""Fewest logits rows a mixed step's chunks run as: one to eight chunks share a graph (a padding row costs the LM
+head almost nothing, which streams its weight once for any few rows, and the sampler a greedy row)."""
+
+
+def mixed_decode_rows(decodes: int, max_batch: int) -> int:
+    """The decode rows a mixed step of ``decodes`` decodes runs with: the next power of two, or from 32 on the next
+    of 32 48 64 96 128 192 ... (a power of two or 1.5 times one), at most ``max_batch``; 0 for none.  Coarser than
+    the decode graphs' sizes: beside a prompt chunk a padding decode row costs only its share of the projections
+    (its attention is skipped), while every distinct size multiplies the shapes a load meets (each one a graph to
+    capture, or an eager step of ~500 launches)."""
+    if decodes <= 0:
+        return 0
+    size = 1
+    while size < decodes:
+        if size < 32:
+            size *= 2
+        elif size & (size - 1) == 0:    # a power of two: 1.5 times it next
+            size = size * 3 // 2
+        else:                           # 1.5 times a power of two: the next power of two
+            size = size * 4 // 3
+    return min(size, max_batch)
 
 
 def mixed_rows(num_chunks: int) -> int:
-    """The logits rows a mixed step's ``num_chunks`` chunks take: the next power of two (0 for none)."""
-    return 0 if num_chunks == 0 else 1 << (num_chunks - 1).bit_length()
+    """The logits rows a mixed step's ``num_chunks`` chunks take: the next power of two, at least
+    ``MIXED_MIN_ROWS`` (0 for none)."""
+    return 0 if num_chunks == 0 else max(MIXED_MIN_ROWS, 1 << (num_chunks - 1).bit_length())
 
 
 def mixed_shape(padded_decodes: int, chunk_tokens: int, num_chunks: int, max_tokens: int, max_rows: int):
-    """(Dp, Cp, Rp): the padded shape a mixed step of ``padded_decodes`` (Dp, already ``padded_batch``) decode rows
-    and ``num_chunks`` chunks of ``chunk_tokens`` tokens in all runs as, or None when it runs unpadded (chunks
+    """(Dp, Cp, Rp): the padded shape a mixed step of ``padded_decodes`` (Dp, already ``mixed_decode_rows``) decode
+    rows and ``num_chunks`` chunks of ``chunk_tokens`` tokens in all runs as, or None when it runs unpadded (chunks
     longer than ``PREFILL_GRAPH_MAX``, or more rows than the buffers hold).  Cp is the chunks' prefill bucket within
-    the tokens left after the decodes (or all of them: a full step); Rp the chunks' rows rounded up to a power of two
-    within ``max_rows``.  The step's launches depend only on this shape, so it names the step's graph."""
+    the tokens left after the decodes (or all of them: a full step); Rp the chunks' rows (``mixed_rows``) within
+    ``max_rows``.  The step's launches depend only on this shape, so it names the step's graph."""
     room = max_tokens - padded_decodes
     if chunk_tokens > min(PREFILL_GRAPH_MAX, room) or num_chunks == 0:
         return None
@@ -127,8 +152,7 @@ class StepGraphs:
         self.mixed_shapes: list[tuple] = []     # captured by capture_all (set by the engine's warm-up)
         self.max_lazy = max_lazy
         self._lazy: set = set()                 # keys captured by replay_or_capture
-        self._seen: set = set()                 # keys met once, not captured yet
-        self._failed: set = set()               # keys whose capture failed: eager from then on
+        self._failed: dict = {}                 # key → captures that failed (two: eager from then on)
 
     def has(self, *key) -> bool:
         return key in self.execs
@@ -158,19 +182,16 @@ class StepGraphs:
         self.execs[key] = _check(drv.cuGraphInstantiate(graph, 0))
 
     def replay_or_capture(self, key: tuple, run) -> bool:
-        """Replay ``key``'s graph, capturing it from ``run()`` the second time the key is met (the first runs
-        eagerly, which compiles any kernel variant the shape needs outside the capture); False when the caller
-        must run the step eagerly: the key's first time, ``max_lazy`` graphs captured already, or a capture that
-        failed (logged once; the key stays eager)."""
+        """Replay ``key``'s graph, capturing it from ``run()`` the first time the key is met; False when the caller
+        must run the step eagerly: ``max_lazy`` graphs captured already, or a capture that failed (logged once;
+        the key is tried once more at its next step, after an eager run has compiled whatever the shape needed,
+        then stays eager).  The warm-up has compiled every kernel variant a step can use, so a capture rarely
+        meets a compilation."""
         if key in self.execs:
             self.replay(*key)
             return True
-        if key in self._failed or len(self._lazy) >= self.max_lazy:
+        if self._failed.get(key, 0) >= 2 or len(self._lazy) >= self.max_lazy:
             return False
-        if key not in self._seen:
-            self._seen.add(key)
-            return False
-        self._seen.discard(key)
         if not self.try_capture(key, run):
             return False
         self._lazy.add(key)
@@ -183,8 +204,9 @@ class StepGraphs:
         try:
             self.capture_fn(key, run)
         except Exception as e:
-            self._failed.add(key)
-            log.warning("CUDA graph capture of step %s failed (%s): such steps run eagerly", key, e)
+            self._failed[key] = self._failed.get(key, 0) + 1
+            if self._failed[key] == 1:
+                log.warning("CUDA graph capture of step %s failed (%s): such steps run eagerly", key, e)
             return False
         return True
 

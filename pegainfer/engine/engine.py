@@ -161,12 +161,16 @@ class Engine:
             raise PegainferError(f"prefix caching is not supported for {cfg.arch} (its recurrent state is not "
                                  f"cached): drop --enable-prefix-caching")
         step_tokens = max(max_num_batched_tokens, max_batch)
-        # rows for a mixed step's chunks beside a full decode batch padded to a graph size (``cuda_graph.mixed_shape``)
-        spare_rows = MIXED_SPARE_ROWS if getattr(Model, "pads_mixed", False) and not SIMULATOR else 0
+        # a padded mixed step (``cuda_graph.mixed_shape``) holds up to max_batch decode rows (padding included) beside
+        # its chunks' prefill bucket, and rows for the chunks beside a full decode batch
+        pads_mixed = getattr(Model, "pads_mixed", False) and not SIMULATOR
+        spare_tokens = max_batch if pads_mixed else 0
+        spare_rows = MIXED_SPARE_ROWS if pads_mixed else 0
 
         def plan(mml: int):
             """The model for context ``mml``, its KV pages and the bytes it needs besides them."""
-            m = Model(cfg, mml, max_tokens=step_tokens, max_rows=max(max_batch + spare_rows, SCORE_ROWS), policy=policy)
+            m = Model(cfg, mml, max_tokens=step_tokens + spare_tokens, max_rows=max(max_batch + spare_rows, SCORE_ROWS),
+                      policy=policy)
             fixed = m.weight_bytes() + m.scratch_bytes() + getattr(m, "state_bytes", lambda n: 0)(max_batch)
             page_bytes = PAGE_SIZE * m.kv_bytes_per_token()
             one_seq = -(-mml // PAGE_SIZE)
@@ -249,10 +253,10 @@ class Engine:
                 progress.phase("capturing the CUDA graphs")
                 if self.runner.pad_mixed:   # a full decode batch (or 64 of it) beside one or two arriving prompts
                     from pegainfer.engine.cuda_graph import mixed_warmup_shapes
-                    m = self.model
-                    for batch in sorted({min(64, self.scheduler.max_batch), self.scheduler.max_batch}):
-                        graphs.mixed_shapes += mixed_warmup_shapes(self.runner.padded_batch(batch), m.max_tokens,
-                                                                   m.max_rows)
+                    m, top = self.model, self.scheduler.max_batch
+                    for batch in sorted({min(64, top), top}):
+                        graphs.mixed_shapes += mixed_warmup_shapes(self.runner.mixed_decode_rows(batch),
+                                                                   m.max_tokens, m.max_rows)
                 graphs.capture_all()
 
     # ------------------------------------------------------------------------------------------------ requests

@@ -43,7 +43,7 @@ import numpy as np
 from numba import cuda
 
 from pegainfer.device import SIMULATOR
-from pegainfer.engine.cuda_graph import mixed_shape, prefill_bucket
+from pegainfer.engine.cuda_graph import mixed_decode_rows, mixed_shape, prefill_bucket
 from pegainfer.kernels import sampling
 from pegainfer.kernels.launch import on_stream
 from pegainfer.kernels.token_mask import apply_token_mask
@@ -131,6 +131,10 @@ class ModelRunner:
         if self.decode_sizes is None:
             return B
         return next((size for size in self.decode_sizes if size >= B), B)
+
+    def mixed_decode_rows(self, decodes: int) -> int:
+        """The decode rows a padded mixed step of ``decodes`` decodes runs with (``cuda_graph.mixed_decode_rows``)."""
+        return mixed_decode_rows(decodes, self.max_batch)
 
     def _wait_inputs_free(self) -> None:
         """Block until the last upload from the pinned input mirrors has executed (at once in synchronous use)."""
@@ -275,7 +279,7 @@ class ModelRunner:
         L = sum(n for _, _, n in chunks)
         shape = None
         if self.pad_mixed:
-            Dp = self.padded_batch(nd) if nd else 0
+            Dp = self.mixed_decode_rows(nd)
             shape = mixed_shape(Dp, L, nc, self.model.max_tokens, self.model.max_rows)
         Dp, Cp, Rp = shape if shape is not None else (nd, L, nc)
         B = Dp + Rp

@@ -66,6 +66,10 @@ class Tokenizer:
         self.bos_token_id = self.token_to_id(self.special_tokens.get("bos_token"))
         self.pad_token_id = self.token_to_id(self.special_tokens.get("pad_token"))
         self._byte_level = self._is_byte_level(tokenizer.decoder)
+        # decode() is the concatenation of each token's bytes, read as UTF-8, when the decoder is ByteLevel alone
+        # (Qwen3's and Qwen3.5's): then text can be streamed a token at a time from ``piece_bytes``
+        self.decodes_by_bytes = isinstance(tokenizer.decoder, decoders.ByteLevel)
+        self._piece_bytes: dict[int, bytes] = {}
 
     @staticmethod
     def _is_byte_level(decoder) -> bool:
@@ -136,6 +140,25 @@ class Tokenizer:
             if m:
                 return bytes([int(m.group(1), 16)])
         return self.token_str(token_id).encode("utf-8")
+
+    def piece_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes:
+        """The bytes a ByteLevel decoder makes of one token (``decodes_by_bytes`` tokenizers: ``decode(ids)`` is
+        these bytes of every id, concatenated, read as UTF-8 with U+FFFD for what is not): each character of the
+        token's piece through the byte table, or the piece's own UTF-8 when a character is not in it (an added
+        token); ``b""`` for unknown ids and, with ``skip_special_tokens``, for special tokens."""
+        token_id = int(token_id)
+        if skip_special_tokens and token_id in self.special_ids:
+            return b""
+        got = self._piece_bytes.get(token_id)
+        if got is None:
+            piece = self._tk.id_to_token(token_id) if 0 <= token_id < self.vocab_size else None
+            if piece is None:
+                got = b""
+            else:
+                table = _byte_level_decoder()
+                got = bytes(table[ch] for ch in piece) if all(ch in table for ch in piece) else piece.encode()
+            self._piece_bytes[token_id] = got
+        return got
 
     def to_json(self) -> str:
         """The whole tokenizer as ``tokenizer.json`` text (what llguidance builds its vocabulary view from)."""

@@ -5,44 +5,66 @@ so capture and replay are stood in for here; ``tests/gpu/test_graphs.py`` compar
 unpadded one (the latter also through emulated graphs: ``tests.util.emulated_graphs``)."""
 from types import SimpleNamespace
 
-from pegainfer.engine.cuda_graph import (MIXED_GRAPHS_MAX, StepGraphs, decode_graph_sizes, mixed_shape,
-                                         mixed_warmup_shapes)
+from pegainfer.engine.cuda_graph import (MIXED_GRAPHS_MAX, PREFILL_GRAPH_MAX, StepGraphs, mixed_decode_rows,
+                                         mixed_shape, mixed_warmup_shapes)
 
 MAX_TOKENS, MAX_ROWS = 2048, 256
 
 
-def _key(decodes: int, chunk_lengths) -> tuple:
+def _key(decodes: int, chunk_lengths, max_tokens: int = MAX_TOKENS) -> tuple:
     """The graph key of a mixed step of ``decodes`` decodes and chunks of ``chunk_lengths`` tokens (max_batch 256)."""
-    sizes = decode_graph_sizes(256)
-    Dp = next(s for s in sizes if s >= decodes) if decodes else 0
-    return ("mixed", *mixed_shape(Dp, sum(chunk_lengths), len(chunk_lengths), MAX_TOKENS, MAX_ROWS))
+    Dp = mixed_decode_rows(decodes, 256)
+    return ("mixed", *mixed_shape(Dp, sum(chunk_lengths), len(chunk_lengths), max_tokens, MAX_ROWS))
+
+
+def test_mixed_decode_rows_are_powers_of_two_then_half_steps():
+    """Catches decode padding finer than the shapes a load can afford to capture (every size its own graphs) or
+    coarser than 1.5x from 32 on: sizes 1 2 4 8 16 32 48 64 96 128 192 256, capped at max_batch."""
+    assert sorted({mixed_decode_rows(d, 256) for d in range(1, 257)}) == [1, 2, 4, 8, 16, 32, 48, 64, 96, 128,
+                                                                           192, 256]
+    assert mixed_decode_rows(0, 256) == 0 and mixed_decode_rows(33, 256) == 48 and mixed_decode_rows(49, 256) == 64
+    assert mixed_decode_rows(97, 100) == 100                  # never past the batch the buffers hold
+    assert all(d <= mixed_decode_rows(d, 256) < max(2 * d, 1.5 * d + 1) for d in range(1, 257))
 
 
 def test_steps_differing_only_within_their_buckets_share_a_graph():
-    """Catches a key that depends on exact lengths (every step would capture a graph of its own): 57..64 decodes
-    beside one or two chunks of 65..128 tokens in all are one graph; a step past a bucket is another."""
+    """Catches a key that depends on exact lengths or counts (every step would capture a graph of its own): 49..64
+    decodes beside one to eight chunks of 65..128 tokens in all are one graph; a step past a bucket is another."""
     key = _key(64, [128])
-    assert key == ("mixed", 64, 128, 1)
-    assert {_key(d, [n]) for d in range(57, 65) for n in (65, 100, 128)} == {key}
-    assert {_key(d, [a, b]) for d in (57, 64) for a, b in ((1, 64), (30, 98), (64, 64))} == {("mixed", 64, 128, 2)}
-    assert _key(65, [128]) == ("mixed", 80, 128, 1)
-    assert _key(64, [129]) == ("mixed", 64, 256, 1)
-    assert _key(64, [8, 8, 8]) == ("mixed", 64, 32, 4)         # three chunks' rows: four, one a padding row
-    assert _key(0, [100, 100]) == ("mixed", 0, 256, 2)         # chunks only: no decode rows
+    assert key == ("mixed", 64, 128, 8)
+    assert {_key(d, [n]) for d in range(49, 65) for n in (65, 100, 128)} == {key}
+    assert {_key(d, [a, b]) for d in (49, 64) for a, b in ((1, 64), (30, 98), (64, 64))} == {key}
+    assert _key(64, [16] * 8) == key
+    assert _key(65, [128]) == ("mixed", 96, 128, 8)
+    assert _key(64, [129]) == ("mixed", 64, 256, 8)
+    assert _key(64, [8] * 9) == ("mixed", 64, 128, 16)        # nine chunks' rows: sixteen
+    assert _key(0, [100, 100]) == ("mixed", 0, 256, 8)        # chunks only: no decode rows
+
+
+def test_a_steady_load_meets_few_shapes():
+    """Catches a key space that multiplies with the load's detail: every step of up to 64 decodes beside one to
+    sixteen 128-token prompt chunks (a budget of 2048 tokens, the engine's 256 spare tokens) is one of at most
+    8 decode sizes × 5 chunk buckets × 2 row counts."""
+    keys = {_key(d, [128] * n, MAX_TOKENS + 256) for d in range(0, 65) for n in range(1, 17) if d + 128 * n <= 2048}
+    assert len(keys) <= 9 * 5 * 2, sorted(keys)
 
 
 def test_a_step_that_fills_the_token_budget_pads_to_the_tokens_left():
     """Catches a padded step larger than the token buffers: 16 decodes beside 2032 chunk tokens (a budget-full
     step) run as 16 + 2032, not 16 + the 2048 bucket; chunks past the graphs' limit or with more rows than the
-    buffers hold run unpadded."""
+    buffers hold run unpadded; with the engine's spare tokens (max_batch more than the budget) no budget-full step
+    of any decode count runs unpadded."""
     assert mixed_shape(16, 2032, 15, MAX_TOKENS, MAX_ROWS) == (16, 2032, 16)
-    assert mixed_shape(16, 1500, 3, MAX_TOKENS, MAX_ROWS) == (16, 1536, 4)
+    assert mixed_shape(16, 1500, 3, MAX_TOKENS, MAX_ROWS) == (16, 1536, 8)
     assert mixed_shape(64, 2000, 1, MAX_TOKENS, MAX_ROWS) is None          # 64 + 2000 > 2048 tokens
     assert mixed_shape(256, 100, 1, 4096, MAX_ROWS) is None                # no row left for the chunk
     assert mixed_shape(250, 100, 5, 4096, 256) == (250, 128, 6)            # 8 rows capped at the 6 left
     assert mixed_shape(0, 3000, 1, 8192, MAX_ROWS) is None                 # past PREFILL_GRAPH_MAX: eager
+    for d in range(1, 257):
+        shape = mixed_shape(mixed_decode_rows(d, 256), PREFILL_GRAPH_MAX - d, 1, PREFILL_GRAPH_MAX + 256, 256 + 32)
+        assert shape is not None and shape[1] <= PREFILL_GRAPH_MAX, (d, shape)
     for Dp, Cp, Rp in mixed_warmup_shapes(64, MAX_TOKENS, MAX_ROWS):
-        assert Dp == 64 and Cp in (128, 256) and Rp in (1, 2)
+        assert Dp == 64 and Cp in (128, 256) and Rp == 8
 
 
 class _Graphs(StepGraphs):
@@ -62,17 +84,14 @@ class _Graphs(StepGraphs):
         self.replayed.append(key)
 
 
-def test_mixed_graphs_are_captured_at_second_sight_up_to_the_cap():
-    """Catches graphs captured without bound (each holds a step's launches) or at a shape's first step (whose
-    kernel variants may still compile): a shape runs eagerly once, then is captured and replayed; past
-    MIXED_GRAPHS_MAX graphs new shapes stay eager, while the captured ones keep replaying."""
+def test_mixed_graphs_are_captured_at_first_sight_up_to_the_cap():
+    """Catches graphs captured without bound (each holds a step's launches) or a shape's first steps run eagerly
+    (~500 launches of host time each, at every new shape a load meets): a shape is captured and replayed at once;
+    past MIXED_GRAPHS_MAX graphs new shapes stay eager, while the captured ones keep replaying."""
     graphs = _Graphs()
-    keys = [("mixed", 64, 16 * (i + 1), 1) for i in range(MIXED_GRAPHS_MAX + 5)]
-    for key in keys:
-        assert graphs.replay_or_capture(key, None) is False        # first sight: eager
-    for key in keys:
-        graphs.replay_or_capture(key, None)
-    assert graphs.captured == keys[:MIXED_GRAPHS_MAX]
+    keys = [("mixed", 64, 16 * (i + 1), 8) for i in range(MIXED_GRAPHS_MAX + 5)]
+    assert [graphs.replay_or_capture(key, None) for key in keys] == [True] * MIXED_GRAPHS_MAX + [False] * 5
+    assert graphs.captured == keys[:MIXED_GRAPHS_MAX] == graphs.replayed
     assert len(graphs.execs) == MIXED_GRAPHS_MAX
     assert graphs.replay_or_capture(keys[-1], None) is False       # over the cap: eager, never captured
     assert graphs.replay_or_capture(keys[0], None) is True
@@ -81,12 +100,15 @@ def test_mixed_graphs_are_captured_at_second_sight_up_to_the_cap():
 
 def test_a_failed_capture_leaves_its_shape_eager(caplog):
     """Catches a capture failure that crashes the server or is retried (and logged) at every step: the step runs
-    eagerly, the failure is logged once, other shapes still get graphs."""
-    bad, good = ("mixed", 8, 16, 1), ("mixed", 8, 32, 1)
+    eagerly, the capture is tried once more at the shape's next step (an eager step compiles what it needs) and
+    then never again, the failure is logged once, other shapes still get graphs."""
+    bad, good = ("mixed", 8, 16, 8), ("mixed", 8, 32, 8)
     graphs = _Graphs(fail={bad})
+    attempts = []
+    graphs.capture_fn = (lambda capture: lambda key, run: (attempts.append(key), capture(key, run)))(graphs.capture_fn)
     with caplog.at_level("WARNING", logger="pegainfer.engine"):
         results = [graphs.replay_or_capture(bad, None) for _ in range(5)]
-    assert results == [False] * 5
+    assert results == [False] * 5 and attempts == [bad, bad]
     assert sum("capture" in r.getMessage() for r in caplog.records) == 1
-    assert [graphs.replay_or_capture(good, None) for _ in range(2)] == [False, True]
+    assert [graphs.replay_or_capture(good, None) for _ in range(2)] == [True, True]
     assert graphs.captured == [good] and not graphs.has(*bad)

@@ -100,8 +100,8 @@ def test_mixed_steps_replayed_from_graphs_give_the_eager_tokens(tmp_path, arch):
     the same padded step launched eagerly, or padding that leaks into real rows (Qwen3.5: into the Gated DeltaNet
     states, through the padding decode rows between the decodes and the chunks): three waves of eight streams, each
     arriving one step after the one before while the earlier ones decode (every step of a wave's start is mixed);
-    the waves' prompts differ in length but not in bucket, so the first wave's shapes run eagerly, the second
-    captures them and the third replays them.  Graphs and eager give the same tokens, greedy and sampled."""
+    the waves' prompts differ in length but not in bucket, so the first wave captures its shapes (at first sight)
+    and the later waves replay them.  Graphs and eager give the same tokens, greedy and sampled."""
     from pegainfer.engine.engine import Engine
     from pegainfer.engine.types import SamplingParams
 
@@ -112,7 +112,7 @@ def test_mixed_steps_replayed_from_graphs_give_the_eager_tokens(tmp_path, arch):
         eng = Engine.from_folder(str(folder), max_model_len=1024, max_batch=24, use_cuda_graph=graphs)
         assert eng.runner.pad_mixed
         if graphs:
-            assert eng.runner.graphs.has("mixed", 24, 128, 1)     # captured at warm-up
+            assert eng.runner.graphs.has("mixed", 24, 128, 8)     # captured at warm-up
             replay = eng.runner.graphs.replay
             eng.runner.graphs.replay = lambda *key: (replayed.append(key), replay(*key))[1]
         toks, kinds = {}, []

@@ -306,7 +306,7 @@ def _late_arrival_mixed_steps(engine, pad: bool):
     """The 16-token ``ALONE_PROMPTS`` prompt (4 greedy tokens), then the 15-token one (1 token) once the first has
     its first token, one step per ``MIXED_BUDGETS`` budget: two prefill steps, then three mixed steps of one decode
     and a chunk of 7, 1 (T == B unpadded) and 7 tokens.  ``pad``: run them as the runner does on a GPU -- decode rows
-    padded to a batch of 2, chunk tokens to the 7 tokens left, replayed from (emulated) graphs.  Returns the
+    padded to 2, chunk tokens to the 7 tokens left, chunk rows to 8, replayed from (emulated) graphs.  Returns the
     streams, the kinds of the steps, each mixed step's logits rows (the runner's ``logits_host``: decodes, then
     chunks) and, after the first two, both sequences' conv and delta-rule states, the forward passes' (T, B,
     num_decode, mixed) and the graph keys replayed."""
@@ -336,6 +336,7 @@ def _late_arrival_mixed_steps(engine, pad: bool):
     graphs = emulated_graphs(runner) if pad else None
     runner.mixed, runner.forward_and_sample, scheduler.schedule = recording_mixed, recording_forward, recording_schedule
     runner.pad_mixed, runner.decode_sizes, runner.graphs = pad, [2] if pad else None, graphs
+    runner.mixed_decode_rows = lambda decodes: 2 if pad else decodes     # a padding decode row in each mixed step
     got = {"first": [], "second": []}
     try:
         engine.add_request("first", ALONE_PROMPTS[16], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
@@ -353,7 +354,7 @@ def _late_arrival_mixed_steps(engine, pad: bool):
     finally:
         scheduler.max_num_batched_tokens = budget
         runner.pad_mixed, runner.decode_sizes, runner.graphs = False, None, None
-        del runner.mixed, runner.forward_and_sample, scheduler.schedule
+        del runner.mixed, runner.forward_and_sample, runner.mixed_decode_rows, scheduler.schedule
     assert engine.stats()["kv_pages_used"] == 0 and engine.stats()["slots_used"] == 0
     return got, kinds, observed, shapes, (graphs.replayed if pad else [])
 
@@ -374,7 +375,7 @@ def test_padded_mixed_steps_equal_unpadded(mixed_runs):
     plain, padded = mixed_runs[False], mixed_runs[True]
     assert plain[1] == padded[1] == ["prefill", "prefill", "mixed", "mixed", "mixed"], (plain[1], padded[1])
     assert [s for s in plain[3] if s[3]] == [(8, 2, 1, True), (2, 2, 1, True), (8, 2, 1, True)], plain[3]
-    assert [s for s in padded[3] if s[3]] == [(2 + 7, 2 + 1, 2, True)] * 3, padded[3]
+    assert [s for s in padded[3] if s[3]] == [(2 + 7, 2 + 8, 2, True)] * 3, padded[3]   # 7 padding chunk rows
     assert plain[0] == padded[0]
     assert len(plain[2]) == len(padded[2]) == 5
     for k, (want, got) in enumerate(zip(plain[2], padded[2])):     # logits, states, logits, states, logits
@@ -389,10 +390,10 @@ def test_padded_mixed_steps_equal_unpadded(mixed_runs):
 
 def test_mixed_steps_replayed_from_graphs_give_the_one_sequence_tokens(mixed_runs, alone):
     """Catches a Qwen3.5 mixed-step graph (keyed, captured and replayed as Qwen3's) whose replay mixes up slots,
-    states or positions: the shape's first step runs eagerly, the second captures and replays it, the third replays
-    it, and each stream equals its one-sequence run."""
+    states or positions: the shape's first step captures and replays it, the next two replay it, and each stream
+    equals its one-sequence run."""
     got, _, _, _, replayed = mixed_runs[True]
-    assert replayed == [("mixed", 2, 7, 1)] * 2, replayed
+    assert replayed == [("mixed", 2, 7, 8)] * 3, replayed
     assert got == {"first": alone[16][:4], "second": alone[15][:1]}
 
 

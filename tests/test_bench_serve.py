@@ -165,6 +165,26 @@ def test_word_tokenizer_view_gives_every_id_a_word(tmp_path):
     assert (view / "model.safetensors").is_symlink()
 
 
+def test_word_tokenizer_view_can_be_remade_in_the_same_folder(tmp_path):
+    """Catches a view folder that only works once (a second view there, e.g. of another model, failed on its
+    existing links): the second view points at the second model, with none of the first one's links left."""
+    from pegainfer.demo import ensure_demo_model
+    from pegainfer.serving_bench.word_tokenizer import word_tokenizer_view
+    demo = ensure_demo_model()
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (other / name).symlink_to(demo / name)
+    (tmp_path / "first-only.txt").write_text("x")
+    first = tmp_path / "view"
+    word_tokenizer_view(demo, str(first))
+    (first / "first-only.txt").symlink_to(tmp_path / "first-only.txt")
+    view = word_tokenizer_view(other, str(first))
+    assert (view / "config.json").readlink() == other / "config.json"
+    assert not (view / "first-only.txt").exists()
+    assert Tokenizer.from_folder(view).decode([3, 4]) == "w3 w4"
+
+
 def test_a_server_that_cannot_start_is_one_line(model_folder):
     args = parse("--model-path", str(model_folder), "--num-prompts", "1")
     command = (sys.executable, "-m", "tests.server.serve_fake", "broken")

@@ -23,6 +23,9 @@ def word_tokenizer_view(folder, dest: Optional[str] = None) -> Path:
     src = Path(folder).expanduser().resolve()
     dst = Path(dest) if dest is not None else Path(tempfile.mkdtemp(prefix="pegainfer-word-tokenizer-"))
     dst.mkdir(parents=True, exist_ok=True)
+    for old in dst.iterdir():      # a view made before (of this or another model): its links go
+        if old.is_symlink():
+            old.unlink()
     for name in os.listdir(src):
         if not name.startswith("tokenizer") and name != "chat_template.jinja":
             os.symlink(src / name, dst / name)

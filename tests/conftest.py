@@ -4,12 +4,7 @@ import pytest
 
 import pegainfer
 
-SIMULATOR = pegainfer.SIMULATOR
-if SIMULATOR:   # the same kernels, simulated faster: tests/simulator_calls.py, tests/simulator_blocks.py
-    from tests.simulator_blocks import patch_block_runner
-    from tests.simulator_calls import patch_device_calls
-    patch_device_calls()
-    patch_block_runner()
+SIMULATOR = pegainfer.SIMULATOR   # (in the simulator, kernels.primitives speeds it up: primitives/simulator.py)
 
 
 @pytest.fixture

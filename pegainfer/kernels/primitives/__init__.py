@@ -14,8 +14,8 @@ and never checks which world it runs in; this package is the only place that doe
 * ``async_copy`` -- ``cp.async`` and the sm_90 bulk copies with their mbarrier
 * ``pdl`` -- programmatic dependent launch (``grid_dependency_wait``, ``launch_dependents``, ``pdl_prologue``, the
   ``reads_before_wait`` declaration) and the clock registers of the timeline stamps
-* ``ptx`` (GPU) -- helpers for writing inline-PTX intrinsics; ``simulator`` (simulator) -- a faster, race-free block
-  scheduler and shared-memory allocator for Numba's simulator
+* ``ptx`` (GPU) -- helpers for writing inline-PTX intrinsics; ``simulator`` (simulator) -- a faster simulator: blocks
+  on persistent threads, cheap device-function calls, a race-free shared-memory allocator
 
 Conventions every kernel in ``pegainfer/kernels`` follows
 ---------------------------------------------------------

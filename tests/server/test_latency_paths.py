@@ -97,7 +97,7 @@ def test_a_long_prompt_is_tokenized_off_the_loop_with_the_same_result(model_fold
 
 
 def test_a_client_that_leaves_before_its_request_is_accepted(model_folder):
-    engine = FakeEngine(model_folder, max_batch=1)
+    engine = FakeEngine(model_folder, max_batch=1, step_delay=0.005)   # A lasts ~1 s: still running at the pause
     with serve_engine(engine) as (url, ae), httpx.Client(base_url=url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json={"prompt": "A", "max_tokens": 200, "ignore_eos": True,
                                                           "stream": True}) as a:

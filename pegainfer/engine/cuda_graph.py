@@ -153,6 +153,7 @@ class StepGraphs:
         self.max_lazy = max_lazy
         self._lazy: set = set()                 # keys captured by replay_or_capture
         self._failed: dict = {}                 # key → captures that failed (two: eager from then on)
+        self.eager_steps = 0                    # steps ``replay_or_run`` launched kernel by kernel
 
     def has(self, *key) -> bool:
         return key in self.execs
@@ -197,6 +198,14 @@ class StepGraphs:
         self._lazy.add(key)
         self.replay(*key)
         return True
+
+    def replay_or_run(self, key, run) -> None:
+        """Replay (or first capture) ``key``'s graph, or run the step eagerly: when ``key`` is None (a step no graph
+        holds) or ``replay_or_capture`` declines.  Eager steps are counted (``eager_steps``, on ``/metrics``): each
+        costs the host hundreds of launches."""
+        if key is None or not self.replay_or_capture(key, run):
+            self.eager_steps += 1
+            run()
 
     def try_capture(self, key: tuple, run) -> bool:
         """``capture_fn``, where a failure is logged once and leaves ``key`` eager instead of raising: a step the

@@ -317,9 +317,10 @@ class ModelRunner:
         with on_stream(self.stream):
             self._upload()
             run = lambda: self.forward_and_sample(T, B, num_decode=Dp, mixed=True)   # noqa: E731
-            key = ("mixed", Dp, Cp, Rp)
-            if shape is None or self.graphs is None or force_eager or not self.graphs.replay_or_capture(key, run):
+            if self.graphs is None or force_eager:
                 run()
+            else:
+                self.graphs.replay_or_run(("mixed", Dp, Cp, Rp) if shape is not None else None, run)
         out = self._finish(B)
         return [int(out[r]) for r in order]
 

@@ -103,6 +103,11 @@ class _EngineCollector:
                     get("prefix_cache_queries")),
             counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                     get("prefix_cache_hits")),
+            gauge("pegainfer:cuda_graphs", "CUDA graphs of whole steps instantiated (decode batch sizes, prompt-chunk "
+                                           "buckets, mixed-step shapes).", get("cuda_graphs")),
+            counter("pegainfer:eager_mixed_steps", "Mixed steps (decodes beside prompt chunks) launched kernel by "
+                                                   "kernel instead of replayed from a CUDA graph.",
+                    get("eager_mixed_steps")),
         ]
 
 

@@ -112,3 +112,17 @@ def test_a_failed_capture_leaves_its_shape_eager(caplog):
     assert sum("capture" in r.getMessage() for r in caplog.records) == 1
     assert [graphs.replay_or_capture(good, None) for _ in range(2)] == [True, True]
     assert graphs.captured == [good] and not graphs.has(*bad)
+
+
+def test_steps_no_graph_holds_run_eagerly_and_are_counted():
+    """Catches eager mixed steps that go unseen (``/metrics``' ``pegainfer:eager_mixed_steps``): a step without a
+    graph shape, and one past the cap, run their launches once each and are counted; a replayed one is not."""
+    graphs = _Graphs()
+    graphs.max_lazy = 1
+    ran = []
+    graphs.replay_or_run(("mixed", 8, 16, 8), lambda: ran.append("captured"))    # captured (not run: emulated)
+    graphs.replay_or_run(None, lambda: ran.append("unpadded"))
+    graphs.replay_or_run(("mixed", 8, 32, 8), lambda: ran.append("past the cap"))
+    graphs.replay_or_run(("mixed", 8, 16, 8), lambda: ran.append("replayed"))
+    assert ran == ["unpadded", "past the cap"] and graphs.eager_steps == 2
+    assert graphs.replayed == [("mixed", 8, 16, 8)] * 2

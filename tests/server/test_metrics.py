@@ -21,7 +21,7 @@ class StatsEngine(FakeEngine):
 
     def stats(self) -> dict:
         return {**super().stats(), "kv_pages_total": 100, "num_preemptions": 3, "prefix_cache_queries": 50,
-                "prefix_cache_hits": 20}
+                "prefix_cache_hits": 20, "cuda_graphs": 41, "eager_mixed_steps": 7}
 
 
 def test_engine_gauges_and_counters_come_from_stats(model_folder):
@@ -47,6 +47,8 @@ def test_engine_gauges_and_counters_come_from_stats(model_folder):
         assert value(m, "vllm:num_preemptions_total", model_name="m") == 3
         assert value(m, "vllm:prefix_cache_queries_total", model_name="m") == 50
         assert value(m, "vllm:prefix_cache_hits_total", model_name="m") == 20
+        assert value(m, "pegainfer:cuda_graphs", model_name="m") == 41
+        assert value(m, "pegainfer:eager_mixed_steps_total", model_name="m") == 7
         assert value(m, "process_resident_memory_bytes") > 0
         engine.gate.set()
         for t in threads:

@@ -40,7 +40,7 @@ import numpy as np
 from pegainfer.errors import PegainferError
 from pegainfer.serving_bench import workload
 from pegainfer.serving_bench.client import (RequestResult, check_base_url, client_processes, run_in_processes,
-                                            run_requests, server_info)
+                                            run_requests, server_info, step_counters)
 from pegainfer.serving_bench.launch import SERVE_COMMAND, ServerProcess
 from pegainfer.serving_bench.metrics import LATENCIES, per_request, summarize
 
@@ -197,9 +197,14 @@ def bench_against(url: str, args, requests, arrivals) -> dict:
     if bad:
         raise PegainferError(f"the warm-up request failed: {bad[0].error}")
     processes = client_processes(args.client_processes, args.max_concurrency or len(requests))
+    before = step_counters(url)
     results, duration, cpus = run_in_processes(processes, url, model, requests, arrivals, args.max_concurrency,
                                                args.api_key, args.request_timeout)
+    after = step_counters(url)
     res = {"model": model, "max_model_len": info.get("max_model_len")}
+    for key in ("cuda_graphs", "eager_mixed_steps"):     # what the server met for the first time during the run
+        if key in before and key in after:
+            res[f"server_new_{key}"] = int(after[key] - before[key])
     res.update(summarize(results, duration))
     res["client_processes"] = len(cpus)
     res["client_cpu_percent"] = 100.0 * max(cpus) / duration if duration > 0 else None
@@ -306,6 +311,10 @@ def print_report(res: dict, out=None) -> None:
     if res.get("client_cpu_percent") is not None and res["client_cpu_percent"] > CLIENT_CPU_WARNING:
         w(f"note: a client process used {res['client_cpu_percent']:.0f} % of a core: the client may be what limits "
           f"these numbers (more --client-processes, or a machine with more free cores)\n")
+    if res.get("server_new_cuda_graphs") or res.get("server_new_eager_mixed_steps"):
+        w(f"note: during the run the server captured {res.get('server_new_cuda_graphs', 0)} CUDA graphs of step "
+          f"shapes it met for the first time and ran {res.get('server_new_eager_mixed_steps', 0)} mixed steps "
+          f"without one: a second run against it measures its steady state\n")
     if "hf_output_throughput" in res:
         w(f"\nside by side, the same prompts and output lengths (Hugging Face: {res['hf_class']} continuous "
           f"batching, bf16, every request at once, no HTTP):\n")

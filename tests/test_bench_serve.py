@@ -84,6 +84,37 @@ def test_fixed_concurrency_against_a_running_server(fake_url, model_folder, tmp_
     assert res["peak_concurrency"] <= 2 and res["max_concurrency"] == 2 and res["request_rate"] is None
     printed = capsys.readouterr().out
     assert "output token throughput (tok/s)" in printed and "worst gap between two tokens" in printed
+    assert res["server_new_cuda_graphs"] == res["server_new_eager_mixed_steps"] == 0    # counts that never move
+    assert "steady state" not in printed
+
+
+class GraphCountingEngine(FakeEngine):
+    """A FakeEngine that, like the real one meeting new step shapes, captures a graph every 4th step and runs a mixed
+    step eagerly every 10th (``Engine.stats()``' ``cuda_graphs`` and ``eager_mixed_steps``)."""
+
+    steps = 0
+
+    def step(self):
+        self.steps += 1
+        return super().step()
+
+    def stats(self) -> dict:
+        return {**super().stats(), "cuda_graphs": 40 + self.steps // 4, "eager_mixed_steps": self.steps // 10}
+
+
+def test_graphs_the_server_captured_during_the_run_are_reported(model_folder, tmp_path, capsys):
+    """Catches a first run after a server's start (graphs captured, steps run eagerly) reported as if it were the
+    steady state: the counts the server's /metrics grew by during the run are in the JSON and a note says so;
+    a server whose counts do not move gets no note."""
+    engine = GraphCountingEngine(model_folder, reply="x " * 600, max_batch=4, step_delay=0.002)
+    with serve_engine(engine, max_waiting=64) as (url, _ae):
+        out = tmp_path / "r.json"
+        args = parse("--base-url", url, "--model-path", str(model_folder), "--num-prompts", "4",
+                     "--max-concurrency", "2", "--input-len", "4", "--output-len", "30", "--json", str(out))
+        assert run_bench_serve(args) == 0
+    res = json.loads(out.read_text())
+    assert res["server_new_cuda_graphs"] >= 30 // 4 and res["server_new_eager_mixed_steps"] >= 30 // 10
+    assert "a second run against it measures its steady state" in capsys.readouterr().out
 
 
 def test_requests_shared_among_client_processes(fake_url, model_folder, tmp_path):

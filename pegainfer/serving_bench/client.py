@@ -87,6 +87,28 @@ def server_info(base_url: str, api_key: Optional[str] = None, timeout: float = 1
                              f"server?") from None
 
 
+STEP_COUNTERS = {"pegainfer:cuda_graphs": "cuda_graphs", "pegainfer:eager_mixed_steps": "eager_mixed_steps"}
+"""The ``/metrics`` families that say how the server ran its steps (a pegainfer server's; others have none)."""
+
+
+def step_counters(base_url: str, timeout: float = 10.0) -> dict:
+    """The server's ``STEP_COUNTERS`` now (summed over models), or {} when ``/metrics`` has none of them (not a
+    pegainfer server, or no ``/metrics``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        r = httpx.get(f"{base_url}/metrics", timeout=timeout)
+        if r.status_code != 200:
+            return {}
+        out = {}
+        for family in text_string_to_metric_families(r.text):
+            key = STEP_COUNTERS.get(family.name)
+            if key is not None:
+                out[key] = sum(s.value for s in family.samples if not s.name.endswith("_created"))
+        return out
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
 def _error_line(status: int, body: bytes) -> str:
     try:
         msg = json.loads(body)["error"]["message"]

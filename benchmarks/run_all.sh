@@ -28,6 +28,8 @@
 #             ShareGPT-like mix at $RATE requests/s (default none); then benchmarks/soak.py for $SOAK_S seconds
 #             (default none) at 64 streams
 #   batch     pegainfer bench --batch B (B in $BATCHES, default "64 256") at a 256-token context, beside the floor
+#   mixed     benchmarks/bench_mixed_step.py on Qwen3-4B: 64 decodes beside 16 arriving 128-token prompts, against
+#             the decode step and the prompts alone
 #   prefix    benchmarks/prefix_cache_ttft.py: a 2000-token shared prefix, cache on and off
 #   constrained  benchmarks/constrained_decode.py on Qwen3-4B (a Qwen3-sized tokenizer view): unconstrained rows
 #             beside JSON-schema rows at batch 8 and 64, and 64 JSON rows, against the unconstrained batches
@@ -155,6 +157,9 @@ print(v('$SM', '/tmp/serve_view'))" 2>/dev/null | tail -1)
                   --batch $b --prompt-len 256 --output-len 32 --runs 3 --json "$OUT/batch_$b.json" 2>&1 | filter \
                   | tail -12 | tee -a "$OUT/batch.log"
               done ;;
+    mixed)    timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_mixed_step.py --model-path "$M/qwen3-4b" \
+                --batch 64 --prompts 16 --prompt-len 128 --runs 5 --json "$OUT/mixed_step.json" 2>&1 | filter \
+                | tail -8 | tee "$OUT/mixed_step.log" ;;
     prefix)   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/prefix_cache_ttft.py --model-path "$M/qwen3-4b" \
                 --prefix-len 2000 --suffix-len 16 --runs 3 --json "$OUT/prefix.json" 2>&1 | filter | tail -6 \
                 | tee "$OUT/prefix.log" ;;

@@ -18,6 +18,7 @@ QUESTIONS = {
     "prefix_cache_ttft.py": "How much sooner does the first token of a prompt come when an earlier request computed "
                             "its prefix (prefix caching)?",
     "soak.py": "Does the server stay healthy under a long mixed load?",
+    "bench_mixed_step.py": "How long does a mixed step take",
 }
 STEP_PROFILE_MODES = {
     "timeline": "Where does the time between a decode step's kernels go",

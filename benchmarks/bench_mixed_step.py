@@ -1,0 +1,128 @@
+"""How long does a mixed step take -- B running decodes beside the prompts of N new requests of L tokens each, the
+step a server runs whenever requests arrive -- against its parts: the decode step of the B sequences alone and a
+step of the same N prompts alone?
+
+    python benchmarks/bench_mixed_step.py --model-path ~/models/Qwen3-4B [--batch 64] [--prompts 16] [--prompt-len 128]
+
+B sequences are prefilled to ``--context`` tokens and keep decoding; then, ``--runs`` times, N new requests of L
+random tokens (one output token each, so they leave right after) arrive together and the next step carries them
+beside the B decodes.  Every shape is run once untimed first (so its CUDA graph is captured), and the engine runs
+synchronously (``async_scheduling`` off): each step's time is its host work plus its GPU work, the same for the three
+kinds.  Prints each kind's p50 and the mixed step's excess over the sum of its parts (negative: the mixed step
+shares what its parts would each pay, e.g. one pass over the weights).  Without a GPU it runs in the simulator on
+the demo model (use small sizes)."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+
+def _step_kinds(engine):
+    """Wrap the scheduler so each step's kind ("decode", "prefill", "mixed") is recorded; returns the list."""
+    kinds, schedule = [], engine.scheduler.schedule
+
+    def recording():
+        sched = schedule()
+        if sched is not None:
+            kinds.append(sched.kind)
+        return sched
+    engine.scheduler.schedule = recording
+    return kinds
+
+
+def _timed_step(engine) -> float:
+    t0 = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - t0
+
+
+def _arrive(engine, rng, tag: str, n: int, length: int, vocab: int) -> None:
+    from pegainfer.engine.types import SamplingParams
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for j in range(n):
+        engine.add_request(f"{tag}-{j}", rng.integers(0, vocab, size=length).tolist(), one)
+
+
+def measure(engine, batch: int, prompts: int, prompt_len: int, context: int, runs: int) -> dict:
+    """Step times (seconds) of the three kinds on ``engine``: ``decode`` (the B sequences), ``prompts`` (the N
+    prompts, nothing else running) and ``mixed`` (both in one step), each ``runs`` times after one untimed run."""
+    from pegainfer.engine.types import SamplingParams
+    rng = np.random.default_rng(0)
+    vocab = min(engine.model.V, engine.tokenizer.vocab_size)
+    kinds = _step_kinds(engine)
+    times = {"decode": [], "prompts": [], "mixed": []}
+    for run in range(runs + 1):                 # the N prompts alone (run 0 untimed: captures the shape)
+        _arrive(engine, rng, f"alone{run}", prompts, prompt_len, vocab)
+        t = _timed_step(engine)
+        while engine.has_unfinished():
+            engine.step()
+        if run:
+            times["prompts"].append(t)
+    long = SamplingParams(max_tokens=10 ** 6, temperature=0.0, ignore_eos=True)
+    for j in range(batch):                      # the B decoding sequences, at the given context
+        engine.add_request(f"run-{j}", rng.integers(0, vocab, size=context).tolist(), long)
+    sched = engine.scheduler
+    while sched.waiting or any(seq.num_uncomputed > 1 for seq in sched.running):
+        engine.step()
+    for run in range(runs + 1):
+        t = _timed_step(engine)                 # a decode step of the B sequences
+        _arrive(engine, rng, f"mixed{run}", prompts, prompt_len, vocab)
+        first = len(kinds)
+        tm = _timed_step(engine)                # the step that carries the new prompts beside the decodes
+        assert kinds[first] == "mixed", kinds[first:]
+        while len(sched.running) + len(sched.waiting) > batch:    # (their single tokens finish the new requests)
+            engine.step()
+        if run:
+            times["decode"].append(t)
+            times["mixed"].append(tm)
+    for j in range(batch):
+        engine.abort(f"run-{j}")
+    while engine.has_unfinished():
+        engine.step()
+    return times
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default=None, help="model folder (default: the demo model)")
+    ap.add_argument("--batch", type=int, default=64, help="running decodes B (default 64)")
+    ap.add_argument("--prompts", type=int, default=16, help="new requests N arriving together (default 16)")
+    ap.add_argument("--prompt-len", type=int, default=128, help="tokens L of each new prompt (default 128)")
+    ap.add_argument("--context", type=int, default=256, help="prompt tokens of each decoding sequence (default 256)")
+    ap.add_argument("--runs", type=int, default=5, help="timed steps of each kind (default 5)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="the step's token budget (default: B + N·L, so one step carries every new prompt)")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    from pegainfer.engine.engine import Engine
+
+    budget = args.max_num_batched_tokens or args.batch + args.prompts * args.prompt_len
+    mml = args.context + 4 * (args.runs + 2) + args.prompt_len + 64
+    engine = Engine.from_folder(args.model_path, mml, max_batch=args.batch + args.prompts,
+                                max_num_batched_tokens=budget, async_scheduling=False)
+    times = measure(engine, args.batch, args.prompts, args.prompt_len, args.context, args.runs)
+    p50 = {kind: 1e3 * statistics.median(t) for kind, t in times.items()}
+    res = {"model": engine.model_name, "batch": args.batch, "prompts": args.prompts, "prompt_len": args.prompt_len,
+           "context": args.context, "runs": args.runs, "max_num_batched_tokens": budget,
+           "p50_ms": p50, "excess_ms": p50["mixed"] - p50["decode"] - p50["prompts"],
+           "step_s": times}
+    B, N, L = args.batch, args.prompts, args.prompt_len
+    print(f"{engine.model_name}: {B} decodes at context ~{args.context}, {N} prompts of {L} tokens, p50 of "
+          f"{args.runs} steps each (synchronous steps)")
+    print(f"{'step':<40}{'tokens':>8}{'p50 ms':>10}")
+    print(f"{f'decode of {B}':<40}{B:>8}{p50['decode']:>10.3f}")
+    print(f"{f'{N} prompts x {L} alone':<40}{N * L:>8}{p50['prompts']:>10.3f}")
+    print(f"{f'mixed: {B} decodes + {N} x {L}':<40}{B + N * L:>8}{p50['mixed']:>10.3f}")
+    print(f"{'mixed - (decode + prompts)':<40}{'':>8}{res['excess_ms']:>+10.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,19 @@
+"""``benchmarks/bench_mixed_step.py`` on the demo model (in the simulator on CI), run in-process through its
+``main`` (``test_help.py`` runs it as a script)."""
+import json
+
+
+def test_mixed_step_benchmark_times_the_three_kinds(bench_modules, tmp_path):
+    """Catches a benchmark that times some other step than the one it names: the mixed step must be a step the
+    scheduler calls mixed (asserted inside), each kind timed ``--runs`` times, the excess their difference."""
+    import bench_mixed_step
+
+    out = tmp_path / "mixed.json"
+    assert bench_mixed_step.main(["--batch", "2", "--prompts", "2", "--prompt-len", "4", "--context", "4",
+                                  "--runs", "1", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert {k: len(v) for k, v in got["step_s"].items()} == {"decode": 1, "prompts": 1, "mixed": 1}
+    p50 = got["p50_ms"]
+    assert all(v > 0 for v in p50.values())
+    assert abs(got["excess_ms"] - (p50["mixed"] - p50["decode"] - p50["prompts"])) < 1e-9
+    assert got["max_num_batched_tokens"] == 2 + 2 * 4

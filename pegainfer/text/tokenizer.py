@@ -40,6 +40,13 @@ def _byte_level_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(printable, chars)}
 
 
+def _byte_level_bytes(piece: str) -> Optional[bytes]:
+    """A byte-level BPE piece's bytes (every character through ``_byte_level_decoder``), or None when a character
+    is not in the table (the piece is not byte-level, e.g. an added token's text)."""
+    table = _byte_level_decoder()
+    return bytes(table[ch] for ch in piece) if all(ch in table for ch in piece) else None
+
+
 class Tokenizer:
     """Text ↔ token ids for one model.
 
@@ -133,9 +140,9 @@ class Tokenizer:
             return b""
         if token_id not in self._added_ids:
             if self._byte_level:
-                table = _byte_level_decoder()
-                if all(ch in table for ch in piece):
-                    return bytes(table[ch] for ch in piece)
+                got = _byte_level_bytes(piece)
+                if got is not None:
+                    return got
             m = _BYTE_FALLBACK.match(piece)
             if m:
                 return bytes([int(m.group(1), 16)])
@@ -155,8 +162,9 @@ class Tokenizer:
             if piece is None:
                 got = b""
             else:
-                table = _byte_level_decoder()
-                got = bytes(table[ch] for ch in piece) if all(ch in table for ch in piece) else piece.encode()
+                got = _byte_level_bytes(piece)
+                if got is None:
+                    got = piece.encode()
             self._piece_bytes[token_id] = got
         return got
 

@@ -21,19 +21,6 @@ import time
 import numpy as np
 
 
-def _step_kinds(engine):
-    """Wrap the scheduler so each step's kind ("decode", "prefill", "mixed") is recorded; returns the list."""
-    kinds, schedule = [], engine.scheduler.schedule
-
-    def recording():
-        sched = schedule()
-        if sched is not None:
-            kinds.append(sched.kind)
-        return sched
-    engine.scheduler.schedule = recording
-    return kinds
-
-
 def _timed_step(engine) -> float:
     t0 = time.perf_counter()
     engine.step()
@@ -53,29 +40,26 @@ def measure(engine, batch: int, prompts: int, prompt_len: int, context: int, run
     from pegainfer.engine.types import SamplingParams
     rng = np.random.default_rng(0)
     vocab = min(engine.model.V, engine.tokenizer.vocab_size)
-    kinds = _step_kinds(engine)
+    sched = engine.scheduler
     times = {"decode": [], "prompts": [], "mixed": []}
     for run in range(runs + 1):                 # the N prompts alone (run 0 untimed: captures the shape)
         _arrive(engine, rng, f"alone{run}", prompts, prompt_len, vocab)
         t = _timed_step(engine)
-        while engine.has_unfinished():
-            engine.step()
+        assert not engine.has_unfinished(), "the prompts did not fit one step: raise --max-num-batched-tokens"
         if run:
             times["prompts"].append(t)
     long = SamplingParams(max_tokens=10 ** 6, temperature=0.0, ignore_eos=True)
     for j in range(batch):                      # the B decoding sequences, at the given context
         engine.add_request(f"run-{j}", rng.integers(0, vocab, size=context).tolist(), long)
-    sched = engine.scheduler
     while sched.waiting or any(seq.num_uncomputed > 1 for seq in sched.running):
         engine.step()
     for run in range(runs + 1):
         t = _timed_step(engine)                 # a decode step of the B sequences
         _arrive(engine, rng, f"mixed{run}", prompts, prompt_len, vocab)
-        first = len(kinds)
-        tm = _timed_step(engine)                # the step that carries the new prompts beside the decodes
-        assert kinds[first] == "mixed", kinds[first:]
-        while len(sched.running) + len(sched.waiting) > batch:    # (their single tokens finish the new requests)
-            engine.step()
+        # the step that carries the new prompts beside the decodes (which a step never skips): their single
+        # tokens finish them in it
+        tm = _timed_step(engine)
+        assert not sched.waiting and len(sched.running) == batch, "the prompts did not fit one step beside the decodes"
         if run:
             times["decode"].append(t)
             times["mixed"].append(tm)

@@ -3,14 +3,25 @@
 import json
 
 
-def test_mixed_step_benchmark_times_the_three_kinds(bench_modules, tmp_path):
-    """Catches a benchmark that times some other step than the one it names: the mixed step must be a step the
-    scheduler calls mixed (asserted inside), each kind timed ``--runs`` times, the excess their difference."""
+def test_mixed_step_benchmark_times_the_three_kinds(bench_modules, tmp_path, monkeypatch):
+    """Catches a benchmark that times some other step than the one it names: every timed (and warm-up) mixed step
+    carries the 2 decodes and both new prompts, every prompts-alone step both prompts and nothing else; each kind
+    is timed ``--runs`` times, the excess their difference."""
     import bench_mixed_step
+    from pegainfer.engine.scheduler import Scheduler
 
+    steps, schedule = [], Scheduler.schedule
+
+    def recording(self):
+        step = schedule(self)
+        if step is not None:
+            steps.append((len(step.decodes), sorted(n for _, _, n in step.chunks)))
+        return step
+    monkeypatch.setattr(Scheduler, "schedule", recording)
     out = tmp_path / "mixed.json"
-    assert bench_mixed_step.main(["--batch", "2", "--prompts", "2", "--prompt-len", "4", "--context", "4",
+    assert bench_mixed_step.main(["--batch", "2", "--prompts", "2", "--prompt-len", "4", "--context", "5",
                                   "--runs", "1", "--json", str(out)]) == 0
+    assert steps.count((2, [4, 4])) == 2 and steps.count((0, [4, 4])) == 2, steps
     got = json.loads(out.read_text())
     assert {k: len(v) for k, v in got["step_s"].items()} == {"decode": 1, "prompts": 1, "mixed": 1}
     p50 = got["p50_ms"]

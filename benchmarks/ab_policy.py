@@ -1,4 +1,4 @@
-"""Which launch policy makes a batch-1 decode step faster on this GPU?  Compares variants of the engine's
+"""Which launch policy makes a decode step faster on this GPU?  Compares variants of the engine's
 ``LaunchPolicy`` (``pegainfer/kernels/policy.py``), alternating them on one machine: a GPU's bandwidth drifts between
 runs and machines by more than most changes worth trying, so two variants compare only within one run.
 
@@ -11,9 +11,9 @@ A variant is ``LABEL:FIELD=VALUE[,FIELD=VALUE...]``, the default policy with tho
 
 Modes:
 
-* ``graph`` (default): one engine; each variant's batch-1 decode graph is captured while the model holds that
-  variant's policy, then every round replays every variant's graph ``--replays`` times between two CUDA events,
-  in an order rotated each round.  A token costs what its decode graph replayed back to back costs
+* ``graph`` (default): one engine; each variant's decode graph (batch 1, or ``--batch B``) is captured while the
+  model holds that variant's policy, then every round replays every variant's graph ``--replays`` times between
+  two CUDA events, in an order rotated each round.  A token costs what its decode graph replayed back to back costs
   (``step_profile.py gaps``), so the replay time is the figure compared.  Dozens of variants in minutes.
 * ``bench``: ``python -m pegainfer bench`` in a fresh process per variant and round, alternating: TTFT and TPOT
   as a user sees them (~40 s a run).  Arguments after ``--`` go to ``bench``.
@@ -162,7 +162,7 @@ def run_graphs(args, variants) -> dict:
     and ``{label: error}`` of variants that failed to capture."""
     from pegainfer.kernels.policy import LaunchPolicy
     engine = graph_timing.warmed_engine(args.model_path, args.max_model_len, args.prompt_len, args.output_len,
-                                        policy=LaunchPolicy())
+                                        policy=LaunchPolicy(), batch=args.batch)
     base = engine.model.policy
     execs, failed = {}, {}
     for label, fields in variants:
@@ -170,11 +170,11 @@ def run_graphs(args, variants) -> dict:
             policy = policy_with(base, fields)
             if policy.timeline:
                 _timeline_buffer()
-            execs[label] = graph_timing.capture_decode_graph(engine, policy)
+            execs[label] = graph_timing.capture_decode_graph(engine, policy, args.batch)
         except Exception as e:          # a variant that does not compile or launch: report it, time the others
             failed[label] = f"{type(e).__name__}: {e}".splitlines()[0]
             print(f"{label}: failed: {failed[label]}", flush=True)
-    graph_timing.capture_decode_graph(engine)          # the engine's own graph back
+    graph_timing.capture_decode_graph(engine, batch=args.batch)   # the engine's own graph back
     labels = list(execs)
     times: dict[str, list[float]] = {label: [] for label in labels}
     for rnd in range(args.rounds):
@@ -247,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="graph: decode-graph replays on one engine (default); bench: pegainfer bench per run")
     ap.add_argument("--variant", action="append", metavar="LABEL[:FIELD=VALUE,...]",
                     help="a policy variant (repeat; the first is the reference)")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="graph mode: time the decode graph of this many sequences (default 1), after --output-len "
+                         "steps of the batch from --prompt-len-token prompts")
     ap.add_argument("--rounds", type=int, default=None, help="rounds (default: 8 graph, 2 bench)")
     ap.add_argument("--replays", type=int, default=64, help="graph mode: replays timed per variant and round")
     ap.add_argument("--max-model-len", type=int, default=4096, help="graph mode (default 4096)")

@@ -142,38 +142,44 @@ def replay_graph_ms(runner, exe, replays: int, warmup: int = 0) -> float:
     return cuda.event_elapsed_time(start, end) / replays
 
 
-def warmed_engine(model_path, max_model_len: int = 4096, prompt_len: int = 16, output_len: int = 64, policy=None):
-    """A batch-1 engine on ``model_path`` (with ``policy``, else the engine's default) that has generated
-    ``output_len`` tokens after a random ``prompt_len``-token prompt: kernels compiled, the decode graph captured,
-    the context at ``prompt_len + output_len`` tokens.  Replaying its decode graph reruns the last step from the
-    inputs still in the runner's buffers (the same position, the sampled id fed back); timing does not depend on
-    those values."""
+def warmed_engine(model_path, max_model_len: int = 4096, prompt_len: int = 16, output_len: int = 64, policy=None,
+                  batch: int = 1):
+    """An engine on ``model_path`` (with ``policy``, else the engine's default) whose decode graph of ``batch``
+    sequences is captured and was last replayed at a context of about ``prompt_len + output_len`` tokens: batch 1
+    generates ``output_len`` tokens after a random ``prompt_len``-token prompt; a batch decodes ``batch`` random
+    prompts together for ``output_len`` steps (``bench.time_batch_decode``).  Replaying the decode graph reruns the
+    last step from the inputs still in the runner's buffers (the same positions, the sampled ids fed back); timing
+    does not depend on those values."""
     import numpy as np
 
-    from pegainfer.bench import time_generation
+    from pegainfer.bench import time_batch_decode, time_generation
     from pegainfer.engine.engine import Engine
-    engine = Engine.from_folder(model_path, max_model_len, max_batch=1, policy=policy)
+    engine = Engine.from_folder(model_path, max_model_len, max_batch=batch, policy=policy)
     rng = np.random.default_rng(0)
     vocab = min(engine.model.V, engine.tokenizer.vocab_size)
-    time_generation(engine, rng.integers(0, vocab, size=prompt_len).tolist(), output_len)
+    if batch == 1:
+        time_generation(engine, rng.integers(0, vocab, size=prompt_len).tolist(), output_len)
+    else:
+        time_batch_decode(engine, rng.integers(0, vocab, size=(batch, prompt_len)).tolist(), output_len)
     engine.runner.stream.synchronize()
     return engine
 
 
-def capture_decode_graph(engine, policy=None):
-    """Capture the engine's batch-1 decode graph again, its model holding ``policy`` while the step is captured
-    (None: the model's own), and return the instantiated graph.  The model's policy is put back afterwards; the
-    runner keeps the new graph as its (1, 1) entry until the next capture."""
+def capture_decode_graph(engine, policy=None, batch: int = 1):
+    """Capture the engine's decode graph of ``batch`` sequences (padded to the runner's graph size) again, its model
+    holding ``policy`` while the step is captured (None: the model's own), and return the instantiated graph.  The
+    model's policy is put back afterwards; the runner keeps the new graph as its entry until the next capture."""
     runner, model = engine.runner, engine.model
+    B = runner.padded_batch(batch)
     own = model.policy
     if policy is not None:
         model.policy = policy
     try:
-        runner.graphs.capture(1, 1, decode=True)
+        runner.graphs.capture(B, B, decode=True)
         runner.stream.synchronize()
     finally:
         model.policy = own
-    return runner.graphs.execs[(1, 1)]
+    return runner.graphs.execs[(B, B)]
 
 
 def last_decode_step(model_path: str, context: int):

@@ -1,6 +1,7 @@
 """RoPE tables (against the formula and against transformers); the reference q/k-norm + RoPE + paged-KV-store kernel
 against a float64 computation that rounds to bf16 where HF's bf16 forward does, and the tuned kernel against the
-reference kernel (the same bits but for a rare last-place flip of the norm's f32 sum)."""
+reference kernel (the same bits but for a rare last-place flip of the norm's f32 sum), and its warps of 2 or 4 heads
+against its warps of one (the same bits)."""
 import numpy as np
 import pytest
 
@@ -10,6 +11,8 @@ from numba import cuda
 from pegainfer.kernels import timeline
 from pegainfer.kernels.policy import LaunchPolicy
 from pegainfer.kernels.rope import qk_norm_rope_store, reference_qk_norm_rope_store, rope_tables
+from pegainfer.kernels.rope import store
+from pegainfer.kernels.rope.store import MIN_TOKENS_FOR_HEAD_GROUPS, choose_heads_per_warp
 
 EPS = 1e-6
 QWEN3 = dict(weight_offset=0.0, round_before_weight=True)
@@ -195,6 +198,46 @@ def test_qk_norm_rope_store(rng, head_dim, rotary_dim, stride_heads, form):
     case = StoreCase(rng, head_dim, rotary_dim, stride_heads, form)
     for got, ref in zip(case.run(), case.run(reference_qk_norm_rope_store)):
         assert_bits_near(got, ref)
+
+
+@pytest.mark.parametrize("nq, nkv, heads_per_warp", [(8, 4, 4), (6, 2, 2)], ids=["8q-4kv-by4", "6q-2kv-by2"])
+@SHAPES
+def test_qk_norm_rope_store_head_groups(rng, nq, nkv, heads_per_warp, head_dim, rotary_dim, stride_heads, form):
+    """Warps of 2 or 4 heads (one kind, one token; 6 q heads: only 2 or 1 divides) write the bits of warps of one
+    head, and match the reference kernel: q and both caches, the padding token's k / v not stored."""
+    case = StoreCase(rng, head_dim, rotary_dim, stride_heads, form, nq=nq, nkv=nkv)
+    grouped = case.run(heads_per_warp=heads_per_warp)
+    for got, one_head in zip(grouped, case.run(heads_per_warp=1)):
+        np.testing.assert_array_equal(got, one_head)
+    for got, ref in zip(grouped, case.run(reference_qk_norm_rope_store)):
+        assert_bits_near(got, ref)
+
+
+def test_choose_heads_per_warp():
+    """One head a warp for few tokens (a decode step), else the largest of 4, 2, 1 dividing both head counts."""
+    many = MIN_TOKENS_FOR_HEAD_GROUPS
+    assert choose_heads_per_warp(many - 1, 32, 8) == 1
+    assert choose_heads_per_warp(many, 32, 8) == 4          # Qwen3-4B
+    assert choose_heads_per_warp(2112, 16, 4) == 4          # Qwen3.5-4B
+    assert choose_heads_per_warp(many, 6, 2) == 2
+    assert choose_heads_per_warp(many, 12, 2) == 2
+    assert choose_heads_per_warp(many, 3, 1) == 1
+
+
+def test_qk_norm_rope_store_picks_heads_per_warp(rng, monkeypatch):
+    """Without ``heads_per_warp`` the launch builds its kernel for ``choose_heads_per_warp``'s count, and
+    rejects a count that does not divide both head counts."""
+    built, real = [], store.qk_norm_rope_kernel
+    monkeypatch.setattr(store, "qk_norm_rope_kernel",
+                        lambda head_dim, rotary_dim, heads_per_warp, stamps: built.append(heads_per_warp)
+                        or real(head_dim, rotary_dim, heads_per_warp, stamps))
+    case = StoreCase(rng, 16, 16, 1, QWEN3, nq=8, nkv=4)
+    case.run()                                                      # 8 tokens: one head a warp
+    monkeypatch.setattr(store, "MIN_TOKENS_FOR_HEAD_GROUPS", case.tokens)
+    case.run()
+    assert built == [1, 4]
+    with pytest.raises(AssertionError):
+        StoreCase(rng, 16, 16, 1, QWEN3, nq=6, nkv=2).run(heads_per_warp=4)
 
 
 def test_qk_norm_rope_store_stamps_the_timeline(rng):

@@ -1,5 +1,6 @@
 """Wide loads and stores: ``load_u32x4(a, i)`` reads ``a[i:i+4]`` of a ``uint32`` array as one 16-byte read-only
 load (8 bf16 values; ``i`` an element index, a multiple of 4); ``load_u32_l2`` reads one word at L2;
+``prefetch_l2(a, i)`` asks L2 for the 128-byte line holding ``a[i]`` and returns at once (no register waits on it);
 ``load_f32x2`` / ``load_f32x4`` and ``store_f32x2`` / ``store_f32x4`` move 8 / 16 bytes of f32 at once (global or
 shared memory); ``as_words`` views a tensor as the flat uint32 array they read."""
 from __future__ import annotations
@@ -17,6 +18,10 @@ if SIMULATOR:
     @device_fn
     def load_u32_l2(a, i):
         return a[i]
+
+    @device_fn
+    def prefetch_l2(a, i):
+        pass
 
     @device_fn
     def load_f32x2(a, i):
@@ -79,6 +84,24 @@ else:
             asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [ptr.type]), "ld.global.cg.u32 $0, [$1];", "=r,l",
                                side_effect=True)
             return builder.call(asm, [ptr])
+
+        return sig, codegen
+
+    @intrinsic
+    def prefetch_l2(typingctx, arr, idx):
+        """``prefetch.global.L2``: bring the line of ``a[idx]`` into L2 for a later load; nothing waits on it.
+        L2 is where every SM's writes meet, so a line prefetched before its writer finished is still read fresh
+        by a load after the PDL wait."""
+        if not (isinstance(arr, types.Array) and arr.ndim == 1):
+            return None
+        sig = types.void(arr, idx)
+
+        def codegen(context, builder, sig, args):
+            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ptr.type]), "prefetch.global.L2 [$0];", "l",
+                               side_effect=True)
+            builder.call(asm, [ptr])
+            return context.get_dummy_value()
 
         return sig, codegen
 

@@ -15,12 +15,14 @@ Modules:
 * ``tables.py`` -- ``rope_tables``: the cos / sin tables (host, as transformers computes them).
 * ``reference.py`` -- the plain kernel: one thread per (token, head), the formulas above (the tests' oracle).
 * ``store.py`` -- ``qk_norm_rope_store``: q/k norm + RoPE + the K/V write into the paged cache, one warp per
-  (token, head), one launch between the QKV projection and attention.
+  (token, group of heads of one kind: ``choose_heads_per_warp``), one launch between the QKV projection and
+  attention.
 """
 from pegainfer.kernels.rope.reference import reference_qk_norm_rope_store
-from pegainfer.kernels.rope.store import (QK_NORM_THREADS, head_geometry, head_inverse_rms, norm_rope_pair,
-                                          qk_norm_rope_kernel, qk_norm_rope_store, rope_rotate_pair)
+from pegainfer.kernels.rope.store import (QK_NORM_THREADS, choose_heads_per_warp, head_geometry, head_inverse_rms,
+                                          norm_rope_pair, qk_norm_rope_kernel, qk_norm_rope_store, rope_rotate_pair)
 from pegainfer.kernels.rope.tables import rope_tables
 
 __all__ = ["rope_tables", "qk_norm_rope_store", "reference_qk_norm_rope_store", "qk_norm_rope_kernel",
-           "QK_NORM_THREADS", "head_geometry", "head_inverse_rms", "norm_rope_pair", "rope_rotate_pair"]
+           "QK_NORM_THREADS", "choose_heads_per_warp", "head_geometry", "head_inverse_rms", "norm_rope_pair",
+           "rope_rotate_pair"]

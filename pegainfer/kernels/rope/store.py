@@ -11,6 +11,10 @@ Rounding: the norm rounds as the model's HF norm (``norm.normalize_element``: ``
 ``round_before_weight``), RoPE as HF's bf16 forward (each product rounded to bf16, then their sum).
 PDL: the kernel lets the attention after it launch at its start, so attention's blocks read the older keys while
 this kernel waits for the projection (``docs/perf/rope.md``).
+Geometry: one warp per (token, group of ``heads_per_warp`` heads of one kind): the kernel is latency-bound (a chain
+of dependent loads per warp), so a warp keeps several heads' bytes in flight and loads what they share once (the
+token's position, slot and cos/sin rows, the norm weights, the KV page); a launch of few tokens (a decode step)
+keeps one head per warp, for parallelism (``choose_heads_per_warp``).
 """
 from __future__ import annotations
 
@@ -29,8 +33,28 @@ from pegainfer.kernels.primitives import (WARP, bf16_to_f32, cuda, device_fn, f3
 uint64 = np.uint64
 
 QK_NORM_THREADS = 128
-"""Threads per block on the GPU (one warp per head: 4 heads a block; Qwen3-4B's 48 heads of a token are 12
-blocks)."""
+"""Threads per block on the GPU: 4 warps, each taking one (token, group of heads) item at a time."""
+
+MAX_HEADS_PER_WARP = 4
+"""The most heads a warp takes at once (``choose_heads_per_warp``): 4 heads of D = 128 are 1 KiB in flight."""
+
+MIN_TOKENS_FOR_HEAD_GROUPS = 128
+"""Launches of fewer tokens run one head per warp (``choose_heads_per_warp``).  Qwen3-4B heads alone on the H200:
+64 tokens 4.3 / 4.2 / 4.6 µs at 1 / 2 / 4 heads a warp, 512 tokens 18.8 / 13.4 / 11.2 (``docs/perf/rope.md``)."""
+
+
+def choose_heads_per_warp(num_tokens: int, num_q_heads: int, num_kv_heads: int) -> int:
+    """Heads per warp of a ``qk_norm_rope_store`` launch: 1 below ``MIN_TOKENS_FOR_HEAD_GROUPS`` tokens, else the
+    largest of 4, 2, 1 that divides both head counts (a warp's heads are all q, all k or all v).
+
+    A decode step (or a short chunk) has few tokens: its warps are few, and it overlaps the projection through PDL,
+    so parallelism counts more than bytes in flight per warp."""
+    if num_tokens < MIN_TOKENS_FOR_HEAD_GROUPS:
+        return 1
+    hpw = MAX_HEADS_PER_WARP
+    while num_q_heads % hpw or num_kv_heads % hpw:
+        hpw //= 2
+    return hpw
 
 
 @device_fn
@@ -69,15 +93,17 @@ def head_geometry(head_dim: int, rotary_dim: int) -> tuple[int, int]:
 
 
 @functools.cache
-def qk_norm_rope_kernel(head_dim: int, rotary_dim: int, stamps: bool = False):
-    """Build the kernel for heads of ``head_dim`` dims, the first ``rotary_dim`` rotated (compile-time constants:
-    the per-lane register arrays stay in registers, and every bound on a lane's dims folds away).  ``stamps``: each
-    block appends its ``timeline`` record."""
+def qk_norm_rope_kernel(head_dim: int, rotary_dim: int, heads_per_warp: int = 1, stamps: bool = False):
+    """Build the kernel for heads of ``head_dim`` dims, the first ``rotary_dim`` rotated, ``heads_per_warp`` heads
+    a warp (compile-time constants: the per-lane register arrays stay in registers, and every bound on a lane's dims
+    and heads folds away).  ``stamps``: each block appends its ``timeline`` record."""
     STAMPS = stamps
+    HPW = heads_per_warp
     J, SHIFT = head_geometry(head_dim, rotary_dim)
     D = head_dim
     HALF = rotary_dim // 2
     ROT = rotary_dim
+    GROUP_DIMS = HPW * J                    # registers a lane holds of its group's heads
     # Which of a lane's registers j hold a dim of the head / a rotary pair / a dim past the rotary ones: compile-time
     # when D, half and rotary_dim are multiples of 32 (every served model), else per lane.
     ALL_DIMS = D % WARP == 0
@@ -120,29 +146,35 @@ def qk_norm_rope_kernel(head_dim: int, rotary_dim: int, stamps: bool = False):
         Destination of k/v for token t: page ``block_tables[token_slots[t], positions[t] // page_size]``, offset
         ``positions[t] % page_size``.
 
-        Geometry: **one warp per (token, head)**, heads numbered q, then k, then v (``num_q_heads + 2·nkv`` per token);
-        a block holds ``blockDim.x / 32`` warps and the grid strides over all (token, head) items.  Lane l holds dims
-        ``l, l + 32, ..`` of its head (``J`` = D / 32 registers) in registers.  The kernel is a chain of
-        dependent memory round trips and, with one or two warps per scheduler, of dependent instructions, so:
-        every load that does not depend on another is issued first, together (the head's norm weights, the token's
-        position and slot; then the cos/sin rows and the block-table entry, which need the position; then the
-        head's values), and every index is unsigned (no negative-index wraparound code) and 64-bit from the start,
-        a base per array plus ``32 j`` for register j: one add, or an immediate offset, per access.  Only the
-        head's values come from the kernel before (the projection): with PDL (``launch``) everything else is read
+        Geometry: **one warp per (token, group of HPW heads)**, ``HPW`` (``heads_per_warp``) consecutive heads of
+        one kind: a token's ``num_q_heads / HPW`` q groups, then its ``nkv / HPW`` k groups, then its ``nkv / HPW``
+        v groups (HPW divides both head counts).  A block holds ``blockDim.x / 32`` warps and the grid strides over
+        all (token, group) items.  Lane l holds dims ``l, l + 32, ..`` of each head of its group (``J`` = D / 32
+        registers a head) in registers.  The kernel is a chain of dependent memory round trips (position -> cos/sin
+        and block table -> the wait -> the heads) and, with few warps per scheduler, of dependent instructions, so:
+        a warp moves HPW heads through one chain (HPW times the bytes in flight of a warp of one head), the loads
+        its heads share are made once (the token's position and slot, its cos/sin rows, the kind's norm weights,
+        the KV page), every load that does not depend on another is issued first, together (norm weights,
+        position, slot; then the cos/sin rows and the block-table entry, which need the position; then the values
+        of all HPW heads), and every index is unsigned (no negative-index wraparound code) and 64-bit from the
+        start, a base per array plus ``32 j`` for register j: one add, or an immediate offset, per access.  Only the
+        heads' values come from the kernel before (the projection): with PDL (``launch``) everything else is read
         before ``grid_dependency_wait`` (``reads_before_wait`` above), while the projection finishes, and the
         attention kernel after this one may launch at once (``launch_dependents`` first: its early loads are small).
         Lane l rotates the pairs ``(p, p + half)``, ``p = l, l + 32, ..``: when ``half`` is a multiple of 32 (every
         served model) the partner ``p + half`` is in the same lane's registers; otherwise (tiny test heads) it is
-        re-read (an L1 hit).  Every lane of the block runs the same number of items and calls ``warp_sum`` once per
-        item (v heads and idle tail warps too), as the simulator's emulated shuffles require.
+        re-read (an L1 hit).  Every lane of the block runs the same number of items and calls ``warp_sum`` HPW times
+        per item (v groups and idle tail warps too), as the simulator's emulated shuffles require.
         """
         t_entry = t_wait = uint64(0)
         if STAMPS:
             t_entry = global_timer()
         launch_dependents()                 # PDL: the attention kernel after this one may start its early loads
-        heads_per_token = num_q_heads + 2 * num_kv_heads
-        total = (qkv.shape[0] // row) * heads_per_token
-        last_token = qkv.shape[0] // row - 1
+        num_tokens = qkv.shape[0] // row
+        q_groups = num_q_heads // HPW       # a token's groups: q_groups of q heads, then kv_groups of k, of v
+        kv_groups = num_kv_heads // HPW
+        groups_per_token = q_groups + 2 * kv_groups
+        total = num_tokens * groups_per_token
         eps = float32(eps)
         weight_offset = float32(weight_offset)
         lane = cuda.threadIdx.x % WARP
@@ -151,28 +183,36 @@ def qk_norm_rope_kernel(head_dim: int, rotary_dim: int, stamps: bool = False):
         k_col0 = num_q_heads * q_head_stride
         v_col0 = k_col0 + num_kv_heads * D
         page_mask = (1 << page_shift) - 1
-        x = cuda.local.array(J, uint16)     # dims lane + 32 j of the head
-        w = cuda.local.array(J, uint16)     # their norm weights
-        cs = cuda.local.array(J, uint16)    # cos / sin of the pairs p = lane + 32 j < half
+        x = cuda.local.array(GROUP_DIMS, uint16)    # [HPW, J]: dim lane + 32 j of the group's head i at i·J + j
+        w = cuda.local.array(J, uint16)             # the norm weights of dims lane + 32 j (one kind: every head's)
+        cs = cuda.local.array(J, uint16)            # cos / sin of the pairs p = lane + 32 j < half (one position)
         sn = cuda.local.array(J, uint16)
+        inv_rms = cuda.local.array(HPW, float32)    # [HPW]: the RMSNorm factor of each head of the group
 
         for first in range(cuda.blockIdx.x * warps_per_block, total, cuda.gridDim.x * warps_per_block):
             item = first + cuda.threadIdx.x // WARP
             active = item < total
-            t = min(item // heads_per_token, last_token)
-            h = item % heads_per_token
-            is_q = active and h < num_q_heads
-            is_k = active and h >= num_q_heads and h < num_q_heads + num_kv_heads
-            is_v = active and h >= num_q_heads + num_kv_heads
+            t = min(item // groups_per_token, num_tokens - 1)
+            group = item % groups_per_token
+            is_q = active and group < q_groups
+            is_k = active and group >= q_groups and group < q_groups + kv_groups
+            is_v = active and group >= q_groups + kv_groups
+            # the group's first head, numbered among the q heads or the kv heads; its columns in the qkv row, and
+            # how far apart the group's heads are there
             if is_q:
-                src = h * q_head_stride
+                first_head = group * HPW
+                src = first_head * q_head_stride
+                src_step = q_head_stride
             elif is_k:
-                src = k_col0 + (h - num_q_heads) * D
+                first_head = (group - q_groups) * HPW
+                src = k_col0 + first_head * D
+                src_step = D
             else:
-                src = v_col0 + (h - num_q_heads - num_kv_heads) * D
-            kv_head = h - num_q_heads if is_k else h - num_q_heads - num_kv_heads
+                first_head = (group - q_groups - kv_groups) * HPW
+                src = v_col0 + first_head * D
+                src_step = D
 
-            # 1. independent loads, all at once: norm weights, position and slot
+            # 1. independent loads, all at once: the kind's norm weights, the token's position and slot
             pos = int32(positions[uint64(t)])
             slot = int32(token_slots[uint64(t)])
             for j in range(J):
@@ -181,7 +221,7 @@ def qk_norm_rope_kernel(head_dim: int, rotary_dim: int, stamps: bool = False):
                         w[j] = q_norm_w[ulane + uint64(WARP * j)]
                     elif is_k:
                         w[j] = k_norm_w[ulane + uint64(WARP * j)]
-            # 2. what needs the position: cos / sin of this lane's pairs, the KV page
+            # 2. what needs the position: cos / sin of this lane's pairs, the KV page (both shared by the group)
             if is_q or is_k:
                 trig = uint64(pos) * uint64(HALF) + ulane
                 for j in range(J):
@@ -191,62 +231,74 @@ def qk_norm_rope_kernel(head_dim: int, rotary_dim: int, stamps: bool = False):
             page = int32(0)
             if (is_k or is_v) and slot >= 0:
                 page = int32(block_tables[uint64(slot) * uint64(pages_per_seq) + uint64(pos >> page_shift)])
-            grid_dependency_wait()          # PDL: everything above is read-only in a step; the head is not
+            grid_dependency_wait()          # PDL: everything above is read-only in a step; the heads are not
             if STAMPS and t_wait == uint64(0):
                 t_wait = global_timer()
-            head = uint64(t) * uint64(row) + uint64(src) + ulane     # qkv index of dim `lane` of the head
-            for j in range(J):
-                if active and in_head(j, lane):
-                    x[j] = qkv[head + uint64(WARP * j)]
+            # 3. the values of the group's HPW heads, all at once
+            head = uint64(t) * uint64(row) + uint64(src) + ulane     # qkv index of dim `lane` of the first head
+            head_step = uint64(src_step)                              # + i·head_step: of head i
+            if active:
+                for i in range(HPW):
+                    for j in range(J):
+                        if in_head(j, lane):
+                            x[i * J + j] = qkv[head + uint64(i) * head_step + uint64(WARP * j)]
 
-            # 3. sum of squares of the head (q and k only), reduced across the warp
-            ss = float32(0.0)
-            if is_q or is_k:
+            # 4. each head's RMSNorm factor: HPW independent reductions across the warp, with no branch between
+            # them so that their shuffles interleave (a v head's factor goes unused)
+            for i in range(HPW):
+                ss = float32(0.0)
                 for j in range(J):
                     if in_head(j, lane):
-                        v = bf16_to_f32(x[j])
+                        v = bf16_to_f32(x[i * J + j])
                         ss += v * v
-            ss = warp_sum(ss)
+                inv_rms[i] = head_inverse_rms(warp_sum(ss), D, eps)
             if not active or (not is_q and slot < 0):
                 continue  # idle warp, or a padding token's k/v: nothing to store
 
-            # where dim `lane` of the result goes: q_out row (t, h), or the cache row (page, offset, kv head)
+            # where dim `lane` of the first head's result goes: q_out row (t, first_head), or the cache row (page,
+            # offset, first_head); the group's heads follow it, D apart, in both
             if is_q:
-                dst = (uint64(t) * uint64(num_q_heads) + uint64(h)) * uint64(D) + ulane
+                dst = (uint64(t) * uint64(num_q_heads) + uint64(first_head)) * uint64(D) + ulane
             else:
                 dst = (((uint64(page) << uint64(page_shift)) + uint64(pos & page_mask)) * uint64(num_kv_heads)
-                       + uint64(kv_head)) * uint64(D) + ulane
+                       + uint64(first_head)) * uint64(D) + ulane
             if is_v:
-                for j in range(J):
-                    if in_head(j, lane):
-                        v_cache[dst + uint64(WARP * j)] = x[j]
+                for i in range(HPW):
+                    for j in range(J):
+                        if in_head(j, lane):
+                            v_cache[dst + uint64(i * D + WARP * j)] = x[i * J + j]
                 continue
 
-            # 4. q/k: normalize + rotate the first rotary_dim dims, normalize the rest
-            inv_rms = head_inverse_rms(ss, D, eps)
-            for j in range(J):
-                if in_half(j, lane):
-                    if SHIFT >= 0:                  # the partner dim p + half is in this lane's registers
-                        hi_x = x[min(j + SHIFT, J - 1)]
-                        hi_w = w[min(j + SHIFT, J - 1)]
-                    else:
-                        hi_x = qkv[head + uint64(WARP * j + HALF)]
-                        hi_w = (q_norm_w if is_q else k_norm_w)[ulane + uint64(WARP * j + HALF)]
-                    out_lo, out_hi = norm_rope_pair(x[j], hi_x, w[j], hi_w, inv_rms, weight_offset,
-                                                    round_before_weight, cs[j], sn[j])
-                    if is_q:
-                        q_out[dst + uint64(WARP * j)] = out_lo
-                        q_out[dst + uint64(WARP * j + HALF)] = out_hi
-                    else:
-                        k_cache[dst + uint64(WARP * j)] = out_lo
-                        k_cache[dst + uint64(WARP * j + HALF)] = out_hi
-            for j in range(J):
-                if past_rotary(j, lane) and in_head(j, lane):
-                    n = normalize_element(bf16_to_f32(x[j]), inv_rms, w[j], weight_offset, round_before_weight)
-                    if is_q:
-                        q_out[dst + uint64(WARP * j)] = n
-                    else:
-                        k_cache[dst + uint64(WARP * j)] = n
+            # 5. q/k: normalize + rotate the first rotary_dim dims of each head, then normalize the rest (two loops
+            # over the heads, not one: each small enough to unroll, so that x stays in registers)
+            for i in range(HPW):
+                out = dst + uint64(i * D)           # q_out / k_cache index of dim `lane` of head i
+                for j in range(J):
+                    if in_half(j, lane):
+                        if SHIFT >= 0:              # the partner dim p + half is in this lane's registers
+                            hi_x = x[i * J + min(j + SHIFT, J - 1)]
+                            hi_w = w[min(j + SHIFT, J - 1)]
+                        else:
+                            hi_x = qkv[head + uint64(i) * head_step + uint64(WARP * j + HALF)]
+                            hi_w = (q_norm_w if is_q else k_norm_w)[ulane + uint64(WARP * j + HALF)]
+                        out_lo, out_hi = norm_rope_pair(x[i * J + j], hi_x, w[j], hi_w, inv_rms[i], weight_offset,
+                                                        round_before_weight, cs[j], sn[j])
+                        if is_q:
+                            q_out[out + uint64(WARP * j)] = out_lo
+                            q_out[out + uint64(WARP * j + HALF)] = out_hi
+                        else:
+                            k_cache[out + uint64(WARP * j)] = out_lo
+                            k_cache[out + uint64(WARP * j + HALF)] = out_hi
+            for i in range(HPW):
+                out = dst + uint64(i * D)
+                for j in range(J):
+                    if past_rotary(j, lane) and in_head(j, lane):
+                        n = normalize_element(bf16_to_f32(x[i * J + j]), inv_rms[i], w[j], weight_offset,
+                                              round_before_weight)
+                        if is_q:
+                            q_out[out + uint64(WARP * j)] = n
+                        else:
+                            k_cache[out + uint64(WARP * j)] = n
         if STAMPS and cuda.threadIdx.x == 0:
             timeline.record(stamp_buf, 4, t_entry, t_wait, t_wait, 0)
 
@@ -256,10 +308,11 @@ def qk_norm_rope_kernel(head_dim: int, rotary_dim: int, stamps: bool = False):
 def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots, block_tables, k_cache, v_cache,
                        q_out, eps: float, rotary_dim: int, q_head_stride: int | None = None,
                        weight_offset: float = 0.0, round_before_weight: bool = True, decode: bool = False, *,
-                       policy: LaunchPolicy = DEFAULT_POLICY) -> None:
+                       heads_per_warp: int | None = None, policy: LaunchPolicy = DEFAULT_POLICY) -> None:
     """Fused q/k norm + RoPE + paged KV store (see ``qk_norm_rope_store_kernel``).  ``decode``: a decode step's
     launch, named ``qk_norm_rope_store_decode`` (in the policy's default PDL set); a prompt chunk's is
-    ``qk_norm_rope_store``.  ``policy``: how it launches (``policy.py``: PDL, timeline stamps).
+    ``qk_norm_rope_store``.  ``heads_per_warp``: the heads a warp takes, a divisor of both head counts (tests);
+    None: ``choose_heads_per_warp``'s.  ``policy``: how it launches (``policy.py``: PDL, timeline stamps).
 
     Shapes: qkv ``[T, row]``, q_norm_w/k_norm_w ``[D]``, cos/sin ``[max_len, rotary_dim/2]``, positions/token_slots
     ``[T]`` int32, block_tables ``[slots, pages_per_seq]`` int32, k_cache/v_cache ``[pages, page_size, nkv, D]``,
@@ -274,11 +327,15 @@ def qk_norm_rope_store(qkv, q_norm_w, k_norm_w, cos, sin, positions, token_slots
                      q_out, rotary_dim, q_head_stride)
     if num_tokens == 0:
         return
+    if heads_per_warp is None:
+        heads_per_warp = choose_heads_per_warp(num_tokens, num_q_heads, num_kv_heads)
+    assert heads_per_warp > 0 and num_q_heads % heads_per_warp == 0 and num_kv_heads % heads_per_warp == 0, \
+        (heads_per_warp, num_q_heads, num_kv_heads)
     page_size = k_cache.shape[1]
     block = threads(gpu=QK_NORM_THREADS, sim=32)
     warps_per_block = block // WARP
-    items = num_tokens * (num_q_heads + 2 * num_kv_heads)
-    kern = qk_norm_rope_kernel(head_dim, rotary_dim, policy.timeline)
+    items = num_tokens * (num_q_heads + 2 * num_kv_heads) // heads_per_warp     # (token, group of heads)
+    kern = qk_norm_rope_kernel(head_dim, rotary_dim, heads_per_warp, policy.timeline)
     flat = lambda a: a.reshape(a.size)
     launch(kern, grid(items, per_block=warps_per_block, sim_cap=8), block,
            flat(qkv), np.int32(qkv.shape[1]), q_norm_w, k_norm_w, flat(cos), flat(sin), positions, token_slots,

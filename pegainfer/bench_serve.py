@@ -205,6 +205,8 @@ def bench_against(url: str, args, requests, arrivals) -> dict:
     for key in ("cuda_graphs", "eager_mixed_steps"):     # what the server met for the first time during the run
         if key in before and key in after:
             res[f"server_new_{key}"] = int(after[key] - before[key])
+    if "cuda_graph_capture_seconds" in before and "cuda_graph_capture_seconds" in after:
+        res["server_capture_s"] = round(after["cuda_graph_capture_seconds"] - before["cuda_graph_capture_seconds"], 3)
     res.update(summarize(results, duration))
     res["client_processes"] = len(cpus)
     res["client_cpu_percent"] = 100.0 * max(cpus) / duration if duration > 0 else None
@@ -312,9 +314,11 @@ def print_report(res: dict, out=None) -> None:
         w(f"note: a client process used {res['client_cpu_percent']:.0f} % of a core: the client may be what limits "
           f"these numbers (more --client-processes, or a machine with more free cores)\n")
     if res.get("server_new_cuda_graphs") or res.get("server_new_eager_mixed_steps"):
+        spent = f" ({res['server_capture_s']:.2f} s of capture, every stream waiting)" \
+            if res.get("server_capture_s") else ""
         w(f"note: during the run the server captured {res.get('server_new_cuda_graphs', 0)} CUDA graphs of step "
-          f"shapes it met for the first time and ran {res.get('server_new_eager_mixed_steps', 0)} mixed steps "
-          f"without one: a second run against it measures its steady state\n")
+          f"shapes it met for the first time{spent} and ran {res.get('server_new_eager_mixed_steps', 0)} mixed "
+          f"steps without one: a second run against it measures its steady state\n")
     if "hf_output_throughput" in res:
         w(f"\nside by side, the same prompts and output lengths (Hugging Face: {res['hf_class']} continuous "
           f"batching, bf16, every request at once, no HTTP):\n")

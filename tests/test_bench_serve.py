@@ -99,7 +99,8 @@ class GraphCountingEngine(FakeEngine):
         return super().step()
 
     def stats(self) -> dict:
-        return {**super().stats(), "cuda_graphs": 40 + self.steps // 4, "eager_mixed_steps": self.steps // 10}
+        return {**super().stats(), "cuda_graphs": 40 + self.steps // 4, "eager_mixed_steps": self.steps // 10,
+                "cuda_graph_capture_seconds": 0.05 * (self.steps // 4)}
 
 
 def test_graphs_the_server_captured_during_the_run_are_reported(model_folder, tmp_path, capsys):
@@ -114,7 +115,9 @@ def test_graphs_the_server_captured_during_the_run_are_reported(model_folder, tm
         assert run_bench_serve(args) == 0
     res = json.loads(out.read_text())
     assert res["server_new_cuda_graphs"] >= 30 // 4 and res["server_new_eager_mixed_steps"] >= 30 // 10
-    assert "a second run against it measures its steady state" in capsys.readouterr().out
+    assert res["server_capture_s"] == pytest.approx(0.05 * res["server_new_cuda_graphs"], abs=1e-6)
+    printed = capsys.readouterr().out
+    assert "a second run against it measures its steady state" in printed and "s of capture" in printed
 
 
 def test_requests_shared_among_client_processes(fake_url, model_folder, tmp_path):

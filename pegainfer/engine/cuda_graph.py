@@ -24,6 +24,7 @@ a captured graph never changes.
 from __future__ import annotations
 
 import logging
+import time
 
 from pegainfer.kernels.launch import on_stream
 
@@ -154,6 +155,7 @@ class StepGraphs:
         self._lazy: set = set()                 # keys captured by replay_or_capture
         self._failed: dict = {}                 # key → captures that failed (two: eager from then on)
         self.eager_steps = 0                    # steps ``replay_or_run`` launched kernel by kernel
+        self.capture_seconds = 0.0              # host time ``replay_or_capture`` spent capturing (streams wait)
 
     def has(self, *key) -> bool:
         return key in self.execs
@@ -187,13 +189,17 @@ class StepGraphs:
         must run the step eagerly: ``max_lazy`` graphs captured already, or a capture that failed (logged once;
         the key is tried once more at its next step, after an eager run has compiled whatever the shape needed,
         then stays eager).  The warm-up has compiled every kernel variant a step can use, so a capture rarely
-        meets a compilation."""
+        meets a compilation.  The host time of these captures adds up in ``capture_seconds`` (on ``/metrics``):
+        every running stream waits while one is taken."""
         if key in self.execs:
             self.replay(*key)
             return True
         if self._failed.get(key, 0) >= 2 or len(self._lazy) >= self.max_lazy:
             return False
-        if not self.try_capture(key, run):
+        t0 = time.perf_counter()
+        captured = self.try_capture(key, run)
+        self.capture_seconds += time.perf_counter() - t0
+        if not captured:
             return False
         self._lazy.add(key)
         self.replay(*key)

@@ -298,14 +298,16 @@ class Engine:
         """Gauges and counters for ``/metrics``: ``waiting`` / ``running`` requests, ``kv_pages_used`` /
         ``kv_pages_total``, ``slots_used``; cumulative ``num_preemptions``, ``prefix_cache_queries`` (prompt tokens
         looked up in the prefix cache) and ``prefix_cache_hits`` (of those, tokens found); ``cuda_graphs``
-        (instantiated step graphs) and cumulative ``eager_mixed_steps`` (mixed steps no graph replayed)."""
+        (instantiated step graphs), cumulative ``eager_mixed_steps`` (mixed steps no graph replayed) and
+        ``cuda_graph_capture_seconds`` (host time spent capturing graphs of shapes met while serving)."""
         graphs = self.runner.graphs
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "kv_pages_used": self.pool.pages_used, "kv_pages_total": self.pool.num_pages,
                 "slots_used": self.pool.slots_used, "num_preemptions": self.scheduler.num_preemptions,
                 "prefix_cache_queries": self.pool.prefix_queries, "prefix_cache_hits": self.pool.prefix_hits,
                 "cuda_graphs": len(graphs.execs) if graphs is not None else 0,
-                "eager_mixed_steps": graphs.eager_steps if graphs is not None else 0}
+                "eager_mixed_steps": graphs.eager_steps if graphs is not None else 0,
+                "cuda_graph_capture_seconds": graphs.capture_seconds if graphs is not None else 0.0}
 
     def score(self, token_ids: list[int]):
         """Logits ``[T, V]`` (float32, host) at every position of ``token_ids`` (teacher forcing), computed through

@@ -108,6 +108,10 @@ class _EngineCollector:
             counter("pegainfer:eager_mixed_steps", "Mixed steps (decodes beside prompt chunks) launched kernel by "
                                                    "kernel instead of replayed from a CUDA graph.",
                     get("eager_mixed_steps")),
+            counter("pegainfer:cuda_graph_capture_seconds", "Seconds the engine spent capturing CUDA graphs of step "
+                                                            "shapes it met for the first time while serving (every "
+                                                            "running stream waits meanwhile).",
+                    get("cuda_graph_capture_seconds")),
         ]
 
 

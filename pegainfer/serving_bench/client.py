@@ -87,7 +87,8 @@ def server_info(base_url: str, api_key: Optional[str] = None, timeout: float = 1
                              f"server?") from None
 
 
-STEP_COUNTERS = {"pegainfer:cuda_graphs": "cuda_graphs", "pegainfer:eager_mixed_steps": "eager_mixed_steps"}
+STEP_COUNTERS = {"pegainfer:cuda_graphs": "cuda_graphs", "pegainfer:eager_mixed_steps": "eager_mixed_steps",
+                 "pegainfer:cuda_graph_capture_seconds": "cuda_graph_capture_seconds"}
 """The ``/metrics`` families that say how the server ran its steps (a pegainfer server's; others have none)."""
 
 

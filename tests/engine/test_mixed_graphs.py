@@ -3,6 +3,7 @@ that names a step's graph, and the lazily captured graphs' cap and capture failu
 so capture and replay are stood in for here; ``tests/gpu/test_graphs.py`` compares real graphs with eager steps
 (Qwen3 and Qwen3.5), ``tests/models/test_qwen3_oracle.py`` and ``test_qwen35_oracle.py`` the padded step with the
 unpadded one (the latter also through emulated graphs: ``tests.util.emulated_graphs``)."""
+import time
 from types import SimpleNamespace
 
 from pegainfer.engine.cuda_graph import (MIXED_GRAPHS_MAX, PREFILL_GRAPH_MAX, StepGraphs, mixed_decode_rows,
@@ -96,6 +97,21 @@ def test_mixed_graphs_are_captured_at_first_sight_up_to_the_cap():
     assert graphs.replay_or_capture(keys[-1], None) is False       # over the cap: eager, never captured
     assert graphs.replay_or_capture(keys[0], None) is True
     assert graphs.replayed.count(keys[0]) == 2 and keys[-1] not in graphs.replayed
+
+
+def test_capture_time_is_counted_and_replays_add_none():
+    """Catches captures taken while serving that go unseen (``/metrics``' ``pegainfer:cuda_graph_capture_seconds``:
+    every stream waits during one): the host time of each first-sight capture adds up, a replay adds nothing."""
+    graphs = _Graphs()
+    graphs.capture_fn = (lambda capture: lambda key, run: (time.sleep(0.02), capture(key, run)))(graphs.capture_fn)
+    keys = [("mixed", 8, 16, 8), ("mixed", 8, 32, 8)]
+    for key in keys:
+        graphs.replay_or_capture(key, None)
+    spent = graphs.capture_seconds
+    assert 0.04 <= spent < 1.0
+    for key in keys * 3:
+        graphs.replay_or_capture(key, None)
+    assert graphs.capture_seconds == spent
 
 
 def test_a_failed_capture_leaves_its_shape_eager(caplog):

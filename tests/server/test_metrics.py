@@ -21,7 +21,8 @@ class StatsEngine(FakeEngine):
 
     def stats(self) -> dict:
         return {**super().stats(), "kv_pages_total": 100, "num_preemptions": 3, "prefix_cache_queries": 50,
-                "prefix_cache_hits": 20, "cuda_graphs": 41, "eager_mixed_steps": 7}
+                "prefix_cache_hits": 20, "cuda_graphs": 41, "eager_mixed_steps": 7,
+                "cuda_graph_capture_seconds": 2.5}
 
 
 def test_engine_gauges_and_counters_come_from_stats(model_folder):
@@ -49,6 +50,7 @@ def test_engine_gauges_and_counters_come_from_stats(model_folder):
         assert value(m, "vllm:prefix_cache_hits_total", model_name="m") == 20
         assert value(m, "pegainfer:cuda_graphs", model_name="m") == 41
         assert value(m, "pegainfer:eager_mixed_steps_total", model_name="m") == 7
+        assert value(m, "pegainfer:cuda_graph_capture_seconds_total", model_name="m") == 2.5
         assert value(m, "process_resident_memory_bytes") > 0
         engine.gate.set()
         for t in threads:

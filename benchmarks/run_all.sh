@@ -10,7 +10,8 @@
 #   accuracy  the GPU tests (tests/gpu, tests/models -m gpu: full shapes against transformers, graph vs eager)
 #   bench     pegainfer bench on $BENCH_MODELS (default qwen3-4b) with --hf, then the traced run's kernels
 #   profile   step_profile.py kernels, timeline, ablation and gaps on $BENCH_MODELS
-#   micro     bench_gemv.py, bench_attention.py, bench_gated_delta.py, bench_sampling.py, launch_cost.py
+#   micro     bench_gemv.py, bench_attention.py, bench_gated_delta.py, bench_row_kernels.py, bench_sampling.py,
+#             launch_cost.py
 #   cold      bench_gemv.py --cold on Qwen3-4B's shapes: the decode GEMV geometry sweep, $OUT/tuning_4b.json
 #   skinny    the same at 16 tokens (the skinny prefill kernel), then bench with and without the swept geometries
 #             (ab_policy.py --mode bench)
@@ -71,7 +72,7 @@ for stage in "$@"; do
                     --json "$OUT/${mode}_$m.json" 2>&1 | filter | tail -40 | tee "$OUT/${mode}_$m.log"
                 done
               done ;;
-    micro)    for b in bench_gemv bench_attention bench_gated_delta bench_sampling launch_cost; do
+    micro)    for b in bench_gemv bench_attention bench_gated_delta bench_row_kernels bench_sampling launch_cost; do
                 timeout ${MICRO_TIMEOUT:-200} python3 "benchmarks/$b.py" --json "$OUT/$b.json" 2>&1 | tail -30 | tee "$OUT/$b.log"
               done ;;
     cold)     timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/bench_gemv.py --cold --model 4b --tuning-out "$OUT/tuning_4b.json" \

@@ -4,7 +4,7 @@ import pytest
 from tests.benchmarks.scripts import BENCHMARKS, run_script
 
 QUESTIONS = {
-    "ab_policy.py": "Which launch policy makes a batch-1 decode step faster on this GPU?",
+    "ab_policy.py": "Which launch policy makes a decode step faster on this GPU?",
     "step_profile.py": "Where does a batch-1 decode step's time go?",
     "bench_gemv.py": "How close do pegainfer's weight projections come to the GPU's read bandwidth",
     "bench_gemm.py": "How fast are pegainfer's projection GEMMs at every token count",
@@ -19,6 +19,7 @@ QUESTIONS = {
                             "its prefix (prefix caching)?",
     "soak.py": "Does the server stay healthy under a long mixed load?",
     "bench_mixed_step.py": "How long does a mixed step take",
+    "bench_row_kernels.py": "How fast are the kernels between a prompt chunk's projections",
 }
 STEP_PROFILE_MODES = {
     "timeline": "Where does the time between a decode step's kernels go",

@@ -6,6 +6,10 @@
   size 16, pages shuffled, ``max_model_len`` 32768 (which, with T, fixes the number of splits).  Each "layer" has
   its own cache, and a CUDA graph replays calls round-robin over enough layers (>= 256 MB of K/V) that the K/V
   comes from HBM, not from the 50 MB L2 -- as in a real decode step.
+* Batched decode (``--batch B``): one decode call of B sequences, each its newest token at ``--batch-context``
+  keys (default 256) on its own shuffled pages, Qwen3-4B's heads: µs per call and the bandwidth of its K/V reads,
+  at the default geometry and at each ``--decode-geometry W,P`` (W warps a block, P = 1: in pairs over the head
+  dims), with the output checked against the default geometry's.  As a 64-stream server's decode step runs it.
 * Prefill: one prompt of 2048, 8192 and 32768 tokens (positions 0 .. T-1, one slot, shuffled 16-token pages), the
   tiled tensor-core kernel (``paged_attention(method="prefill")``) on both shapes: µs per call and causal TFLOP/s
   (``4 · T²/2 · D · nq``: QK^T and PV over the keys at or before each query), beside torch's
@@ -70,7 +74,7 @@ def attention_api() -> SimpleNamespace:
         prefill=find("paged_attention_prefill", "_paged_attention_prefill"),
         split_geometry=find("split_geometry", "_split_geometry"),
         prefill_geometry=find("prefill_geometry", "_prefill_geometry"),
-        geometry=find("PrefillGeometry"))
+        geometry=find("PrefillGeometry"), split_geometry_type=find("SplitGeometry"))
 
 
 A = None   # attention_api(), set by main
@@ -153,6 +157,70 @@ def bench_decode(rng, read_bw, rows, geometry=None, num_splits=None, min_split_t
             if not quiet:
                 print_decode_row(row)
     return rows
+
+
+class BatchLayers:
+    """``n`` independent K/V caches of ``batch`` slots, each ``ctx`` tokens on its own shuffled pages."""
+
+    def __init__(self, n, batch, ctx, nkv, D, rng):
+        from numba import cuda
+        per_slot = -(-ctx // PAGE)
+        pages = batch * per_slot
+        self.k = [random_bf16((pages, PAGE, nkv, D), rng) for _ in range(n)]
+        self.v = [random_bf16((pages, PAGE, nkv, D), rng) for _ in range(n)]
+        table = np.zeros((batch, MAX_MODEL_LEN // PAGE), np.int32)
+        table[:, :per_slot] = rng.permutation(pages).reshape(batch, per_slot)
+        self.tables = cuda.to_device(table)
+        self.n = n
+
+
+def bench_batch_decode(rng, read_bw, rows, batch, ctx, geometries=(None,), model="qwen3-4b"):
+    """A decode call of ``batch`` sequences at ``ctx`` keys each, per geometry (None: the default); the outputs of
+    forced geometries are compared with the default's (relative L2 of the bf16 outputs)."""
+    from numba import cuda
+    nq, nkv, D = MODELS[model] if model in MODELS else next(iter(MODELS.values()))
+    kv_bytes = 2 * batch * ctx * nkv * D * 2
+    n = 1 if SIM else int(min(64, max(2, math.ceil(HBM_SET_BYTES / kv_bytes))))
+    L = BatchLayers(n, batch, ctx, nkv, D, rng)
+    q = random_bf16((batch, nq, D), rng)
+    slots = cuda.to_device(np.arange(batch, dtype=np.int32))
+    pos = cuda.to_device(np.full(batch, ctx - 1, np.int32))
+    ws = cuda.device_array(A.workspace_size(batch, nq, D, MAX_MODEL_LEN, PAGE), np.float32)
+    reference = None
+    for geometry in geometries:
+        out = cuda.device_array((batch, nq, D), np.uint16)
+
+        def call(i, geometry=geometry, out=out):
+            if geometry is None:
+                return lambda: A.paged_attention(q, L.k[i], L.v[i], L.tables, slots, pos, out, 1 / math.sqrt(D), ws,
+                                                 method="split", decode=True)
+            return lambda: A.split(q, L.k[i], L.v[i], L.tables, slots, pos, out, 1 / math.sqrt(D), ws,
+                                   geometry=geometry, decode=True)
+
+        call(0)()
+        bits = out.copy_to_host()
+        reference = bits if reference is None else reference
+        sec = time_calls([call(i % L.n) for i in range(max(L.n, 1 if SIM else 16))])
+        row = dict(kind="batch", model=model, batch=batch, ctx=ctx, layers=L.n,
+                   geometry=list(geometry or A.split_geometry(D, nq // nkv)), forced=geometry is not None,
+                   us=sec * 1e6, GBps=kv_bytes / sec / 1e9,
+                   pct_of_read=100 * kv_bytes / sec / read_bw if read_bw else None,
+                   rel_l2_vs_default=bf16_rel_l2(bits, reference))
+        rows.append(row)
+        pct = f"{row['pct_of_read']:5.1f}%" if row["pct_of_read"] else "    - "
+        print(f"  batch {batch:4d} ctx {ctx:6d}  geom {tuple(row['geometry'])}{' forced ' if geometry else ' default'}"
+              f"  {row['us']:9.2f} us  {row['GBps']:7.0f} GB/s  {pct}  rel-L2 vs default "
+              f"{row['rel_l2_vs_default']:.1e}", flush=True)
+    return rows
+
+
+def parse_decode_geometry(text: str):
+    """``W,P`` -> the split-K block (``attention.SplitGeometry``: W warps, in pairs over the head dims when P)."""
+    try:
+        warps, pairs = (int(v) for v in text.split(","))
+        return A.split_geometry_type(warps, bool(pairs))
+    except (TypeError, ValueError):
+        raise SystemExit(f"error: --decode-geometry {text!r}: expected warps,pairs (pairs 0 or 1), e.g. 16,1")
 
 
 def print_decode_row(r):
@@ -392,7 +460,13 @@ def main(argv=None) -> int:
     global A
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--only", choices=("decode", "prefill"), help="run only the decode or only the prefill part")
+    ap.add_argument("--only", choices=("decode", "prefill", "batch"),
+                    help="run only the batch-1 decode, the prefill or the batched decode (--batch) part")
+    ap.add_argument("--batch", type=int, default=None, help="also time a decode call of this many sequences")
+    ap.add_argument("--batch-context", type=int, default=None,
+                    help="keys of each sequence in the batched decode (default 256)")
+    ap.add_argument("--decode-geometry", action="append", default=[], metavar="W,P",
+                    help="also time the batched decode with W warps a block, in pairs over the head dims when P=1")
     ap.add_argument("--tokens", help="prefill chunk lengths, comma-separated (default: %s)" %
                     ",".join(map(str, PREFILL_TOKENS)))
     ap.add_argument("--prefill-geometry", action="append", default=[], metavar="W,M,BK,S",
@@ -415,11 +489,19 @@ def main(argv=None) -> int:
         print(f"read bandwidth (16-byte loads over 2 GB): {read_bw / 1e9:.0f} GB/s", flush=True)
     rng = np.random.default_rng(0)
     rows: list[dict] = []
-    if args.only != "prefill":
+    if args.only == "batch" and not args.batch:
+        raise SystemExit("error: --only batch needs --batch B")
+    if args.only not in ("prefill", "batch"):
         print(f"\ndecode, batch 1 (split-K, combine fused; bytes = K + V of the context; page {PAGE}, "
               f"max_model_len {MAX_MODEL_LEN})", flush=True)
         bench_decode(rng, read_bw, rows)
-    if args.only != "decode":
+    if args.batch and args.only in (None, "batch"):
+        ctx = args.batch_context or (256 if not SIM else 9)
+        print(f"\ndecode, batch {args.batch} at {ctx} keys each (split-K; bytes = K + V of every sequence)",
+              flush=True)
+        bench_batch_decode(rng, read_bw, rows, args.batch, ctx,
+                           [None] + [parse_decode_geometry(g) for g in args.decode_geometry])
+    if args.only not in ("decode", "batch"):
         torch = None if SIM or args.no_torch else TorchSDPA()
         print(f"\nprefill, one prompt of T tokens (causal TFLOP/s = 4·T²/2·D·nq / time; tile = warps, m16 tiles "
               f"a warp, keys a tile, stages){'; peer: torch SDPA' if torch else ''}", flush=True)

@@ -19,3 +19,24 @@ def test_smoke_run(bench_modules, tmp_path):
     tiled = [r for r in rows if r["kind"] == "prefill" and r["method"] == "prefill"]
     assert [r["geometry"] for r in tiled if r["forced"]] == [[1, 2, 32, 3]] and len(tiled) == 2
     assert all(r["rel_l2_prefill_vs_split"] < 1e-2 for r in tiled)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="a smoke run of the simulator's tiny shapes")
+def test_batched_decode_smoke_run(bench_modules, tmp_path):
+    """``--batch`` times one decode call of B sequences at the default geometry and at forced ones (warps, pairs),
+    each forced output near the default's (a geometry flag not reaching the launch, or slots sharing pages, would
+    show here)."""
+    import bench_attention
+    out = tmp_path / "batch.json"
+    assert bench_attention.main(["--json", str(out), "--only", "batch", "--batch", "3", "--decode-geometry", "2,1",
+                                 "--decode-geometry", "2,0"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["kind"] for r in rows] == ["batch"] * 3
+    assert [r["geometry"] for r in rows if r["forced"]] == [[2, True], [2, False]]
+    assert all(r["us"] > 0 and r["batch"] == 3 and r["rel_l2_vs_default"] < 1e-2 for r in rows)
+
+
+def test_batch_part_needs_a_batch(bench_modules):
+    import bench_attention
+    with pytest.raises(SystemExit, match="--only batch needs --batch"):
+        bench_attention.main(["--only", "batch"])

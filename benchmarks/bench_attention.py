@@ -197,7 +197,14 @@ def bench_batch_decode(rng, read_bw, rows, batch, ctx, geometries=(None,), model
             return lambda: A.split(q, L.k[i], L.v[i], L.tables, slots, pos, out, 1 / math.sqrt(D), ws,
                                    geometry=geometry, decode=True)
 
-        call(0)()
+        try:
+            call(0)()
+        except Exception as e:          # a forced block that does not compile or launch: say so, time the others
+            print(f"  batch {batch:4d} ctx {ctx:6d}  geom {tuple(geometry)} forced: failed: "
+                  f"{type(e).__name__}: {e}".splitlines()[0], flush=True)
+            rows.append(dict(kind="batch", model=model, batch=batch, ctx=ctx, geometry=list(geometry), forced=True,
+                             error=f"{type(e).__name__}: {e}".splitlines()[0]))
+            continue
         bits = out.copy_to_host()
         reference = bits if reference is None else reference
         sec = time_calls([call(i % L.n) for i in range(max(L.n, 1 if SIM else 16))])

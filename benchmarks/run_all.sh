@@ -29,6 +29,8 @@
 #             ShareGPT-like mix at $RATE requests/s (default none); then benchmarks/soak.py for $SOAK_S seconds
 #             (default none) at 64 streams
 #   batch     pegainfer bench --batch B (B in $BATCHES, default "64 256") at a 256-token context, beside the floor
+#   attnbatch bench_attention.py --only batch: decode attention alone for $BATCHES sequences (default "64 256") at
+#             a 256-token context, the default split-K block beside 4-warp blocks and warp pairs over the head dims
 #   mixed     benchmarks/bench_mixed_step.py on Qwen3-4B: 64 decodes beside 16 arriving 128-token prompts, against
 #             the decode step and the prompts alone
 #   prefix    benchmarks/prefix_cache_ttft.py: a 2000-token shared prefix, cache on and off
@@ -157,6 +159,11 @@ print(v('$SM', '/tmp/serve_view'))" 2>/dev/null | tail -1)
                 timeout ${BENCH_TIMEOUT:-300} python3 -m pegainfer bench --model-path "$M/${SERVE_MODEL:-qwen3-4b}" \
                   --batch $b --prompt-len 256 --output-len 32 --runs 3 --json "$OUT/batch_$b.json" 2>&1 | filter \
                   | tail -12 | tee -a "$OUT/batch.log"
+              done ;;
+    attnbatch) for b in ${BATCHES:-64 256}; do
+                timeout ${MICRO_TIMEOUT:-200} python3 benchmarks/bench_attention.py --only batch --batch $b \
+                  --decode-geometry 4,0 --decode-geometry 16,1 --decode-geometry 8,1 --json "$OUT/attn_batch_$b.json" \
+                  2>&1 | filter | tail -8 | tee -a "$OUT/attn_batch.log"
               done ;;
     mixed)    timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_mixed_step.py --model-path "$M/qwen3-4b" \
                 --batch 64 --prompts 16 --prompt-len 128 --runs 5 --json "$OUT/mixed_step.json" 2>&1 | filter \

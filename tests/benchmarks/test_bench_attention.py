@@ -40,3 +40,15 @@ def test_batch_part_needs_a_batch(bench_modules):
     import bench_attention
     with pytest.raises(SystemExit, match="--only batch needs --batch"):
         bench_attention.main(["--only", "batch"])
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="a smoke run of the simulator's tiny shapes")
+def test_a_forced_block_that_cannot_launch_is_reported(bench_modules, tmp_path):
+    """A forced block the kernel refuses (3 warps in pairs) is one failed row, and the run goes on."""
+    import bench_attention
+    out = tmp_path / "batch.json"
+    assert bench_attention.main(["--json", str(out), "--only", "batch", "--batch", "2", "--decode-geometry", "3,1",
+                                 "--decode-geometry", "2,0"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["geometry"] for r in rows if r["forced"]] == [[3, True], [2, False]]
+    assert "error" in rows[1] and rows[2]["us"] > 0

@@ -95,15 +95,17 @@ def random_bf16(shape, rng):
 
 
 class Layers:
-    """``n`` independent K/V caches holding one slot of ``ctx`` tokens on shuffled pages, one block table."""
+    """``n`` independent K/V caches of ``batch`` slots (one by default), each holding ``ctx`` tokens on its own
+    shuffled pages, and their block table."""
 
-    def __init__(self, n, ctx, nkv, D, rng):
+    def __init__(self, n, ctx, nkv, D, rng, batch=1):
         from numba import cuda
-        pages = -(-ctx // PAGE)
+        per_slot = -(-ctx // PAGE)
+        pages = batch * per_slot
         self.k = [random_bf16((pages, PAGE, nkv, D), rng) for _ in range(n)]
         self.v = [random_bf16((pages, PAGE, nkv, D), rng) for _ in range(n)]
-        table = np.zeros((1, MAX_MODEL_LEN // PAGE), np.int32)
-        table[0, :pages] = rng.permutation(pages)
+        table = np.zeros((batch, MAX_MODEL_LEN // PAGE), np.int32)
+        table[:, :per_slot] = rng.permutation(pages).reshape(batch, per_slot)
         self.tables = cuda.to_device(table)
         self.n = n
 
@@ -159,21 +161,6 @@ def bench_decode(rng, read_bw, rows, geometry=None, num_splits=None, min_split_t
     return rows
 
 
-class BatchLayers:
-    """``n`` independent K/V caches of ``batch`` slots, each ``ctx`` tokens on its own shuffled pages."""
-
-    def __init__(self, n, batch, ctx, nkv, D, rng):
-        from numba import cuda
-        per_slot = -(-ctx // PAGE)
-        pages = batch * per_slot
-        self.k = [random_bf16((pages, PAGE, nkv, D), rng) for _ in range(n)]
-        self.v = [random_bf16((pages, PAGE, nkv, D), rng) for _ in range(n)]
-        table = np.zeros((batch, MAX_MODEL_LEN // PAGE), np.int32)
-        table[:, :per_slot] = rng.permutation(pages).reshape(batch, per_slot)
-        self.tables = cuda.to_device(table)
-        self.n = n
-
-
 def bench_batch_decode(rng, read_bw, rows, batch, ctx, geometries=(None,), model="qwen3-4b"):
     """A decode call of ``batch`` sequences at ``ctx`` keys each, per geometry (None: the default); the outputs of
     forced geometries are compared with the default's (relative L2 of the bf16 outputs)."""
@@ -181,7 +168,7 @@ def bench_batch_decode(rng, read_bw, rows, batch, ctx, geometries=(None,), model
     nq, nkv, D = MODELS[model] if model in MODELS else next(iter(MODELS.values()))
     kv_bytes = 2 * batch * ctx * nkv * D * 2
     n = 1 if SIM else int(min(64, max(2, math.ceil(HBM_SET_BYTES / kv_bytes))))
-    L = BatchLayers(n, batch, ctx, nkv, D, rng)
+    L = Layers(n, ctx, nkv, D, rng, batch)
     q = random_bf16((batch, nq, D), rng)
     slots = cuda.to_device(np.arange(batch, dtype=np.int32))
     pos = cuda.to_device(np.full(batch, ctx - 1, np.int32))

@@ -238,7 +238,10 @@ def sweep_candidates(L, s: Shape, T: int):
     defaults = [default]
     if L.WgmmaGeometry is not None:
         wtiles = SIM_SWEEP_WGMMA if SIM else SWEEP_WGMMA.get(L.mma_token_tile(T), [])
-        bases += [L.WgmmaGeometry(warpgroups=g, bn=bn, stages=st) for g, bn, st in wtiles]
+        fills = [{}]
+        if "fill" in {f.name for f in dataclasses.fields(L.WgmmaGeometry)} and T <= 64:
+            fills = [{"fill": "tma"}, {"fill": "ring"}]          # the two ways of filling the ring
+        bases += [L.WgmmaGeometry(warpgroups=g, bn=bn, stages=st, **f) for g, bn, st in wtiles for f in fills]
         defaults.append(L.wgmma_geometry(s.n, s.k, T, s.gated))
     out = []
     for base in bases:

@@ -1,5 +1,6 @@
 """The Hopper GEMM ``gemm_wgmma`` (warpgroup MMAs reading 128-byte-swizzled tiles through shared-memory descriptors,
-a ``cp.async`` ring, split-K), against the reference kernel and float64 NumPy.  In the simulator ``wgmma`` is
+a ring of TMA copies between a producer warp and the consumer warpgroups, split-K), against the reference kernel and
+float64 NumPy.  In the simulator ``wgmma`` is
 emulated from the descriptor and swizzle rules of ``primitives.wgmma``: what this checks there is that the kernel
 writes its tiles where its descriptors say they are, and reads its accumulators in the documented layout; on a GPU
 it runs the real instructions."""
@@ -21,6 +22,9 @@ def workspace(n=1 << 16):
 @pytest.mark.parametrize("T,N,K,geo,gated", [
     (5, 40, 72, WgmmaGeometry(1, 64, stages=3), False),              # one tile: tokens, columns and K ragged
     (70, 72, 200, WgmmaGeometry(1, 64, stages=4, k_splits=2), True),  # two token tiles, split-K, SwiGLU pairs
+    (9, 48, 520, WgmmaGeometry(1, 32, stages=3), True),               # 9 K tiles: three rounds of the ring
+    (5, 40, 72, WgmmaGeometry(1, 64, stages=3, fill="ring"), False),  # the same with every thread's cp.async
+    (70, 72, 200, WgmmaGeometry(1, 64, stages=4, k_splits=2, fill="ring"), True),
 ])
 def test_gemm_wgmma_matches_reference(T, N, K, geo, gated, rng):
     """Bit for bit on data whose sums are exact in f32: the swizzled ring, the descriptors of each k16 step, the
@@ -35,8 +39,9 @@ def test_gemm_wgmma_matches_numpy(rng):
     T, N, K = 9, 64, 128
     xb, x = bf16_randn((T, K), rng)
     wb, w = bf16_randn((N, K), rng, scale=0.3)
-    got = run(gemm_wgmma, xb, wb, N, geometry=WgmmaGeometry(1, 64, stages=3))
     exact = x @ w.T
     ref = from_bf16_bits(reference_bits(xb, wb)).astype(np.float64)
     ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(ref), 1e-30))) - 7)
-    assert np.all(np.abs(got - exact) <= ulp)
+    for fill in ("tma", "ring"):
+        got = run(gemm_wgmma, xb, wb, N, geometry=WgmmaGeometry(1, 64, stages=3, fill=fill))
+        assert np.all(np.abs(got - exact) <= ulp), fill

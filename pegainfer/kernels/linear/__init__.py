@@ -23,7 +23,8 @@ Modules:
 * ``skinny``: up to 16 tokens on tensor cores, weights streamed straight into mma fragments.
 * ``gemm``: the ``mma.sync`` GEMM (``gemm_mma``, GPUs without ``wgmma``): a ``cp.async`` shared-memory ring,
   ``ldmatrix`` fragments; tiles from all tokens of a decode batch × 64 columns to 128 × 128 for prompts.
-* ``gemm_wgmma``: the Hopper GEMM (``wgmma`` from 128-byte-swizzled shared-memory tiles, a ``cp.async`` ring).
+* ``gemm_wgmma``: the Hopper GEMM (``wgmma`` from 128-byte-swizzled shared-memory tiles that a producer warp fills
+  with TMA copies).
 * ``splitk``: split-K for both GEMMs (blocks sharing a tile's K, the last one summing their partials in a fixed
   order) and the caller's workspace (``linear_workspace_size``).
 * ``gemm_fma``: the FMA-tiled GEMM (the simulator's path above 8 tokens).

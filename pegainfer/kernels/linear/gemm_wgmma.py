@@ -1,38 +1,47 @@
 """The Hopper tensor-core GEMM: ``out = x @ W.T`` with warpgroup MMAs (``wgmma``) reading both operands straight from
-shared memory, for every T > 16 tokens (a batched decode step's weight stream up to a long prompt).
+shared memory, fed by the tensor memory accelerator (TMA), for every T > 16 tokens (a batched decode step's weight
+stream up to a long prompt).
 
 Math: ``out[t, n] = bf16(Σ_k x[t, k] · W[n, k])`` with f32 accumulation; gated (``linear_silu_mul``), the weight is
-``2I`` logical columns interleaved in pairs (``common.weight_row``) and each pair becomes one SwiGLU output.
+``[gate; up]``, ``2I`` rows, and logical column pair ``(2j, 2j + 1)`` is (gate row j, up row I + j): each pair
+becomes one SwiGLU output ``out[t, j]``.
 
 Shapes: x ``[T, K]``, W ``[N, K]``, out ``[T, N]`` (gated: ``[T, I]``), bf16 bits; K a multiple of 8.
 
-Tiles (``geometry.WgmmaGeometry``): a block of ``warpgroups`` warpgroups (128 threads each) owns a ``bm × bn``
-output tile, ``bm = 64 · warpgroups`` tokens × ``bn`` logical columns (64, 128 or 256); warpgroup w owns tokens
-``64w .. 64w + 63`` of it and holds their ``64 × bn`` f32 accumulators (``bn / 2`` registers a thread, the layout in
-``primitives.wgmma``).
+Tiles (``geometry.WgmmaGeometry``): a unit of work is a ``bm × bn`` output tile, ``bm = 64 · warpgroups`` tokens ×
+``bn`` logical columns, over one K range (split-K).  Consumer warpgroup w holds tokens ``64w .. 64w + 63`` of it as
+``64 × bn`` f32 accumulators (``bn / 2`` registers a thread, the layout in ``primitives.wgmma``).  Gated, the tile's
+W rows are its ``bn / 2`` gate rows then its ``bn / 2`` up rows, so accumulator column c (c < bn / 2) pairs with
+column ``c + bn / 2`` in the same thread.
 
-Pipeline (per unit of work): K is walked in 64-wide K tiles.  A ring of ``stages`` shared-memory stages, each the x
-tile ``[bm, 64]`` then the W tile ``[bn, 64]`` in the 128-byte-swizzled K-major layout ``wgmma`` reads (rows of 128
-bytes, 1024-byte-aligned tiles), is filled with ``cp.async`` by every thread (16-byte chunk ``tid % 8`` of rows
-``tid / 8 + p · threads / 8``).  ``stages - 2`` K tiles are in flight ahead of the one being multiplied:
+Warp specialization: a block is ``warpgroups`` consumer warpgroups and one producer warp.
 
-    at K tile i:  wait for my copies of tile i; fence them into the async proxy; block barrier (everyone's copies of
-                  i are visible, and every warpgroup has retired its wgmma group i - 2)
-                  copy tile i + stages - 2 into the stage tile i - 2 used
-                  4 × wgmma m64 n{bn} k16 on tile i (one group); wait until only this group is in flight
+    producer (one thread)                          consumers (every thread)
+    for each K tile i of the block's units:        for each K tile i:
+      wait empty[s] (phase i / stages - 1)           wait full[s] (phase i / stages)
+      full[s] expects bm·128 + bn·128 bytes          4 × wgmma m64 n{bn} k16 on stage s (one group)
+      TMA x box [bm, 64] and W box(es) [bn, 64]      wait until only this group is in flight
+        into stage s, completing on full[s]          arrive on empty[s - 1]: its group has finished
 
-so the tensor cores work on tile i while tile i - 1's group drains and the next tiles' bytes fly.
+with ``s = i mod stages``: every stage of the ring can be in flight, the copies need no thread but the producer's,
+and the consumers meet no block barrier inside the K loop.  A stage is the x tile then the W tile, rows of 128 bytes
+in the 128-byte-swizzled K-major layout that both TMA (the tensor maps' swizzle) and ``wgmma`` (the descriptors)
+use; out-of-range rows and K arrive as zeros from TMA.  The producer runs ahead into the next unit while the
+consumers round and store the last one.
 
-Split-K (``k_splits`` > 1, ``splitk``): a unit is (token tile, column tile, K range); the last block of a tile sums
-the ranges' partials in a fixed order inside the same launch (every SM streams when few tokens meet a short weight).
+Split-K (``k_splits`` > 1, ``splitk``): the last block of a tile sums the ranges' partials in a fixed order inside
+the same launch (every SM streams when few tokens meet a short weight); its barriers are a named barrier of the
+consumer warps.
 
-Launch geometry: 1-D blocks of ``128 · warpgroups`` threads grid-stride over the units, token tiles fastest, then K
-splits, then column tiles.  Dynamic shared memory (``WgmmaGeometry.shared_bytes``): 1024 bytes of alignment slack,
-the ring, one word of split-K flag.  PDL: the block lets the next kernel launch at once and copies its first unit's
-weight tiles before waiting for the kernel before it (weights are never written).
+Launch geometry: 1-D blocks of ``128 · warpgroups + 32`` threads grid-stride over the units, token tiles fastest,
+then K splits, then column tiles.  Dynamic shared memory (``WgmmaGeometry.shared_bytes``): 1024 bytes of alignment
+slack, the ring, the full and empty mbarriers, one word of split-K flag.  PDL: the block lets the next kernel launch
+at once; the producer starts the first unit's weight copies before waiting for the kernel before it (weights are
+never written), the x copies after.
 
-In the simulator ``wgmma`` is emulated from the descriptor and swizzle rules (``primitives.wgmma``), so the
-kernel's indexing is tested without a GPU (slowly: tests use tiny shapes and one warpgroup).
+In the simulator TMA copies at once and ``wgmma`` is emulated from the descriptor and swizzle rules
+(``primitives.tma``, ``primitives.wgmma``), so the kernel's indexing is tested without a GPU (slowly: tests use
+tiny shapes and one warpgroup).
 """
 from __future__ import annotations
 
@@ -42,34 +51,44 @@ import functools
 import numpy as np
 from numba import types as nbtypes
 
-from pegainfer.kernels.launch import launch
-from pegainfer.kernels.linear.common import bounded_kernel
-from pegainfer.kernels.linear.gemm import _plan_rows, store_mma_tiles
+from pegainfer.kernels.launch import current_stream, launch
+from pegainfer.kernels.linear.common import bounded_kernel, silu_mul_bf16, store_packed_pair
+from pegainfer.kernels.linear.gemm import store_mma_tiles
+from pegainfer.kernels.linear.gemm_wgmma_ring import ROW_WORDS, WGMMA_BK, gemm_wgmma_ring_kernel
 from pegainfer.kernels.linear.geometry import WgmmaGeometry, mma_units, wgmma_geometry
 from pegainfer.kernels.linear.splitk import build_finish_tile, split_workspace
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
-from pegainfer.kernels.primitives import (as_words, cp_async_16, cp_async_commit, cp_async_wait_group, cuda,
-                                          device_fn, float32, grid, grid_dependency_wait, int32, launch_dependents,
-                                          uint32)
-from pegainfer.kernels.primitives.wgmma import (WARPGROUP, fence_proxy_async, shared_address, smem_desc,
-                                                swizzled_word, wgmma_bf16_m64k16, wgmma_commit, wgmma_fence,
-                                                wgmma_wait)
+from pegainfer.kernels.primitives import (WARP, as_words, cuda, device_fn, float32, grid, grid_dependency_wait,
+                                          launch_dependents, uint32)
+from pegainfer.kernels.primitives.tma import (mbar_arrive, mbar_arrive_expect_tx, mbar_fence_init, mbar_init,
+                                              mbar_wait, named_barrier, tensor_map, tma_load_2d,
+                                              tma_prefetch_map)
+from pegainfer.kernels.primitives.wgmma import (WARPGROUP, shared_address, smem_desc, wgmma_bf16_m64k16,
+                                                wgmma_commit, wgmma_fence, wgmma_wait)
 
-int64 = np.int64
-
-WGMMA_BK = 64                 # K per stage: one 128-byte swizzled row per operand row, four k16 steps
-ROW_WORDS = WGMMA_BK // 2     # uint32 words of a stage row
 
 
 @device_fn
-def _copy_k_tile(src32, ring, dst, src, lim, per_thread, step, chunk, k0, k):
-    """Start the ``cp.async`` copies of a thread's slices of one operand's K tile (K ``k0 .. k0 + 64``, chunk
-    ``chunk`` of each row) into the stage at ``ring[dst ..]`` (``dst``: the swizzled word of the first slice; the
-    slices are ``step`` rows apart, a multiple of 8, so they share its swizzle).  Chunks past K are zero-filled."""
-    kk = k0 + 8 * chunk
-    off = min(kk, k - 8) >> 1
-    for p in range(per_thread):
-        cp_async_16(ring, dst + uint32(p * step * ROW_WORDS), src32, src[p] + off, 16 if kk < lim[p] else 0)
+def store_gated_halves(out, acc, packed, half_blocks, tok0, j0):
+    """Write a warp's gated ``m64`` rows as SwiGLU outputs: accumulator n8 block i (i < ``half_blocks``) holds gate
+    rows ``j0 + 8i ..``, block ``i + half_blocks`` the matching up rows; the lane's columns 2t, 2t + 1 of tokens
+    ``tok0 + g`` and ``tok0 + g + 8`` become ``out[tok, j0 + 8i + 2t + e]``.  ``packed``: ``2 · half_blocks`` uint32
+    of scratch (rounding first, in a fully unrolled loop, so acc stays in registers)."""
+    lane = cuda.threadIdx.x % 32
+    g = lane >> 2
+    t4 = lane & 3
+    T = out.shape[0]
+    for i in range(half_blocks):
+        for h in range(2):
+            lo = silu_mul_bf16(acc[4 * i + 2 * h], acc[4 * (i + half_blocks) + 2 * h])
+            hi = silu_mul_bf16(acc[4 * i + 2 * h + 1], acc[4 * (i + half_blocks) + 2 * h + 1])
+            packed[2 * i + h] = uint32(lo) | (uint32(hi) << uint32(16))
+    for i in range(half_blocks):
+        j = j0 + 8 * i + 2 * t4
+        if tok0 + g < T:
+            store_packed_pair(out, tok0 + g, j, packed[2 * i], False)
+        if tok0 + g + 8 < T:
+            store_packed_pair(out, tok0 + g + 8, j, packed[2 * i + 1], False)
 
 
 @functools.cache
@@ -77,107 +96,148 @@ def _gemm_wgmma_kernel(warpgroups: int, bn: int, stages: int, gated: bool, warps
     """Build the wgmma GEMM for one tile shape and ring depth (module docstring; all compile-time: they size
     register arrays and unroll loops).  The split count is a launch argument."""
     bm = 64 * warpgroups
-    nthreads = WARPGROUP * warpgroups
-    step = nthreads // 8                                  # tile rows one round of the block's copies covers
-    a_pt, b_pt = bm // step, bn // step                   # copy slices per thread and K tile (exact: bn >= 64)
+    consumers = WARPGROUP * warpgroups                    # threads 0 .. consumers - 1; the producer warp follows
+    nthreads = consumers + WARP
     a_stage, b_stage = bm * ROW_WORDS, bn * ROW_WORDS     # words (multiples of 256: 1024-byte aligned)
     stage = a_stage + b_stage
-    flag_at = 256 + stages * stage                        # after the alignment slack and the ring
+    stage_bytes = 4 * stage
+    w_box = bn // 2 if gated else bn                      # rows of one W copy (gated: the gate half, the up half)
+    full_at = 256 + stages * stage                        # words: full[s] at full_at + 2s, empty[s] after them
+    empty_at = full_at + 2 * stages
+    flag_at = empty_at + 2 * stages
     n_acc = bn // 2
-    ahead = stages - 2                                    # K tiles in flight ahead of the one multiplied
+    half_blocks = bn // 16
     wgmma = wgmma_bf16_m64k16(bn)
-    wait_ring = cp_async_wait_group(ahead - 1)
-    wait_all = cp_async_wait_group(0)
     wgmma_keep_one = wgmma_wait(1, n_acc)
     wgmma_drain = wgmma_wait(0, n_acc)
 
     @device_fn
     def store_tiles(out, acc, tok0, col0):
         packed = cuda.local.array(n_acc, uint32)
-        store_mma_tiles(out, acc, packed, 1, bn // 8, tok0, col0, gated)
+        if gated:
+            store_gated_halves(out, acc, packed, half_blocks, tok0, col0 >> 1)
+        else:
+            store_mma_tiles(out, acc, packed, 1, bn // 8, tok0, col0, False)
 
-    finish_tile = build_finish_tile(n_acc, nthreads, store_tiles)
+    @device_fn
+    def consumers_sync():
+        named_barrier(1, consumers)
+
+    finish_tile = build_finish_tile(n_acc, consumers, store_tiles, consumers_sync)
+
+    @device_fn
+    def load_w(ring, dst, maps, w_slot, w32, n0, n_out, n_cols, k0, k, bar):
+        if gated:
+            tma_load_2d(ring, dst, maps, w_slot, w32, n0 >> 1, k0, n_cols, k, w_box, ring, bar)
+            tma_load_2d(ring, dst + uint32(w_box * ROW_WORDS), maps, w_slot, w32, n_out + (n0 >> 1), k0, n_cols, k,
+                        w_box, ring, bar)
+        else:
+            tma_load_2d(ring, dst, maps, w_slot, w32, n0, k0, n_cols, k, w_box, ring, bar)
 
     @bounded_kernel(nthreads, warps_per_sm)
-    def gemm_wgmma(x32, w32, out, k, k_splits, ws, counters):
-        """``out = x @ W.T`` (or SwiGLU of column pairs when gated) on Hopper tensor cores, f32 accumulation.
+    def gemm_wgmma(x32, w32, out, k, k_splits, ws, counters, x_maps, x_slot, w_maps, w_slot):
+        """``out = x @ W.T`` (or SwiGLU of gate/up row pairs when gated) on Hopper tensor cores, f32 accumulation.
 
-        x32 ``[T · K/2]``, w32 ``[rows · K/2]`` (flat uint32 views of the bf16 tensors), out ``[T, n_out]``;
-        ``k`` = K; ``k_splits`` K ranges per output tile, their partials in ``ws`` and ``counters`` (``splitk``;
-        stand-ins when ``k_splits`` = 1).  Tiles and pipeline: the module docstring.
+        x32 ``[T · K/2]``, w32 ``[rows · K/2]`` (flat uint32 views of the bf16 tensors, read by TMA through the
+        tensor maps in slot ``x_slot`` of ``x_maps`` and ``w_slot`` of ``w_maps``), out ``[T, n_out]``; ``k`` = K; ``k_splits`` K ranges
+        per output tile, their partials in ``ws`` and ``counters`` (``splitk``; stand-ins when ``k_splits`` = 1).
+        Tiles, warps and pipeline: the module docstring.
         """
         launch_dependents()
-        ring = cuda.shared.array(0, nbtypes.uint32)      # dynamic: slack, then the stages, then the split-K flag
-        acc = cuda.local.array(n_acc, float32)
-        a_src = cuda.local.array(a_pt, int64)
-        a_lim = cuda.local.array(a_pt, int32)
-        b_src = cuda.local.array(b_pt, int64)
-        b_lim = cuda.local.array(b_pt, int32)
+        ring = cuda.shared.array(0, nbtypes.uint32)      # dynamic: slack, the stages, the barriers, the flag
         T = out.shape[0]
         n_out = out.shape[1]
         n_cols = 2 * n_out if gated else n_out
-        k_words = k // 2
         tid = cuda.threadIdx.x
-        wg = tid // WARPGROUP
         base_addr = shared_address(ring, 0)
         base = ((uint32(1024) - (base_addr & uint32(1023))) & uint32(1023)) >> uint32(2)   # first aligned word
-        first = uint32(tid >> 3)                          # the thread's copy slices: rows first + p·step, chunk
-        chunk = uint32(tid & 7)
-        a_dst0 = base + swizzled_word(first, chunk)
-        b_dst0 = a_dst0 + uint32(a_stage)
+        if tid == consumers:
+            tma_prefetch_map(x_maps, x_slot)
+            tma_prefetch_map(w_maps, w_slot)
+            for s in range(stages):
+                mbar_init(ring, base + uint32(full_at + 2 * s), 1)
+                mbar_init(ring, base + uint32(empty_at + 2 * s), consumers)
+            mbar_fence_init()
+        cuda.syncthreads()
         tiles_m = (T + bm - 1) // bm
         tiles_n = (n_cols + bn - 1) // bn
         n_kt = (k + WGMMA_BK - 1) // WGMMA_BK
+        s = uint32(0)                                    # the stage of the block's current K tile ...
+        phase = uint32(0)                                # ... and the parity of its round of the ring
+        if tid >= consumers:
+            if tid == consumers:                         # the producer
+                first = True
+                for unit in range(cuda.blockIdx.x, tiles_m * tiles_n * k_splits, cuda.gridDim.x):
+                    m_tile = unit % tiles_m
+                    split = (unit // tiles_m) % k_splits
+                    n0 = (unit // (tiles_m * k_splits)) * bn
+                    m0 = m_tile * bm
+                    kt0 = split * n_kt // k_splits
+                    nk = (split + 1) * n_kt // k_splits - kt0
+                    i0 = 0
+                    if first:                            # weights before the PDL wait, x after it
+                        i0 = min(nk, stages)
+                        for i in range(i0):
+                            full = base + uint32(full_at + 2 * i)
+                            mbar_arrive_expect_tx(ring, full, stage_bytes)
+                            load_w(ring, base + uint32(i * stage + a_stage), w_maps, w_slot, w32, n0, n_out, n_cols,
+                                   (kt0 + i) * WGMMA_BK, k, full)
+                        grid_dependency_wait()
+                        for i in range(i0):
+                            tma_load_2d(ring, base + uint32(i * stage), x_maps, x_slot, x32, m0, (kt0 + i) * WGMMA_BK,
+                                        T, k, bm, ring, base + uint32(full_at + 2 * i))
+                        s = uint32(i0 % stages)
+                        phase = uint32(1) if i0 == stages else uint32(0)
+                        first = False
+                    for i in range(i0, nk):
+                        mbar_wait(ring, base + uint32(empty_at) + uint32(2) * s, phase ^ uint32(1))
+                        full = base + uint32(full_at) + uint32(2) * s
+                        mbar_arrive_expect_tx(ring, full, stage_bytes)
+                        k0 = (kt0 + i) * WGMMA_BK
+                        tma_load_2d(ring, base + s * uint32(stage), x_maps, x_slot, x32, m0, k0, T, k, bm, ring, full)
+                        load_w(ring, base + s * uint32(stage) + uint32(a_stage), w_maps, w_slot, w32, n0, n_out, n_cols,
+                               k0, k, full)
+                        s += uint32(1)
+                        if s == uint32(stages):
+                            s = uint32(0)
+                            phase ^= uint32(1)
+            return
+        grid_dependency_wait()
+        acc = cuda.local.array(n_acc, float32)
+        wg = tid // WARPGROUP
+        a_off = uint32(wg * 64 * ROW_WORDS)
         for unit in range(cuda.blockIdx.x, tiles_m * tiles_n * k_splits, cuda.gridDim.x):
             m_tile = unit % tiles_m
             split = (unit // tiles_m) % k_splits
             n_tile = unit // (tiles_m * k_splits)
-            m0 = m_tile * bm
-            n0 = n_tile * bn
             kt0 = split * n_kt // k_splits
             nk = (split + 1) * n_kt // k_splits - kt0
-            _plan_rows(a_src, a_lim, a_pt, step, first, m0, T, 0, False, k_words, k)
-            _plan_rows(b_src, b_lim, b_pt, step, first, n0, n_cols, n_out, gated, k_words, k)
             for i in range(n_acc):
                 acc[i] = float32(0.0)
-            # the first tiles: weights before the PDL wait, x after it; group s holds tile s (the first group also
-            # every prologue weight tile)
-            n_first = min(nk, ahead)
-            for s in range(n_first):
-                _copy_k_tile(w32, ring, b_dst0 + uint32(s * stage), b_src, b_lim, b_pt, step, chunk,
-                             (kt0 + s) * WGMMA_BK, k)
-            grid_dependency_wait()
-            for s in range(n_first):
-                _copy_k_tile(x32, ring, a_dst0 + uint32(s * stage), a_src, a_lim, a_pt, step, chunk,
-                             (kt0 + s) * WGMMA_BK, k)
-                cp_async_commit()
-            for s in range(n_first, ahead):              # empty groups: the waits count `ahead` groups
-                cp_async_commit()
-            cur = uint32(0)                              # the stage K tile i sits in (i mod stages) ...
-            slot = uint32(ahead)                         # ... and the one K tile i + ahead goes to
+            prev = uint32(0)
             for i in range(nk):
-                wait_ring()
-                fence_proxy_async()
-                cuda.syncthreads()
-                if i + ahead < nk:
-                    k0 = (kt0 + i + ahead) * WGMMA_BK
-                    _copy_k_tile(x32, ring, a_dst0 + slot * uint32(stage), a_src, a_lim, a_pt, step, chunk, k0, k)
-                    _copy_k_tile(w32, ring, b_dst0 + slot * uint32(stage), b_src, b_lim, b_pt, step, chunk, k0, k)
-                cp_async_commit()
-                a_desc = smem_desc(base_addr + uint32(4) * (base + cur * uint32(stage) + uint32(wg * 64 * ROW_WORDS)))
-                b_desc = smem_desc(base_addr + uint32(4) * (base + cur * uint32(stage) + uint32(a_stage)))
-                cur = uint32(0) if cur == uint32(stages - 1) else cur + uint32(1)
-                slot = uint32(0) if slot == uint32(stages - 1) else slot + uint32(1)
+                mbar_wait(ring, base + uint32(full_at) + uint32(2) * s, phase)
+                at = base_addr + uint32(4) * (base + s * uint32(stage))
+                a_desc = smem_desc(at + uint32(4) * a_off)
+                b_desc = smem_desc(at + uint32(4 * a_stage))
                 wgmma_fence()
                 for kk in range(WGMMA_BK // 16):
                     wgmma(acc, ring, a_desc + np.uint64(2 * kk), b_desc + np.uint64(2 * kk))
                 wgmma_commit()
                 wgmma_keep_one(acc)
+                if i > 0:                                # the group before has finished reading its stage
+                    mbar_arrive(ring, base + uint32(empty_at) + uint32(2) * prev)
+                prev = s
+                s += uint32(1)
+                if s == uint32(stages):
+                    s = uint32(0)
+                    phase ^= uint32(1)
             wgmma_drain(acc)
-            wait_all()
-            cuda.syncthreads()                      # every warpgroup is done with the ring before the next unit
-            tok0 = m0 + wg * 64 + (tid % WARPGROUP) // 32 * 16
-            finish_tile(out, acc, tok0, n0, ws, counters, ring, flag_at, m_tile + tiles_m * n_tile, split, k_splits)
+            if nk > 0:
+                mbar_arrive(ring, base + uint32(empty_at) + uint32(2) * prev)
+            tok0 = m_tile * bm + wg * 64 + (tid % WARPGROUP) // 32 * 16
+            finish_tile(out, acc, tok0, n_tile * bn, ws, counters, ring, base + uint32(flag_at), m_tile + tiles_m * n_tile,
+                        split, k_splits)
 
     return gemm_wgmma
 
@@ -197,6 +257,14 @@ def gemm_wgmma(x, w, out, *, gated: bool = False, geometry: WgmmaGeometry | None
         geo = dataclasses.replace(geo, k_splits=1)
     x32 = as_words(x)
     ws, counters = split_workspace(workspace, geo, T, n_cols, policy, stand_in=x32)
+    if geo.fill == "ring":
+        kern = gemm_wgmma_ring_kernel(geo.warpgroups, geo.bn, geo.stages, gated, geo.warps_per_sm)
+        launch(kern, grid(mma_units(geo, T, n_cols), sim_cap=4), geo.threads, x32, as_words(w), out, k,
+               geo.k_splits, ws, counters, shared=geo.shared_bytes, name="gemm_wgmma", policy=policy)
+        return
     kern = _gemm_wgmma_kernel(geo.warpgroups, geo.bn, geo.stages, gated, geo.warps_per_sm)
+    stream = current_stream()
+    x_maps, x_slot = tensor_map(x, geo.bm, stream)
+    w_maps, w_slot = tensor_map(w, geo.bn // 2 if gated else geo.bn, stream)
     launch(kern, grid(mma_units(geo, T, n_cols), sim_cap=4), geo.threads, x32, as_words(w), out, k,
-           geo.k_splits, ws, counters, shared=geo.shared_bytes, name="gemm_wgmma", policy=policy)
+           geo.k_splits, ws, counters, x_maps, x_slot, w_maps, w_slot, shared=geo.shared_bytes, name="gemm_wgmma", policy=policy)

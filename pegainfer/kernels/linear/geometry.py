@@ -366,25 +366,29 @@ def mma_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False,
 class WgmmaGeometry:
     """Launch parameters of the Hopper GEMM (``gemm_wgmma``).
 
-    warpgroups: warpgroups per block (128 threads each), stacked along tokens: ``bm = 64 · warpgroups``.
+    warpgroups: consumer warpgroups per block (128 threads each), stacked along tokens: ``bm = 64 · warpgroups``;
+      one producer warp more issues the copies.
     bn: logical columns of the block tile, the ``wgmma`` n of every warpgroup: a multiple of 16 per warpgroup
       (every thread copies whole rows' chunks) from 32 to 256.
-    stages: depth of the shared-memory ring of 64-wide K tiles of x and W (``stages - 2`` in flight ahead).
+    stages: depth of the shared-memory ring of 64-wide K tiles of x and W (all of them may be in flight).
     k_splits: blocks that share one output tile, each over its own range of K (split-K, ``splitk``); 1 = none.
     warps_per_sm: occupancy the kernel is compiled for (launch bounds; 0: one block an SM).
+    fill: how the ring is filled: "tma" (a producer warp's TMA copies, ``gemm_wgmma``) or "ring" (``cp.async`` from
+      every thread, ``stages - 2`` K tiles ahead: ``gemm_wgmma_ring``, the faster at 17-64 tokens).
     """
     warpgroups: int
     bn: int
     stages: int = 4
     k_splits: int = 1
     warps_per_sm: int = 0
+    fill: str = "tma"
 
     def __post_init__(self):
         if (self.warpgroups not in (1, 2) or not 32 <= self.bn <= 256 or self.bn % (16 * self.warpgroups)
-                or self.stages < 3 or self.shared_bytes > WGMMA_SMEM_MAX):
+                or self.stages < 3 or self.fill not in ("tma", "ring") or self.shared_bytes > WGMMA_SMEM_MAX):
             raise ValueError(f"unsupported wgmma geometry {self}")
         if self.warps_per_sm == 0:
-            object.__setattr__(self, "warps_per_sm", 4 * self.warpgroups)
+            object.__setattr__(self, "warps_per_sm", self.threads // 32)
 
     @property
     def bm(self) -> int:
@@ -392,7 +396,8 @@ class WgmmaGeometry:
 
     @property
     def threads(self) -> int:
-        return 128 * self.warpgroups
+        """The consumer warpgroups, and the producer warp when TMA fills the ring."""
+        return 128 * self.warpgroups + (32 if self.fill == "tma" else 0)
 
     @property
     def stage_bytes(self) -> int:
@@ -401,8 +406,9 @@ class WgmmaGeometry:
 
     @property
     def shared_bytes(self) -> int:
-        """1024 bytes of slack (the ring starts 1024-byte aligned), the ring, 16 bytes holding the split-K flag."""
-        return 1024 + self.stages * self.stage_bytes + 16
+        """1024 bytes of slack (the ring starts 1024-byte aligned), the ring, with TMA a full and an empty mbarrier
+        per stage (8 bytes each), 16 bytes holding the split-K flag."""
+        return 1024 + self.stages * (self.stage_bytes + (16 if self.fill == "tma" else 0)) + 16
 
 
 WGMMA_SMEM_MAX = 227 * 1024
@@ -420,9 +426,10 @@ def wgmma_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False,
     ``policy``'s ``tuned("wgmma")`` entries first, then the rules the H200 sweep of every served shape gave
     (docs/perf/linear.md):
 
-    * T <= 64 (a weight stream): one warpgroup; weights of up to 4096 columns in 64-column tiles, a ring of 8, split
-      into about one wave; taller ones unsplit in one wave of tiles (``n_cols / SMs`` columns, 48 to 192, a multiple
-      of 16: qkv 48, gate_up 160), the LM heads in 192-column tiles;
+    * T <= 64 (a weight stream): one warpgroup, the ring filled by every thread's ``cp.async`` (``fill`` "ring": TMA
+      from a producer warp streamed 8-22 % slower here) but for the LM heads; weights of up to 4096 columns in
+      64-column tiles, a ring of 8, split into about one wave; taller ones unsplit in one wave of tiles (``n_cols /
+      SMs`` columns, 48 to 192, a multiple of 16: qkv 48, gate_up 160), the LM heads in 192-column tiles;
     * 64 < T <= 128: one warpgroup (two token tiles share each weight tile through L2) × 128 columns, a ring of 6,
       split into about one wave; two warpgroups × 128 columns, a ring of 5, from 16384 columns;
     * 128 < T <= 256: two warpgroups × 128 columns, a ring of 5, split into about one wave; the LM heads 256 columns,
@@ -431,19 +438,23 @@ def wgmma_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False,
       ring of 5 otherwise (short weights: more tiles to share the SMs; gate_up: the SwiGLU epilogue of 256 columns
       spills).
 
-    In the simulator: one warpgroup × 64 columns, a ring of 3, split in two when K has 4 tiles or more."""
+    * T > 64: TMA from a producer warp (``fill`` "tma": 5-17 % faster than the ring at 2048 tokens).
+
+    In the simulator: one warpgroup × 64 columns, a ring of 3, split in two when K has 4 tiles or more; the fill as
+    on the GPU."""
     key = (n_cols, k, mma_token_tile(n_tokens), gated)
     tuned = policy.tuned("wgmma").get(key)
     if tuned is not None:
         return WgmmaGeometry(**tuned)
+    fill = "ring" if n_tokens <= 64 and n_cols < 65536 else "tma"
     if SIMULATOR:
-        return WgmmaGeometry(warpgroups=1, bn=64, stages=3, k_splits=2 if k >= 256 else 1)
+        return WgmmaGeometry(warpgroups=1, bn=64, stages=3, k_splits=2 if k >= 256 else 1, fill=fill)
     if n_tokens <= 64:
         if n_cols <= 4096:
-            geo = WgmmaGeometry(1, 64, stages=8)
+            geo = WgmmaGeometry(1, 64, stages=8, fill=fill)
         else:
             bn = min(192, max(48, 16 * -(-n_cols // (16 * sm_count()))))
-            return WgmmaGeometry(1, bn, stages=8 if bn <= 96 else 6 if bn <= 160 else 5)
+            return WgmmaGeometry(1, bn, stages=8 if bn <= 96 else 6 if bn <= 160 else 5, fill=fill)
     elif n_tokens <= 128:
         geo = WgmmaGeometry(1, 128, stages=6) if n_cols < 16384 else WgmmaGeometry(2, 128, stages=5)
     elif n_tokens <= MMA_SPLIT_MAX_TOKENS:

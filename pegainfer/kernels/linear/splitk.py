@@ -67,10 +67,19 @@ def split_workspace(workspace, geo: MmaGeometry, n_tokens: int, n_cols: int, pol
     return workspace.reshape(-1).view(np.uint32), ws32[ws32.shape[0] - n_count:]
 
 
+@device_fn
+def _block_sync():
+    cuda.syncthreads()
+
+
 @functools.cache
-def build_finish_tile(n_acc: int, nthreads: int, store_tiles):
-    """``finish_tile`` for blocks of ``nthreads`` threads holding ``n_acc`` accumulator values each (module
-    docstring); ``store_tiles(out, acc, tok0, col0)`` rounds a thread's accumulators and writes them."""
+def build_finish_tile(n_acc: int, nthreads: int, store_tiles, tile_sync=None):
+    """``finish_tile`` for tiles held by ``nthreads`` threads (threads ``0 .. nthreads - 1`` of the block) with
+    ``n_acc`` accumulator values each (module docstring); ``store_tiles(out, acc, tok0, col0)`` rounds a thread's
+    accumulators and writes them; ``tile_sync()`` is the barrier of those threads (the block's, or a named barrier
+    when other warps of the block do other work; None: the block's)."""
+    if tile_sync is None:
+        tile_sync = _block_sync
 
     @device_fn
     def finish_tile(out, acc, tok0, col0, ws, counters, flag, flag_at, tile, split, k_splits):
@@ -85,13 +94,13 @@ def build_finish_tile(n_acc: int, nthreads: int, store_tiles):
         for i in range(n_acc):
             ws[at + uint64(i * nthreads)] = f32_bits(acc[i])
         cuda.threadfence()                          # publish the partial before counting it
-        cuda.syncthreads()
+        tile_sync()
         if tid == 0:
             arrived = cuda.atomic.add(counters, tile, 1)
             flag[flag_at] = 1 if arrived == k_splits - 1 else 0
             if arrived == k_splits - 1:
                 counters[tile] = 0                  # zero at rest for the next launch
-        cuda.syncthreads()
+        tile_sync()
         if flag[flag_at] == 1:
             cuda.threadfence()
             first = uint64(tile * k_splits * n_acc) * uint64(nthreads) + uint64(tid)
@@ -102,7 +111,7 @@ def build_finish_tile(n_acc: int, nthreads: int, store_tiles):
                 for i in range(n_acc):
                     acc[i] += bits_f32(load_u32_l2(ws, src + uint64(i * nthreads)))
             store_tiles(out, acc, tok0, col0)
-        cuda.syncthreads()                          # the flag is read before the next unit writes it
+        tile_sync()                          # the flag is read before the next unit writes it
 
     return finish_tile
 

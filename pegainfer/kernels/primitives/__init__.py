@@ -12,6 +12,8 @@ and never checks which world it runs in; this package is the only place that doe
 * ``fast_exp2`` -- 2^x in one instruction (softmax probabilities)
 * ``warp_vote`` -- ``warp_any``: a predicate of any lane, in every lane
 * ``async_copy`` -- ``cp.async`` and the sm_90 bulk copies with their mbarrier
+* ``tma`` -- tensor maps and TMA tile copies, mbarrier rings (full / empty phases), named barriers
+* ``wgmma`` -- Hopper's warpgroup MMA from shared-memory descriptors
 * ``pdl`` -- programmatic dependent launch (``grid_dependency_wait``, ``launch_dependents``, ``pdl_prologue``, the
   ``reads_before_wait`` declaration) and the clock registers of the timeline stamps
 * ``ptx`` (GPU) -- helpers for writing inline-PTX intrinsics; ``simulator`` (simulator) -- a faster simulator: blocks

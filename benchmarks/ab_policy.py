@@ -165,6 +165,13 @@ def run_graphs(args, variants) -> dict:
                                         policy=LaunchPolicy(), batch=args.batch)
     base = engine.model.policy
     execs, failed = {}, {}
+    policies = []
+    for label, fields in variants:
+        try:
+            policies.append(policy_with(base, fields))
+        except Exception:               # reported below, where the variant is captured
+            pass
+    graph_timing.fit_linear_workspace(engine, policies + [base])
     for label, fields in variants:
         try:
             policy = policy_with(base, fields)

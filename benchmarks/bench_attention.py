@@ -153,7 +153,7 @@ def bench_decode(rng, read_bw, rows, geometry=None, num_splits=None, min_split_t
             chunk = -(-(-(-ctx // splits)) // least) * least
             row = dict(kind=label, model=model, nq=nq, nkv=nkv, D=D, ctx=ctx, splits=splits,
                        active_splits=-(-ctx // chunk), min_split_tokens=least,
-                       geometry=list(geometry or A.split_geometry(D, nq // nkv)), layers=L.n, us=sec * 1e6,
+                       geometry=list(geometry or A.split_geometry(D, nq // nkv, nkv)), layers=L.n, us=sec * 1e6,
                        GBps=kv_bytes / sec / 1e9, pct_of_read=100 * kv_bytes / sec / read_bw if read_bw else None)
             rows.append(row)
             if not quiet:
@@ -196,7 +196,7 @@ def bench_batch_decode(rng, read_bw, rows, batch, ctx, geometries=(None,), model
         reference = bits if reference is None else reference
         sec = time_calls([call(i % L.n) for i in range(max(L.n, 1 if SIM else 16))])
         row = dict(kind="batch", model=model, batch=batch, ctx=ctx, layers=L.n,
-                   geometry=list(geometry or A.split_geometry(D, nq // nkv)), forced=geometry is not None,
+                   geometry=list(geometry or A.split_geometry(D, nq // nkv, batch * nkv)), forced=geometry is not None,
                    us=sec * 1e6, GBps=kv_bytes / sec / 1e9,
                    pct_of_read=100 * kv_bytes / sec / read_bw if read_bw else None,
                    rel_l2_vs_default=bf16_rel_l2(bits, reference))

@@ -12,7 +12,8 @@ Modes (combinable):
   ``gemm_mma``, ``gemm_wgmma``, ``gemm_fma``), side by side;
 * ``--sweep``: every candidate geometry of both tensor-core GEMMs (``gemm_mma``, Hopper's ``gemm_wgmma``: tiles ×
   ring depths × K splits, each checked against the reference kernel) and the skinny kernel; the table then shows
-  the best of each, and the best geometry per (shape, token tile) is printed (and written to the JSON);
+  the best of each, and the best geometry per (shape, token tile) is printed (and written to the JSON, and with
+  ``--tuning-out FILE`` as a tuning file the engine and ``ab_policy.py`` read);
 * ``--check``: correctness on the GPU first: real shapes against the reference kernel, bit for bit on data whose sums
   are exact in f32, and within one bf16 ulp on random data.
 
@@ -437,14 +438,33 @@ def print_table(rows: list[dict]) -> None:
         print_row(c)
 
 
-def print_tuned(tuned: list[dict]) -> None:
-    """The best geometry per (shape, token tile) as ``geometry.MMA_TUNED`` entries (the largest T of a tile
-    decides it: the tile's kernel serves every T up to it)."""
+def best_per_tile(tuned: list[dict]) -> dict:
+    """``{(n_cols, K, token tile, gated): entry}``: the largest T of a tile decides it (the tile's kernel serves
+    every T up to it)."""
     best = {}
     for e in tuned:
         key = (e["n_cols"], e["k"], e["tokens"], e["gated"])
         if key not in best or e["T"] > best[key]["T"]:
             best[key] = e
+    return best
+
+
+def write_tuning(path: str, tuned: list[dict]) -> None:
+    """The best geometries as a tuning file (``policy.load_tuning``: the engine's ``PEGAINFER_GEMV_TUNING``,
+    ``ab_policy.py``'s ``tuning=FILE``)."""
+    entries = []
+    for (n, k, t, gated), e in sorted(best_per_tile(tuned).items()):
+        g = dict(e["geometry"])
+        kind = "wgmma" if g.pop("type", "MmaGeometry") == "WgmmaGeometry" else "mma"
+        entries.append(dict(kind=kind, n_cols=n, k=k, tokens=t, gated=gated, geometry=g))
+    with open(path, "w") as f:
+        json.dump(entries, f, indent=1)
+    print(f"wrote {len(entries)} tuning entries to {path}")
+
+
+def print_tuned(tuned: list[dict]) -> None:
+    """The best geometry per (shape, token tile) as ``geometry.MMA_TUNED`` entries."""
+    best = best_per_tile(tuned)
     print("\nBest geometry per (n_cols, K, token tile, gated)")
     for (n, k, t, gated), e in sorted(best.items()):
         g = dict(e["geometry"])
@@ -469,6 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-torch", action="store_true", help="skip torch.matmul")
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds after which the sweep stops trying")
     ap.add_argument("--json", default=None, help="write every measurement here")
+    ap.add_argument("--tuning-out", default=None, help="with --sweep: write the best geometry per (shape, token "
+                                                       "tile) as a tuning file (PEGAINFER_GEMV_TUNING, ab_policy.py)")
     return ap
 
 
@@ -482,6 +504,8 @@ def main(argv=None) -> int:
     print_table(result["rows"])
     if result["tuned"]:
         print_tuned(result["tuned"])
+        if args.tuning_out:
+            write_tuning(args.tuning_out, result["tuned"])
     result["seconds"] = time.perf_counter() - t0
     if args.json:
         write_json(args.json, result)

@@ -165,6 +165,21 @@ def warmed_engine(model_path, max_model_len: int = 4096, prompt_len: int = 16, o
     return engine
 
 
+def fit_linear_workspace(engine, policies) -> None:
+    """Grow the model's split-K workspace to what the largest of ``policies`` needs (a tuned geometry may split
+    more than the defaults the model sized it for), before graphs are captured under them.  The old buffer is kept
+    alive: graphs captured earlier still point at it."""
+    import numpy as np
+    from numba import cuda
+    from pegainfer.kernels import linear
+    model = engine.model
+    need = max(int(linear.linear_workspace_size(model.max_tokens, model.projection_shapes(), p)) for p in policies)
+    if need > model.linear_workspace.size:
+        engine.replaced_workspaces = getattr(engine, "replaced_workspaces", []) + [model.linear_workspace]
+        model.linear_workspace = cuda.to_device(np.zeros(need, np.float32))
+        model._linear_workspace_size = need
+
+
 def capture_decode_graph(engine, policy=None, batch: int = 1):
     """Capture the engine's decode graph of ``batch`` sequences (padded to the runner's graph size) again, its model
     holding ``policy`` while the step is captured (None: the model's own), and return the instantiated graph.  The

@@ -38,13 +38,16 @@ PDL_DEFAULT = frozenset({"gemv", "gemv_add_rms_norm", "gemv_preloaded", "linear_
 """Launch names that overlap the kernel before them by default (``docs/perf/launch.md``: PDL on every launch made a
 Qwen3-4B step 8.6 % slower than on this set)."""
 
-TUNING_KINDS = ("gemv", "skinny")
+TUNING_KINDS = ("gemv", "skinny", "mma", "wgmma")
+TOKENS_FIELD = {"gemv": "max_tokens", "skinny": "m_tiles", "mma": "tokens", "wgmma": "tokens"}
+"""The field of a tuning entry that holds the token count its geometry is for."""
 
 
 @dataclass(frozen=True)
 class TuningEntry:
     """One measured geometry: ``kind`` ("gemv": ``key`` = (n_cols, K, max_tokens, gated); "skinny": (n_cols, K,
-    m_tiles, gated)) and the geometry's fields as sorted ``(name, value)`` pairs."""
+    m_tiles, gated); "mma" / "wgmma": (n_cols, K, token tile, gated)) and the geometry's fields as sorted
+    ``(name, value)`` pairs."""
     kind: str
     key: tuple
     fields: tuple
@@ -98,21 +101,25 @@ class LaunchPolicy:
 def load_tuning(path: str) -> tuple[TuningEntry, ...]:
     """Read a tuning file: ``[{"n_cols", "k", "max_tokens", "gated", "geometry": {...}}, ...]`` for GEMV entries,
     with ``"m_tiles"`` instead of ``"max_tokens"`` for skinny tensor-core entries (what
-    ``benchmarks/bench_gemv.py --cold --tuning-out`` writes)."""
+    ``benchmarks/bench_gemv.py --cold --tuning-out`` writes), and ``"kind": "mma"`` or ``"wgmma"`` with ``"tokens"``
+    (the token tile: the next power of two >= T, at least 16) for the tensor-core GEMMs (what ``bench_gemm.py
+    --sweep --tuning-out`` writes)."""
     from pegainfer.errors import PegainferError
     try:
         with open(path) as f:
             entries = json.load(f)
         out = []
         for e in entries:
-            kind = "skinny" if "m_tiles" in e else "gemv"
-            tokens = e["m_tiles"] if kind == "skinny" else e["max_tokens"]
+            kind = e.get("kind") or ("skinny" if "m_tiles" in e else "gemv")
+            if kind not in TUNING_KINDS:
+                raise ValueError(f"unknown kind {kind!r} (expected one of {', '.join(TUNING_KINDS)})")
+            tokens = e[TOKENS_FIELD[kind]]
             key = (int(e["n_cols"]), int(e["k"]), int(tokens), bool(e["gated"]))
             out.append(TuningEntry(kind, key, tuple(sorted(e["geometry"].items()))))
         return tuple(out)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise PegainferError(f"tuning file {path}: {exc} -- expected the JSON list that "
-                             "benchmarks/bench_gemv.py --cold --tuning-out writes") from None
+                             "benchmarks/bench_gemv.py --cold --tuning-out or bench_gemm.py --tuning-out writes") from None
 
 
 DEFAULT_POLICY = LaunchPolicy()

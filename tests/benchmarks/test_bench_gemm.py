@@ -38,7 +38,8 @@ def test_sweep_candidates_split_only_where_k_allows(bg):
 @pytest.mark.skipif(not SIMULATOR, reason="a smoke run of the simulator's tiny shapes")
 def test_every_mode_smoke_run(bg, tmp_path, capsys):
     out = tmp_path / "gemm.json"
-    assert bg.main(["--check", "--sweep", "--tokens", "2,17", "--json", str(out)]) == 0
+    tuning = tmp_path / "tuning.json"
+    assert bg.main(["--check", "--sweep", "--tokens", "2,17", "--json", str(out), "--tuning-out", str(tuning)]) == 0
     res = json.loads(out.read_text())
     assert res["check"] is True
     table = [r for r in res["rows"] if r["kind"] == "table"]
@@ -46,3 +47,12 @@ def test_every_mode_smoke_run(bg, tmp_path, capsys):
     assert all(r["us"] > 0 and "gemm_mma tuned" in r["impls"] for r in table)
     assert res["tuned"] and all(e["geometry"]["k_splits"] >= 1 for e in res["tuned"])
     assert "Best geometry per" in capsys.readouterr().out
+    from pegainfer.kernels.linear.geometry import MmaGeometry, WgmmaGeometry, mma_geometry, wgmma_geometry
+    from pegainfer.kernels.policy import LaunchPolicy
+    policy = LaunchPolicy.from_options(tuning_file=str(tuning))   # the winners, as the engine would read them
+    entries = json.loads(tuning.read_text())
+    assert {(e["n_cols"], e["k"], e["gated"]) for e in entries} == {(n, k, g) for _, n, k, g in bg.SIM_MODEL}
+    for e in entries:
+        pick = (wgmma_geometry if e["kind"] == "wgmma" else mma_geometry)(e["n_cols"], e["k"], e["tokens"],
+                                                                           e["gated"], policy)
+        assert pick == (WgmmaGeometry if e["kind"] == "wgmma" else MmaGeometry)(**e["geometry"])

@@ -333,7 +333,8 @@ def test_geometries():
     from pegainfer.kernels.policy import LaunchPolicy, TuningEntry
 
     assert attention.split_geometry(256, 4).dim_split and not attention.split_geometry(128, 4).dim_split
-    assert attention.split_geometry(128, 4).warps == (1 if SIMULATOR else 8)
+    assert attention.split_geometry(128, 4).warps == (1 if SIMULATOR else 8)          # one sequence: long splits
+    assert attention.split_geometry(128, 4, attention.BATCHED_SPLIT_ITEMS).warps == (1 if SIMULATOR else 4)
     assert attention.split_geometry(256, 4).warps == (2 if SIMULATOR else attention.DIM_SPLIT_WARPS)
     for D in (128, 256):
         geo = attention.prefill_geometry(D, 4)

@@ -188,6 +188,19 @@ def test_gpu_decode_long_context(nq, nkv, head_dim, num_tokens, decode):
 
 
 @pytest.mark.gpu
+def test_gpu_batched_decode_takes_four_warp_blocks():
+    """A 40-sequence decode step of Qwen3-4B's heads (320 (token, kv head) items: the 4-warp block of a batched
+    step) at contexts of 1 to 600 keys (one split, or several of 256-key minimum), against the reference."""
+    from pegainfer.kernels.attention import split_geometry
+    assert split_geometry(128, 4, 40 * 8).warps == 4 and split_geometry(128, 4, 8).warps == 8
+    rng = np.random.default_rng(11)
+    positions = [int(p) for p in rng.integers(0, 600, 40)]
+    case = Case(rng, 32, 8, 128, slots=list(range(40)), positions=positions, num_slots=40, max_pages=40,
+                num_pages=1601, page_size=16)
+    assert_attention(case, case.run(decode=True))
+
+
+@pytest.mark.gpu
 def test_gpu_decode_qwen35_short_contexts():
     """Qwen3.5's full-attention shape (16 q / 4 kv heads of 256) at the decode benchmark's contexts (one split of
     1, 5 and 9 16-key steps: one, two and three rounds of the dim-split pairs)."""

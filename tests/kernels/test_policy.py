@@ -42,14 +42,21 @@ def test_tuning_file_entries_reach_the_policy(tmp_path):
     path.write_text(json.dumps([
         {"n_cols": 6144, "k": 2560, "max_tokens": 1, "gated": False,
          "geometry": {"rows_per_warp": 2, "warps": 8, "k_split": 1, "max_tokens": 1, "stages": 6}},
-        {"n_cols": 19456, "k": 2560, "m_tiles": 1, "gated": True, "geometry": {"warps": 4, "n_tiles": 2}}]))
+        {"n_cols": 19456, "k": 2560, "m_tiles": 1, "gated": True, "geometry": {"warps": 4, "n_tiles": 2}},
+        {"kind": "wgmma", "n_cols": 2560, "k": 4096, "tokens": 64, "gated": False,
+         "geometry": {"warpgroups": 1, "bn": 128, "stages": 6, "k_splits": 8, "fill": "tma"}}]))
     policy = LaunchPolicy.from_options(tuning_file=str(path))
     assert policy.tuned("gemv") == {(6144, 2560, 1, False): {"k_split": 1, "max_tokens": 1, "rows_per_warp": 2,
                                                              "stages": 6, "warps": 8}}
     assert policy.tuned("skinny") == {(19456, 2560, 1, True): {"n_tiles": 2, "warps": 4}}
+    from pegainfer.kernels.linear.geometry import WgmmaGeometry, wgmma_geometry
+    for tokens in (33, 64):                       # keyed by the token tile: 33..64 tokens share the entry
+        assert wgmma_geometry(2560, 4096, tokens, False, policy) == WgmmaGeometry(1, 128, 6, 8, fill="tma")
+    assert wgmma_geometry(2560, 4096, 65, False, policy) == wgmma_geometry(2560, 4096, 65, False)
 
 
-@pytest.mark.parametrize("text", ["not json", "[{\"n_cols\": 1}]", "{\"a\": 1}"])
+@pytest.mark.parametrize("text", ["not json", "[{\"n_cols\": 1}]", "{\"a\": 1}",
+                                  "[{\"kind\": \"gemm\", \"n_cols\": 1, \"k\": 1, \"tokens\": 1, \"gated\": false}]"])
 def test_a_bad_tuning_file_is_one_line_naming_the_file(tmp_path, text):
     """Catches a traceback (or a silent default) for a tuning file a user got wrong."""
     path = tmp_path / "bad.json"

@@ -3,10 +3,12 @@
 every announced byte has landed; a producer thread and consumer warps pass a two-stage ring around through full and
 empty barriers over several phases.  In the simulator this checks the twins; on a GPU, the instructions."""
 import numpy as np
+import pytest
 from numba import cuda
 from numba import types as nbtypes
 
-from pegainfer.kernels.launch import current_stream, launch
+from pegainfer.device import SIMULATOR
+from pegainfer.kernels.launch import launch
 from pegainfer.kernels.primitives import as_words, kernel, uint32
 from pegainfer.kernels.primitives import cuda as kcuda
 from pegainfer.kernels.primitives.tma import (mbar_arrive, mbar_arrive_expect_tx, mbar_fence_init, mbar_init,
@@ -56,11 +58,44 @@ def test_tensor_map_box_lands_swizzled_with_zero_fill(rng):
     rows, k = 40, 200                      # row0 32: 8 rows past the end; k0 192: 56 of 64 K past the end
     a = rng.integers(0, 1 << 16, (rows, k), dtype=np.uint16)
     d = cuda.to_device(a)
-    maps, slot = tensor_map(d, BOX, current_stream())
+    maps, slot = tensor_map(d, BOX)
     for row0, k0 in ((0, 0), (8, 64), (32, 192)):
         out = cuda.to_device(np.zeros(TILE_WORDS, np.uint32))
         launch(copy_box, 1, 64, as_words(d), maps, slot, rows, k, row0, k0, out, shared=1024 + 4 * TILE_WORDS + 16)
         np.testing.assert_array_equal(out.copy_to_host(), swizzled_box(a, row0, k0), err_msg=f"box {row0}, {k0}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="tensor maps and graphs are the GPU's")
+def test_a_map_first_met_inside_a_capture_stays_out_of_the_graph(rng):
+    """Catches a tensor map whose slot is written by a copy on the capturing stream: the copy becomes a node of
+    the graph and runs at every replay.  The map of an array first met inside a capture (as the engine captures:
+    relaxed mode) is written at once; the graph holds the kernel only, and its replay copies the right box."""
+    from cuda.bindings import driver as drv
+    from pegainfer.kernels.launch import on_stream
+    rows, k = 32, 128
+    a = rng.integers(0, 1 << 16, (rows, k), dtype=np.uint16)
+    d = cuda.to_device(a)
+    out = cuda.to_device(np.zeros(TILE_WORDS, np.uint32))
+    stream = cuda.stream()
+    s = drv.CUstream(int(stream.handle))
+    with on_stream(stream):
+        assert drv.cuStreamBeginCapture(s, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)[0] == 0
+        try:
+            maps, slot = tensor_map(d, BOX)                  # first met here
+            launch(copy_box, 1, 64, as_words(d), maps, slot, rows, k, 16, 64, out,
+                   shared=1024 + 4 * TILE_WORDS + 16)
+        finally:
+            err, graph = drv.cuStreamEndCapture(s)
+    assert err == 0, err
+    err, nodes, n = drv.cuGraphGetNodes(graph, 16)
+    kinds = [drv.cuGraphNodeGetType(node)[1] for node in nodes[:n]]
+    assert kinds == [drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL], kinds
+    err, exe = drv.cuGraphInstantiate(graph, 0)
+    assert err == 0, err
+    assert drv.cuGraphLaunch(exe, s)[0] == 0
+    stream.synchronize()
+    np.testing.assert_array_equal(out.copy_to_host(), swizzled_box(a, 16, 64))
 
 
 @kernel
@@ -103,7 +138,7 @@ def test_ring_of_full_and_empty_barriers_over_several_phases(rng):
     rows, k, stages = 8 * BOX, 64, 2
     a = rng.integers(0, 1 << 16, (rows, k), dtype=np.uint16)
     d = cuda.to_device(a)
-    maps, slot = tensor_map(d, BOX, current_stream())
+    maps, slot = tensor_map(d, BOX)
     out = cuda.to_device(np.zeros(8, np.uint32))
     launch(ring_sum, 1, 96, as_words(d), maps, slot, rows, k, stages, out,
            shared=1024 + 4 * stages * TILE_WORDS + 32 * stages)

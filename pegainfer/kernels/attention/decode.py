@@ -11,7 +11,8 @@ splits with work come first).  A block serves all ``G = nq / nkv`` q heads of it
 (s+1)·chunk)`` of the token's ``n = positions[t] + 1`` (``split_range``: ``chunk`` is ``n / num_splits`` rounded up
 to a multiple of ``min_chunk``), so how many splits do work is decided on the device and the launch is the same for
 every step (CUDA graphs).  Launch: ``num_splits · T · nkv`` blocks (``geometry.attention_num_splits``) of ``32 · W``
-threads (``geometry.split_geometry``: 8 warps; for 256-dim heads 4 pairs; one warp or pair in the simulator).
+threads (``geometry.split_geometry``: 8 warps, 4 in a batched step; for 256-dim heads 4 pairs; one warp or pair
+in the simulator).
 
 A block's warps take 16-key steps ``w, w + W, ...`` of its split.  One step of a warp:
 
@@ -431,7 +432,7 @@ def paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, positi
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits {num_splits} outside 1..{MAX_SPLITS}")
     ws_acc, ws_m, ws_l, counters = split_workspace(workspace, T, nq, nkv, D, num_splits, policy)
-    warps, dim_split = geometry or split_geometry(D, group)
+    warps, dim_split = geometry or split_geometry(D, group, T * nkv)
     kern = split_kernel(D, group, warps, decode, gate is not None, dim_split, policy.timeline)
     stamps = timeline.buffer() if policy.timeline else timeline.unused()
     launch(kern, grid(num_splits * T * nkv, sim_cap=64), 32 * warps,

@@ -26,6 +26,9 @@ DECODE_STEP_KEYS = 16
 """Keys one warp (or warp pair) handles per step: two n8 tiles of S, one k16 step of P V."""
 DIM_SPLIT_WARPS = 8
 """Warps per block of the dim-split kernel (heads wider than 128 dims): 4 pairs, 64 keys per round."""
+BATCHED_SPLIT_ITEMS = 128
+"""(token, kv head) items of a split-K launch from which its blocks are 4 warps, not 8: 16 to 256 sequences of
+Qwen3-4B's heads (128 to 2,048 items) at 256 keys ran 18-21 % faster so (docs/perf/attention.md)."""
 PREFILL_MIN_TOKENS = 128
 """``method="auto"`` takes the tiled prefill kernel from this many query tokens up."""
 
@@ -37,14 +40,16 @@ class SplitGeometry(NamedTuple):
     dim_split: bool
 
 
-def split_geometry(head_dim: int, group: int) -> SplitGeometry:
-    """The split-K kernel's block for heads of ``head_dim`` (``group`` q heads per kv head): 8 warps, each taking
-    16-key steps; heads wider than 128 dims (Qwen3.5's 256) in warp pairs, so that a warp's registers are those of a
-    128-dim head (one warp holding a whole 256-dim row of K and V would need more than 255 registers).  In the
-    simulator one warp, or one pair."""
+def split_geometry(head_dim: int, group: int, items: int = 1) -> SplitGeometry:
+    """The split-K kernel's block for heads of ``head_dim`` (``group`` q heads per kv head) in a launch of ``items``
+    (token, kv head) pairs: 8 warps, each taking 16-key steps; 4 warps from ``BATCHED_SPLIT_ITEMS`` items on (a
+    batched decode step: each block is a chain of dependent loads, and two blocks an SM hide each other's); heads
+    wider than 128 dims (Qwen3.5's 256) in warp pairs, so that a warp's registers are those of a 128-dim head (one
+    warp holding a whole 256-dim row of K and V would need more than 255 registers).  In the simulator one warp, or
+    one pair."""
     if head_dim > 128:
         return SplitGeometry(threads(gpu=DIM_SPLIT_WARPS, sim=2), True)
-    return SplitGeometry(threads(gpu=8, sim=1), False)
+    return SplitGeometry(threads(gpu=4 if items >= BATCHED_SPLIT_ITEMS else 8, sim=1), False)
 
 
 def min_chunk(min_split_tokens: int | None = None, head_dim: int = 128) -> int:

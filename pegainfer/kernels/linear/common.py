@@ -14,7 +14,7 @@ import numpy as np
 from pegainfer.device import SIMULATOR
 from pegainfer.kernels.activation import silu
 from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, cuda, device_fn, f32_to_bf16,
-                                          kernel, load_u32x4, uint16, uint32)
+                                          kernel, load_u32x4, sm_count, uint16, uint32)
 
 WARPS_PER_SM = 16
 """Occupancy the GEMV and the mma GEMM are compiled for: launch bounds ask ptxas to fit 16 warps per SM, i.e. at
@@ -32,12 +32,6 @@ def bounded_kernel(threads_per_block: int, warps_per_sm: int = WARPS_PER_SM):
         return kernel
     min_blocks = max(1, warps_per_sm * WARP // threads_per_block)
     return cuda.jit(cache=True, launch_bounds=(threads_per_block, min_blocks))
-
-
-@functools.cache
-def sm_count() -> int:
-    """SMs of the GPU (4 in the simulator)."""
-    return 4 if SIMULATOR else int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
 
 @functools.cache

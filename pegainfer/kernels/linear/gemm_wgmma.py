@@ -51,7 +51,7 @@ import functools
 import numpy as np
 from numba import types as nbtypes
 
-from pegainfer.kernels.launch import current_stream, launch
+from pegainfer.kernels.launch import launch
 from pegainfer.kernels.linear.common import bounded_kernel, silu_mul_bf16, store_packed_pair
 from pegainfer.kernels.linear.gemm import store_mma_tiles
 from pegainfer.kernels.linear.gemm_wgmma_ring import ROW_WORDS, WGMMA_BK, gemm_wgmma_ring_kernel
@@ -263,8 +263,7 @@ def gemm_wgmma(x, w, out, *, gated: bool = False, geometry: WgmmaGeometry | None
                geo.k_splits, ws, counters, shared=geo.shared_bytes, name="gemm_wgmma", policy=policy)
         return
     kern = _gemm_wgmma_kernel(geo.warpgroups, geo.bn, geo.stages, gated, geo.warps_per_sm)
-    stream = current_stream()
-    x_maps, x_slot = tensor_map(x, geo.bm, stream)
-    w_maps, w_slot = tensor_map(w, geo.bn // 2 if gated else geo.bn, stream)
+    x_maps, x_slot = tensor_map(x, geo.bm)
+    w_maps, w_slot = tensor_map(w, geo.bn // 2 if gated else geo.bn)
     launch(kern, grid(mma_units(geo, T, n_cols), sim_cap=4), geo.threads, x32, as_words(w), out, k,
            geo.k_splits, ws, counters, x_maps, x_slot, w_maps, w_slot, shared=geo.shared_bytes, name="gemm_wgmma", policy=policy)

@@ -3,6 +3,8 @@ cached on disk on the GPU), ``@device_fn`` (inlined on the GPU), the scalar type
 and grid sizes that shrink in the simulator (``threads``, ``grid``)."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import cuda
 
@@ -21,6 +23,12 @@ else:
 def threads(gpu: int = 256, sim: int = 32) -> int:
     """Block size for a launch: ``gpu`` on hardware, ``sim`` (default one warp) in the simulator."""
     return sim if SIMULATOR else gpu
+
+
+@functools.cache
+def sm_count() -> int:
+    """SMs of the GPU (4 in the simulator)."""
+    return 4 if SIMULATOR else int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
 
 def grid(n: int, per_block: int = 1, sim_cap: int = 64) -> int:

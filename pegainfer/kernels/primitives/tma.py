@@ -1,12 +1,13 @@
 """Hopper's tensor memory accelerator (TMA) and the mbarrier pipelines it feeds.
 
-**Tensor maps.**  ``tensor_map(a, box_rows, stream)`` describes a 2-D bf16 array ``a [rows, K]`` to the copy engine:
+**Tensor maps.**  ``tensor_map(a, box_rows)`` describes a 2-D bf16 array ``a [rows, K]`` to the copy engine:
 its address, its shape and row stride, and the *box* one copy moves, ``box_rows`` rows × ``TMA_BOX_K`` (64) K
 elements, i.e. rows of 128 bytes landing in shared memory in the 128-byte-swizzled K-major layout ``wgmma`` reads
 (``primitives.wgmma``).  A map is 128 opaque bytes that the driver encodes on the host (``cuTensorMapEncodeTiled``);
-it lives in a device table (``TensorMapTable``) whose slots are written once, by an asynchronous copy on the
-launch's stream (so a CUDA graph captured around the launch carries the copy), and never rewritten: a graph holds
-the address of its maps.  The kernel receives the table and a slot index.
+it lives in a device table (``TensorMapTable``) whose slots are written once, when first met, by a copy on a stream
+of the table's own that the host waits for, and never rewritten: a graph holds the address of its maps, never a
+copy of them (a copy node would run at every replay: each cost a 64-sequence decode step ~17 µs).  The kernel
+receives the table and a slot index.
 
 **Copies.**  ``tma_prefetch_map(table, slot)`` warms the copy engine's descriptor cache with a map (issue it at
 the kernel's start, before the first copy).  ``tma_load_2d(smem, dst, table, slot, src32, row0, k0, n_rows, k, box_rows, bars, b)`` (one thread)
@@ -53,9 +54,9 @@ class TensorMapTable:
         self.tables: list = []
         self._host: list = []
         self._index: dict = {}
-        self._eager: set = set()       # slots written by a copy that ran (not only one inside a graph's capture)
+        self._stream = None            # the stream the slots are written on (``_write``)
 
-    def slot(self, a, box_rows: int, stream):
+    def slot(self, a, box_rows: int):
         """(table, slot) of the map of ``a`` ([rows, K] bf16 bits, contiguous) with boxes of ``box_rows`` × 64."""
         key = (int(a.__cuda_array_interface__["data"][0]), a.shape[0], a.shape[1], box_rows)
         i = self._index.get(key)
@@ -66,21 +67,31 @@ class TensorMapTable:
                 self.tables.append(cuda.device_array(self.chunk * MAP_WORDS, np.uint64))
                 self._host.append(cuda.pinned_array((self.chunk, MAP_WORDS), np.uint64))
             self._host[c][j] = _encode(a, box_rows)
+            self._write(self.tables[c][j * MAP_WORDS:(j + 1) * MAP_WORDS], self._host[c][j])
             self._index[key] = i
         c, j = divmod(i, self.chunk)
-        if i not in self._eager:       # first use, or only captured so far: (re)write the slot on the stream
-            capturing = _is_capturing(stream)
-            self.tables[c][j * MAP_WORDS:(j + 1) * MAP_WORDS].copy_to_device(self._host[c][j], stream=stream)
-            if not capturing:
-                self._eager.add(i)
         return self.tables[c], j
+
+    def _write(self, dst, src) -> None:
+        """Copy one encoded map into its slot and wait for it, on a non-blocking stream of the table's own: legal
+        while the launch's stream is being captured into a graph (the engine captures in relaxed mode), and kept
+        out of the graph."""
+        if self._stream is None:
+            from cuda.bindings import driver as drv
+            err, handle = drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)
+            if err != drv.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuStreamCreate failed ({err})")
+            self._stream = cuda.external_stream(int(handle))
+            self._handle = handle          # keeps the stream's handle alive with the table
+        dst.copy_to_device(src, stream=self._stream)
+        self._stream.synchronize()
 
 
 _tables: dict = {}
 _SIM_TABLE = np.zeros(MAP_WORDS, np.uint64)
 
 
-def tensor_map(a, box_rows: int, stream=0):
+def tensor_map(a, box_rows: int):
     """(table, slot) of the tensor map of ``a`` for boxes of ``box_rows`` rows (one set of tables per device).  In
     the simulator there are no maps (the copy twin reads ``a`` itself): a stand-in table and slot 0."""
     if SIMULATOR:
@@ -89,15 +100,7 @@ def tensor_map(a, box_rows: int, stream=0):
     t = _tables.get(dev)
     if t is None:
         t = _tables[dev] = TensorMapTable()
-    return t.slot(a, box_rows, stream)
-
-
-def _is_capturing(stream) -> bool:
-    if SIMULATOR or not stream:
-        return False
-    from cuda.bindings import driver as drv
-    err, status = drv.cuStreamIsCapturing(drv.CUstream(int(stream.handle)))
-    return status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+    return t.slot(a, box_rows)
 
 
 def _encode(a, box_rows: int) -> np.ndarray:

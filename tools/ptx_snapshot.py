@@ -250,6 +250,7 @@ def record(model_names, case_names, recorder: Recorder):
     home._launch = recorder
     from pegainfer.kernels.primitives import tma
     tma._encode = lambda a, box_rows: np.zeros(tma.MAP_WORDS, np.uint64)   # the driver's encoder needs a driver
+    tma.TensorMapTable._write = lambda self, dst, src: dst.copy_to_device(src)   # ... and so does its stream
     if getattr(home, "_launch_pdl", 0) is None:
         home._launch_pdl = object()    # the H200 has PDL, and ``overlaps()`` picks kernel variants
     for model in model_names:

@@ -197,13 +197,15 @@ def capture_decode_graph(engine, policy=None, batch: int = 1):
     return runner.graphs.execs[(B, B)]
 
 
-def last_decode_step(model_path: str, context: int):
-    """``(engine, step)``: a warmed engine (``warmed_engine``) that has prefilled ``context`` tokens and decoded 4
-    more, and ``step()``, which runs its last decode step again (forward + sampler) from the inputs still in the
-    runner's buffers, ready to be captured into a graph of its own (``captured``) and timed."""
-    engine = warmed_engine(model_path, 4096, prompt_len=context, output_len=4)
+def last_decode_step(model_path: str, context: int, batch: int = 1):
+    """``(engine, step)``: a warmed engine (``warmed_engine``) that has prefilled ``context`` tokens (each of
+    ``batch`` sequences) and decoded 4 more, and ``step()``, which runs its last decode step again (forward +
+    sampler, the batch padded to its graph's size) from the inputs still in the runner's buffers, ready to be
+    captured into a graph of its own (``captured``) and timed."""
+    engine = warmed_engine(model_path, 4096, prompt_len=context, output_len=4, batch=batch)
     runner = engine.runner
-    return engine, lambda: runner.forward_and_sample(1, 1, decode=True)
+    B = runner.padded_batch(batch)
+    return engine, lambda: runner.forward_and_sample(B, B, decode=True)
 
 
 def kernel_name(package: str, *names: str):

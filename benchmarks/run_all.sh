@@ -9,7 +9,8 @@
 #   kernels   tests/kernels on the GPU
 #   accuracy  the GPU tests (tests/gpu, tests/models -m gpu: full shapes against transformers, graph vs eager)
 #   bench     pegainfer bench on $BENCH_MODELS (default qwen3-4b) with --hf, then the traced run's kernels
-#   profile   step_profile.py kernels, timeline, ablation and gaps on $BENCH_MODELS
+#   profile   step_profile.py kernels, timeline, ablation and gaps on $BENCH_MODELS; kernels and ablation of a
+#             64-sequence step
 #   micro     bench_gemv.py, bench_attention.py, bench_gated_delta.py, bench_row_kernels.py, bench_sampling.py,
 #             launch_cost.py
 #   cold      bench_gemv.py --cold on Qwen3-4B's shapes: the decode GEMV geometry sweep, $OUT/tuning_4b.json
@@ -72,6 +73,11 @@ for stage in "$@"; do
                 for mode in kernels timeline ablation gaps; do
                   timeout ${PROFILE_TIMEOUT:-200} python3 benchmarks/step_profile.py $mode --model-path "$M/$m" \
                     --json "$OUT/${mode}_$m.json" 2>&1 | filter | tail -40 | tee "$OUT/${mode}_$m.log"
+                done
+                for mode in kernels ablation; do    # the same step for 64 sequences at a 256-token context
+                  timeout ${PROFILE_TIMEOUT:-200} python3 benchmarks/step_profile.py $mode --model-path "$M/$m" \
+                    --batch 64 --context 256 --json "$OUT/${mode}_b64_$m.json" 2>&1 | filter | tail -40 \
+                    | tee "$OUT/${mode}_b64_$m.log"
                 done
               done ;;
     micro)    for b in bench_gemv bench_attention bench_gated_delta bench_row_kernels bench_sampling launch_cost; do

@@ -1,4 +1,5 @@
-"""Where does a batch-1 decode step's time go?  Five views of the same step:
+"""Where does a decode step's time go (one sequence, or a batch: ``--batch`` of ``kernels`` and ``ablation``)?  Five
+views of the same step:
 
   timeline  block by block inside the CUDA graph: the decode kernels built with ``%globaltimer`` stamps
             (``LaunchPolicy.timeline``), per kernel its wall, the PDL handoff, how long its blocks ran before their
@@ -14,9 +15,9 @@
 
     python benchmarks/step_profile.py timeline --model-path DIR [--output-len 64] [--save t.npy] [--policy pdl=none]
     python benchmarks/step_profile.py timeline --load t.npy
-    python benchmarks/step_profile.py ablation --model-path DIR [--context 128]
+    python benchmarks/step_profile.py ablation --model-path DIR [--context 128] [--batch 64]
     python benchmarks/step_profile.py gaps --model-path DIR [--runs 3]
-    python benchmarks/step_profile.py kernels --model-path DIR [--context 128] [--steps 20] [--trace out.json]
+    python benchmarks/step_profile.py kernels --model-path DIR [--context 128] [--batch 64] [--steps 20] [--trace out.json]
     python benchmarks/step_profile.py trace TRACE.json [...]
 """
 from __future__ import annotations
@@ -225,7 +226,7 @@ def cmd_ablation(args) -> int:
     graph_timing.require_gpu("step_profile.py ablation")
     from pegainfer.kernels.launch import on_stream
     from pegainfer.kernels.memory import measure_read_bandwidth
-    engine, step = graph_timing.last_decode_step(args.model_path, args.context)
+    engine, step = graph_timing.last_decode_step(args.model_path, args.context, args.batch)
     families = ablation_families()
     bound = ("qk_norm_rope", "attention") + (("gated_delta_step",) if engine.model_config.arch == "qwen3_5" else ())
     variants = [("full step", ())] + [(f"- {n}", (n,)) for n in bound] + [
@@ -236,12 +237,13 @@ def cmd_ablation(args) -> int:
             with without(families, dropped):
                 res[name] = 1e3 * graph_timing.time_calls([step] * 20, reps=5)
     full, wb, bw = res["full step"], engine.model.weight_bytes(), measure_read_bandwidth()
-    print(f"\n{engine.model_name}: context {args.context}, weight bytes {wb / 1e9:.3f} GB, read bw {bw / 1e9:.0f} "
-          f"GB/s, floor {1e3 * wb / bw:.3f} ms")
+    print(f"\n{engine.model_name}: batch {args.batch}, context {args.context}, weight bytes {wb / 1e9:.3f} GB, read "
+          f"bw {bw / 1e9:.0f} GB/s, weights' floor {1e3 * wb / bw:.3f} ms")
     print(f"{'variant':40s} {'ms/step':>9s} {'saved':>8s}")
     for name, ms in res.items():
         print(f"{name:40s} {ms:9.3f} {full - ms:8.3f}")
-    _dump(args.json, dict(model=engine.model_name, context=args.context, weight_bytes=wb, read_bw=bw, ms=res))
+    _dump(args.json, dict(model=engine.model_name, batch=args.batch, context=args.context, weight_bytes=wb,
+                          read_bw=bw, ms=res))
     return 0
 
 
@@ -316,7 +318,7 @@ def cmd_kernels(args) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from pegainfer.kernels.launch import on_stream
-    engine, step = graph_timing.last_decode_step(args.model_path, args.context)
+    engine, step = graph_timing.last_decode_step(args.model_path, args.context, args.batch)
     with on_stream(engine.runner.stream), graph_timing.captured([step] * args.steps) as replay:
         replay()
         replay()
@@ -339,7 +341,8 @@ def cmd_kernels(args) -> int:
         f[1] += dur
         f[2] += gap
         f[3] += wall
-    print(f"\n{engine.model_name}: context {args.context}, {per_step} kernels per step, step {total:.1f} us "
+    print(f"\n{engine.model_name}: batch {args.batch}, context {args.context}, {per_step} kernels per step, "
+          f"step {total:.1f} us "
           f"(graph of {n} steps, CUPTI)")
     print(f"{'kernel':34s} {'per step':>8s} {'dur us':>8s} {'gap us':>8s} {'wall us':>8s} {'wall/step':>10s}")
     for name, (c, d, g, w) in sorted(fam.items(), key=lambda kv: -kv[1][3]):
@@ -357,7 +360,7 @@ def cmd_kernels(args) -> int:
     print("step 2, last kernels:")
     for name, s, dur, gap, wall in step2[-6:]:
         print(f"  {name[:34]:34s} {s - t0:8.2f} {dur:8.2f} {gap:8.2f} {wall:8.2f}")
-    _dump(args.json, {"step_us": total, "per_step": per_step,
+    _dump(args.json, {"batch": args.batch, "context": args.context, "step_us": total, "per_step": per_step,
                       "families": {k: dict(zip(("launches", "dur_us", "gap_us", "wall_us"), v)) for k, v in fam.items()}})
     return 0
 
@@ -426,12 +429,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="launch-policy fields to change first, as ab_policy.py's variants (e.g. pdl=none)")
     p = mode("ablation")
     p.add_argument("--context", type=int, default=128, help="tokens already in the KV cache (default 128)")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded in each step (default 1)")
     p = mode("gaps")
     context_args(p)
     p.add_argument("--runs", type=int, default=3, help="timed requests after one warm-up (default 3)")
     p = mode("kernels")
     p.add_argument("--context", type=int, default=128, help="tokens already in the KV cache (default 128)")
     p.add_argument("--steps", type=int, default=20, help="decode steps in the profiled graph (default 20)")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded in each step (default 1)")
     p.add_argument("--trace", default=None, help="also write the profiler's raw Chrome trace here")
     p.add_argument("--layer", type=int, default=None, help="print this layer's kernels one by one (default: middle)")
     p = mode("trace", engine=False)

@@ -5,7 +5,7 @@ from tests.benchmarks.scripts import BENCHMARKS, run_script
 
 QUESTIONS = {
     "ab_policy.py": "Which launch policy makes a decode step faster on this GPU?",
-    "step_profile.py": "Where does a batch-1 decode step's time go?",
+    "step_profile.py": "Where does a decode step's time go",
     "bench_gemv.py": "How close do pegainfer's weight projections come to the GPU's read bandwidth",
     "bench_gemm.py": "How fast are pegainfer's projection GEMMs at every token count",
     "bench_attention.py": "How fast is pegainfer's paged attention",

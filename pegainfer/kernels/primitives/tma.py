@@ -6,7 +6,7 @@ elements, i.e. rows of 128 bytes landing in shared memory in the 128-byte-swizzl
 (``primitives.wgmma``).  A map is 128 opaque bytes that the driver encodes on the host (``cuTensorMapEncodeTiled``);
 it lives in a device table (``TensorMapTable``) whose slots are written once, when first met, by a copy on a stream
 of the table's own that the host waits for, and never rewritten: a graph holds the address of its maps, never a
-copy of them (a copy node would run at every replay: each cost a 64-sequence decode step ~17 µs).  The kernel
+copy of them (a copy node would run at every replay: ~6 µs each in a 64-sequence decode step).  The kernel
 receives the table and a slot index.
 
 **Copies.**  ``tma_prefetch_map(table, slot)`` warms the copy engine's descriptor cache with a map (issue it at

@@ -11,8 +11,9 @@ from pegainfer.device import SIMULATOR
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.primitives import as_words, kernel, uint32
 from pegainfer.kernels.primitives import cuda as kcuda
-from pegainfer.kernels.primitives.tma import (mbar_arrive, mbar_arrive_expect_tx, mbar_fence_init, mbar_init,
-                                              mbar_wait, named_barrier, tensor_map, tma_load_2d)
+from pegainfer.kernels.primitives.barriers import (mbar_arrive, mbar_arrive_expect_tx, mbar_fence_init, mbar_init,
+                                                   mbar_wait, named_barrier)
+from pegainfer.kernels.primitives.tma import tensor_map, tma_load_2d
 from pegainfer.kernels.primitives.wgmma import shared_address
 
 BOX = 16          # rows of a box

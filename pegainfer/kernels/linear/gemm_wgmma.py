@@ -60,9 +60,9 @@ from pegainfer.kernels.linear.splitk import build_finish_tile, split_workspace
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
 from pegainfer.kernels.primitives import (WARP, as_words, cuda, device_fn, float32, grid, grid_dependency_wait,
                                           launch_dependents, uint32)
-from pegainfer.kernels.primitives.tma import (mbar_arrive, mbar_arrive_expect_tx, mbar_fence_init, mbar_init,
-                                              mbar_wait, named_barrier, tensor_map, tma_load_2d,
-                                              tma_prefetch_map)
+from pegainfer.kernels.primitives.barriers import (mbar_arrive, mbar_arrive_expect_tx, mbar_fence_init, mbar_init,
+                                                   mbar_wait, named_barrier)
+from pegainfer.kernels.primitives.tma import tensor_map, tma_load_2d, tma_prefetch_map
 from pegainfer.kernels.primitives.wgmma import (WARPGROUP, shared_address, smem_desc, wgmma_bf16_m64k16,
                                                 wgmma_commit, wgmma_fence, wgmma_wait)
 
@@ -139,8 +139,9 @@ def _gemm_wgmma_kernel(warpgroups: int, bn: int, stages: int, gated: bool, warps
         """``out = x @ W.T`` (or SwiGLU of gate/up row pairs when gated) on Hopper tensor cores, f32 accumulation.
 
         x32 ``[T · K/2]``, w32 ``[rows · K/2]`` (flat uint32 views of the bf16 tensors, read by TMA through the
-        tensor maps in slot ``x_slot`` of ``x_maps`` and ``w_slot`` of ``w_maps``), out ``[T, n_out]``; ``k`` = K; ``k_splits`` K ranges
-        per output tile, their partials in ``ws`` and ``counters`` (``splitk``; stand-ins when ``k_splits`` = 1).
+        tensor maps in slot ``x_slot`` of ``x_maps`` and ``w_slot`` of ``w_maps``), out ``[T, n_out]``; ``k`` = K;
+        ``k_splits`` K ranges per output tile, their partials in ``ws`` and ``counters`` (``splitk``; stand-ins when
+        ``k_splits`` = 1).
         Tiles, warps and pipeline: the module docstring.
         """
         launch_dependents()
@@ -236,8 +237,8 @@ def _gemm_wgmma_kernel(warpgroups: int, bn: int, stages: int, gated: bool, warps
             if nk > 0:
                 mbar_arrive(ring, base + uint32(empty_at) + uint32(2) * prev)
             tok0 = m_tile * bm + wg * 64 + (tid % WARPGROUP) // 32 * 16
-            finish_tile(out, acc, tok0, n_tile * bn, ws, counters, ring, base + uint32(flag_at), m_tile + tiles_m * n_tile,
-                        split, k_splits)
+            finish_tile(out, acc, tok0, n_tile * bn, ws, counters, ring, base + uint32(flag_at),
+                        m_tile + tiles_m * n_tile, split, k_splits)
 
     return gemm_wgmma
 
@@ -266,4 +267,5 @@ def gemm_wgmma(x, w, out, *, gated: bool = False, geometry: WgmmaGeometry | None
     x_maps, x_slot = tensor_map(x, geo.bm)
     w_maps, w_slot = tensor_map(w, geo.bn // 2 if gated else geo.bn)
     launch(kern, grid(mma_units(geo, T, n_cols), sim_cap=4), geo.threads, x32, as_words(w), out, k,
-           geo.k_splits, ws, counters, x_maps, x_slot, w_maps, w_slot, shared=geo.shared_bytes, name="gemm_wgmma", policy=policy)
+           geo.k_splits, ws, counters, x_maps, x_slot, w_maps, w_slot, shared=geo.shared_bytes, name="gemm_wgmma",
+           policy=policy)

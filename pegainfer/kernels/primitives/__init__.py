@@ -12,8 +12,9 @@ and never checks which world it runs in; this package is the only place that doe
 * ``ldmatrix_trans`` -- the transposing ``ldmatrix``: B fragments of ``P · V`` from a row-major V tile
 * ``fast_exp2`` -- 2^x in one instruction (softmax probabilities)
 * ``warp_vote`` -- ``warp_any``: a predicate of any lane, in every lane
-* ``async_copy`` -- ``cp.async`` and the sm_90 bulk copies with their mbarrier
-* ``tma`` -- tensor maps and TMA tile copies, mbarrier rings (full / empty phases), named barriers
+* ``async_copy`` -- ``cp.async`` and the sm_90 bulk copies
+* ``barriers`` -- mbarriers (arrivals and copied bytes, phases: the rings of TMA and bulk copies), named barriers
+* ``tma`` -- tensor maps and TMA tile copies
 * ``wgmma`` -- Hopper's warpgroup MMA from shared-memory descriptors
 * ``pdl`` -- programmatic dependent launch (``grid_dependency_wait``, ``launch_dependents``, ``pdl_prologue``, the
   ``reads_before_wait`` declaration) and the clock registers of the timeline stamps

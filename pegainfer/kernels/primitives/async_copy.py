@@ -9,18 +9,22 @@ it, and to the block after a ``syncthreads``.  In the simulator the copy happens
 Bulk copies (sm_90's copy engine, ``cp.async.bulk``): one thread ``bulk_barrier_init``s an mbarrier in shared memory,
 announces the bytes with ``bulk_expect_bytes`` and issues ``bulk_copy``s of whole runs; after a ``syncthreads`` (the
 barrier initialised) every thread may ``bulk_wait`` for them.  One-shot: each barrier serves one batch of copies.
+The barrier is an mbarrier of ``barriers`` (one arrival, its first phase); in the simulator the copy happens at once
+and counts its bytes against it.
 """
 from __future__ import annotations
 
 import functools
 
 import numpy as np
-from numba import cuda
 
 from pegainfer.device import SIMULATOR
+from pegainfer.kernels.primitives.barriers import mbar_arrive_expect_tx, mbar_init, mbar_wait_first_phase
 from pegainfer.kernels.primitives.launch_shape import device_fn
 
 if SIMULATOR:
+    from pegainfer.kernels.primitives.barriers import complete_tx
+
     @device_fn
     def cp_async_16(dst, i, src, j, nbytes):
         for q in range(4):
@@ -38,27 +42,23 @@ if SIMULATOR:
 
     @device_fn
     def bulk_barrier_init(bar, i):
-        pass
+        mbar_init(bar, i, 1)
 
-    @device_fn
-    def bulk_expect_bytes(bar, i, nbytes):
-        pass
+    bulk_expect_bytes = mbar_arrive_expect_tx
 
     @device_fn
     def bulk_copy(dst, i, src, j, nbytes, bar, b):
         n = int(nbytes) // 4
         dst[int(i):int(i) + n] = src[int(j):int(j) + n]
+        complete_tx(bar, b, nbytes)
 
-    @device_fn
-    def bulk_wait(bar, i):
-        # every caller waits with its whole block (a block-uniform call), and the simulator's bulk_copy copied at
-        # once in the issuing thread: a block barrier is what makes the bytes visible to the others
-        cuda.syncthreads()
+    bulk_wait = mbar_wait_first_phase
 else:
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
 
+    from pegainfer.kernels.primitives.barriers import _bar_intrinsic
     from pegainfer.kernels.primitives.ptx import _asm_statement, _element_pointer, _to_shared
 
     @intrinsic
@@ -80,39 +80,12 @@ else:
 
     cp_async_commit = _asm_statement("cp.async.commit_group;")
 
-    @intrinsic
-    def bulk_barrier_init(typingctx, bar, i):
-        """``mbarrier.init`` of the 8-byte barrier at words ``bar[i:i+2]`` (shared, ``i`` even) for one arrival, and
-        the fences that make it visible to the copy engine; one thread, then a block barrier before others wait."""
-        sig = types.void(bar, i)
-
-        def codegen(context, builder, sig, args):
-            b = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [b.type]),
-                               "{ " + _to_shared("$0", "sb") + " mbarrier.init.shared::cta.b64 [sb], 1; "
-                               "fence.mbarrier_init.release.cluster; fence.proxy.async.shared::cta; }",
-                               "l,~{memory}", side_effect=True)
-            builder.call(asm, [b])
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @intrinsic
-    def bulk_expect_bytes(typingctx, bar, i, nbytes):
-        """``mbarrier.arrive.expect_tx``: the barrier's phase completes once ``nbytes`` have landed (one thread, before
-        it issues the ``bulk_copy``s that count against it)."""
-        sig = types.void(bar, i, nbytes)
-
-        def codegen(context, builder, sig, args):
-            b = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            n = context.cast(builder, args[2], sig.args[2], types.uint32)
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [b.type, ir.IntType(32)]),
-                               "{ " + _to_shared("$0", "sb") + " mbarrier.arrive.expect_tx.shared::cta.b64 _, [sb], $1; }", "l,r,~{memory}",
-                               side_effect=True)
-            builder.call(asm, [b, n])
-            return context.get_dummy_value()
-
-        return sig, codegen
+    bulk_barrier_init = _bar_intrinsic("mbarrier.init.shared::cta.b64 [sb], 1; fence.mbarrier_init.release.cluster; "
+                                       "fence.proxy.async.shared::cta;", False)
+    """``mbarrier.init`` of the 8-byte barrier at words ``bar[i:i+2]`` (shared, ``i`` even) for one arrival, and the
+    fences that make it visible to the copy engine; one thread, then a block barrier before others wait."""
+    bulk_expect_bytes = mbar_arrive_expect_tx    # the barrier's phase completes once ``nbytes`` have landed
+    bulk_wait = mbar_wait_first_phase            # every byte announced has landed and is visible to the caller
 
     @intrinsic
     def bulk_copy(typingctx, dst, i, src, j, nbytes, bar, b):
@@ -133,26 +106,6 @@ else:
             return context.get_dummy_value()
 
         return sig, codegen
-
-    @intrinsic
-    def _bulk_try_wait(typingctx, bar, i):
-        sig = types.uint32(bar, i)
-
-        def codegen(context, builder, sig, args):
-            b = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [b.type]),
-                               "{ .reg .pred p; " + _to_shared("$1", "sb") + " mbarrier.try_wait.parity.shared::cta.b64 p, [sb], 0; "
-                               "selp.u32 $0, 1, 0, p; }", "=r,l,~{memory}", side_effect=True)
-            return builder.call(asm, [b])
-
-        return sig, codegen
-
-    @device_fn
-    def bulk_wait(bar, i):
-        """Wait until the barrier's first phase has completed: every byte announced with ``bulk_expect_bytes``
-        has landed and is visible to the calling thread."""
-        while _bulk_try_wait(bar, i) == 0:
-            pass
 
     @functools.cache
     def cp_async_wait_group(n: int):

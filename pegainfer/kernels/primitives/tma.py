@@ -1,4 +1,4 @@
-"""Hopper's tensor memory accelerator (TMA) and the mbarrier pipelines it feeds.
+"""Hopper's tensor memory accelerator (TMA): tensor maps and the tile copies they describe.
 
 **Tensor maps.**  ``tensor_map(a, box_rows)`` describes a 2-D bf16 array ``a [rows, K]`` to the copy engine:
 its address, its shape and row stride, and the *box* one copy moves, ``box_rows`` rows × ``TMA_BOX_K`` (64) K
@@ -10,25 +10,15 @@ copy of them (a copy node would run at every replay: ~6 µs each in a 64-sequenc
 receives the table and a slot index.
 
 **Copies.**  ``tma_prefetch_map(table, slot)`` warms the copy engine's descriptor cache with a map (issue it at
-the kernel's start, before the first copy).  ``tma_load_2d(smem, dst, table, slot, src32, row0, k0, n_rows, k, box_rows, bars, b)`` (one thread)
-copies rows ``row0 .. row0 + box_rows`` × K ``k0 .. k0 + 64`` of the mapped array into the 1024-byte-aligned tile at
-``smem[dst ..]``; rows and K past the array's end land as zeros.  Its bytes count against the mbarrier at
-``bars[b]``.  (``src32``, ``n_rows``, ``k`` and ``box_rows`` repeat what the map holds: the simulator's twin copies
+the kernel's start, before the first copy).  ``tma_load_2d(smem, dst, table, slot, src32, row0, k0, n_rows, k,
+box_rows, bars, b)`` (one thread) copies rows ``row0 .. row0 + box_rows`` × K ``k0 .. k0 + 64`` of the mapped array
+into the 1024-byte-aligned tile at ``smem[dst ..]``; rows and K past the array's end land as zeros.  Its bytes count
+against the mbarrier at ``bars[b]``.  (``src32``, ``n_rows``, ``k`` and ``box_rows`` repeat what the map holds: the simulator's twin copies
 from them, the GPU ignores them.)
 
-**mbarriers** (8 bytes: two words of a shared uint32 array, ``b`` even).  ``mbar_init(bars, b, count)`` (one thread,
-then ``mbar_fence_init()`` and a block barrier) makes a barrier whose phase completes when ``count`` threads have
-arrived and every byte announced in the phase has landed.  ``mbar_arrive(bars, b)``; ``mbar_arrive_expect_tx(bars,
-b, nbytes)`` arrives and announces ``nbytes`` of TMA copies; ``mbar_wait(bars, b, parity)`` returns once the phase
-of that parity has completed (a fresh barrier is in phase 0, so waiting for parity 1 returns at once: the usual way
-to let a producer fill every stage of a ring before its first wait).
-
-**Named barriers.**  ``named_barrier(id, nthreads)`` (``bar.sync``) waits for ``nthreads`` threads (a multiple of
-32) of the block at barrier ``id`` (1 .. 15; 0 is ``syncthreads``): the consumer warps of a warp-specialized kernel
-meet without the producer.
-
-In the simulator the copy happens at once in the issuing thread, and the mbarriers and named barriers are counters
-under the block's condition variable (``simulator_blocks``): the same phases, arrivals and byte counts.
+The copies complete on an mbarrier (``barriers``: ``mbar_init``, ``mbar_arrive_expect_tx``, ``mbar_wait``); a
+warp-specialized kernel's consumers meet on a named barrier.  In the simulator the copy happens at once in the
+issuing thread and counts its bytes against the barrier (``barriers.complete_tx``).
 """
 from __future__ import annotations
 
@@ -39,6 +29,9 @@ from numba import cuda
 
 from pegainfer.device import SIMULATOR
 from pegainfer.kernels.primitives.launch_shape import device_fn
+
+if SIMULATOR:
+    from pegainfer.kernels.primitives.barriers import complete_tx
 
 TMA_BOX_K = 64                # K elements of a box row: 128 bytes, one row of the 128-byte swizzle
 MAP_WORDS = 16                # uint64 words of one tensor map (128 bytes, 64-byte aligned)
@@ -125,79 +118,6 @@ def _encode(a, box_rows: int) -> np.ndarray:
 
 
 if SIMULATOR:
-    import threading
-
-    def _block():
-        return threading.current_thread().block
-
-    def _key(bars, b):
-        """A barrier's identity: the address of its word (every thread may hold its own view of the array)."""
-        return bars.__array_interface__["data"][0] + bars.itemsize * int(b)
-
-    def _state(bars, b):
-        blk = _block()
-        table = blk.__dict__.setdefault("mbarriers", {})
-        return blk, table.setdefault(_key(bars, b), [1, 1, 0, 0])   # count, pending, bytes, phase
-
-    def _complete_if_done(blk, st):
-        if st[1] == 0 and st[2] == 0:
-            st[1] = st[0]
-            st[3] ^= 1
-            blk.cv.notify_all()
-
-    @device_fn
-    def mbar_init(bars, b, count):
-        blk = _block()
-        with blk.cv:
-            blk.__dict__.setdefault("mbarriers", {})[_key(bars, b)] = [int(count), int(count), 0, 0]
-
-    @device_fn
-    def mbar_fence_init():
-        pass
-
-    @device_fn
-    def mbar_arrive(bars, b):
-        blk, st = _state(bars, b)
-        with blk.cv:
-            st[1] -= 1
-            _complete_if_done(blk, st)
-
-    @device_fn
-    def mbar_arrive_expect_tx(bars, b, nbytes):
-        blk, st = _state(bars, b)
-        with blk.cv:
-            st[2] += int(nbytes)
-            st[1] -= 1
-            _complete_if_done(blk, st)
-
-    @device_fn
-    def mbar_wait(bars, b, parity):
-        blk, st = _state(bars, b)
-        me = threading.current_thread()
-        with blk.cv:
-            while st[3] == int(parity) and not me.abort:
-                blk.cv.wait(0.5)
-        if me.abort:
-            raise RuntimeError("abort flag set while waiting on an mbarrier")
-
-    @device_fn
-    def named_barrier(barrier_id, nthreads):
-        blk = _block()
-        me = threading.current_thread()
-        with blk.cv:
-            st = blk.__dict__.setdefault("named_barriers", {}).setdefault(int(barrier_id), [0, 0])  # waiting, round
-            round_ = st[1]
-            st[0] += 1
-            if st[0] == int(nthreads):
-                st[0] = 0
-                st[1] += 1
-                blk.cv.notify_all()
-            else:
-                while st[1] == round_ and not me.abort:
-                    blk.cv.wait(0.5)
-        if me.abort:
-            raise RuntimeError("abort flag set at a named barrier")
-
     @device_fn
     def tma_prefetch_map(table, slot):
         pass
@@ -215,89 +135,13 @@ if SIMULATOR:
             vals = np.where(ok[:, None], np.asarray(src32)[src], np.uint32(0))
             word = int(dst) + rows * 32 + 4 * (c ^ (rows & 7))
             smem[(word[:, None] + np.arange(4)[None, :]).ravel()] = vals.ravel()
-        blk, st = _state(bars, b)
-        with blk.cv:
-            st[2] -= 128 * int(box_rows)
-            _complete_if_done(blk, st)
+        complete_tx(bars, b, 128 * int(box_rows))
 else:
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    from pegainfer.kernels.primitives.ptx import _asm_statement, _element_pointer, _to_shared
-
-    def _bar_intrinsic(ptx: str, with_value: bool):
-        """An intrinsic ``f(bars, b[, value])`` emitting ``ptx`` with ``sb`` = the shared address of ``bars[b]`` and
-        ``$1`` = the 32-bit value."""
-        if with_value:
-            @intrinsic
-            def f(typingctx, bars, b, value):
-                sig = types.void(bars, b, value)
-
-                def codegen(context, builder, sig, args):
-                    p = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-                    v = context.cast(builder, args[2], sig.args[2], types.uint32)
-                    asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [p.type, ir.IntType(32)]),
-                                       "{ " + _to_shared("$0", "sb") + " " + ptx + " }", "l,r,~{memory}",
-                                       side_effect=True)
-                    builder.call(asm, [p, v])
-                    return context.get_dummy_value()
-                return sig, codegen
-        else:
-            @intrinsic
-            def f(typingctx, bars, b):
-                sig = types.void(bars, b)
-
-                def codegen(context, builder, sig, args):
-                    p = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-                    asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [p.type]),
-                                       "{ " + _to_shared("$0", "sb") + " " + ptx + " }", "l,~{memory}",
-                                       side_effect=True)
-                    builder.call(asm, [p])
-                    return context.get_dummy_value()
-                return sig, codegen
-        return f
-
-    mbar_init = _bar_intrinsic("mbarrier.init.shared::cta.b64 [sb], $1;", True)
-    mbar_fence_init = _asm_statement("fence.mbarrier_init.release.cluster;")
-    mbar_arrive = _bar_intrinsic("mbarrier.arrive.shared::cta.b64 _, [sb];", False)
-    mbar_arrive_expect_tx = _bar_intrinsic("mbarrier.arrive.expect_tx.shared::cta.b64 _, [sb], $1;", True)
-
-    @intrinsic
-    def _mbar_try_wait(typingctx, bars, b, parity):
-        sig = types.uint32(bars, b, parity)
-
-        def codegen(context, builder, sig, args):
-            p = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            par = context.cast(builder, args[2], sig.args[2], types.uint32)
-            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [p.type, ir.IntType(32)]),
-                               "{ .reg .pred p; " + _to_shared("$1", "sb") +
-                               " mbarrier.try_wait.parity.shared::cta.b64 p, [sb], $2; selp.u32 $0, 1, 0, p; }",
-                               "=r,l,r,~{memory}", side_effect=True)
-            return builder.call(asm, [p, par])
-
-        return sig, codegen
-
-    @device_fn
-    def mbar_wait(bars, b, parity):
-        """Wait until the barrier's phase of parity ``parity`` has completed (module docstring)."""
-        while _mbar_try_wait(bars, b, parity) == 0:
-            pass
-
-    @intrinsic
-    def named_barrier(typingctx, barrier_id, nthreads):
-        """``bar.sync barrier_id, nthreads``."""
-        sig = types.void(barrier_id, nthreads)
-
-        def codegen(context, builder, sig, args):
-            i = context.cast(builder, args[0], sig.args[0], types.uint32)
-            n = context.cast(builder, args[1], sig.args[1], types.uint32)
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.IntType(32)]),
-                               "bar.sync $0, $1;", "r,r,~{memory}", side_effect=True)
-            builder.call(asm, [i, n])
-            return context.get_dummy_value()
-
-        return sig, codegen
+    from pegainfer.kernels.primitives.ptx import _element_pointer, _to_shared
 
     @intrinsic
     def tma_prefetch_map(typingctx, table, slot):

@@ -13,7 +13,8 @@ one would cost more than the GPU work. Instead, each step shape is captured once
   then 1.5 times one: coarser than the decode graphs' sizes), the chunks' L tokens as Cp = a prefill bucket, their
   logits rows as Rp = a power of two, at least ``MIXED_MIN_ROWS``.  These graphs are keyed ``("mixed", Dp, Cp,
   Rp)`` and captured lazily (``replay_or_capture``: the first time a shape is met, at most ``MIXED_GRAPHS_MAX`` of
-  them), besides those ``capture_all`` takes at warm-up.
+  them), besides those ``capture_all`` takes at warm-up (``mixed_warmup_shapes``: the shapes a load of many
+  streams meets).
   Padding tokens carry slot -1: their K/V are not written, their attention output is ignored, and Qwen3.5's
   Gated DeltaNet layers neither read nor write a recurrent state for them (``models/qwen35.py``, "Padding").
 
@@ -74,8 +75,8 @@ MIXED_SPARE_ROWS = 32
 """Logits rows a model that pads mixed steps holds beyond ``max_batch``: a full decode batch still leaves rows for
 the chunks' (padded) rows, so such steps keep a graph."""
 
-MIXED_MIN_ROWS = 8
-"""Fewest logits rows a mixed step's chunks run as: one to eight chunks share a graph (a padding row costs the LM
+MIXED_MIN_ROWS = 16
+"""Fewest logits rows a mixed step's chunks run as: one to sixteen chunks share a graph (a padding row costs the LM
 head almost nothing, which streams its weight once for any few rows, and the sampler a greedy row)."""
 
 
@@ -120,15 +121,26 @@ def mixed_shape(padded_decodes: int, chunk_tokens: int, num_chunks: int, max_tok
     return padded_decodes, Cp, Rp
 
 
-def mixed_warmup_shapes(padded_decodes: int, max_tokens: int, max_rows: int, chunk_tokens=(128, 256)) -> list:
-    """The mixed shapes captured at warm-up: a full decode batch (``padded_decodes``) beside one or two arriving
-    prompts of a few hundred tokens, what a steady load of many streams meets at every step."""
+MIXED_WARMUP_MIN_TOKENS = 128
+"""Smallest chunk bucket whose mixed shapes the warm-up captures: shorter chunks (a prompt's short tail, a step
+with few tokens left) are rarer and are captured at first sight."""
+
+
+def mixed_warmup_shapes(max_batch: int, max_tokens: int, max_rows: int) -> list:
+    """The mixed shapes captured at warm-up, so that a load of many streams meets no capture (every stream waits
+    while one is taken): every decode-row size a step can pad to (none, and each ``mixed_decode_rows`` size up to
+    ``max_batch``) beside the chunks of every prefill bucket from ``MIXED_WARMUP_MIN_TOKENS`` tokens, as one to
+    ``MIXED_MIN_ROWS`` chunks, and from 1024 tokens on also as more (a wave of short prompts).  With a token budget
+    of 2048: 90 shapes for ``max_batch`` 64, 130 for 256."""
+    sizes = sorted({mixed_decode_rows(d, max_batch) for d in range(max_batch + 1)})
     shapes = []
-    for L in chunk_tokens:
-        for n in (1, 2):
-            shape = mixed_shape(padded_decodes, L, n, max_tokens, max_rows)
-            if shape is not None and shape not in shapes:
-                shapes.append(shape)
+    for Dp in sizes:
+        room = max_tokens - Dp
+        for L in [t for t in prefill_buckets(room) if t >= MIXED_WARMUP_MIN_TOKENS] + [room]:
+            for n in (1, MIXED_MIN_ROWS + 1) if L >= 1024 else (1,):
+                shape = mixed_shape(Dp, L, n, max_tokens, max_rows)
+                if shape is not None and shape not in shapes:
+                    shapes.append(shape)
     return shapes
 
 

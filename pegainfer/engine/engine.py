@@ -251,12 +251,10 @@ class Engine:
             self.pool.prefix_queries = self.pool.prefix_hits = 0
             if graphs is not None:
                 progress.phase("capturing the CUDA graphs")
-                if self.runner.pad_mixed:   # a full decode batch (or 64 of it) beside one or two arriving prompts
+                if mixed and self.runner.pad_mixed:   # any decode batch beside prompt chunks of 128+ tokens
                     from pegainfer.engine.cuda_graph import mixed_warmup_shapes
-                    m, top = self.model, self.scheduler.max_batch
-                    for batch in sorted({min(64, top), top}):
-                        graphs.mixed_shapes += mixed_warmup_shapes(self.runner.mixed_decode_rows(batch),
-                                                                   m.max_tokens, m.max_rows)
+                    graphs.mixed_shapes = mixed_warmup_shapes(self.scheduler.max_batch, self.model.max_tokens,
+                                                              self.model.max_rows)
                 graphs.capture_all()
 
     # ------------------------------------------------------------------------------------------------ requests

@@ -30,24 +30,25 @@ def test_mixed_decode_rows_are_powers_of_two_then_half_steps():
 
 def test_steps_differing_only_within_their_buckets_share_a_graph():
     """Catches a key that depends on exact lengths or counts (every step would capture a graph of its own): 49..64
-    decodes beside one to eight chunks of 65..128 tokens in all are one graph; a step past a bucket is another."""
+    decodes beside one to sixteen chunks of 65..128 tokens in all are one graph; a step past a bucket is another."""
     key = _key(64, [128])
-    assert key == ("mixed", 64, 128, 8)
+    assert key == ("mixed", 64, 128, 16)
     assert {_key(d, [n]) for d in range(49, 65) for n in (65, 100, 128)} == {key}
     assert {_key(d, [a, b]) for d in (49, 64) for a, b in ((1, 64), (30, 98), (64, 64))} == {key}
     assert _key(64, [16] * 8) == key
-    assert _key(65, [128]) == ("mixed", 96, 128, 8)
-    assert _key(64, [129]) == ("mixed", 64, 256, 8)
-    assert _key(64, [8] * 9) == ("mixed", 64, 128, 16)        # nine chunks' rows: sixteen
-    assert _key(0, [100, 100]) == ("mixed", 0, 256, 8)        # chunks only: no decode rows
+    assert _key(65, [128]) == ("mixed", 96, 128, 16)
+    assert _key(64, [129]) == ("mixed", 64, 256, 16)
+    assert _key(64, [8] * 16) == key
+    assert _key(64, [4] * 17) == ("mixed", 64, 128, 32)       # seventeen chunks' rows: thirty-two
+    assert _key(0, [100, 100]) == ("mixed", 0, 256, 16)       # chunks only: no decode rows
 
 
 def test_a_steady_load_meets_few_shapes():
     """Catches a key space that multiplies with the load's detail: every step of up to 64 decodes beside one to
     sixteen 128-token prompt chunks (a budget of 2048 tokens, the engine's 256 spare tokens) is one of at most
-    8 decode sizes × 5 chunk buckets × 2 row counts."""
+    9 decode sizes × 7 chunk buckets (128 .. 2048; sixteen chunks share one row count)."""
     keys = {_key(d, [128] * n, MAX_TOKENS + 256) for d in range(0, 65) for n in range(1, 17) if d + 128 * n <= 2048}
-    assert len(keys) <= 9 * 5 * 2, sorted(keys)
+    assert len(keys) <= 9 * 7 and {k[3] for k in keys} == {16}, sorted(keys)
 
 
 def test_a_step_that_fills_the_token_budget_pads_to_the_tokens_left():
@@ -56,7 +57,7 @@ def test_a_step_that_fills_the_token_budget_pads_to_the_tokens_left():
     buffers hold run unpadded; with the engine's spare tokens (max_batch more than the budget) no budget-full step
     of any decode count runs unpadded."""
     assert mixed_shape(16, 2032, 15, MAX_TOKENS, MAX_ROWS) == (16, 2032, 16)
-    assert mixed_shape(16, 1500, 3, MAX_TOKENS, MAX_ROWS) == (16, 1536, 8)
+    assert mixed_shape(16, 1500, 3, MAX_TOKENS, MAX_ROWS) == (16, 1536, 16)
     assert mixed_shape(64, 2000, 1, MAX_TOKENS, MAX_ROWS) is None          # 64 + 2000 > 2048 tokens
     assert mixed_shape(256, 100, 1, 4096, MAX_ROWS) is None                # no row left for the chunk
     assert mixed_shape(250, 100, 5, 4096, 256) == (250, 128, 6)            # 8 rows capped at the 6 left
@@ -64,8 +65,29 @@ def test_a_step_that_fills_the_token_budget_pads_to_the_tokens_left():
     for d in range(1, 257):
         shape = mixed_shape(mixed_decode_rows(d, 256), PREFILL_GRAPH_MAX - d, 1, PREFILL_GRAPH_MAX + 256, 256 + 32)
         assert shape is not None and shape[1] <= PREFILL_GRAPH_MAX, (d, shape)
-    for Dp, Cp, Rp in mixed_warmup_shapes(64, MAX_TOKENS, MAX_ROWS):
-        assert Dp == 64 and Cp in (128, 256) and Rp == 8
+
+
+def test_the_warm_up_captures_every_shape_a_load_of_many_streams_meets():
+    """Catches a warm-up that leaves a serving load's shapes to be captured while it runs (every stream waits ~0.1 s
+    per capture: the worst gaps and the run-to-run spread of a 64-stream load): every step of 0..max_batch decodes
+    beside one to sixteen chunks of 128..2048 tokens in all, or 17 to 32 chunks of 1024 or more (the engine's
+    2048-token budget plus its max_batch spare tokens), has its graph among the warm-up's shapes, and the grid stays
+    bounded (each shape is a capture at start)."""
+    for max_batch in (8, 64, 256):
+        tokens, rows = 2048 + max_batch, max_batch + 32
+        grid = mixed_warmup_shapes(max_batch, tokens, rows)
+        assert len(grid) == len(set(grid)) <= 10 * len({mixed_decode_rows(d, max_batch) for d in range(max_batch + 1)})
+        met = set()
+        for d in range(max_batch + 1):
+            Dp = mixed_decode_rows(d, max_batch)
+            for n in range(1 if d else 2, 33):
+                for L in range(128 if n <= 16 else 1024, 2049 - d, 61):
+                    shape = mixed_shape(Dp, L, n, tokens, rows)
+                    if shape is not None:
+                        met.add(shape)
+        assert met and met <= set(grid), (max_batch, sorted(met - set(grid))[:5])
+    assert len(mixed_warmup_shapes(64, 2048 + 64, 96)) == 90
+    assert len(mixed_warmup_shapes(256, 2048 + 256, 288)) == 130
 
 
 class _Graphs(StepGraphs):

@@ -306,10 +306,10 @@ def _late_arrival_mixed_steps(engine, pad: bool):
     """The 16-token ``ALONE_PROMPTS`` prompt (4 greedy tokens), then the 15-token one (1 token) once the first has
     its first token, one step per ``MIXED_BUDGETS`` budget: two prefill steps, then three mixed steps of one decode
     and a chunk of 7, 1 (T == B unpadded) and 7 tokens.  ``pad``: run them as the runner does on a GPU -- decode rows
-    padded to 2, chunk tokens to the 7 tokens left, chunk rows to 8, replayed from (emulated) graphs.  Returns the
-    streams, the kinds of the steps, each mixed step's logits rows (the runner's ``logits_host``: decodes, then
-    chunks) and, after the first two, both sequences' conv and delta-rule states, the forward passes' (T, B,
-    num_decode, mixed) and the graph keys replayed."""
+    padded to 2, chunk tokens to the 7 tokens left, chunk rows to the 14 rows left (of 16), replayed from (emulated)
+    graphs.  Returns the streams, the kinds of the steps, each mixed step's logits rows (the runner's
+    ``logits_host``: decodes, then chunks) and, after the first two, both sequences' conv and delta-rule states, the
+    forward passes' (T, B, num_decode, mixed) and the graph keys replayed."""
     from pegainfer.engine.types import SamplingParams
     from tests.util import emulated_graphs
 
@@ -375,7 +375,7 @@ def test_padded_mixed_steps_equal_unpadded(mixed_runs):
     plain, padded = mixed_runs[False], mixed_runs[True]
     assert plain[1] == padded[1] == ["prefill", "prefill", "mixed", "mixed", "mixed"], (plain[1], padded[1])
     assert [s for s in plain[3] if s[3]] == [(8, 2, 1, True), (2, 2, 1, True), (8, 2, 1, True)], plain[3]
-    assert [s for s in padded[3] if s[3]] == [(2 + 7, 2 + 8, 2, True)] * 3, padded[3]   # 7 padding chunk rows
+    assert [s for s in padded[3] if s[3]] == [(2 + 7, 2 + 14, 2, True)] * 3, padded[3]  # 13 padding chunk rows
     assert plain[0] == padded[0]
     assert len(plain[2]) == len(padded[2]) == 5
     for k, (want, got) in enumerate(zip(plain[2], padded[2])):     # logits, states, logits, states, logits
@@ -393,7 +393,7 @@ def test_mixed_steps_replayed_from_graphs_give_the_one_sequence_tokens(mixed_run
     states or positions: the shape's first step captures and replays it, the next two replay it, and each stream
     equals its one-sequence run."""
     got, _, _, _, replayed = mixed_runs[True]
-    assert replayed == [("mixed", 2, 7, 8)] * 3, replayed
+    assert replayed == [("mixed", 2, 7, 14)] * 3, replayed
     assert got == {"first": alone[16][:4], "second": alone[15][:1]}
 
 

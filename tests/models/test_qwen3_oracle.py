@@ -247,8 +247,8 @@ def _mixed_streams(engine, prompts, steps):
 def test_padded_mixed_step_gives_the_unpadded_tokens_and_logits(tied):
     """Catches padding of a mixed step (decode rows, chunk tokens and chunk rows with slot -1, as its CUDA graph
     replays it) that writes K/V, shifts the real rows or mixes up which logits row is whose: a decode padded from 1
-    to 4 rows beside a 6-token chunk padded to 16 tokens and its row to 8 gives the unpadded step's tokens and
-    logprobs (top 3).
+    to 4 rows beside a 6-token chunk padded to 16 tokens and its row to the 12 rows left (of 16) gives the unpadded
+    step's tokens and logprobs (top 3).
     Tied head only: padding does not depend on which weight the LM head reads."""
     _, engine = tied
     rng = np.random.default_rng(3)
@@ -269,7 +269,7 @@ def test_padded_mixed_step_gives_the_unpadded_tokens_and_logits(tied):
             del runner.forward_and_sample, runner.mixed_decode_rows
     (plain, kinds), (padded, padded_kinds) = runs
     assert "mixed" in kinds and kinds == padded_kinds, (kinds, padded_kinds)
-    assert (1 + 6, 2, 1) in shapes and (4 + 16, 4 + 8, 4) in shapes, shapes   # the mixed step, unpadded and padded
+    assert (1 + 6, 2, 1) in shapes and (4 + 16, 4 + 12, 4) in shapes, shapes   # the mixed step, unpadded and padded
     assert all(len(t) == 3 for t in plain.values())
     for k in prompts:
         assert [t for t, _, _ in padded[k]] == [t for t, _, _ in plain[k]], k

@@ -374,7 +374,8 @@ def serve_fake(args) -> int:
     sargs.model_path, sargs.max_model_len, sargs.cuda_graph, sargs.trace_output_path = None, None, True, None
     sargs.log_level = "warning"
     return run_server(sargs, engine_factory=lambda: GpuLikeEngine(
-        folder, args.prefill_ms / 1e3, args.decode_ms / 1e3, args.host_us / 1e6, "block", max_batch=args.max_batch))
+        folder, args.prefill_ms / 1e3, args.decode_ms / 1e3, args.host_us / 1e6, "block", max_batch=args.max_batch,
+        record=False))
 
 
 def build_parser() -> argparse.ArgumentParser:

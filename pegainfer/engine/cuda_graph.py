@@ -121,22 +121,18 @@ def mixed_shape(padded_decodes: int, chunk_tokens: int, num_chunks: int, max_tok
     return padded_decodes, Cp, Rp
 
 
-MIXED_WARMUP_MIN_TOKENS = 128
-"""Smallest chunk bucket whose mixed shapes the warm-up captures: shorter chunks (a prompt's short tail, a step
-with few tokens left) are rarer and are captured at first sight."""
-
-
 def mixed_warmup_shapes(max_batch: int, max_tokens: int, max_rows: int) -> list:
     """The mixed shapes captured at warm-up, so that a load of many streams meets no capture (every stream waits
-    while one is taken): every decode-row size a step can pad to (none, and each ``mixed_decode_rows`` size up to
-    ``max_batch``) beside the chunks of every prefill bucket from ``MIXED_WARMUP_MIN_TOKENS`` tokens, as one to
-    ``MIXED_MIN_ROWS`` chunks, and from 1024 tokens on also as more (a wave of short prompts).  With a token budget
-    of 2048: 90 shapes for ``max_batch`` 64, 130 for 256."""
+    ~0.2 s while one is taken): every decode-row size a step can pad to (none, and each ``mixed_decode_rows`` size
+    up to ``max_batch``) beside the chunks of every prefill bucket, as one to ``MIXED_MIN_ROWS`` chunks, and from
+    1024 tokens on also as more (a wave of short prompts).  The small buckets matter as much as the large ones: a
+    prompt whose prefix is cached runs only its last few tokens.  With a token budget of 2048: 117 shapes for
+    ``max_batch`` 64, 169 for 256."""
     sizes = sorted({mixed_decode_rows(d, max_batch) for d in range(max_batch + 1)})
     shapes = []
     for Dp in sizes:
         room = max_tokens - Dp
-        for L in [t for t in prefill_buckets(room) if t >= MIXED_WARMUP_MIN_TOKENS] + [room]:
+        for L in prefill_buckets(room) + [room]:
             for n in (1, MIXED_MIN_ROWS + 1) if L >= 1024 else (1,):
                 shape = mixed_shape(Dp, L, n, max_tokens, max_rows)
                 if shape is not None and shape not in shapes:
@@ -225,12 +221,15 @@ class StepGraphs:
             self.eager_steps += 1
             run()
 
-    def try_capture(self, key: tuple, run) -> bool:
+    def try_capture(self, key: tuple, run, quiet: bool = False) -> bool:
         """``capture_fn``, where a failure is logged once and leaves ``key`` eager instead of raising: a step the
-        graph cannot hold must not take the server down."""
+        graph cannot hold must not take the server down.  ``quiet``: a first try that the caller follows with an
+        eager run and a second try (nothing logged or counted)."""
         try:
             self.capture_fn(key, run)
         except Exception as e:
+            if quiet:
+                return False
             self._failed[key] = self._failed.get(key, 0) + 1
             if self._failed[key] == 1:
                 log.warning("CUDA graph capture of step %s failed (%s): such steps run eagerly", key, e)

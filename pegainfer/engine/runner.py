@@ -334,8 +334,9 @@ class ModelRunner:
             self.sampling.set_row(r, 0.0, 0, 1.0, 0.0, 0, 0)
 
     def warm_mixed(self, Dp: int, Cp: int, Rp: int) -> None:
-        """Capture the graph of mixed shape (Dp, Cp, Rp) at warm-up: one eager run of a step whose every token is
-        padding (compiling what the shape needs, touching no sequence), then the capture."""
+        """Capture the graph of mixed shape (Dp, Cp, Rp) at warm-up, a step whose every token is padding (touching
+        no sequence): captured at once, as a shape met while serving is; only when that fails, one eager run
+        (compiling what the shape needs) and the capture again."""
         T, B = Dp + Cp, Dp + Rp
         self._wait_inputs_free()
         self.h_ids[:T] = 0
@@ -349,8 +350,9 @@ class ModelRunner:
         run = lambda: self.forward_and_sample(T, B, num_decode=Dp, mixed=True)   # noqa: E731
         with on_stream(self.stream):
             self._upload()
-            run()
-            self.graphs.try_capture(("mixed", Dp, Cp, Rp), run)
+            if not self.graphs.try_capture(("mixed", Dp, Cp, Rp), run, quiet=True):
+                run()
+                self.graphs.try_capture(("mixed", Dp, Cp, Rp), run)
 
     def launch_decode(self, seqs, ahead: int = 0, force_eager: bool = False) -> PendingStep:
         """Enqueue one decode step for ``seqs`` (uploads, forward + sample, the copy of the ids to a pinned buffer)

@@ -36,7 +36,8 @@ class _Req:
 
 class FakeEngine:
     def __init__(self, folder, reply: Callable[[str], str] | str = DEFAULT_REPLY, max_model_len: int = 256,
-                 max_batch: int = 2, page_size: int = 4, step_delay: float = 0.0, script_prefix=()):
+                 max_batch: int = 2, page_size: int = 4, step_delay: float = 0.0, script_prefix=(),
+                 record: bool = True):
         self.tokenizer = Tokenizer.from_folder(folder)
         self.chat_template = ChatTemplate.from_folder(folder)
         self.model_name = "fake-model"
@@ -59,7 +60,9 @@ class FakeEngine:
         self._waiting: deque[_Req] = deque()
         self._running: list[_Req] = []
         self._to_abort: list[str] = []
-        # what happened, for assertions
+        # what happened, for assertions (``record=False``: nothing kept past a request's end, as a real engine
+        # keeps nothing; a long soak measures the server's memory, not these records)
+        self.record = record
         self.prompts: dict[str, list[int]] = {}
         self.params: dict[str, SamplingParams] = {}
         self.aborted: list[str] = []
@@ -90,8 +93,9 @@ class FakeEngine:
                    StopStringMatcher(params.stop) if params.stop else None)
         self._reqs[request_id] = req
         self._waiting.append(req)
-        self.prompts[request_id] = list(prompt_token_ids)
-        self.params[request_id] = params
+        if self.record:
+            self.prompts[request_id] = list(prompt_token_ids)
+            self.params[request_id] = params
 
     def abort(self, request_id: str) -> None:
         if request_id in self._reqs:
@@ -116,7 +120,8 @@ class FakeEngine:
         outputs = []
         for rid in self._to_abort:
             if rid in self._reqs:
-                self.aborted.append(rid)
+                if self.record:
+                    self.aborted.append(rid)
                 outputs.append(self._finish(self._reqs[rid], "abort", ""))
         self._to_abort.clear()
         while self._waiting and len(self._running) < self.max_batch:
@@ -133,7 +138,8 @@ class FakeEngine:
     def _append(self, req: _Req, token: int) -> RequestOutput:
         """The same stop / detokenization rules as ``Engine._append``."""
         req.out_ids.append(token)
-        self.generated[req.rid] = len(req.out_ids)
+        if self.record:
+            self.generated[req.rid] = len(req.out_ids)
         p = req.params
         n_out = len(req.out_ids)
         logprobs = None
@@ -156,5 +162,6 @@ class FakeEngine:
         if req in self._waiting:
             self._waiting.remove(req)
         req.pages = 0
-        self.finished[req.rid] = reason
+        if self.record:
+            self.finished[req.rid] = reason
         return RequestOutput(req.rid, [], text, None, True, reason, len(req.prompt_ids), len(req.out_ids))

@@ -76,7 +76,7 @@ def test_counters_and_histograms_match_what_was_sent(fake_server):
                                                        "max_tokens": 200})
         chat_usage = chat.json()["usage"]
         assert chat.json()["choices"][0]["finish_reason"] == "stop"
-        engine.step_delay = 0.01
+        engine.step_delay = 0.05     # 200 tokens take 10 s: the abort lands long before, even on a busy machine
         with http.stream("POST", "/v1/completions", json={"prompt": [8, 9], "max_tokens": 200, "ignore_eos": True,
                                                           "stream": True}) as s:
             for line in s.iter_lines():

@@ -76,8 +76,10 @@ MIXED_SPARE_ROWS = 32
 the chunks' (padded) rows, so such steps keep a graph."""
 
 MIXED_MIN_ROWS = 16
-"""Fewest logits rows a mixed step's chunks run as: one to sixteen chunks share a graph (a padding row costs the LM
-head almost nothing, which streams its weight once for any few rows, and the sampler a greedy row)."""
+"""Fewest logits rows a mixed step's chunks run as, and the most chunks the engine's scheduler puts in one step
+(``Scheduler.max_chunks``): every mixed step's rows are then one size, a shape the warm-up captures.  Sixteen rows
+cost a replay what eight do (the LM head streams its weight once for any few rows; H200, 2026-12-03: 8, 16 and 32
+rows within 0.3 % of each other from 6 to 37 ms steps, docs/perf/engine.md)."""
 
 
 def mixed_decode_rows(decodes: int, max_batch: int) -> int:
@@ -124,19 +126,17 @@ def mixed_shape(padded_decodes: int, chunk_tokens: int, num_chunks: int, max_tok
 def mixed_warmup_shapes(max_batch: int, max_tokens: int, max_rows: int) -> list:
     """The mixed shapes captured at warm-up, so that a load of many streams meets no capture (every stream waits
     ~0.2 s while one is taken): every decode-row size a step can pad to (none, and each ``mixed_decode_rows`` size
-    up to ``max_batch``) beside the chunks of every prefill bucket, as one to ``MIXED_MIN_ROWS`` chunks, and from
-    1024 tokens on also as more (a wave of short prompts).  The small buckets matter as much as the large ones: a
-    prompt whose prefix is cached runs only its last few tokens.  With a token budget of 2048: 117 shapes for
-    ``max_batch`` 64, 169 for 256."""
+    up to ``max_batch``) beside the chunks of every prefill bucket, as the one to ``MIXED_MIN_ROWS`` chunks a step
+    carries.  The small buckets matter as much as the large ones: a prompt whose prefix is cached runs only its last
+    few tokens.  With a token budget of 2048: 90 shapes for ``max_batch`` 64, 130 for 256."""
     sizes = sorted({mixed_decode_rows(d, max_batch) for d in range(max_batch + 1)})
     shapes = []
     for Dp in sizes:
         room = max_tokens - Dp
         for L in prefill_buckets(room) + [room]:
-            for n in (1, MIXED_MIN_ROWS + 1) if L >= 1024 else (1,):
-                shape = mixed_shape(Dp, L, n, max_tokens, max_rows)
-                if shape is not None and shape not in shapes:
-                    shapes.append(shape)
+            shape = mixed_shape(Dp, L, 1, max_tokens, max_rows)
+            if shape is not None and shape not in shapes:
+                shapes.append(shape)
     return shapes
 
 

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from pegainfer.engine.cuda_graph import MIXED_SPARE_ROWS
+from pegainfer.engine.cuda_graph import MIXED_MIN_ROWS, MIXED_SPARE_ROWS
 from pegainfer.engine.kv_cache import PagePool
 from pegainfer.engine.runner import ModelRunner, PendingStep
 from pegainfer.engine.scheduler import Scheduler
@@ -80,7 +80,7 @@ class Engine:
         self.model_name = folder.name
         self.eos_token_ids = list(gen.eos_token_ids or cfg.eos_token_ids or [])
         self.pool = PagePool(num_pages, PAGE_SIZE, max_batch, max_model_len, prefix_caching=prefix_caching)
-        self.scheduler = Scheduler(self.pool, max_batch, max_num_batched_tokens)
+        self.scheduler = Scheduler(self.pool, max_batch, max_num_batched_tokens, max_chunks=MIXED_MIN_ROWS)
         self.runner = ModelRunner(model, self.pool, max_batch, use_cuda_graph)
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[str] = []

@@ -16,6 +16,10 @@ Each step, under a budget of ``max_num_batched_tokens`` tokens:
    reserve of pages so running sequences can grow); with prefix caching their first pages may come from the
    cache (``kv_cache.PagePool.match_prefix``) and are not computed again.
 
+A step carries at most ``max_chunks`` prompt chunks (the engine's: ``cuda_graph.MIXED_MIN_ROWS`` when mixed steps
+replay graphs): a burst of short or mostly cached prompts then spreads over a few steps of shapes captured at
+warm-up instead of one step of a shape that would be captured while every stream waits.
+
 A step's flat token batch puts the decode tokens first, then each chunk's tokens in order (``ScheduledStep``).
 """
 from __future__ import annotations
@@ -46,10 +50,11 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(self, pool: PagePool, max_batch: int, max_num_batched_tokens: int,
-                 reserve_pages: int | None = None):
+                 reserve_pages: int | None = None, max_chunks: int | None = None):
         self.pool = pool
         self.max_batch = max_batch
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_chunks = max_chunks or max_batch        # prompt chunks in one step (module docstring)
         # pages left free at admission so running sequences can grow before anyone is preempted (vLLM: 1 %); none
         # when the pool holds every slot's sequence at full length (nobody can be short of pages)
         if reserve_pages is None:
@@ -86,12 +91,12 @@ class Scheduler:
         budget -= len(step.decodes)
         # 2. chunks of the sequences being prefilled
         for seq in self.running:
-            if budget <= 0:
+            if budget <= 0 or len(step.chunks) >= self.max_chunks:
                 break
             if seq.num_uncomputed > 1:
                 budget -= self._add_chunk(step, seq, budget)
         # 3. admit waiting sequences
-        while budget > 0 and self.can_admit_waiting():
+        while budget > 0 and len(step.chunks) < self.max_chunks and self.can_admit_waiting():
             seq = self.waiting.popleft()
             self._admit(seq)
             budget -= self._add_chunk(step, seq, budget)

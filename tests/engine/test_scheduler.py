@@ -81,6 +81,22 @@ def test_several_prompts_share_one_step():
         assert got[rid] == expected_greedy_stream(prompt, params.max_tokens), rid
 
 
+def test_a_burst_of_short_prompts_spreads_over_steps_of_at_most_sixteen_chunks():
+    """Catches a step with more prompt chunks than the mixed-step graphs captured at warm-up hold (MIXED_MIN_ROWS
+    rows: a step of more would be captured while every stream waits, ~0.2 s on the H200): twenty 3-token prompts
+    arriving at once are prefilled sixteen, then four beside the sixteen decodes, and every stream is right."""
+    from pegainfer.engine.cuda_graph import MIXED_MIN_ROWS
+    engine = recording(tiny_engine(False, max_batch=20, max_model_len=32, max_num_batched_tokens=128))
+    assert engine.scheduler.max_chunks == MIXED_MIN_ROWS == 16
+    requests = [(f"r{i}", [3 + i, 4, 5], greedy(2)) for i in range(20)]
+    got = drain(engine, requests)
+    assert [len(chunks) for _, _, chunks, _, _ in engine.steps[:2]] == [16, 4], engine.steps[:2]
+    assert len(engine.steps[1][1]) == 16                                    # beside the first sixteen's decodes
+    assert all(len(chunks) <= 16 for _, _, chunks, _, _ in engine.steps)
+    for rid, prompt, params in requests:
+        assert got[rid] == expected_greedy_stream(prompt, params.max_tokens), rid
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_preemption_recomputes_and_gives_the_same_tokens(async_scheduling):
     """Catches a preempted sequence that loses or repeats tokens, or resumes from the wrong K/V: with pages for

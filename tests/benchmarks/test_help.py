@@ -20,6 +20,7 @@ QUESTIONS = {
     "soak.py": "Does the server stay healthy under a long mixed load?",
     "bench_mixed_step.py": "How long does a mixed step take",
     "bench_row_kernels.py": "How fast are the kernels between a prompt chunk's projections",
+    "graph_capture.py": "What does capturing a mixed step's CUDA graph cost",
 }
 STEP_PROFILE_MODES = {
     "timeline": "Where does the time between a decode step's kernels go",

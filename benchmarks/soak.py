@@ -39,6 +39,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 MiB = 1 << 20
+BAD_KINDS = 5        # bad JSON, negative max_tokens, a prompt past the context, an unknown model, a bad token id
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 
@@ -118,8 +119,12 @@ class Load:
         n_in = min(rng.randint(*self.prompt_range), self.max_model_len - n_out - 1)
         return [rng.randrange(3, self.args.max_token_id) for _ in range(max(1, n_in))], n_out
 
-    async def client(self, seed: int, deadline: float) -> None:
+    async def client(self, seed: int, deadline: float, first_bad=None) -> None:
+        """Requests back to back until ``deadline``; ``first_bad``: open with that kind of bad request (so a soak
+        of five or more clients sends every kind, however short it is)."""
         rng = random.Random(seed)
+        if first_bad is not None and self.args.bad_fraction > 0:
+            await self.bad(rng, first_bad)
         while time.monotonic() < deadline:
             x = rng.random()
             try:
@@ -177,8 +182,8 @@ class Load:
                         break
         self.tally.aborted += 1
 
-    async def bad(self, rng: random.Random) -> None:
-        kind = rng.randrange(5)
+    async def bad(self, rng: random.Random, kind=None) -> None:
+        kind = rng.randrange(BAD_KINDS) if kind is None else kind
         if kind == 0:
             r = await self.http.post("/v1/completions", content=b"{not json",
                                      headers={"content-type": "application/json"})
@@ -265,7 +270,8 @@ async def soak(args, url: str, pid) -> dict:
               f"{'good':>7} {'failed':>7} {'aborted':>8} {'bad':>6} {'out tok/s':>10}", flush=True)
         t0 = time.monotonic()
         deadline = t0 + args.duration
-        clients = [asyncio.create_task(load.client(args.seed * 100003 + i, deadline))
+        clients = [asyncio.create_task(load.client(args.seed * 100003 + i, deadline,
+                                                   i if i < BAD_KINDS else None))
                    for i in range(args.concurrency)]
         samples = [await sample(http, pid, t0, load.tally)]
         print_row(samples[-1], None)

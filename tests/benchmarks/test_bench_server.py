@@ -19,7 +19,9 @@ def test_fake_gpu_mode_runs(tmp_path):
     assert res["wait"] == "block" and res["hook"] is True and res["async_scheduling"] is True
     for key in ("in_process_ttft_ms", "http_ttft_ms", "floor_ttft_ms"):
         assert res[key] > 0
-    assert min(res["in_process_tpot_ms"], res["http_tpot_ms"]) > 0.9 * 1.5   # a step takes the fake GPU time
+    # a step takes the fake GPU time (half of it at least: on a busy machine the simulated GPU keeps running
+    # while the host is held up, and the next tokens then come closer together)
+    assert min(res["in_process_tpot_ms"], res["http_tpot_ms"]) > 0.5 * 1.5
     assert "HTTP + SSE" in r.stdout
 
 

@@ -13,7 +13,8 @@ def test_a_short_soak_against_the_fake_gpu_server_passes(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
     assert res["passed"] and res["failed"] == 0 and res["bad_wrong"] == 0
-    assert res["good"] > 0 and res["aborted"] > 0 and res["bad"] > 0 and res["output_tokens"] > 0
+    assert res["good"] > 0 and res["aborted"] > 0 and res["output_tokens"] > 0
+    assert res["bad"] >= 5            # every kind of bad request: the first five clients open with one each
     assert {"failed good requests", "bad requests answered 4xx", "/health after the soak", "RSS drift",
             "KV pages in use when idle"} <= set(res["checks"])
     last = res["samples"][-1]

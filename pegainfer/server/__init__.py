@@ -44,8 +44,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "are taken as sequences grow, and when they run out the newest request is paused and "
                         "recomputed later (preemption)")
     p.add_argument("--max-num-batched-tokens", type=argtypes.positive, default=2048,
-                   help="most tokens in one step: every running decode plus chunks of the prompts being prefilled "
-                        "(default 2048; at least --max-batch). Smaller: shorter pauses between tokens while "
+                   help="most tokens in one step: every running decode plus chunks of at most 16 prompts being "
+                        "prefilled (default 2048; at least --max-batch). Smaller: shorter pauses between tokens while "
                         "prompts arrive; larger: faster prompts")
     p.add_argument("--gpu-memory-utilization", type=argtypes.memory_fraction, default=0.9,
                    help="fraction of the GPU's memory pegainfer may use (default 0.9); the KV cache gets what the "

@@ -162,8 +162,9 @@ def bench_decode(rng, read_bw, rows, geometry=None, num_splits=None, min_split_t
 
 
 def bench_batch_decode(rng, read_bw, rows, batch, ctx, geometries=(None,), model="qwen3-4b"):
-    """A decode call of ``batch`` sequences at ``ctx`` keys each, per geometry (None: the default); the outputs of
-    forced geometries are compared with the default's (relative L2 of the bf16 outputs)."""
+    """A decode call of ``batch`` sequences at ``ctx`` keys each, per geometry (None: the default; else
+    ``(SplitGeometry, splits, min_keys)`` from ``parse_decode_geometry``, splits / min_keys None for the defaults);
+    the outputs of forced geometries are compared with the default's (relative L2 of the bf16 outputs)."""
     from numba import cuda
     nq, nkv, D = MODELS[model] if model in MODELS else next(iter(MODELS.values()))
     kv_bytes = 2 * batch * ctx * nkv * D * 2
@@ -172,7 +173,9 @@ def bench_batch_decode(rng, read_bw, rows, batch, ctx, geometries=(None,), model
     q = random_bf16((batch, nq, D), rng)
     slots = cuda.to_device(np.arange(batch, dtype=np.int32))
     pos = cuda.to_device(np.full(batch, ctx - 1, np.int32))
-    ws = cuda.device_array(A.workspace_size(batch, nq, D, MAX_MODEL_LEN, PAGE), np.float32)
+    most = max([g[1] for g in geometries if g is not None and g[1]] or [1])
+    ws = cuda.device_array(max(A.workspace_size(batch, nq, D, MAX_MODEL_LEN, PAGE),
+                               A.workspace_size(batch, nq, D, MAX_MODEL_LEN, PAGE, num_splits=most)), np.float32)
     reference = None
     for geometry in geometries:
         out = cuda.device_array((batch, nq, D), np.uint16)
@@ -181,40 +184,55 @@ def bench_batch_decode(rng, read_bw, rows, batch, ctx, geometries=(None,), model
             if geometry is None:
                 return lambda: A.paged_attention(q, L.k[i], L.v[i], L.tables, slots, pos, out, 1 / math.sqrt(D), ws,
                                                  method="split", decode=True)
+            block, splits, least = geometry
             return lambda: A.split(q, L.k[i], L.v[i], L.tables, slots, pos, out, 1 / math.sqrt(D), ws,
-                                   geometry=geometry, decode=True)
+                                   geometry=block, num_splits=splits, min_split_tokens=least, decode=True)
 
         try:
             call(0)()
         except Exception as e:          # a forced block that does not compile or launch: say so, time the others
-            print(f"  batch {batch:4d} ctx {ctx:6d}  geom {tuple(geometry)} forced: failed: "
+            print(f"  batch {batch:4d} ctx {ctx:6d}  {describe_forced(geometry)} forced: failed: "
                   f"{type(e).__name__}: {e}".splitlines()[0], flush=True)
-            rows.append(dict(kind="batch", model=model, batch=batch, ctx=ctx, geometry=list(geometry), forced=True,
+            rows.append(dict(kind="batch", model=model, batch=batch, ctx=ctx, geometry=list(geometry[0]),
+                             splits=geometry[1], min_split_tokens=geometry[2], forced=True,
                              error=f"{type(e).__name__}: {e}".splitlines()[0]))
             continue
         bits = out.copy_to_host()
         reference = bits if reference is None else reference
         sec = time_calls([call(i % L.n) for i in range(max(L.n, 1 if SIM else 16))])
         row = dict(kind="batch", model=model, batch=batch, ctx=ctx, layers=L.n,
-                   geometry=list(geometry or A.split_geometry(D, nq // nkv, batch * nkv)), forced=geometry is not None,
+                   geometry=list(geometry[0] if geometry else A.split_geometry(D, nq // nkv, batch * nkv)),
+                   splits=geometry[1] if geometry else None, min_split_tokens=geometry[2] if geometry else None,
+                   forced=geometry is not None,
                    us=sec * 1e6, GBps=kv_bytes / sec / 1e9,
                    pct_of_read=100 * kv_bytes / sec / read_bw if read_bw else None,
                    rel_l2_vs_default=bf16_rel_l2(bits, reference))
         rows.append(row)
         pct = f"{row['pct_of_read']:5.1f}%" if row["pct_of_read"] else "    - "
-        print(f"  batch {batch:4d} ctx {ctx:6d}  geom {tuple(row['geometry'])}{' forced ' if geometry else ' default'}"
+        print(f"  batch {batch:4d} ctx {ctx:6d}  {describe_forced(geometry) if geometry else 'default':<34}"
               f"  {row['us']:9.2f} us  {row['GBps']:7.0f} GB/s  {pct}  rel-L2 vs default "
               f"{row['rel_l2_vs_default']:.1e}", flush=True)
     return rows
 
 
 def parse_decode_geometry(text: str):
-    """``W,P`` -> the split-K block (``attention.SplitGeometry``: W warps, in pairs over the head dims when P)."""
+    """``W,P[,S[,K]]`` -> ``(SplitGeometry, splits, min_keys)``: W warps a block, in pairs over the head dims when
+    P = 1; S splits per (token, kv head) and splits of at least K keys (default: the engine's)."""
     try:
-        warps, pairs = (int(v) for v in text.split(","))
-        return A.split_geometry_type(warps, bool(pairs))
+        warps, pairs, *rest = (int(v) for v in text.split(","))
+        if len(rest) > 2 or any(v < 1 for v in rest):
+            raise ValueError
+        splits, least = (rest + [None, None])[:2]
+        return A.split_geometry_type(warps, bool(pairs)), splits, least
     except (TypeError, ValueError):
-        raise SystemExit(f"error: --decode-geometry {text!r}: expected warps,pairs (pairs 0 or 1), e.g. 16,1")
+        raise SystemExit(f"error: --decode-geometry {text!r}: expected warps,pairs[,splits[,min_keys]] (pairs 0 or "
+                         f"1), e.g. 4,0 or 4,0,2,128")
+
+
+def describe_forced(geometry) -> str:
+    block, splits, least = geometry
+    return (f"{block[0]} warps{' in pairs' if block[1] else ''}"
+            + (f", {splits} splits" if splits else "") + (f" of >= {least} keys" if least else ""))
 
 
 def print_decode_row(r):
@@ -459,8 +477,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=None, help="also time a decode call of this many sequences")
     ap.add_argument("--batch-context", type=int, default=None,
                     help="keys of each sequence in the batched decode (default 256)")
-    ap.add_argument("--decode-geometry", action="append", default=[], metavar="W,P",
-                    help="also time the batched decode with W warps a block, in pairs over the head dims when P=1")
+    ap.add_argument("--decode-geometry", action="append", default=[], metavar="W,P[,S[,K]]",
+                    help="also time the batched decode with W warps a block, in pairs over the head dims when P=1, "
+                         "S splits per (token, kv head) of at least K keys each (default: the engine's)")
     ap.add_argument("--tokens", help="prefill chunk lengths, comma-separated (default: %s)" %
                     ",".join(map(str, PREFILL_TOKENS)))
     ap.add_argument("--prefill-geometry", action="append", default=[], metavar="W,M,BK,S",

@@ -36,6 +36,21 @@ def test_batched_decode_smoke_run(bench_modules, tmp_path):
     assert all(r["us"] > 0 and r["batch"] == 3 and r["rel_l2_vs_default"] < 1e-2 for r in rows)
 
 
+@pytest.mark.skipif(not SIMULATOR, reason="a smoke run of the simulator's tiny shapes")
+def test_batched_decode_with_forced_splits(bench_modules, tmp_path):
+    """``--decode-geometry W,P,S,K`` forces S splits of at least K keys (a batched step at a short context runs one
+    split by default): three splits of 16 keys over 40 keys give the default's output, and the row says so."""
+    import bench_attention
+    out = tmp_path / "batch.json"
+    assert bench_attention.main(["--json", str(out), "--only", "batch", "--batch", "2", "--batch-context", "40",
+                                 "--decode-geometry", "1,0,3,16"]) == 0
+    default, forced = json.loads(out.read_text())["rows"]
+    assert (forced["splits"], forced["min_split_tokens"], forced["geometry"]) == (3, 16, [1, False])
+    assert default["splits"] is None and forced["us"] > 0 and forced["rel_l2_vs_default"] < 1e-2
+    with pytest.raises(SystemExit, match="warps,pairs"):
+        bench_attention.main(["--only", "batch", "--batch", "2", "--decode-geometry", "1,0,0"])
+
+
 def test_batch_part_needs_a_batch(bench_modules):
     import bench_attention
     with pytest.raises(SystemExit, match="--only batch needs --batch"):

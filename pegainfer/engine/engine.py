@@ -251,7 +251,7 @@ class Engine:
             self.pool.prefix_queries = self.pool.prefix_hits = 0
             if graphs is not None:
                 progress.phase("capturing the CUDA graphs")
-                if mixed and self.runner.pad_mixed:   # any decode batch beside prompt chunks of 128+ tokens
+                if mixed and self.runner.pad_mixed:   # every decode-row size beside every chunk bucket
                     from pegainfer.engine.cuda_graph import mixed_warmup_shapes
                     graphs.mixed_shapes = mixed_warmup_shapes(self.scheduler.max_batch, self.model.max_tokens,
                                                               self.model.max_rows)

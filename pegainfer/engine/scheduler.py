@@ -16,9 +16,9 @@ Each step, under a budget of ``max_num_batched_tokens`` tokens:
    reserve of pages so running sequences can grow); with prefix caching their first pages may come from the
    cache (``kv_cache.PagePool.match_prefix``) and are not computed again.
 
-A step carries at most ``max_chunks`` prompt chunks (the engine's: ``cuda_graph.MIXED_MIN_ROWS`` when mixed steps
-replay graphs): a burst of short or mostly cached prompts then spreads over a few steps of shapes captured at
-warm-up instead of one step of a shape that would be captured while every stream waits.
+A step carries at most ``max_chunks`` prompt chunks (the engine's: ``cuda_graph.MIXED_MIN_ROWS``, the chunk rows
+every mixed-step graph holds): a burst of short or mostly cached prompts then spreads over a few steps of shapes
+captured at warm-up instead of one step of a shape that would be captured while every stream waits.
 
 A step's flat token batch puts the decode tokens first, then each chunk's tokens in order (``ScheduledStep``).
 """

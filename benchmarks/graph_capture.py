@@ -8,8 +8,9 @@ which costs start-up time and GPU memory.  This script loads a model as ``serve`
 
 * captures ``--shapes`` more shapes the warm-up did not take (``ModelRunner.warm_mixed``), each timed on the host
   (what a stream would wait), and the GPU memory they hold;
-* replays shapes that differ only in their chunk rows (8, 16, 32), CUDA graphs back to back, ms per step: the cost
-  of padding chunk rows, which decides ``MIXED_MIN_ROWS``.
+* replays shapes that differ only in their chunk rows (8, 16, 32), CUDA graphs back to back between two CUDA
+  events (``graph_timing.replay_graph_ms``), ms per step: the cost of padding chunk rows, which decides
+  ``MIXED_MIN_ROWS``.
 
     python benchmarks/graph_capture.py --model-path DIR [--max-batch 64] [--json out.json]
 """
@@ -42,19 +43,6 @@ def extra_shapes(runner, max_batch: int, count: int) -> list[tuple]:
                 if Dp + Rp <= runner.model.max_rows and key not in runner.graphs.execs and (Dp, Cp, Rp) not in out:
                     out.append((Dp, Cp, Rp))
     return out[:count]
-
-
-def replay_ms(graphs, key, reps: int) -> float:
-    """ms per replay of ``key``'s graph, ``reps`` back to back after three untimed ones."""
-    stream = graphs.runner.stream
-    for _ in range(3):
-        graphs.replay(*key)
-    stream.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        graphs.replay(*key)
-    stream.synchronize()
-    return 1e3 * (time.perf_counter() - t0) / reps
 
 
 def main(argv=None) -> int:
@@ -102,7 +90,8 @@ def main(argv=None) -> int:
             cells = []
             for Rp in ROWS:
                 key = ("mixed", Dp, Cp, Rp)
-                ms = replay_ms(graphs, key, args.replays) if key in graphs.execs else None
+                ms = (graph_timing.replay_graph_ms(runner, graphs.execs[key], args.replays, warmup=3)
+                      if key in graphs.execs else None)
                 cells.append(ms)
                 res["replays"].append({"shape": [Dp, Cp, Rp], "ms": ms})
             print(f"{f'{Dp}, {Cp}':<28}" + "".join(f"{'—' if ms is None else f'{ms:.3f}':>12}" for ms in cells))

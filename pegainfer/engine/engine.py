@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from pegainfer.engine import heap
 from pegainfer.engine.cuda_graph import MIXED_MIN_ROWS, MIXED_SPARE_ROWS
 from pegainfer.engine.kv_cache import PagePool
 from pegainfer.engine.runner import ModelRunner, PendingStep
@@ -90,6 +91,7 @@ class Engine:
         self.async_scheduling = async_scheduling
         self._inflight: Optional[PendingStep] = None   # a launched decode step whose tokens the host has not read
         self.prefill_launches: Optional[int] = None     # kernel launches of a one-chunk prefill (set by warmup)
+        self.gc_pauses: Optional[heap.GcPauses] = None  # the process's collection timer (set by load)
         self._grammar_compiler = None
 
     @property
@@ -211,6 +213,10 @@ class Engine:
         t_warm = time.perf_counter()
         eng.warmup()
         eng.warmup_s = time.perf_counter() - t_warm
+        eng.gc_pauses = heap.GcPauses.install()
+        frozen = heap.freeze()      # the start-up heap out of every later collection's way (heap.py)
+        log.info("froze %d Python objects after warm-up (a full garbage collection over them took %.0f ms; with "
+                 "them frozen %.1f ms)", frozen["objects"], frozen["full_collect_s"] * 1e3, frozen["after_s"] * 1e3)
         return eng
 
     def warmup(self) -> None:
@@ -297,15 +303,19 @@ class Engine:
         ``kv_pages_total``, ``slots_used``; cumulative ``num_preemptions``, ``prefix_cache_queries`` (prompt tokens
         looked up in the prefix cache) and ``prefix_cache_hits`` (of those, tokens found); ``cuda_graphs``
         (instantiated step graphs), cumulative ``eager_mixed_steps`` (mixed steps no graph replayed) and
-        ``cuda_graph_capture_seconds`` (host time spent capturing graphs of shapes met while serving)."""
+        ``cuda_graph_capture_seconds`` (host time spent capturing graphs of shapes met while serving);
+        ``gc_pause_seconds`` / ``gc_full_collections``: the process's garbage-collection pauses (``heap.py``)."""
         graphs = self.runner.graphs
+        gc_pauses = self.gc_pauses
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "kv_pages_used": self.pool.pages_used, "kv_pages_total": self.pool.num_pages,
                 "slots_used": self.pool.slots_used, "num_preemptions": self.scheduler.num_preemptions,
                 "prefix_cache_queries": self.pool.prefix_queries, "prefix_cache_hits": self.pool.prefix_hits,
                 "cuda_graphs": len(graphs.execs) if graphs is not None else 0,
                 "eager_mixed_steps": graphs.eager_steps if graphs is not None else 0,
-                "cuda_graph_capture_seconds": graphs.capture_seconds if graphs is not None else 0.0}
+                "cuda_graph_capture_seconds": graphs.capture_seconds if graphs is not None else 0.0,
+                "gc_pause_seconds": gc_pauses.seconds if gc_pauses is not None else 0.0,
+                "gc_full_collections": gc_pauses.full_collections if gc_pauses is not None else 0}
 
     def score(self, token_ids: list[int]):
         """Logits ``[T, V]`` (float32, host) at every position of ``token_ids`` (teacher forcing), computed through

@@ -112,6 +112,11 @@ class _EngineCollector:
                                                             "shapes it met for the first time while serving (every "
                                                             "running stream waits meanwhile).",
                     get("cuda_graph_capture_seconds")),
+            counter("pegainfer:gc_pause_seconds", "Seconds the process spent in Python garbage collections (the "
+                                                  "engine thread, so every stream, waits meanwhile).",
+                    get("gc_pause_seconds")),
+            counter("pegainfer:gc_full_collections", "Full (generation-2) Python garbage collections.",
+                    get("gc_full_collections")),
         ]
 
 

@@ -22,7 +22,7 @@ class StatsEngine(FakeEngine):
     def stats(self) -> dict:
         return {**super().stats(), "kv_pages_total": 100, "num_preemptions": 3, "prefix_cache_queries": 50,
                 "prefix_cache_hits": 20, "cuda_graphs": 41, "eager_mixed_steps": 7,
-                "cuda_graph_capture_seconds": 2.5}
+                "cuda_graph_capture_seconds": 2.5, "gc_pause_seconds": 0.75, "gc_full_collections": 4}
 
 
 def test_engine_gauges_and_counters_come_from_stats(model_folder):
@@ -51,6 +51,8 @@ def test_engine_gauges_and_counters_come_from_stats(model_folder):
         assert value(m, "pegainfer:cuda_graphs", model_name="m") == 41
         assert value(m, "pegainfer:eager_mixed_steps_total", model_name="m") == 7
         assert value(m, "pegainfer:cuda_graph_capture_seconds_total", model_name="m") == 2.5
+        assert value(m, "pegainfer:gc_pause_seconds_total", model_name="m") == 0.75
+        assert value(m, "pegainfer:gc_full_collections_total", model_name="m") == 4
         assert value(m, "process_resident_memory_bytes") > 0
         engine.gate.set()
         for t in threads:

@@ -102,6 +102,25 @@ def test_split_k_merge_padded_rows(rng, head_dim):
         assert_attention(case, case.run(paged_attention_split, geometry=SplitGeometry(2, False), **kwargs))
 
 
+FULL_STEPS_CASE = dict(slots=[1, 0, 2], positions=[40, 15, 47], num_slots=3, max_pages=4, num_pages=13,
+                       page_size=16)
+"""16-key pages (the engine's): lengths 41 (two whole steps, then 9 keys), 16 (one step) and 48 (three)."""
+
+
+@pytest.mark.parametrize("geometry,head_dim", [(SplitGeometry(1, False), 64), (SplitGeometry(2, True), 128)])
+def test_whole_steps_in_one_page(rng, geometry, head_dim):
+    """A step whose 16 keys all count and share a page loads its K / V rows from the step's first row, with no
+    per-key test (``load_full_step``; pages of 16 keys, rows of 16-byte loads: 64-dim rows, or the halves of 128-dim
+    ones in warp pairs): near the reference, one split and two, and decode mode (whose first step is never such a
+    step) gives the very bits of the plain kernel."""
+    case = Case(rng, 4, 2, head_dim, **FULL_STEPS_CASE)
+    for kwargs in (dict(), dict(num_splits=2, min_split_tokens=16)):
+        plain = case.run(paged_attention_split, geometry=geometry, **kwargs)
+        assert_attention(case, plain)
+        np.testing.assert_array_equal(case.run(paged_attention_split, geometry=geometry, decode=True, **kwargs),
+                                      plain)
+
+
 @pytest.mark.parametrize("warps,head_dim", [(2, 32), (4, 64)])
 def test_split_k_dim_split(rng, warps, head_dim):
     """Warp pairs that split the head dims (the GPU's geometry for Qwen3.5's D = 256): one split and several, keys

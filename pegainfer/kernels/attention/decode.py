@@ -173,6 +173,7 @@ def split_kernel(head_dim: int, group: int, warps: int, decode: bool = False, ga
     ROWS = G * D
     assert G <= 8 and D % 16 == 0
     KW2, VW4, O_REGS, SM_W, SM_ROWS = 2 * KW, 4 * VW, 2 * O_TILES, G * MAX_SPLITS, SW * 8
+    FULL_STEPS = KW % 4 == 0 and VW % 4 == 0  # 16-byte loads of whole steps (every served head)
     ROW_ROUNDS = -(-ROWS // NT)              # output elements per thread
     ALL_ROUNDS = ROWS % NT == 0
     merge = build_merge(D, G, W, dim_split, gated)
@@ -216,6 +217,21 @@ def split_kernel(head_dim: int, group: int, warps: int, decode: bool = False, ga
             key = k0 + 2 * tq + (j & 1) + 8 * (j >> 1)
             row = step_row(block_tables, slot, key, k0, k_hi, row0, page_shift, num_kv_heads, kvh, ROW_WORDS)
             load_words(v32, row + dim0 + g * VW, VW, vw, j * VW, key < k_hi and not (early and key == newest))
+
+    @device_fn
+    def load_full_step(k32, v32, row0, dim0, g, tq, key_words, kw, vw):
+        """``load_k_step`` and ``load_v_step`` of a step whose 16 keys all count and lie in one page from row
+        ``row0`` on (``key_words``: words from one key's row to the next): no per-key test, no block-table load."""
+        for j in range(2):
+            base = row0 + (8 * j + g) * key_words + dim0 + tq * KW
+            for c in range(KW // 4):
+                (kw[j * KW + 4 * c], kw[j * KW + 4 * c + 1],
+                 kw[j * KW + 4 * c + 2], kw[j * KW + 4 * c + 3]) = load_u32x4(k32, base + 4 * c)
+        for j in range(4):
+            base = row0 + (2 * tq + (j & 1) + 8 * (j >> 1)) * key_words + dim0 + g * VW
+            for c in range(VW // 4):
+                (vw[j * VW + 4 * c], vw[j * VW + 4 * c + 1],
+                 vw[j * VW + 4 * c + 2], vw[j * VW + 4 * c + 3]) = load_u32x4(v32, base + 4 * c)
 
     @device_fn
     def load_newest(k32, v32, block_tables, slot, k0, k_hi, newest, page_shift, num_kv_heads, kvh, dim0, g, tq, kw,
@@ -373,10 +389,13 @@ def split_kernel(head_dim: int, group: int, warps: int, decode: bool = False, ga
                 k0 = k_lo + (st0 + sw) * DECODE_STEP_KEYS
                 early = DECODE and st0 == 0               # before the wait: every key but the newest
                 row0 = step_first_row(block_tables, slot, k0, k_hi, page_shift, num_kv_heads, kvh, ROW_WORDS)
-                load_k_step(k32, block_tables, slot, k0, k_hi, row0, page_shift, num_kv_heads, kvh, dim0, g, tq,
-                            early, newest, kw)
-                load_v_step(v32, block_tables, slot, k0, k_hi, row0, page_shift, num_kv_heads, kvh, dim0, g, tq,
-                            early, newest, vw)
+                if FULL_STEPS and row0 >= 0 and k0 + DECODE_STEP_KEYS <= k_hi and not early:
+                    load_full_step(k32, v32, row0, dim0, g, tq, num_kv_heads * ROW_WORDS, kw, vw)
+                else:
+                    load_k_step(k32, block_tables, slot, k0, k_hi, row0, page_shift, num_kv_heads, kvh, dim0, g,
+                                tq, early, newest, kw)
+                    load_v_step(v32, block_tables, slot, k0, k_hi, row0, page_shift, num_kv_heads, kvh, dim0, g,
+                                tq, early, newest, vw)
                 if early:
                     grid_dependency_wait()
                     if STAMPS and t_wait == uint64(0):

@@ -111,8 +111,9 @@ FULL_STEPS_CASE = dict(slots=[1, 0, 2], positions=[40, 15, 47], num_slots=3, max
 def test_whole_steps_in_one_page(rng, geometry, head_dim):
     """A step whose 16 keys all count and share a page loads its K / V rows from the step's first row, with no
     per-key test (``load_full_step``; pages of 16 keys, rows of 16-byte loads: 64-dim rows, or the halves of 128-dim
-    ones in warp pairs): near the reference, one split and two, and decode mode (whose first step is never such a
-    step) gives the very bits of the plain kernel."""
+    ones in warp pairs): near the reference, one split and two, and decode mode (whose first step, read before the
+    PDL wait, is such a step only without the newest key: that of the 48-key context, not that of the 16-key one)
+    gives the very bits of the plain kernel."""
     case = Case(rng, 4, 2, head_dim, **FULL_STEPS_CASE)
     for kwargs in (dict(), dict(num_splits=2, min_split_tokens=16)):
         plain = case.run(paged_attention_split, geometry=geometry, **kwargs)

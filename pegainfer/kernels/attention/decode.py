@@ -220,8 +220,9 @@ def split_kernel(head_dim: int, group: int, warps: int, decode: bool = False, ga
 
     @device_fn
     def load_full_step(k32, v32, row0, dim0, g, tq, key_words, kw, vw):
-        """``load_k_step`` and ``load_v_step`` of a step whose 16 keys all count and lie in one page from row
-        ``row0`` on (``key_words``: words from one key's row to the next): no per-key test, no block-table load."""
+        """``load_k_step`` and ``load_v_step`` of a step whose 16 keys all count, lie in one page from row ``row0``
+        on (``key_words``: words from one key's row to the next) and, before the PDL wait, do not include the newest
+        key: no per-key test, no block-table load."""
         for j in range(2):
             base = row0 + (8 * j + g) * key_words + dim0 + tq * KW
             for c in range(KW // 4):
@@ -389,7 +390,8 @@ def split_kernel(head_dim: int, group: int, warps: int, decode: bool = False, ga
                 k0 = k_lo + (st0 + sw) * DECODE_STEP_KEYS
                 early = DECODE and st0 == 0               # before the wait: every key but the newest
                 row0 = step_first_row(block_tables, slot, k0, k_hi, page_shift, num_kv_heads, kvh, ROW_WORDS)
-                if FULL_STEPS and row0 >= 0 and k0 + DECODE_STEP_KEYS <= k_hi and not early:
+                # a whole step in one page (before the wait: one without the newest key) needs no per-key test
+                if FULL_STEPS and row0 >= 0 and k0 + DECODE_STEP_KEYS <= (newest if early else k_hi):
                     load_full_step(k32, v32, row0, dim0, g, tq, num_kv_heads * ROW_WORDS, kw, vw)
                 else:
                     load_k_step(k32, block_tables, slot, k0, k_hi, row0, page_shift, num_kv_heads, kvh, dim0, g,

@@ -4,7 +4,9 @@ numba's public launch (``kernel[grid, block, stream, shared](*args)``) has no wa
 two of ours need one: programmatic dependent launch (``launch.py``) and more than 48 KB of dynamic shared memory a
 block.  Both need the compiled kernel behind a dispatcher and numba's own argument marshalling, which are private
 (numba-cuda 0.30): ``CUDADispatcher._compile_for_args``, ``_Kernel._prepare_args`` and ``driver._to_core_stream``
-(and the public ``_Kernel.library``).  ``check()`` says in one line which of them a numba-cuda upgrade removed;
+(and the public ``_Kernel.library``).  And numba's on-disk kernel cache keys a kernel on its bytecode and closure
+but not on its ``launch_bounds``, so two kernels that differ only in their bounds would load each other's binary:
+``key_cache_on`` adds the bounds to the key through the dispatcher's ``CUDACache._index_key``.  ``check()`` says in one line which of them a numba-cuda upgrade removed;
 ``tests/kernels/test_numba_internals.py`` runs it, and ``pyproject.toml`` bounds numba-cuda to the versions it
 passes on.
 """
@@ -13,7 +15,8 @@ from __future__ import annotations
 REQUIRED = (("numba.cuda.dispatcher", "CUDADispatcher", "_compile_for_args"),
             ("numba.cuda.dispatcher", "_Kernel", "_prepare_args"),
             ("numba.cuda.dispatcher", "_Kernel", "library"),
-            ("numba.cuda.cudadrv.driver", None, "_to_core_stream"))
+            ("numba.cuda.cudadrv.driver", None, "_to_core_stream"),
+            ("numba.cuda.dispatcher", "CUDACache", "_index_key"))
 
 
 def missing() -> list[str]:
@@ -41,6 +44,15 @@ def check() -> None:
         raise RuntimeError(f"numba-cuda {numba_cuda.__version__} lacks {', '.join(gone)}, which pegainfer's launch "
                            "wrapper uses (pegainfer/kernels/numba_internals.py): install the numba-cuda version "
                            "pyproject.toml names")
+
+
+def key_cache_on(dispatcher, extra: tuple):
+    """Make ``extra`` (e.g. the launch bounds) part of the key under which ``dispatcher``'s compiled kernels are
+    cached on disk (a dispatcher made with ``cache=True``); returns the dispatcher."""
+    cache = dispatcher._cache
+    index_key = cache._index_key
+    cache._index_key = lambda sig, codegen: index_key(sig, codegen) + (extra,)
+    return dispatcher
 
 
 def compiled(kernel, args):

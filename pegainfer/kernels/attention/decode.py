@@ -57,12 +57,11 @@ from pegainfer.kernels.attention.geometry import (DECODE_STEP_KEYS, MAX_SPLITS, 
 from pegainfer.kernels.attention.merge import LOG2E, NEG_INF, build_merge, rescale_factor2
 from pegainfer.kernels.attention.workspace import flat, flat_u32, split_workspace
 from pegainfer.kernels.launch import launch
-from pegainfer.kernels.linear.common import bounded_kernel
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
 from pegainfer.kernels.primitives import (cuda, device_fn, float32, global_timer, grid, grid_dependency_wait, int32,
-                                          kernel, lane_group_max, launch_dependents, load_u32x4, mma_bf16_m16n8k16,
-                                          pack_bf16x2, pdl_prologue, prefetch_l2, reads_before_wait, uint16,
-                                          uint32)
+                                          kernel, lane_group_max, launch_bounded, launch_dependents, load_u32x4,
+                                          mma_bf16_m16n8k16, pack_bf16x2, pdl_prologue, prefetch_l2,
+                                          reads_before_wait, uint16, uint32)
 
 uint64 = np.uint64
 
@@ -311,7 +310,7 @@ def split_kernel(head_dim: int, group: int, warps: int, decode: bool = False, ga
                 a0, zero, a2, zero, b0, b1, of[2 * jd] * alpha, of[2 * jd + 1] * alpha, fzero, fzero)
 
     @reads_before_wait(*early_reads)
-    @(bounded_kernel(32 * W, W * blocks_per_sm) if blocks_per_sm else kernel)
+    @(launch_bounded(32 * W, blocks_per_sm) if blocks_per_sm else kernel)
     def paged_attention_split_kernel(q32, k32, v32, block_tables, token_slots, positions, out, ws_acc, ws_m, ws_l,
                                      counters, scale_log2, num_kv_heads, page_shift, num_splits, min_chunk, gate,
                                      stamp_buf):

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pegainfer.device import SIMULATOR
-from pegainfer.kernels.primitives import (WARP, bf16_to_f32, cuda, device_fn, f32_to_bf16, float32, kernel, math,
+from pegainfer.kernels.primitives import (WARP, bf16_to_f32, cuda, device_fn, f32_to_bf16, float32, math,
                                           warp_sum)
 
 L2NORM_EPS = 1e-6  # HF ``l2norm(x, eps=1e-6)``: x · rsqrt(Σx² + eps)
@@ -92,14 +91,6 @@ def zero_rows_from(out, first):
     for idx in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, (out.shape[0] - first) * width,
                      cuda.gridDim.x * cuda.blockDim.x):
         out[first + idx // width, idx % width] = 0
-
-
-def bounded_kernel(threads_per_block: int):
-    """``@kernel`` compiled for blocks of ``threads_per_block`` threads, one block per SM (``launch_bounds``:
-    ptxas then keeps to the registers that block size allows; a GPU-only option)."""
-    if SIMULATOR:
-        return kernel
-    return cuda.jit(cache=True, launch_bounds=(threads_per_block, 1))
 
 
 # ------------------------------------------------------------------------------------------------ argument checks

@@ -15,16 +15,16 @@ import numpy as np
 
 from pegainfer.device import SIMULATOR
 from pegainfer.kernels import timeline
-from pegainfer.kernels.gated_delta.common import (COL_TILE, MAX_WARPS, bounded_kernel, check_bf16, check_positions,
-                                                  check_rule_args, gated_norm_value, token_decay_beta, token_gates,
-                                                  token_qk_scales)
+from pegainfer.kernels.gated_delta.common import (COL_TILE, MAX_WARPS, check_bf16, check_positions, check_rule_args,
+                                                  gated_norm_value, token_decay_beta, token_gates, token_qk_scales)
 from pegainfer.kernels.gated_delta.conv import conv_output, conv_ring_store, conv_silu
 from pegainfer.kernels.gated_delta.reference import RULE_WARPS
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.norm import inverse_rms
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
 from pegainfer.kernels.primitives import (WARP, bf16_to_f32, cuda, device_fn, f32_to_bf16, float32, global_timer,
-                                          grid, grid_dependency_wait, int32, launch_dependents, load_f32x2,
+                                          grid, grid_dependency_wait, int32, launch_bounded, launch_dependents,
+                                          load_f32x2,
                                           load_f32x4, math, pdl_prologue, reads_before_wait, store_f32x2,
                                           store_f32x4, uint16, warp_sum)
 
@@ -207,7 +207,7 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                    "token_slots") if DECODE else ()
 
     @reads_before_wait(*early_reads)
-    @bounded_kernel(NT)
+    @launch_bounded(NT)
     def gated_delta_decode_step_kernel(x, conv_weight, conv_state, z, a, b, a_log, dt_bias, norm_weight, eps,
                                        ssm_state, slot_ids, token_offsets, positions, token_slots, out, stamp_buf):
         """One Gated DeltaNet step after in_proj, for sequences of one token: conv + SiLU, the delta rule and the

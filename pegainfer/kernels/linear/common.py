@@ -14,7 +14,7 @@ import numpy as np
 from pegainfer.device import SIMULATOR
 from pegainfer.kernels.activation import silu
 from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, cuda, device_fn, f32_to_bf16,
-                                          kernel, load_u32x4, sm_count, uint16, uint32)
+                                          launch_bounded, load_u32x4, sm_count, uint16, uint32)
 
 WARPS_PER_SM = 16
 """Occupancy the GEMV and the mma GEMM are compiled for: launch bounds ask ptxas to fit 16 warps per SM, i.e. at
@@ -26,12 +26,8 @@ SMEM_BYTES = 48 * 1024
 
 def bounded_kernel(threads_per_block: int, warps_per_sm: int = WARPS_PER_SM):
     """``@kernel`` for blocks of exactly ``threads_per_block`` threads, compiled for ``warps_per_sm`` resident
-    warps per SM, i.e. at most 65536 / (32 · warps_per_sm) registers per thread (``launch_bounds`` is a GPU-only
-    option: the simulator's ``cuda.jit`` rejects it)."""
-    if SIMULATOR:
-        return kernel
-    min_blocks = max(1, warps_per_sm * WARP // threads_per_block)
-    return cuda.jit(cache=True, launch_bounds=(threads_per_block, min_blocks))
+    warps per SM, i.e. at most 65536 / (32 · warps_per_sm) registers per thread (``primitives.launch_bounded``)."""
+    return launch_bounded(threads_per_block, max(1, warps_per_sm * WARP // threads_per_block))
 
 
 @functools.cache

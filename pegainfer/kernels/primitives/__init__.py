@@ -58,8 +58,8 @@ from pegainfer.kernels.primitives.bf16 import (bf16_to_f32, bf16x2_hi, bf16x2_lo
                                                f32_to_bf16, from_bf16_bits, pack_bf16x2, split_bf16x2,
                                                to_bf16_bits)
 from pegainfer.kernels.primitives.fast_exp2 import exp2_approx
-from pegainfer.kernels.primitives.launch_shape import (device_fn, float32, grid, int32, kernel, sm_count, threads,
-                                                       uint16, uint32)
+from pegainfer.kernels.primitives.launch_shape import (device_fn, float32, grid, int32, kernel, launch_bounded,
+                                                       sm_count, threads, uint16, uint32)
 from pegainfer.kernels.primitives.ldmatrix_trans import ldmatrix_x4_trans
 from pegainfer.kernels.primitives.loads import (as_words, load_f32x2, load_f32x4, load_u32_l2, load_u32x4,
                                                 prefetch_l2, store_f32x2, store_f32x4)
@@ -79,4 +79,4 @@ __all__ = ["as_words", "bf16_to_f32", "bf16x2_hi", "bf16x2_lo", "bits_f32", "blo
            "load_u32x4", "math", "mma_bf16_m16n8k16", "NO_INDEX", "pack_bf16x2", "pdl_prologue", "prefetch_l2",
            "SIMULATOR", "sm_id", "store_f32x2", "store_f32x4", "threads", "to_bf16_bits", "uint16", "uint32", "WARP",
            "warp_argmax", "warp_max", "warp_row_sums_to_shared", "warp_sum", "warp_sums_to_shared"]
-__all__ += ["exp2_approx", "ldmatrix_x4_trans", "reads_before_wait", "sm_count", "split_bf16x2", "warp_any"]
+__all__ += ["exp2_approx", "launch_bounded", "ldmatrix_x4_trans", "reads_before_wait", "sm_count", "split_bf16x2", "warp_any"]

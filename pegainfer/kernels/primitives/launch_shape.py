@@ -1,5 +1,5 @@
 """How a kernel is declared and sized, with the same code on a GPU and in the simulator: ``@kernel`` (``cuda.jit``,
-cached on disk on the GPU), ``@device_fn`` (inlined on the GPU), the scalar types kernels are written with, and block
+cached on disk on the GPU), ``@launch_bounded(threads, blocks)`` (the same, register-bounded), ``@device_fn`` (inlined on the GPU), the scalar types kernels are written with, and block
 and grid sizes that shrink in the simulator (``threads``, ``grid``)."""
 from __future__ import annotations
 
@@ -18,6 +18,20 @@ if SIMULATOR:
 else:
     kernel = cuda.jit(cache=True)
     device_fn = cuda.jit(device=True, forceinline=True)
+
+
+def launch_bounded(threads_per_block: int, min_blocks: int = 1):
+    """``@kernel`` compiled for blocks of ``threads_per_block`` threads, at least ``min_blocks`` of them resident an
+    SM (``launch_bounds``: ptxas keeps to ``65536 / (threads_per_block · min_blocks)`` registers a thread), cached on
+    disk under a key that includes the bounds.  In the simulator, which rejects ``launch_bounds``, ``kernel``."""
+    if SIMULATOR:
+        return kernel
+
+    def compile_bounded(fn):
+        from pegainfer.kernels.numba_internals import key_cache_on
+        bounds = (threads_per_block, min_blocks)
+        return key_cache_on(cuda.jit(cache=True, launch_bounds=bounds)(fn), ("launch_bounds",) + bounds)
+    return compile_bounded
 
 
 def threads(gpu: int = 256, sim: int = 32) -> int:

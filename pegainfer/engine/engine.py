@@ -262,6 +262,7 @@ class Engine:
                     graphs.mixed_shapes = mixed_warmup_shapes(self.scheduler.max_batch, self.model.max_tokens,
                                                               self.model.max_rows)
                 graphs.capture_all()
+                graphs.capture_seconds, graphs.eager_steps = 0.0, 0   # /metrics counts what serving meets
 
     # ------------------------------------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -164,7 +164,8 @@ class GpuLikeEngine(FakeEngine):
     """A FakeEngine whose steps take the time of GPU steps, on a simulated GPU timeline: host work with the GIL
     launches a step (it runs once the GPU is free), then the thread waits for it.  With ``async_scheduling`` it
     copies the engine's: a decode step call launches the next step before it waits for the current one (when the
-    batch cannot change), so the host work hides behind the GPU."""
+    batch cannot change), so the host work hides behind the GPU.  Like the engine, it reports the process's
+    garbage-collection pauses (``engine/heap.py``)."""
 
     def __init__(self, folder, prefill_s: float, decode_s: float, host_s: float, wait: str, driver_calls: int = 0,
                  hook: bool = True, async_scheduling: bool = True, max_batch: int = 1, **kw):
@@ -177,8 +178,14 @@ class GpuLikeEngine(FakeEngine):
         self.async_scheduling = async_scheduling
         self._gpu_free = 0.0        # when the simulated GPU finishes what was launched so far
         self._ahead_done = None     # end time of a decode step launched ahead, not yet read
+        from pegainfer.engine.heap import GcPauses
+        self.gc_pauses = GcPauses.install()
         if hook:
             self.before_gpu_wait = None   # AsyncEngine plugs in here (see pegainfer/engine/async_engine.py)
+
+    def stats(self) -> dict:
+        return {**super().stats(), "gc_pause_seconds": self.gc_pauses.seconds,
+                "gc_full_collections": self.gc_pauses.full_collections}
 
     def _launch(self, gpu_s: float) -> float:
         host_work(self.host_s, self.driver_calls)

@@ -14,6 +14,8 @@ row.  At the end, once the server is idle, it prints a verdict:
   larger) of the first sample after ``--warmup``; GPU memory within ``--max-gpu-drift-mib``;
 * the page pool back to zero pages in use, and ``/health`` still 200.
 
+It also says how long the server's garbage collections paused it over the soak (``pegainfer:gc_pause_seconds``).
+
 Exit status 0 when every check passes, 1 when one fails, 2 on a usage error.
 
     python benchmarks/soak.py --url http://127.0.0.1:8000 [--server-pid PID]   # a server already running
@@ -235,6 +237,8 @@ async def sample(http, pid, t0: float, tally: Tally) -> dict:
     return {"t": time.monotonic() - t0, "rss_mib": rss / MiB if rss else None, "gpu_mib": gpu,
             "running": m.get("vllm:num_requests_running"), "waiting": m.get("vllm:num_requests_waiting"),
             "pages_used": m.get("pegainfer:kv_pages_used"), "pages_total": m.get("pegainfer:kv_pages_total"),
+            "gc_pause_s": m.get("pegainfer:gc_pause_seconds_total"),
+            "gc_full": m.get("pegainfer:gc_full_collections_total"),
             "good": tally.good, "failed": tally.good_failed + tally.abort_failed, "aborted": tally.aborted,
             "bad": tally.bad, "tokens": tally.tokens}
 
@@ -325,12 +329,17 @@ def verdict(args, samples: list[dict], tally: Tally, health) -> dict:
         print(f"{'PASS' if ok else 'FAIL'}  {name}: {what}")
     for failure in tally.failures:
         print(f"      {failure}")
+    gc_pause = gc_full = None      # the server's garbage-collection pauses over the soak (every stream waits)
+    if samples[0]["gc_pause_s"] is not None and last["gc_pause_s"] is not None:
+        gc_pause = last["gc_pause_s"] - samples[0]["gc_pause_s"]
+        gc_full = (last["gc_full"] or 0) - (samples[0]["gc_full"] or 0)
+        print(f"      garbage collection: {gc_pause * 1e3:.0f} ms of pauses, {gc_full:.0f} full collections")
     passed = all(ok for ok, _ in checks.values())
     print(f"verdict: {'PASS' if passed else 'FAIL'}")
     return {"passed": passed, "checks": {k: {"ok": ok, "what": w} for k, (ok, w) in checks.items()},
             "good": tally.good, "failed": tally.good_failed + tally.abort_failed, "aborted": tally.aborted,
             "bad": tally.bad, "bad_wrong": tally.bad_wrong, "output_tokens": tally.tokens, "failures": tally.failures,
-            "samples": samples}
+            "gc_pause_s": gc_pause, "gc_full_collections": gc_full, "samples": samples}
 
 
 # ================================================================================================ servers

@@ -21,6 +21,8 @@ def test_a_short_soak_against_the_fake_gpu_server_passes(tmp_path):
     assert last["pages_used"] == 0 and last["running"] == 0 and last["rss_mib"] > 0
     assert len(res["samples"]) >= 4            # one per second, and the idle one at the end
     assert "verdict: PASS" in r.stdout and "RSS MiB" in r.stdout
+    assert res["gc_pause_s"] > 0 and res["gc_full_collections"] >= 0   # the server process's collections, timed
+    assert "garbage collection: " in r.stdout
 
 
 def test_it_needs_one_server():

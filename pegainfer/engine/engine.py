@@ -213,8 +213,8 @@ class Engine:
         t_warm = time.perf_counter()
         eng.warmup()
         eng.warmup_s = time.perf_counter() - t_warm
-        eng.gc_pauses = heap.GcPauses.install()
         frozen = heap.freeze()      # the start-up heap out of every later collection's way (heap.py)
+        eng.gc_pauses = heap.GcPauses.install()     # from here on, every collection is a pause of serving
         log.info("froze %d Python objects after warm-up (a full garbage collection over them took %.0f ms; with "
                  "them frozen %.1f ms)", frozen["objects"], frozen["full_collect_s"] * 1e3, frozen["after_s"] * 1e3)
         return eng

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 import threading
 import time
 
@@ -63,7 +64,10 @@ class GcPauses:
 
     def callback(self, phase: str, info: dict) -> None:
         """``gc.callbacks`` hook: ``phase`` "start" or "stop"; ``info`` has the ``generation`` and, at "stop",
-        the objects ``collected``."""
+        the objects ``collected``.  The interpreter's own collections as it exits are not counted (nothing waits on
+        them, and logging is going away)."""
+        if sys.is_finalizing():
+            return
         if phase == "start":
             self._start = self.clock()
             return

@@ -6,9 +6,9 @@ block.  Both need the compiled kernel behind a dispatcher and numba's own argume
 (numba-cuda 0.30): ``CUDADispatcher._compile_for_args``, ``_Kernel._prepare_args`` and ``driver._to_core_stream``
 (and the public ``_Kernel.library``).  And numba's on-disk kernel cache keys a kernel on its bytecode and closure
 but not on its ``launch_bounds``, so two kernels that differ only in their bounds would load each other's binary:
-``key_cache_on`` adds the bounds to the key through the dispatcher's ``CUDACache._index_key``.  ``check()`` says in one line which of them a numba-cuda upgrade removed;
-``tests/kernels/test_numba_internals.py`` runs it, and ``pyproject.toml`` bounds numba-cuda to the versions it
-passes on.
+``key_cache_on`` adds the bounds to the key through the dispatcher's ``CUDACache._index_key``.  ``check()`` says in
+one line which of them a numba-cuda upgrade removed; ``tests/kernels/test_numba_internals.py`` runs it, and
+``pyproject.toml`` bounds numba-cuda to the versions it passes on.
 """
 from __future__ import annotations
 
@@ -41,9 +41,9 @@ def check() -> None:
     gone = missing()
     if gone:
         import numba_cuda
-        raise RuntimeError(f"numba-cuda {numba_cuda.__version__} lacks {', '.join(gone)}, which pegainfer's launch "
-                           "wrapper uses (pegainfer/kernels/numba_internals.py): install the numba-cuda version "
-                           "pyproject.toml names")
+        raise RuntimeError(f"numba-cuda {numba_cuda.__version__} lacks {', '.join(gone)}, which pegainfer's "
+                           "launches and kernel cache use (pegainfer/kernels/numba_internals.py): install the "
+                           "numba-cuda version pyproject.toml names")
 
 
 def key_cache_on(dispatcher, extra: tuple):

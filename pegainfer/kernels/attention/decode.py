@@ -18,7 +18,9 @@ A block's warps take 16-key steps ``w, w + W, ...`` of its split.  One step of a
 
 1. **load**: K rows of keys ``k0 + g`` and ``k0 + 8 + g`` straight from the cache into registers (lane ``(g, t)``
    holds dims ``[t·DH/4, (t+1)·DH/4)``: already the B fragment of ``S = Q K^T``, q uses the same dim order), and V
-   rows of keys ``k0 + 2t, 2t+1, 2t+8, 2t+9`` (dims ``[g·DH/8, (g+1)·DH/8)``), no shared-memory staging;
+   rows of keys ``k0 + 2t, 2t+1, 2t+8, 2t+9`` (dims ``[g·DH/8, (g+1)·DH/8)``), no shared-memory staging; a step
+   whose 16 keys all count and share a page (almost every step at 16-key pages) takes its rows from the step's
+   first row with no per-key test (``load_full_step``: 64-sequence call 25.2 -> 23.7 us, docs/perf/attention.md);
 2. **scores**: ``S[16 x 16] = Q K^T`` as two ``m16n8k16`` tiles (rows: the G heads, zero-padded to 16), scaled to
    base-2 units and masked past the split's end;
 3. **online softmax** over each row's 16 keys (the 4 lanes of a row), rescaling the running sum and O;

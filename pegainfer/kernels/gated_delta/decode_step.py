@@ -24,9 +24,8 @@ from pegainfer.kernels.norm import inverse_rms
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
 from pegainfer.kernels.primitives import (WARP, bf16_to_f32, cuda, device_fn, f32_to_bf16, float32, global_timer,
                                           grid, grid_dependency_wait, int32, launch_bounded, launch_dependents,
-                                          load_f32x2,
-                                          load_f32x4, math, pdl_prologue, reads_before_wait, store_f32x2,
-                                          store_f32x4, uint16, warp_sum)
+                                          load_f32x2, load_f32x4, math, pdl_prologue, reads_before_wait,
+                                          store_f32x2, store_f32x4, uint16, warp_sum)
 
 uint64 = np.uint64
 

@@ -119,6 +119,14 @@ def request_rate(text: str) -> float:
     return value
 
 
+def request_rates(text: str) -> tuple[float, ...]:
+    """One request rate (``request_rate``) or several, comma-separated, each once."""
+    rates = tuple(request_rate(part) for part in text.split(","))
+    if len(set(rates)) != len(rates):
+        raise argparse.ArgumentTypeError(f"a rate is given twice in {text}")
+    return rates
+
+
 def range_ratio(text: str) -> float:
     value = _float(text)
     if not 0 <= value < 1:
@@ -130,6 +138,13 @@ def positive_seconds(text: str) -> float:
     value = _float(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
+def positive_milliseconds(text: str) -> float:
+    value = _float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of milliseconds > 0, got {text}")
     return value
 
 

@@ -9,7 +9,9 @@ one row per request.
 
 Load: ``--max-concurrency C`` keeps at most C requests in flight (a new one starts when one ends);
 ``--request-rate R`` sends requests as a Poisson process of R per second (``inf``, the default: all at once); both
-together: Poisson arrivals that wait for a free place.  Workload (``serving_bench/workload.py``): fixed or random
+together: Poisson arrivals that wait for a free place.  Several rates (``--request-rate 8,16,32``) make a sweep: one
+run per rate against the same server (the same lengths, other prompts, so a prefix cache finds none of them), a
+table of them, and with ``--goal-ttft-p99-ms`` the highest rate whose TTFT p99 meets the goal.  Workload (``serving_bench/workload.py``): fixed or random
 (``--range-ratio``) lengths, or ``--dataset-name sharegpt`` for a built-in mix of lengths shaped like ShareGPT's;
 prompts as token ids (exact lengths) or as text (``--prompt-format text``; needs the model's tokenizer).  One
 warm-up request (``--num-warmups``) runs before the clock starts.
@@ -78,8 +80,12 @@ def add_bench_serve_arguments(p) -> None:
     load.add_argument("--num-prompts", type=argtypes.positive, default=64, help="requests to send (default 64)")
     load.add_argument("--max-concurrency", type=argtypes.positive, default=None,
                       help="most requests in flight at once; the next starts when one ends (default: no limit)")
-    load.add_argument("--request-rate", type=argtypes.request_rate, default=math.inf,
-                      help="requests per second, sent as a Poisson process; inf (default): all at once")
+    load.add_argument("--request-rate", type=argtypes.request_rates, default=(math.inf,),
+                      help="requests per second, sent as a Poisson process; inf (default): all at once; several, "
+                           "comma-separated (e.g. 8,16,32): one run per rate against the same server, and a table")
+    load.add_argument("--goal-ttft-p99-ms", type=argtypes.positive_milliseconds, default=None,
+                      help="with several rates: report the highest rate whose TTFT p99 is at most this many ms "
+                           "(and no request failed)")
     load.add_argument("--num-warmups", type=argtypes.non_negative, default=1,
                       help=f"requests sent one by one before the clock starts (up to {WARMUP_OUTPUT_TOKENS} tokens "
                            f"each; default 1)")
@@ -156,13 +162,17 @@ def serve_args(args, view: Optional[Path] = None, name: Optional[str] = None) ->
     return out + shlex.split(args.serve_args or "")
 
 
-def make_requests(args, tokenizer) -> tuple[list, np.ndarray]:
-    """The workload's requests and their send times (seeded by --seed)."""
+def make_requests(args, tokenizer, run: int = 0) -> tuple[list, np.ndarray]:
+    """The workload's requests and their send times (seeded by --seed) for the ``run``-th rate of
+    ``--request-rate``: every run has the same lengths; a later run has prompts of its own (a server's prefix cache
+    must not find them) and its rate's arrivals."""
     rng = np.random.default_rng(args.seed)
     lengths = workload.request_lengths(args.dataset_name, args.num_prompts, args.input_len, args.output_len,
                                        args.range_ratio, rng)
+    if run:
+        rng = np.random.default_rng([args.seed, run])
     requests = workload.build_prompts(lengths, args.prompt_format, tokenizer, rng)
-    return requests, workload.arrival_times(len(requests), args.request_rate, rng)
+    return requests, workload.arrival_times(len(requests), args.request_rate[run], rng)
 
 
 def _check_fits(requests, max_model_len) -> None:
@@ -240,9 +250,9 @@ def run_bench_serve(args, serve_command: Sequence[str] = SERVE_COMMAND) -> int:
     if tokenizer is None:
         print(f"[bench-serve] no --model-path: prompt token ids drawn from [0, {workload.FALLBACK_VOCAB}) (the byte "
               f"tokens); pass --model-path for the model's own vocabulary", file=sys.stderr)
-    requests, arrivals = make_requests(args, tokenizer)
     started_here = args.base_url is None
     launch_args = None
+    runs = []
     with contextlib.ExitStack() as stack:
         if started_here:
             view = None
@@ -257,22 +267,43 @@ def run_bench_serve(args, serve_command: Sequence[str] = SERVE_COMMAND) -> int:
             print(f"[bench-serve] server ready at {url} (log: {server.log_path})", file=sys.stderr)
         else:
             url = check_base_url(args.base_url)
-        print(f"[bench-serve] sending {len(requests)} requests to {url} ...", file=sys.stderr)
-        res = bench_against(url, args, requests, arrivals)
-    res.update({"base_url": url, "server_started_here": started_here, "dataset_name": args.dataset_name,
-                "prompt_format": args.prompt_format, "num_prompts": args.num_prompts,
-                "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
-                "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
-                "max_concurrency": args.max_concurrency, "num_warmups": args.num_warmups, "seed": args.seed,
-                "word_tokenizer": bool(args.word_tokenizer),
-                "serve_args": launch_args})
-    if args.hf:
-        res.update(run_hf(folder, requests, tokenizer))
-    print_report(res)
+        for run, rate in enumerate(args.request_rate):
+            requests, arrivals = make_requests(args, tokenizer, run)
+            print(f"[bench-serve] sending {len(requests)} requests to {url}"
+                  f"{'' if math.isinf(rate) else f' at {rate:g}/s'} ...", file=sys.stderr)
+            res = bench_against(url, args, requests, arrivals)
+            res.update({"base_url": url, "server_started_here": started_here, "dataset_name": args.dataset_name,
+                        "prompt_format": args.prompt_format, "num_prompts": args.num_prompts,
+                        "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
+                        "request_rate": None if math.isinf(rate) else rate,
+                        "max_concurrency": args.max_concurrency, "num_warmups": args.num_warmups,
+                        "seed": args.seed, "word_tokenizer": bool(args.word_tokenizer), "serve_args": launch_args})
+            print_report(res)
+            runs.append(res)
+    out = runs[0] if len(runs) == 1 else sweep_summary(runs, args.goal_ttft_p99_ms)
+    if args.hf:       # every request at once: one run, whatever the rates (the first run's prompts)
+        out.update(run_hf(folder, make_requests(args, tokenizer)[0], tokenizer))
+    if len(runs) > 1:
+        print_sweep(out)
+    if args.hf:       # beside HF's every-request-at-once run: the sweep's run of the highest throughput
+        print_hf(max(runs, key=lambda r: r["output_throughput"] or 0.0), out)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+            json.dump(out, f, indent=2)
     return 0
+
+
+def sweep_summary(runs: list[dict], goal_ttft_p99_ms: Optional[float]) -> dict:
+    """The runs of a rate sweep, and the highest rate whose TTFT p99 met ``goal_ttft_p99_ms`` with no failed
+    request (``best``: that run's rate, throughputs and TTFT p99; None when none did or there is no goal)."""
+    def rate(r):
+        return math.inf if r["request_rate"] is None else r["request_rate"]
+    met = [r for r in runs if goal_ttft_p99_ms is not None and r["failed"] == 0
+           and r["p99_ttft_ms"] is not None and r["p99_ttft_ms"] <= goal_ttft_p99_ms]
+    top = max(met, key=rate) if met else None
+    best = None if top is None else {k: top[k] for k in ("request_rate", "request_throughput", "output_throughput",
+                                                         "total_token_throughput", "p99_ttft_ms")}
+    return {"goal_ttft_p99_ms": goal_ttft_p99_ms, "best": best, "runs": runs}
 
 
 # ------------------------------------------------------------------------------------------------ the report
@@ -319,14 +350,39 @@ def print_report(res: dict, out=None) -> None:
         w(f"note: during the run the server captured {res.get('server_new_cuda_graphs', 0)} CUDA graphs of step "
           f"shapes it met for the first time{spent} and ran {res.get('server_new_eager_mixed_steps', 0)} mixed "
           f"steps without one: a second run against it measures its steady state\n")
-    if "hf_output_throughput" in res:
-        w(f"\nside by side, the same prompts and output lengths (Hugging Face: {res['hf_class']} continuous "
+
+
+def print_hf(ours: dict, hf: dict, out=None) -> None:
+    """pegainfer's run (``ours``) beside Hugging Face's (``hf``'s ``hf_*`` fields), or why HF did not run."""
+    w = (out or sys.stdout).write
+    if "hf_output_throughput" in hf:
+        w(f"\nside by side, the same prompts and output lengths (Hugging Face: {hf['hf_class']} continuous "
           f"batching, bf16, every request at once, no HTTP):\n")
         w(f"{'':<32}{'pegainfer':>12}{'HF':>12}{'ours / HF':>12}\n")
         for name, key in (("requests/s", "request_throughput"), ("output tok/s", "output_throughput"),
                           ("total tok/s", "total_token_throughput")):
-            ours, theirs = res[key], res[f"hf_{key}"]
-            ratio = ours / theirs if ours and theirs else None
-            w(f"{name:<32}{_fmt(ours, '.1f'):>12}{_fmt(theirs, '.1f'):>12}{_fmt(ratio, '.2f'):>11}x\n")
-    if "hf_error" in res:
-        w(f"hf: {res['hf_error']}\n")
+            mine, theirs = ours[key], hf[f"hf_{key}"]
+            ratio = mine / theirs if mine and theirs else None
+            w(f"{name:<32}{_fmt(mine, '.1f'):>12}{_fmt(theirs, '.1f'):>12}{_fmt(ratio, '.2f'):>11}x\n")
+    if "hf_error" in hf:
+        w(f"hf: {hf['hf_error']}\n")
+
+
+def print_sweep(sweep: dict, out=None) -> None:
+    """One line per rate of a sweep, then the highest rate that met the TTFT goal."""
+    w = (out or sys.stdout).write
+    w(f"\n{' request-rate sweep ':=^72}\n")
+    w(f"{'rate/s':>8}{'req/s':>8}{'out tok/s':>11}{'TTFT p99':>10}{'TPOT p99':>10}{'worst gap':>11}{'failed':>8}\n")
+    for r in sweep["runs"]:
+        rate = "inf" if r["request_rate"] is None else f"{r['request_rate']:g}"
+        w(f"{rate:>8}{_fmt(r['request_throughput']):>8}{_fmt(r['output_throughput'], '.1f'):>11}"
+          f"{_fmt(r['p99_ttft_ms'], '.1f'):>10}{_fmt(r['p99_tpot_ms']):>10}{_fmt(r['max_itl_ms'], '.1f'):>11}"
+          f"{r['failed']:>8}\n")
+    goal, best = sweep["goal_ttft_p99_ms"], sweep["best"]
+    if goal is not None:
+        if best is None:
+            w(f"no rate kept TTFT p99 within {goal:g} ms\n")
+        else:
+            rate = "inf" if best["request_rate"] is None else f"{best['request_rate']:g}/s"
+            w(f"highest rate with TTFT p99 <= {goal:g} ms: {rate} ({best['output_throughput']:.1f} output tok/s, "
+              f"TTFT p99 {best['p99_ttft_ms']:.1f} ms)\n")

@@ -148,6 +148,34 @@ def test_poisson_rate_with_text_prompts(fake_url, model_folder, tmp_path):
     assert res["request_rate"] == 50
 
 
+def test_a_rate_sweep_runs_each_rate_and_names_the_highest_within_the_goal(fake_url, model_folder, tmp_path,
+                                                                           capsys):
+    """``--request-rate 40,inf``: one run per rate against the same server, with the same lengths but prompts of
+    their own (a prefix cache must not find a later run's), a table, and the highest rate whose TTFT p99 met the
+    goal (every rate meets a goal of a minute; none meets one of a microsecond)."""
+    out = tmp_path / "sweep.json"
+    argv = ("--base-url", fake_url, "--model-path", str(model_folder), "--num-prompts", "6", "--input-len", "5",
+            "--output-len", "6", "--range-ratio", "0.4", "--num-warmups", "0", "--request-rate", "40,inf")
+    assert run_bench_serve(parse(*argv, "--goal-ttft-p99-ms", "60000", "--json", str(out))) == 0
+    sweep = json.loads(out.read_text())
+    args = parse(*argv)
+    tok = Tokenizer.from_folder(model_folder)
+    (first, arrivals), (second, at_once) = make_requests(args, tok, 0), make_requests(args, tok, 1)
+    lengths = [(r.input_len, r.output_len) for r in first]
+    assert [(r.input_len, r.output_len) for r in second] == lengths
+    assert [r.prompt for r in first] != [r.prompt for r in second]
+    assert arrivals[-1] > 0 and not at_once.any()
+    assert [r["request_rate"] for r in sweep["runs"]] == [40, None]
+    for run in sweep["runs"]:
+        check_result(run, 6, lengths)
+    assert sweep["goal_ttft_p99_ms"] == 60000 and sweep["best"]["request_rate"] is None   # inf: the highest
+    assert sweep["best"]["output_throughput"] == sweep["runs"][1]["output_throughput"]
+    printed = capsys.readouterr().out
+    assert "request-rate sweep" in printed and "highest rate with TTFT p99 <= 60000 ms: inf" in printed
+    assert run_bench_serve(parse(*argv, "--goal-ttft-p99-ms", "0.001")) == 0
+    assert "no rate kept TTFT p99 within 0.001 ms" in capsys.readouterr().out
+
+
 def test_bench_serve_starts_and_stops_its_own_server(model_folder, tmp_path):
     """The subprocess path: a free port, /health polled until ready, the requests, SIGINT at the end (here the
     fake engine's server, ``tests.server.serve_fake``, stands in for ``python -m pegainfer serve``)."""
@@ -288,13 +316,16 @@ def test_sharegpt_mix_and_random_lengths():
     assert fixed == [(10, 20)] * 5
     spread = np.array(workload.request_lengths("random", 500, 100, 10, 0.5, rng))
     assert spread[:, 0].min() >= 50 and spread[:, 0].max() <= 150 and spread[:, 1].min() >= 5
-    assert math.isinf(parse("--request-rate", "inf").request_rate)
+    assert parse("--request-rate", "inf").request_rate == (math.inf,)
+    assert parse("--request-rate", "4,8.5,inf").request_rate == (4.0, 8.5, math.inf)
     times = workload.arrival_times(2000, 100.0, rng)
     assert times[0] == 0 and np.diff(times).mean() == pytest.approx(0.01, rel=0.1)
 
 
 def test_bad_values_are_refused_while_parsing(capsys):
     for argv, says in ((("--request-rate", "0"), "must be > 0, or inf"), (("--range-ratio", "1"), "[0, 1)"),
+                       (("--request-rate", "4,4"), "a rate is given twice"),
+                       (("--goal-ttft-p99-ms", "0"), "milliseconds > 0"),
                        (("--num-prompts", "0"), "at least 1"), (("--prompt-format", "words"), "invalid choice")):
         with pytest.raises(SystemExit):
             parse(*argv)

@@ -27,7 +27,8 @@
 #   acc35     tests/gpu/test_qwen35_gpu.py on that folder
 #   serve     one `serve` of $SERVE_MODEL (default qwen3-4b, word-tokenizer view) and `bench-serve` against it at
 #             each concurrency of $CONCURRENCY (default "1 64 256"), 128 tokens in / 256 out; then the
-#             ShareGPT-like mix at $RATE requests/s (default none); then benchmarks/soak.py for $SOAK_S seconds
+#             ShareGPT-like mix at the rates of $RATE (e.g. 10,20,40; default none: skipped), the highest with a
+#             TTFT p99 within 500 ms named; then benchmarks/soak.py for $SOAK_S seconds
 #             (default none) at 64 streams
 #   batch     pegainfer bench --batch B (B in $BATCHES, default "64 256") at a 256-token context, beside the floor
 #   attnbatch bench_attention.py --only batch: decode attention alone for $BATCHES sequences (default "64 256") at
@@ -152,7 +153,8 @@ print(v('$SM', '/tmp/serve_view'))" 2>/dev/null | tail -1)
               if [ -n "${RATE:-}" ]; then
                 timeout ${SERVE_TIMEOUT:-180} python3 -m pegainfer bench-serve --base-url http://127.0.0.1:8123 \
                   --model-path "$VIEW" --num-prompts 512 --request-rate $RATE --dataset-name sharegpt \
-                  --json "$OUT/serve_sharegpt_r$RATE.json" 2>&1 | filter | tail -30 | tee -a "$OUT/serve.log"
+                  --goal-ttft-p99-ms 500 --json "$OUT/serve_sharegpt.json" 2>&1 | filter | tail -40 \
+                  | tee -a "$OUT/serve.log"
               fi
               if [ -n "${SOAK_S:-}" ]; then
                 timeout $(( SOAK_S + 120 )) python3 benchmarks/soak.py --url http://127.0.0.1:8123 --server-pid $SERVER \

@@ -217,29 +217,23 @@ def bench_batch_decode(rng, read_bw, rows, batch, ctx, geometries=(None,), model
 
 
 def parse_decode_geometry(text: str):
-    """``W,P[,S[,K[,B]]]`` -> ``(SplitGeometry, splits, min_keys)``: W warps a block, in pairs over the head dims when
-    P = 1; S splits per (token, kv head) and splits of at least K keys (0 or left out: the engine's); compiled to fit
-    B blocks an SM (0 or left out: ptxas's choice)."""
+    """``W,P[,S[,K]]`` -> ``(SplitGeometry, splits, min_keys)``: W warps a block, in pairs over the head dims when
+    P = 1; S splits per (token, kv head) and splits of at least K keys (0 or left out: the engine's)."""
     try:
         warps, pairs, *rest = (int(v) for v in text.split(","))
-        if len(rest) > 3 or any(v < 0 for v in rest) or warps < 1 or pairs not in (0, 1):
+        if len(rest) > 2 or any(v < 0 for v in rest) or warps < 1 or pairs not in (0, 1):
             raise ValueError
-        splits, least, blocks = (rest + [0, 0, 0])[:3]
-        block = A.split_geometry_type(warps, bool(pairs), blocks) if blocks else A.split_geometry_type(warps,
-                                                                                                     bool(pairs))
-        return block, splits or None, least or None
+        splits, least = (rest + [0, 0])[:2]
+        return A.split_geometry_type(warps, bool(pairs)), splits or None, least or None
     except (TypeError, ValueError):
-        raise SystemExit(f"error: --decode-geometry {text!r}: expected warps,pairs[,splits[,min_keys[,blocks_per_sm]]]"
-                         f" (pairs 0 or 1; 0 for the engine's splits / keys / registers), e.g. 4,0 or 4,0,2,128 or "
-                         f"4,0,0,0,3")
+        raise SystemExit(f"error: --decode-geometry {text!r}: expected warps,pairs[,splits[,min_keys]] (pairs 0 or 1; "
+                         f"0 for the engine's splits / keys), e.g. 4,0 or 4,0,2,128")
 
 
 def describe_forced(geometry) -> str:
     block, splits, least = geometry
-    blocks = block[2] if len(block) > 2 else 0
     return (f"{block[0]} warps{' in pairs' if block[1] else ''}"
-            + (f", {splits} splits" if splits else "") + (f" of >= {least} keys" if least else "")
-            + (f", {blocks} blocks/SM" if blocks else ""))
+            + (f", {splits} splits" if splits else "") + (f" of >= {least} keys" if least else ""))
 
 
 def kernel_resources(block, D, G) -> str:
@@ -247,7 +241,7 @@ def kernel_resources(block, D, G) -> str:
     only; empty where the tree's kernel builder differs)."""
     try:
         build = graph_timing.kernel_name("pegainfer.kernels.attention", "split_kernel")
-        kern = build(D, G, block[0], True, False, block[1], False, *block[2:])
+        kern = build(D, G, block[0], True, False, block[1], False)
         regs, local = kern.get_regs_per_thread(), kern.get_local_mem_per_thread()
         regs = max(regs.values()) if isinstance(regs, dict) else regs
         local = max(local.values()) if isinstance(local, dict) else local
@@ -498,10 +492,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=None, help="also time a decode call of this many sequences")
     ap.add_argument("--batch-context", type=int, default=None,
                     help="keys of each sequence in the batched decode (default 256)")
-    ap.add_argument("--decode-geometry", action="append", default=[], metavar="W,P[,S[,K[,B]]]",
+    ap.add_argument("--decode-geometry", action="append", default=[], metavar="W,P[,S[,K]]",
                     help="also time the batched decode with W warps a block, in pairs over the head dims when P=1, "
-                         "S splits per (token, kv head) of at least K keys each, compiled to fit B blocks an SM "
-                         "(0 or left out: the engine's)")
+                         "S splits per (token, kv head) of at least K keys each (0 or left out: the engine's)")
     ap.add_argument("--tokens", help="prefill chunk lengths, comma-separated (default: %s)" %
                     ",".join(map(str, PREFILL_TOKENS)))
     ap.add_argument("--prefill-geometry", action="append", default=[], metavar="W,M,BK,S",

@@ -61,9 +61,9 @@ from pegainfer.kernels.attention.workspace import flat, flat_u32, split_workspac
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
 from pegainfer.kernels.primitives import (cuda, device_fn, float32, global_timer, grid, grid_dependency_wait, int32,
-                                          kernel, lane_group_max, launch_bounded, launch_dependents, load_u32x4,
-                                          mma_bf16_m16n8k16, pack_bf16x2, pdl_prologue, prefetch_l2,
-                                          reads_before_wait, uint16, uint32)
+                                          kernel, lane_group_max, launch_dependents, load_u32x4, mma_bf16_m16n8k16,
+                                          pack_bf16x2, pdl_prologue, prefetch_l2, reads_before_wait, uint16,
+                                          uint32)
 
 uint64 = np.uint64
 
@@ -149,13 +149,12 @@ def online_softmax_step(m, l, s0, s1, s2, s3):
 # ------------------------------------------------------------------------------------------------ kernel
 @functools.lru_cache(maxsize=None)
 def split_kernel(head_dim: int, group: int, warps: int, decode: bool = False, gated: bool = False,
-                 dim_split: bool = False, stamps: bool = False, blocks_per_sm: int = 0):
+                 dim_split: bool = False, stamps: bool = False):
     """Build the split-K kernel for one shape (closure constants size the register fragments): ``warps`` per block,
     in pairs over the head dims with ``dim_split``; ``decode``: every token is its sequence's newest (the early
     loads of the module docstring); ``gated``: the output goes through Qwen3.5's sigmoid gate as it is written, the
     gates of a thread's output elements loaded right after the PDL wait; ``stamps``: each block appends its
-    ``timeline`` record (its first work item's wait); ``blocks_per_sm``: compiled to fit that many blocks an SM
-    (``SplitGeometry``)."""
+    ``timeline`` record (its first work item's wait)."""
     D, G, W, DECODE, GATED, STAMPS = head_dim, group, warps, decode, gated, stamps
     LINE_WORDS = 32                          # words of a 128-byte line
     ROW_LINES = max(1, D // 64)              # lines of a K or V row (D bf16)
@@ -312,7 +311,7 @@ def split_kernel(head_dim: int, group: int, warps: int, decode: bool = False, ga
                 a0, zero, a2, zero, b0, b1, of[2 * jd] * alpha, of[2 * jd + 1] * alpha, fzero, fzero)
 
     @reads_before_wait(*early_reads)
-    @(launch_bounded(32 * W, blocks_per_sm) if blocks_per_sm else kernel)
+    @kernel
     def paged_attention_split_kernel(q32, k32, v32, block_tables, token_slots, positions, out, ws_acc, ws_m, ws_l,
                                      counters, scale_log2, num_kv_heads, page_shift, num_splits, min_chunk, gate,
                                      stamp_buf):
@@ -456,8 +455,8 @@ def paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, positi
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits {num_splits} outside 1..{MAX_SPLITS}")
     ws_acc, ws_m, ws_l, counters = split_workspace(workspace, T, nq, nkv, D, num_splits, policy)
-    warps, dim_split, blocks_per_sm = geometry or split_geometry(D, group, T * nkv)
-    kern = split_kernel(D, group, warps, decode, gate is not None, dim_split, policy.timeline, blocks_per_sm)
+    warps, dim_split = geometry or split_geometry(D, group, T * nkv)
+    kern = split_kernel(D, group, warps, decode, gate is not None, dim_split, policy.timeline)
     stamps = timeline.buffer() if policy.timeline else timeline.unused()
     launch(kern, grid(num_splits * T * nkv, sim_cap=64), 32 * warps,
            flat_u32(q), flat_u32(k_cache), flat_u32(v_cache), block_tables, token_slots, positions,

@@ -35,12 +35,9 @@ PREFILL_MIN_TOKENS = 128
 
 class SplitGeometry(NamedTuple):
     """Block shape of the split-K kernel: ``warps`` per block; ``dim_split``: the warps work in pairs, each on half
-    of every head's dims (``decode.split_kernel``); ``blocks_per_sm``: when set, the kernel is compiled to fit that
-    many blocks an SM (``launch_bounds``: at most ``65536 / (32 · warps · blocks_per_sm)`` registers a thread);
-    0 leaves ptxas its choice."""
+    of every head's dims (``decode.split_kernel``)."""
     warps: int
     dim_split: bool
-    blocks_per_sm: int = 0
 
 
 def split_geometry(head_dim: int, group: int, items: int = 1) -> SplitGeometry:

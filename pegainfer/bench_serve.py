@@ -84,8 +84,8 @@ def add_bench_serve_arguments(p) -> None:
                       help="requests per second, sent as a Poisson process; inf (default): all at once; several, "
                            "comma-separated (e.g. 8,16,32): one run per rate against the same server, and a table")
     load.add_argument("--goal-ttft-p99-ms", type=argtypes.positive_milliseconds, default=None,
-                      help="with several rates: report the highest rate whose TTFT p99 is at most this many ms "
-                           "(and no request failed)")
+                      help="report the highest --request-rate whose TTFT p99 is at most this many ms (and no "
+                           "request failed), after a table of the rates' runs")
     load.add_argument("--num-warmups", type=argtypes.non_negative, default=1,
                       help=f"requests sent one by one before the clock starts (up to {WARMUP_OUTPUT_TOKENS} tokens "
                            f"each; default 1)")
@@ -280,10 +280,11 @@ def run_bench_serve(args, serve_command: Sequence[str] = SERVE_COMMAND) -> int:
                         "seed": args.seed, "word_tokenizer": bool(args.word_tokenizer), "serve_args": launch_args})
             print_report(res)
             runs.append(res)
-    out = runs[0] if len(runs) == 1 else sweep_summary(runs, args.goal_ttft_p99_ms)
+    sweep = len(runs) > 1 or args.goal_ttft_p99_ms is not None      # a table, and the goal's verdict
+    out = sweep_summary(runs, args.goal_ttft_p99_ms) if sweep else runs[0]
     if args.hf:       # every request at once: one run, whatever the rates (the first run's prompts)
         out.update(run_hf(folder, make_requests(args, tokenizer)[0], tokenizer))
-    if len(runs) > 1:
+    if sweep:
         print_sweep(out)
     if args.hf:       # beside HF's every-request-at-once run: the sweep's run of the highest throughput
         print_hf(max(runs, key=lambda r: r["output_throughput"] or 0.0), out)

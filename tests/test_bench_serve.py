@@ -174,6 +174,10 @@ def test_a_rate_sweep_runs_each_rate_and_names_the_highest_within_the_goal(fake_
     assert "request-rate sweep" in printed and "highest rate with TTFT p99 <= 60000 ms: inf" in printed
     assert run_bench_serve(parse(*argv, "--goal-ttft-p99-ms", "0.001")) == 0
     assert "no rate kept TTFT p99 within 0.001 ms" in capsys.readouterr().out
+    one = [a if a != "40,inf" else "inf" for a in argv]            # one rate and a goal: a verdict on it too
+    assert run_bench_serve(parse(*one, "--goal-ttft-p99-ms", "60000", "--json", str(out))) == 0
+    assert json.loads(out.read_text())["best"]["request_rate"] is None
+    assert "highest rate with TTFT p99 <= 60000 ms: inf" in capsys.readouterr().out
 
 
 def test_bench_serve_starts_and_stops_its_own_server(model_folder, tmp_path):

@@ -62,7 +62,10 @@ def hf_continuous_batching(folder: str, prompts: Sequence[Sequence[int]], output
         kwargs["workload_hints"] = WorkloadHints(max_prompt_length=max(len(p) for p in prompts),
                                                  max_generated_length=max(output_lens), num_requests=len(prompts))
     res = {"hf_class": cls.__name__}
-    with torch.inference_mode(), model.continuous_batching_context_manager(**kwargs) as manager:
+    # no_grad, not inference_mode: the manager's thread updates in place tensors made here, which inference mode
+    # would make inference tensors (transformers 5.17 then fails: "Inplace update to inference tensor outside
+    # InferenceMode")
+    with torch.no_grad(), model.continuous_batching_context_manager(**kwargs) as manager:
         warm = [f"warm{i}" for i in range(min(WARMUP_REQUESTS, len(prompts)))]
         for rid, ids in zip(warm, prompts):
             manager.add_request(list(ids), request_id=rid, max_new_tokens=WARMUP_TOKENS, eos_token_id=-1)

@@ -14,6 +14,8 @@ Modes (combinable):
   ring depths × K splits, each checked against the reference kernel) and the skinny kernel; the table then shows
   the best of each, and the best geometry per (shape, token tile) is printed (and written to the JSON, and with
   ``--tuning-out FILE`` as a tuning file the engine and ``ab_policy.py`` read);
+* ``--hot``: beside each cell, the default path with its weight hot in L2 (one copy launched again and again): how
+  much of a launch the DRAM stream is;
 * ``--check``: correctness on the GPU first: real shapes against the reference kernel, bit for bit on data whose sums
   are exact in f32, and within one bf16 ulp on random data.
 
@@ -79,6 +81,7 @@ SWEEP_TOKENS = (16, 32, 64, 128, 256, 512, 2048)
 """The token counts the sweep tries geometries at: the largest of each token tile (whose kernel serves every T up
 to it); the other T take their tile's winner."""
 SPLITS = (1, 2, 4, 8, 16)
+HOT_LAUNCHES = 16
 WORKSPACE_FLOATS = 48 << 20 if not SIM else 1 << 16
 
 
@@ -159,6 +162,12 @@ def is_wgmma(L, geometry) -> bool:
 def time_ours(L, s: Shape, x, out, impl, geometry, ws, policy=None) -> float:
     """Seconds per launch: one graph of a launch on each weight copy."""
     return time_calls([op_call(L, s, x, w, out, impl, geometry, ws, policy) for w in s.w], reps=5)
+
+
+def time_hot(L, s: Shape, x, out, ws) -> float:
+    """Seconds per launch of the default path with the weight hot in L2: one copy launched ``HOT_LAUNCHES`` times in
+    a graph (what the launch costs when the DRAM stream is not its limit)."""
+    return time_calls([op_call(L, s, x, s.w[0], out, None, None, ws)] * HOT_LAUNCHES, reps=5)
 
 
 def pdl_policy():
@@ -377,6 +386,8 @@ def run(args) -> dict:
                         continue
                     sec = time_ours(L, s, x, out, impl, None, ws)
                     cell["impls"][impl or f"default ({L.default_impl(T)})"] = sec * 1e6
+                if args.hot:
+                    cell["hot_us"] = time_hot(L, s, x, out, ws) * 1e6
                 if args.sweep and T >= 2 and L.MmaGeometry is not None:
                     tile = L.mma_token_tile(T)
                     if T in SWEEP_TOKENS or SIM or tile not in winners:
@@ -424,8 +435,8 @@ def print_row(c: dict) -> None:
     others = ", ".join(f"{k} {v:.1f}" for k, v in c["impls"].items() if k != c["best"])
     pct = f"{c['pct_read']:6.1f}%" if c["pct_read"] == c["pct_read"] else "     - "
     print(f"{c['model']:10s} {c['proj']:8s} {c['N']:6d} {c['K']:5d} {c['T']:5d} {c['us']:9.1f} {c['TFLOPs']:8.1f} "
-          f"{pct} {torch_us or float('nan'):9.1f} {ratio}  {c['best']}" + (f" ({others})" if others else ""),
-          flush=True)
+          f"{pct} {torch_us or float('nan'):9.1f} {ratio}  {c['best']}" + (f" ({others})" if others else "")
+          + (f"; weight hot in L2 {c['hot_us']:.1f}" if "hot_us" in c else ""), flush=True)
 
 
 def print_table(rows: list[dict]) -> None:
@@ -487,6 +498,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sweep", action="store_true", help="also time every tensor-core GEMM geometry for T <= 256")
     ap.add_argument("--check", action="store_true", help="first check real shapes against the reference kernel")
     ap.add_argument("--no-torch", action="store_true", help="skip torch.matmul")
+    ap.add_argument("--hot", action="store_true", help="also time the default path with its weight hot in L2 (one "
+                    f"copy launched {HOT_LAUNCHES} times): how much of a launch is the DRAM stream")
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds after which the sweep stops trying")
     ap.add_argument("--json", default=None, help="write every measurement here")
     ap.add_argument("--tuning-out", default=None, help="with --sweep: write the best geometry per (shape, token "

@@ -56,3 +56,13 @@ def test_every_mode_smoke_run(bg, tmp_path, capsys):
         pick = (wgmma_geometry if e["kind"] == "wgmma" else mma_geometry)(e["n_cols"], e["k"], e["tokens"],
                                                                            e["gated"], policy)
         assert pick == (WgmmaGeometry if e["kind"] == "wgmma" else MmaGeometry)(**e["geometry"])
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="a smoke run of the simulator's tiny shapes")
+def test_hot_times_each_cell_with_its_weight_in_l2(bg, tmp_path, capsys):
+    out = tmp_path / "gemm.json"
+    assert bg.main(["--hot", "--tokens", "17", "--json", str(out)]) == 0
+    table = [r for r in json.loads(out.read_text())["rows"] if r["kind"] == "table"]
+    assert len(table) == len(bg.SIM_MODEL) and all(r["hot_us"] > 0 for r in table)
+    assert all(not any("hot" in k for k in r["impls"]) for r in table)   # never a candidate for "ours"
+    assert capsys.readouterr().out.count("weight hot in L2") == 2 * len(bg.SIM_MODEL)   # as measured, then the table

@@ -185,7 +185,8 @@ class GpuLikeEngine(FakeEngine):
 
     def stats(self) -> dict:
         return {**super().stats(), "gc_pause_seconds": self.gc_pauses.seconds,
-                "gc_full_collections": self.gc_pauses.full_collections}
+                "gc_full_collections": self.gc_pauses.full_collections,
+                "gc_longest_pause_seconds": self.gc_pauses.longest_s}
 
     def _launch(self, gpu_s: float) -> float:
         host_work(self.host_s, self.driver_calls)

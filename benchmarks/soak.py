@@ -14,7 +14,8 @@ row.  At the end, once the server is idle, it prints a verdict:
   larger) of the first sample after ``--warmup``; GPU memory within ``--max-gpu-drift-mib``;
 * the page pool back to zero pages in use, and ``/health`` still 200.
 
-It also says how long the server's garbage collections paused it over the soak (``pegainfer:gc_pause_seconds``).
+It also says how long the server's garbage collections paused it over the soak (``pegainfer:gc_pause_seconds``)
+and the longest single pause (``pegainfer:gc_longest_pause_seconds``: every stream waits that long).
 
 Exit status 0 when every check passes, 1 when one fails, 2 on a usage error.
 
@@ -239,6 +240,7 @@ async def sample(http, pid, t0: float, tally: Tally) -> dict:
             "pages_used": m.get("pegainfer:kv_pages_used"), "pages_total": m.get("pegainfer:kv_pages_total"),
             "gc_pause_s": m.get("pegainfer:gc_pause_seconds_total"),
             "gc_full": m.get("pegainfer:gc_full_collections_total"),
+            "gc_longest_s": m.get("pegainfer:gc_longest_pause_seconds"),
             "good": tally.good, "failed": tally.good_failed + tally.abort_failed, "aborted": tally.aborted,
             "bad": tally.bad, "tokens": tally.tokens}
 
@@ -330,16 +332,19 @@ def verdict(args, samples: list[dict], tally: Tally, health) -> dict:
     for failure in tally.failures:
         print(f"      {failure}")
     gc_pause = gc_full = None      # the server's garbage-collection pauses over the soak (every stream waits)
+    gc_longest = last.get("gc_longest_s")      # the longest since the server warmed up
     if samples[0]["gc_pause_s"] is not None and last["gc_pause_s"] is not None:
         gc_pause = last["gc_pause_s"] - samples[0]["gc_pause_s"]
         gc_full = (last["gc_full"] or 0) - (samples[0]["gc_full"] or 0)
-        print(f"      garbage collection: {gc_pause * 1e3:.0f} ms of pauses, {gc_full:.0f} full collections")
+        longest = "" if gc_longest is None else f", the longest {gc_longest * 1e3:.1f} ms"
+        print(f"      garbage collection: {gc_pause * 1e3:.0f} ms of pauses, {gc_full:.0f} full collections{longest}")
     passed = all(ok for ok, _ in checks.values())
     print(f"verdict: {'PASS' if passed else 'FAIL'}")
     return {"passed": passed, "checks": {k: {"ok": ok, "what": w} for k, (ok, w) in checks.items()},
             "good": tally.good, "failed": tally.good_failed + tally.abort_failed, "aborted": tally.aborted,
             "bad": tally.bad, "bad_wrong": tally.bad_wrong, "output_tokens": tally.tokens, "failures": tally.failures,
-            "gc_pause_s": gc_pause, "gc_full_collections": gc_full, "samples": samples}
+            "gc_pause_s": gc_pause, "gc_full_collections": gc_full, "gc_longest_pause_s": gc_longest,
+            "samples": samples}
 
 
 # ================================================================================================ servers

@@ -305,7 +305,8 @@ class Engine:
         looked up in the prefix cache) and ``prefix_cache_hits`` (of those, tokens found); ``cuda_graphs``
         (instantiated step graphs), cumulative ``eager_mixed_steps`` (mixed steps no graph replayed) and
         ``cuda_graph_capture_seconds`` (host time spent capturing graphs of shapes met while serving);
-        ``gc_pause_seconds`` / ``gc_full_collections``: the process's garbage-collection pauses (``heap.py``)."""
+        ``gc_pause_seconds`` / ``gc_full_collections`` / ``gc_longest_pause_seconds``: the process's
+        garbage-collection pauses since warm-up (``heap.py``)."""
         graphs = self.runner.graphs
         gc_pauses = self.gc_pauses
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
@@ -316,7 +317,8 @@ class Engine:
                 "eager_mixed_steps": graphs.eager_steps if graphs is not None else 0,
                 "cuda_graph_capture_seconds": graphs.capture_seconds if graphs is not None else 0.0,
                 "gc_pause_seconds": gc_pauses.seconds if gc_pauses is not None else 0.0,
-                "gc_full_collections": gc_pauses.full_collections if gc_pauses is not None else 0}
+                "gc_full_collections": gc_pauses.full_collections if gc_pauses is not None else 0,
+                "gc_longest_pause_seconds": gc_pauses.longest_s if gc_pauses is not None else 0.0}
 
     def score(self, token_ids: list[int]):
         """Logits ``[T, V]`` (float32, host) at every position of ``token_ids`` (teacher forcing), computed through

@@ -8,8 +8,9 @@ stream (``docs/perf/engine.md``).  ``freeze`` moves every object alive after war
 which collections skip (``gc.freeze``; vLLM and SGLang freeze their start-up heap for the same reason), so a full
 collection walks only what serving allocated since.
 
-``GcPauses`` times every collection through ``gc.callbacks``: the cumulative pause and the count of full
-collections are engine stats (``/metrics``: ``pegainfer:gc_pause_seconds``, ``pegainfer:gc_full_collections``),
+``GcPauses`` times every collection through ``gc.callbacks``: the cumulative pause, the count of full collections
+and the longest pause are engine stats (``/metrics``: ``pegainfer:gc_pause_seconds``,
+``pegainfer:gc_full_collections``, ``pegainfer:gc_longest_pause_seconds``),
 and a pause of ``SLOW_PAUSE_S`` or more is logged with its generation and the objects it collected.
 """
 from __future__ import annotations

@@ -117,6 +117,9 @@ class _EngineCollector:
                     get("gc_pause_seconds")),
             counter("pegainfer:gc_full_collections", "Full (generation-2) Python garbage collections.",
                     get("gc_full_collections")),
+            gauge("pegainfer:gc_longest_pause_seconds", "The longest single Python garbage collection since the "
+                                                        "engine finished warming up, in seconds.",
+                  get("gc_longest_pause_seconds")),
         ]
 
 

@@ -22,6 +22,7 @@ def test_a_short_soak_against_the_fake_gpu_server_passes(tmp_path):
     assert len(res["samples"]) >= 4            # one per second, and the idle one at the end
     assert "verdict: PASS" in r.stdout and "RSS MiB" in r.stdout
     assert res["gc_pause_s"] > 0 and res["gc_full_collections"] >= 0   # the server process's collections, timed
+    assert 0 < res["gc_longest_pause_s"] <= res["gc_pause_s"] + (res["samples"][0]["gc_pause_s"] or 0)
     assert "garbage collection: " in r.stdout
 
 

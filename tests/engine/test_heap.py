@@ -59,3 +59,4 @@ def test_a_loaded_engine_froze_its_heap_and_counts_full_collections(unfrozen):
     after = engine.stats()
     assert after["gc_full_collections"] == before["gc_full_collections"] + 1
     assert after["gc_pause_seconds"] > before["gc_pause_seconds"]
+    assert 0 < after["gc_longest_pause_seconds"] <= after["gc_pause_seconds"]

@@ -22,7 +22,8 @@ class StatsEngine(FakeEngine):
     def stats(self) -> dict:
         return {**super().stats(), "kv_pages_total": 100, "num_preemptions": 3, "prefix_cache_queries": 50,
                 "prefix_cache_hits": 20, "cuda_graphs": 41, "eager_mixed_steps": 7,
-                "cuda_graph_capture_seconds": 2.5, "gc_pause_seconds": 0.75, "gc_full_collections": 4}
+                "cuda_graph_capture_seconds": 2.5, "gc_pause_seconds": 0.75, "gc_full_collections": 4,
+                "gc_longest_pause_seconds": 0.125}
 
 
 def test_engine_gauges_and_counters_come_from_stats(model_folder):
@@ -53,6 +54,7 @@ def test_engine_gauges_and_counters_come_from_stats(model_folder):
         assert value(m, "pegainfer:cuda_graph_capture_seconds_total", model_name="m") == 2.5
         assert value(m, "pegainfer:gc_pause_seconds_total", model_name="m") == 0.75
         assert value(m, "pegainfer:gc_full_collections_total", model_name="m") == 4
+        assert value(m, "pegainfer:gc_longest_pause_seconds", model_name="m") == 0.125
         assert value(m, "process_resident_memory_bytes") > 0
         engine.gate.set()
         for t in threads:

@@ -336,12 +336,22 @@ def test_bad_values_are_refused_while_parsing(capsys):
         assert says in capsys.readouterr().err
 
 
-def test_hf_peer_runs_the_same_requests_on_cpu():
+def test_hf_peer_runs_the_same_requests_on_cpu(monkeypatch):
     """transformers' continuous batching through the manager behind ``generate_batch``, one output length per
-    request, end-of-sequence off (on the CPU with the demo model: the code path, not the speed)."""
-    pytest.importorskip("torch")
+    request, end-of-sequence off (on the CPU with the demo model: the code path, not the speed).  The manager is
+    driven outside inference mode: its thread updates in place tensors made by the caller's thread, which inference
+    mode would make inference tensors (transformers 5.17 then fails every request)."""
+    torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from transformers.generation import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching import ContinuousBatchingManager
+    modes = []
+    add_request = ContinuousBatchingManager.add_request
+
+    def recording_add_request(self, *a, **kw):
+        modes.append(torch.is_inference_mode_enabled())
+        return add_request(self, *a, **kw)
+    monkeypatch.setattr(ContinuousBatchingManager, "add_request", recording_add_request)
 
     from pegainfer.demo import ensure_demo_model
     from pegainfer.serving_bench.hf import hf_continuous_batching
@@ -351,6 +361,7 @@ def test_hf_peer_runs_the_same_requests_on_cpu():
     assert res["hf_completed"] == 3 and res["hf_failed"] == 0 and res["hf_total_output_tokens"] == 3 + 5 + 2
     assert res["hf_output_throughput"] == pytest.approx(10 / res["hf_duration_s"])
     assert res["hf_total_token_throughput"] == pytest.approx((9 + 10) / res["hf_duration_s"])
+    assert len(modes) == 3 + 3 and not any(modes)     # warm-up and timed requests, none under inference mode
 
 
 def test_hf_without_a_gpu_is_a_line_of_the_report(fake_url, model_folder, tmp_path, capsys):

@@ -296,7 +296,9 @@ def run_bench_serve(args, serve_command: Sequence[str] = SERVE_COMMAND) -> int:
 
 def sweep_summary(runs: list[dict], goal_ttft_p99_ms: Optional[float]) -> dict:
     """The runs of a rate sweep, and the highest rate whose TTFT p99 met ``goal_ttft_p99_ms`` with no failed
-    request (``best``: that run's rate, throughputs and TTFT p99; None when none did or there is no goal)."""
+    request (``best``: that run's rate, throughputs and TTFT p99; None when none did or there is no goal).
+    ``limit_above``: the best rate is the highest finite rate tried, so the highest rate within the goal is above
+    every rate tried (None without a best)."""
     def rate(r):
         return math.inf if r["request_rate"] is None else r["request_rate"]
     met = [r for r in runs if goal_ttft_p99_ms is not None and r["failed"] == 0
@@ -304,7 +306,8 @@ def sweep_summary(runs: list[dict], goal_ttft_p99_ms: Optional[float]) -> dict:
     top = max(met, key=rate) if met else None
     best = None if top is None else {k: top[k] for k in ("request_rate", "request_throughput", "output_throughput",
                                                          "total_token_throughput", "p99_ttft_ms")}
-    return {"goal_ttft_p99_ms": goal_ttft_p99_ms, "best": best, "runs": runs}
+    limit_above = None if top is None else not math.isinf(rate(top)) and rate(top) == max(rate(r) for r in runs)
+    return {"goal_ttft_p99_ms": goal_ttft_p99_ms, "best": best, "limit_above": limit_above, "runs": runs}
 
 
 # ------------------------------------------------------------------------------------------------ the report
@@ -387,3 +390,6 @@ def print_sweep(sweep: dict, out=None) -> None:
             rate = "inf" if best["request_rate"] is None else f"{best['request_rate']:g}/s"
             w(f"highest rate with TTFT p99 <= {goal:g} ms: {rate} ({best['output_throughput']:.1f} output tok/s, "
               f"TTFT p99 {best['p99_ttft_ms']:.1f} ms)\n")
+            if sweep.get("limit_above"):
+                w(f"every rate up to the highest tried met the goal: the server's limit lies above {rate} (add "
+                  f"higher rates, or inf: every request at once)\n")

@@ -169,6 +169,7 @@ def test_a_rate_sweep_runs_each_rate_and_names_the_highest_within_the_goal(fake_
     for run in sweep["runs"]:
         check_result(run, 6, lengths)
     assert sweep["goal_ttft_p99_ms"] == 60000 and sweep["best"]["request_rate"] is None   # inf: the highest
+    assert sweep["limit_above"] is False                                                  # nothing is above inf
     assert sweep["best"]["output_throughput"] == sweep["runs"][1]["output_throughput"]
     printed = capsys.readouterr().out
     assert "request-rate sweep" in printed and "highest rate with TTFT p99 <= 60000 ms: inf" in printed
@@ -177,7 +178,12 @@ def test_a_rate_sweep_runs_each_rate_and_names_the_highest_within_the_goal(fake_
     one = [a if a != "40,inf" else "inf" for a in argv]            # one rate and a goal: a verdict on it too
     assert run_bench_serve(parse(*one, "--goal-ttft-p99-ms", "60000", "--json", str(out))) == 0
     assert json.loads(out.read_text())["best"]["request_rate"] is None
-    assert "highest rate with TTFT p99 <= 60000 ms: inf" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "highest rate with TTFT p99 <= 60000 ms: inf" in printed and "limit lies above" not in printed
+    one = [a if a != "40,inf" else "40" for a in argv]             # the highest rate tried met it: say so
+    assert run_bench_serve(parse(*one, "--goal-ttft-p99-ms", "60000", "--json", str(out))) == 0
+    assert json.loads(out.read_text())["limit_above"] is True
+    assert "the server's limit lies above 40/s" in capsys.readouterr().out
 
 
 def test_bench_serve_starts_and_stops_its_own_server(model_folder, tmp_path):

@@ -297,8 +297,8 @@ def run_bench_serve(args, serve_command: Sequence[str] = SERVE_COMMAND) -> int:
 def sweep_summary(runs: list[dict], goal_ttft_p99_ms: Optional[float]) -> dict:
     """The runs of a rate sweep, and the highest rate whose TTFT p99 met ``goal_ttft_p99_ms`` with no failed
     request (``best``: that run's rate, throughputs and TTFT p99; None when none did or there is no goal).
-    ``limit_above``: the best rate is the highest finite rate tried, so the highest rate within the goal is above
-    every rate tried (None without a best)."""
+    ``limit_above``: the best rate is the highest finite rate tried, so the rate at which TTFT p99 crosses the goal
+    lies above every rate tried (None without a best)."""
     def rate(r):
         return math.inf if r["request_rate"] is None else r["request_rate"]
     met = [r for r in runs if goal_ttft_p99_ms is not None and r["failed"] == 0

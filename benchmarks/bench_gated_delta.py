@@ -10,7 +10,13 @@ with the token-by-token reference kernel: relative L2 of states and outputs, the
 ``--trace`` prints the time of each kernel of one eager call of each geometry (the launch tracer), so prepare and
 scan show apart.
 
+``--decode-batch 1,64,256`` times the fused decode step instead (``gated_delta.gated_delta_decode_step``, one token
+of B sequences, launched alone: no PDL overlap), against its floor: each sequence's f32 state of every value head is
+read and written back once, ``2 · B · Hv · Dk · Dv · 4`` bytes over the read bandwidth measured in the same run.  Its
+check: the decode launch's outputs and states bit for bit against the general path's (no ``decode_token_slots``).
+
     python benchmarks/bench_gated_delta.py [--tokens 2048,8192] [--geometry 1,2 --geometry 4,2] [--trace] [--json F]
+    python benchmarks/bench_gated_delta.py --decode-batch 1,64,256 [--json F]
 
 Without a GPU it runs as a smoke test in the simulator (tiny heads, 40 tokens, chunks of 16, wall-clock times).
 """
@@ -86,6 +92,92 @@ class Layer:
         return from_bf16_bits(self.out.copy_to_host()).astype(np.float64), self.state.copy_to_host()
 
 
+class DecodeBatch:
+    """One layer's decode-step inputs on the device for ``B`` sequences of one token each, at position ``POSITION``:
+    the in_proj outputs (x ``[B, 2·Hk·Dk + Hv·Dv]``, z ``[B, Hv·Dv]``, a, b ``[B, Hv]``), the conv weights and ring,
+    the norm weights and a state ``[B, Hv, Dk, Dv]`` of N(0, 0.05²) values (``reset`` puts it and the ring back)."""
+
+    POSITION = 100
+    TAPS = 4
+
+    def __init__(self, rng, B):
+        from numba import cuda
+        hk, hv, kd, vd = (HEADS[k] for k in ("num_k_heads", "num_v_heads", "key_dim", "value_dim"))
+        self.B, self.hv, self.kd, self.vd = B, hv, kd, vd
+        channels = 2 * hk * kd + hv * vd
+        bits = lambda shape, scale=1.0: (np.asarray(rng.standard_normal(shape) * scale, np.float32)  # noqa: E731
+                                         .view(np.uint32) >> 16).astype(np.uint16)
+        self.x, self.z = cuda.to_device(bits((B, channels))), cuda.to_device(bits((B, hv * vd)))
+        self.a, self.b = cuda.to_device(bits((B, hv))), cuda.to_device(bits((B, hv), 2.0))
+        self.conv_weight = cuda.to_device(bits((channels, self.TAPS), 0.5))
+        self.ring0 = bits((B, channels, self.TAPS))
+        self.ring = cuda.to_device(self.ring0)
+        self.norm_weight = cuda.to_device(bits((vd,), 0.5))
+        self.a_log = cuda.to_device(np.log(rng.uniform(0.05, 2.0, hv)).astype(np.float32))
+        self.dt_bias = cuda.to_device(rng.uniform(-1.0, 1.0, hv).astype(np.float32))
+        self.state0 = (rng.standard_normal((B, hv, kd, vd)) * 0.05).astype(np.float32)
+        self.state = cuda.to_device(self.state0)
+        self.slots = cuda.to_device(np.arange(B, dtype=np.int32))
+        self.offsets = cuda.to_device(np.arange(B + 1, dtype=np.int32))
+        self.positions = cuda.to_device(np.full(B, self.POSITION, np.int32))
+        self.out = cuda.device_array((B, hv * vd), np.uint16)
+
+    @property
+    def state_bytes(self) -> int:
+        """What the step must move at least: every state read and written back once."""
+        return 2 * self.state0.nbytes
+
+    def reset(self):
+        self.state.copy_to_device(self.state0)
+        self.ring.copy_to_device(self.ring0)
+
+    def step(self, decode: bool):
+        """A function that runs the fused step once: as a decode step (``decode_token_slots``; no PDL, so
+        repeated launches do not overlap) or through the general path."""
+        from pegainfer.kernels.gated_delta import gated_delta_decode_step
+        from pegainfer.kernels.policy import LaunchPolicy
+        policy = LaunchPolicy(pdl=frozenset())
+        return lambda: gated_delta_decode_step(self.x, self.conv_weight, self.ring, self.z, self.a, self.b,
+                                               self.a_log, self.dt_bias, self.norm_weight, 1e-6, self.state,
+                                               self.slots, self.offsets, self.positions, self.out,
+                                               decode_token_slots=self.slots if decode else None, policy=policy)
+
+    def result(self, fn):
+        """(out bits, final state) of one run of ``fn`` from the initial state and ring."""
+        self.reset()
+        fn()
+        return self.out.copy_to_host(), self.state.copy_to_host()
+
+
+def run_decode(batches, calls: int) -> list[dict]:
+    """Time the fused decode step at each batch size against its state floor (module docstring)."""
+    read_bw = float("nan")
+    if not SIM:
+        from pegainfer.kernels.memory import measure_read_bandwidth
+        read_bw = measure_read_bandwidth(2 << 30)
+    print(f"heads {HEADS}; the fused decode step alone, per layer "
+          f"({'simulator: wall clock' if SIM else 'CUDA-graph replays'}); read bandwidth {read_bw / 1e9:.0f} GB/s")
+    print(f"{'B':>5s} {'us/layer':>10s} {'x24 ms':>8s} {'state MB':>9s} {'GB/s':>8s} {'% read':>7s}  "
+          f"{'out bit-eq':>10s} {'state bit-eq':>12s}")
+    rng = np.random.default_rng(0)
+    rows = []
+    for B in batches:
+        layer = DecodeBatch(rng, B)
+        general_out, general_state = layer.result(layer.step(decode=False))
+        fn = layer.step(decode=True)
+        out, state = layer.result(fn)
+        sec = time_calls([fn] * (1 if SIM else calls))
+        row = dict(B=B, us=sec * 1e6, state_bytes=layer.state_bytes, GBps=layer.state_bytes / sec / 1e9,
+                   pct_read=100 * layer.state_bytes / sec / read_bw, out_bit_equal=float(np.mean(out == general_out)),
+                   state_bit_equal=float(np.mean(state == general_state)))
+        rows.append(row)
+        pct = f"{row['pct_read']:6.1f}%" if row["pct_read"] == row["pct_read"] else "      -"
+        print(f"{B:5d} {row['us']:10.1f} {sec * 1e3 * LAYERS:8.2f} {layer.state_bytes / 1e6:9.1f} "
+              f"{row['GBps']:8.0f} {pct}  {row['out_bit_equal']:10.4f} {row['state_bit_equal']:12.4f}", flush=True)
+        del layer
+    return rows
+
+
 def rel_l2(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
@@ -126,8 +218,16 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=3, help="calls a CUDA-graph replay times (default 3)")
     ap.add_argument("--trace", action="store_true",
                     help="print each kernel's time of one eager call of each geometry")
+    ap.add_argument("--decode-batch", metavar="B[,B...]",
+                    help="time the fused decode step at these batch sizes instead (e.g. 1,64,256)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
+    if args.decode_batch:
+        rows = run_decode([int(b) for b in args.decode_batch.split(",")], args.calls)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(heads=HEADS, decode_rows=rows), f, indent=1)
+        return 0
     from pegainfer.kernels.gated_delta import ChunkGeometry, chunk_geometry
     tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else list(TOKENS)
     forced = [ChunkGeometry(CHUNK, *map(int, g.split(","))) for g in args.geometry]

@@ -218,6 +218,7 @@ def bench_against(url: str, args, requests, arrivals) -> dict:
     if "cuda_graph_capture_seconds" in before and "cuda_graph_capture_seconds" in after:
         res["server_capture_s"] = round(after["cuda_graph_capture_seconds"] - before["cuda_graph_capture_seconds"], 3)
     res.update(summarize(results, duration))
+    res["arrival_span_s"] = float(arrivals[-1]) if len(arrivals) else 0.0    # when the last request was sent
     res["client_processes"] = len(cpus)
     res["client_cpu_percent"] = 100.0 * max(cpus) / duration if duration > 0 else None
     res["requests"] = per_request(results)
@@ -348,6 +349,10 @@ def print_report(res: dict, out=None) -> None:
     if res.get("client_cpu_percent") is not None and res["client_cpu_percent"] > CLIENT_CPU_WARNING:
         w(f"note: a client process used {res['client_cpu_percent']:.0f} % of a core: the client may be what limits "
           f"these numbers (more --client-processes, or a machine with more free cores)\n")
+    span, duration = res.get("arrival_span_s"), res["duration_s"]
+    if res["request_rate"] is not None and span is not None and duration and span < duration / 2:
+        w(f"note: the last request was sent {span:.2f} s into a {duration:.2f} s run: most of it drained a backlog, "
+          f"so it measures a burst more than this rate (more --num-prompts make the arrivals last longer)\n")
     if res.get("server_new_cuda_graphs") or res.get("server_new_eager_mixed_steps"):
         spent = f" ({res['server_capture_s']:.2f} s of capture, every stream waiting)" \
             if res.get("server_capture_s") else ""

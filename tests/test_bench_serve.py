@@ -2,6 +2,7 @@
 process, the server it starts itself as a subprocess, the JSON's fields, and one-line errors."""
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from pegainfer.__main__ import build_parser
-from pegainfer.bench_serve import make_requests, run_bench_serve
+from pegainfer.bench_serve import make_requests, print_report, run_bench_serve
 from pegainfer.errors import PegainferError
 from pegainfer.serving_bench import workload
 from pegainfer.serving_bench.metrics import LATENCIES, STATS
@@ -171,6 +172,12 @@ def test_a_rate_sweep_runs_each_rate_and_names_the_highest_within_the_goal(fake_
     assert sweep["goal_ttft_p99_ms"] == 60000 and sweep["best"]["request_rate"] is None   # inf: the highest
     assert sweep["limit_above"] is False                                                  # nothing is above inf
     assert sweep["best"]["output_throughput"] == sweep["runs"][1]["output_throughput"]
+    paced, at_once_run = sweep["runs"]
+    assert 0 < paced["arrival_span_s"] == pytest.approx(float(arrivals[-1])) and at_once_run["arrival_span_s"] == 0
+    for span, burst in ((paced["duration_s"] / 4, True), (paced["duration_s"], False)):   # when the backlog dominates
+        out_text = io.StringIO()
+        print_report(dict(paced, arrival_span_s=span), out_text)
+        assert ("measures a burst more than this rate" in out_text.getvalue()) == burst
     printed = capsys.readouterr().out
     assert "request-rate sweep" in printed and "highest rate with TTFT p99 <= 60000 ms: inf" in printed
     assert run_bench_serve(parse(*argv, "--goal-ttft-p99-ms", "0.001")) == 0

@@ -218,7 +218,7 @@ def bench_against(url: str, args, requests, arrivals) -> dict:
     if "cuda_graph_capture_seconds" in before and "cuda_graph_capture_seconds" in after:
         res["server_capture_s"] = round(after["cuda_graph_capture_seconds"] - before["cuda_graph_capture_seconds"], 3)
     res.update(summarize(results, duration))
-    res["arrival_span_s"] = float(arrivals[-1]) if len(arrivals) else 0.0    # when the last request was sent
+    res["arrival_span_s"] = float(arrivals[-1]) if len(arrivals) else 0.0    # the last request's arrival time
     res["client_processes"] = len(cpus)
     res["client_cpu_percent"] = 100.0 * max(cpus) / duration if duration > 0 else None
     res["requests"] = per_request(results)
@@ -351,7 +351,7 @@ def print_report(res: dict, out=None) -> None:
           f"these numbers (more --client-processes, or a machine with more free cores)\n")
     span, duration = res.get("arrival_span_s"), res["duration_s"]
     if res["request_rate"] is not None and span is not None and duration and span < duration / 2:
-        w(f"note: the last request was sent {span:.2f} s into a {duration:.2f} s run: most of it drained a backlog, "
+        w(f"note: the last request arrived {span:.2f} s into a {duration:.2f} s run: most of it drained a backlog, "
           f"so it measures a burst more than this rate (more --num-prompts make the arrivals last longer)\n")
     if res.get("server_new_cuda_graphs") or res.get("server_new_eager_mixed_steps"):
         spent = f" ({res['server_capture_s']:.2f} s of capture, every stream waiting)" \
@@ -396,5 +396,5 @@ def print_sweep(sweep: dict, out=None) -> None:
             w(f"highest rate with TTFT p99 <= {goal:g} ms: {rate} ({best['output_throughput']:.1f} output tok/s, "
               f"TTFT p99 {best['p99_ttft_ms']:.1f} ms)\n")
             if sweep.get("limit_above"):
-                w(f"every rate up to the highest tried met the goal: the server's limit lies above {rate} (add "
-                  f"higher rates, or inf: every request at once)\n")
+                w(f"the highest rate tried met the goal: the server's limit lies above {rate} (add higher rates, or "
+                  f"inf: every request at once)\n")

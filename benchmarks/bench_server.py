@@ -184,9 +184,8 @@ class GpuLikeEngine(FakeEngine):
             self.before_gpu_wait = None   # AsyncEngine plugs in here (see pegainfer/engine/async_engine.py)
 
     def stats(self) -> dict:
-        return {**super().stats(), "gc_pause_seconds": self.gc_pauses.seconds,
-                "gc_full_collections": self.gc_pauses.full_collections,
-                "gc_longest_pause_seconds": self.gc_pauses.longest_s}
+        from pegainfer.engine.heap import pause_stats
+        return {**super().stats(), **pause_stats(self.gc_pauses)}
 
     def _launch(self, gpu_s: float) -> float:
         host_work(self.host_s, self.driver_calls)

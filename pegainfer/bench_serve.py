@@ -11,7 +11,8 @@ Load: ``--max-concurrency C`` keeps at most C requests in flight (a new one star
 ``--request-rate R`` sends requests as a Poisson process of R per second (``inf``, the default: all at once); both
 together: Poisson arrivals that wait for a free place.  Several rates (``--request-rate 8,16,32``) make a sweep: one
 run per rate against the same server (the same lengths, other prompts, so a prefix cache finds none of them), a
-table of them, and with ``--goal-ttft-p99-ms`` the highest rate whose TTFT p99 meets the goal.  Workload (``serving_bench/workload.py``): fixed or random
+table of them, and with ``--goal-ttft-p99-ms`` the highest rate whose TTFT p99 meets the goal.
+Workload (``serving_bench/workload.py``): fixed or random
 (``--range-ratio``) lengths, or ``--dataset-name sharegpt`` for a built-in mix of lengths shaped like ShareGPT's;
 prompts as token ids (exact lengths) or as text (``--prompt-format text``; needs the model's tokenizer).  One
 warm-up request (``--num-warmups``) runs before the clock starts.

@@ -308,7 +308,6 @@ class Engine:
         ``gc_pause_seconds`` / ``gc_full_collections`` / ``gc_longest_pause_seconds``: the process's
         garbage-collection pauses since warm-up (``heap.py``)."""
         graphs = self.runner.graphs
-        gc_pauses = self.gc_pauses
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "kv_pages_used": self.pool.pages_used, "kv_pages_total": self.pool.num_pages,
                 "slots_used": self.pool.slots_used, "num_preemptions": self.scheduler.num_preemptions,
@@ -316,9 +315,7 @@ class Engine:
                 "cuda_graphs": len(graphs.execs) if graphs is not None else 0,
                 "eager_mixed_steps": graphs.eager_steps if graphs is not None else 0,
                 "cuda_graph_capture_seconds": graphs.capture_seconds if graphs is not None else 0.0,
-                "gc_pause_seconds": gc_pauses.seconds if gc_pauses is not None else 0.0,
-                "gc_full_collections": gc_pauses.full_collections if gc_pauses is not None else 0,
-                "gc_longest_pause_seconds": gc_pauses.longest_s if gc_pauses is not None else 0.0}
+                **heap.pause_stats(self.gc_pauses)}
 
     def score(self, token_ids: list[int]):
         """Logits ``[T, V]`` (float32, host) at every position of ``token_ids`` (teacher forcing), computed through

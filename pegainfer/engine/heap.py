@@ -41,6 +41,15 @@ def freeze() -> dict:
     return {"objects": gc.get_freeze_count(), "full_collect_s": full, "after_s": after}
 
 
+def pause_stats(pauses: "GcPauses | None") -> dict:
+    """The engine stats of ``pauses`` (zeros without a timer): ``gc_pause_seconds``, ``gc_full_collections``,
+    ``gc_longest_pause_seconds``."""
+    if pauses is None:
+        return {"gc_pause_seconds": 0.0, "gc_full_collections": 0, "gc_longest_pause_seconds": 0.0}
+    return {"gc_pause_seconds": pauses.seconds, "gc_full_collections": pauses.full_collections,
+            "gc_longest_pause_seconds": pauses.longest_s}
+
+
 class GcPauses:
     """Times every garbage collection of the process (``install`` once; ``gc.callbacks`` is process-wide)."""
 

@@ -12,6 +12,7 @@ from tests.util import bf16_randn, from_bf16_bits, rel_l2
 from pegainfer.kernels.gated_delta import (allocate_chunk_scratch, causal_conv1d_silu, clear_state_slots,
                                            gated_delta_chunked, gated_delta_decode_step, gated_rms_norm)
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
+from pegainfer.kernels.primitives import sm_count
 
 
 @pytest.mark.parametrize("key_dim, value_dim, row_groups, tiles_per_thread", [
@@ -64,15 +65,16 @@ def test_decode_step_equals_conv_rule_norm(rng, key_dim, value_dim, row_groups, 
 def test_decode_mode_step_keeps_its_first_item(rng):
     """A padded decode-mode step of three sequences at positions 5, 2 and 9: each block keeps what it read for its
     first item before the PDL wait (sequence, slot, position, head, its head's parameters) and computes the decay
-    before the conv's barrier; the simulator's capped grid also runs later items, which read all of it again after
-    the wait.  Bit-identical to conv → reference rule → gated norm."""
+    before the conv's barrier.  With more (sequence, head) items than SMs the blocks are one per SM and run later
+    items too, whose state the copy engine brings into shared memory while the item before is worked on (the
+    padding token's items have none).  Bit-identical to conv → reference rule → gated norm."""
     layer = make_decode_layer(rng, key_dim=16, value_dim=16)
     conv_dim = layer["conv_w"].shape[0]
     ring = bf16_randn((6, conv_dim, 4), rng)[0]
     state = (rng.standard_normal((6, layer["num_v_heads"], 16, 16)) * 0.3).astype(np.float32)
     token_slots = [3, 0, 4, -1]
     positions = cuda.to_device(np.array([5, 2, 9, 0], np.int32))
-    assert 3 * layer["num_v_heads"] > 8, "more (sequence, head) items than the simulator's 8 blocks"
+    assert 3 * layer["num_v_heads"] > sm_count(), "more (sequence, head) items than the simulator's SMs"
     assert_fused_equals_three_kernels(layer, ring, state, decode_inputs(rng, layer, 4), table_of(token_slots, 4),
                                       positions, decode_slots=token_slots)
 
@@ -200,3 +202,19 @@ def test_gpu_fused_decode_step_qwen35_shapes(rng, lengths, decode, tiles):
     inputs = decode_inputs(rng, layer, sum(lengths))
     assert_fused_equals_three_kernels(layer, ring, state, inputs, (slot_ids, token_offsets), positions,
                                       decode_slots=slots if decode else None, tiles_per_thread=tiles)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_step_of_more_items_than_sms(rng):
+    """Qwen3.5-4B shapes, a decode step of 8 sequences and 2 padding tokens: 320 (sequence, head) items on one
+    block per SM, each block's later items streamed into shared memory by the copy engine while it works on the
+    item before.  Bit-identical to conv → reference rule → gated norm (rings, states, outputs)."""
+    layer = make_decode_layer(rng, **QWEN35_4B)
+    conv_dim = layer["conv_w"].shape[0]
+    ring = bf16_randn((10, conv_dim, 4), rng)[0]
+    state = (rng.standard_normal((10, 32, 128, 128)) * 0.05).astype(np.float32)
+    token_slots = [5, 0, 3, 6, 9, 1, 8, 2, -1, -1]
+    assert 8 * 32 > sm_count()
+    positions = cuda.to_device(np.array([0, 2, 9, 40, 3, 7, 1, 100, 0, 0], np.int32))
+    assert_fused_equals_three_kernels(layer, ring, state, decode_inputs(rng, layer, 10), table_of(token_slots, 10),
+                                      positions, decode_slots=token_slots)

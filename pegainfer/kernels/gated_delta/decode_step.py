@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+from numba import types as nbtypes
 
 from pegainfer.device import SIMULATOR
 from pegainfer.kernels import timeline
@@ -22,10 +23,12 @@ from pegainfer.kernels.gated_delta.reference import RULE_WARPS
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.norm import inverse_rms
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
-from pegainfer.kernels.primitives import (WARP, bf16_to_f32, cuda, device_fn, f32_to_bf16, float32, global_timer,
-                                          grid, grid_dependency_wait, int32, launch_bounded, launch_dependents,
-                                          load_f32x2, load_f32x4, math, pdl_prologue, reads_before_wait,
-                                          store_f32x2, store_f32x4, uint16, warp_sum)
+from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bulk_barrier_init, bulk_copy, bulk_expect_bytes,
+                                          cuda, device_fn, f32_to_bf16, float32, global_timer, grid,
+                                          grid_dependency_wait, int32, launch_bounded, launch_dependents, load_f32x2,
+                                          load_f32x4, math, pdl_prologue, reads_before_wait, sm_count, store_f32x2,
+                                          store_f32x4, uint16, uint32, warp_sum)
+from pegainfer.kernels.primitives.barriers import mbar_wait
 
 uint64 = np.uint64
 
@@ -34,6 +37,20 @@ DECODE_TILES_PER_THREAD = 2
 ``RULE_WARPS`` = 8: blocks of 512 threads, each holding 16 rows × 2 columns = 32 state values in registers, no
 spills (faster than 1 or 4 tiles on the H200: docs/perf/gated_delta.md).  One tile per thread was not bit-identical
 to the reference on the GPU (cause unknown), so the GPU tests cover 2 and 4."""
+
+STATE_COPY_BYTES = 16384
+"""Bytes per ``cp.async.bulk`` instruction when a decode block copies its next item's state into shared memory."""
+
+
+def next_state_prefetch(key_dim: int, value_dim: int) -> bool:
+    """Whether a decode block copies its next item's state into shared memory while it works on the current one
+    (heads of ``key_dim × value_dim``): the bulk copy moves whole 16-byte runs."""
+    return (key_dim * value_dim) % 4 == 0
+
+
+def next_state_shared_bytes(key_dim: int, value_dim: int) -> int:
+    """Dynamic shared memory of the decode kernel: one item's f32 state ``[Dk, Dv]`` and its mbarrier (8 bytes)."""
+    return (key_dim * value_dim + 2) * 4 if next_state_prefetch(key_dim, value_dim) else 0
 
 
 if SIMULATOR:
@@ -110,6 +127,11 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
     OUT_ROUNDS = -(-VD // NT)               # output columns per thread (block-strided)
     VEC = TPT if TPT in (2, 4) and ALL_COLS else 1   # a thread's columns moved by one 8- / 16-byte access
     PARTIAL = R * VD                        # the per-row-class column sums in shared memory, [R, Dv]
+    PREFETCH = DECODE and next_state_prefetch(KD, VD)   # a block's next item's state copied into shared memory
+    STATE_WORDS = KD * VD
+    BAR = STATE_WORDS                       # the copy's mbarrier: the two words after the state (Dk·Dv is even)
+    COPY_WORDS = STATE_COPY_BYTES // 4
+    COPIES = -(-STATE_WORDS // COPY_WORDS)
 
     @device_fn
     def state_rows(ssm_state, base, state, row_class, first_col, store):
@@ -201,6 +223,20 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
             if j < VD:
                 nw[r] = norm_weight[j]
 
+    @device_fn
+    def copy_next_state(next_state, bars, ssm_state, token_slots, item, num_items, num_v_heads):
+        """Thread 0 of a decode block: start copying ``item``'s f32 state ``S [Dk, Dv]`` (contiguous) into
+        ``next_state`` with the copy engine, counted on the mbarrier at ``bars[BAR]``.  Nothing past the last item
+        or for a padding token (padding is last: no later item of the block has a state then either)."""
+        if item < num_items:
+            slot = token_slots[item // num_v_heads]
+            if slot >= 0:
+                src = uint64(slot * num_v_heads + item % num_v_heads) * uint64(STATE_WORDS)
+                bulk_expect_bytes(bars, BAR, uint32(STATE_WORDS * 4))
+                for c in range(COPIES):
+                    bulk_copy(next_state, uint32(c * COPY_WORDS), ssm_state, src + uint64(c * COPY_WORDS),
+                              uint32(min(COPY_WORDS, STATE_WORDS - c * COPY_WORDS) * 4), bars, BAR)
+
     # decode: what a block reads for its first item before the PDL wait (no kernel of the step writes it)
     early_reads = ("ssm_state", "conv_weight", "conv_state", "norm_weight", "a_log", "dt_bias", "positions",
                    "token_slots") if DECODE else ()
@@ -256,6 +292,15 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
         (the preloaded out_proj) launch once those loads have arrived, so that out_proj's weight copies do not
         compete with them for HBM (faster than releasing at the start or after the outputs on the H200:
         docs/perf/gated_delta.md).
+
+        Streaming the state (``decode``): a block holds one item's state at a time and only one block fits an SM
+        (its registers), so with more items than SMs the launch is one block per SM, each running the items
+        ``blockIdx, blockIdx + SMs, ..`` while the next one's state ``[Dk, Dv]`` (64 KB, contiguous) streams into
+        dynamic shared memory: thread 0 starts ``cp.async.bulk`` copies of it on an mbarrier (the second item's
+        before the PDL wait, each later one once every thread has moved the current item's state from shared
+        memory into registers, i.e. after the conv's barrier), and a later item waits on the barrier's next phase
+        instead of a round trip to HBM.  The HBM reads of item ``i + 1`` thus overlap the arithmetic and the state
+        writes of item ``i``.
         """
         t_entry = t_wait = t_ready = uint64(0)
         if STAMPS:
@@ -277,6 +322,8 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
         partial_kv = cuda.shared.array(PARTIAL, float32, alignment=16)    # [R, Dv] per row class: Σ_d S·decay·k̂
         partial_out = cuda.shared.array(PARTIAL, float32, alignment=16)   # [R, Dv] per row class: Σ_d S·q̂
         state = cuda.local.array(REGS, float32)                  # state[m·ROWS + i] = S[row_class + R·i, col m]
+        next_state = cuda.shared.array(0, nbtypes.float32)   # decode: the next item's state [Dk, Dv] (dynamic)
+        bars = cuda.shared.array(0, nbtypes.uint32)          # the same bytes as words: its mbarrier at BAR
         col_acc = cuda.local.array(TPT, float32)                 # per column of the thread: its partial sum
         col_delta = cuda.local.array(TPT, float32)               # per column: kv_mem, then delta
         col_v = cuda.local.array(TPT, float32)                   # per column: v
@@ -319,6 +366,10 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                     state_rows(ssm_state, base, state, row_class, first_col, False)
                     decode_prefetch(conv_weight, conv_state, norm_weight, pre_slot, pre_pos, pre_h,
                                     pre_h // heads_per_key, k_base, v_base, wts, hist, nw)
+            if PREFETCH and tid == 0:   # the second item's state streams in while the first is worked on
+                bulk_barrier_init(bars, BAR)
+                copy_next_state(next_state, bars, ssm_state, token_slots, cuda.blockIdx.x + cuda.gridDim.x,
+                                num_seqs * num_v_heads, num_v_heads)
             grid_dependency_wait()
             if STAMPS:
                 t_wait = global_timer()
@@ -331,6 +382,7 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                 col = idx % width
                 out[row, col] = gated_norm_value(float32(0.0), inv_rms_zero, norm_weight[col % VD], z[row, col])
 
+        phase = uint32(0)   # parity of the next_state copy's mbarrier phase a later item waits for
         for item in range(cuda.blockIdx.x, num_seqs * num_v_heads, cuda.gridDim.x):
             kept = DECODE and pre and item == cuda.blockIdx.x   # what was read before the wait still holds
             if kept:
@@ -377,7 +429,13 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                 base = uint64(((slot * num_v_heads + h) * KD + row_class) * VD + first_col)
                 loaded = pre and item == cuda.blockIdx.x
                 if t == start and not loaded:  # the head's first token: its state into registers, ahead of the conv
-                    state_rows(ssm_state, base, state, row_class, first_col, False)
+                    if PREFETCH:   # a decode block's later item: its state has been copied into shared memory
+                        mbar_wait(bars, BAR, phase)
+                        phase ^= uint32(1)
+                        state_rows(next_state, uint64(row_class * VD + first_col), state, row_class, first_col,
+                                   False)
+                    else:
+                        state_rows(ssm_state, base, state, row_class, first_col, False)
                 # conv + SiLU of the channels this head reads
                 if DECODE:
                     if not loaded:    # a later item of a grid-strided block (the simulator's capped grids)
@@ -420,6 +478,9 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                     a_t = a[t, h]
                     b_t = b[t, h]
                 cuda.syncthreads()
+                if PREFETCH and tid == 0 and not loaded:   # every thread holds its part: refill next_state
+                    copy_next_state(next_state, bars, ssm_state, token_slots, item + cuda.gridDim.x,
+                                    num_seqs * num_v_heads, num_v_heads)
                 # l2 norms (every warp, as the reference kernel), decay, write strength (decode: computed above)
                 ssq = float32(0.0)
                 ssk = float32(0.0)
@@ -557,8 +618,13 @@ def gated_delta_decode_step(x, conv_weight, conv_state, z, a, b, a_log, dt_bias,
         assert decode_token_slots.dtype == np.int32 and decode_token_slots.shape == (num_tokens,)
         assert slot_ids.shape[0] == num_tokens, "a decode step has one sequence per token"
     stamps = timeline.buffer() if policy.timeline else timeline.unused()
+    items = slot_ids.shape[0] * num_v_heads
+    if decode and next_state_prefetch(key_dim, value_dim):   # one block per SM, each streaming its next item
+        blocks, shared = min(items, sm_count()), next_state_shared_bytes(key_dim, value_dim)
+    else:
+        blocks, shared = grid(max(1, items), sim_cap=8), 0
     launch(_decode_step_kernel(key_dim, value_dim, row_groups, tiles_per_thread, decode, taps, policy.timeline),
-           grid(max(1, slot_ids.shape[0] * num_v_heads), sim_cap=8), warps * WARP, x, conv_weight, conv_state, z,
-           a, b, a_log, dt_bias, norm_weight, np.float32(eps), ssm_state.reshape(ssm_state.size), slot_ids,
-           token_offsets, positions, decode_token_slots if decode else slot_ids, out, stamps,
+           blocks, warps * WARP, x, conv_weight, conv_state, z, a, b, a_log, dt_bias, norm_weight, np.float32(eps),
+           ssm_state.reshape(ssm_state.size), slot_ids, token_offsets, positions,
+           decode_token_slots if decode else slot_ids, out, stamps, shared=shared,
            name="gated_delta_decode_step" if decode else None, policy=policy)

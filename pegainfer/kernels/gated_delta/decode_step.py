@@ -5,7 +5,8 @@ sequence in one launch, with each thread's part of the state in registers.
 reference_gated_delta`` → ``gated_norm.gated_rms_norm`` compute, in one kernel: the state is read once into
 registers, decayed and updated there and written once, and in a decode step (``decode_token_slots``) a block loads
 what no kernel of the step writes for its first item before its PDL wait (the kernel's ``reads_before_wait``), so
-only the projection's outputs are loaded after it.
+only the projection's outputs are loaded after it.  A decode step of more (sequence, head) items than SMs runs one
+block per SM, which copies its next item's state into shared memory while it works on the current one.
 """
 from __future__ import annotations
 
@@ -264,8 +265,9 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
         slot -1) get the gated norm of a zero row (what the three kernels leave there).  Sequences of several tokens (a prompt scored row by row) are also exact:
         one block per key head then runs its value heads one after another (below).
 
-        Geometry: one block per (sequence, value head), grid-strided, of ``row_groups`` warps per
-        ``tiles_per_thread`` 32-column tiles (Qwen3.5: 8 row classes × 2 column groups = 16 warps).  Warp ``w``
+        Geometry: one block per (sequence, value head), grid-strided (decode: at most one per SM, below), of
+        ``row_groups`` warps per ``tiles_per_thread`` 32-column tiles (Qwen3.5: 8 row classes × 2 column groups =
+        16 warps).  Warp ``w``
         owns key rows ``d ≡ w mod row_groups`` and, in column group ``c = w // row_groups``, ``tiles_per_thread``
         tiles of 32 columns: lane ``l`` holds the ``T = tiles_per_thread`` consecutive columns ``32·T·c + T·l + m``,
         which it loads and stores with one 8- or 16-byte access per row (T = 2 or 4), i.e. ``S[d, j]`` for ``d``

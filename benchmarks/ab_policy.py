@@ -7,6 +7,7 @@ A variant is ``LABEL:FIELD=VALUE[,FIELD=VALUE...]``, the default policy with tho
 
     pdl=none | all | default | NAME[+NAME...] | default+NAME | default-NAME   (launch names that may overlap)
     preload_o=true|false   head_argmax=true|false   timeline=true|false
+    gdn_value_blocks=N (Qwen3.5's Gated DeltaNet decode step: each head's value columns over N blocks)
     tuning=FILE (the JSON that ``bench_gemv.py --cold --tuning-out`` writes) | tuning=none
 
 Modes:
@@ -57,6 +58,12 @@ def _parse_bool(text: str) -> bool:
     raise VariantError(f"{text!r} is not true or false")
 
 
+def _parse_positive_int(text: str) -> int:
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise VariantError(f"{text!r} is not a positive integer")
+
+
 def _parse_pdl(text: str):
     """``none`` → no launch overlaps (an empty set); ``all`` → every launch that follows the PDL contract (None);
     ``default`` → ``PDL_DEFAULT``; names joined by ``+``, or ``default`` / ``none`` followed by ``+NAME`` /
@@ -89,7 +96,7 @@ def _parse_tuning(text: str):
         raise VariantError(str(e)) from None
 
 
-PARSERS = {"pdl": _parse_pdl, "tuning": _parse_tuning}
+PARSERS = {"pdl": _parse_pdl, "tuning": _parse_tuning, "gdn_value_blocks": _parse_positive_int}
 """Value parsers of the policy fields that are not plain booleans."""
 
 

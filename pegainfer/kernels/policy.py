@@ -20,6 +20,9 @@ What the policy decides:
 * ``tuning`` -- measured projection geometries for this GPU, overriding the built-in tables
   (``linear.geometry``); read from a tuning file (``load_tuning``) that ``benchmarks/bench_gemv.py --cold
   --tuning-out`` writes.
+* ``gdn_value_blocks`` -- Qwen3.5's fused Gated DeltaNet decode step splits each head's value columns over this many
+  blocks (``gated_delta.gated_delta_decode_step``): blocks of fewer threads, two an SM, the gated norm a second
+  launch.  1 (one block a head, one an SM, each streaming its next head's state) is the default.
 * ``timeline`` -- the decode kernels stamp every block's entry, wait, ready and end (``kernels/timeline.py``,
   ``benchmarks/step_profile.py``); off for serving.
 
@@ -66,6 +69,7 @@ class LaunchPolicy:
     preload_o: bool = True
     head_argmax: bool = True
     tuning: tuple[TuningEntry, ...] = ()
+    gdn_value_blocks: int = 1
     timeline: bool = False
 
     def overlaps(self, name: str | None) -> bool:

@@ -66,7 +66,8 @@ def test_tuning_file_becomes_the_policys_tuning(ab, tmp_path):
 
 
 @pytest.mark.parametrize("spec, needle", [
-    ("x:foo=1", "LaunchPolicy has no field 'foo' (its fields: pdl, preload_o, head_argmax, tuning, gdn_value_blocks, timeline)"),
+    ("x:foo=1", "LaunchPolicy has no field 'foo' (its fields: pdl, preload_o, head_argmax, tuning, "
+                "gdn_value_blocks, timeline)"),
     ("x:preload_o=maybe", "preload_o: 'maybe' is not true or false"),
     ("x:gdn_value_blocks=0", "gdn_value_blocks: '0' is not a positive integer"),
     ("x:pdl=gemv+no way", "is not a launch name"),

@@ -272,14 +272,16 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
             out = bf16(bf16(w · bf16(o · rms(o)⁻¹)) · silu(z))
 
         Rows of padding tokens (after the last sequence, ``token_offsets[B]:``, and those of a padding sequence,
-        slot -1) get the gated norm of a zero row (what the three kernels leave there).  Sequences of several tokens (a prompt scored row by row) are also exact:
-        one block per key head then runs its value heads one after another (below).
+        slot -1) get the gated norm of a zero row (what the three kernels leave there).  Sequences of several
+        tokens (a prompt scored row by row) are also exact: one block per key head then runs its value heads one
+        after another (below).
 
         Geometry: one block per (sequence, value head), grid-strided (decode: at most one per SM, below), of
         ``row_groups`` warps per ``tiles_per_thread`` 32-column tiles (Qwen3.5: 8 row classes × 2 column groups =
-        16 warps).  Warp ``w``
-        owns key rows ``d ≡ w mod row_groups`` and, in column group ``c = w // row_groups``, ``tiles_per_thread``
-        tiles of 32 columns: lane ``l`` holds the ``T = tiles_per_thread`` consecutive columns ``32·T·c + T·l + m``,
+        16 warps); with ``value_blocks`` C > 1, one block per (sequence, value head, C-th of its value columns),
+        whose columns below are that block's ``Dv / C`` (Qwen3.5, C = 2: 8 warps).  Warp ``w`` owns key rows
+        ``d ≡ w mod row_groups`` and, in column group ``c = w // row_groups``, ``tiles_per_thread`` tiles of 32
+        columns: lane ``l`` holds the ``T = tiles_per_thread`` consecutive columns ``32·T·c + T·l + m``,
         which it loads and stores with one 8- or 16-byte access per row (T = 2 or 4), i.e. ``S[d, j]`` for ``d``
         in its row class: read once into registers (issued before the conv, whose loads they overlap), decayed and
         updated there, written once.  The block first computes the conv of the 2·Dk q/k and Dv v channels it needs
@@ -652,8 +654,8 @@ def gated_delta_decode_step(x, conv_weight, conv_state, z, a, b, a_log, dt_bias,
     else:
         blocks, shared = grid(max(1, items), sim_cap=8), 0
     launch(_decode_step_kernel(key_dim, value_dim, row_groups, tiles_per_thread, decode, taps, policy.timeline,
-                               value_blocks), blocks, warps * WARP, x, conv_weight, conv_state, z, a, b, a_log, dt_bias, norm_weight, np.float32(eps),
-           ssm_state.reshape(ssm_state.size), slot_ids, token_offsets, positions,
+                               value_blocks), blocks, warps * WARP, x, conv_weight, conv_state, z, a, b, a_log,
+           dt_bias, norm_weight, np.float32(eps), ssm_state.reshape(ssm_state.size), slot_ids, token_offsets, positions,
            decode_token_slots if decode else slot_ids, out, stamps, shared=shared,
            name="gated_delta_decode_step" if decode else None, policy=policy)
     if value_blocks > 1:

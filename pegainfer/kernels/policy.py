@@ -21,8 +21,9 @@ What the policy decides:
   (``linear.geometry``); read from a tuning file (``load_tuning``) that ``benchmarks/bench_gemv.py --cold
   --tuning-out`` writes.
 * ``gdn_value_blocks`` -- Qwen3.5's fused Gated DeltaNet decode step splits each head's value columns over this many
-  blocks (``gated_delta.gated_delta_decode_step``): blocks of fewer threads, two an SM, the gated norm a second
-  launch.  1 (one block a head, one an SM, each streaming its next head's state) is the default.
+  blocks (``gated_delta.gated_delta_decode_step``): blocks of fewer threads, two an SM, each streaming its next
+  item's columns of the state, the gated norm a second launch.  1 (one block a head, one an SM, each streaming its
+  next head's state) is the default; 2 is not measured yet (``docs/perf/gated_delta.md``).
 * ``timeline`` -- the decode kernels stamp every block's entry, wait, ready and end (``kernels/timeline.py``,
   ``benchmarks/step_profile.py``); off for serving.
 

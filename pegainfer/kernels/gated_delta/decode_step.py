@@ -44,15 +44,22 @@ STATE_COPY_BYTES = 16384
 """Bytes per ``cp.async.bulk`` instruction when a decode block copies its next item's state into shared memory."""
 
 
-def next_state_prefetch(key_dim: int, value_dim: int) -> bool:
+def next_state_prefetch(value_cols: int) -> bool:
     """Whether a decode block copies its next item's state into shared memory while it works on the current one
-    (heads of ``key_dim × value_dim``): the bulk copy moves whole 16-byte runs."""
-    return (key_dim * value_dim) % 4 == 0
+    (items of ``value_cols`` columns of a head): the bulk copy moves whole 16-byte runs of a state row."""
+    return value_cols % 4 == 0
 
 
-def next_state_shared_bytes(key_dim: int, value_dim: int) -> int:
-    """Dynamic shared memory of the decode kernel: one item's f32 state ``[Dk, Dv]`` and its mbarrier (8 bytes)."""
-    return (key_dim * value_dim + 2) * 4 if next_state_prefetch(key_dim, value_dim) else 0
+def next_state_shared_bytes(key_dim: int, value_cols: int) -> int:
+    """Dynamic shared memory of the decode kernel: one item's f32 state ``[Dk, value_cols]`` and its mbarrier (8
+    bytes)."""
+    return (key_dim * value_cols + 2) * 4 if next_state_prefetch(value_cols) else 0
+
+
+def blocks_per_sm(value_blocks: int) -> int:
+    """Decode blocks resident on an SM: one holding a whole head (its registers fill the SM), two of a head split
+    over value blocks (their registers capped for it)."""
+    return 1 if value_blocks == 1 else 2
 
 
 if SIMULATOR:
@@ -128,7 +135,7 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
     QK_WORDS = 2 * KD
     tiles = -(-VB // COL_TILE)
     NT = R * -(-tiles // TPT) * WARP     # threads per block
-    MIN_BLOCKS = 1 if NORM else 2        # split heads: small blocks, two an SM (registers capped for that)
+    MIN_BLOCKS = blocks_per_sm(C)        # split heads: small blocks, two an SM (registers capped for that)
     CONV_CHANNELS = 2 * KD + VB          # the q, k channels of a key head and the block's v channels of a value head
     ALL_ROWS = KD % R == 0               # every thread's rows / columns exist: no guards (Qwen3.5: both)
     ALL_COLS = VB % (TPT * WARP) == 0
@@ -138,19 +145,21 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
     OUT_ROUNDS = -(-VB // NT)               # output columns per thread (block-strided)
     VEC = TPT if TPT in (2, 4) and ALL_COLS else 1   # a thread's columns moved by one 8- / 16-byte access
     PARTIAL = R * VB                        # the per-row-class column sums in shared memory, [R, Dv / C]
-    PREFETCH = DECODE and NORM and next_state_prefetch(KD, VD)   # the next item's state copied into shared memory
-    STATE_WORDS = KD * VD
-    BAR = STATE_WORDS                       # the copy's mbarrier: the two words after the state (Dk·Dv is even)
+    PREFETCH = DECODE and next_state_prefetch(VB)   # the next item's state copied into shared memory
+    HEAD_WORDS = KD * VD                    # a head's state in ssm_state
+    STATE_WORDS = KD * VB                   # an item's (its block's columns), in shared memory
+    BAR = STATE_WORDS                       # the copy's mbarrier: the two words after the state (an even count)
     COPY_WORDS = STATE_COPY_BYTES // 4
     COPIES = -(-STATE_WORDS // COPY_WORDS)
 
     @device_fn
-    def state_rows(ssm_state, base, state, row_class, first_col, store):
+    def state_rows(ssm_state, base, stride, state, row_class, first_col, store):
         """Load (``store`` False) or store this thread's state ``state[m·ROWS + i] = S[row_class + R·i,
-        first_col + m]``, which sits at ``base + R·i·Dv + m``: one ``VEC``-wide access per row."""
+        first_col + m]``, which sits at ``base + R·i·stride + m`` (``stride``: Dv in ``ssm_state``, the block's
+        columns in shared memory): one ``VEC``-wide access per row."""
         for i in range(ROWS):
             if ALL_ROWS or row_class + R * i < KD:
-                at = base + uint64(R * i * VD)
+                at = base + uint64(R * i * stride)
                 if VEC == 4:
                     if store:
                         store_f32x4(ssm_state, at, state[i], state[ROWS + i], state[2 * ROWS + i],
@@ -236,17 +245,28 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
 
     @device_fn
     def copy_next_state(next_state, bars, ssm_state, token_slots, item, num_items, num_v_heads):
-        """Thread 0 of a decode block: start copying ``item``'s f32 state ``S [Dk, Dv]`` (contiguous) into
-        ``next_state`` with the copy engine, counted on the mbarrier at ``bars[BAR]``.  Nothing past the last item
-        or for a padding token (padding is last: no later item of the block has a state then either)."""
+        """Start copying ``item``'s f32 state into ``next_state`` with the copy engine, counted on the mbarrier at
+        ``bars[BAR]``: thread 0 of a block that does whole heads (a head's ``S [Dk, Dv]`` is contiguous: a few
+        large copies), warp 0 of one that does a head's value block (one copy of its columns per state row).
+        Nothing past the last item or for a padding token (padding is last: no later item of the block has a
+        state then either)."""
         if item < num_items:
-            slot = token_slots[item // num_v_heads]
+            slot = token_slots[item // (num_v_heads * C)]
             if slot >= 0:
-                src = uint64(slot * num_v_heads + item % num_v_heads) * uint64(STATE_WORDS)
-                bulk_expect_bytes(bars, BAR, uint32(STATE_WORDS * 4))
-                for c in range(COPIES):
-                    bulk_copy(next_state, uint32(c * COPY_WORDS), ssm_state, src + uint64(c * COPY_WORDS),
-                              uint32(min(COPY_WORDS, STATE_WORDS - c * COPY_WORDS) * 4), bars, BAR)
+                src = uint64(slot * num_v_heads + (item // C) % num_v_heads) * uint64(HEAD_WORDS)
+                if C == 1:
+                    bulk_expect_bytes(bars, BAR, uint32(STATE_WORDS * 4))
+                    for c in range(COPIES):
+                        bulk_copy(next_state, uint32(c * COPY_WORDS), ssm_state, src + uint64(c * COPY_WORDS),
+                                  uint32(min(COPY_WORDS, STATE_WORDS - c * COPY_WORDS) * 4), bars, BAR)
+                else:
+                    lane = cuda.threadIdx.x % WARP
+                    if lane == 0:
+                        bulk_expect_bytes(bars, BAR, uint32(STATE_WORDS * 4))
+                    src += uint64((item % C) * VB)
+                    for row in range(lane, KD, WARP):
+                        bulk_copy(next_state, uint32(row * VB), ssm_state, src + uint64(row * VD), uint32(VB * 4),
+                                  bars, BAR)
 
     # decode: what a block reads for its first item before the PDL wait (no kernel of the step writes it)
     early_reads = ("ssm_state", "conv_weight", "conv_state", "norm_weight", "a_log", "dt_bias", "positions",
@@ -314,7 +334,8 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
         before the PDL wait, each later one once every thread has moved the current item's state from shared
         memory into registers, i.e. after the conv's barrier), and a later item waits on the barrier's next phase
         instead of a round trip to HBM.  The HBM reads of item ``i + 1`` thus overlap the arithmetic and the state
-        writes of item ``i``.
+        writes of item ``i``.  With value blocks, two blocks an SM, and warp 0 copies the item's ``[Dk, Dv / C]``
+        columns one state row at a time.
         """
         t_entry = t_wait = t_ready = uint64(0)
         if STAMPS:
@@ -380,13 +401,20 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                     pre_a_log = float32(a_log[pre_h])
                     pre_dt_bias = float32(dt_bias[pre_h])
                     base = uint64(((pre_slot * num_v_heads + pre_h) * KD + row_class) * VD + pre_v0 + first_col)
-                    state_rows(ssm_state, base, state, row_class, first_col, False)
+                    state_rows(ssm_state, base, VD, state, row_class, first_col, False)
                     decode_prefetch(conv_weight, conv_state, norm_weight, pre_slot, pre_pos, pre_h,
                                     pre_h // heads_per_key, k_base, v_base, pre_v0, wts, hist, nw)
-            if PREFETCH and tid == 0:   # the second item's state streams in while the first is worked on
+            if PREFETCH and C == 1 and tid == 0:   # the second item's state streams in during the first
                 bulk_barrier_init(bars, BAR)
                 copy_next_state(next_state, bars, ssm_state, token_slots, cuda.blockIdx.x + cuda.gridDim.x,
                                 num_items, num_v_heads)
+            if PREFETCH and C > 1:              # (warp 0's copies: the barrier initialised before any of them)
+                if tid == 0:
+                    bulk_barrier_init(bars, BAR)
+                cuda.syncthreads()
+                if tid < WARP:
+                    copy_next_state(next_state, bars, ssm_state, token_slots, cuda.blockIdx.x + cuda.gridDim.x,
+                                    num_items, num_v_heads)
             grid_dependency_wait()
             if STAMPS:
                 t_wait = global_timer()
@@ -454,10 +482,10 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                     if PREFETCH:   # a decode block's later item: its state has been copied into shared memory
                         mbar_wait(bars, BAR, phase)
                         phase ^= uint32(1)
-                        state_rows(next_state, uint64(row_class * VD + first_col), state, row_class, first_col,
-                                   False)
+                        state_rows(next_state, uint64(row_class * VB + first_col), VB, state, row_class,
+                                   first_col, False)
                     else:
-                        state_rows(ssm_state, base, state, row_class, first_col, False)
+                        state_rows(ssm_state, base, VD, state, row_class, first_col, False)
                 # conv + SiLU of the channels this head reads
                 if DECODE:
                     if not loaded:    # a later item of a grid-strided block (the simulator's capped grids)
@@ -501,6 +529,9 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                     b_t = b[t, h]
                 cuda.syncthreads()
                 if PREFETCH and tid == 0 and not loaded:   # every thread holds its part: refill next_state
+                    copy_next_state(next_state, bars, ssm_state, token_slots, item + cuda.gridDim.x,
+                                    num_items, num_v_heads)
+                elif PREFETCH and C > 1 and 0 < tid < WARP and not loaded:
                     copy_next_state(next_state, bars, ssm_state, token_slots, item + cuda.gridDim.x,
                                     num_items, num_v_heads)
                 # l2 norms (every warp, as the reference kernel), decay, write strength (decode: computed above)
@@ -584,7 +615,7 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                     t_ready = global_timer()
 
                 if t == start + n - 1:  # the head's last token: its state back
-                    state_rows(ssm_state, base, state, row_class, first_col, True)
+                    state_rows(ssm_state, base, VD, state, row_class, first_col, True)
             cuda.syncthreads()  # every read of the slot's old ring entries by this block is done
             if DECODE:          # the token's inputs, still in registers, at entry position % K
                 for r in range(CONV_ROUNDS):
@@ -621,8 +652,8 @@ def gated_delta_decode_step(x, conv_weight, conv_state, z, a, b, a_log, dt_bias,
     kernel reads each block's state before waiting for the projection (launched as ``gated_delta_decode_step``,
     which overlaps the projection when ``policy`` says so).  ``policy.timeline``: build the kernel that stamps
     its blocks (``kernels/timeline.py``).  ``policy.gdn_value_blocks`` > 1 (decode steps only): each head's value
-    columns split over that many blocks of fewer threads, two blocks an SM, the gated norm then a second launch
-    (``gated_rms_norm``, in place)."""
+    columns split over that many blocks of fewer threads, two blocks an SM (each streaming its next item's columns
+    of the state), the gated norm then a second launch (``gated_rms_norm``, in place)."""
     check_rule_args(x, a, b, a_log, dt_bias, ssm_state, slot_ids, token_offsets, out)
     for arr, ndim in ((conv_weight, 2), (conv_state, 3), (z, 2), (norm_weight, 1)):
         check_bf16(arr, ndim)
@@ -649,8 +680,10 @@ def gated_delta_decode_step(x, conv_weight, conv_state, z, a, b, a_log, dt_bias,
         assert slot_ids.shape[0] == num_tokens, "a decode step has one sequence per token"
     stamps = timeline.buffer() if policy.timeline else timeline.unused()
     items = slot_ids.shape[0] * num_v_heads * value_blocks
-    if decode and value_blocks == 1 and next_state_prefetch(key_dim, value_dim):   # one block an SM, streaming
-        blocks, shared = min(items, sm_count()), next_state_shared_bytes(key_dim, value_dim)
+    value_cols = value_dim // value_blocks
+    if decode and next_state_prefetch(value_cols):   # as many blocks as fit the SMs, each streaming its next item
+        blocks, shared = min(items, blocks_per_sm(value_blocks) * sm_count()), next_state_shared_bytes(key_dim,
+                                                                                                         value_cols)
     else:
         blocks, shared = grid(max(1, items), sim_cap=8), 0
     launch(_decode_step_kernel(key_dim, value_dim, row_groups, tiles_per_thread, decode, taps, policy.timeline,

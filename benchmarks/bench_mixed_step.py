@@ -3,6 +3,7 @@ step a server runs whenever requests arrive -- against its parts: the decode ste
 step of the same N prompts alone?
 
     python benchmarks/bench_mixed_step.py --model-path ~/models/Qwen3-4B [--batch 64] [--prompts 16] [--prompt-len 128]
+        [--policy gdn_fused_mixed_decodes=true]
 
 B sequences are prefilled to ``--context`` tokens and keep decoding; then, ``--runs`` times, N new requests of L
 random tokens (one output token each, so they leave right after) arrive together and the next step carries them
@@ -80,18 +81,28 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=5, help="timed steps of each kind (default 5)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="the step's token budget (default: B + N·L, so one step carries every new prompt)")
+    ap.add_argument("--policy", default="", metavar="FIELD=VALUE,...",
+                    help="LaunchPolicy fields to change, as ab_policy.py's variants (e.g. "
+                         "gdn_fused_mixed_decodes=true)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
+    from ab_policy import VariantError, parse_fields, policy_with
+    try:
+        fields = parse_fields(args.policy)
+    except VariantError as e:
+        ap.error(f"--policy: {e}")
     from pegainfer.engine.engine import Engine
+    from pegainfer.kernels.policy import LaunchPolicy
 
     budget = args.max_num_batched_tokens or args.batch + args.prompts * args.prompt_len
     mml = args.context + 4 * (args.runs + 2) + args.prompt_len + 64
     engine = Engine.from_folder(args.model_path, mml, max_batch=args.batch + args.prompts,
-                                max_num_batched_tokens=budget, async_scheduling=False)
+                                max_num_batched_tokens=budget, async_scheduling=False,
+                                policy=policy_with(LaunchPolicy.from_options(), fields) if fields else None)
     times = measure(engine, args.batch, args.prompts, args.prompt_len, args.context, args.runs)
     p50 = {kind: 1e3 * statistics.median(t) for kind, t in times.items()}
     res = {"model": engine.model_name, "batch": args.batch, "prompts": args.prompts, "prompt_len": args.prompt_len,
-           "context": args.context, "runs": args.runs, "max_num_batched_tokens": budget,
+           "context": args.context, "runs": args.runs, "max_num_batched_tokens": budget, "policy": args.policy,
            "p50_ms": p50, "excess_ms": p50["mixed"] - p50["decode"] - p50["prompts"],
            "step_s": times}
     B, N, L = args.batch, args.prompts, args.prompt_len

@@ -225,14 +225,17 @@ class Qwen35Model(DecoderModel):
         ``step``: the step's device inputs (``engine.step_inputs.StepInputs``, as in ``Qwen3Model.forward``);
         ``decode``, ``head``, ``num_decode`` and ``mixed`` as there.  A mixed step's Gated DeltaNet layers take
         every sequence through the chunked path (a decode is a one-token chunk), whatever T and B: so padding,
-        which changes them, never changes the form."""
+        which changes them, never changes the form.  With ``policy.gdn_fused_mixed_decodes`` its first
+        ``num_decode`` rows (the decodes and their padding rows) take the fused decode step instead, as in a
+        decode step, and only the chunks' rows the chunked path."""
         eps, policy, ws = self.cfg.rms_norm_eps, self.policy, self.linear_workspace   # ws: split-K scratch
         ids, pos, slots = step.ids[:T], step.positions[:T], step.token_slots[:T]
         residual, spare = self.residuals[0][:T], self.residuals[1][:T]
         normed, delta, act = self.normed[:T], self.delta[:T], self.act[:T]
-        seq_slots, seq_offsets = self.seq_slots[:B], self.seq_offsets[:B + 1]
+        fused_rows = num_decode if mixed and policy.gdn_fused_mixed_decodes else 0   # decode rows, fused step
+        seq_slots, seq_offsets = self.seq_slots[:B - fused_rows], self.seq_offsets[:B - fused_rows + 1]
         if self.linear_layers and not decode:   # a decode step's Gated DeltaNet reads the token slots instead
-            gated_delta.sequence_table(slots, seq_slots, seq_offsets, policy=policy)
+            gated_delta.sequence_table(slots[fused_rows:], seq_slots, seq_offsets, policy=policy)
         token_by_token = T == B and not mixed
 
         first = self.layers[0]
@@ -252,7 +255,7 @@ class Qwen35Model(DecoderModel):
                 self._full_attention(full_index[i], lw, delta, T, pos, slots, block_tables, decode, num_decode)
             else:
                 self._linear_attention(linear_index[i], lw, delta, T, pos, seq_slots, seq_offsets, token_by_token,
-                                       slots if decode else None)
+                                       slots if decode else None, slots[:fused_rows] if fused_rows else None)
             linear.linear_add_rms_norm(residual, delta, lw["post_ln"], eps, spare, lw["gate_up"], act, gated=True,
                                        normed_out=normed, residual_ready=policy.residual_ready("mixer", decode),
                                        workspace=ws, policy=policy, **QWEN35_NORM)
@@ -289,17 +292,28 @@ class Qwen35Model(DecoderModel):
                                 busy_sms=self.nkv, workspace=self.linear_workspace, policy=self.policy)
 
     def _linear_attention(self, j, lw, delta, T, pos, seq_slots, seq_offsets, token_by_token,
-                          decode_slots=None) -> None:
+                          decode_slots=None, fused_slots=None) -> None:
         """Gated DeltaNet of one layer (its fused qkv/z/b/a projection already in ``self.proj``):
         ``delta = RMSNormGated(rule(silu(conv(qkv))), z) @ W_out^T``.  Token by token (decode, or a prompt scored
         row by row): conv, rule and gated norm in one launch (``gated_delta_decode_step``); prompt chunks: the
         conv, the chunked rule and the gated norm.  ``decode_slots``: the step's token slots when it is a decode step
-        (the fused step then reads its state before waiting for the projection)."""
+        (the fused step then reads its state before waiting for the projection).  ``fused_slots``: the slots of a
+        mixed step's first rows, its decodes, which then take the fused step as in a decode step, the rest (the
+        table ``seq_slots`` / ``seq_offsets``) the chunked form."""
         cd, vd, hv = self.conv_dim, self.value_dim, self.Hv
         proj, mixed, core = self.proj[:T], self.mixed[:T], self.core[:T]
         qkv_in, z = proj[:, :cd], proj[:, cd:cd + vd]
         b, a = proj[:, cd + vd:cd + vd + hv], proj[:, cd + vd + hv:]
         eps = self.cfg.rms_norm_eps
+        core_all = core
+        if fused_slots is not None:
+            d = fused_slots.shape[0]
+            gated_delta.gated_delta_decode_step(qkv_in[:d], lw["conv_w"], self.conv_state[j], z[:d], a[:d], b[:d],
+                                                lw["A_log"], lw["dt_bias"], lw["norm"], eps, self.ssm_state[j],
+                                                fused_slots, self.seq_offsets[:d + 1], pos[:d], core[:d],
+                                                decode_token_slots=fused_slots, policy=self.policy)
+            qkv_in, z, a, b, pos, mixed, core = (v[d:] for v in (qkv_in, z, a, b, pos, mixed, core))
+            T -= d
         if token_by_token:
             gated_delta.gated_delta_decode_step(qkv_in, lw["conv_w"], self.conv_state[j], z, a, b, lw["A_log"],
                                                 lw["dt_bias"], lw["norm"], eps, self.ssm_state[j], seq_slots,
@@ -313,5 +327,5 @@ class Qwen35Model(DecoderModel):
                                             seq_offsets, core, self.chunk_scratch, max_seq_tokens=T,
                                             policy=self.policy)
             gated_delta.gated_rms_norm(core, z, lw["norm"], core, eps, policy=self.policy)
-        linear.linear_preloaded(core, lw["out_proj"], delta,   # copied in while the step runs (released early)
+        linear.linear_preloaded(core_all, lw["out_proj"], delta,   # copied in while the step runs (released early)
                                 workspace=self.linear_workspace, policy=self.policy)

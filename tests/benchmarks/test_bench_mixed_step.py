@@ -28,3 +28,25 @@ def test_mixed_step_benchmark_times_the_three_kinds(bench_modules, tmp_path, mon
     assert all(v > 0 for v in p50.values())
     assert abs(got["excess_ms"] - (p50["mixed"] - p50["decode"] - p50["prompts"])) < 1e-9
     assert got["max_num_batched_tokens"] == 2 + 2 * 4
+
+
+def test_policy_fields_reach_the_engine(bench_modules, tmp_path, monkeypatch):
+    """``--policy``: the engine is built with the default policy changed by those fields (as ab_policy.py's
+    variants); a field it does not have is refused in one line."""
+    import pytest
+
+    import bench_mixed_step
+    from pegainfer.engine.engine import Engine
+
+    seen, real = [], Engine.from_folder.__func__
+
+    def recording(cls, *a, **kw):
+        seen.append(kw.get("policy"))
+        return real(cls, *a, **kw)
+    monkeypatch.setattr(Engine, "from_folder", classmethod(recording))
+    out = tmp_path / "mixed.json"
+    assert bench_mixed_step.main(["--batch", "1", "--prompts", "1", "--prompt-len", "2", "--context", "3",
+                                  "--runs", "1", "--policy", "gdn_fused_mixed_decodes=true", "--json", str(out)]) == 0
+    assert seen[0].gdn_fused_mixed_decodes and json.loads(out.read_text())["policy"] == "gdn_fused_mixed_decodes=true"
+    with pytest.raises(SystemExit):
+        bench_mixed_step.main(["--policy", "nope=1"])

@@ -397,6 +397,79 @@ def test_mixed_steps_replayed_from_graphs_give_the_one_sequence_tokens(mixed_run
     assert got == {"first": alone[16][:4], "second": alone[15][:1]}
 
 
+@pytest.fixture(scope="module")
+def fused_mixed_runs(tiny):
+    """``_late_arrival_mixed_steps`` unpadded (False) and padded from graphs (True) with the policy's
+    ``gdn_fused_mixed_decodes`` on, and the launch names seen inside the mixed steps of each run."""
+    import dataclasses
+
+    from pegainfer.kernels import launch as launch_module
+
+    _, engine = tiny
+    policy, real_launch = engine.model.policy, launch_module._launch
+    names, inside = {False: [], True: []}, []
+
+    def record(kernel, grid, block, args, shared, pol, name):
+        if inside:
+            names[inside[0]].append(name)
+        real_launch(kernel, grid, block, args, shared, pol, name)
+
+    runs = {}
+    engine.model.policy = dataclasses.replace(policy, gdn_fused_mixed_decodes=True)
+    launch_module._launch = record
+    try:
+        for pad in (False, True):
+            plain_mixed = engine.runner.mixed
+
+            def flagged(decodes, chunks, force_eager=False, pad=pad, plain_mixed=plain_mixed):
+                inside.append(pad)
+                try:
+                    return plain_mixed(decodes, chunks, force_eager)
+                finally:
+                    inside.pop()
+            engine.runner.mixed = flagged
+            runs[pad] = _late_arrival_mixed_steps(engine, pad)
+    finally:
+        engine.model.policy, launch_module._launch = policy, real_launch
+        engine.runner.__dict__.pop("mixed", None)
+    return runs, names
+
+
+def test_fused_mixed_decodes_take_the_decode_step_and_keep_every_stream(tiny, fused_mixed_runs, mixed_runs, alone):
+    """``gdn_fused_mixed_decodes``: a mixed step's decode rows take the fused Gated DeltaNet decode step (launched
+    once a linear layer in every mixed step) and the chunk rows the chunked form on a table of their own.  Catches
+    mixed-up slots, states, positions or tables: each stream equals its one-sequence run; padding the step (a
+    padding decode row, padding chunk tokens) changes no logits row and no state bit; and the logits rows and states
+    are those of the all-chunked form to rounding (the two forms of the rule differ in the last bits)."""
+    from tests.util import from_bf16_bits
+
+    runs, names = fused_mixed_runs
+    layers = len(tiny[1].model.linear_layers)
+    for pad in (False, True):
+        got, kinds, observed, shapes, _ = runs[pad]
+        assert kinds == ["prefill", "prefill", "mixed", "mixed", "mixed"], kinds
+        assert got == {"first": alone[16][:4], "second": alone[15][:1]}, pad
+        assert names[pad].count("gated_delta_decode_step") == 3 * layers, (pad, names[pad].count(
+            "gated_delta_decode_step"))
+    plain, padded = runs[False][2], runs[True][2]
+    for k, (want, got) in enumerate(zip(plain, padded)):
+        if isinstance(want, dict):
+            for rid in want:
+                for name, w, g in zip(("conv", "delta-rule"), want[rid], got[rid]):
+                    np.testing.assert_array_equal(g, w, err_msg=f"{rid}'s {name} state after entry {k}")
+        else:
+            np.testing.assert_array_equal(got, want, err_msg=f"entry {k}: a mixed step's logits rows")
+    chunked = mixed_runs[False][2]
+    for k, (want, got) in enumerate(zip(chunked, plain)):
+        if isinstance(want, dict):
+            for rid in want:
+                (wc, ws), (gc, gs) = want[rid], got[rid]
+                assert rel_l2(from_bf16_bits(gc), from_bf16_bits(wc)) < 1e-2, (k, rid, "conv")
+                assert rel_l2(gs, ws) < 1e-2, (k, rid, "delta-rule", rel_l2(gs, ws))
+        else:
+            assert rel_l2(got, want) < 1e-2, (k, rel_l2(got, want))
+
+
 # ------------------------------------------------------------------------------------------------ GPU
 QWEN35_4B = dict(hidden_size=2560, intermediate_size=9216, num_hidden_layers=32, num_attention_heads=16,
                  num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,

@@ -488,7 +488,7 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                         state_rows(ssm_state, base, VD, state, row_class, first_col, False)
                 # conv + SiLU of the channels this head reads
                 if DECODE:
-                    if not loaded:    # a later item of a grid-strided block (the simulator's capped grids)
+                    if not loaded:    # a later item of the block (one block an SM, or a capped grid)
                         decode_prefetch(conv_weight, conv_state, norm_weight, slot, first_pos, h, hk, k_base,
                                         v_base, v0, wts, hist, nw)
                     a_t = a[t, h]

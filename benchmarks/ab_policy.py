@@ -27,7 +27,6 @@ Modes:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -40,93 +39,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import graph_timing  # noqa: E402  (puts the checkout on sys.path)
 
+from pegainfer.kernels.policy_text import (PolicyTextError, parse_fields, policy_fields,  # noqa: E402,F401
+                                           policy_with)
+
 DEFAULT_BENCH_ARGS = ["--max-model-len", "4096", "--prompt-len", "16", "--output-len", "64", "--runs", "3"]
-TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*$")
 LABEL = re.compile(r"[\w.+-]+$")
 
-
-class VariantError(ValueError):
-    """A ``--variant`` that does not parse (the message is one line, naming the problem)."""
-
-
-def _parse_bool(text: str) -> bool:
-    if text.lower() in TRUE:
-        return True
-    if text.lower() in FALSE:
-        return False
-    raise VariantError(f"{text!r} is not true or false")
-
-
-def _parse_positive_int(text: str) -> int:
-    if text.isdigit() and int(text) > 0:
-        return int(text)
-    raise VariantError(f"{text!r} is not a positive integer")
-
-
-def _parse_pdl(text: str):
-    """``none`` → no launch overlaps (an empty set); ``all`` → every launch that follows the PDL contract (None);
-    ``default`` → ``PDL_DEFAULT``; names joined by ``+``, or ``default`` / ``none`` followed by ``+NAME`` /
-    ``-NAME`` changes."""
-    from pegainfer.kernels.policy import PDL_DEFAULT
-    if text == "all":
-        return None
-    parts = re.split(r"([+-])", text)
-    head, rest = parts[0], parts[1:]
-    names = {"none": set(), "default": set(PDL_DEFAULT)}.get(head)
-    if names is None:
-        if not NAME.match(head):
-            raise VariantError(f"{text!r}: expected none, all, default or launch names joined by +")
-        names = {head}
-    for sign, name in zip(rest[::2], rest[1::2]):
-        if not NAME.match(name):
-            raise VariantError(f"{text!r}: {name!r} is not a launch name")
-        (names.add if sign == "+" else names.discard)(name)
-    return frozenset(names)
-
-
-def _parse_tuning(text: str):
-    if text == "none":
-        return ()
-    from pegainfer.errors import PegainferError
-    from pegainfer.kernels.policy import load_tuning
-    try:
-        return load_tuning(text)
-    except PegainferError as e:
-        raise VariantError(str(e)) from None
-
-
-PARSERS = {"pdl": _parse_pdl, "tuning": _parse_tuning, "gdn_value_blocks": _parse_positive_int}
-"""Value parsers of the policy fields that are not plain booleans."""
-
-
-def policy_fields() -> dict:
-    """``{name: dataclasses.Field}`` of ``LaunchPolicy``."""
-    from pegainfer.kernels.policy import LaunchPolicy
-    return {f.name: f for f in dataclasses.fields(LaunchPolicy)}
-
-
-def parse_fields(text: str) -> dict:
-    """``FIELD=VALUE[,FIELD=VALUE...]`` → ``{field: value}`` of ``LaunchPolicy`` field values."""
-    known = policy_fields()
-    out = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        name, sep, value = item.partition("=")
-        name = name.strip()
-        if not sep:
-            raise VariantError(f"{item!r}: expected FIELD=VALUE")
-        if name not in known:
-            raise VariantError(f"LaunchPolicy has no field {name!r} (its fields: {', '.join(known)})")
-        parse = PARSERS.get(name)
-        if parse is None:
-            if known[name].type not in ("bool", bool):
-                raise VariantError(f"field {name!r} cannot be set from the command line")
-            parse = _parse_bool
-        try:
-            out[name] = parse(value.strip())
-        except VariantError as e:
-            raise VariantError(f"{name}: {e}") from None
-    return out
+VariantError = PolicyTextError
+"""A ``--variant`` that does not parse (the message is one line, naming the problem)."""
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
@@ -139,11 +59,6 @@ def parse_variant(spec: str) -> tuple[str, dict]:
         return label, parse_fields(fields)
     except VariantError as e:
         raise VariantError(f"--variant {spec!r}: {e}") from None
-
-
-def policy_with(base, fields: dict):
-    """``base`` with ``fields`` replaced: a new frozen ``LaunchPolicy``."""
-    return dataclasses.replace(base, **fields)
 
 
 def describe(fields: dict) -> str:

@@ -82,23 +82,22 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="the step's token budget (default: B + N·L, so one step carries every new prompt)")
     ap.add_argument("--policy", default="", metavar="FIELD=VALUE,...",
-                    help="LaunchPolicy fields to change, as ab_policy.py's variants (e.g. "
+                    help="LaunchPolicy fields to change, as the CLI's --launch-policy (e.g. "
                          "gdn_fused_mixed_decodes=true)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
-    from ab_policy import VariantError, parse_fields, policy_with
+    from pegainfer.kernels.policy_text import PolicyTextError, parse_fields
     try:
         fields = parse_fields(args.policy)
-    except VariantError as e:
+    except PolicyTextError as e:
         ap.error(f"--policy: {e}")
-    from pegainfer.engine.engine import Engine
-    from pegainfer.kernels.policy import LaunchPolicy
+    from pegainfer.engine.engine import Engine, engine_policy
 
     budget = args.max_num_batched_tokens or args.batch + args.prompts * args.prompt_len
     mml = args.context + 4 * (args.runs + 2) + args.prompt_len + 64
     engine = Engine.from_folder(args.model_path, mml, max_batch=args.batch + args.prompts,
                                 max_num_batched_tokens=budget, async_scheduling=False,
-                                policy=policy_with(LaunchPolicy.from_options(), fields) if fields else None)
+                                policy=engine_policy(fields))
     times = measure(engine, args.batch, args.prompts, args.prompt_len, args.context, args.runs)
     p50 = {kind: 1e3 * statistics.median(t) for kind, t in times.items()}
     res = {"model": engine.model_name, "batch": args.batch, "prompts": args.prompts, "prompt_len": args.prompt_len,

@@ -41,6 +41,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "per-request spans into this folder")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="least severe log messages shown on stderr (default info)")
+    p.add_argument("--launch-policy", type=argtypes.launch_policy, default=None, metavar="FIELD=VALUE,...",
+                   help="change how the kernels launch, for measuring variants (fields of LaunchPolicy, "
+                        "pegainfer/kernels/policy.py; e.g. pdl=none or gdn_fused_mixed_decodes=true); same tokens "
+                        "up to rounding")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -130,14 +134,14 @@ def _sampling_params(args, engine):
 
 
 def cmd_generate(args) -> int:
-    from pegainfer.engine.engine import Engine
+    from pegainfer.engine.engine import Engine, engine_policy
     from pegainfer.errors import PegainferError
 
     print(f"[pegainfer] {pegainfer.device.describe()}", file=sys.stderr)
     t0 = time.perf_counter()
     engine = Engine.from_folder(args.model_path, args.max_model_len, max_batch=1,
                                 use_cuda_graph=args.cuda_graph, async_scheduling=args.async_scheduling,
-                                verbose=True)
+                                verbose=True, policy=engine_policy(args.launch_policy))
     if engine.is_demo:
         print("[pegainfer] using the built-in demo model (tiny Qwen3 with RANDOM weights: the text is gibberish); "
               "pass --model-path DIR for a real model", file=sys.stderr)

@@ -149,3 +149,15 @@ def positive_milliseconds(text: str) -> float:
 
 
 non_negative = int_in(0)
+
+
+def launch_policy(text: str) -> dict:
+    """``FIELD=VALUE[,FIELD=VALUE...]``: ``LaunchPolicy`` fields to change (``kernels/policy_text.py``)."""
+    from pegainfer.kernels.policy_text import PolicyTextError, parse_fields
+    try:
+        fields = parse_fields(text)
+    except PolicyTextError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not fields:
+        raise argparse.ArgumentTypeError("expected FIELD=VALUE[,FIELD=VALUE...]")
+    return fields

@@ -305,8 +305,11 @@ def policy_summary(policy) -> dict:
 
 
 def run_bench(args, policy=None) -> int:
-    """The ``bench`` command on parsed ``args``; ``policy``: the engine's ``LaunchPolicy`` (None: its default;
-    ``benchmarks/ab_policy.py --mode bench`` passes each variant's)."""
+    """The ``bench`` command on parsed ``args``; ``policy``: the engine's ``LaunchPolicy`` (None: the default with
+    ``--launch-policy``'s fields; ``benchmarks/ab_policy.py --mode bench`` passes each variant's)."""
+    if policy is None:
+        from pegainfer.engine.engine import engine_policy
+        policy = engine_policy(getattr(args, "launch_policy", None))
     if getattr(args, "batch", None):
         return run_batch_bench(args, policy)
     from pegainfer.engine.engine import Engine

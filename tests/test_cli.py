@@ -98,6 +98,10 @@ BAD_VALUES = [
     (("bench", "--json", "/"), "is a folder"),
     (("generate", "--trace-output-path", "/dev/null"), "is a file"),
     (("generate", "--trace-output-path", "/dev/null/trace"), "under the file /dev/null"),
+    (("generate", "--launch-policy", "nope=1"), "LaunchPolicy has no field 'nope'"),
+    (("serve", "--launch-policy", "gdn_value_blocks=0"), "gdn_value_blocks: '0' is not a positive integer"),
+    (("bench", "--launch-policy", "preload_o=maybe"), "preload_o: 'maybe' is not true or false"),
+    (("bench", "--launch-policy", ","), "expected FIELD=VALUE"),
 ]
 
 
@@ -121,6 +125,34 @@ def test_a_bad_value_stops_the_command_before_anything_loads(args):
     err = [line for line in r.stderr.splitlines() if "error:" in line]
     assert len(err) == 1 and err[0].startswith(f"python -m pegainfer {args[0]}: error: argument {args[1]}: ")
     assert "[pegainfer]" not in r.stderr and not r.stdout    # the device line and the model load come later
+
+
+def test_launch_policy_reaches_every_commands_engine(monkeypatch):
+    """``--launch-policy``: generate, serve and bench build their engine with the default policy changed by those
+    fields (and without it, with the default itself)."""
+    from pegainfer.__main__ import build_parser, cmd_generate
+    from pegainfer.bench import run_bench
+    from pegainfer.engine.engine import Engine
+    from pegainfer.kernels.policy import LaunchPolicy
+    from pegainfer.server import engine_from_args
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def recording(cls, *a, **kw):
+        seen.append(kw.get("policy"))
+        raise Stop
+    monkeypatch.setattr(Engine, "from_folder", classmethod(recording))
+    want = LaunchPolicy(pdl=frozenset(), gdn_fused_mixed_decodes=True)
+    for argv, run in ((["generate"], cmd_generate), (["serve"], engine_from_args), (["bench"], run_bench),
+                      (["bench", "--batch", "2"], run_bench)):
+        for extra, policy in (([], LaunchPolicy()), (["--launch-policy", "pdl=none,gdn_fused_mixed_decodes=on"], want)):
+            args = build_parser().parse_args(argv + extra)
+            with pytest.raises(Stop):
+                run(args)
+            assert seen.pop() == policy, (argv, extra)
 
 
 def test_serve_on_a_port_in_use_fails_at_once():

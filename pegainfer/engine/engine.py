@@ -60,6 +60,14 @@ SCORE_ROWS = 16   # logits rows per step: ≥ the decode batch, and the chunk si
 GPU_RESERVE_BYTES = 1 << 30   # kept out of the KV cache for the CUDA context, graphs and kernel workspaces
 
 
+def engine_policy(fields: dict | None = None) -> LaunchPolicy:
+    """The launch policy an engine starts with: the defaults with the tuning file ``PEGAINFER_GEMV_TUNING`` names
+    (if set), then ``fields`` (``{field: value}``, e.g. the command line's ``--launch-policy``) replaced."""
+    from pegainfer.kernels.policy_text import policy_with
+    policy = LaunchPolicy.from_options(tuning_file=os.environ.get("PEGAINFER_GEMV_TUNING") or None)
+    return policy_with(policy, fields) if fields else policy
+
+
 def _gpu_memory() -> tuple[int, int]:
     """(free, total) bytes of the GPU."""
     from numba import cuda
@@ -139,7 +147,7 @@ class Engine:
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise PegainferError(f"--gpu-memory-utilization {gpu_memory_utilization} must be in (0, 1]")
         if policy is None:
-            policy = LaunchPolicy.from_options(tuning_file=os.environ.get("PEGAINFER_GEMV_TUNING") or None)
+            policy = engine_policy()
         if model_path is None:
             from pegainfer.demo import ensure_demo_model
             folder = Path(ensure_demo_model())

@@ -3,7 +3,9 @@
 The engine builds one ``LaunchPolicy`` when it starts (``LaunchPolicy.from_options``) and hands it to the model,
 which passes it to every kernel entry point it calls (``policy=``); the runner passes it to the sampler.  No kernel
 module reads an environment variable or another module's globals to decide how it launches, so a benchmark can
-build two policies in one process and compare them (``benchmarks/ab_policy.py``).
+build two policies in one process and compare them (``benchmarks/ab_policy.py``).  The command line's
+``--launch-policy FIELD=VALUE,...`` changes fields of the default (``policy_text.py``: the text form, shared with
+``ab_policy.py``'s variants).
 
 What the policy decides:
 

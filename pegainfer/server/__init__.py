@@ -82,6 +82,18 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def engine_from_args(args: argparse.Namespace):
+    """The engine ``serve`` loads: the model folder, limits, scheduling and launch policy of its arguments."""
+    from pegainfer.engine.engine import Engine, engine_policy
+    return Engine.from_folder(args.model_path, args.max_model_len, max_batch=getattr(args, "max_batch", 1),
+                              use_cuda_graph=getattr(args, "cuda_graph", True),
+                              async_scheduling=getattr(args, "async_scheduling", True),
+                              max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 2048),
+                              gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
+                              enable_prefix_caching=getattr(args, "enable_prefix_caching", None),
+                              policy=engine_policy(getattr(args, "launch_policy", None)))
+
+
 def run_server(args: argparse.Namespace, engine_factory: Optional[Callable[[], object]] = None,
                sock: Optional[socket.socket] = None) -> int:
     """Serve until interrupted.  ``engine_factory`` (tests) replaces loading ``args.model_path``; ``sock`` is an
@@ -104,13 +116,7 @@ def run_server(args: argparse.Namespace, engine_factory: Optional[Callable[[], o
     sys.setswitchinterval(0.0005)
     if engine_factory is None:
         def engine_factory():
-            from pegainfer.engine.engine import Engine
-            return Engine.from_folder(args.model_path, args.max_model_len, max_batch=getattr(args, "max_batch", 1),
-                                      use_cuda_graph=getattr(args, "cuda_graph", True),
-                                      async_scheduling=getattr(args, "async_scheduling", True),
-                                      max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 2048),
-                                      gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
-                                      enable_prefix_caching=getattr(args, "enable_prefix_caching", None))
+            return engine_from_args(args)
 
     tracing = contextlib.ExitStack()
     trace_folder = getattr(args, "trace_output_path", None)

@@ -233,6 +233,8 @@ class Qwen35Model(DecoderModel):
         residual, spare = self.residuals[0][:T], self.residuals[1][:T]
         normed, delta, act = self.normed[:T], self.delta[:T], self.act[:T]
         fused_rows = num_decode if mixed and policy.gdn_fused_mixed_decodes else 0   # decode rows, fused step
+        fused_slots = slots[:fused_rows] if fused_rows else None
+        decode_slots = slots if decode else None
         seq_slots, seq_offsets = self.seq_slots[:B - fused_rows], self.seq_offsets[:B - fused_rows + 1]
         if self.linear_layers and not decode:   # a decode step's Gated DeltaNet reads the token slots instead
             gated_delta.sequence_table(slots[fused_rows:], seq_slots, seq_offsets, policy=policy)
@@ -255,7 +257,7 @@ class Qwen35Model(DecoderModel):
                 self._full_attention(full_index[i], lw, delta, T, pos, slots, block_tables, decode, num_decode)
             else:
                 self._linear_attention(linear_index[i], lw, delta, T, pos, seq_slots, seq_offsets, token_by_token,
-                                       slots if decode else None, slots[:fused_rows] if fused_rows else None)
+                                       decode_slots, fused_slots)
             linear.linear_add_rms_norm(residual, delta, lw["post_ln"], eps, spare, lw["gate_up"], act, gated=True,
                                        normed_out=normed, residual_ready=policy.residual_ready("mixer", decode),
                                        workspace=ws, policy=policy, **QWEN35_NORM)

@@ -7,7 +7,6 @@ A variant is ``LABEL:FIELD=VALUE[,FIELD=VALUE...]``, the default policy with tho
 
     pdl=none | all | default | NAME[+NAME...] | default+NAME | default-NAME   (launch names that may overlap)
     preload_o=true|false   head_argmax=true|false   timeline=true|false
-    gdn_value_blocks=N (Qwen3.5's Gated DeltaNet decode step: each head's value columns over N blocks)
     tuning=FILE (the JSON that ``bench_gemv.py --cold --tuning-out`` writes) | tuning=none
 
 Modes:

@@ -11,13 +11,12 @@ with the token-by-token reference kernel: relative L2 of states and outputs, the
 scan show apart.
 
 ``--decode-batch 1,64,256`` times the fused decode step instead (``gated_delta.gated_delta_decode_step``, one token
-of B sequences, launched alone: no PDL overlap; ``--value-blocks 1,2``: also with each head over 2 blocks), against
-its floor: each sequence's f32 state of every value head is read and written back once, ``2 · B · Hv · Dk · Dv · 4``
-bytes over the read bandwidth measured in the same run.  Its check: the decode launch's outputs and states bit for
-bit against the general path's (no ``decode_token_slots``).
+of B sequences, launched alone: no PDL overlap), against its floor: each sequence's f32 state of every value head is
+read and written back once, ``2 · B · Hv · Dk · Dv · 4`` bytes over the read bandwidth measured in the same run.  Its
+check: the decode launch's outputs and states bit for bit against the general path's (no ``decode_token_slots``).
 
     python benchmarks/bench_gated_delta.py [--tokens 2048,8192] [--geometry 1,2 --geometry 4,2] [--trace] [--json F]
-    python benchmarks/bench_gated_delta.py --decode-batch 1,64,256 [--value-blocks 1,2] [--json F]
+    python benchmarks/bench_gated_delta.py --decode-batch 1,64,256 [--json F]
 
 Without a GPU it runs as a smoke test in the simulator (tiny heads, 40 tokens, chunks of 16, wall-clock times).
 """
@@ -132,12 +131,12 @@ class DecodeBatch:
         self.state.copy_to_device(self.state0)
         self.ring.copy_to_device(self.ring0)
 
-    def step(self, decode: bool, value_blocks: int = 1):
+    def step(self, decode: bool):
         """A function that runs the fused step once: as a decode step (``decode_token_slots``; no PDL, so
-        repeated launches do not overlap; each head over ``value_blocks`` blocks) or through the general path."""
+        repeated launches do not overlap) or through the general path."""
         from pegainfer.kernels.gated_delta import gated_delta_decode_step
         from pegainfer.kernels.policy import LaunchPolicy
-        policy = LaunchPolicy(pdl=frozenset(), gdn_value_blocks=value_blocks)
+        policy = LaunchPolicy(pdl=frozenset())
         return lambda: gated_delta_decode_step(self.x, self.conv_weight, self.ring, self.z, self.a, self.b,
                                                self.a_log, self.dt_bias, self.norm_weight, 1e-6, self.state,
                                                self.slots, self.offsets, self.positions, self.out,
@@ -150,35 +149,31 @@ class DecodeBatch:
         return self.out.copy_to_host(), self.state.copy_to_host()
 
 
-def run_decode(batches, calls: int, value_blocks=(1,)) -> list[dict]:
-    """Time the fused decode step at each batch size, for each of ``value_blocks`` (``LaunchPolicy.
-    gdn_value_blocks``), against its state floor (module docstring)."""
+def run_decode(batches, calls: int) -> list[dict]:
+    """Time the fused decode step at each batch size against its state floor (module docstring)."""
     read_bw = float("nan")
     if not SIM:
         from pegainfer.kernels.memory import measure_read_bandwidth
         read_bw = measure_read_bandwidth(2 << 30)
     print(f"heads {HEADS}; the fused decode step alone, per layer "
           f"({'simulator: wall clock' if SIM else 'CUDA-graph replays'}); read bandwidth {read_bw / 1e9:.0f} GB/s")
-    print(f"{'B':>5s} {'blocks':>6s} {'us/layer':>10s} {'x24 ms':>8s} {'state MB':>9s} {'GB/s':>8s} {'% read':>7s}  "
+    print(f"{'B':>5s} {'us/layer':>10s} {'x24 ms':>8s} {'state MB':>9s} {'GB/s':>8s} {'% read':>7s}  "
           f"{'out bit-eq':>10s} {'state bit-eq':>12s}")
     rng = np.random.default_rng(0)
     rows = []
     for B in batches:
         layer = DecodeBatch(rng, B)
         general_out, general_state = layer.result(layer.step(decode=False))
-        for blocks in value_blocks:
-            fn = layer.step(decode=True, value_blocks=blocks)
-            out, state = layer.result(fn)
-            sec = time_calls([fn] * (1 if SIM else calls))
-            row = dict(B=B, value_blocks=blocks, us=sec * 1e6, state_bytes=layer.state_bytes,
-                       GBps=layer.state_bytes / sec / 1e9, pct_read=100 * layer.state_bytes / sec / read_bw,
-                       out_bit_equal=float(np.mean(out == general_out)),
-                       state_bit_equal=float(np.mean(state == general_state)))
-            rows.append(row)
-            pct = f"{row['pct_read']:6.1f}%" if row["pct_read"] == row["pct_read"] else "      -"
-            print(f"{B:5d} {blocks:6d} {row['us']:10.1f} {sec * 1e3 * LAYERS:8.2f} {layer.state_bytes / 1e6:9.1f} "
-                  f"{row['GBps']:8.0f} {pct}  {row['out_bit_equal']:10.4f} {row['state_bit_equal']:12.4f}",
-                  flush=True)
+        fn = layer.step(decode=True)
+        out, state = layer.result(fn)
+        sec = time_calls([fn] * (1 if SIM else calls))
+        row = dict(B=B, us=sec * 1e6, state_bytes=layer.state_bytes, GBps=layer.state_bytes / sec / 1e9,
+                   pct_read=100 * layer.state_bytes / sec / read_bw, out_bit_equal=float(np.mean(out == general_out)),
+                   state_bit_equal=float(np.mean(state == general_state)))
+        rows.append(row)
+        pct = f"{row['pct_read']:6.1f}%" if row["pct_read"] == row["pct_read"] else "      -"
+        print(f"{B:5d} {row['us']:10.1f} {sec * 1e3 * LAYERS:8.2f} {layer.state_bytes / 1e6:9.1f} "
+              f"{row['GBps']:8.0f} {pct}  {row['out_bit_equal']:10.4f} {row['state_bit_equal']:12.4f}", flush=True)
         del layer
     return rows
 
@@ -225,14 +220,10 @@ def main(argv=None) -> int:
                     help="print each kernel's time of one eager call of each geometry")
     ap.add_argument("--decode-batch", metavar="B[,B...]",
                     help="time the fused decode step at these batch sizes instead (e.g. 1,64,256)")
-    ap.add_argument("--value-blocks", metavar="C[,C...]", default="1",
-                    help="with --decode-batch: blocks each head's value columns are split over, each timed "
-                         "(LaunchPolicy.gdn_value_blocks; default 1)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     if args.decode_batch:
-        rows = run_decode([int(b) for b in args.decode_batch.split(",")], args.calls,
-                          [int(c) for c in args.value_blocks.split(",")])
+        rows = run_decode([int(b) for b in args.decode_batch.split(",")], args.calls)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(heads=HEADS, decode_rows=rows), f, indent=1)

@@ -3,7 +3,7 @@ step a server runs whenever requests arrive -- against its parts: the decode ste
 step of the same N prompts alone?
 
     python benchmarks/bench_mixed_step.py --model-path ~/models/Qwen3-4B [--batch 64] [--prompts 16] [--prompt-len 128]
-        [--policy gdn_fused_mixed_decodes=true]
+        [--policy pdl=none]
 
 B sequences are prefilled to ``--context`` tokens and keep decoding; then, ``--runs`` times, N new requests of L
 random tokens (one output token each, so they leave right after) arrive together and the next step carries them
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
                     help="the step's token budget (default: B + N·L, so one step carries every new prompt)")
     ap.add_argument("--policy", default="", metavar="FIELD=VALUE,...",
                     help="LaunchPolicy fields to change, as the CLI's --launch-policy (e.g. "
-                         "gdn_fused_mixed_decodes=true)")
+                         "pdl=none)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     from pegainfer.kernels.policy_text import PolicyTextError, parse_fields

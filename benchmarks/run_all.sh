@@ -34,7 +34,7 @@
 #   attnbatch bench_attention.py --only batch: decode attention alone for $BATCHES sequences (default "64 256") at
 #             a 256-token context, the default split-K block beside 4-warp blocks and warp pairs over the head dims
 #   gdnbatch  bench_gated_delta.py --decode-batch: Qwen3.5-4B's fused Gated DeltaNet decode step alone for 1, 8, 64
-#             and 256 sequences against its state floor, each head in 1 and in 2 value blocks
+#             and 256 sequences against its state floor
 #   mixed     benchmarks/bench_mixed_step.py on Qwen3-4B: 64 decodes beside 16 arriving 128-token prompts, against
 #             the decode step and the prompts alone
 #   graphs    benchmarks/graph_capture.py on Qwen3-4B: the warm-up's graphs, what one more mixed-step capture costs,
@@ -177,7 +177,7 @@ print(v('$SM', '/tmp/serve_view'))" 2>/dev/null | tail -1)
                   --decode-geometry 4,0 --decode-geometry 16,1 --decode-geometry 8,1 --json "$OUT/attn_batch_$b.json" \
                   2>&1 | filter | tail -8 | tee -a "$OUT/attn_batch.log"
               done ;;
-    gdnbatch) timeout ${MICRO_TIMEOUT:-200} python3 benchmarks/bench_gated_delta.py --decode-batch 1,8,64,256 --value-blocks 1,2 \
+    gdnbatch) timeout ${MICRO_TIMEOUT:-200} python3 benchmarks/bench_gated_delta.py --decode-batch 1,8,64,256 \
                 --json "$OUT/gdn_batch.json" 2>&1 | filter | tail -8 | tee "$OUT/gdn_batch.log" ;;
     mixed)    timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_mixed_step.py --model-path "$M/qwen3-4b" \
                 --batch 64 --prompts 16 --prompt-len 128 --runs 5 --json "$OUT/mixed_step.json" 2>&1 | filter \

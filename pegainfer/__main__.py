@@ -43,7 +43,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="least severe log messages shown on stderr (default info)")
     p.add_argument("--launch-policy", type=argtypes.launch_policy, default=None, metavar="FIELD=VALUE,...",
                    help="change how the kernels launch, for measuring variants (fields of LaunchPolicy, "
-                        "pegainfer/kernels/policy.py; e.g. pdl=none or gdn_fused_mixed_decodes=true); same tokens "
+                        "pegainfer/kernels/policy.py; e.g. pdl=none or preload_o=false); same tokens "
                         "up to rounding")
 
 

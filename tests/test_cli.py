@@ -99,7 +99,7 @@ BAD_VALUES = [
     (("generate", "--trace-output-path", "/dev/null"), "is a file"),
     (("generate", "--trace-output-path", "/dev/null/trace"), "under the file /dev/null"),
     (("generate", "--launch-policy", "nope=1"), "LaunchPolicy has no field 'nope'"),
-    (("serve", "--launch-policy", "gdn_value_blocks=0"), "gdn_value_blocks: '0' is not a positive integer"),
+    (("serve", "--launch-policy", "pdl=gemv+no way"), "is not a launch name"),
     (("bench", "--launch-policy", "preload_o=maybe"), "preload_o: 'maybe' is not true or false"),
     (("bench", "--launch-policy", ","), "expected FIELD=VALUE"),
 ]
@@ -145,10 +145,10 @@ def test_launch_policy_reaches_every_commands_engine(monkeypatch):
         seen.append(kw.get("policy"))
         raise Stop
     monkeypatch.setattr(Engine, "from_folder", classmethod(recording))
-    want = LaunchPolicy(pdl=frozenset(), gdn_fused_mixed_decodes=True)
+    want = LaunchPolicy(pdl=frozenset(), head_argmax=False)
     for argv, run in ((["generate"], cmd_generate), (["serve"], engine_from_args), (["bench"], run_bench),
                       (["bench", "--batch", "2"], run_bench)):
-        for extra, policy in (([], LaunchPolicy()), (["--launch-policy", "pdl=none,gdn_fused_mixed_decodes=on"], want)):
+        for extra, policy in (([], LaunchPolicy()), (["--launch-policy", "pdl=none,head_argmax=off"], want)):
             args = build_parser().parse_args(argv + extra)
             with pytest.raises(Stop):
                 run(args)

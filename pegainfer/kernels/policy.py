@@ -22,13 +22,6 @@ What the policy decides:
 * ``tuning`` -- measured projection geometries for this GPU, overriding the built-in tables
   (``linear.geometry``); read from a tuning file (``load_tuning``) that ``benchmarks/bench_gemv.py --cold
   --tuning-out`` writes.
-* ``gdn_value_blocks`` -- Qwen3.5's fused Gated DeltaNet decode step splits each head's value columns over this many
-  blocks (``gated_delta.gated_delta_decode_step``): blocks of fewer threads, two an SM, each streaming its next
-  item's columns of the state, the gated norm a second launch.  1 (one block a head, one an SM, each streaming its
-  next head's state) is the default; 2 is not measured yet (``docs/perf/gated_delta.md``).
-* ``gdn_fused_mixed_decodes`` -- a Qwen3.5 mixed step's decode rows take the fused Gated DeltaNet decode step (as
-  in a decode step) and only its prompt chunks the chunked form, instead of every row the chunked form (a decode
-  as a one-token chunk).  Off by default: not measured yet (``docs/perf/gated_delta.md``).
 * ``timeline`` -- the decode kernels stamp every block's entry, wait, ready and end (``kernels/timeline.py``,
   ``benchmarks/step_profile.py``); off for serving.
 
@@ -75,8 +68,6 @@ class LaunchPolicy:
     preload_o: bool = True
     head_argmax: bool = True
     tuning: tuple[TuningEntry, ...] = ()
-    gdn_value_blocks: int = 1
-    gdn_fused_mixed_decodes: bool = False
     timeline: bool = False
 
     def overlaps(self, name: str | None) -> bool:

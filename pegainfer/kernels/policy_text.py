@@ -3,8 +3,8 @@
 
 Values by field: ``pdl`` -- ``none`` (no launch overlaps), ``all`` (every launch that follows the PDL contract),
 ``default``, launch names joined by ``+``, or ``default`` / ``none`` followed by ``+NAME`` / ``-NAME`` changes;
-``tuning`` -- a tuning file's path, or ``none``; ``gdn_value_blocks`` -- a positive whole number; every other
-field a boolean (``true``/``false``, ``on``/``off``, ``yes``/``no``, ``1``/``0``).
+``tuning`` -- a tuning file's path, or ``none``; every other field a boolean (``true``/``false``, ``on``/``off``,
+``yes``/``no``, ``1``/``0``).
 """
 from __future__ import annotations
 
@@ -27,12 +27,6 @@ def _parse_bool(text: str) -> bool:
     if text.lower() in FALSE:
         return False
     raise PolicyTextError(f"{text!r} is not true or false")
-
-
-def _parse_positive_int(text: str) -> int:
-    if text.isdigit() and int(text) > 0:
-        return int(text)
-    raise PolicyTextError(f"{text!r} is not a positive integer")
 
 
 def _parse_pdl(text: str):
@@ -66,7 +60,7 @@ def _parse_tuning(text: str):
         raise PolicyTextError(str(e)) from None
 
 
-PARSERS = {"pdl": _parse_pdl, "tuning": _parse_tuning, "gdn_value_blocks": _parse_positive_int}
+PARSERS = {"pdl": _parse_pdl, "tuning": _parse_tuning}
 """Value parsers of the policy fields that are not plain booleans."""
 
 

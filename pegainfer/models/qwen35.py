@@ -223,16 +223,15 @@ class Qwen35Model(DecoderModel):
                 mixed: bool = False):
         """Run T tokens through the model; return the device logits view ``[B, V]`` for ``step.logit_rows[:B]``.
         ``step``: the step's device inputs (``engine.step_inputs.StepInputs``, as in ``Qwen3Model.forward``);
-        ``decode``, ``head``, ``num_decode`` and ``mixed`` as there.  A mixed step's Gated DeltaNet layers take
-        every sequence through the chunked path (a decode is a one-token chunk), whatever T and B: so padding,
-        which changes them, never changes the form.  With ``policy.gdn_fused_mixed_decodes`` its first
-        ``num_decode`` rows (the decodes and their padding rows) take the fused decode step instead, as in a
-        decode step, and only the chunks' rows the chunked path."""
+        ``decode``, ``head``, ``num_decode`` and ``mixed`` as there.  A mixed step's Gated DeltaNet layers take its
+        first ``num_decode`` rows (the decodes and their padding rows) through the fused decode step, as in a decode
+        step, and only the prompt chunks' rows through the chunked path (every row chunked, a decode as a one-token
+        chunk, made a 64-decode + 128-token step 2.2x slower: docs/perf/gated_delta.md)."""
         eps, policy, ws = self.cfg.rms_norm_eps, self.policy, self.linear_workspace   # ws: split-K scratch
         ids, pos, slots = step.ids[:T], step.positions[:T], step.token_slots[:T]
         residual, spare = self.residuals[0][:T], self.residuals[1][:T]
         normed, delta, act = self.normed[:T], self.delta[:T], self.act[:T]
-        fused_rows = num_decode if mixed and policy.gdn_fused_mixed_decodes else 0   # decode rows, fused step
+        fused_rows = num_decode if mixed else 0   # a mixed step's decode rows: the fused decode step
         fused_slots = slots[:fused_rows] if fused_rows else None
         decode_slots = slots if decode else None
         seq_slots, seq_offsets = self.seq_slots[:B - fused_rows], self.seq_offsets[:B - fused_rows + 1]

@@ -47,11 +47,6 @@ def test_several_fields_and_booleans(ab):
     assert ab.describe(ab.parse_variant("x:pdl=default-gemv+sample")[1]) == "pdl=default+sample-gemv"
 
 
-def test_gdn_value_blocks_is_an_integer(ab):
-    _, fields = ab.parse_variant("split:gdn_value_blocks=2")
-    assert ab.policy_with(LaunchPolicy(), fields) == LaunchPolicy(gdn_value_blocks=2)
-
-
 def test_tuning_file_becomes_the_policys_tuning(ab, tmp_path):
     path = tmp_path / "tuning.json"
     entries = [{"n_cols": 6144, "k": 2560, "max_tokens": 1, "gated": False,
@@ -67,9 +62,8 @@ def test_tuning_file_becomes_the_policys_tuning(ab, tmp_path):
 
 @pytest.mark.parametrize("spec, needle", [
     ("x:foo=1", "LaunchPolicy has no field 'foo' (its fields: pdl, preload_o, head_argmax, tuning, "
-                "gdn_value_blocks, gdn_fused_mixed_decodes, timeline)"),
+                "timeline)"),
     ("x:preload_o=maybe", "preload_o: 'maybe' is not true or false"),
-    ("x:gdn_value_blocks=0", "gdn_value_blocks: '0' is not a positive integer"),
     ("x:pdl=gemv+no way", "is not a launch name"),
     ("x:preload_o", "expected FIELD=VALUE"),
     ("base=", "expected LABEL or LABEL:FIELD=VALUE"),
@@ -85,8 +79,7 @@ def test_the_command_refuses_a_bad_field_in_one_line():
     r = run_script("ab_policy.py", "--model-path", "unused", "--variant", "base", "--variant", "x:foo=1")
     assert r.returncode == 2
     assert one_line_error(r) == ("error: --variant 'x:foo=1': LaunchPolicy has no field 'foo' "
-                                 "(its fields: pdl, preload_o, head_argmax, tuning, gdn_value_blocks, "
-                                 "gdn_fused_mixed_decodes, timeline)")
+                                 "(its fields: pdl, preload_o, head_argmax, tuning, timeline)")
     r = run_script("ab_policy.py", "--model-path", "unused", "--variant", "a", "--variant", "a:pdl=none")
     assert r.returncode == 2 and "share a label" in one_line_error(r)
 
@@ -129,5 +122,5 @@ def test_bench_mode_runs_pegainfer_bench_with_the_variants_policy(tmp_path):
     (run,) = json.loads(out.read_text())["runs"]
     assert run["variant"] == "lean" and run["tpot_ms"] > 0 and run["ttft_ms"] > 0
     assert run["bench"]["policy"] == {"pdl": [], "preload_o": True, "head_argmax": False, "tuning": 0,
-                                      "gdn_value_blocks": 1, "gdn_fused_mixed_decodes": False, "timeline": False}
+                                      "timeline": False}
     assert "tpot vs first" in r.stdout

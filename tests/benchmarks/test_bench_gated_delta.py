@@ -23,14 +23,14 @@ def test_smoke_run(bench_modules, tmp_path):
 
 @pytest.mark.skipif(not SIMULATOR, reason="a smoke run of the simulator's tiny shapes")
 def test_decode_batch_times_the_fused_step_against_the_general_path(bench_modules, tmp_path):
-    """``--decode-batch``: the decode launch is timed per batch size (and per ``--value-blocks``) with its state
-    bytes, and its outputs and states equal the general path's bit for bit."""
+    """``--decode-batch``: the decode launch is timed per batch size with its state bytes, and its outputs and states
+    equal the general path's bit for bit."""
     import bench_gated_delta
     out = tmp_path / "decode.json"
-    assert bench_gated_delta.main(["--decode-batch", "1,3", "--value-blocks", "1,2", "--json", str(out)]) == 0
+    assert bench_gated_delta.main(["--decode-batch", "1,3", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["decode_rows"]
     h = bench_gated_delta.HEADS
-    assert [(r["B"], r["value_blocks"]) for r in rows] == [(1, 1), (1, 2), (3, 1), (3, 2)]
+    assert [r["B"] for r in rows] == [1, 3]
     for r in rows:
         assert r["state_bytes"] == 2 * r["B"] * h["num_v_heads"] * h["key_dim"] * h["value_dim"] * 4
         assert r["us"] > 0 and r["out_bit_equal"] == 1.0 and r["state_bit_equal"] == 1.0

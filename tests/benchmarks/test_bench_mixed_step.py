@@ -46,7 +46,7 @@ def test_policy_fields_reach_the_engine(bench_modules, tmp_path, monkeypatch):
     monkeypatch.setattr(Engine, "from_folder", classmethod(recording))
     out = tmp_path / "mixed.json"
     assert bench_mixed_step.main(["--batch", "1", "--prompts", "1", "--prompt-len", "2", "--context", "3",
-                                  "--runs", "1", "--policy", "gdn_fused_mixed_decodes=true", "--json", str(out)]) == 0
-    assert seen[0].gdn_fused_mixed_decodes and json.loads(out.read_text())["policy"] == "gdn_fused_mixed_decodes=true"
+                                  "--runs", "1", "--policy", "head_argmax=false", "--json", str(out)]) == 0
+    assert not seen[0].head_argmax and json.loads(out.read_text())["policy"] == "head_argmax=false"
     with pytest.raises(SystemExit):
         bench_mixed_step.main(["--policy", "nope=1"])

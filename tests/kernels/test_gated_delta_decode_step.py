@@ -79,39 +79,6 @@ def test_decode_mode_step_keeps_its_first_item(rng):
                                       positions, decode_slots=token_slots)
 
 
-@pytest.mark.parametrize("key_dim, value_dim, value_blocks", [(16, 32, 2), (16, 64, 2), (16, 64, 4)])
-def test_decode_step_with_heads_split_over_value_blocks(rng, key_dim, value_dim, value_blocks):
-    """``policy.gdn_value_blocks``: each head's value columns over several blocks (each writing the rule's output
-    of its columns, then ``gated_rms_norm`` in place), in decode mode, from random rings and states, three
-    sequences and two padding tokens: rings, states and outputs equal conv → reference rule → gated norm bit for
-    bit over two steps (the ring's q/k channels are written by every block of a head, its v channels by the
-    block of their columns)."""
-    layer = make_decode_layer(rng, key_dim=key_dim, value_dim=value_dim)
-    conv_dim = layer["conv_w"].shape[0]
-    ring = bf16_randn((6, conv_dim, 4), rng)[0]
-    state = (rng.standard_normal((6, layer["num_v_heads"], key_dim, value_dim)) * 0.3).astype(np.float32)
-    token_slots = [3, 0, 4, -1, -1]
-    policy = LaunchPolicy(gdn_value_blocks=value_blocks)
-    carried = (ring, state)
-    for step in range(2):
-        positions = cuda.to_device(np.array([5 + step, 2 + step, 9 + step, 0, 0], np.int32))
-        fused = assert_fused_equals_three_kernels(layer, *carried, decode_inputs(rng, layer, 5),
-                                                  table_of(token_slots, 5), positions, label=f"step {step}: ",
-                                                  decode_slots=token_slots, policy=policy)
-        carried = fused[:2]
-
-
-def test_value_blocks_must_divide_the_head(rng):
-    """A ``gdn_value_blocks`` that does not divide the value head dim is refused with a message naming both."""
-    layer = make_decode_layer(rng, key_dim=8, value_dim=8)
-    ring = bf16_randn((2, layer["conv_w"].shape[0], 4), rng)[0]
-    state = np.zeros((2, layer["num_v_heads"], 8, 8), np.float32)
-    with pytest.raises(ValueError, match="gdn_value_blocks 3 does not divide the value head dim 8"):
-        run_linear_step(True, layer, ring, state, decode_inputs(rng, layer, 1), table_of([1], 1),
-                        cuda.to_device(np.array([3], np.int32)), decode_slots=[1],
-                        policy=LaunchPolicy(gdn_value_blocks=3))
-
-
 def test_decode_step_launches_under_its_policy_name(rng, monkeypatch):
     """A decode-mode step launches as ``gated_delta_decode_step`` (a name of the default PDL set) under the policy
     it is given; a step of longer sequences (no pre-wait loads) under no name, which the default set leaves out."""
@@ -238,12 +205,10 @@ def test_gpu_fused_decode_step_qwen35_shapes(rng, lengths, decode, tiles):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("value_blocks", [1, 2])
-def test_gpu_decode_step_of_more_items_than_sms(rng, value_blocks):
+def test_gpu_decode_step_of_more_items_than_sms(rng):
     """Qwen3.5-4B shapes, a decode step of 8 sequences and 2 padding tokens: 320 (sequence, head) items on one
     block per SM, each block's later items streamed into shared memory by the copy engine while it works on the
-    item before; with ``gdn_value_blocks`` 2, 640 half-head items, two blocks an SM.  Bit-identical to conv →
-    reference rule → gated norm (rings, states, outputs)."""
+    item before.  Bit-identical to conv → reference rule → gated norm (rings, states, outputs)."""
     layer = make_decode_layer(rng, **QWEN35_4B)
     conv_dim = layer["conv_w"].shape[0]
     ring = bf16_randn((10, conv_dim, 4), rng)[0]
@@ -252,5 +217,4 @@ def test_gpu_decode_step_of_more_items_than_sms(rng, value_blocks):
     assert 8 * 32 > sm_count()
     positions = cuda.to_device(np.array([0, 2, 9, 40, 3, 7, 1, 100, 0, 0], np.int32))
     assert_fused_equals_three_kernels(layer, ring, state, decode_inputs(rng, layer, 10), table_of(token_slots, 10),
-                                      positions, decode_slots=token_slots,
-                                      policy=LaunchPolicy(gdn_value_blocks=value_blocks))
+                                      positions, decode_slots=token_slots)

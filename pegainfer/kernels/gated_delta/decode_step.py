@@ -20,7 +20,6 @@ from pegainfer.kernels import timeline
 from pegainfer.kernels.gated_delta.common import (COL_TILE, MAX_WARPS, check_bf16, check_positions, check_rule_args,
                                                   gated_norm_value, token_decay_beta, token_gates, token_qk_scales)
 from pegainfer.kernels.gated_delta.conv import conv_output, conv_ring_store, conv_silu
-from pegainfer.kernels.gated_delta.gated_norm import gated_rms_norm
 from pegainfer.kernels.gated_delta.reference import RULE_WARPS
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.norm import inverse_rms
@@ -44,22 +43,15 @@ STATE_COPY_BYTES = 16384
 """Bytes per ``cp.async.bulk`` instruction when a decode block copies its next item's state into shared memory."""
 
 
-def next_state_prefetch(value_cols: int) -> bool:
+def next_state_prefetch(key_dim: int, value_dim: int) -> bool:
     """Whether a decode block copies its next item's state into shared memory while it works on the current one
-    (items of ``value_cols`` columns of a head): the bulk copy moves whole 16-byte runs of a state row."""
-    return value_cols % 4 == 0
+    (heads of ``key_dim × value_dim``): the bulk copy moves whole 16-byte runs."""
+    return (key_dim * value_dim) % 4 == 0
 
 
-def next_state_shared_bytes(key_dim: int, value_cols: int) -> int:
-    """Dynamic shared memory of the decode kernel: one item's f32 state ``[Dk, value_cols]`` and its mbarrier (8
-    bytes)."""
-    return (key_dim * value_cols + 2) * 4 if next_state_prefetch(value_cols) else 0
-
-
-def blocks_per_sm(value_blocks: int) -> int:
-    """Decode blocks resident on an SM: one holding a whole head (its registers fill the SM), two of a head split
-    over value blocks (their registers capped for it)."""
-    return 1 if value_blocks == 1 else 2
+def next_state_shared_bytes(key_dim: int, value_dim: int) -> int:
+    """Dynamic shared memory of the decode kernel: one item's f32 state ``[Dk, Dv]`` and its mbarrier (8 bytes)."""
+    return (key_dim * value_dim + 2) * 4 if next_state_prefetch(key_dim, value_dim) else 0
 
 
 if SIMULATOR:
@@ -93,20 +85,19 @@ else:
 
 
 @device_fn
-def _head_channel(c, hk, h, key_dim, value_dim, k_base, v_base, v0):
+def _head_channel(c, hk, h, key_dim, value_dim, k_base, v_base):
     """Channel of ``x`` (the conv's input) for a block's local channel ``c``: ``c < Dk`` the q channels of key head
-    ``hk``, then its ``Dk`` k channels, then the v channels of value heads ``h, h+1, ..`` from the head's value
-    column ``v0`` on (the block's first column: 0 unless a head's columns are split over blocks)."""
+    ``hk``, then its ``Dk`` k channels, then the v channels of value heads ``h, h+1, ..``."""
     if c < key_dim:
         return hk * key_dim + c
     if c < 2 * key_dim:
         return k_base + hk * key_dim + (c - key_dim)
-    return v_base + h * value_dim + v0 + (c - 2 * key_dim)
+    return v_base + h * value_dim + (c - 2 * key_dim)
 
 
 @functools.cache
 def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per_thread: int, decode: bool = False,
-                        taps: int = 4, stamps: bool = False, value_blocks: int = 1):
+                        taps: int = 4, stamps: bool = False):
     """Build the fused decode step for heads of ``key_dim × value_dim``, ``row_groups`` key-row classes (the
     summation order of ``reference_gated_delta`` with that many warps) and ``tiles_per_thread`` 32-column tiles
     per thread.  All four are compile-time constants: the per-thread state is a register array of
@@ -116,50 +107,40 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
     parameters before the PDL wait and keeps them (no re-reads after it), and computes the token's decay and write
     strength as soon as ``a`` and ``b`` arrive, while the conv runs (the same operations: the same bits);
     ``taps``: the conv's kernel size (decode mode holds a thread's conv weights and older inputs in registers);
-    ``stamps``: each block appends its ``timeline`` record (ready: its first item's outputs written);
-    ``value_blocks`` (decode only): blocks a (sequence, head) item's value columns are split over, each with its
-    ``Dv / value_blocks`` columns of the state; with more than one the blocks write the rule's output and leave the
-    gated norm, which needs a head's every column, to ``gated_rms_norm``."""
-    assert value_blocks == 1 or (decode and value_dim % value_blocks == 0), (value_blocks, decode, value_dim)
+    ``stamps``: each block appends its ``timeline`` record (ready: its first item's outputs written)."""
     STAMPS = stamps
     DECODE = decode
     KD = key_dim
     VD = value_dim
-    C = value_blocks
-    VB = VD // C                 # value columns of a block (Dv when one block does a whole head)
-    NORM = C == 1                # the block applies the gated norm itself
     R = row_groups
     TPT = tiles_per_thread
     ROWS = -(-KD // R)           # key rows per thread: row_class, row_class + R, ...
     REGS = ROWS * TPT            # (array sizes must be closure constants, not expressions)
     QK_WORDS = 2 * KD
-    tiles = -(-VB // COL_TILE)
+    tiles = -(-VD // COL_TILE)
     NT = R * -(-tiles // TPT) * WARP     # threads per block
-    MIN_BLOCKS = blocks_per_sm(C)        # split heads: small blocks, two an SM (registers capped for that)
-    CONV_CHANNELS = 2 * KD + VB          # the q, k channels of a key head and the block's v channels of a value head
+    CONV_CHANNELS = 2 * KD + VD          # the q, k channels of a key head and the v channels of a value head
     ALL_ROWS = KD % R == 0               # every thread's rows / columns exist: no guards (Qwen3.5: both)
-    ALL_COLS = VB % (TPT * WARP) == 0
+    ALL_COLS = VD % (TPT * WARP) == 0
     TAPS = taps
     CONV_ROUNDS = -(-CONV_CHANNELS // NT)   # conv channels per thread (block-strided)
     CONV_REGS = CONV_ROUNDS * TAPS
-    OUT_ROUNDS = -(-VB // NT)               # output columns per thread (block-strided)
+    OUT_ROUNDS = -(-VD // NT)               # output columns per thread (block-strided)
     VEC = TPT if TPT in (2, 4) and ALL_COLS else 1   # a thread's columns moved by one 8- / 16-byte access
-    PARTIAL = R * VB                        # the per-row-class column sums in shared memory, [R, Dv / C]
-    PREFETCH = DECODE and next_state_prefetch(VB)   # the next item's state copied into shared memory
-    HEAD_WORDS = KD * VD                    # a head's state in ssm_state
-    STATE_WORDS = KD * VB                   # an item's (its block's columns), in shared memory
-    BAR = STATE_WORDS                       # the copy's mbarrier: the two words after the state (an even count)
+    PARTIAL = R * VD                        # the per-row-class column sums in shared memory, [R, Dv]
+    PREFETCH = DECODE and next_state_prefetch(KD, VD)   # a block's next item's state copied into shared memory
+    STATE_WORDS = KD * VD
+    BAR = STATE_WORDS                       # the copy's mbarrier: the two words after the state (Dk·Dv is even)
     COPY_WORDS = STATE_COPY_BYTES // 4
     COPIES = -(-STATE_WORDS // COPY_WORDS)
 
     @device_fn
-    def state_rows(ssm_state, base, stride, state, row_class, first_col, store):
+    def state_rows(ssm_state, base, state, row_class, first_col, store):
         """Load (``store`` False) or store this thread's state ``state[m·ROWS + i] = S[row_class + R·i,
-        first_col + m]``, which sits at ``base + R·i·stride + m`` (``stride``: Dv in ``ssm_state``, the block's
-        columns in shared memory): one ``VEC``-wide access per row."""
+        first_col + m]``, which sits at ``base + R·i·Dv + m``: one ``VEC``-wide access per row."""
         for i in range(ROWS):
             if ALL_ROWS or row_class + R * i < KD:
-                at = base + uint64(R * i * stride)
+                at = base + uint64(R * i * VD)
                 if VEC == 4:
                     if store:
                         store_f32x4(ssm_state, at, state[i], state[ROWS + i], state[2 * ROWS + i],
@@ -174,7 +155,7 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                         state[i], state[ROWS + i] = load_f32x2(ssm_state, at)
                 else:
                     for m in range(TPT):
-                        if ALL_COLS or first_col + m < VB:
+                        if ALL_COLS or first_col + m < VD:
                             if store:
                                 ssm_state[at + uint64(m)] = state[m * ROWS + i]
                             else:
@@ -189,7 +170,7 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
             store_f32x2(dst, at, vals[0], vals[1])
         else:
             for m in range(TPT):
-                if ALL_COLS or first_col + m < VB:
+                if ALL_COLS or first_col + m < VD:
                     dst[at + uint64(m)] = vals[m]
 
     @device_fn
@@ -201,7 +182,7 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
             vals[0], vals[1] = load_f32x2(src, at)
         else:
             for m in range(TPT):
-                if ALL_COLS or first_col + m < VB:
+                if ALL_COLS or first_col + m < VD:
                     vals[m] = src[at + uint64(m)]
 
     @device_fn
@@ -219,11 +200,11 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
             vals[1] += x1
         else:
             for m in range(TPT):
-                if ALL_COLS or first_col + m < VB:
+                if ALL_COLS or first_col + m < VD:
                     vals[m] += src[at + uint64(m)]
 
     @device_fn
-    def decode_prefetch(conv_weight, conv_state, norm_weight, slot, pos, h, hk, k_base, v_base, v0, wts, hist, nw):
+    def decode_prefetch(conv_weight, conv_state, norm_weight, slot, pos, h, hk, k_base, v_base, wts, hist, nw):
         """Decode mode: what this thread's conv channels and output columns need besides the projection's
         outputs -- the conv weights ``wts[r·K + k]``, the ring's older inputs ``hist[r·K + k]`` (``k < K-1``:
         positions ``pos - (K-1) + k``, zero below 0) and the norm weights ``nw[r]`` -- all read by no kernel of the
@@ -232,7 +213,7 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
         for r in range(CONV_ROUNDS):
             c = r * NT + tid
             if c < CONV_CHANNELS:
-                ch = _head_channel(c, hk, h, KD, VD, k_base, v_base, v0)
+                ch = _head_channel(c, hk, h, KD, VD, k_base, v_base)
                 for k in range(TAPS):
                     wts[r * TAPS + k] = conv_weight[ch, k]
                     p = pos - (TAPS - 1) + k
@@ -240,40 +221,29 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                         hist[r * TAPS + k] = conv_state[slot, ch, p % TAPS] if p >= 0 else uint16(0)
         for r in range(OUT_ROUNDS):
             j = r * NT + tid
-            if NORM and j < VD:
+            if j < VD:
                 nw[r] = norm_weight[j]
 
     @device_fn
     def copy_next_state(next_state, bars, ssm_state, token_slots, item, num_items, num_v_heads):
-        """Start copying ``item``'s f32 state into ``next_state`` with the copy engine, counted on the mbarrier at
-        ``bars[BAR]``: thread 0 of a block that does whole heads (a head's ``S [Dk, Dv]`` is contiguous: a few
-        large copies), warp 0 of one that does a head's value block (one copy of its columns per state row).
-        Nothing past the last item or for a padding token (padding is last: no later item of the block has a
-        state then either)."""
+        """Thread 0 of a decode block: start copying ``item``'s f32 state ``S [Dk, Dv]`` (contiguous) into
+        ``next_state`` with the copy engine, counted on the mbarrier at ``bars[BAR]``.  Nothing past the last item
+        or for a padding token (padding is last: no later item of the block has a state then either)."""
         if item < num_items:
-            slot = token_slots[item // (num_v_heads * C)]
+            slot = token_slots[item // num_v_heads]
             if slot >= 0:
-                src = uint64(slot * num_v_heads + (item // C) % num_v_heads) * uint64(HEAD_WORDS)
-                if C == 1:
-                    bulk_expect_bytes(bars, BAR, uint32(STATE_WORDS * 4))
-                    for c in range(COPIES):
-                        bulk_copy(next_state, uint32(c * COPY_WORDS), ssm_state, src + uint64(c * COPY_WORDS),
-                                  uint32(min(COPY_WORDS, STATE_WORDS - c * COPY_WORDS) * 4), bars, BAR)
-                else:
-                    lane = cuda.threadIdx.x % WARP
-                    if lane == 0:
-                        bulk_expect_bytes(bars, BAR, uint32(STATE_WORDS * 4))
-                    src += uint64((item % C) * VB)
-                    for row in range(lane, KD, WARP):
-                        bulk_copy(next_state, uint32(row * VB), ssm_state, src + uint64(row * VD), uint32(VB * 4),
-                                  bars, BAR)
+                src = uint64(slot * num_v_heads + item % num_v_heads) * uint64(STATE_WORDS)
+                bulk_expect_bytes(bars, BAR, uint32(STATE_WORDS * 4))
+                for c in range(COPIES):
+                    bulk_copy(next_state, uint32(c * COPY_WORDS), ssm_state, src + uint64(c * COPY_WORDS),
+                              uint32(min(COPY_WORDS, STATE_WORDS - c * COPY_WORDS) * 4), bars, BAR)
 
     # decode: what a block reads for its first item before the PDL wait (no kernel of the step writes it)
     early_reads = ("ssm_state", "conv_weight", "conv_state", "norm_weight", "a_log", "dt_bias", "positions",
                    "token_slots") if DECODE else ()
 
     @reads_before_wait(*early_reads)
-    @launch_bounded(NT, MIN_BLOCKS)
+    @launch_bounded(NT)
     def gated_delta_decode_step_kernel(x, conv_weight, conv_state, z, a, b, a_log, dt_bias, norm_weight, eps,
                                        ssm_state, slot_ids, token_offsets, positions, token_slots, out, stamp_buf):
         """One Gated DeltaNet step after in_proj, for sequences of one token: conv + SiLU, the delta rule and the
@@ -292,16 +262,14 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
             out = bf16(bf16(w · bf16(o · rms(o)⁻¹)) · silu(z))
 
         Rows of padding tokens (after the last sequence, ``token_offsets[B]:``, and those of a padding sequence,
-        slot -1) get the gated norm of a zero row (what the three kernels leave there).  Sequences of several
-        tokens (a prompt scored row by row) are also exact: one block per key head then runs its value heads one
-        after another (below).
+        slot -1) get the gated norm of a zero row (what the three kernels leave there).  Sequences of several tokens (a prompt scored row by row) are also exact:
+        one block per key head then runs its value heads one after another (below).
 
         Geometry: one block per (sequence, value head), grid-strided (decode: at most one per SM, below), of
         ``row_groups`` warps per ``tiles_per_thread`` 32-column tiles (Qwen3.5: 8 row classes × 2 column groups =
-        16 warps); with ``value_blocks`` C > 1, one block per (sequence, value head, C-th of its value columns),
-        whose columns below are that block's ``Dv / C`` (Qwen3.5, C = 2: 8 warps).  Warp ``w`` owns key rows
-        ``d ≡ w mod row_groups`` and, in column group ``c = w // row_groups``, ``tiles_per_thread`` tiles of 32
-        columns: lane ``l`` holds the ``T = tiles_per_thread`` consecutive columns ``32·T·c + T·l + m``,
+        16 warps).  Warp ``w``
+        owns key rows ``d ≡ w mod row_groups`` and, in column group ``c = w // row_groups``, ``tiles_per_thread``
+        tiles of 32 columns: lane ``l`` holds the ``T = tiles_per_thread`` consecutive columns ``32·T·c + T·l + m``,
         which it loads and stores with one 8- or 16-byte access per row (T = 2 or 4), i.e. ``S[d, j]`` for ``d``
         in its row class: read once into registers (issued before the conv, whose loads they overlap), decayed and
         updated there, written once.  The block first computes the conv of the 2·Dk q/k and Dv v channels it needs
@@ -334,8 +302,7 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
         before the PDL wait, each later one once every thread has moved the current item's state from shared
         memory into registers, i.e. after the conv's barrier), and a later item waits on the barrier's next phase
         instead of a round trip to HBM.  The HBM reads of item ``i + 1`` thus overlap the arithmetic and the state
-        writes of item ``i``.  With value blocks, two blocks an SM, and warp 0 copies the item's ``[Dk, Dv / C]``
-        columns one state row at a time.
+        writes of item ``i``.
         """
         t_entry = t_wait = t_ready = uint64(0)
         if STAMPS:
@@ -352,8 +319,8 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
 
         qk_s = cuda.shared.array(QK_WORDS, float32)              # this token's q then k (f32 of the bf16 conv outputs)
         # (16-byte aligned: the vector accesses of store_cols / load_cols / add_cols)
-        v_s = cuda.shared.array(VB, float32, alignment=16)       # its v for head h (the block's columns)
-        o_s = cuda.shared.array(VB, float32)                     # the rule's outputs (bf16 values)
+        v_s = cuda.shared.array(VD, float32, alignment=16)       # its v for head h
+        o_s = cuda.shared.array(VD, float32)                     # the rule's outputs (bf16 values)
         partial_kv = cuda.shared.array(PARTIAL, float32, alignment=16)    # [R, Dv] per row class: Σ_d S·decay·k̂
         partial_out = cuda.shared.array(PARTIAL, float32, alignment=16)   # [R, Dv] per row class: Σ_d S·q̂
         state = cuda.local.array(REGS, float32)                  # state[m·ROWS + i] = S[row_class + R·i, col m]
@@ -383,38 +350,28 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
         nw = cuda.local.array(OUT_ROUNDS, uint16)     # decode: their norm weights
         inv_rms_zero = inverse_rms(float32(0.0), VD, eps)
 
-        # an item is a (sequence, value head, block of value columns): item = (seq · Hv + head) · C + column block
-        num_items = num_seqs * num_v_heads * C
         pre = False  # decode: the block's first item was loaded before the wait
-        pre_seq = pre_h = pre_v0 = 0
+        pre_seq = pre_h = 0
         pre_slot = pre_pos = int32(0)
         pre_a_log = pre_dt_bias = decay = beta = float32(0.0)
         if DECODE:
-            if cuda.blockIdx.x < num_items:
-                pre_seq = cuda.blockIdx.x // (num_v_heads * C)
+            if cuda.blockIdx.x < num_seqs * num_v_heads:
+                pre_seq = cuda.blockIdx.x // num_v_heads
                 pre_slot = token_slots[pre_seq]
                 if pre_slot >= 0:
                     pre = True
-                    pre_h = (cuda.blockIdx.x // C) % num_v_heads
-                    pre_v0 = (cuda.blockIdx.x % C) * VB
+                    pre_h = cuda.blockIdx.x % num_v_heads
                     pre_pos = positions[pre_seq]
                     pre_a_log = float32(a_log[pre_h])
                     pre_dt_bias = float32(dt_bias[pre_h])
-                    base = uint64(((pre_slot * num_v_heads + pre_h) * KD + row_class) * VD + pre_v0 + first_col)
-                    state_rows(ssm_state, base, VD, state, row_class, first_col, False)
+                    base = uint64(((pre_slot * num_v_heads + pre_h) * KD + row_class) * VD + first_col)
+                    state_rows(ssm_state, base, state, row_class, first_col, False)
                     decode_prefetch(conv_weight, conv_state, norm_weight, pre_slot, pre_pos, pre_h,
-                                    pre_h // heads_per_key, k_base, v_base, pre_v0, wts, hist, nw)
-            if PREFETCH and C == 1 and tid == 0:   # the second item's state streams in during the first
+                                    pre_h // heads_per_key, k_base, v_base, wts, hist, nw)
+            if PREFETCH and tid == 0:   # the second item's state streams in while the first is worked on
                 bulk_barrier_init(bars, BAR)
                 copy_next_state(next_state, bars, ssm_state, token_slots, cuda.blockIdx.x + cuda.gridDim.x,
-                                num_items, num_v_heads)
-            if PREFETCH and C > 1:              # (warp 0's copies: the barrier initialised before any of them)
-                if tid == 0:
-                    bulk_barrier_init(bars, BAR)
-                cuda.syncthreads()
-                if tid < WARP:
-                    copy_next_state(next_state, bars, ssm_state, token_slots, cuda.blockIdx.x + cuda.gridDim.x,
-                                    num_items, num_v_heads)
+                                num_seqs * num_v_heads, num_v_heads)
             grid_dependency_wait()
             if STAMPS:
                 t_wait = global_timer()
@@ -428,29 +385,24 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                 out[row, col] = gated_norm_value(float32(0.0), inv_rms_zero, norm_weight[col % VD], z[row, col])
 
         phase = uint32(0)   # parity of the next_state copy's mbarrier phase a later item waits for
-        for item in range(cuda.blockIdx.x, num_items, cuda.gridDim.x):
+        for item in range(cuda.blockIdx.x, num_seqs * num_v_heads, cuda.gridDim.x):
             kept = DECODE and pre and item == cuda.blockIdx.x   # what was read before the wait still holds
             if kept:
                 first_head = pre_h
                 seq = pre_seq
-                v0 = pre_v0
             else:
-                first_head = (item // C) % num_v_heads
-                seq = item // (num_v_heads * C)
-                v0 = (item % C) * VB
+                first_head = item % num_v_heads
+                seq = item // num_v_heads
             heads = 1
             if DECODE:
                 slot = pre_slot if kept else token_slots[seq]
-                if slot < 0:  # a padding token: the rule's zeros (through the gated norm when it is ours)
+                if slot < 0:  # a padding token: the rule's zeros through the gated norm
                     for r in range(OUT_ROUNDS):
                         j = r * NT + tid
-                        if j < VB:
-                            col = first_head * VD + v0 + j
-                            if NORM:
-                                out[seq, col] = gated_norm_value(float32(0.0), inv_rms_zero, norm_weight[j],
-                                                                 z[seq, col])
-                            else:
-                                out[seq, col] = uint16(0)
+                        if j < VD:
+                            col = first_head * VD + j
+                            out[seq, col] = gated_norm_value(float32(0.0), inv_rms_zero, norm_weight[j],
+                                                             z[seq, col])
                     continue
                 start = seq
                 n = 1
@@ -476,33 +428,33 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                 h = first_head + step // n
                 t = start + step % n
                 # this thread's S[row_class + R·i, first_col + m] sits at base + R·i·Dv + m
-                base = uint64(((slot * num_v_heads + h) * KD + row_class) * VD + v0 + first_col)
+                base = uint64(((slot * num_v_heads + h) * KD + row_class) * VD + first_col)
                 loaded = pre and item == cuda.blockIdx.x
                 if t == start and not loaded:  # the head's first token: its state into registers, ahead of the conv
                     if PREFETCH:   # a decode block's later item: its state has been copied into shared memory
                         mbar_wait(bars, BAR, phase)
                         phase ^= uint32(1)
-                        state_rows(next_state, uint64(row_class * VB + first_col), VB, state, row_class,
-                                   first_col, False)
+                        state_rows(next_state, uint64(row_class * VD + first_col), state, row_class, first_col,
+                                   False)
                     else:
-                        state_rows(ssm_state, base, VD, state, row_class, first_col, False)
+                        state_rows(ssm_state, base, state, row_class, first_col, False)
                 # conv + SiLU of the channels this head reads
                 if DECODE:
                     if not loaded:    # a later item of the block (one block an SM, or a capped grid)
                         decode_prefetch(conv_weight, conv_state, norm_weight, slot, first_pos, h, hk, k_base,
-                                        v_base, v0, wts, hist, nw)
+                                        v_base, wts, hist, nw)
                     a_t = a[t, h]
                     b_t = b[t, h]
                     # the token's decay and write strength while the conv runs
                     decay, beta = token_decay_beta(a_t, b_t, pre_a_log if kept else a_log[h],
                                                    pre_dt_bias if kept else dt_bias[h])
                     for r in range(OUT_ROUNDS):
-                        if NORM and r * NT + tid < VD:
+                        if r * NT + tid < VD:
                             zin[r] = z[t, h * VD + r * NT + tid]
                     for r in range(CONV_ROUNDS):
                         c = r * NT + tid
                         if c < CONV_CHANNELS:
-                            ch = _head_channel(c, hk, h, KD, VD, k_base, v_base, v0)
+                            ch = _head_channel(c, hk, h, KD, VD, k_base, v_base)
                             xin[r] = x[t, ch]
                             acc = float32(0.0)   # conv_silu's sum, in its order: the older inputs, then x
                             for k in range(TAPS - 1):
@@ -518,7 +470,7 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                     for c0 in range(0, CONV_CHANNELS, NT):
                         c = c0 + tid
                         if c < CONV_CHANNELS:
-                            ch = _head_channel(c, hk, h, KD, VD, k_base, v_base, 0)
+                            ch = _head_channel(c, hk, h, KD, VD, k_base, v_base)
                             val = bf16_to_f32(conv_silu(x, conv_weight, conv_state, slot, ch, start, t - start,
                                                         first_pos))
                             if c < 2 * KD:
@@ -530,10 +482,7 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                 cuda.syncthreads()
                 if PREFETCH and tid == 0 and not loaded:   # every thread holds its part: refill next_state
                     copy_next_state(next_state, bars, ssm_state, token_slots, item + cuda.gridDim.x,
-                                    num_items, num_v_heads)
-                elif PREFETCH and C > 1 and 0 < tid < WARP and not loaded:
-                    copy_next_state(next_state, bars, ssm_state, token_slots, item + cuda.gridDim.x,
-                                    num_items, num_v_heads)
+                                    num_seqs * num_v_heads, num_v_heads)
                 # l2 norms (every warp, as the reference kernel), decay, write strength (decode: computed above)
                 ssq = float32(0.0)
                 ssk = float32(0.0)
@@ -556,9 +505,9 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                     if ALL_ROWS or row_class + R * i < KD:
                         k_d = qk_s[u_row + uint64(KD + R * i)] * k_mul
                         for m in range(TPT):
-                            if ALL_COLS or first_col + m < VB:
+                            if ALL_COLS or first_col + m < VD:
                                 col_acc[m] += state[m * ROWS + i] * decay * k_d
-                store_cols(partial_kv, u_row * uint64(VB) + u_col, col_acc, first_col)
+                store_cols(partial_kv, u_row * uint64(VD) + u_col, col_acc, first_col)
                 cuda.syncthreads()
 
                 # pass 2: S = S·decay + k̂ ⊗ delta and this thread's part of Sᵀq̂.  ``opaque``: the reference
@@ -568,7 +517,7 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                     col_delta[m] = float32(0.0)
                     col_v[m] = float32(0.0)
                 for w in range(R):              # kv_mem of each column: the row classes' parts, in order
-                    add_cols(partial_kv, uint64(w * VB) + u_col, col_delta, first_col)
+                    add_cols(partial_kv, uint64(w * VD) + u_col, col_delta, first_col)
                 load_cols(v_s, u_col, col_v, first_col)
                 for m in range(TPT):
                     col_delta[m] = (col_v[m] - col_delta[m]) * beta
@@ -578,54 +527,51 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                         k_d = qk_s[u_row + uint64(KD + R * i)] * k_mul
                         q_d = qk_s[u_row + uint64(R * i)] * q_mul
                         for m in range(TPT):
-                            if ALL_COLS or first_col + m < VB:
+                            if ALL_COLS or first_col + m < VD:
                                 s_new = opaque(state[m * ROWS + i]) * decay + k_d * col_delta[m]
                                 state[m * ROWS + i] = s_new
                                 col_acc[m] += s_new * q_d
-                store_cols(partial_out, u_row * uint64(VB) + u_col, col_acc, first_col)
+                store_cols(partial_out, u_row * uint64(VD) + u_col, col_acc, first_col)
                 cuda.syncthreads()
-                for j0 in range(0, VB, NT):
-                    if j0 + tid < VB:
+                for j0 in range(0, VD, NT):
+                    if j0 + tid < VD:
                         j = uint64(j0) + u_tid
                         o = float32(0.0)
                         for w in range(R):
-                            o += partial_out[uint64(w * VB) + j]
-                        if NORM:
-                            o_s[j] = bf16_to_f32(f32_to_bf16(o))
-                        else:       # the rule's output, as reference_gated_delta writes it; the norm comes after
-                            out[t, h * VD + v0 + j0 + tid] = f32_to_bf16(o)
-                if NORM:
-                    cuda.syncthreads()
-                    # gated RMSNorm of the head's Dv outputs (every warp reduces them as gated_rms_norm_kernel)
-                    ss = float32(0.0)
-                    for i0 in range(0, VD, WARP):
-                        if i0 + lane < VD:
-                            ov = o_s[uint64(i0 + lane)]
-                            ss += ov * ov
-                    inv_rms = inverse_rms(warp_sum(ss), VD, eps)
-                    for r in range(OUT_ROUNDS):
-                        j = r * NT + tid
-                        if j < VD:
-                            col = h * VD + j
-                            if DECODE:
-                                out[t, col] = gated_norm_value(o_s[uint64(j)], inv_rms, nw[r], zin[r])
-                            else:
-                                out[t, col] = gated_norm_value(o_s[uint64(j)], inv_rms, norm_weight[j], z[t, col])
+                            o += partial_out[uint64(w * VD) + j]
+                        o_s[j] = bf16_to_f32(f32_to_bf16(o))
+                cuda.syncthreads()
+
+                # gated RMSNorm of the head's Dv outputs (every warp reduces them as gated_rms_norm_kernel)
+                ss = float32(0.0)
+                for i0 in range(0, VD, WARP):
+                    if i0 + lane < VD:
+                        ov = o_s[uint64(i0 + lane)]
+                        ss += ov * ov
+                inv_rms = inverse_rms(warp_sum(ss), VD, eps)
+                for r in range(OUT_ROUNDS):
+                    j = r * NT + tid
+                    if j < VD:
+                        col = h * VD + j
+                        if DECODE:
+                            out[t, col] = gated_norm_value(o_s[uint64(j)], inv_rms, nw[r], zin[r])
+                        else:
+                            out[t, col] = gated_norm_value(o_s[uint64(j)], inv_rms, norm_weight[j], z[t, col])
                 if STAMPS and t_ready == uint64(0):
                     t_ready = global_timer()
 
                 if t == start + n - 1:  # the head's last token: its state back
-                    state_rows(ssm_state, base, VD, state, row_class, first_col, True)
+                    state_rows(ssm_state, base, state, row_class, first_col, True)
             cuda.syncthreads()  # every read of the slot's old ring entries by this block is done
             if DECODE:          # the token's inputs, still in registers, at entry position % K
                 for r in range(CONV_ROUNDS):
                     c = r * NT + tid
                     if c < CONV_CHANNELS:
-                        ch = _head_channel(c, hk, first_head, KD, VD, k_base, v_base, v0)
+                        ch = _head_channel(c, hk, first_head, KD, VD, k_base, v_base)
                         conv_state[slot, ch, first_pos % TAPS] = xin[r]
             else:
                 for c in range(tid, 2 * KD + heads * VD, NT):
-                    ch = _head_channel(c, hk, first_head, KD, VD, k_base, v_base, 0)
+                    ch = _head_channel(c, hk, first_head, KD, VD, k_base, v_base)
                     conv_ring_store(x, conv_state, slot, ch, start, n, first_pos)
         if STAMPS and tid == 0:
             t_wait = t_wait if t_wait != uint64(0) else t_entry
@@ -651,9 +597,7 @@ def gated_delta_decode_step(x, conv_weight, conv_state, z, a, b, a_log, dt_bias,
     decode step -- one token per sequence, sequence ``b`` = token ``b``, padding tokens (slot -1) last -- and the
     kernel reads each block's state before waiting for the projection (launched as ``gated_delta_decode_step``,
     which overlaps the projection when ``policy`` says so).  ``policy.timeline``: build the kernel that stamps
-    its blocks (``kernels/timeline.py``).  ``policy.gdn_value_blocks`` > 1 (decode steps only): each head's value
-    columns split over that many blocks of fewer threads, two blocks an SM (each streaming its next item's columns
-    of the state), the gated norm then a second launch (``gated_rms_norm``, in place)."""
+    its blocks (``kernels/timeline.py``)."""
     check_rule_args(x, a, b, a_log, dt_bias, ssm_state, slot_ids, token_offsets, out)
     for arr, ndim in ((conv_weight, 2), (conv_state, 3), (z, 2), (norm_weight, 1)):
         check_bf16(arr, ndim)
@@ -666,30 +610,23 @@ def gated_delta_decode_step(x, conv_weight, conv_state, z, a, b, a_log, dt_bias,
     assert z.shape == out.shape and norm_weight.shape == (value_dim,), (z.shape, out.shape, norm_weight.shape)
     assert ssm_state.is_c_contiguous(), "the kernel reads the state as one flat array"
     check_positions(positions, num_tokens)
-    decode = decode_token_slots is not None
-    value_blocks = policy.gdn_value_blocks if decode else 1
-    if value_dim % value_blocks:
-        raise ValueError(f"gdn_value_blocks {value_blocks} does not divide the value head dim {value_dim}")
-    tiles = -(-(value_dim // value_blocks) // COL_TILE)
+    tiles = -(-value_dim // COL_TILE)
     warps = row_groups * -(-tiles // tiles_per_thread)
     assert 1 <= row_groups and 1 <= tiles_per_thread and warps <= MAX_WARPS, (row_groups, tiles_per_thread)
     if num_tokens == 0:
         return
+    decode = decode_token_slots is not None
     if decode:
         assert decode_token_slots.dtype == np.int32 and decode_token_slots.shape == (num_tokens,)
         assert slot_ids.shape[0] == num_tokens, "a decode step has one sequence per token"
     stamps = timeline.buffer() if policy.timeline else timeline.unused()
-    items = slot_ids.shape[0] * num_v_heads * value_blocks
-    value_cols = value_dim // value_blocks
-    if decode and next_state_prefetch(value_cols):   # as many blocks as fit the SMs, each streaming its next item
-        blocks, shared = min(items, blocks_per_sm(value_blocks) * sm_count()), next_state_shared_bytes(key_dim,
-                                                                                                         value_cols)
+    items = slot_ids.shape[0] * num_v_heads
+    if decode and next_state_prefetch(key_dim, value_dim):   # one block per SM, each streaming its next item
+        blocks, shared = min(items, sm_count()), next_state_shared_bytes(key_dim, value_dim)
     else:
         blocks, shared = grid(max(1, items), sim_cap=8), 0
-    launch(_decode_step_kernel(key_dim, value_dim, row_groups, tiles_per_thread, decode, taps, policy.timeline,
-                               value_blocks), blocks, warps * WARP, x, conv_weight, conv_state, z, a, b, a_log,
-           dt_bias, norm_weight, np.float32(eps), ssm_state.reshape(ssm_state.size), slot_ids, token_offsets, positions,
+    launch(_decode_step_kernel(key_dim, value_dim, row_groups, tiles_per_thread, decode, taps, policy.timeline),
+           blocks, warps * WARP, x, conv_weight, conv_state, z, a, b, a_log, dt_bias, norm_weight, np.float32(eps),
+           ssm_state.reshape(ssm_state.size), slot_ids, token_offsets, positions,
            decode_token_slots if decode else slot_ids, out, stamps, shared=shared,
            name="gated_delta_decode_step" if decode else None, policy=policy)
-    if value_blocks > 1:
-        gated_rms_norm(out, z, norm_weight, out, eps, policy=policy)

@@ -4,8 +4,8 @@
 Qwen3.5-4B's heads (16 key / 32 value heads × 128, chunks of 64), one prompt of 2048 and 8192 tokens (``--tokens``)
 continuing from a random state: µs per layer (prepare + scan; times from CUDA-graph replays of ``--calls`` calls) and
 what 24 such layers (Qwen3.5-4B's Gated DeltaNet layers) add to a prompt.  ``--geometry W,S`` (repeatable) also
-times the kernels with W warps a scan block and S stages (``gated_delta.ChunkGeometry``), with their speed-up over
-the default geometry.  The check runs each geometry once from the same state and compares outputs and final states
+times the kernels with W warps a scan block and S stages (``gated_delta.ChunkGeometry``; ``W,S,P``: and a key
+head's value heads over P prepare blocks), with their speed-up over the default geometry.  The check runs each geometry once from the same state and compares outputs and final states
 with the token-by-token reference kernel: relative L2 of states and outputs, the share of bf16 outputs bit-equal.
 ``--trace`` prints the time of each kernel of one eager call of each geometry (the launch tracer), so prepare and
 scan show apart.
@@ -15,7 +15,7 @@ of B sequences, launched alone: no PDL overlap), against its floor: each sequenc
 read and written back once, ``2 · B · Hv · Dk · Dv · 4`` bytes over the read bandwidth measured in the same run.  Its
 check: the decode launch's outputs and states bit for bit against the general path's (no ``decode_token_slots``).
 
-    python benchmarks/bench_gated_delta.py [--tokens 2048,8192] [--geometry 1,2 --geometry 4,2] [--trace] [--json F]
+    python benchmarks/bench_gated_delta.py [--tokens 2048,8192] [--geometry 1,2 --geometry 4,2,1] [--trace] [--json F]
     python benchmarks/bench_gated_delta.py --decode-batch 1,64,256 [--json F]
 
 Without a GPU it runs as a smoke test in the simulator (tiny heads, 40 tokens, chunks of 16, wall-clock times).
@@ -213,8 +213,9 @@ def trace_call(fn):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", help="prompt lengths, comma-separated (default: %s)" % ",".join(map(str, TOKENS)))
-    ap.add_argument("--geometry", action="append", default=[], metavar="W,S",
-                    help="also time the kernels with W warps a scan block and S stages")
+    ap.add_argument("--geometry", action="append", default=[], metavar="W,S[,P]",
+                    help="also time the kernels with W warps a scan block, S stages and P prepare blocks a key "
+                         "head (ChunkGeometry.prepare_split; default 0: by the launch's size)")
     ap.add_argument("--calls", type=int, default=3, help="calls a CUDA-graph replay times (default 3)")
     ap.add_argument("--trace", action="store_true",
                     help="print each kernel's time of one eager call of each geometry")
@@ -235,7 +236,7 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     rows = []
     print(f"heads {HEADS}, chunk {CHUNK}; default geometry {tuple(default)}; times per layer "
-          f"({'simulator: wall clock' if SIM else 'CUDA-graph replays'}); (warps, stages) of the scan")
+          f"({'simulator: wall clock' if SIM else 'CUDA-graph replays'}); (warps, stages) of the scan, prepare blocks a key head (0: by size)")
     print(f"{'T':>6s}  {'geometry':22s} {'us/layer':>10s} {'x24 ms':>8s} {'speed-up':>8s}  {'state vs ref':>12s} "
           f"{'out vs ref':>10s} {'out bit-eq':>10s}")
     for T in tokens:

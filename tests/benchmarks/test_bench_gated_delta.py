@@ -14,10 +14,10 @@ def test_smoke_run(bench_modules, tmp_path):
     kernel name, a geometry flag not reaching the launch, a check comparing the wrong arrays would show here)."""
     import bench_gated_delta
     out = tmp_path / "gdn.json"
-    assert bench_gated_delta.main(["--json", str(out), "--geometry", "2,1"]) == 0
+    assert bench_gated_delta.main(["--json", str(out), "--geometry", "2,1,2"]) == 0
     result = json.loads(out.read_text())
     rows = result["rows"]
-    assert [r["geometry"] for r in rows] == [f"{tuple(result['default_geometry'][1:])} default", "(2, 1)"]
+    assert [r["geometry"] for r in rows] == [f"{tuple(result['default_geometry'][1:])} default", "(2, 1, 2)"]
     assert all(r["us"] > 0 and r["state_rel_l2"] < 1e-5 and r["out_bit_equal"] > 0.95 for r in rows)
 
 

@@ -59,6 +59,32 @@ def test_mma_chunked_other_geometry(rng):
              rng=rng)
 
 
+def test_prepare_blocks_split_over_value_heads_give_the_same_bits(rng):
+    """``prepare_split``: a key head's value heads over 1, 2 or 4 prepare blocks (each computing the key head's Gram
+    products itself): outputs and states bit for bit the same, and the reference rule's -- catches a part that
+    takes another part's heads, skips one, or writes its factors to another head's rows."""
+    layer = make_layer(rng, num_k_heads=1, num_v_heads=4, key_dim=16, value_dim=8)
+    state = rng.standard_normal((3, 4, 16, 8)) * 0.3
+    qkv_bits, _, a_bits, _, b_bits, _ = make_tokens(rng, layer, 30)
+    runs = [run_rule("mma", layer, qkv_bits, a_bits, b_bits, state, [2, 0], [19, 11], chunk=16,
+                     geometry=ChunkGeometry(16, 1, 2, prepare_split=split)) for split in (1, 2, 4)]
+    for out, out_state in runs[1:]:
+        np.testing.assert_array_equal(out, runs[0][0])
+        np.testing.assert_array_equal(out_state, runs[0][1])
+    _compare(layer, [19, 11], [2, 0], state, geometry=ChunkGeometry(16, 1, 2, prepare_split=2), rng=rng)
+
+
+def test_prepare_split_by_the_launch_size():
+    """By default a key head's value heads get a prepare block each while the (sequence, chunk, key head) items
+    alone would leave SMs idle (the simulator has 4), one block an item otherwise; a split that does not divide the
+    value heads of a key head is refused in one line."""
+    geo = ChunkGeometry(64, 4, 2)
+    assert geo.prepare_parts(3, 2) == 2 and geo.prepare_parts(4, 2) == 1
+    assert ChunkGeometry(64, 4, 2, prepare_split=1).prepare_parts(1, 2) == 1
+    with pytest.raises(ValueError, match="prepare_split 3: must divide the 2 value heads"):
+        ChunkGeometry(64, 4, 2, prepare_split=3).prepare_parts(1, 2)
+
+
 def test_mma_chunked_rejects_shapes_it_cannot_take():
     """Key dims not a multiple of 16, value dims not a multiple of 8, a chunk past 64: one-line ValueErrors, not a
     kernel that reads past its tiles."""

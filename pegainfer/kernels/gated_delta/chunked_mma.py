@@ -147,9 +147,11 @@ def _prepare_kernel(key_dim: int, tiles: int):
 
     @kernel
     def gated_delta_chunk_prepare_mma_kernel(qkv32, a, b, a_log, dt_bias, token_offsets, num_k_heads, chunk_size,
-                                             max_chunks, tinv32, intra32, scales, gcum):
+                                             max_chunks, head_parts, tinv32, intra32, scales, gcum):
         """The state-independent half (module docstring) for chunk ``[t0, t0+n)`` of a sequence and key head ``hk``
-        (grid-strided over (sequence, chunk < ``max_chunks``, key head)); per value head ``h`` reading ``hk``::
+        (grid-strided over (sequence, chunk < ``max_chunks``, key head, part < ``head_parts``)); per value head ``h``
+        of the part's share of those reading ``hk`` (``head_parts`` blocks share a key head's value heads, each
+        computing the key head's Gram products itself)::
 
             scales[t0+i, h] = (beta_i, beta_i·exp(G_i)·kinv_i, exp(G_i)·qinv_i, exp(G_last − G_i)·kinv_i)
             gcum[t0+i, h]   = G_i
@@ -186,10 +188,13 @@ def _prepare_kernel(key_dim: int, tiles: int):
         q_scale = float32(1.0) / float32(math.sqrt(float32(KD)))
         a_lane = _lane_offset_a(lane, KROW)
         b_lane = _lane_offset_b(lane, KROW)
-        for item in range(cuda.blockIdx.x, (token_offsets.shape[0] - 1) * max_chunks * num_k_heads, cuda.gridDim.x):
-            hk = item % num_k_heads
-            chunk = (item // num_k_heads) % max_chunks
-            seq = item // (num_k_heads * max_chunks)
+        heads_per_part = heads_per_key // head_parts
+        for item in range(cuda.blockIdx.x, (token_offsets.shape[0] - 1) * max_chunks * num_k_heads * head_parts,
+                          cuda.gridDim.x):
+            head_part = item % head_parts
+            hk = (item // head_parts) % num_k_heads
+            chunk = (item // (head_parts * num_k_heads)) % max_chunks
+            seq = item // (head_parts * num_k_heads * max_chunks)
             t0 = token_offsets[seq] + chunk * chunk_size
             n = min(chunk_size, token_offsets[seq + 1] - t0)
             if n <= 0:
@@ -241,7 +246,8 @@ def _prepare_kernel(key_dim: int, tiles: int):
                         qa0, qa1, qa2, qa3, b2, b3, qk[o + 4], qk[o + 5], qk[o + 6], qk[o + 7])
             cuda.syncthreads()                              # the norms are in
 
-            for h in range(hk * heads_per_key, (hk + 1) * heads_per_key):
+            h0 = hk * heads_per_key + head_part * heads_per_part
+            for h in range(h0, h0 + heads_per_part):
                 # 4. decay and write strength a token, their running sum, the per-token factors
                 if tid < CP:
                     gi = float32(0.0)
@@ -671,9 +677,10 @@ def gated_delta_chunked(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids, token_of
     num_seqs = slot_ids.shape[0]
     qkv32 = as_words(qkv)
     s = scratch
-    launch(_prepare_kernel(key_dim, geo.tiles), grid(num_seqs * max_chunks * num_k_heads, sim_cap=16),
+    parts = geo.prepare_parts(num_seqs * max_chunks * num_k_heads, num_v_heads // num_k_heads)
+    launch(_prepare_kernel(key_dim, geo.tiles), grid(num_seqs * max_chunks * num_k_heads * parts, sim_cap=16),
            WARP * geo.tiles, qkv32, a, b, a_log, dt_bias, token_offsets, np.int32(num_k_heads), np.int32(geo.chunk),
-           np.int32(max_chunks), as_words(s.tinv), as_words(s.intra), s.scales.reshape(-1), s.gcum,
+           np.int32(max_chunks), np.int32(parts), as_words(s.tinv), as_words(s.intra), s.scales.reshape(-1), s.gcum,
            shared=4 * geo.prepare_shared_words(key_dim), name="gated_delta_chunk_prepare", policy=policy)
     items = num_seqs * num_v_heads * -(-value_dim // geo.scan_columns)
     launch(_scan_kernel(key_dim, value_dim, geo.tiles, geo.scan_warps, geo.scan_stages), grid(items, sim_cap=8),

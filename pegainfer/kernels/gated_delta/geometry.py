@@ -8,6 +8,7 @@ from typing import NamedTuple
 from pegainfer.device import SIMULATOR
 from pegainfer.kernels.gated_delta.common import MAX_CHUNK, MAX_KEY_DIM
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
+from pegainfer.kernels.primitives.launch_shape import sm_count
 
 MMA_TILE = 16
 """Tokens of an m16 / k16 tensor-core tile: a chunk is worked on in whole tiles (the last one zero-filled)."""
@@ -24,10 +25,14 @@ class ChunkGeometry(NamedTuple):
     scan_warps: warps per scan block; each owns 16 value columns of one head, so a block carries a ``[Dk,
       16 · scan_warps]`` slice of the state and shares the chunk's staged tiles among its warps.
     scan_stages: 1 or 2 chunks' tiles in shared memory (2: the next chunk's copies fly while one is computed).
+    prepare_split: prepare blocks that share one (sequence, chunk, key head), each taking its share of the value
+      heads reading that key head (and computing the key head's Gram products itself); 0: ``prepare_parts()``
+      decides by the launch's size.
     """
     chunk: int
     scan_warps: int
     scan_stages: int
+    prepare_split: int = 0
 
     @property
     def tiles(self) -> int:
@@ -40,6 +45,17 @@ class ChunkGeometry(NamedTuple):
     @property
     def scan_columns(self) -> int:
         return SCAN_COLUMNS_PER_WARP * self.scan_warps
+
+    def prepare_parts(self, key_items: int, heads_per_key: int) -> int:
+        """Prepare blocks a (sequence, chunk, key head) item is split over, for a launch of ``key_items`` such items
+        whose key heads each serve ``heads_per_key`` value heads: the geometry's ``prepare_split`` if set, else
+        one a value head while the items alone would leave SMs idle (a short prompt: a block's work is a chain of
+        dependent steps, so more blocks finish sooner), one an item otherwise."""
+        parts = self.prepare_split or (heads_per_key if key_items < sm_count() else 1)
+        if parts < 1 or heads_per_key % parts:
+            raise ValueError(f"gated delta prepare_split {parts}: must divide the {heads_per_key} value heads of a "
+                             "key head")
+        return parts
 
     def prepare_shared_words(self, key_dim: int) -> int:
         """uint32 words of the prepare kernel's shared memory: the chunk's k and q rows (``key_dim / 2 + 4`` words
@@ -63,6 +79,8 @@ class ChunkGeometry(NamedTuple):
         """One-line errors for a geometry or head shape the kernels cannot take."""
         if not 1 <= self.chunk <= MAX_CHUNK:
             raise ValueError(f"gated delta chunk {self.chunk}: must be 1..{MAX_CHUNK}")
+        if self.prepare_split < 0:
+            raise ValueError(f"gated delta prepare_split {self.prepare_split}: 0 (by the launch's size) or a count")
         if self.scan_warps < 1 or self.scan_stages not in (1, 2):
             raise ValueError(f"gated delta scan geometry {tuple(self)}: needs scan_warps >= 1 and scan_stages 1 or 2")
         if key_dim % MMA_TILE or key_dim > MAX_KEY_DIM:

@@ -85,6 +85,29 @@ def test_prepare_split_by_the_launch_size():
         ChunkGeometry(64, 4, 2, prepare_split=3).prepare_parts(1, 2)
 
 
+def test_prepare_split_counts_the_chunks_of_the_tokens_not_of_padding_sequences(rng, monkeypatch):
+    """A mixed step's chunked launch carries padding sequences of no tokens (its rows padded for a CUDA graph): one
+    5-token prompt beside seven of them is one chunk of work, so its key head's value heads still get a prepare
+    block each (fewer items than the simulator's 4 SMs), and the result is the reference rule's."""
+    from pegainfer.kernels import launch as launch_module
+
+    layer = make_layer(rng, num_k_heads=1, num_v_heads=2, key_dim=16, value_dim=8)
+    state = rng.standard_normal((8, 2, 16, 8)) * 0.3
+    qkv_bits, _, a_bits, _, b_bits, _ = make_tokens(rng, layer, 5)
+    lengths, slots = [5] + [0] * 7, list(range(8))
+    parts, real = [], launch_module._launch
+
+    def record(kernel, grid, block, args, shared, policy, name):
+        if name == "gated_delta_chunk_prepare":
+            parts.append(int(args[9]))
+        real(kernel, grid, block, args, shared, policy, name)
+    monkeypatch.setattr(launch_module, "_launch", record)
+    out, out_state = run_rule("mma", layer, qkv_bits, a_bits, b_bits, state, slots, lengths, chunk=16)
+    rec, rec_state = run_rule("reference", layer, qkv_bits, a_bits, b_bits, state, slots, lengths)
+    assert parts == [2], parts
+    assert rel_l2(out_state, rec_state) < 1e-5 and np.mean(out == rec) >= 0.99
+
+
 def test_mma_chunked_rejects_shapes_it_cannot_take():
     """Key dims not a multiple of 16, value dims not a multiple of 8, a chunk past 64: one-line ValueErrors, not a
     kernel that reads past its tiles."""

@@ -677,7 +677,9 @@ def gated_delta_chunked(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids, token_of
     num_seqs = slot_ids.shape[0]
     qkv32 = as_words(qkv)
     s = scratch
-    parts = geo.prepare_parts(num_seqs * max_chunks * num_k_heads, num_v_heads // num_k_heads)
+    # chunks with work: padding sequences (a mixed step's, a graph's) have none, so count the tokens' chunks
+    work_chunks = min(num_seqs * max_chunks, -(-num_tokens // geo.chunk))
+    parts = geo.prepare_parts(work_chunks * num_k_heads, num_v_heads // num_k_heads)
     launch(_prepare_kernel(key_dim, geo.tiles), grid(num_seqs * max_chunks * num_k_heads * parts, sim_cap=16),
            WARP * geo.tiles, qkv32, a, b, a_log, dt_bias, token_offsets, np.int32(num_k_heads), np.int32(geo.chunk),
            np.int32(max_chunks), np.int32(parts), as_words(s.tinv), as_words(s.intra), s.scales.reshape(-1), s.gcum,

@@ -47,10 +47,11 @@ class ChunkGeometry(NamedTuple):
         return SCAN_COLUMNS_PER_WARP * self.scan_warps
 
     def prepare_parts(self, key_items: int, heads_per_key: int) -> int:
-        """Prepare blocks a (sequence, chunk, key head) item is split over, for a launch of ``key_items`` such items
-        whose key heads each serve ``heads_per_key`` value heads: the geometry's ``prepare_split`` if set, else
-        one a value head while the items alone would leave SMs idle (a short prompt: a block's work is a chain of
-        dependent steps, so more blocks finish sooner), one an item otherwise."""
+        """Prepare blocks a (sequence, chunk, key head) item is split over, for a launch whose tokens fill
+        ``key_items`` such items (``chunked_mma``: the chunks of T tokens × key heads; padding sequences have no
+        work) and whose key heads each serve ``heads_per_key`` value heads: the geometry's ``prepare_split`` if
+        set, else one a value head while the items alone would leave SMs idle (a short prompt: a block's work is a
+        chain of dependent steps, so more blocks finish sooner; docs/perf/gated_delta.md), one an item otherwise."""
         parts = self.prepare_split or (heads_per_key if key_items < sm_count() else 1)
         if parts < 1 or heads_per_key % parts:
             raise ValueError(f"gated delta prepare_split {parts}: must divide the {heads_per_key} value heads of a "

@@ -40,7 +40,7 @@ from typing import Optional
 
 from pegainfer.engine import heap
 from pegainfer.engine.cuda_graph import MIXED_MIN_ROWS, MIXED_SPARE_ROWS
-from pegainfer.engine.kv_cache import PagePool
+from pegainfer.engine.kv_cache import PagePool, StateSnapshots
 from pegainfer.engine.runner import ModelRunner, PendingStep
 from pegainfer.engine.scheduler import Scheduler
 from pegainfer.engine.sequence import Sequence, Status
@@ -55,6 +55,9 @@ log = logging.getLogger("pegainfer.engine")
 
 PAGE_SIZE = 16
 SCORE_ROWS = 16   # logits rows per step: ≥ the decode batch, and the chunk size of score()
+PREFIX_STATE_SNAPSHOTS = 16
+"""A hybrid model's copies of its recurrent state kept for the prefix cache (``kv_cache.StateSnapshots``): each a
+sequence's state, ~50 MB for Qwen3.5-4B, so 16 take ~0.8 GB from the KV cache."""
 
 
 GPU_RESERVE_BYTES = 1 << 30   # kept out of the KV cache for the CUDA context, graphs and kernel workspaces
@@ -78,7 +81,7 @@ def _gpu_memory() -> tuple[int, int]:
 class Engine:
     def __init__(self, folder: Path, model, cfg, gen, tokenizer, chat_template, max_model_len: int,
                  max_batch: int, max_num_batched_tokens: int, num_pages: int, use_cuda_graph: bool,
-                 async_scheduling: bool = True, prefix_caching: bool = False):
+                 async_scheduling: bool = True, prefix_caching: bool = False, state_snapshots: int = 0):
         self.folder = folder
         self.model = model
         self.model_config = cfg
@@ -89,7 +92,10 @@ class Engine:
         self.model_name = folder.name
         self.eos_token_ids = list(gen.eos_token_ids or cfg.eos_token_ids or [])
         self.pool = PagePool(num_pages, PAGE_SIZE, max_batch, max_model_len, prefix_caching=prefix_caching)
-        self.scheduler = Scheduler(self.pool, max_batch, max_num_batched_tokens, max_chunks=MIXED_MIN_ROWS)
+        # a hybrid model's state copies at page boundaries live in its state rows after the max_batch slots
+        snapshots = StateSnapshots(state_snapshots, max_batch) if prefix_caching and state_snapshots else None
+        self.scheduler = Scheduler(self.pool, max_batch, max_num_batched_tokens, max_chunks=MIXED_MIN_ROWS,
+                                   snapshots=snapshots)
         self.runner = ModelRunner(model, self.pool, max_batch, use_cuda_graph)
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[str] = []
@@ -134,7 +140,9 @@ class Engine:
         (decodes plus prompt chunks; at least ``max_batch``).  The KV page pool takes what
         ``gpu_memory_utilization`` of the GPU's memory leaves after weights, buffers and recurrent state (in the
         simulator, or with ``num_pages``: that many pages, else ``max_batch`` full-length sequences).
-        ``enable_prefix_caching``: None = on for Qwen3, off for Qwen3.5 (its recurrent state is not cached).
+        ``enable_prefix_caching``: None = on for Qwen3, off for Qwen3.5 (on, it keeps ``PREFIX_STATE_SNAPSHOTS``
+        copies of the recurrent state at page boundaries, and a prompt's last chunk ends at its last full page, so
+        its state there can be kept: one step more for a prompt that does not end on a page).
         ``policy``: how the kernels launch (``kernels/policy.py``); None: ``LaunchPolicy.from_options()`` with the
         tuning file ``PEGAINFER_GEMV_TUNING`` names, if set."""
         from pegainfer.config import load_generation_config, load_model_config
@@ -167,9 +175,7 @@ class Engine:
         Model = model_class(cfg.arch)
         hybrid = bool(getattr(Model, "has_recurrent_state", False))
         prefix_caching = (not hybrid) if enable_prefix_caching is None else bool(enable_prefix_caching)
-        if prefix_caching and hybrid:
-            raise PegainferError(f"prefix caching is not supported for {cfg.arch} (its recurrent state is not "
-                                 f"cached): drop --enable-prefix-caching")
+        snapshots = PREFIX_STATE_SNAPSHOTS if prefix_caching and hybrid else 0
         step_tokens = max(max_num_batched_tokens, max_batch)
         # a padded mixed step (``cuda_graph.mixed_shape``) holds up to max_batch decode rows (padding included) beside
         # its chunks' prefill bucket, and rows for the chunks beside a full decode batch
@@ -181,7 +187,7 @@ class Engine:
             """The model for context ``mml``, its KV pages and the bytes it needs besides them."""
             m = Model(cfg, mml, max_tokens=step_tokens + spare_tokens, max_rows=max(max_batch + spare_rows, SCORE_ROWS),
                       policy=policy)
-            fixed = m.weight_bytes() + m.scratch_bytes() + getattr(m, "state_bytes", lambda n: 0)(max_batch)
+            fixed = m.weight_bytes() + m.scratch_bytes() + getattr(m, "state_bytes", lambda n: 0)(max_batch + snapshots)
             page_bytes = PAGE_SIZE * m.kv_bytes_per_token()
             one_seq = -(-mml // PAGE_SIZE)
             if num_pages is not None:
@@ -211,9 +217,9 @@ class Engine:
             model.load_weights(reader)
         progress.finish()
         weights_s = time.perf_counter() - t_load
-        model.allocate(pages, PAGE_SIZE, num_slots=max_batch)
+        model.allocate(pages, PAGE_SIZE, num_slots=max_batch, **({"num_snapshots": snapshots} if snapshots else {}))
         eng = cls(folder, model, cfg, gen, tokenizer, chat_template, mml, max_batch, step_tokens, pages,
-                  use_cuda_graph, async_scheduling, prefix_caching)
+                  use_cuda_graph, async_scheduling, prefix_caching, snapshots)
         log.info("KV cache: %d pages of %d tokens (%d tokens, %.2f GiB); prefix caching %s", pages, PAGE_SIZE,
                  pages * PAGE_SIZE, pages * PAGE_SIZE * model.kv_bytes_per_token() / 2 ** 30,
                  "on" if prefix_caching else "off")
@@ -361,7 +367,10 @@ class Engine:
             for seq, start, _ in sched.chunks:
                 if seq.scheduled_time is None:
                     seq.scheduled_time = t_step
-                if start == 0:
+                if seq.restore_row is not None:       # a hybrid model's state after its cached pages
+                    self.model.copy_state(seq.restore_row, seq.slot)
+                    seq.restore_row = None
+                elif start == 0:
                     self.model.reset_slot(seq.slot)   # e.g. zero Qwen3.5's recurrent state for a new sequence
             if sched.kind == "prefill":
                 seq, start, length = sched.chunks[0]
@@ -378,6 +387,8 @@ class Engine:
                 for row, (seq, token) in enumerate(zip(sched.decodes, tokens)):
                     self.scheduler.computed(seq, seq.num_tokens)
                     outputs.append(self._append(seq, token, row))
+            for slot, row in self.scheduler.take_snapshot_copies():   # after the step, before the next (stream order)
+                self.model.copy_state(slot, row)
         if tracer is not None:
             if trace_kernels:
                 tracer.flush_kernels(sched.kind)

@@ -20,6 +20,11 @@ key names the whole prefix up to the page's end.  Only full pages are cached and
 writes into a page it shares (``match_prefix`` leaves the page of the prompt's last token to be computed), so
 sharing needs no copy-on-write.
 
+A hybrid model (Qwen3.5) also needs its recurrent state at the point where the cached pages end: attention layers
+read the cached K/V, but a Gated DeltaNet layer carries the whole prefix in one state that K/V pages cannot
+rebuild.  ``StateSnapshots`` indexes copies of that state taken at page boundaries, by the key of the page that ends
+there; a prompt then reuses its cached pages only up to the longest boundary with a snapshot.
+
 With async scheduling the host allocates or frees pages while the step that copies the table may not have run
 yet, so every write to the host table first waits for the last asynchronous copy from it to have executed
 (required were the table pinned; a cheap guarantee either way).
@@ -161,13 +166,14 @@ class PagePool:
                 break
             pages.append(page)
         self.prefix_queries += len(token_ids)
-        self.prefix_hits += len(pages) * ps
         return pages
 
     def attach(self, slot: int, pages: list[int]) -> None:
-        """Make ``pages`` (from ``match_prefix``) the first pages of an empty ``slot``."""
+        """Make ``pages`` (from ``match_prefix``, or its first ones) the first pages of an empty ``slot``; their
+        tokens count as prefix-cache hits."""
         held = self._pages_of_slot[slot]
         assert not held, "attach cached pages to an empty slot only"
+        self.prefix_hits += len(pages) * self.page_size
         self._before_host_write()
         for i, page in enumerate(pages):
             if self._refs[page] == 0:
@@ -206,3 +212,41 @@ class PagePool:
             if self._copied is not None:
                 self._copied.record(stream)
                 self._copy_pending = True
+
+
+class StateSnapshots:
+    """Where a hybrid model's recurrent state was copied at page boundaries, for the prefix cache (module docstring).
+
+    ``count`` snapshots live in the model's state rows ``first_row .. first_row + count - 1`` (rows no sequence
+    holds); each is keyed by the prefix-cache key of the page that ends at its boundary, so it holds the state after
+    exactly that prefix.  Least recently used first out when a new boundary needs a row.  Only the index lives here:
+    the engine asks the model to copy a slot's state into a row (``store``) and a row into a new sequence's slot
+    (``longest``)."""
+
+    def __init__(self, count: int, first_row: int):
+        self._row_of_key: OrderedDict[bytes, int] = OrderedDict()   # least recently used first
+        self._free = list(range(first_row + count - 1, first_row - 1, -1))
+        self.count = count
+
+    def longest(self, keys: list[bytes], max_pages: int) -> tuple[int, int | None]:
+        """(pages, row): the most of the first ``max_pages`` pages (keys ``keys``) that end at a boundary with a
+        snapshot, and its row; (0, None) without one."""
+        for pages in range(max_pages, 0, -1):
+            row = self._row_of_key.get(keys[pages - 1])
+            if row is not None:
+                self._row_of_key.move_to_end(keys[pages - 1])
+                return pages, row
+        return 0, None
+
+    def store(self, key: bytes) -> int | None:
+        """The row to copy the state after the prefix ``key`` ends into, evicting the least recently used snapshot
+        when every row is taken; None when that prefix already has one."""
+        if key in self._row_of_key:
+            self._row_of_key.move_to_end(key)
+            return None
+        row = self._free.pop() if self._free else self._row_of_key.popitem(last=False)[1]
+        self._row_of_key[key] = row
+        return row
+
+    def __len__(self) -> int:
+        return len(self._row_of_key)

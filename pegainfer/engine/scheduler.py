@@ -16,6 +16,12 @@ Each step, under a budget of ``max_num_batched_tokens`` tokens:
    reserve of pages so running sequences can grow); with prefix caching their first pages may come from the
    cache (``kv_cache.PagePool.match_prefix``) and are not computed again.
 
+A hybrid model (Qwen3.5) reuses cached pages only up to a boundary where a copy of its recurrent state was kept
+(``kv_cache.StateSnapshots``), and keeps new copies at two boundaries of each prompt it prefills: where its cached
+pages end when no copy is kept there (a prefix other prompts share), and at its last full page (the prompt a
+follow-up request, e.g. the next turn of a chat, starts with).  A chunk then ends at such a boundary, so that the
+state there exists between two steps (``snapshot_copies``: the engine copies it after the step).
+
 A step carries at most ``max_chunks`` prompt chunks (the engine's: ``cuda_graph.MIXED_MIN_ROWS``, the chunk rows
 every mixed-step graph holds): a burst of short or mostly cached prompts then spreads over a few steps of shapes
 captured at warm-up instead of one step of a shape that would be captured while every stream waits.
@@ -27,7 +33,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pegainfer.engine.kv_cache import PagePool
+from pegainfer.engine.kv_cache import PagePool, StateSnapshots
 from pegainfer.engine.sequence import Sequence, Status
 
 
@@ -50,8 +56,11 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(self, pool: PagePool, max_batch: int, max_num_batched_tokens: int,
-                 reserve_pages: int | None = None, max_chunks: int | None = None):
+                 reserve_pages: int | None = None, max_chunks: int | None = None,
+                 snapshots: StateSnapshots | None = None):
         self.pool = pool
+        self.snapshots = snapshots       # a hybrid model's state snapshots (prefix caching on), else None
+        self.snapshot_copies: list[tuple[int, int]] = []   # (slot, row) to copy after the step being scheduled
         self.max_batch = max_batch
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_chunks = max_chunks or max_batch        # prompt chunks in one step (module docstring)
@@ -109,6 +118,8 @@ class Scheduler:
         length (0: no page for even one token)."""
         start = seq.num_cached
         length = min(seq.num_uncomputed, budget)
+        if seq.snapshot_points:                          # end at the next boundary whose state is kept
+            length = min(length, seq.snapshot_points[0] - start)
         while length > 0 and not self.pool.ensure_capacity(seq.slot, start + length):
             # as many tokens as the pages it has plus every available page hold
             room = (self.pool.pages_held(seq.slot) + self.pool.pages_available) * self.pool.page_size - start
@@ -131,6 +142,8 @@ class Scheduler:
         seq.num_cached = 0
         if self.pool.prefix_caching:
             pages = self.pool.match_prefix(seq.token_ids, seq.page_keys)
+            if self.snapshots is not None:
+                pages = self._with_state(seq, pages)
             self.pool.attach(seq.slot, pages)
             seq.num_cached = len(pages) * self.pool.page_size
             seq.pages_indexed = len(pages)
@@ -138,6 +151,22 @@ class Scheduler:
                 seq.cached_tokens = seq.num_cached
         seq.status = Status.RUNNING
         self.running.append(seq)
+
+    def _with_state(self, seq: Sequence, pages: list[int]) -> list[int]:
+        """A hybrid model's share of the cached ``pages``: up to the longest boundary with a state snapshot (which
+        ``seq`` then starts from: ``restore_row``); and the boundaries where ``seq``'s state is to be kept (module
+        docstring)."""
+        ps = self.pool.page_size
+        used, seq.restore_row = self.snapshots.longest(seq.page_keys, len(pages))
+        last_page = (seq.num_tokens - 1) // ps            # full pages before the last token (match_prefix's)
+        seq.snapshot_points = [n * ps for n in sorted({len(pages), last_page}) if n > used]
+        return pages[:used]
+
+    def take_snapshot_copies(self) -> list[tuple[int, int]]:
+        """The (slot, row) state copies the last scheduled step's sequences are due (``computed``), to be made after
+        that step; cleared."""
+        copies, self.snapshot_copies = self.snapshot_copies, []
+        return copies
 
     # ------------------------------------------------------------------------------------------------ preemption
     def preempt(self, seq: Sequence) -> None:
@@ -148,6 +177,7 @@ class Scheduler:
         seq.slot = None
         seq.num_cached = 0
         seq.pages_indexed = 0
+        seq.restore_row, seq.snapshot_points = None, []
         seq.preemptions += 1
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -159,6 +189,12 @@ class Scheduler:
         if self.pool.prefix_caching and seq.slot is not None:
             seq.pages_indexed = self.pool.cache_full_pages(seq.slot, seq.token_ids, num_cached, seq.page_keys,
                                                            seq.pages_indexed)
+        while seq.snapshot_points and seq.snapshot_points[0] <= num_cached:
+            point = seq.snapshot_points.pop(0)
+            row = self.snapshots.store(seq.page_keys[point // self.pool.page_size - 1]) \
+                if point == num_cached and seq.slot is not None else None
+            if row is not None:
+                self.snapshot_copies.append((seq.slot, row))
 
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and return its slot and pages."""
@@ -169,4 +205,5 @@ class Scheduler:
         if seq.slot is not None:
             self.pool.release(seq.slot)
             seq.slot = None
+        seq.restore_row, seq.snapshot_points = None, []
         seq.status = Status.FINISHED

@@ -75,7 +75,7 @@ class Qwen35Model(DecoderModel):
     # to ``cuda_graph.mixed_shape`` (their Gated DeltaNet layers take the chunked form, padded or not).
     pads_prefill = True
     pads_mixed = True
-    has_recurrent_state = True   # per-slot conv windows and delta-rule states: no prefix caching (README)
+    has_recurrent_state = True   # per-slot conv windows and delta-rule states (prefix cache: state snapshots)
     chunk_size = gated_delta.MAX_CHUNK  # tokens per chunk of the chunked delta rule (tests may lower it)
 
     def __init__(self, cfg, max_model_len: int, max_tokens: int, max_rows: int, policy=DEFAULT_POLICY):
@@ -178,13 +178,15 @@ class Qwen35Model(DecoderModel):
                 "out_proj": reader.upload(a + "out_proj.weight", (H, vd))}
 
     # ------------------------------------------------------------------------------------------------ buffers
-    def allocate(self, num_pages: int, page_size: int, num_slots: int | None = None) -> None:
+    def allocate(self, num_pages: int, page_size: int, num_slots: int | None = None, num_snapshots: int = 0) -> None:
         """KV cache pages (full-attention layers), recurrent-state slots (linear-attention layers) and activation
         scratch; called once after the memory check.  ``num_slots`` defaults to what the engine's page pool holds:
-        ``num_pages`` pages are ``max_batch`` sequences of ``max_model_len`` tokens."""
+        ``num_pages`` pages are ``max_batch`` sequences of ``max_model_len`` tokens.  ``num_snapshots`` more state
+        rows after the slots hold the prefix cache's copies of states (``engine.kv_cache.StateSnapshots``)."""
         self._allocate_decoder(num_pages, page_size, len(self.full_layers))
         if num_slots is None:
             num_slots = max(1, num_pages // -(-self.max_model_len // page_size))
+        num_slots += num_snapshots                # state rows: the sequences' slots, then the snapshots
         self.num_slots = num_slots
         n_lin = len(self.linear_layers)
         self.conv_state = cuda.device_array((n_lin, num_slots, self.conv_dim, self.conv_kernel), BF16)  # a ring
@@ -193,6 +195,7 @@ class Qwen35Model(DecoderModel):
             every_slot = cuda.to_device(np.arange(n_lin * num_slots, dtype=np.int32))
             gated_delta.clear_state_slots(*self._states_by_layer_slot(), every_slot, policy=self.policy)
         self._reset_ids = cuda.to_device(np.zeros(max(1, n_lin), np.int32))
+        self._copy_ids = cuda.to_device(np.zeros(max(1, n_lin), np.int32))
 
         T = self.max_tokens
         e = lambda *s: cuda.device_array(s, dtype=BF16)  # noqa: E731
@@ -211,6 +214,19 @@ class Qwen35Model(DecoderModel):
         ids = (np.arange(n_lin, dtype=np.int32) * self.num_slots + slot).astype(np.int32)
         self._reset_ids.copy_to_device(ids)
         gated_delta.clear_state_slots(*self._states_by_layer_slot(), self._reset_ids, policy=self.policy)
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """Copy state row ``src``'s conv windows and delta-rule states to row ``dst`` in every linear layer (a slot's
+        state into a prefix-cache snapshot after the step that computed it, or a snapshot into a new sequence's
+        slot), in stream order with the steps."""
+        n_lin = len(self.linear_layers)
+        if n_lin == 0:
+            return
+        rows = np.arange(n_lin, dtype=np.int32) * self.num_slots
+        self._reset_ids.copy_to_device((rows + src).astype(np.int32))
+        self._copy_ids.copy_to_device((rows + dst).astype(np.int32))
+        gated_delta.copy_state_slots(*self._states_by_layer_slot(), self._reset_ids, self._copy_ids,
+                                     policy=self.policy)
 
     def _states_by_layer_slot(self):
         """Both state arrays viewed as ``[layers·slots, ...]``: row ``j·slots + s`` is linear layer j, slot s."""

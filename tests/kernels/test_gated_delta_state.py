@@ -1,4 +1,4 @@
-"""``gated_delta.state``: clearing state slots, the sequence table, and what every kernel does with empty sequences
+"""``gated_delta.state``: clearing and copying state slots, the sequence table, and what every kernel does with empty sequences
 and padding tokens (the state left bit for bit as an unpadded step leaves it)."""
 import numpy as np
 import pytest
@@ -10,7 +10,8 @@ from tests.kernels.gated_delta_helpers import (make_layer, make_tokens, poison, 
 from tests.util import bf16_randn, from_bf16_bits, rel_l2
 
 from pegainfer.kernels.gated_delta import (allocate_chunk_scratch, causal_conv1d_silu, clear_state_slots,
-                                           gated_delta_chunked, reference_gated_delta, sequence_table)
+                                           copy_state_slots, gated_delta_chunked, reference_gated_delta,
+                                           sequence_table)
 
 
 def test_clear_state_slots(rng):
@@ -24,6 +25,20 @@ def test_clear_state_slots(rng):
     for s in (0, 2):
         np.testing.assert_array_equal(conv_after[s], conv_bits[s])
         np.testing.assert_array_equal(ssm_after[s], ssm[s])
+
+
+def test_copy_state_slots(rng):
+    """Rows 1 and 4 copied to rows 3 and 0 (the prefix cache's snapshots, both ways): the written rows equal their
+    sources bit for bit, every other row is untouched."""
+    conv_bits, _ = bf16_randn((5, 6, 4), rng)
+    ssm = rng.standard_normal((5, 2, 4, 5)).astype(np.float32)
+    d_conv, d_ssm = cuda.to_device(conv_bits), cuda.to_device(ssm)
+    copy_state_slots(d_conv, d_ssm, cuda.to_device(np.array([1, 4], np.int32)),
+                     cuda.to_device(np.array([3, 0], np.int32)))
+    conv_after, ssm_after = d_conv.copy_to_host(), d_ssm.copy_to_host()
+    for dst, src in ((3, 1), (0, 4), (1, 1), (2, 2), (4, 4)):
+        np.testing.assert_array_equal(conv_after[dst], conv_bits[src])
+        np.testing.assert_array_equal(ssm_after[dst], ssm[src])
 
 
 def test_sequence_table_from_token_slots():

@@ -193,6 +193,27 @@ def test_greedy_decode_matches_hf(tiny):
         _assert_rows_close(logits[k], theirs)
 
 
+def test_prefix_cache_restores_the_recurrent_state_and_keeps_every_token(tiny):
+    """Qwen3.5 with the prefix cache on (``--enable-prefix-caching``): the first prompt's state is kept at its last
+    full page (32 tokens); a second prompt with the same first 32 tokens, and a next chat turn (the first prompt,
+    its answer and more), start there from that state and the cached K/V of the full-attention layers.  Catches a
+    snapshot taken at another point, restored into the wrong slot or rows, or a hit without the state: every
+    stream equals the cache-off engine's, and 64 prompt tokens came from the cache."""
+    _, off = tiny
+    on = _engine(off.folder, enable_prefix_caching=True)
+    base = _prompt(36, seed=3)
+    first = base + [11]
+    second = base[:33] + [12, 13, 14, 15]
+    want = {name: greedy_decode(off, p, 4, f"off-{name}")[0] for name, p in (("first", first), ("second", second))}
+    got = {name: greedy_decode(on, p, 4, f"on-{name}")[0] for name, p in (("first", first), ("second", second))}
+    third = first + got["first"] + [16, 17, 18]
+    want["third"] = greedy_decode(off, third, 4, "off-third")[0]
+    got["third"] = greedy_decode(on, third, 4, "on-third")[0]
+    assert got == want
+    s = on.stats()
+    assert s["prefix_cache_hits"] == 64 and s["kv_pages_used"] == 0 and s["slots_used"] == 0, s
+
+
 def test_prompt_prefilled_beside_a_decode_matches_each_alone(tiny, alone):
     """Catches a mixed step (a decode and another sequence's prompt chunks in one forward pass, the decode taking
     the fused Gated DeltaNet decode step, the chunks the chunked form) that mixes slots, states or positions: each stream equals

@@ -20,7 +20,8 @@ Modules:
   ``allocate_chunk_scratch``); ``geometry`` -- its launch geometry (``ChunkGeometry``, ``chunk_geometry``).
 * ``gated_norm`` -- the gated RMSNorm for prompts (``gated_rms_norm``).
 * ``decode_step`` -- conv, rule and gated norm of a decode step in one launch (``gated_delta_decode_step``).
-* ``state`` -- the per-sequence table and state slots (``sequence_table``, ``clear_state_slots``).
+* ``state`` -- the per-sequence table and state slots (``sequence_table``, ``clear_state_slots``,
+  ``copy_state_slots``).
 * ``common`` -- what they share: size limits, the per-token scalar math, argument checks.
 
 **Sequences, slots, padding.**  Every kernel takes a batch of sequences (``slot_ids [B]``, ``token_offsets [B+1]``
@@ -48,9 +49,9 @@ from pegainfer.kernels.gated_delta.decode_step import DECODE_TILES_PER_THREAD, g
 from pegainfer.kernels.gated_delta.gated_norm import gated_rms_norm
 from pegainfer.kernels.gated_delta.geometry import ChunkGeometry, chunk_geometry
 from pegainfer.kernels.gated_delta.reference import RULE_WARPS, reference_gated_delta
-from pegainfer.kernels.gated_delta.state import clear_state_slots, sequence_table
+from pegainfer.kernels.gated_delta.state import clear_state_slots, copy_state_slots, sequence_table
 
 __all__ = ["causal_conv1d_silu", "reference_gated_delta", "gated_delta_chunked", "gated_rms_norm",
-           "gated_delta_decode_step", "clear_state_slots", "sequence_table", "ChunkScratch", "allocate_chunk_scratch",
+           "gated_delta_decode_step", "clear_state_slots", "copy_state_slots", "sequence_table", "ChunkScratch", "allocate_chunk_scratch",
            "ChunkGeometry", "chunk_geometry",
            "MAX_KEY_DIM", "MAX_CHUNK", "RULE_WARPS", "DECODE_TILES_PER_THREAD"]

@@ -1,4 +1,5 @@
-"""The per-sequence state slots: clearing a new sequence's slot, and the table of sequences a step's kernels take.
+"""The per-sequence state slots: clearing a new sequence's slot, copying a slot's state (the prefix cache's
+snapshots), and the table of sequences a step's kernels take.
 
 Every kernel of the family takes a batch of sequences laid out as in vLLM/FLA: ``token_offsets [B+1]`` int32
 (sequence ``b`` owns tokens ``token_offsets[b] : token_offsets[b+1]`` of the token-major inputs) and ``slot_ids [B]``
@@ -19,39 +20,54 @@ from pegainfer.kernels.primitives import cuda, float32, grid, int32, kernel, pdl
 
 
 @kernel
-def clear_state_slots_kernel(conv_state, ssm_state, slot_ids):
-    """Zero ``conv_state[s]`` ``[slots, conv_dim, K]`` (bf16) and ``ssm_state[s]`` ``[slots, Hv, Dk, Dv]`` (f32)
-    for every ``s`` in ``slot_ids [B]``: a new sequence starts from an empty state.  Geometry: grid-stride over
-    every element of the cleared slots (flattened per slot)."""
+def state_slots_kernel(conv_state, ssm_state, src_ids, dst_ids, zero):
+    """For each i: ``conv_state[dst_ids[i]]`` ``[conv_dim, K]`` (bf16) and ``ssm_state[dst_ids[i]]`` ``[Hv, Dk, Dv]``
+    (f32) become zeros (``zero`` = 1: a new sequence starts from an empty state) or a copy of row ``src_ids[i]``
+    (``zero`` = 0: a state kept for the prefix cache, or one restored from it).  Geometry: grid-stride over every
+    element of the written rows (flattened per row)."""
     pdl_prologue()
     conv_per_slot = conv_state.shape[1] * conv_state.shape[2]
     ssm_per_slot = ssm_state.shape[1] * ssm_state.shape[2] * ssm_state.shape[3]
     per_slot = conv_per_slot + ssm_per_slot
     plane = ssm_state.shape[2] * ssm_state.shape[3]
-    for idx in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, slot_ids.shape[0] * per_slot,
+    for idx in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, dst_ids.shape[0] * per_slot,
                      cuda.gridDim.x * cuda.blockDim.x):
-        slot = slot_ids[idx // per_slot]
+        dst = dst_ids[idx // per_slot]
+        src = src_ids[idx // per_slot]
         r = idx % per_slot
         if r < conv_per_slot:
-            conv_state[slot, r // conv_state.shape[2], r % conv_state.shape[2]] = 0
+            c, k = r // conv_state.shape[2], r % conv_state.shape[2]
+            conv_state[dst, c, k] = 0 if zero else conv_state[src, c, k]
         else:
             r -= conv_per_slot
-            ssm_state[slot, r // plane, (r % plane) // ssm_state.shape[3], r % ssm_state.shape[3]] = float32(0.0)
+            h, i, j = r // plane, (r % plane) // ssm_state.shape[3], r % ssm_state.shape[3]
+            ssm_state[dst, h, i, j] = float32(0.0) if zero else ssm_state[src, h, i, j]
+
+
+def _state_rows(conv_state, ssm_state, src_ids, dst_ids, zero: int, policy: LaunchPolicy) -> None:
+    check_bf16(conv_state, 3)
+    assert ssm_state.ndim == 4 and ssm_state.dtype == np.float32, (ssm_state.shape, ssm_state.dtype)
+    assert conv_state.shape[0] == ssm_state.shape[0], (conv_state.shape, ssm_state.shape)
+    for ids in (src_ids, dst_ids):
+        assert ids.ndim == 1 and ids.dtype == np.int32 and ids.shape == dst_ids.shape, (ids.shape, ids.dtype)
+    per_slot = conv_state.shape[1] * conv_state.shape[2] + int(np.prod(ssm_state.shape[1:]))
+    total = dst_ids.shape[0] * per_slot
+    if total == 0:
+        return
+    block = threads(gpu=256, sim=32)
+    launch(state_slots_kernel, grid(total, per_block=block * 4, sim_cap=4), block, conv_state, ssm_state, src_ids,
+           dst_ids, np.int32(zero), policy=policy)
 
 
 def clear_state_slots(conv_state, ssm_state, slot_ids, *, policy: LaunchPolicy = DEFAULT_POLICY) -> None:
     """Reset the recurrent state of the slots in ``slot_ids`` (``[B]`` int32 device array) to zeros."""
-    check_bf16(conv_state, 3)
-    assert ssm_state.ndim == 4 and ssm_state.dtype == np.float32, (ssm_state.shape, ssm_state.dtype)
-    assert conv_state.shape[0] == ssm_state.shape[0], (conv_state.shape, ssm_state.shape)
-    assert slot_ids.ndim == 1 and slot_ids.dtype == np.int32, (slot_ids.shape, slot_ids.dtype)
-    per_slot = conv_state.shape[1] * conv_state.shape[2] + int(np.prod(ssm_state.shape[1:]))
-    total = slot_ids.shape[0] * per_slot
-    if total == 0:
-        return
-    block = threads(gpu=256, sim=32)
-    launch(clear_state_slots_kernel, grid(total, per_block=block * 4, sim_cap=4), block, conv_state, ssm_state,
-           slot_ids, policy=policy)
+    _state_rows(conv_state, ssm_state, slot_ids, slot_ids, 1, policy)
+
+
+def copy_state_slots(conv_state, ssm_state, src_ids, dst_ids, *, policy: LaunchPolicy = DEFAULT_POLICY) -> None:
+    """Copy the recurrent state of row ``src_ids[i]`` to row ``dst_ids[i]`` (``[B]`` int32 device arrays, no row in
+    both)."""
+    _state_rows(conv_state, ssm_state, src_ids, dst_ids, 0, policy)
 
 
 @kernel

@@ -26,7 +26,8 @@
 #             beside Hugging Face (--hf)
 #   acc35     tests/gpu/test_qwen35_gpu.py on that folder
 #   serve     one `serve` of $SERVE_MODEL (default qwen3-4b, word-tokenizer view) and `bench-serve` against it at
-#             each concurrency of $CONCURRENCY (default "1 64 256"), 128 tokens in / 256 out; then the
+#             each concurrency of $CONCURRENCY (default "1 64 256"), 128 tokens in / 256 out (after a shared
+#             prefix of $PREFIX_LEN tokens if set; $SERVE_FLAGS go to serve, e.g. --enable-prefix-caching); then the
 #             ShareGPT-like mix at the rates of $RATE (e.g. 10,20,40; default none: skipped), the highest with a
 #             TTFT p99 within 500 ms named; then benchmarks/soak.py for $SOAK_S seconds
 #             (default none) at 64 streams
@@ -150,7 +151,7 @@ print(v('$SM', '/tmp/serve_view'))" 2>/dev/null | tail -1)
                 n=$(( c < 16 ? 16 : 4 * c ))
                 timeout ${SERVE_TIMEOUT:-180} python3 -m pegainfer bench-serve --base-url http://127.0.0.1:8123 \
                   --model-path "$VIEW" --num-prompts $n --max-concurrency $c --input-len 128 --output-len 256 \
-                  --json "$OUT/serve_c$c.json" 2>&1 | filter | tail -30 | tee -a "$OUT/serve.log"
+                  ${PREFIX_LEN:+--prefix-len $PREFIX_LEN} --json "$OUT/serve_c$c.json" 2>&1 | filter | tail -30 | tee -a "$OUT/serve.log"
               done
               if [ -n "${RATE:-}" ]; then
                 timeout ${SERVE_TIMEOUT:-180} python3 -m pegainfer bench-serve --base-url http://127.0.0.1:8123 \

@@ -13,7 +13,8 @@ together: Poisson arrivals that wait for a free place.  Several rates (``--reque
 run per rate against the same server (the same lengths, other prompts, so a prefix cache finds none of them), a
 table of them, and with ``--goal-ttft-p99-ms`` the highest rate whose TTFT p99 meets the goal.
 Workload (``serving_bench/workload.py``): fixed or random
-(``--range-ratio``) lengths, or ``--dataset-name sharegpt`` for a built-in mix of lengths shaped like ShareGPT's;
+(``--range-ratio``) lengths, or ``--dataset-name sharegpt`` for a built-in mix of lengths shaped like ShareGPT's,
+each prompt after a shared prefix of ``--prefix-len`` tokens if given;
 prompts as token ids (exact lengths) or as text (``--prompt-format text``; needs the model's tokenizer).  One
 warm-up request (``--num-warmups``) runs before the clock starts.
 
@@ -105,6 +106,9 @@ def add_bench_serve_arguments(p) -> None:
                       help="tokens generated per request, exactly (ignore_eos; default 256)")
     work.add_argument("--range-ratio", type=argtypes.range_ratio, default=0.0,
                       help="draw each length uniformly from [len × (1 - r), len × (1 + r)] (default 0: fixed)")
+    work.add_argument("--prefix-len", type=argtypes.int_in(0), default=0,
+                      help="tokens of a prefix every prompt starts with (a shared system prompt; default 0), before "
+                           "its own --input-len tokens")
     work.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
                       help="ids (default): prompts as token ids, exact lengths; text: text of the model's word "
                            "pieces (needs its tokenizer: --model-path)")
@@ -172,7 +176,7 @@ def make_requests(args, tokenizer, run: int = 0) -> tuple[list, np.ndarray]:
                                        args.range_ratio, rng)
     if run:
         rng = np.random.default_rng([args.seed, run])
-    requests = workload.build_prompts(lengths, args.prompt_format, tokenizer, rng)
+    requests = workload.build_prompts(lengths, args.prompt_format, tokenizer, rng, args.prefix_len)
     return requests, workload.arrival_times(len(requests), args.request_rate[run], rng)
 
 
@@ -277,6 +281,7 @@ def run_bench_serve(args, serve_command: Sequence[str] = SERVE_COMMAND) -> int:
             res.update({"base_url": url, "server_started_here": started_here, "dataset_name": args.dataset_name,
                         "prompt_format": args.prompt_format, "num_prompts": args.num_prompts,
                         "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
+                        "prefix_len": args.prefix_len,
                         "request_rate": None if math.isinf(rate) else rate,
                         "max_concurrency": args.max_concurrency, "num_warmups": args.num_warmups,
                         "seed": args.seed, "word_tokenizer": bool(args.word_tokenizer), "serve_args": launch_args})
@@ -323,12 +328,15 @@ def print_report(res: dict, out=None) -> None:
     lengths = ("ShareGPT-like mix" if res["dataset_name"] == "sharegpt" else
                f"{res['input_len']} in / {res['output_len']} out"
                + (f" (± {100 * res['range_ratio']:g} %)" if res["range_ratio"] else ""))
+    if res.get("prefix_len"):
+        lengths += f" after a shared {res['prefix_len']}-token prefix"
     w(f"\n{' serving benchmark ':=^72}\n")
     w(f"{res['model']} at {res['base_url']}{' (started here)' if res['server_started_here'] else ''}\n")
     w(f"{res['num_prompts']} requests, {lengths}, prompts as {res['prompt_format']}, request rate {rate}, "
       f"max concurrency {res['max_concurrency'] or 'none'}\n\n")
     rows = (("successful requests", res["completed"], "d"), ("failed requests", res["failed"], "d"),
             ("duration (s)", res["duration_s"], ".2f"), ("total input tokens", res["total_input_tokens"], "d"),
+            ("  of them from the prefix cache", res["total_cached_tokens"], "d"),
             ("total generated tokens", res["total_output_tokens"], "d"),
             ("request throughput (req/s)", res["request_throughput"], ".2f"),
             ("output token throughput (tok/s)", res["output_throughput"], ".1f"),

@@ -20,7 +20,7 @@ from pegainfer.text.tokenizer import Tokenizer
 from tests.server.conftest import free_socket, serve_engine
 from tests.server.fake_engine import FakeEngine
 
-SUMMARY_KEYS = ("duration_s", "completed", "failed", "total_input_tokens", "total_output_tokens",
+SUMMARY_KEYS = ("duration_s", "completed", "failed", "total_input_tokens", "total_output_tokens", "total_cached_tokens",
                 "request_throughput", "output_throughput", "total_token_throughput", "tokens_per_chunk",
                 "mismatched_outputs", "peak_concurrency", "errors", "client_cpu_percent", "model", "requests")
 
@@ -339,11 +339,46 @@ def test_sharegpt_mix_and_random_lengths():
     assert times[0] == 0 and np.diff(times).mean() == pytest.approx(0.01, rel=0.1)
 
 
+def test_a_shared_prefix_starts_every_prompt(fake_url, model_folder, tmp_path):
+    """``--prefix-len``: every prompt (ids or text) starts with the same prefix, drawn once, and its input length
+    counts it; the report carries the prefix length and the server's cached prompt tokens (none from the fake)."""
+    tok = Tokenizer.from_folder(model_folder)
+    for fmt in ("ids", "text"):
+        args = parse("--model-path", str(model_folder), "--num-prompts", "4", "--input-len", "5", "--prefix-len", "12",
+                     "--prompt-format", fmt)
+        requests, _ = make_requests(args, tok)
+        ids = [workload.prompt_token_ids(r, tok) for r in requests]
+        prefix = ids[0][:10]          # text: the pieces' first tokens (a join may merge at the boundary)
+        assert all(p[:10] == prefix for p in ids) and len({tuple(p) for p in ids}) == 4, fmt
+        assert all(r.input_len == len(p) for r, p in zip(requests, ids)), fmt
+        assert all(r.input_len >= 16 for r in requests), [r.input_len for r in requests]
+    out = tmp_path / "r.json"
+    args = parse("--base-url", fake_url, "--model-path", str(model_folder), "--num-prompts", "3", "--input-len", "4",
+                 "--prefix-len", "8", "--output-len", "3", "--json", str(out))
+    assert run_bench_serve(args) == 0
+    res = json.loads(out.read_text())
+    assert res["prefix_len"] == 8 and res["total_input_tokens"] == 3 * 12 and res["total_cached_tokens"] == 0
+
+
+def test_cached_prompt_tokens_are_read_from_the_usage():
+    """A server's ``usage.prompt_tokens_details.cached_tokens`` (the last stream event) becomes the request's
+    ``cached_tokens`` and the run's ``total_cached_tokens``."""
+    from pegainfer.serving_bench.client import RequestResult, _read_event
+    from pegainfer.serving_bench.metrics import summarize
+    res = RequestResult(0, 40, 2)
+    _read_event(json.dumps({"choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": 2,
+                                                     "prompt_tokens_details": {"cached_tokens": 32}}}).encode(), res)
+    assert (res.prompt_tokens, res.output_tokens, res.cached_tokens) == (40, 2, 32)
+    res.success, res.latency, res.ttft = True, 0.2, 0.1
+    assert summarize([res], 1.0)["total_cached_tokens"] == 32
+
+
 def test_bad_values_are_refused_while_parsing(capsys):
     for argv, says in ((("--request-rate", "0"), "must be > 0, or inf"), (("--range-ratio", "1"), "[0, 1)"),
                        (("--request-rate", "4,4"), "a rate is given twice"),
                        (("--goal-ttft-p99-ms", "0"), "milliseconds > 0"),
-                       (("--num-prompts", "0"), "at least 1"), (("--prompt-format", "words"), "invalid choice")):
+                       (("--num-prompts", "0"), "at least 1"), (("--prompt-format", "words"), "invalid choice"),
+                       (("--prefix-len", "-1"), "at least 0")):
         with pytest.raises(SystemExit):
             parse(*argv)
         assert says in capsys.readouterr().err

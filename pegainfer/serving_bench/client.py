@@ -45,6 +45,7 @@ class RequestResult:
     error: str = ""
     prompt_tokens: int = 0         # the server's usage.prompt_tokens (input_len when it sends no usage)
     output_tokens: int = 0         # the server's usage.completion_tokens (the token events when it sends none)
+    cached_tokens: int = 0         # the server's usage.prompt_tokens_details.cached_tokens (prefix cache hits)
     start: float = 0.0             # when the request was sent
     ttft: float = 0.0
     latency: float = 0.0
@@ -135,6 +136,8 @@ def _read_event(payload: bytes, res: RequestResult) -> int:
     if usage:
         res.prompt_tokens = int(usage.get("prompt_tokens", res.prompt_tokens))
         res.output_tokens = int(usage.get("completion_tokens", res.output_tokens))
+        details = usage.get("prompt_tokens_details") or {}
+        res.cached_tokens = int(details.get("cached_tokens") or 0)
     choices = obj.get("choices") or ()
     if not choices:
         return 0

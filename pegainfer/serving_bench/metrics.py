@@ -10,7 +10,8 @@
   ``median_*_ms`` (p50), ``p90_*_ms``, ``p99_*_ms`` and ``max_*_ms``; ``max_itl_ms`` is the worst gap between two
   tokens of one stream;
 * ``completed``, ``failed`` (and ``errors``: up to 10 distinct error lines), ``total_input_tokens`` /
-  ``total_output_tokens`` (the server's ``usage``), ``mismatched_outputs`` (successful requests whose output token
+  ``total_output_tokens`` (the server's ``usage``), ``total_cached_tokens`` (of the input tokens, those the
+  server's prefix cache gave: ``usage.prompt_tokens_details.cached_tokens``), ``mismatched_outputs`` (successful requests whose output token
   count differs from the one asked for: a server that ignores ``ignore_eos``), ``peak_concurrency`` (most
   requests in flight at one time), ``tokens_per_chunk`` (output tokens per token event: above 1 when the server
   bundles tokens or holds some back).
@@ -65,6 +66,7 @@ def summarize(results: Sequence[RequestResult], duration_s: float) -> dict:
         "failed": len(failed),
         "total_input_tokens": int(total_in),
         "total_output_tokens": int(total_out),
+        "total_cached_tokens": int(sum(r.cached_tokens for r in ok)),
         "request_throughput": len(ok) / duration_s if duration_s > 0 else None,
         "output_throughput": total_out / duration_s if duration_s > 0 else None,
         "total_token_throughput": (total_in + total_out) / duration_s if duration_s > 0 else None,
@@ -94,7 +96,8 @@ def per_request(results: Sequence[RequestResult]) -> list[dict]:
     rows = []
     for r in results:
         rows.append({"index": r.index, "input_len": r.input_len, "output_len": r.output_len,
-                     "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens, "success": r.success,
+                     "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+                     "cached_tokens": r.cached_tokens, "success": r.success,
                      "ttft_ms": ms(r.ttft) if r.success else None, "latency_ms": ms(r.latency) if r.success else None,
                      "max_itl_ms": ms(max(r.itls)) if r.itls else None, "chunks": r.chunks, "error": r.error})
     return rows

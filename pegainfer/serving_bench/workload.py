@@ -28,6 +28,10 @@ server's ``usage.prompt_tokens`` is what the report counts either way.  Token id
 from the tokenizer's ordinary tokens, never special ones; without a tokenizer, from ``[0, 256)`` (the byte tokens
 every byte-level BPE vocabulary has).
 
+**A shared prefix** (``--prefix-len P``, vLLM's ``--random-prefix-len``): every prompt starts with the same P
+tokens (ids, or text of P word pieces), drawn once, then its own tokens: a system prompt many users share, the
+load a prefix cache is for (``usage.prompt_tokens_details.cached_tokens`` says how much the server reused).
+
 **Arrivals** (``arrival_times``): all at once for ``--request-rate inf``, else a Poisson process — exponential gaps
 of mean ``1 / rate`` seconds, seeded.
 """
@@ -112,9 +116,10 @@ def _text_of_length(tokenizer, pieces: np.ndarray, length: int, rng: np.random.G
 
 
 def build_prompts(lengths: list[tuple[int, int]], prompt_format: str, tokenizer,
-                  rng: np.random.Generator) -> list[BenchRequest]:
-    """One ``BenchRequest`` per (input, output) pair: prompts as token ids or text (module docstring).
-    ``tokenizer``: a ``pegainfer.text.tokenizer.Tokenizer`` or None (ids only)."""
+                  rng: np.random.Generator, prefix_len: int = 0) -> list[BenchRequest]:
+    """One ``BenchRequest`` per (input, output) pair: prompts as token ids or text (module docstring), each after
+    the same ``prefix_len`` tokens (its ``input_len`` counts them).  ``tokenizer``: a
+    ``pegainfer.text.tokenizer.Tokenizer`` or None (ids only)."""
     if prompt_format not in ("ids", "text"):
         raise ValueError(f"unknown prompt format {prompt_format!r}")
     if tokenizer is None:
@@ -125,14 +130,16 @@ def build_prompts(lengths: list[tuple[int, int]], prompt_format: str, tokenizer,
         pool = ordinary_token_ids(tokenizer)
     out = []
     if prompt_format == "ids":
+        prefix = rng.choice(pool, size=prefix_len).tolist()
         for i, (n_in, n_out) in enumerate(lengths):
-            out.append(BenchRequest(i, rng.choice(pool, size=n_in).tolist(), n_in, n_out))
+            out.append(BenchRequest(i, prefix + rng.choice(pool, size=n_in).tolist(), prefix_len + n_in, n_out))
         return out
     words = word_token_ids(tokenizer, pool)
     pieces = words if len(words) >= 16 else pool    # a tiny tokenizer may have few whole words
+    prefix, n_prefix = _text_of_length(tokenizer, pieces, prefix_len, rng) if prefix_len else ("", 0)
     for i, (n_in, n_out) in enumerate(lengths):
         text, n = _text_of_length(tokenizer, pieces, n_in, rng)
-        out.append(BenchRequest(i, text, n, n_out))
+        out.append(BenchRequest(i, prefix + text, n_prefix + n, n_out))
     return out
 
 

@@ -138,3 +138,38 @@ def test_mixed_steps_replayed_from_graphs_give_the_eager_tokens(tmp_path, arch):
     first_difference = {rid: next(j for j, (a, b) in enumerate(zip(t, results[False][rid])) if a != b)
                         for rid, t in results[True].items() if t != results[False][rid]}
     assert not first_difference, first_difference
+
+
+def test_qwen35_prefix_cache_gives_the_uncached_tokens(tmp_path):
+    """Qwen3.5 with the prefix cache on, replayed from graphs: prompts sharing a 300-token prefix (the second finds
+    the first's pages and the state kept where they end, the third a next chat turn) arrive while others decode, and
+    every stream's greedy tokens equal those of the same engine with the cache off; prompt tokens came from the
+    cache, and nothing stays in use when idle."""
+    from pegainfer.engine.engine import Engine
+    from pegainfer.engine.types import SamplingParams
+
+    folder = _mid_qwen35(tmp_path)
+    rng = np.random.default_rng(5)
+    shared = rng.integers(0, 400, size=300).tolist()
+    prompts = {"a": shared + [1, 2, 3], "other": rng.integers(0, 400, size=50).tolist(), "b": shared + [9] * 20}
+    results, hits = {}, {}
+    for cache in (True, False):
+        eng = Engine.from_folder(str(folder), max_model_len=1024, max_batch=8, enable_prefix_caching=cache)
+        toks = {}
+        for rid, prompt in prompts.items():
+            eng.add_request(rid, prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+            toks[rid] = []
+            for _ in range(3):
+                _step(eng, toks)
+        while eng.has_unfinished():
+            _step(eng, toks)
+        turn = prompts["a"] + toks["a"] + [4, 5, 6]
+        eng.add_request("a2", turn, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        toks["a2"] = []
+        while eng.has_unfinished():
+            _step(eng, toks)
+        results[cache], hits[cache] = toks, eng.stats()["prefix_cache_hits"]
+        assert eng.stats()["kv_pages_used"] == 0 and eng.stats()["slots_used"] == 0
+        del eng
+    assert results[True] == results[False]
+    assert hits[True] >= 2 * 288 and hits[False] == 0, hits

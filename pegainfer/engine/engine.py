@@ -364,13 +364,12 @@ class Engine:
         t_step = time.perf_counter()
         trace_kernels = tracer is not None and sched.kind not in self._kernel_traced
         with (traced(tracer.kernel) if trace_kernels else contextlib.nullcontext()):
+            for row, slot in self.scheduler.take_restores():   # a hybrid model's state where its cached pages end
+                self.model.copy_state(row, slot)
             for seq, start, _ in sched.chunks:
                 if seq.scheduled_time is None:
                     seq.scheduled_time = t_step
-                if seq.restore_row is not None:       # a hybrid model's state after its cached pages
-                    self.model.copy_state(seq.restore_row, seq.slot)
-                    seq.restore_row = None
-                elif start == 0:
+                if start == 0:
                     self.model.reset_slot(seq.slot)   # e.g. zero Qwen3.5's recurrent state for a new sequence
             if sched.kind == "prefill":
                 seq, start, length = sched.chunks[0]

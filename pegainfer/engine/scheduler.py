@@ -20,7 +20,8 @@ A hybrid model (Qwen3.5) reuses cached pages only up to a boundary where a copy 
 (``kv_cache.StateSnapshots``), and keeps new copies at two boundaries of each prompt it prefills: where its cached
 pages end when no copy is kept there (a prefix other prompts share), and at its last full page (the prompt a
 follow-up request, e.g. the next turn of a chat, starts with).  A chunk then ends at such a boundary, so that the
-state there exists between two steps (``snapshot_copies``: the engine copies it after the step).
+state there exists between two steps (``snapshot_copies``: the engine copies it after the step; ``restores``:
+a snapshot into an admitted sequence's slot, before the step).
 
 A step carries at most ``max_chunks`` prompt chunks (the engine's: ``cuda_graph.MIXED_MIN_ROWS``, the chunk rows
 every mixed-step graph holds): a burst of short or mostly cached prompts then spreads over a few steps of shapes
@@ -60,7 +61,8 @@ class Scheduler:
                  snapshots: StateSnapshots | None = None):
         self.pool = pool
         self.snapshots = snapshots       # a hybrid model's state snapshots (prefix caching on), else None
-        self.snapshot_copies: list[tuple[int, int]] = []   # (slot, row) to copy after the step being scheduled
+        self.restores: list[tuple[int, int]] = []          # (row, slot) to copy before the step being scheduled
+        self.snapshot_copies: list[tuple[int, int]] = []   # (slot, row) to copy after it
         self.max_batch = max_batch
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_chunks = max_chunks or max_batch        # prompt chunks in one step (module docstring)
@@ -154,13 +156,21 @@ class Scheduler:
 
     def _with_state(self, seq: Sequence, pages: list[int]) -> list[int]:
         """A hybrid model's share of the cached ``pages``: up to the longest boundary with a state snapshot (which
-        ``seq`` then starts from: ``restore_row``); and the boundaries where ``seq``'s state is to be kept (module
-        docstring)."""
+        ``seq``'s slot then gets before the step: ``restores``); and the boundaries where ``seq``'s state is to be
+        kept (module docstring)."""
         ps = self.pool.page_size
-        used, seq.restore_row = self.snapshots.longest(seq.page_keys, len(pages))
+        used, row = self.snapshots.longest(seq.page_keys, len(pages))
+        if row is not None:
+            self.restores.append((row, seq.slot))
         last_page = (seq.num_tokens - 1) // ps            # full pages before the last token (match_prefix's)
         seq.snapshot_points = [n * ps for n in sorted({len(pages), last_page}) if n > used]
         return pages[:used]
+
+    def take_restores(self) -> list[tuple[int, int]]:
+        """The (snapshot row, slot) state copies of the sequences the last ``schedule`` admitted, to be made before
+        its step (before any later copy can reuse the row); cleared."""
+        copies, self.restores = self.restores, []
+        return copies
 
     def take_snapshot_copies(self) -> list[tuple[int, int]]:
         """The (slot, row) state copies the last scheduled step's sequences are due (``computed``), to be made after
@@ -177,7 +187,7 @@ class Scheduler:
         seq.slot = None
         seq.num_cached = 0
         seq.pages_indexed = 0
-        seq.restore_row, seq.snapshot_points = None, []
+        seq.snapshot_points = []
         seq.preemptions += 1
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -205,5 +215,5 @@ class Scheduler:
         if seq.slot is not None:
             self.pool.release(seq.slot)
             seq.slot = None
-        seq.restore_row, seq.snapshot_points = None, []
+        seq.snapshot_points = []
         seq.status = Status.FINISHED

@@ -29,7 +29,6 @@ class Sequence:
         self.cached_tokens = 0               # prompt tokens the prefix cache gave at admission (reported in usage)
         self.page_keys: list[bytes] = []     # prefix-cache keys of the full pages of token_ids so far
         self.pages_indexed = 0               # full pages already offered to the prefix cache
-        self.restore_row: Optional[int] = None   # hybrid models: the state snapshot its slot starts from
         self.snapshot_points: list[int] = []     # hybrid models: token counts after which its state is kept
         self.preemptions = 0
         self.detokenizer = detokenizer

@@ -40,7 +40,8 @@
 #             the decode step and the prompts alone
 #   graphs    benchmarks/graph_capture.py on Qwen3-4B: the warm-up's graphs, what one more mixed-step capture costs,
 #             replays of 8 / 16 / 32 chunk rows
-#   prefix    benchmarks/prefix_cache_ttft.py: a 2000-token shared prefix, cache on and off
+#   prefix    benchmarks/prefix_cache_ttft.py on $PREFIX_MODEL (default qwen3-4b; qwen3.5-4b: the state snapshots):
+#             a 2000-token shared prefix, cache on and off
 #   constrained  benchmarks/constrained_decode.py on Qwen3-4B (a Qwen3-sized tokenizer view): unconstrained rows
 #             beside JSON-schema rows at batch 8 and 64, and 64 JSON rows, against the unconstrained batches
 set -uo pipefail
@@ -185,7 +186,7 @@ print(v('$SM', '/tmp/serve_view'))" 2>/dev/null | tail -1)
                 | tail -8 | tee "$OUT/mixed_step.log" ;;
     graphs)   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/graph_capture.py --model-path "$M/qwen3-4b" \
                 --max-batch 64 --json "$OUT/graph_capture.json" 2>&1 | filter | tail -20 | tee "$OUT/graph_capture.log" ;;
-    prefix)   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/prefix_cache_ttft.py --model-path "$M/qwen3-4b" \
+    prefix)   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/prefix_cache_ttft.py --model-path "$M/${PREFIX_MODEL:-qwen3-4b}" \
                 --prefix-len 2000 --suffix-len 16 --runs 3 --json "$OUT/prefix.json" 2>&1 | filter | tail -6 \
                 | tee "$OUT/prefix.log" ;;
     constrained) timeout ${BUILD_TIMEOUT:-200} python3 -c "

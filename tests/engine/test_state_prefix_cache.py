@@ -92,3 +92,30 @@ def test_snapshot_index():
     assert snaps.longest(keys, 3) == (3, 6) and snaps.longest(keys, 2) == (1, 5)   # k0 now the most recent
     assert snaps.store(b"x") == 6 and len(snaps) == 2                               # k2's row reused
     assert snaps.longest(keys, 3) == (1, 5)
+
+
+def test_preemption_with_state_snapshots_gives_the_roomy_streams():
+    """Pages for barely two of four growing sequences that share a prefix, the cache on: the newest are preempted
+    (their slots freed, state and all) and recomputed, finding their own and each other's kept states on the way
+    back; every stream equals that of an engine with pages to spare and the cache off."""
+    shared = list(range(40, 60))
+    requests = [(f"r{i}", shared + [2 + i] * (3 + 5 * i), greedy(26 + i)) for i in range(4)]
+    tight = recording(tiny_engine(True, max_batch=4, max_model_len=96, num_pages=9, prefix_caching=True,
+                                  state_snapshots=4, max_num_batched_tokens=48))
+    roomy = tiny_engine(True, max_batch=4, max_model_len=96, state_snapshots=4, max_num_batched_tokens=48)
+    assert drain(tight, requests) == drain(roomy, requests)
+    s = tight.stats()
+    assert s["num_preemptions"] > 0 and s["prefix_cache_hits"] > 0, s
+
+
+def test_an_abort_in_the_middle_of_a_cut_prefill_leaves_nothing_behind():
+    """A prompt aborted after its first chunk (cut at its last full page, its state kept): its slot and pages come
+    back, and the next prompt with the same pages starts from the kept state with the right tokens."""
+    prompt = PREFIX + [1, 2]
+    on, off = _engine(), _engine(prefix_caching=False)
+    on.add_request("gone", prompt, greedy(5))
+    on.step()                                          # the chunk up to 32, its state kept after the step
+    on.abort("gone")
+    got = drain(on, [("again", prompt, greedy(5))])
+    assert got["again"] == drain(off, [("again", prompt, greedy(5))])["again"]
+    assert [c for _, _, cs, _, _ in on.steps for c in cs][-1] == ("again", 32, 10)

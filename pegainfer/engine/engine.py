@@ -316,16 +316,19 @@ class Engine:
     def stats(self) -> dict:
         """Gauges and counters for ``/metrics``: ``waiting`` / ``running`` requests, ``kv_pages_used`` /
         ``kv_pages_total``, ``slots_used``; cumulative ``num_preemptions``, ``prefix_cache_queries`` (prompt tokens
-        looked up in the prefix cache) and ``prefix_cache_hits`` (of those, tokens found); ``cuda_graphs``
+        looked up in the prefix cache) and ``prefix_cache_hits`` (of those, tokens found); ``prefix_state_snapshots``
+        (a hybrid model's kept recurrent states, of ``prefix_state_snapshots_total``); ``cuda_graphs``
         (instantiated step graphs), cumulative ``eager_mixed_steps`` (mixed steps no graph replayed) and
         ``cuda_graph_capture_seconds`` (host time spent capturing graphs of shapes met while serving);
         ``gc_pause_seconds`` / ``gc_full_collections`` / ``gc_longest_pause_seconds``: the process's
         garbage-collection pauses since warm-up (``heap.py``)."""
-        graphs = self.runner.graphs
+        graphs, snaps = self.runner.graphs, self.scheduler.snapshots
         return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "kv_pages_used": self.pool.pages_used, "kv_pages_total": self.pool.num_pages,
                 "slots_used": self.pool.slots_used, "num_preemptions": self.scheduler.num_preemptions,
                 "prefix_cache_queries": self.pool.prefix_queries, "prefix_cache_hits": self.pool.prefix_hits,
+                "prefix_state_snapshots": len(snaps) if snaps is not None else 0,
+                "prefix_state_snapshots_total": snaps.count if snaps is not None else 0,
                 "cuda_graphs": len(graphs.execs) if graphs is not None else 0,
                 "eager_mixed_steps": graphs.eager_steps if graphs is not None else 0,
                 "cuda_graph_capture_seconds": graphs.capture_seconds if graphs is not None else 0.0,

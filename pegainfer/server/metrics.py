@@ -103,6 +103,9 @@ class _EngineCollector:
                     get("prefix_cache_queries")),
             counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                     get("prefix_cache_hits")),
+            gauge("pegainfer:prefix_state_snapshots", "Copies of a hybrid model's recurrent state kept at page "
+                                                      "boundaries for the prefix cache (Qwen3.5; 0 otherwise).",
+                  get("prefix_state_snapshots")),
             gauge("pegainfer:cuda_graphs", "CUDA graphs of whole steps instantiated (decode batch sizes, prompt-chunk "
                                            "buckets, mixed-step shapes).", get("cuda_graphs")),
             counter("pegainfer:eager_mixed_steps", "Mixed steps (decodes beside prompt chunks) launched kernel by "

@@ -39,6 +39,7 @@ def test_a_follow_up_prompt_restores_the_state_at_the_last_full_page():
     assert chunks[:2] == [("first", 0, 32), ("first", 32, 9)], chunks       # stopped at the boundary, kept there
     assert [c for c in chunks if c[0] == "second"] == [("second", 32, 10)], chunks
     assert on.stats()["prefix_cache_hits"] == 32
+    assert (on.stats()["prefix_state_snapshots"], on.stats()["prefix_state_snapshots_total"]) == (1, 4)
     assert [c for _, _, cs, _, _ in off.steps for c in cs] == [("first", 0, 41), ("second", 0, 42)]
 
 

@@ -23,7 +23,7 @@ class StatsEngine(FakeEngine):
         return {**super().stats(), "kv_pages_total": 100, "num_preemptions": 3, "prefix_cache_queries": 50,
                 "prefix_cache_hits": 20, "cuda_graphs": 41, "eager_mixed_steps": 7,
                 "cuda_graph_capture_seconds": 2.5, "gc_pause_seconds": 0.75, "gc_full_collections": 4,
-                "gc_longest_pause_seconds": 0.125}
+                "gc_longest_pause_seconds": 0.125, "prefix_state_snapshots": 6}
 
 
 def test_engine_gauges_and_counters_come_from_stats(model_folder):
@@ -50,6 +50,7 @@ def test_engine_gauges_and_counters_come_from_stats(model_folder):
         assert value(m, "vllm:prefix_cache_queries_total", model_name="m") == 50
         assert value(m, "vllm:prefix_cache_hits_total", model_name="m") == 20
         assert value(m, "pegainfer:cuda_graphs", model_name="m") == 41
+        assert value(m, "pegainfer:prefix_state_snapshots", model_name="m") == 6
         assert value(m, "pegainfer:eager_mixed_steps_total", model_name="m") == 7
         assert value(m, "pegainfer:cuda_graph_capture_seconds_total", model_name="m") == 2.5
         assert value(m, "pegainfer:gc_pause_seconds_total", model_name="m") == 0.75

@@ -141,8 +141,7 @@ class Engine:
         ``gpu_memory_utilization`` of the GPU's memory leaves after weights, buffers and recurrent state (in the
         simulator, or with ``num_pages``: that many pages, else ``max_batch`` full-length sequences).
         ``enable_prefix_caching``: None = on for Qwen3, off for Qwen3.5 (on, it keeps ``PREFIX_STATE_SNAPSHOTS``
-        copies of the recurrent state at page boundaries, and a prompt's last chunk ends at its last full page, so
-        its state there can be kept: one step more for a prompt that does not end on a page).
+        copies of the recurrent state at page boundaries: ``scheduler``'s docstring says which).
         ``policy``: how the kernels launch (``kernels/policy.py``); None: ``LaunchPolicy.from_options()`` with the
         tuning file ``PEGAINFER_GEMV_TUNING`` names, if set."""
         from pegainfer.config import load_generation_config, load_model_config
@@ -430,6 +429,8 @@ class Engine:
         t_step = time.perf_counter()
         outputs = self._finish_aborted()
         outputs += self._read_launching_ahead(pending)
+        for slot, row in self.scheduler.take_snapshot_copies():   # none when a step was launched ahead
+            self.model.copy_state(slot, row)
         if self.tracer is not None:
             self.tracer.span(f"decode batch {pending.B} (launched ahead)", t_step, time.perf_counter(),
                              "engine steps")
@@ -465,6 +466,8 @@ class Engine:
             p = seq.params
             if seq.status is not Status.RUNNING or p.logprobs is not None:
                 return False   # logprobs read the logits the step ahead overwrites
+            if seq.snapshot_points and seq.snapshot_points[0] == seq.num_tokens:
+                return False   # its state after the in-flight step is kept: copied before the next step runs
             # the in-flight step will surely finish it (no EOS/stop-string check needed): don't compute a token
             # past its end
             if len(seq.output_ids) + 1 >= p.max_tokens or seq.num_tokens + 1 >= self.max_model_len:

@@ -17,11 +17,13 @@ Each step, under a budget of ``max_num_batched_tokens`` tokens:
    cache (``kv_cache.PagePool.match_prefix``) and are not computed again.
 
 A hybrid model (Qwen3.5) reuses cached pages only up to a boundary where a copy of its recurrent state was kept
-(``kv_cache.StateSnapshots``), and keeps new copies at two boundaries of each prompt it prefills: where its cached
-pages end when no copy is kept there (a prefix other prompts share), and at its last full page (the prompt a
-follow-up request, e.g. the next turn of a chat, starts with).  A chunk then ends at such a boundary, so that the
-state there exists between two steps (``snapshot_copies``: the engine copies it after the step; ``restores``:
-a snapshot into an admitted sequence's slot, before the step).
+(``kv_cache.StateSnapshots``), and keeps new copies at two boundaries of each sequence: where the cached pages it
+found end, when no copy is kept there (a prefix other prompts share: its prefill's chunk ends there, so that the
+state there exists between two steps), and at the first page boundary its tokens reach, at the end of its prefill
+or a few decode steps later (what a follow-up request, e.g. the next turn of a chat, starts with).  The engine
+copies a slot's state after the step that reached such a boundary (``snapshot_copies``; a decode step reaching
+one is not launched ahead of the one before it), and a snapshot into an admitted sequence's slot before its
+first step (``restores``).
 
 A step carries at most ``max_chunks`` prompt chunks (the engine's: ``cuda_graph.MIXED_MIN_ROWS``, the chunk rows
 every mixed-step graph holds): a burst of short or mostly cached prompts then spreads over a few steps of shapes
@@ -162,8 +164,8 @@ class Scheduler:
         used, row = self.snapshots.longest(seq.page_keys, len(pages))
         if row is not None:
             self.restores.append((row, seq.slot))
-        last_page = (seq.num_tokens - 1) // ps            # full pages before the last token (match_prefix's)
-        seq.snapshot_points = [n * ps for n in sorted({len(pages), last_page}) if n > used]
+        first_boundary = -(-seq.num_tokens // ps) * ps    # the first page boundary its tokens reach (decoding)
+        seq.snapshot_points = ([len(pages) * ps] if len(pages) > used else []) + [first_boundary]
         return pages[:used]
 
     def take_restores(self) -> list[tuple[int, int]]:

@@ -54,8 +54,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="reuse the KV cache of prompts that start with the same tokens as an earlier one (their "
                         "prefill is skipped; usage.prompt_tokens_details.cached_tokens says how many). Default: on "
                         "for Qwen3, off for Qwen3.5 (on, Qwen3.5 also keeps 16 copies of its recurrent state at page "
-                        "boundaries, ~0.8 GB, and ends a prompt's prefill at its last full page: one step more "
-                        "for each prompt)")
+                        "boundaries, ~0.8 GB: where each sequence first reaches one, and where a shared prefix's "
+                        "cached pages end)")
     p.add_argument("--max-body-bytes", type=argtypes.positive, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"largest request body accepted, in bytes (default {DEFAULT_MAX_BODY_BYTES}); bigger → 413")
     p.add_argument("--access-log", action="store_true",

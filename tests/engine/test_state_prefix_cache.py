@@ -4,13 +4,15 @@ recurrent state was kept (``kv_cache.StateSnapshots``), through the real engine 
 without the state after them, a wrong snapshot, or one taken at another point shows as a wrong token."""
 from __future__ import annotations
 
+import pytest
+
 from pegainfer.engine.kv_cache import StateSnapshots
 from tests.engine.test_scheduler import drain, greedy, recording
 from tests.engine.tiny_model import tiny_engine
 
 
-def _engine(prefix_caching=True, snapshots=4, max_num_batched_tokens=64):
-    return recording(tiny_engine(True, max_batch=3, max_model_len=128, prefix_caching=prefix_caching,
+def _engine(prefix_caching=True, snapshots=4, max_num_batched_tokens=64, async_scheduling=True):
+    return recording(tiny_engine(async_scheduling, max_batch=3, max_model_len=128, prefix_caching=prefix_caching,
                                  state_snapshots=snapshots, max_num_batched_tokens=max_num_batched_tokens))
 
 
@@ -26,46 +28,50 @@ def _run_in_turn(engine, requests):
 PREFIX = list(range(20, 60))                    # 40 tokens: two full pages and half a third
 
 
-def test_a_follow_up_prompt_restores_the_state_at_the_last_full_page():
-    """The first prompt's prefill stops at its last full page (32 tokens), where its state is kept; a second prompt
-    with the same first 32 tokens starts there (32 cached tokens, its first chunk at 32), and both streams equal
-    those of an engine without the cache."""
-    first, second = PREFIX + [1], PREFIX + [3, 4]
-    requests = [("first", first, greedy(6)), ("second", second, greedy(6))]
-    on, off = _engine(), _engine(prefix_caching=False)
-    got_on = _run_in_turn(on, requests)
-    assert got_on == _run_in_turn(off, requests)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_next_turn_restores_the_state_at_the_first_page_boundary_the_turn_before_reached(async_scheduling):
+    """A first request (41 prompt tokens, 10 out) keeps its state when its tokens reach 48, seven decode steps in,
+    with no change to its prefill (with async scheduling the decode step after the one that reaches 48 is not
+    launched ahead of it); the next chat turn (its prompt, its answer and two more tokens) starts there: 48 cached
+    tokens, one chunk of 5.  Every stream equals that of an engine without the cache."""
+    first = PREFIX + [1]
+    on, off = _engine(async_scheduling=async_scheduling), _engine(prefix_caching=False)
+    answer = _run_in_turn(on, [("first", first, greedy(10))])["first"]
+    assert answer == _run_in_turn(off, [("first", first, greedy(10))])["first"]
+    turn = first + answer + [3, 4]
+    assert _run_in_turn(on, [("turn", turn, greedy(6))]) == _run_in_turn(off, [("turn", turn, greedy(6))])
     chunks = [c for _, _, cs, _, _ in on.steps for c in cs]
-    assert chunks[:2] == [("first", 0, 32), ("first", 32, 9)], chunks       # stopped at the boundary, kept there
-    assert [c for c in chunks if c[0] == "second"] == [("second", 32, 10)], chunks
-    assert on.stats()["prefix_cache_hits"] == 32
-    assert (on.stats()["prefix_state_snapshots"], on.stats()["prefix_state_snapshots_total"]) == (1, 4)
-    assert [c for _, _, cs, _, _ in off.steps for c in cs] == [("first", 0, 41), ("second", 0, 42)]
+    assert chunks == [("first", 0, 41), ("turn", 48, 5)], chunks
+    s = on.stats()
+    assert s["prefix_cache_hits"] == 48 and (s["prefix_state_snapshots"], s["prefix_state_snapshots_total"]) == (1, 4)
 
 
 def test_a_shared_prefix_gets_a_snapshot_where_the_cached_pages_end():
-    """The second prompt shares two pages with the first but no kept state there (the first's is at its own last
-    page, 64): it recomputes from 0 and keeps its state at 32, where the shared pages end, and at its last page; a
-    third prompt sharing the same two pages then starts at 32 (and stops at its own last page, 48)."""
+    """The second prompt shares two pages with the first but no kept state there (the first kept none: it never
+    reached a page boundary past its prompt): it recomputes from 0, its prefill cut at 32, where the shared pages
+    end, so its state there is kept; a third prompt sharing the same two pages then starts at 32."""
     first, second, third = PREFIX + [1] * 30, PREFIX + [2] * 20, PREFIX + [3] * 9
     requests = [("first", first, greedy(4)), ("second", second, greedy(4)), ("third", third, greedy(4))]
     on, off = _engine(), _engine(prefix_caching=False)
     assert _run_in_turn(on, requests) == _run_in_turn(off, requests)
     chunks = [c for _, _, cs, _, _ in on.steps for c in cs]
-    assert [c[1:] for c in chunks if c[0] == "second"] == [(0, 32), (32, 16), (48, 12)], chunks
-    # stopped at its own last page (48): its last prompt token then rides as a decode row
-    assert [c[1:] for c in chunks if c[0] == "third"] == [(32, 16)], chunks
+    assert [c[1:] for c in chunks if c[0] == "second"] == [(0, 32), (32, 28)], chunks
+    assert [c[1:] for c in chunks if c[0] == "third"] == [(32, 17)], chunks
+    assert on.stats()["prefix_cache_hits"] == 32
 
 
 def test_the_least_recently_used_snapshot_makes_room():
-    """With one snapshot row, the second prompt's state replaces the first's: a prompt like the first then finds
-    none and recomputes from 0 (and the same tokens come out)."""
-    a, b = PREFIX + [1], [7] * 40 + [2]
-    requests = [("a", a, greedy(3)), ("b", b, greedy(3)), ("a2", a[:-1] + [5], greedy(3))]
-    on, off = _engine(snapshots=1), _engine(prefix_caching=False)
-    assert _run_in_turn(on, requests) == _run_in_turn(off, requests)
-    chunks = [c for _, _, cs, _, _ in on.steps for c in cs]
-    assert [c[1] for c in chunks if c[0] == "a2"][0] == 0, chunks
+    """Prompts of whole pages keep their state at the end of their prefill.  With two snapshot rows, a prompt
+    extending the first starts from its state (48 cached); with one, the second prompt's state took its row, and
+    the same prompt recomputes from 0 (the same tokens either way)."""
+    a, b = PREFIX + [1] * 8, [7] * 48
+    requests = [("a", a, greedy(3)), ("b", b, greedy(3)), ("a2", a + [5, 6, 7], greedy(3))]
+    want = _run_in_turn(_engine(prefix_caching=False), requests)
+    for count, start in ((2, 48), (1, 0)):
+        on = _engine(snapshots=count)
+        assert _run_in_turn(on, requests) == want
+        chunks = [c for _, _, cs, _, _ in on.steps for c in cs]
+        assert [c[1] for c in chunks if c[0] == "a2"][0] == start, (count, chunks)
 
 
 def test_concurrent_streams_with_and_without_the_cache_are_the_same():
@@ -109,14 +115,15 @@ def test_preemption_with_state_snapshots_gives_the_roomy_streams():
     assert s["num_preemptions"] > 0 and s["prefix_cache_hits"] > 0, s
 
 
-def test_an_abort_in_the_middle_of_a_cut_prefill_leaves_nothing_behind():
-    """A prompt aborted after its first chunk (cut at its last full page, its state kept): its slot and pages come
-    back, and the next prompt with the same pages starts from the kept state with the right tokens."""
-    prompt = PREFIX + [1, 2]
+def test_an_abort_after_the_prefill_leaves_its_kept_state_usable():
+    """A prompt of whole pages aborted after its prefill (its state kept at its end): its slot and pages come back,
+    and the next prompt extending it starts from the kept state with the right tokens."""
+    prompt = PREFIX + [1] * 8
     on, off = _engine(), _engine(prefix_caching=False)
     on.add_request("gone", prompt, greedy(5))
-    on.step()                                          # the chunk up to 32, its state kept after the step
+    on.step()                                          # the whole prompt; its state kept after the step
     on.abort("gone")
-    got = drain(on, [("again", prompt, greedy(5))])
-    assert got["again"] == drain(off, [("again", prompt, greedy(5))])["again"]
-    assert [c for _, _, cs, _, _ in on.steps for c in cs][-1] == ("again", 32, 10)
+    again = prompt + [2, 3, 4]
+    got = drain(on, [("again", again, greedy(5))])
+    assert got["again"] == drain(off, [("again", again, greedy(5))])["again"]
+    assert [c for _, _, cs, _, _ in on.steps for c in cs][-1] == ("again", 48, 3)

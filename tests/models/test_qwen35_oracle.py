@@ -194,24 +194,25 @@ def test_greedy_decode_matches_hf(tiny):
 
 
 def test_prefix_cache_restores_the_recurrent_state_and_keeps_every_token(tiny):
-    """Qwen3.5 with the prefix cache on (``--enable-prefix-caching``): the first prompt's state is kept at its last
-    full page (32 tokens); a second prompt with the same first 32 tokens, and a next chat turn (the first prompt,
-    its answer and more), start there from that state and the cached K/V of the full-attention layers.  Catches a
-    snapshot taken at another point, restored into the wrong slot or rows, or a hit without the state: every
-    stream equals the cache-off engine's, and 64 prompt tokens came from the cache."""
+    """Qwen3.5 with the prefix cache on (``--enable-prefix-caching``): a 48-token prompt keeps its state at its end;
+    the next chat turn (that prompt, its answer and more) starts there from that state and the cached K/V of the
+    full-attention layers (48 cached); a prompt sharing only its first 40 tokens recomputes, its prefill cut at 32
+    where the shared pages end, and one more such prompt starts there (32 cached).  Catches a snapshot taken at
+    another point, restored into the wrong slot or rows, or a hit without the state: every stream equals the
+    cache-off engine's."""
     _, off = tiny
     on = _engine(off.folder, enable_prefix_caching=True)
-    base = _prompt(36, seed=3)
-    first = base + [11]
-    second = base[:33] + [12, 13, 14, 15]
-    want = {name: greedy_decode(off, p, 4, f"off-{name}")[0] for name, p in (("first", first), ("second", second))}
-    got = {name: greedy_decode(on, p, 4, f"on-{name}")[0] for name, p in (("first", first), ("second", second))}
-    third = first + got["first"] + [16, 17, 18]
-    want["third"] = greedy_decode(off, third, 4, "off-third")[0]
-    got["third"] = greedy_decode(on, third, 4, "on-third")[0]
+    first = _prompt(47, seed=3) + [11]
+    want, got = {}, {}
+    for name, prompt in (("first", first), ("shares 40", first[:40] + [12, 13, 14, 15])):
+        want[name] = greedy_decode(off, prompt, 4, f"off-{name}")[0]
+        got[name] = greedy_decode(on, prompt, 4, f"on-{name}")[0]
+    for name, prompt in (("next turn", first + got["first"] + [16, 17, 18]), ("shares 40 too", first[:40] + [20])):
+        want[name] = greedy_decode(off, prompt, 4, f"off-{name}")[0]
+        got[name] = greedy_decode(on, prompt, 4, f"on-{name}")[0]
     assert got == want
     s = on.stats()
-    assert s["prefix_cache_hits"] == 64 and s["kv_pages_used"] == 0 and s["slots_used"] == 0, s
+    assert s["prefix_cache_hits"] == 48 + 32 and s["kv_pages_used"] == 0 and s["slots_used"] == 0, s
 
 
 def test_prompt_prefilled_beside_a_decode_matches_each_alone(tiny, alone):

@@ -187,7 +187,7 @@ print(v('$SM', '/tmp/serve_view'))" 2>/dev/null | tail -1)
     graphs)   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/graph_capture.py --model-path "$M/qwen3-4b" \
                 --max-batch 64 --json "$OUT/graph_capture.json" 2>&1 | filter | tail -20 | tee "$OUT/graph_capture.log" ;;
     prefix)   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/prefix_cache_ttft.py --model-path "$M/${PREFIX_MODEL:-qwen3-4b}" \
-                --prefix-len 2000 --suffix-len 16 --runs 3 --json "$OUT/prefix.json" 2>&1 | filter | tail -6 \
+                --prefix-len 2000 --suffix-len 16 --runs 3 --followers 2 --json "$OUT/prefix.json" 2>&1 | filter | tail -6 \
                 | tee "$OUT/prefix.log" ;;
     constrained) timeout ${BUILD_TIMEOUT:-200} python3 -c "
 import os, sys; sys.path.insert(0, os.getcwd())

@@ -17,8 +17,7 @@ def _engine(prefix_caching=True, snapshots=4, max_num_batched_tokens=64, async_s
 
 
 def _run_in_turn(engine, requests):
-    """Each request alone, one after the other: {id: (tokens, cached_tokens)} and the (id, start, length) of every
-    chunk scheduled."""
+    """Each request alone, one after the other: {id: its tokens} (the engine records the chunks: ``recording``)."""
     got = {}
     for rid, prompt, params in requests:
         got[rid] = drain(engine, [(rid, prompt, params)])[rid]

@@ -100,6 +100,7 @@ BAD_VALUES = [
     (("generate", "--trace-output-path", "/dev/null/trace"), "under the file /dev/null"),
     (("generate", "--launch-policy", "nope=1"), "LaunchPolicy has no field 'nope'"),
     (("serve", "--launch-policy", "pdl=gemv+no way"), "is not a launch name"),
+    (("serve", "--prefix-state-snapshots", "0"), "at least 1"),
     (("bench", "--launch-policy", "preload_o=maybe"), "preload_o: 'maybe' is not true or false"),
     (("bench", "--launch-policy", ","), "expected FIELD=VALUE"),
 ]
@@ -153,6 +154,21 @@ def test_launch_policy_reaches_every_commands_engine(monkeypatch):
             with pytest.raises(Stop):
                 run(args)
             assert seen.pop() == policy, (argv, extra)
+
+
+def test_serve_passes_the_prefix_cache_flags_to_the_engine(monkeypatch):
+    """``serve --enable-prefix-caching --prefix-state-snapshots N`` reaches ``Engine.from_folder``; by default
+    neither is forced (the engine picks per model)."""
+    from pegainfer.__main__ import build_parser
+    from pegainfer.engine.engine import Engine
+    from pegainfer.server import engine_from_args
+
+    seen = []
+    monkeypatch.setattr(Engine, "from_folder", classmethod(lambda cls, *a, **kw: seen.append(kw)))
+    engine_from_args(build_parser().parse_args(["serve", "--enable-prefix-caching", "--prefix-state-snapshots",
+                                                "40"]))
+    engine_from_args(build_parser().parse_args(["serve"]))
+    assert [(kw["enable_prefix_caching"], kw["prefix_state_snapshots"]) for kw in seen] == [(True, 40), (None, None)]
 
 
 def test_serve_on_a_port_in_use_fails_at_once():

@@ -133,15 +133,17 @@ class Engine:
                     max_batch: int = 1, max_num_batched_tokens: int = 2048, use_cuda_graph: bool = True,
                     verbose: bool = False, async_scheduling: bool = True,
                     policy: "LaunchPolicy | None" = None, gpu_memory_utilization: float = 0.9,
-                    enable_prefix_caching: Optional[bool] = None, num_pages: Optional[int] = None) -> "Engine":
+                    enable_prefix_caching: Optional[bool] = None, num_pages: Optional[int] = None,
+                    prefix_state_snapshots: Optional[int] = None) -> "Engine":
         """Load a model folder (the demo model when ``model_path`` is None) and build the engine around it.
 
         ``max_batch``: most sequences running at once (slots); ``max_num_batched_tokens``: most tokens in one step
         (decodes plus prompt chunks; at least ``max_batch``).  The KV page pool takes what
         ``gpu_memory_utilization`` of the GPU's memory leaves after weights, buffers and recurrent state (in the
         simulator, or with ``num_pages``: that many pages, else ``max_batch`` full-length sequences).
-        ``enable_prefix_caching``: None = on for Qwen3, off for Qwen3.5 (on, it keeps ``PREFIX_STATE_SNAPSHOTS``
-        copies of the recurrent state at page boundaries: ``scheduler``'s docstring says which).
+        ``enable_prefix_caching``: None = on for Qwen3, off for Qwen3.5 (on, it keeps ``prefix_state_snapshots``
+        copies of the recurrent state at page boundaries, default ``PREFIX_STATE_SNAPSHOTS``: ``scheduler``'s
+        docstring says which).
         ``policy``: how the kernels launch (``kernels/policy.py``); None: ``LaunchPolicy.from_options()`` with the
         tuning file ``PEGAINFER_GEMV_TUNING`` names, if set."""
         from pegainfer.config import load_generation_config, load_model_config
@@ -174,7 +176,9 @@ class Engine:
         Model = model_class(cfg.arch)
         hybrid = bool(getattr(Model, "has_recurrent_state", False))
         prefix_caching = (not hybrid) if enable_prefix_caching is None else bool(enable_prefix_caching)
-        snapshots = PREFIX_STATE_SNAPSHOTS if prefix_caching and hybrid else 0
+        if prefix_state_snapshots is not None and prefix_state_snapshots < 1:
+            raise PegainferError(f"--prefix-state-snapshots {prefix_state_snapshots} must be at least 1")
+        snapshots = (prefix_state_snapshots or PREFIX_STATE_SNAPSHOTS) if prefix_caching and hybrid else 0
         step_tokens = max(max_num_batched_tokens, max_batch)
         # a padded mixed step (``cuda_graph.mixed_shape``) holds up to max_batch decode rows (padding included) beside
         # its chunks' prefill bucket, and rows for the chunks beside a full decode batch

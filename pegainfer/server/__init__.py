@@ -53,9 +53,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV cache of prompts that start with the same tokens as an earlier one (their "
                         "prefill is skipped; usage.prompt_tokens_details.cached_tokens says how many). Default: on "
-                        "for Qwen3, off for Qwen3.5 (on, Qwen3.5 also keeps 16 copies of its recurrent state at page "
-                        "boundaries, ~0.8 GB: where each sequence first reaches one, and where a shared prefix's "
-                        "cached pages end)")
+                        "for Qwen3, off for Qwen3.5 (on, Qwen3.5 also keeps --prefix-state-snapshots copies of its "
+                        "recurrent state at page boundaries: where each sequence first reaches one, and where a "
+                        "shared prefix's cached pages end)")
+    p.add_argument("--prefix-state-snapshots", type=argtypes.positive, default=None,
+                   help="Qwen3.5 with --enable-prefix-caching: copies of the recurrent state kept for the prefix "
+                        "cache, least recently used out first (default 16; ~50 MB each for Qwen3.5-4B, taken from "
+                        "the KV cache). More: more conversations find the state of their last turn")
     p.add_argument("--max-body-bytes", type=argtypes.positive, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"largest request body accepted, in bytes (default {DEFAULT_MAX_BODY_BYTES}); bigger → 413")
     p.add_argument("--access-log", action="store_true",
@@ -93,6 +97,7 @@ def engine_from_args(args: argparse.Namespace):
                               max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 2048),
                               gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
                               enable_prefix_caching=getattr(args, "enable_prefix_caching", None),
+                              prefix_state_snapshots=getattr(args, "prefix_state_snapshots", None),
                               policy=engine_policy(getattr(args, "launch_policy", None)))
 
 

@@ -201,7 +201,7 @@ def test_prefix_cache_restores_the_recurrent_state_and_keeps_every_token(tiny):
     another point, restored into the wrong slot or rows, or a hit without the state: every stream equals the
     cache-off engine's."""
     _, off = tiny
-    on = _engine(off.folder, enable_prefix_caching=True)
+    on = _engine(off.folder, enable_prefix_caching=True, prefix_state_snapshots=3)
     first = _prompt(47, seed=3) + [11]
     want, got = {}, {}
     for name, prompt in (("first", first), ("shares 40", first[:40] + [12, 13, 14, 15])):
@@ -213,6 +213,7 @@ def test_prefix_cache_restores_the_recurrent_state_and_keeps_every_token(tiny):
     assert got == want
     s = on.stats()
     assert s["prefix_cache_hits"] == 48 + 32 and s["kv_pages_used"] == 0 and s["slots_used"] == 0, s
+    assert s["prefix_state_snapshots_total"] == 3 and on.model.num_slots == 2 + 3    # the slots, then the copies
 
 
 def test_prompt_prefilled_beside_a_decode_matches_each_alone(tiny, alone):

@@ -87,6 +87,9 @@ def test_counters_and_histograms_match_what_was_sent(fake_server):
             for line in s.iter_lines():
                 if '"text"' in line:
                     break    # leave after the first token: the request is aborted
+        # back to full speed only once the engine has the abort (else, on a busy machine, the request could finish)
+        wait_until(lambda: any(engine.prompts.get(rid) == [8, 9] for rid in engine.aborted),
+                   what="the abort reached the engine")
         engine.step_delay = 0.0
         check_error(http.post("/v1/completions", json={"prompt": [5], "max_tokens": -1}), 400)   # never counted
         wait_until(lambda: idle(ae))

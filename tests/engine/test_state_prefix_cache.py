@@ -38,7 +38,10 @@ def test_the_next_turn_restores_the_state_at_the_first_page_boundary_the_turn_be
     answer = _run_in_turn(on, [("first", first, greedy(10))])["first"]
     assert answer == _run_in_turn(off, [("first", first, greedy(10))])["first"]
     turn = first + answer + [3, 4]
-    assert _run_in_turn(on, [("turn", turn, greedy(6))]) == _run_in_turn(off, [("turn", turn, greedy(6))])
+    on.add_request("turn", turn, greedy(6))
+    outs = [out for _ in range(40) if on.has_unfinished() for out in on.step()]
+    assert not on.has_unfinished() and outs[-1].finished and outs[-1].cached_tokens == 48   # reported in usage
+    assert [t for out in outs for t in out.new_token_ids] == _run_in_turn(off, [("turn", turn, greedy(6))])["turn"]
     chunks = [c for _, _, cs, _, _ in on.steps for c in cs]
     assert chunks == [("first", 0, 41), ("turn", 48, 5)], chunks
     s = on.stats()

@@ -392,14 +392,19 @@ class Engine:
                 for row, (seq, token) in enumerate(zip(sched.decodes, tokens)):
                     self.scheduler.computed(seq, seq.num_tokens)
                     outputs.append(self._append(seq, token, row))
-            for slot, row in self.scheduler.take_snapshot_copies():   # after the step, before the next (stream order)
-                self.model.copy_state(slot, row)
+            self._keep_states()
         if tracer is not None:
             if trace_kernels:
                 tracer.flush_kernels(sched.kind)
                 self._kernel_traced.add(sched.kind)
             tracer.span(_step_label(sched), t_step, time.perf_counter(), "engine steps")
         return outputs
+
+    def _keep_states(self) -> None:
+        """Copy the states the steps just read reached a kept boundary with into their snapshot rows (a hybrid
+        model's prefix cache): after those steps, before the next one, in stream order."""
+        for slot, row in self.scheduler.take_snapshot_copies():
+            self.model.copy_state(slot, row)
 
     def _mixed(self, sched, trace_kernels: bool = False) -> list[RequestOutput]:
         """Run a step of decodes and prompt chunks; append the token of every sequence whose tokens it finished."""
@@ -433,8 +438,7 @@ class Engine:
         t_step = time.perf_counter()
         outputs = self._finish_aborted()
         outputs += self._read_launching_ahead(pending)
-        for slot, row in self.scheduler.take_snapshot_copies():   # none when a step was launched ahead
-            self.model.copy_state(slot, row)
+        self._keep_states()                     # none when a step was launched ahead (``_can_launch_ahead``)
         if self.tracer is not None:
             self.tracer.span(f"decode batch {pending.B} (launched ahead)", t_step, time.perf_counter(),
                              "engine steps")

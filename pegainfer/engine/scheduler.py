@@ -201,12 +201,11 @@ class Scheduler:
         if self.pool.prefix_caching and seq.slot is not None:
             seq.pages_indexed = self.pool.cache_full_pages(seq.slot, seq.token_ids, num_cached, seq.page_keys,
                                                            seq.pages_indexed)
-        while seq.snapshot_points and seq.snapshot_points[0] <= num_cached:
-            point = seq.snapshot_points.pop(0)
-            row = self.snapshots.store(seq.page_keys[point // self.pool.page_size - 1]) \
-                if point == num_cached and seq.slot is not None else None
-            if row is not None:
-                self.snapshot_copies.append((seq.slot, row))
+        while seq.snapshot_points and seq.snapshot_points[0] <= num_cached:   # boundaries reached (or passed)
+            if seq.snapshot_points.pop(0) == num_cached and seq.slot is not None:
+                row = self.snapshots.store(seq.page_keys[num_cached // self.pool.page_size - 1])
+                if row is not None:
+                    self.snapshot_copies.append((seq.slot, row))
 
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and return its slot and pages."""

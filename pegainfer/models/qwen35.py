@@ -194,8 +194,8 @@ class Qwen35Model(DecoderModel):
         if n_lin:
             every_slot = cuda.to_device(np.arange(n_lin * num_slots, dtype=np.int32))
             gated_delta.clear_state_slots(*self._states_by_layer_slot(), every_slot, policy=self.policy)
-        self._reset_ids = cuda.to_device(np.zeros(max(1, n_lin), np.int32))
-        self._copy_ids = cuda.to_device(np.zeros(max(1, n_lin), np.int32))
+        self._src_rows = cuda.to_device(np.zeros(max(1, n_lin), np.int32))   # rows a state launch reads / clears
+        self._dst_rows = cuda.to_device(np.zeros(max(1, n_lin), np.int32))   # rows a copy writes
 
         T = self.max_tokens
         e = lambda *s: cuda.device_array(s, dtype=BF16)  # noqa: E731
@@ -208,25 +208,24 @@ class Qwen35Model(DecoderModel):
 
     def reset_slot(self, slot: int) -> None:
         """A new sequence takes ``slot``: zero its conv windows and delta-rule states in every linear layer."""
-        n_lin = len(self.linear_layers)
-        if n_lin == 0:
-            return
-        ids = (np.arange(n_lin, dtype=np.int32) * self.num_slots + slot).astype(np.int32)
-        self._reset_ids.copy_to_device(ids)
-        gated_delta.clear_state_slots(*self._states_by_layer_slot(), self._reset_ids, policy=self.policy)
+        if self.linear_layers:
+            rows = self._layer_rows(self._src_rows, slot)
+            gated_delta.clear_state_slots(*self._states_by_layer_slot(), rows, policy=self.policy)
 
     def copy_state(self, src: int, dst: int) -> None:
         """Copy state row ``src``'s conv windows and delta-rule states to row ``dst`` in every linear layer (a slot's
         state into a prefix-cache snapshot after the step that computed it, or a snapshot into a new sequence's
         slot), in stream order with the steps."""
-        n_lin = len(self.linear_layers)
-        if n_lin == 0:
-            return
-        rows = np.arange(n_lin, dtype=np.int32) * self.num_slots
-        self._reset_ids.copy_to_device((rows + src).astype(np.int32))
-        self._copy_ids.copy_to_device((rows + dst).astype(np.int32))
-        gated_delta.copy_state_slots(*self._states_by_layer_slot(), self._reset_ids, self._copy_ids,
-                                     policy=self.policy)
+        if self.linear_layers:
+            gated_delta.copy_state_slots(*self._states_by_layer_slot(), self._layer_rows(self._src_rows, src),
+                                         self._layer_rows(self._dst_rows, dst), policy=self.policy)
+
+    def _layer_rows(self, buf, slot: int):
+        """``buf`` (a device int32 ``[linear layers]``) set to slot ``slot``'s row of every linear layer in the
+        ``_states_by_layer_slot`` view."""
+        buf.copy_to_device((np.arange(len(self.linear_layers), dtype=np.int32) * self.num_slots + slot)
+                           .astype(np.int32))
+        return buf
 
     def _states_by_layer_slot(self):
         """Both state arrays viewed as ``[layers·slots, ...]``: row ``j·slots + s`` is linear layer j, slot s."""

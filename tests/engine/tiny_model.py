@@ -121,9 +121,9 @@ class TinyRecurrentModel(TinyHistoryModel):
     stream.  Its K/V pages are still written (the engine's page bookkeeping runs as for a hybrid model)."""
     has_recurrent_state = True
 
-    def allocate(self, num_pages: int, page_size: int, num_slots: int | None = None, num_snapshots: int = 0):
+    def allocate(self, num_pages: int, page_size: int, num_slots: int, num_snapshots: int = 0):
         super().allocate(num_pages, page_size, num_slots)
-        self.state = cuda.to_device(np.zeros((num_slots or 8) + num_snapshots, np.int64))
+        self.state = cuda.to_device(np.zeros(num_slots + num_snapshots, np.int64))
 
     def reset_slot(self, slot: int) -> None:
         self.state[slot:slot + 1].copy_to_device(np.zeros(1, np.int64))

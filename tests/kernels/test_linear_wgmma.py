@@ -25,6 +25,7 @@ def workspace(n=1 << 16):
     (9, 48, 520, WgmmaGeometry(1, 32, stages=3), True),               # 9 K tiles: three rounds of the ring
     (5, 40, 72, WgmmaGeometry(1, 64, stages=3, fill="ring"), False),  # the same with every thread's cp.async
     (70, 72, 200, WgmmaGeometry(1, 64, stages=4, k_splits=2, fill="ring"), True),
+    (20, 200, 136, WgmmaGeometry(1, 80, stages=5, warps_per_sm=8, fill="ring"), True),  # gate/up's 80-column tiles
 ])
 def test_gemm_wgmma_matches_reference(T, N, K, geo, gated, rng):
     """Bit for bit on data whose sums are exact in f32: the swizzled ring, the descriptors of each k16 step, the

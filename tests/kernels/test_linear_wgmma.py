@@ -46,3 +46,26 @@ def test_gemm_wgmma_matches_numpy(rng):
     for fill in ("tma", "ring"):
         got = run(gemm_wgmma, xb, wb, N, geometry=WgmmaGeometry(1, 64, stages=3, fill=fill))
         assert np.all(np.abs(got - exact) <= ulp), fill
+
+
+@pytest.mark.parametrize("n_cols,k,gated,bn", [
+    (2 * 9728, 2560, True, 80),      # Qwen3-4B gate_up
+    (2 * 9216, 2560, True, 80),      # Qwen3.5-4B gate_up
+    (2 * 12288, 4096, True, 96),     # Qwen3-8B gate_up
+    (12352, 2560, False, 48),        # Qwen3.5-4B in_proj
+    (10240, 2560, False, 48),        # Qwen3.5-4B full-attention qkv
+])
+def test_tall_weights_of_a_batch_take_two_blocks_an_sm(monkeypatch, n_cols, k, gated, bn):
+    """The rule for 17-64 tokens on a 132-SM H200: gate/up and weights tall enough for 48-column tiles run two
+    waves of tiles in two blocks an SM (docs/perf/linear.md), so two blocks' shared memory (and the 1 KB the GPU
+    keeps per block) must fit the SM's 228 KB; Qwen3's 6144-column qkv keeps one wave, one block."""
+    from pegainfer.kernels.linear import geometry
+    monkeypatch.setattr(geometry, "SIMULATOR", False)
+    monkeypatch.setattr(geometry, "sm_count", lambda: 132)
+    for tokens in (17, 32, 64):
+        geo = geometry.wgmma_geometry(n_cols, k, tokens, gated)
+        assert (geo.bn, geo.k_splits, geo.warps_per_sm, geo.fill) == (bn, 1, 8, "ring"), geo
+        assert 2 * (geo.shared_bytes + 1024) <= 228 * 1024, geo.shared_bytes
+        assert 132 < -(-n_cols // bn) <= 2 * 132
+    qkv = geometry.wgmma_geometry(6144, 2560, 64, False)
+    assert (qkv.bn, qkv.stages, qkv.warps_per_sm) == (48, 8, 4) and -(-6144 // qkv.bn) <= 132

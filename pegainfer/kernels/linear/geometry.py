@@ -428,9 +428,10 @@ def wgmma_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False,
     * T <= 64 (a weight stream): one warpgroup, the ring filled by every thread's ``cp.async`` (``fill`` "ring": TMA
       from a producer warp streamed 8-22 % slower here) but for the LM heads; weights of up to 4096 columns in
       64-column tiles, a ring of 8, split into about one wave; taller ones unsplit in one wave of tiles (``n_cols /
-      SMs`` columns, 48 to 192, a multiple of 16: qkv 48), the LM heads in 192-column tiles; gate/up in two waves of
-      half as wide tiles (48 to 96 columns: Qwen3-4B 80), a ring of 5, two blocks an SM (the 64-sequence step
-      −4 %: one block's barriers and SwiGLU epilogue overlap the other's stream);
+      SMs`` columns, 48 to 192, a multiple of 16: Qwen3's qkv 48), the LM heads in 192-column tiles; gate/up, and
+      weights tall enough for two tiles of 48 columns an SM (Qwen3.5's in_proj and qkv), in two waves of half as
+      wide tiles (48 to 96 columns: Qwen3-4B's gate_up 80), a ring of 6 (48 columns) or 5, two blocks an SM (the
+      64-sequence step −4 to −5 %: one block's barriers and epilogue overlap the other's stream);
     * 64 < T <= 128: one warpgroup (two token tiles share each weight tile through L2) × 128 columns, a ring of 6,
       split into about one wave; two warpgroups × 128 columns, a ring of 5, from 16384 columns;
     * 128 < T <= 256: two warpgroups × 128 columns, a ring of 5, split into about one wave; the LM heads 256 columns,
@@ -451,11 +452,12 @@ def wgmma_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False,
     if SIMULATOR:
         return WgmmaGeometry(warpgroups=1, bn=64, stages=3, k_splits=2 if k >= 256 else 1, fill=fill)
     if n_tokens <= 64:
+        two_waves = 16 * -(-n_cols // (32 * sm_count()))      # columns of a tile when two tiles share an SM
         if n_cols <= 4096:
             geo = WgmmaGeometry(1, 64, stages=8, fill=fill)
-        elif gated and fill == "ring":            # two tiles an SM, two blocks an SM
-            bn = min(96, max(48, 16 * -(-n_cols // (32 * sm_count()))))
-            return WgmmaGeometry(1, bn, stages=5, warps_per_sm=8, fill=fill)
+        elif fill == "ring" and (gated or two_waves >= 48):     # two tiles an SM, two blocks an SM
+            bn = min(96, max(48, two_waves))
+            return WgmmaGeometry(1, bn, stages=6 if bn == 48 else 5, warps_per_sm=8, fill=fill)
         else:
             bn = min(192, max(48, 16 * -(-n_cols // (16 * sm_count()))))
             return WgmmaGeometry(1, bn, stages=8 if bn <= 96 else 6 if bn <= 160 else 5, fill=fill)

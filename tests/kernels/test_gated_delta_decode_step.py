@@ -62,13 +62,16 @@ def test_decode_step_equals_conv_rule_norm(rng, key_dim, value_dim, row_groups, 
         np.testing.assert_array_equal(carried[1][slot], state[slot])
 
 
-def test_decode_mode_step_keeps_its_first_item(rng):
+@pytest.mark.parametrize("heads", [{}, dict(num_k_heads=1, num_v_heads=3)])
+def test_decode_mode_step_keeps_its_first_item(rng, heads):
     """A padded decode-mode step of three sequences at positions 5, 2 and 9: each block keeps what it read for its
     first item before the PDL wait (sequence, slot, position, head, its head's parameters) and computes the decay
     before the conv's barrier.  With more (sequence, head) items than SMs the blocks are one per SM and run later
     items too, whose state the copy engine brings into shared memory while the item before is worked on (the
-    padding token's items have none).  Bit-identical to conv → reference rule → gated norm."""
-    layer = make_decode_layer(rng, key_dim=16, value_dim=16)
+    padding token's items have none).  With three value heads (one key head) on the simulator's four SMs a block's
+    next item is a sequence and a head on, past the last head into the sequence after (the block's walk over
+    (sequence, head) pairs without a division).  Bit-identical to conv → reference rule → gated norm."""
+    layer = make_decode_layer(rng, key_dim=16, value_dim=16, **heads)
     conv_dim = layer["conv_w"].shape[0]
     ring = bf16_randn((6, conv_dim, 4), rng)[0]
     state = (rng.standard_normal((6, layer["num_v_heads"], 16, 16)) * 0.3).astype(np.float32)

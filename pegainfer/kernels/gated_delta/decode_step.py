@@ -96,22 +96,24 @@ def _head_channel(c, hk, h, key_dim, value_dim, k_base, v_base):
 
 
 @functools.cache
-def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per_thread: int, decode: bool = False,
-                        taps: int = 4, stamps: bool = False):
-    """Build the fused decode step for heads of ``key_dim × value_dim``, ``row_groups`` key-row classes (the
-    summation order of ``reference_gated_delta`` with that many warps) and ``tiles_per_thread`` 32-column tiles
-    per thread.  All four are compile-time constants: the per-thread state is a register array of
-    ``ceil(Dk / row_groups) · tiles_per_thread`` f32 whose loops unroll, and with the head dims known every
-    state element's address is one base register plus an immediate offset.  ``decode``: every sequence is one
-    token and sequence ``b`` is token ``b``; a block loads its first item's state, slot, position and head
-    parameters before the PDL wait and keeps them (no re-reads after it), and computes the token's decay and write
-    strength as soon as ``a`` and ``b`` arrive, while the conv runs (the same operations: the same bits);
+def _decode_step_kernel(key_dim: int, value_dim: int, heads_per_key: int, row_groups: int, tiles_per_thread: int,
+                        decode: bool = False, taps: int = 4, stamps: bool = False):
+    """Build the fused decode step for heads of ``key_dim × value_dim``, ``heads_per_key`` value heads a key head,
+    ``row_groups`` key-row classes (the summation order of ``reference_gated_delta`` with that many warps) and
+    ``tiles_per_thread`` 32-column tiles per thread.  All are compile-time constants: the per-thread state is a
+    register array of ``ceil(Dk / row_groups) · tiles_per_thread`` f32 whose loops unroll, with the head dims known
+    every state element's address is one base register plus an immediate offset, and a value head's key head is a
+    shift rather than a division.  ``decode``: every sequence is one token and sequence ``b`` is token ``b``; a
+    block loads its first item's state, slot, position and head parameters before the PDL wait and keeps them (no
+    re-reads after it), and computes the token's decay and write strength as soon as ``a`` and ``b`` arrive, while
+    the conv runs (the same operations: the same bits);
     ``taps``: the conv's kernel size (decode mode holds a thread's conv weights and older inputs in registers);
     ``stamps``: each block appends its ``timeline`` record (ready: its first item's outputs written)."""
     STAMPS = stamps
     DECODE = decode
     KD = key_dim
     VD = value_dim
+    HPK = heads_per_key
     R = row_groups
     TPT = tiles_per_thread
     ROWS = -(-KD // R)           # key rows per thread: row_class, row_class + R, ...
@@ -133,6 +135,18 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
     BAR = STATE_WORDS                       # the copy's mbarrier: the two words after the state (Dk·Dv is even)
     COPY_WORDS = STATE_COPY_BYTES // 4
     COPIES = -(-STATE_WORDS // COPY_WORDS)
+
+    @device_fn
+    def next_item(seq, head, stride_seqs, stride_heads, num_v_heads):
+        """The (sequence, value head) of the item ``gridDim`` items after item (``seq``, ``head``), the stride
+        split as ``stride_seqs · Hv + stride_heads``: items are numbered ``seq · Hv + head``, and a block visits
+        every ``gridDim``-th one (no division in the item loop)."""
+        head += stride_heads
+        seq += stride_seqs
+        if head >= num_v_heads:
+            head -= num_v_heads
+            seq += 1
+        return seq, head
 
     @device_fn
     def state_rows(ssm_state, base, state, row_class, first_col, store):
@@ -225,14 +239,15 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                 nw[r] = norm_weight[j]
 
     @device_fn
-    def copy_next_state(next_state, bars, ssm_state, token_slots, item, num_items, num_v_heads):
-        """Thread 0 of a decode block: start copying ``item``'s f32 state ``S [Dk, Dv]`` (contiguous) into
-        ``next_state`` with the copy engine, counted on the mbarrier at ``bars[BAR]``.  Nothing past the last item
-        or for a padding token (padding is last: no later item of the block has a state then either)."""
-        if item < num_items:
-            slot = token_slots[item // num_v_heads]
+    def copy_next_state(next_state, bars, ssm_state, token_slots, seq, head, num_seqs, num_v_heads):
+        """Thread 0 of a decode block: start copying the f32 state ``S [Dk, Dv]`` (contiguous) of item (``seq``,
+        ``head``) into ``next_state`` with the copy engine, counted on the mbarrier at ``bars[BAR]``.  Nothing past
+        the last sequence or for a padding token (padding is last: no later item of the block has a state then
+        either)."""
+        if seq < num_seqs:
+            slot = token_slots[seq]
             if slot >= 0:
-                src = uint64(slot * num_v_heads + item % num_v_heads) * uint64(STATE_WORDS)
+                src = uint64(slot * num_v_heads + head) * uint64(STATE_WORDS)
                 bulk_expect_bytes(bars, BAR, uint32(STATE_WORDS * 4))
                 for c in range(COPIES):
                     bulk_copy(next_state, uint32(c * COPY_WORDS), ssm_state, src + uint64(c * COPY_WORDS),
@@ -310,9 +325,7 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
         if not DECODE:
             pdl_prologue()
         num_v_heads = a_log.shape[0]
-        num_k_heads = (x.shape[1] - num_v_heads * VD) // (2 * KD)
-        heads_per_key = num_v_heads // num_k_heads
-        k_base = num_k_heads * KD
+        k_base = (num_v_heads // HPK) * KD      # the k channels of x (after every key head's q)
         v_base = 2 * k_base
         q_scale = float32(1.0) / float32(math.sqrt(float32(KD)))
         eps = float32(eps)
@@ -342,6 +355,8 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
         u_row = uint64(row_class)
         u_col = uint64(first_col)
         num_seqs = slot_ids.shape[0]
+        stride_seqs = cuda.gridDim.x // num_v_heads      # the block's item stride as (sequences, heads)
+        stride_heads = cuda.gridDim.x % num_v_heads
 
         wts = cuda.local.array(CONV_REGS, uint16)     # decode: this thread's conv weights [round, tap]
         hist = cuda.local.array(CONV_REGS, uint16)    # decode: their older inputs (taps < K-1)
@@ -367,11 +382,13 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                     base = uint64(((pre_slot * num_v_heads + pre_h) * KD + row_class) * VD + first_col)
                     state_rows(ssm_state, base, state, row_class, first_col, False)
                     decode_prefetch(conv_weight, conv_state, norm_weight, pre_slot, pre_pos, pre_h,
-                                    pre_h // heads_per_key, k_base, v_base, wts, hist, nw)
+                                    pre_h // HPK, k_base, v_base, wts, hist, nw)
             if PREFETCH and tid == 0:   # the second item's state streams in while the first is worked on
                 bulk_barrier_init(bars, BAR)
-                copy_next_state(next_state, bars, ssm_state, token_slots, cuda.blockIdx.x + cuda.gridDim.x,
-                                num_seqs * num_v_heads, num_v_heads)
+                second_seq, second_head = next_item(cuda.blockIdx.x // num_v_heads, cuda.blockIdx.x % num_v_heads,
+                                                    stride_seqs, stride_heads, num_v_heads)
+                copy_next_state(next_state, bars, ssm_state, token_slots, second_seq, second_head, num_seqs,
+                                num_v_heads)
             grid_dependency_wait()
             if STAMPS:
                 t_wait = global_timer()
@@ -385,14 +402,12 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                 out[row, col] = gated_norm_value(float32(0.0), inv_rms_zero, norm_weight[col % VD], z[row, col])
 
         phase = uint32(0)   # parity of the next_state copy's mbarrier phase a later item waits for
+        seq = cuda.blockIdx.x // num_v_heads              # the block's item: (sequence, first value head)
+        first_head = cuda.blockIdx.x % num_v_heads
         for item in range(cuda.blockIdx.x, num_seqs * num_v_heads, cuda.gridDim.x):
+            if item != cuda.blockIdx.x:
+                seq, first_head = next_item(seq, first_head, stride_seqs, stride_heads, num_v_heads)
             kept = DECODE and pre and item == cuda.blockIdx.x   # what was read before the wait still holds
-            if kept:
-                first_head = pre_h
-                seq = pre_seq
-            else:
-                first_head = item % num_v_heads
-                seq = item // num_v_heads
             heads = 1
             if DECODE:
                 slot = pre_slot if kept else token_slots[seq]
@@ -418,15 +433,18 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                                                                z[pad_t, pad_col])
                     continue
                 if n > 1:
-                    heads = heads_per_key if first_head % heads_per_key == 0 else 0
+                    heads = HPK if first_head % HPK == 0 else 0
                 if n <= 0 or heads == 0:
                     continue  # uniform across the block: an empty sequence leaves its slot alone
             first_pos = pre_pos if kept else positions[start]
-            hk = first_head // heads_per_key
+            hk = first_head // HPK
             # one (head, token) per step: a single step for a decode token
             for step in range(heads * n):
-                h = first_head + step // n
-                t = start + step % n
+                h = first_head          # decode: one token of one head
+                t = start
+                if not DECODE:
+                    h += step // n
+                    t += step % n
                 # this thread's S[row_class + R·i, first_col + m] sits at base + R·i·Dv + m
                 base = uint64(((slot * num_v_heads + h) * KD + row_class) * VD + first_col)
                 loaded = pre and item == cuda.blockIdx.x
@@ -481,8 +499,9 @@ def _decode_step_kernel(key_dim: int, value_dim: int, row_groups: int, tiles_per
                     b_t = b[t, h]
                 cuda.syncthreads()
                 if PREFETCH and tid == 0 and not loaded:   # every thread holds its part: refill next_state
-                    copy_next_state(next_state, bars, ssm_state, token_slots, item + cuda.gridDim.x,
-                                    num_seqs * num_v_heads, num_v_heads)
+                    after_seq, after_head = next_item(seq, first_head, stride_seqs, stride_heads, num_v_heads)
+                    copy_next_state(next_state, bars, ssm_state, token_slots, after_seq, after_head, num_seqs,
+                                    num_v_heads)
                 # l2 norms (every warp, as the reference kernel), decay, write strength (decode: computed above)
                 ssq = float32(0.0)
                 ssk = float32(0.0)
@@ -625,7 +644,10 @@ def gated_delta_decode_step(x, conv_weight, conv_state, z, a, b, a_log, dt_bias,
         blocks, shared = min(items, sm_count()), next_state_shared_bytes(key_dim, value_dim)
     else:
         blocks, shared = grid(max(1, items), sim_cap=8), 0
-    launch(_decode_step_kernel(key_dim, value_dim, row_groups, tiles_per_thread, decode, taps, policy.timeline),
+    num_k_heads = (channels - num_v_heads * value_dim) // (2 * key_dim)
+    assert num_k_heads > 0 and num_v_heads % num_k_heads == 0, (channels, num_v_heads, key_dim, value_dim)
+    launch(_decode_step_kernel(key_dim, value_dim, num_v_heads // num_k_heads, row_groups, tiles_per_thread, decode,
+                               taps, policy.timeline),
            blocks, warps * WARP, x, conv_weight, conv_state, z, a, b, a_log, dt_bias, norm_weight, np.float32(eps),
            ssm_state.reshape(ssm_state.size), slot_ids, token_offsets, positions,
            decode_token_slots if decode else slot_ids, out, stamps, shared=shared,

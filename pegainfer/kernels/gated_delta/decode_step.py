@@ -355,6 +355,8 @@ def _decode_step_kernel(key_dim: int, value_dim: int, heads_per_key: int, row_gr
         u_row = uint64(row_class)
         u_col = uint64(first_col)
         num_seqs = slot_ids.shape[0]
+        seq = cuda.blockIdx.x // num_v_heads              # the block's first item: (sequence, first value head)
+        first_head = cuda.blockIdx.x % num_v_heads
         stride_seqs = cuda.gridDim.x // num_v_heads      # the block's item stride as (sequences, heads)
         stride_heads = cuda.gridDim.x % num_v_heads
 
@@ -366,27 +368,23 @@ def _decode_step_kernel(key_dim: int, value_dim: int, heads_per_key: int, row_gr
         inv_rms_zero = inverse_rms(float32(0.0), VD, eps)
 
         pre = False  # decode: the block's first item was loaded before the wait
-        pre_seq = pre_h = 0
         pre_slot = pre_pos = int32(0)
         pre_a_log = pre_dt_bias = decay = beta = float32(0.0)
         if DECODE:
             if cuda.blockIdx.x < num_seqs * num_v_heads:
-                pre_seq = cuda.blockIdx.x // num_v_heads
-                pre_slot = token_slots[pre_seq]
+                pre_slot = token_slots[seq]
                 if pre_slot >= 0:
                     pre = True
-                    pre_h = cuda.blockIdx.x % num_v_heads
-                    pre_pos = positions[pre_seq]
-                    pre_a_log = float32(a_log[pre_h])
-                    pre_dt_bias = float32(dt_bias[pre_h])
-                    base = uint64(((pre_slot * num_v_heads + pre_h) * KD + row_class) * VD + first_col)
+                    pre_pos = positions[seq]
+                    pre_a_log = float32(a_log[first_head])
+                    pre_dt_bias = float32(dt_bias[first_head])
+                    base = uint64(((pre_slot * num_v_heads + first_head) * KD + row_class) * VD + first_col)
                     state_rows(ssm_state, base, state, row_class, first_col, False)
-                    decode_prefetch(conv_weight, conv_state, norm_weight, pre_slot, pre_pos, pre_h,
-                                    pre_h // HPK, k_base, v_base, wts, hist, nw)
+                    decode_prefetch(conv_weight, conv_state, norm_weight, pre_slot, pre_pos, first_head,
+                                    first_head // HPK, k_base, v_base, wts, hist, nw)
             if PREFETCH and tid == 0:   # the second item's state streams in while the first is worked on
                 bulk_barrier_init(bars, BAR)
-                second_seq, second_head = next_item(cuda.blockIdx.x // num_v_heads, cuda.blockIdx.x % num_v_heads,
-                                                    stride_seqs, stride_heads, num_v_heads)
+                second_seq, second_head = next_item(seq, first_head, stride_seqs, stride_heads, num_v_heads)
                 copy_next_state(next_state, bars, ssm_state, token_slots, second_seq, second_head, num_seqs,
                                 num_v_heads)
             grid_dependency_wait()
@@ -402,8 +400,6 @@ def _decode_step_kernel(key_dim: int, value_dim: int, heads_per_key: int, row_gr
                 out[row, col] = gated_norm_value(float32(0.0), inv_rms_zero, norm_weight[col % VD], z[row, col])
 
         phase = uint32(0)   # parity of the next_state copy's mbarrier phase a later item waits for
-        seq = cuda.blockIdx.x // num_v_heads              # the block's item: (sequence, first value head)
-        first_head = cuda.blockIdx.x % num_v_heads
         for item in range(cuda.blockIdx.x, num_seqs * num_v_heads, cuda.gridDim.x):
             if item != cuda.blockIdx.x:
                 seq, first_head = next_item(seq, first_head, stride_seqs, stride_heads, num_v_heads)

@@ -3,7 +3,7 @@ step a server runs whenever requests arrive -- against its parts: the decode ste
 step of the same N prompts alone?
 
     python benchmarks/bench_mixed_step.py --model-path ~/models/Qwen3-4B [--batch 64] [--prompts 16] [--prompt-len 128]
-        [--policy pdl=none]
+        [--policy pdl=none] [--profile]
 
 B sequences are prefilled to ``--context`` tokens and keep decoding; then, ``--runs`` times, N new requests of L
 random tokens (one output token each, so they leave right after) arrive together and the next step carries them
@@ -11,12 +11,18 @@ beside the B decodes.  Every shape is run once untimed first (so its CUDA graph 
 synchronously (``async_scheduling`` off): each step's time is its host work plus its GPU work, the same for the three
 kinds.  Prints each kind's p50 and the mixed step's excess over the sum of its parts (negative: the mixed step
 shares what its parts would each pay, e.g. one pass over the weights).  Without a GPU it runs in the simulator on
-the demo model (use small sizes)."""
+the demo model (use small sizes).
+
+``--profile`` then runs one more decode step and one more mixed step under the CUDA profiling interface (CUPTI
+through torch.profiler; torch only traces) and prints per kernel family the GPU time of each and what the mixed step
+adds: where the prompts' cost goes when they ride beside the decodes."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -71,6 +77,61 @@ def measure(engine, batch: int, prompts: int, prompt_len: int, context: int, run
     return times
 
 
+def profile_kinds(engine, batch: int, prompts: int, prompt_len: int) -> dict[str, dict[str, list[float]]]:
+    """Per kind (``decode``, ``mixed``), per kernel name (with grid x block): [launches, GPU µs] of one step of that
+    kind, recorded by CUPTI.  The B sequences of ``measure`` must be gone; they are added again and aborted after."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from step_profile import kernel_events
+    from pegainfer.engine.types import SamplingParams
+    rng = np.random.default_rng(1)
+    vocab = min(engine.model.V, engine.tokenizer.vocab_size)
+    sched = engine.scheduler
+    long = SamplingParams(max_tokens=10 ** 6, temperature=0.0, ignore_eos=True)
+    for j in range(batch):
+        engine.add_request(f"prof-{j}", rng.integers(0, vocab, size=prompt_len).tolist(), long)
+    while sched.waiting or any(seq.num_uncomputed > 1 for seq in sched.running):
+        engine.step()
+    for _ in range(2):                          # both shapes captured and warm before the profiled pair
+        engine.step()
+        _arrive(engine, rng, "warm", prompts, prompt_len, vocab)
+        engine.step()
+    out = {}
+    for kind in ("decode", "mixed"):
+        if kind == "mixed":
+            _arrive(engine, rng, "prof", prompts, prompt_len, vocab)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.step()
+        path = tempfile.mktemp(suffix=".json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = kernel_events(json.load(f))
+        fam: dict[str, list[float]] = {}
+        for name, start, end in events:
+            f = fam.setdefault(name, [0, 0.0])
+            f[0] += 1
+            f[1] += end - start
+        out[kind] = fam
+    for j in range(batch):
+        engine.abort(f"prof-{j}")
+    while engine.has_unfinished():
+        engine.step()
+    return out
+
+
+def report_profile(prof: dict[str, dict[str, list[float]]], top: int = 30) -> None:
+    dec, mix = prof["decode"], prof["mixed"]
+    total = {k: sum(v[1] for v in fam.values()) for k, fam in prof.items()}
+    print(f"\nGPU time of one step by kernel (CUPTI): decode {total['decode']:.1f} us, mixed {total['mixed']:.1f} us")
+    print(f"{'kernel (grid x block in the mixed step)':<52}{'launches':>9}{'mixed us':>10}{'decode us':>10}{'added us':>10}")
+    names = sorted(set(dec) | set(mix), key=lambda n: -(mix.get(n, [0, 0.0])[1] - dec.get(n, [0, 0.0])[1]))
+    for name in names[:top]:
+        m, d = mix.get(name, [0, 0.0]), dec.get(name, [0, 0.0])
+        print(f"{name[:52]:<52}{m[0]:>9}{m[1]:>10.1f}{d[1]:>10.1f}{m[1] - d[1]:>+10.1f}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None, help="model folder (default: the demo model)")
@@ -84,8 +145,14 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", default="", metavar="FIELD=VALUE,...",
                     help="LaunchPolicy fields to change, as the CLI's --launch-policy (e.g. "
                          "pdl=none)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print each kernel's GPU time in a decode step and a mixed step (CUPTI; needs a GPU "
+                         "and torch)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
+    if args.profile:
+        import graph_timing
+        graph_timing.require_gpu("--profile", "it reads the CUDA profiling interface's kernel records")
     from pegainfer.kernels.policy_text import PolicyTextError, parse_fields
     try:
         fields = parse_fields(args.policy)
@@ -112,6 +179,9 @@ def main(argv=None) -> int:
     print(f"{f'{N} prompts x {L} alone':<40}{N * L:>8}{p50['prompts']:>10.3f}")
     print(f"{f'mixed: {B} decodes + {N} x {L}':<40}{B + N * L:>8}{p50['mixed']:>10.3f}")
     print(f"{'mixed - (decode + prompts)':<40}{'':>8}{res['excess_ms']:>+10.3f}")
+    if args.profile:
+        res["profile"] = profile_kinds(engine, args.batch, args.prompts, args.prompt_len)
+        report_profile(res["profile"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
@@ -119,4 +189,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    # torch's profiler and numba both hold the CUDA context; their teardown at exit can abort (step_profile.py)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -26,6 +26,7 @@ def workspace(n=1 << 16):
     (5, 40, 72, WgmmaGeometry(1, 64, stages=3, fill="ring"), False),  # the same with every thread's cp.async
     (70, 72, 200, WgmmaGeometry(1, 64, stages=4, k_splits=2, fill="ring"), True),
     (20, 200, 136, WgmmaGeometry(1, 80, stages=5, warps_per_sm=8, fill="ring"), True),  # gate/up's 80-column tiles
+    (70, 200, 136, WgmmaGeometry(2, 160, stages=4), True),           # gate/up's 160-column tiles at 65-256 tokens
 ])
 def test_gemm_wgmma_matches_reference(T, N, K, geo, gated, rng):
     """Bit for bit on data whose sums are exact in f32: the swizzled ring, the descriptors of each k16 step, the
@@ -46,6 +47,25 @@ def test_gemm_wgmma_matches_numpy(rng):
     for fill in ("tma", "ring"):
         got = run(gemm_wgmma, xb, wb, N, geometry=WgmmaGeometry(1, 64, stages=3, fill=fill))
         assert np.all(np.abs(got - exact) <= ulp), fill
+
+
+@pytest.mark.parametrize("n_cols,k,bn", [
+    (2 * 9728, 2560, 160),      # Qwen3-4B gate_up: 304 tiles of 128 columns at 256 tokens are 3 waves, 244 of 160 two
+    (2 * 9216, 2560, 160),      # Qwen3.5-4B gate_up
+    (2 * 12288, 4096, 128),     # Qwen3-8B gate_up: 308 tiles of 160 would be 3 waves as well
+])
+def test_gate_up_of_a_batch_takes_the_tiles_of_fewer_waves(monkeypatch, n_cols, k, bn):
+    """The rule for 65-256 tokens on a 132-SM H200: gate/up in 160-column tiles where their waves × columns are
+    fewer than 128-column tiles' (docs/perf/linear.md); other weights keep 128."""
+    from pegainfer.kernels.linear import geometry
+    monkeypatch.setattr(geometry, "SIMULATOR", False)
+    monkeypatch.setattr(geometry, "sm_count", lambda: 132)
+    for tokens in (65, 128, 129, 256):
+        geo = geometry.wgmma_geometry(n_cols, k, tokens, True)
+        assert (geo.warpgroups, geo.bn, geo.fill) == (2, bn, "tma"), (tokens, geo)
+        assert geo.shared_bytes + 1024 <= 228 * 1024
+    for tokens in (129, 256):
+        assert geometry.wgmma_geometry(n_cols, k, tokens, False).bn == 128
 
 
 @pytest.mark.parametrize("n_cols,k,gated,bn", [

@@ -461,8 +461,8 @@ def best_per_tile(tuned: list[dict]) -> dict:
 
 
 def write_tuning(path: str, tuned: list[dict]) -> None:
-    """The best geometries as a tuning file (``policy.load_tuning``: the engine's ``PEGAINFER_GEMV_TUNING``,
-    ``ab_policy.py``'s ``tuning=FILE``)."""
+    """The best geometries as a tuning file (``policy.load_tuning``: the command line's ``--launch-policy
+    tuning=FILE``, ``ab_policy.py``'s ``tuning=FILE``)."""
     entries = []
     for (n, k, t, gated), e in sorted(best_per_tile(tuned).items()):
         g = dict(e["geometry"])
@@ -503,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds after which the sweep stops trying")
     ap.add_argument("--json", default=None, help="write every measurement here")
     ap.add_argument("--tuning-out", default=None, help="with --sweep: write the best geometry per (shape, token "
-                                                       "tile) as a tuning file (PEGAINFER_GEMV_TUNING, ab_policy.py)")
+                                                       "tile) as a tuning file (--launch-policy tuning=FILE, ab_policy.py)")
     return ap
 
 

@@ -43,8 +43,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="least severe log messages shown on stderr (default info)")
     p.add_argument("--launch-policy", type=argtypes.launch_policy, default=None, metavar="FIELD=VALUE,...",
                    help="change how the kernels launch, for measuring variants (fields of LaunchPolicy, "
-                        "pegainfer/kernels/policy.py; e.g. pdl=none or preload_o=false); same tokens "
-                        "up to rounding")
+                        "pegainfer/kernels/policy.py; e.g. pdl=none, preload_o=false, or tuning=FILE: projection "
+                        "geometries measured on this GPU by benchmarks/bench_gemm.py --sweep --tuning-out FILE); "
+                        "same tokens up to rounding")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -64,10 +63,10 @@ GPU_RESERVE_BYTES = 1 << 30   # kept out of the KV cache for the CUDA context, g
 
 
 def engine_policy(fields: dict | None = None) -> LaunchPolicy:
-    """The launch policy an engine starts with: the defaults with the tuning file ``PEGAINFER_GEMV_TUNING`` names
-    (if set), then ``fields`` (``{field: value}``, e.g. the command line's ``--launch-policy``) replaced."""
+    """The launch policy an engine starts with: the defaults with ``fields`` (``{field: value}``, the command line's
+    ``--launch-policy``, e.g. ``tuning=FILE`` for a tuning file of measured geometries) replaced."""
     from pegainfer.kernels.policy_text import policy_with
-    policy = LaunchPolicy.from_options(tuning_file=os.environ.get("PEGAINFER_GEMV_TUNING") or None)
+    policy = LaunchPolicy.from_options()
     return policy_with(policy, fields) if fields else policy
 
 
@@ -144,8 +143,7 @@ class Engine:
         ``enable_prefix_caching``: None = on for Qwen3, off for Qwen3.5 (on, it keeps ``prefix_state_snapshots``
         copies of the recurrent state at page boundaries, default ``PREFIX_STATE_SNAPSHOTS``: ``scheduler``'s
         docstring says which).
-        ``policy``: how the kernels launch (``kernels/policy.py``); None: ``LaunchPolicy.from_options()`` with the
-        tuning file ``PEGAINFER_GEMV_TUNING`` names, if set."""
+        ``policy``: how the kernels launch (``kernels/policy.py``); None: the defaults (``engine_policy()``)."""
         from pegainfer.config import load_generation_config, load_model_config
         from pegainfer.models import model_class
         from pegainfer.text.chat import ChatTemplate

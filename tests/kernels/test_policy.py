@@ -55,6 +55,20 @@ def test_tuning_file_entries_reach_the_policy(tmp_path):
     assert wgmma_geometry(2560, 4096, 65, False, policy) == wgmma_geometry(2560, 4096, 65, False)
 
 
+def test_the_command_lines_tuning_file_reaches_the_engines_policy(tmp_path, monkeypatch):
+    """Catches a tuning file that only an environment variable could bring in: ``--launch-policy tuning=FILE`` is
+    the one way, and an environment variable of the old name changes nothing."""
+    from pegainfer import argtypes
+    from pegainfer.engine.engine import engine_policy
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps([{"kind": "wgmma", "n_cols": 2560, "k": 4096, "tokens": 64, "gated": False,
+                                 "geometry": {"warpgroups": 1, "bn": 128, "stages": 6, "k_splits": 8}}]))
+    policy = engine_policy(argtypes.launch_policy(f"tuning={path},preload_o=false"))
+    assert set(policy.tuned("wgmma")) == {(2560, 4096, 64, False)} and not policy.preload_o
+    monkeypatch.setenv("PEGAINFER_GEMV_TUNING", str(path))
+    assert engine_policy() == DEFAULT_POLICY
+
+
 @pytest.mark.parametrize("text", ["not json", "[{\"n_cols\": 1}]", "{\"a\": 1}",
                                   "[{\"kind\": \"gemm\", \"n_cols\": 1, \"k\": 1, \"tokens\": 1, \"gated\": false}]"])
 def test_a_bad_tuning_file_is_one_line_naming_the_file(tmp_path, text):

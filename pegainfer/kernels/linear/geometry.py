@@ -5,7 +5,7 @@ Each picker looks first at the launch policy's measured entries for this GPU (``
 ``policy.tuned("skinny")`` / ``policy.tuned("mma")`` / ``policy.tuned("wgmma")``, read from a tuning file by ``policy.load_tuning``), then at the
 built-in tables measured on the H200 (``GEMV_TUNED``, ``SKINNY_TUNED``, ``MMA_TUNED``; read-only), then falls back to
 a heuristic.  In the simulator the built-in tables and the heuristic give way to small blocks (one Python thread per
-CUDA thread).  (``load_tuning`` reads every kind from a file: the engine's ``--tuning-file``.)
+CUDA thread).  (``load_tuning`` reads every kind from a file: the command line's ``--launch-policy tuning=FILE``.)
 """
 from __future__ import annotations
 

@@ -50,3 +50,22 @@ def test_policy_fields_reach_the_engine(bench_modules, tmp_path, monkeypatch):
     assert not seen[0].head_argmax and json.loads(out.read_text())["policy"] == "head_argmax=false"
     with pytest.raises(SystemExit):
         bench_mixed_step.main(["--policy", "nope=1"])
+
+
+def test_profile_needs_a_gpu_and_reports_what_the_mixed_step_adds(bench_modules, capsys):
+    """``--profile`` is refused in one line without a GPU (before any engine is built); its table lists kernels by
+    the GPU time the mixed step adds to the decode step's, a kernel only the mixed step runs included."""
+    import pytest
+
+    import bench_mixed_step
+    with pytest.raises(SystemExit) as e:
+        bench_mixed_step.main(["--profile"])
+    assert e.value.code == 2 and "needs a GPU" in capsys.readouterr().err
+    bench_mixed_step.report_profile({"decode": {"gemm 132x128": [4, 40.0], "attention 64x128": [2, 10.0]},
+                                     "mixed": {"gemm 132x128": [4, 55.0], "attention 64x128": [2, 11.0],
+                                               "chunk_scan 64x128": [3, 30.0]}})
+    lines = capsys.readouterr().out.splitlines()
+    assert "decode 50.0 us, mixed 96.0 us" in lines[1]
+    rows = [line.split()[0] for line in lines[3:]]
+    assert rows == ["chunk_scan", "gemm", "attention"], lines
+    assert lines[3].split()[-1] == "+30.0" and lines[5].split()[-1] == "+1.0"

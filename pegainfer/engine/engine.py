@@ -17,13 +17,16 @@ reads and processes N::
                                           └ only when the batch cannot change, otherwise:
                     [step N in flight]  → read + append N → return (the next call schedules normally)
 
-Step N+1 is launched ahead only when nothing can change the batch: no pending abort, the running sequences are
-exactly N's (none finished at N-1), no waiting request would be admitted, no sequence wants logprobs (N+1 would
-overwrite the logits the host reads for N), none is sure to stop at N (max_tokens, context full), and pages for
-position +1 are available.  When a sequence follows a grammar, N+1's mask depends on N's token: then only N+1's
-forward pass goes ahead, and its masks and sampler are launched once N's tokens are read (``runner.py``).  A
-sequence that turns out to stop at N (EOS, stop string, ...) is finished as usual; its N+1 token is discarded when read (a token for a finished sequence is never emitted), and since the next call sees a
-changed batch, it only drains N+1 before normal scheduling resumes. Every other token is the token the synchronous
+Step N+1 is launched ahead when only sequences leaving can change the batch: no pending abort, every running
+sequence is one of N's, no waiting request would be admitted, no sequence wants logprobs (N+1 would overwrite the
+logits the host reads for N), and pages for position +1 are available.  N+1 leaves out the sequences N surely
+finishes (max_tokens, context full) and those already finished (at N-1, read after N was launched); when it has
+fewer rows than N, each row's id is gathered on the device from N's row of that sequence (``runner.launch_decode``'s
+``rows_before``), so a finishing stream costs no step the GPU waits for.  When a sequence follows a grammar, N+1's
+mask depends on N's token: then only N+1's forward pass goes ahead (for N's very batch), and its masks and sampler
+are launched once N's tokens are read (``runner.py``).  A sequence that turns out to stop at N (EOS, stop string,
+...) is finished as usual; its N+1 token is discarded when read (a token for a finished sequence is never emitted),
+and N+2 leaves it out. Every other token is the token the synchronous
 engine would produce: a greedy or seeded draw depends only on the sequence's history and its counter — provided
 the model's per-row results do not depend on which other rows share the batch (step N+1 may still carry a row for
 a sequence that stopped at N, and a request arriving mid-decode joins one step later than it would synchronously).
@@ -436,26 +439,33 @@ class Engine:
         t_step = time.perf_counter()
         outputs = self._finish_aborted()
         outputs += self._read_launching_ahead(pending)
-        self._keep_states()                     # none when a step was launched ahead (``_can_launch_ahead``)
+        self._keep_states()                     # none when a step was launched ahead (``_next_ahead``)
         if self.tracer is not None:
             self.tracer.span(f"decode batch {pending.B} (launched ahead)", t_step, time.perf_counter(),
                              "engine steps")
         return outputs
 
     def _read_launching_ahead(self, pending: PendingStep) -> list[RequestOutput]:
-        """Launch the step after ``pending`` (same batch, ids from the device) if nothing can change the batch, then
-        read and append ``pending``'s tokens.  With grammar-constrained rows the step ahead is launched in two parts:
-        its forward pass before the read, its masks and sampler after it (``runner.launch_forward_ahead``)."""
-        if not self._can_launch_ahead(pending.seqs):
+        """Launch the step after ``pending`` (its sequences, less those that finished or surely finish with it; ids
+        from the device) if nothing else can change the batch, then read and append ``pending``'s tokens.  With
+        grammar-constrained rows (and the very same batch) the step ahead is launched in two parts: its forward
+        pass before the read, its masks and sampler after it (``runner.launch_forward_ahead``)."""
+        seqs = self._next_ahead(pending.seqs)
+        same = seqs == pending.seqs
+        if seqs is None or (not same and any(seq.constraint is not None for seq in seqs)):
             self._inflight = None
             return self._read(pending)
-        if any(seq.constraint is not None for seq in pending.seqs):
-            forward = self.runner.launch_forward_ahead(pending.seqs)
+        if any(seq.constraint is not None for seq in seqs):
+            forward = self.runner.launch_forward_ahead(seqs)
             outputs = self._read(pending)
             live = any(seq.status is not Status.FINISHED for seq in forward.seqs)
             self._inflight = self.runner.launch_sample(forward) if live else None
             return outputs
-        ahead = self.runner.launch_decode(pending.seqs, ahead=1)
+        rows = None
+        if not same:
+            row_of = {id(seq): r for r, seq in enumerate(pending.seqs)}
+            rows = [row_of[id(seq)] for seq in seqs]
+        ahead = self.runner.launch_decode(seqs, ahead=1, rows_before=rows)
         outputs = self._read(pending)
         if all(seq.status is Status.FINISHED for seq in ahead.seqs):
             self._read(ahead)           # nobody left to use its tokens: drain now, so an idle engine is idle
@@ -463,23 +473,28 @@ class Engine:
         self._inflight = ahead
         return outputs
 
-    def _can_launch_ahead(self, seqs: list[Sequence]) -> bool:
-        """Whether the step after the in-flight decode step of ``seqs`` would decode exactly ``seqs`` again (and
-        reserve the pages it needs for that)."""
-        if self._aborted or self.scheduler.running != seqs or self.scheduler.can_admit_waiting():
-            return False
-        for seq in seqs:
+    def _next_ahead(self, seqs: list[Sequence]) -> list[Sequence] | None:
+        """The sequences the step after the in-flight decode step of ``seqs`` decodes when it can be launched now,
+        before that step's tokens are read (with the pages it needs reserved): those of ``seqs`` still running,
+        less those the in-flight step surely finishes (max_tokens, a full context: no token past their end), in
+        their order.  None when the batch may change otherwise (a pending abort, a running sequence not in
+        ``seqs``, a waiting request that would be admitted) or the step must wait (logprobs, a state to keep)."""
+        live = [seq for seq in seqs if seq.status is Status.RUNNING]
+        if self._aborted or self.scheduler.running != live or self.scheduler.can_admit_waiting():
+            return None
+        nxt = []
+        for seq in live:
             p = seq.params
-            if seq.status is not Status.RUNNING or p.logprobs is not None:
-                return False   # logprobs read the logits the step ahead overwrites
+            if p.logprobs is not None:
+                return None    # logprobs read the logits the step ahead overwrites
             if seq.snapshot_points and seq.snapshot_points[0] == seq.num_tokens:
-                return False   # its state after the in-flight step is kept: copied before the next step runs
-            # the in-flight step will surely finish it (no EOS/stop-string check needed): don't compute a token
-            # past its end
-            if len(seq.output_ids) + 1 >= p.max_tokens or seq.num_tokens + 1 >= self.max_model_len:
-                return False
+                return None    # its state after the in-flight step is kept: copied before the next step runs
+            if len(seq.output_ids) + 1 < p.max_tokens and seq.num_tokens + 1 < self.max_model_len:
+                nxt.append(seq)
         # the in-flight step writes position num_tokens - 1; the one ahead writes num_tokens (+1 spare, as schedule)
-        return all(self.pool.ensure_capacity(seq.slot, seq.num_tokens + 2) for seq in seqs)
+        if not nxt or not all(self.pool.ensure_capacity(seq.slot, seq.num_tokens + 2) for seq in nxt):
+            return None
+        return nxt
 
     def _read(self, pending: PendingStep) -> list[RequestOutput]:
         """Wait for a launched decode step's tokens and append them; a sequence that finished (or was aborted)

@@ -46,6 +46,7 @@ from pegainfer.device import SIMULATOR
 from pegainfer.engine.cuda_graph import mixed_decode_rows, mixed_shape, prefill_bucket
 from pegainfer.kernels import sampling
 from pegainfer.kernels.launch import on_stream
+from pegainfer.kernels.next_ids import gather_next_ids
 from pegainfer.kernels.token_mask import apply_token_mask
 from pegainfer.engine.step_inputs import StepInputs, TokenMasks, UploadFence, wait_event
 
@@ -84,6 +85,8 @@ class ModelRunner:
         self._mask_rows = 0             # rows of masks to upload with this step's inputs
         self._mask_executor = None      # llguidance's thread pool, for steps with several constrained rows
         self.out_ids = self.step.ids[:R]    # the sampled ids (over the consumed input ids: ``forward_and_sample``)
+        # a step's sampled ids kept for a step launched ahead over fewer rows, and that step's ids gathered from them
+        self.prev_ids, self.next_ids = cuda.device_array(R, np.int32), cuda.device_array(R, np.int32)
         # Two pinned output buffers (and their copy-done events), used alternately by successive launches: the
         # host may read step N's ids while step N+1's ids are being copied into the other buffer.
         self.h_outs = [_pinned(R), _pinned(R)]
@@ -103,6 +106,7 @@ class ModelRunner:
         self.prev_logits = None
         self._prev_logits_kept = False
         self._unread_ahead: "PendingStep | None" = None
+        self._launched_rows = 0         # sampled rows of the last decode step launched (``launch_decode``)
         self.sample_workspace = sampling.allocate_sample_workspace(R, model.V)
         # one-sequence steps: the LM head picks a greedy row's token itself (``LaunchPolicy.head_argmax``)
         self.head_argmax = (sampling.HeadArgmax(self.out_ids, self.sample_workspace) if model.policy.head_argmax
@@ -354,23 +358,34 @@ class ModelRunner:
                 run()
                 self.graphs.try_capture(("mixed", Dp, Cp, Rp), run)
 
-    def launch_decode(self, seqs, ahead: int = 0, force_eager: bool = False) -> PendingStep:
+    def launch_decode(self, seqs, ahead: int = 0, force_eager: bool = False, rows_before=None) -> PendingStep:
         """Enqueue one decode step for ``seqs`` (uploads, forward + sample, the copy of the ids to a pinned buffer)
         without waiting for it; ``wait`` reads its ids.
 
         ``ahead=0``: each sequence's last host token goes in at position ``num_tokens - 1``.
-        ``ahead=1``: the step right after the one last launched, for the very same ``seqs`` in the same order,
-        launched before the host has read that step's tokens: the input ids are that step's ``out_ids``, already
-        in place on the device (its sampler wrote them over its input ids; this step's upload leaves them alone),
-        positions and sampling counters are one further. The caller must have reserved pages for position
+        ``ahead=1``: the step right after the one last launched, launched before the host has read that step's
+        tokens, positions and sampling counters one further.  For the very same ``seqs`` in the same order
+        (``rows_before`` None) the input ids are that step's ``out_ids``, already in place on the device (its
+        sampler wrote them over its input ids; this step's upload leaves them alone).  For some of them
+        (``rows_before[r]``: the row ``seqs[r]`` had in that step; sequences that finished, or finish with it, left
+        out) the step first copies those ids aside (``prev_ids``), uploads each row's ``rows_before`` entry as its
+        id, and gathers (``kernels/next_ids.py``).  The caller must have reserved pages for position
         ``num_tokens``."""
         assert not ahead or all(seq.constraint is None for seq in seqs), \
             "a constrained step launches ahead in two parts (launch_forward_ahead)"
-        B, Bp = self._stage_decode(seqs, ahead)
+        assert rows_before is None or (ahead and len(rows_before) == len(seqs))
+        B, Bp = self._stage_decode(seqs, ahead, rows_before)
         self._fill_masks(list(zip(seqs, range(B))), Bp)
         with on_stream(self.stream):
-            self._keep_logits_before(ahead, B)
-            self._upload(with_ids=not ahead)
+            n_before = self._launched_rows if rows_before is not None else B   # the rows of the step before
+            assert rows_before is None or max(rows_before) < n_before
+            self._keep_logits_before(ahead, n_before)
+            if rows_before is not None:     # the step before's ids, before this step's upload overwrites them
+                self.prev_ids[:n_before].copy_to_device(self.out_ids[:n_before], stream=self.stream)
+            self._upload(with_ids=not ahead or rows_before is not None)
+            if rows_before is not None:     # ids = prev_ids[rows], through a copy (``kernels/next_ids.py``)
+                gather_next_ids(self.next_ids, self.step.ids, self.prev_ids, B)
+                self.step.ids[:B].copy_to_device(self.next_ids[:B], stream=self.stream)
             if self.graphs is not None and not force_eager and self.graphs.has(Bp, Bp):
                 self.graphs.replay(Bp, Bp)
             else:
@@ -378,17 +393,20 @@ class ModelRunner:
             buffer = self._copy_out(B)
         pending = PendingStep(list(seqs), B, buffer, ahead)
         self._unread_ahead = pending if ahead else None
+        self._launched_rows = B
         return pending
 
-    def _stage_decode(self, seqs, ahead: int) -> tuple[int, int]:
-        """Write a decode step's inputs for ``seqs`` into the pinned mirrors (``launch_decode``'s ``ahead``), padding
-        rows up to ``padded_batch``; returns (B, padded B)."""
+    def _stage_decode(self, seqs, ahead: int, rows_before=None) -> tuple[int, int]:
+        """Write a decode step's inputs for ``seqs`` into the pinned mirrors (``launch_decode``'s ``ahead`` and
+        ``rows_before``), padding rows up to ``padded_batch``; returns (B, padded B)."""
         B = len(seqs)
         Bp = self.padded_batch(B)
         self._wait_inputs_free()
         for r, seq in enumerate(seqs):
             if ahead == 0:
                 self.h_ids[r] = seq.last_token()
+            elif rows_before is not None:
+                self.h_ids[r] = rows_before[r]      # gathered into the id on the device (``launch_decode``)
             self.h_pos[r] = seq.num_tokens - 1 + ahead
             self.h_slots[r] = seq.slot
             self.h_rows[r] = r
@@ -432,6 +450,7 @@ class ModelRunner:
             buffer = self._copy_out(fwd.B)
         pending = PendingStep(fwd.seqs, fwd.B, buffer, 1)
         self._unread_ahead = pending
+        self._launched_rows = fwd.B
         return pending
 
     def forward_only(self, B: int) -> None:

@@ -13,14 +13,17 @@ from tests.engine.tiny_model import tiny_engine
 
 
 def counting(engine):
-    """Count the decode steps the runner launches ahead (ids taken from the device) and the tokens discarded
-    (computed ahead for a sequence that had finished meanwhile)."""
+    """Count the decode steps the runner launches ahead (ids taken from the device), those of them over fewer rows
+    than the step before (ids gathered from its rows), and the tokens discarded (computed ahead for a sequence that
+    had finished meanwhile)."""
     engine.ahead_launches = 0
+    engine.remapped_launches = 0
     launch = engine.runner.launch_decode
 
-    def launch_decode(seqs, ahead=0, force_eager=False):
+    def launch_decode(seqs, ahead=0, force_eager=False, rows_before=None):
         engine.ahead_launches += ahead
-        return launch(seqs, ahead=ahead, force_eager=force_eager)
+        engine.remapped_launches += rows_before is not None
+        return launch(seqs, ahead=ahead, force_eager=force_eager, rows_before=rows_before)
     engine.runner.launch_decode = launch_decode
     engine.discarded = 0
     read = engine._read
@@ -113,6 +116,24 @@ def test_stop_token_mid_stream_discards_the_step_launched_ahead():
     assert engine.discarded == 1      # "a"'s token after its stop token was computed, and never emitted
     assert out["a"][0] == ref["a"][0][:first + 1] and out["a"][2] == "stop"
     assert len(out["b"][0]) == 10 and len(out["c"][0]) == 11
+
+
+def test_streams_that_finish_leave_the_step_launched_ahead():
+    """Catches a row map that feeds a sequence another's token: streams that end (max_tokens, a stop token) while
+    others keep going leave the next step launched ahead, whose rows then take their ids from their rows of the
+    step before (gathered on the device), with the same tokens as the synchronous engine and nothing waited for."""
+    ref, _ = run(False, [("b", [9, 8], greedy(12, ignore_eos=True))])
+    stop = ref["b"][0][4]
+    reqs = [("a", [1, 2, 3], greedy(12, ignore_eos=True)),
+            ("b", [9, 8], greedy(12, ignore_eos=True, stop_token_ids=[stop])),
+            ("c", [4, 7], seeded(7, 3, ignore_eos=True))]
+    out, engine = same_both_ways(reqs)
+    assert out["b"][2] == "stop" and len(out["c"][0]) == 7 and len(out["a"][0]) == 12
+    # "b"'s stop: the step after the one that computed its discarded token leaves it out; "c"'s max_tokens: the
+    # step after its last is launched ahead without it
+    assert engine.remapped_launches == 2, engine.remapped_launches
+    # the prefill's token, then decode steps: every one but the first (after the prefills) launched ahead
+    assert engine.ahead_launches == 12 - 2, engine.ahead_launches
 
 
 def test_eos_min_tokens_and_stop_strings():

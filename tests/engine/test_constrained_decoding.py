@@ -26,9 +26,9 @@ def run(engine, requests):
     engine.ahead = engine.ahead_constrained = 0
     launch, launch_forward = engine.runner.launch_decode, engine.runner.launch_forward_ahead
 
-    def launch_decode(seqs, ahead=0, force_eager=False):
+    def launch_decode(seqs, ahead=0, force_eager=False, rows_before=None):
         engine.ahead += ahead
-        return launch(seqs, ahead=ahead, force_eager=force_eager)
+        return launch(seqs, ahead=ahead, force_eager=force_eager, rows_before=rows_before)
 
     def launch_forward_ahead(seqs):
         engine.ahead_constrained += 1

@@ -14,7 +14,7 @@ reads and processes N::
                                  (no idle gap: N+1 was queued before the host began on N's tokens)
 
     step() call k:  [step N in flight]  → launch N+1 (ahead) → read + append N → return N's outputs
-                                          └ only when the batch cannot change, otherwise:
+                                          └ only when no sequence joins the batch, otherwise:
                     [step N in flight]  → read + append N → return (the next call schedules normally)
 
 Step N+1 is launched ahead when only sequences leaving can change the batch: no pending abort, every running

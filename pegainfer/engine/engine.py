@@ -384,6 +384,13 @@ class Engine:
                 self.scheduler.computed(seq, start + length)
                 if token is not None:
                     outputs.append(self._append(seq, token, 0))
+            elif sched.kind == "mixed" and self.async_scheduling and not trace_kernels:
+                pending = self.runner.launch_mixed(sched.decodes, sched.chunks)
+                for seq, start, length in sched.chunks:
+                    if start + length < seq.num_tokens:     # a chunk short of the prompt's end: no token to wait for
+                        self.scheduler.computed(seq, start + length)
+                self._keep_states()
+                outputs += self._read_launching_ahead(pending)
             elif sched.kind == "mixed":
                 outputs += self._mixed(sched, trace_kernels)
             elif self.async_scheduling and not trace_kernels:
@@ -451,8 +458,13 @@ class Engine:
         grammar-constrained rows (and the very same batch) the step ahead is launched in two parts: its forward
         pass before the read, its masks and sampler after it (``runner.launch_forward_ahead``)."""
         seqs = self._next_ahead(pending.seqs)
-        same = seqs == pending.seqs
-        if seqs is None or (not same and any(seq.constraint is not None for seq in seqs)):
+        rows = None
+        if seqs is not None:
+            row_of = {id(seq): pending.row(i) for i, seq in enumerate(pending.seqs)}
+            rows = [row_of[id(seq)] for seq in seqs]
+            if rows == list(range(len(seqs))) and pending.rows is None:
+                rows = None             # the very rows of the step before: its ids are in place
+        if seqs is None or (rows is not None and any(seq.constraint is not None for seq in seqs)):
             self._inflight = None
             return self._read(pending)
         if any(seq.constraint is not None for seq in seqs):
@@ -461,10 +473,6 @@ class Engine:
             live = any(seq.status is not Status.FINISHED for seq in forward.seqs)
             self._inflight = self.runner.launch_sample(forward) if live else None
             return outputs
-        rows = None
-        if not same:
-            row_of = {id(seq): r for r, seq in enumerate(pending.seqs)}
-            rows = [row_of[id(seq)] for seq in seqs]
         ahead = self.runner.launch_decode(seqs, ahead=1, rows_before=rows)
         outputs = self._read(pending)
         if all(seq.status is Status.FINISHED for seq in ahead.seqs):
@@ -501,11 +509,12 @@ class Engine:
         after the step was launched gets none: that token is discarded."""
         tokens = self.runner.wait(pending)
         outputs = []
-        for row, (seq, token) in enumerate(zip(pending.seqs, tokens)):
+        for i, seq in enumerate(pending.seqs):
             if seq.status is Status.FINISHED:
                 continue
             self.scheduler.computed(seq, seq.num_tokens)
-            outputs.append(self._append(seq, token, row))
+            logit_row = i if pending.logit_rows is None else pending.logit_rows[i]
+            outputs.append(self._append(seq, tokens[pending.row(i)], logit_row))
         return outputs
 
     def _append(self, seq: Sequence, token: int, row: int) -> RequestOutput:

@@ -61,11 +61,20 @@ class PendingForward:
 
 @dataclass
 class PendingStep:
-    """A launched decode step whose sampled ids are still on their way to pinned host buffer ``buffer``."""
+    """A launched step whose sampled ids are still on their way to pinned host buffer ``buffer``: the B rows of a
+    decode step (``seqs[r]`` at row r), or of a mixed step (``rows[i]``: the row of ``seqs[i]``, a sequence that
+    gets a token; ``logit_rows[i]``: its row in ``logits_host``'s order)."""
     seqs: list
     B: int
     buffer: int
     ahead: int       # 1: launched before the host had the previous step's tokens (its ids came from the device)
+    rows: list | None = None
+    logit_rows: list | None = None
+    padded_decodes: int = 0     # a mixed step's decode rows (its chunks' rows follow)
+
+    def row(self, i: int) -> int:
+        """The sampled row of ``seqs[i]``."""
+        return i if self.rows is None else self.rows[i]
 
 
 class ModelRunner:
@@ -270,10 +279,24 @@ class ModelRunner:
         return self.wait(self.launch_decode(seqs, force_eager=force_eager))
 
     def mixed(self, decodes, chunks, force_eager: bool = False) -> list[int]:
-        """One step of decodes and prompt chunks (``scheduler.ScheduledStep``): the decode tokens first, then each
-        chunk's tokens; one logits row per sequence (a decode's token, a chunk's last token).  Returns the sampled
-        token of every row, decodes then chunks (meaningful for the rows whose chunk ends its sequence's tokens);
-        ``logits_host`` gives the rows in that order.
+        """One step of decodes and prompt chunks (``scheduler.ScheduledStep``), waited for: the sampled token of
+        every row, decodes then chunks (meaningful for the rows whose chunk ends its sequence's tokens);
+        ``logits_host`` gives the rows in that order.  ``launch_mixed`` without the wait."""
+        pending = self.launch_mixed(decodes, chunks, force_eager)
+        out = self._read_out(pending.buffer, pending.B)
+        return [int(out[r]) for r in self._row_order_of(len(decodes), len(chunks), pending)]
+
+    @staticmethod
+    def _row_order_of(nd: int, nc: int, pending: PendingStep) -> list[int]:
+        """The sampled rows of a mixed step's decodes and chunks, in that order."""
+        Dp = pending.padded_decodes
+        return list(range(nd)) + list(range(Dp, Dp + nc))
+
+    def launch_mixed(self, decodes, chunks, force_eager: bool = False) -> PendingStep:
+        """Enqueue one step of decodes and prompt chunks (``scheduler.ScheduledStep``: the decode tokens first, then
+        each chunk's tokens; one logits row per sequence, a decode's token or a chunk's last token) without waiting
+        for it: a ``PendingStep`` of the sequences that get a token (the decodes, the chunks that end their
+        sequence's tokens), read with ``wait``.
 
         With ``pad_mixed`` the step runs padded to ``cuda_graph.mixed_shape`` (Dp, Cp, Rp): decode rows up to Dp
         (slot -1, as ``_stage_decode`` pads), chunk tokens up to Cp (slot -1, as ``prefill`` pads), chunk rows up
@@ -325,8 +348,12 @@ class ModelRunner:
                 run()
             else:
                 self.graphs.replay_or_run(("mixed", Dp, Cp, Rp) if shape is not None else None, run)
-        out = self._finish(B)
-        return [int(out[r]) for r in order]
+            buffer = self._copy_out(B)
+        self._unread_ahead = None
+        self._launched_rows = B
+        seqs, rows = [seq for seq, _ in sampled], [r for _, r in sampled]
+        return PendingStep(seqs, B, buffer, 0, rows=rows, logit_rows=[r if r < nd else nd + r - Dp for r in rows],
+                           padded_decodes=Dp)
 
     def _pad_rows(self, first: int, end: int) -> None:
         """Decode padding rows ``first .. end``: slot -1 (no K/V written, nothing read), a greedy draw ignored."""
@@ -377,7 +404,7 @@ class ModelRunner:
         B, Bp = self._stage_decode(seqs, ahead, rows_before)
         self._fill_masks(list(zip(seqs, range(B))), Bp)
         with on_stream(self.stream):
-            n_before = self._launched_rows if rows_before is not None else B   # the rows of the step before
+            n_before = self._launched_rows if ahead else B      # the sampled rows of the step before
             assert rows_before is None or max(rows_before) < n_before
             self._keep_logits_before(ahead, n_before)
             if rows_before is not None:     # the step before's ids, before this step's upload overwrites them
@@ -429,7 +456,7 @@ class ModelRunner:
         step in flight.  ``launch_sample`` finishes it."""
         B, Bp = self._stage_decode(seqs, ahead=1)
         with on_stream(self.stream):
-            self._keep_logits_before(1, B)
+            self._keep_logits_before(1, self._launched_rows)
             self._upload(with_ids=False, with_flags=False)
             self._replay_or_run(("forward", Bp), lambda: self.forward_only(Bp))
         return PendingForward(list(seqs), B, Bp)

@@ -120,8 +120,9 @@ def test_stop_token_mid_stream_discards_the_step_launched_ahead():
 
 def test_streams_that_finish_leave_the_step_launched_ahead():
     """Catches a row map that feeds a sequence another's token: streams that end (max_tokens, a stop token) while
-    others keep going leave the next step launched ahead, whose rows then take their ids from their rows of the
-    step before (gathered on the device), with the same tokens as the synchronous engine and nothing waited for."""
+    others keep going leave the next step launched ahead, and prompts that end in a mixed step join it, whose rows
+    then take their ids from their rows of the step before (gathered on the device), with the same tokens as the
+    synchronous engine and nothing waited for."""
     ref, _ = run(False, [("b", [9, 8], greedy(12, ignore_eos=True))])
     stop = ref["b"][0][4]
     reqs = [("a", [1, 2, 3], greedy(12, ignore_eos=True)),
@@ -129,11 +130,11 @@ def test_streams_that_finish_leave_the_step_launched_ahead():
             ("c", [4, 7], seeded(7, 3, ignore_eos=True))]
     out, engine = same_both_ways(reqs)
     assert out["b"][2] == "stop" and len(out["c"][0]) == 7 and len(out["a"][0]) == 12
-    # "b"'s stop: the step after the one that computed its discarded token leaves it out; "c"'s max_tokens: the
-    # step after its last is launched ahead without it
+    # the three prompts run in one mixed step, launched without waiting; every decode step after it is launched
+    # ahead (a's 11), two of them with their rows moved: the first (ids from the mixed step's chunk rows) and the
+    # one that leaves out "b" (the middle row) after its stop; "c", the last row, leaves the others in place
+    assert engine.ahead_launches == 11, engine.ahead_launches
     assert engine.remapped_launches == 2, engine.remapped_launches
-    # the prefill's token, then decode steps: every one but the first (after the prefills) launched ahead
-    assert engine.ahead_launches == 12 - 2, engine.ahead_launches
 
 
 def test_eos_min_tokens_and_stop_strings():

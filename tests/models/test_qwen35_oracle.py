@@ -355,7 +355,8 @@ def _late_arrival_mixed_steps(engine, pad: bool):
             kinds.append(sched.kind)
         return sched
 
-    budget = scheduler.max_num_batched_tokens
+    budget, async_scheduling = scheduler.max_num_batched_tokens, engine.async_scheduling
+    engine.async_scheduling = False      # each mixed step read at once (``runner.mixed``), its logits recorded
     graphs = emulated_graphs(runner) if pad else None
     runner.mixed, runner.forward_and_sample, scheduler.schedule = recording_mixed, recording_forward, recording_schedule
     runner.pad_mixed, runner.decode_sizes, runner.graphs = pad, [2] if pad else None, graphs
@@ -375,7 +376,7 @@ def _late_arrival_mixed_steps(engine, pad: bool):
                                    SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
         assert not engine.has_unfinished()
     finally:
-        scheduler.max_num_batched_tokens = budget
+        scheduler.max_num_batched_tokens, engine.async_scheduling = budget, async_scheduling
         runner.pad_mixed, runner.decode_sizes, runner.graphs = False, None, None
         del runner.mixed, runner.forward_and_sample, runner.mixed_decode_rows, scheduler.schedule
     assert engine.stats()["kv_pages_used"] == 0 and engine.stats()["slots_used"] == 0

@@ -14,22 +14,24 @@ reads and processes N::
                                  (no idle gap: N+1 was queued before the host began on N's tokens)
 
     step() call k:  [step N in flight]  → launch N+1 (ahead) → read + append N → return N's outputs
-                                          └ only when no sequence joins the batch, otherwise:
+                                          └ unless N+1 must wait for N's tokens, otherwise:
                     [step N in flight]  → read + append N → return (the next call schedules normally)
 
-Step N+1 is launched ahead when only sequences leaving can change the batch: no pending abort, every running
-sequence is one of N's, no waiting request would be admitted, no sequence wants logprobs (N+1 would overwrite the
-logits the host reads for N), and pages for position +1 are available.  N+1 leaves out the sequences N surely
-finishes (max_tokens, context full) and those already finished (at N-1, read after N was launched); when it has
-fewer rows than N, each row's id is gathered on the device from N's row of that sequence (``runner.launch_decode``'s
-``rows_before``), so a finishing stream costs no step the GPU waits for.  When a sequence follows a grammar, N+1's
-mask depends on N's token: then only N+1's forward pass goes ahead (for N's very batch), and its masks and sampler
-are launched once N's tokens are read (``runner.py``).  A sequence that turns out to stop at N (EOS, stop string,
-...) is finished as usual; its N+1 token is discarded when read (a token for a finished sequence is never emitted),
-and N+2 leaves it out. Every other token is the token the synchronous
-engine would produce: a greedy or seeded draw depends only on the sequence's history and its counter — provided
-the model's per-row results do not depend on which other rows share the batch (step N+1 may still carry a row for
-a sequence that stopped at N, and a request arriving mid-decode joins one step later than it would synchronously).
+Step N+1 is launched ahead whenever only sequences leaving and requests joining change the batch: no pending
+abort, every running sequence gets a token from N, no sequence wants logprobs (N+1 would overwrite the logits the
+host reads for N), no recurrent state is to be kept after N, and pages for position +1 are available.  N+1 leaves
+out the sequences N surely finishes (max_tokens, context full) and those already finished (at N-1, read after N
+was launched); waiting requests join it with their first prompt chunks (a mixed step).  Its decode rows take
+their ids on the device from their rows of N (``runner.launch_decode`` / ``launch_mixed``'s ``rows_before``: a
+copy of N's sampled ids, the row map uploaded as the ids, a gather), so neither a finishing stream nor an
+arriving one makes the GPU wait for the host; a mixed step is itself launched without waiting for it.  When a
+sequence follows a grammar, N+1's mask depends on N's token: then only N+1's forward pass goes ahead (for N's very
+batch, nobody joining), and its masks and sampler are launched once N's tokens are read (``runner.py``).  A
+sequence that turns out to stop at N (EOS, stop string, ...) is finished as usual; its N+1 token is discarded when
+read (a token for a finished sequence is never emitted), and N+2 leaves it out.  Every other token is the token
+the synchronous engine would produce: a greedy or seeded draw depends only on the sequence's history and its
+counter -- provided the model's per-row results do not depend on which other rows share the batch (step N+1 may
+still carry a row for a sequence that stopped at N, and a request that arrives after N+1 was launched joins N+2).
 Pinned buffers: the runner alternates two output buffers and rewrites its input mirrors (and the pool its block
 table) only after the previous upload from them has executed."""
 from __future__ import annotations
@@ -386,9 +388,7 @@ class Engine:
                     outputs.append(self._append(seq, token, 0))
             elif sched.kind == "mixed" and self.async_scheduling and not trace_kernels:
                 pending = self.runner.launch_mixed(sched.decodes, sched.chunks)
-                for seq, start, length in sched.chunks:
-                    if start + length < seq.num_tokens:     # a chunk short of the prompt's end: no token to wait for
-                        self.scheduler.computed(seq, start + length)
+                self._computed_short_chunks(sched.chunks)
                 self._keep_states()
                 outputs += self._read_launching_ahead(pending)
             elif sched.kind == "mixed":
@@ -453,21 +453,25 @@ class Engine:
         return outputs
 
     def _read_launching_ahead(self, pending: PendingStep) -> list[RequestOutput]:
-        """Launch the step after ``pending`` (its sequences, less those that finished or surely finish with it; ids
-        from the device) if nothing else can change the batch, then read and append ``pending``'s tokens.  With
-        grammar-constrained rows (and the very same batch) the step ahead is launched in two parts: its forward
-        pass before the read, its masks and sampler after it (``runner.launch_forward_ahead``)."""
+        """Launch the step after ``pending`` if only sequences leaving and requests joining change its batch (its
+        sequences, less those that finished or surely finish with it, ids from the device; beside them the first
+        chunks of waiting requests, a mixed step), then read and append ``pending``'s tokens.  With
+        grammar-constrained rows (and the very same batch, nobody joining) the step ahead is launched in two
+        parts: its forward pass before the read, its masks and sampler after it (``runner.launch_forward_ahead``)."""
         seqs = self._next_ahead(pending.seqs)
         rows = None
         if seqs is not None:
             row_of = {id(seq): pending.row(i) for i, seq in enumerate(pending.seqs)}
             rows = [row_of[id(seq)] for seq in seqs]
-            if rows == list(range(len(seqs))) and pending.rows is None:
-                rows = None             # the very rows of the step before: its ids are in place
-        if seqs is None or (rows is not None and any(seq.constraint is not None for seq in seqs)):
+        constrained = seqs is not None and any(seq.constraint is not None for seq in seqs)
+        if seqs is not None and not constrained and self.scheduler.can_admit_waiting():
+            return self._launch_mixed_ahead(pending, seqs, rows)
+        if rows == list(range(len(seqs or ()))) and pending.rows is None:
+            rows = None                 # the very rows of the step before: its ids are in place
+        if seqs is None or (constrained and (rows is not None or self.scheduler.can_admit_waiting())):
             self._inflight = None
             return self._read(pending)
-        if any(seq.constraint is not None for seq in seqs):
+        if constrained:
             forward = self.runner.launch_forward_ahead(seqs)
             outputs = self._read(pending)
             live = any(seq.status is not Status.FINISHED for seq in forward.seqs)
@@ -481,14 +485,41 @@ class Engine:
         self._inflight = ahead
         return outputs
 
+    def _launch_mixed_ahead(self, pending: PendingStep, decodes: list[Sequence], rows: list[int]):
+        """Admit waiting requests beside ``decodes`` (``pending``'s sequences going on, at ``rows`` of it) and launch
+        that mixed step before reading ``pending`` (``runner.launch_mixed``'s ``rows_before``); then read."""
+        chunks = self.scheduler.admit_beside(len(decodes))
+        for row, slot in self.scheduler.take_restores():    # a hybrid model's state where its cached pages end
+            self.model.copy_state(row, slot)
+        now = time.perf_counter()
+        for seq, start, _ in chunks:
+            if seq.scheduled_time is None:
+                seq.scheduled_time = now
+            if start == 0:
+                self.model.reset_slot(seq.slot)
+        ahead = self.runner.launch_mixed(decodes, chunks, rows_before=rows)
+        self._computed_short_chunks(chunks)
+        self._keep_states()
+        outputs = self._read(pending)
+        self._inflight = ahead
+        return outputs
+
+    def _computed_short_chunks(self, chunks) -> None:
+        """A launched step's chunks that do not reach their sequence's end: their tokens are computed (no token to
+        read for them)."""
+        for seq, start, length in chunks:
+            if start + length < seq.num_tokens:
+                self.scheduler.computed(seq, start + length)
+
     def _next_ahead(self, seqs: list[Sequence]) -> list[Sequence] | None:
-        """The sequences the step after the in-flight decode step of ``seqs`` decodes when it can be launched now,
-        before that step's tokens are read (with the pages it needs reserved): those of ``seqs`` still running,
-        less those the in-flight step surely finishes (max_tokens, a full context: no token past their end), in
-        their order.  None when the batch may change otherwise (a pending abort, a running sequence not in
-        ``seqs``, a waiting request that would be admitted) or the step must wait (logprobs, a state to keep)."""
+        """The sequences the step after the in-flight step of ``seqs`` (those it gives a token) decodes when it can
+        be launched now, before that step's tokens are read (with the pages it needs reserved): those of ``seqs``
+        still running, less those the in-flight step surely finishes (max_tokens, a full context: no token past
+        their end), in their order.  None when the batch may change otherwise (a pending abort, a running sequence
+        not in ``seqs``) or the step must wait (logprobs, a state to keep).  Waiting requests may join the step
+        (``_launch_mixed_ahead``)."""
         live = [seq for seq in seqs if seq.status is Status.RUNNING]
-        if self._aborted or self.scheduler.running != live or self.scheduler.can_admit_waiting():
+        if self._aborted or self.scheduler.running != live:
             return None
         nxt = []
         for seq in live:

@@ -128,6 +128,7 @@ class ModelRunner:
         # throughout, ``pads_mixed``); ``_row_order``: the padded step's rows of its sequences, for logits_host
         self.pad_mixed = bool(getattr(model, "pads_mixed", False)) and not SIMULATOR
         self._row_order = None
+        self._prev_row_order = None     # the row order of the step before one launched ahead (``logits_host``)
         # decode batch sizes (``padded_batch``): those that get a graph; eager steps are padded the same way, so
         # both paths run the very same kernels
         self.decode_sizes = None
@@ -292,11 +293,13 @@ class ModelRunner:
         Dp = pending.padded_decodes
         return list(range(nd)) + list(range(Dp, Dp + nc))
 
-    def launch_mixed(self, decodes, chunks, force_eager: bool = False) -> PendingStep:
+    def launch_mixed(self, decodes, chunks, force_eager: bool = False, rows_before=None) -> PendingStep:
         """Enqueue one step of decodes and prompt chunks (``scheduler.ScheduledStep``: the decode tokens first, then
         each chunk's tokens; one logits row per sequence, a decode's token or a chunk's last token) without waiting
         for it: a ``PendingStep`` of the sequences that get a token (the decodes, the chunks that end their
-        sequence's tokens), read with ``wait``.
+        sequence's tokens), read with ``wait``.  ``rows_before``: the decodes' rows in the step last launched, which
+        the host has not read: the step is launched ahead (``launch_decode``'s ``ahead=1``: their ids gathered on the
+        device, positions and sampling counters one further); the chunks' tokens come from the host.
 
         With ``pad_mixed`` the step runs padded to ``cuda_graph.mixed_shape`` (Dp, Cp, Rp): decode rows up to Dp
         (slot -1, as ``_stage_decode`` pads), chunk tokens up to Cp (slot -1, as ``prefill`` pads), chunk rows up
@@ -310,14 +313,17 @@ class ModelRunner:
             shape = mixed_shape(Dp, L, nc, self.model.max_tokens, self.model.max_rows)
         Dp, Cp, Rp = shape if shape is not None else (nd, L, nc)
         B = Dp + Rp
+        ahead = int(rows_before is not None)
+        assert not ahead or (len(rows_before) == nd and nd and all(seq.constraint is None for seq in decodes))
+        self._prev_row_order = self._row_order
         self._wait_inputs_free()
         sampled = []
         for r, seq in enumerate(decodes):
-            self.h_ids[r] = seq.last_token()
-            self.h_pos[r] = seq.num_tokens - 1
+            self.h_ids[r] = rows_before[r] if ahead else seq.last_token()
+            self.h_pos[r] = seq.num_tokens - 1 + ahead
             self.h_slots[r] = seq.slot
             self.h_rows[r] = r
-            self._set_sampling(r, seq)
+            self._set_sampling(r, seq, ahead)
             sampled.append((seq, r))
         self._pad_rows(nd, Dp)
         t = Dp
@@ -342,18 +348,19 @@ class ModelRunner:
         order = list(range(nd)) + list(range(Dp, Dp + nc))
         self._row_order = order if shape is not None else None
         with on_stream(self.stream):
-            self._upload()
+            self._upload_ahead(ahead, rows_before, nd)
             run = lambda: self.forward_and_sample(T, B, num_decode=Dp, mixed=True)   # noqa: E731
             if self.graphs is None or force_eager:
                 run()
             else:
                 self.graphs.replay_or_run(("mixed", Dp, Cp, Rp) if shape is not None else None, run)
             buffer = self._copy_out(B)
-        self._unread_ahead = None
         self._launched_rows = B
         seqs, rows = [seq for seq, _ in sampled], [r for _, r in sampled]
-        return PendingStep(seqs, B, buffer, 0, rows=rows, logit_rows=[r if r < nd else nd + r - Dp for r in rows],
-                           padded_decodes=Dp)
+        pending = PendingStep(seqs, B, buffer, ahead, rows=rows,
+                              logit_rows=[r if r < nd else nd + r - Dp for r in rows], padded_decodes=Dp)
+        self._unread_ahead = pending if ahead else None
+        return pending
 
     def _pad_rows(self, first: int, end: int) -> None:
         """Decode padding rows ``first .. end``: slot -1 (no K/V written, nothing read), a greedy draw ignored."""
@@ -401,18 +408,11 @@ class ModelRunner:
         assert not ahead or all(seq.constraint is None for seq in seqs), \
             "a constrained step launches ahead in two parts (launch_forward_ahead)"
         assert rows_before is None or (ahead and len(rows_before) == len(seqs))
+        self._prev_row_order = self._row_order
         B, Bp = self._stage_decode(seqs, ahead, rows_before)
         self._fill_masks(list(zip(seqs, range(B))), Bp)
         with on_stream(self.stream):
-            n_before = self._launched_rows if ahead else B      # the sampled rows of the step before
-            assert rows_before is None or max(rows_before) < n_before
-            self._keep_logits_before(ahead, n_before)
-            if rows_before is not None:     # the step before's ids, before this step's upload overwrites them
-                self.prev_ids[:n_before].copy_to_device(self.out_ids[:n_before], stream=self.stream)
-            self._upload(with_ids=not ahead or rows_before is not None)
-            if rows_before is not None:     # ids = prev_ids[rows], through a copy (``kernels/next_ids.py``)
-                gather_next_ids(self.next_ids, self.step.ids, self.prev_ids, B)
-                self.step.ids[:B].copy_to_device(self.next_ids[:B], stream=self.stream)
+            self._upload_ahead(ahead, rows_before, B)
             if self.graphs is not None and not force_eager and self.graphs.has(Bp, Bp):
                 self.graphs.replay(Bp, Bp)
             else:
@@ -422,6 +422,21 @@ class ModelRunner:
         self._unread_ahead = pending if ahead else None
         self._launched_rows = B
         return pending
+
+    def _upload_ahead(self, ahead: int, rows_before, n: int) -> None:
+        """Upload the staged step (on the current stream).  Launched ahead (``ahead``), first keep the logits of the
+        step before if asked (``keep_logits``); with ``rows_before`` (its first ``n`` rows' rows in the step before,
+        staged as their ids), copy that step's sampled ids aside before the upload overwrites them, and gather
+        those rows' ids from them after it (``kernels/next_ids.py``, then a copy over the ids)."""
+        n_before = self._launched_rows if ahead else n      # the sampled rows of the step before
+        assert rows_before is None or max(rows_before) < n_before
+        self._keep_logits_before(ahead, n_before)
+        if rows_before is not None:
+            self.prev_ids[:n_before].copy_to_device(self.out_ids[:n_before], stream=self.stream)
+        self._upload(with_ids=not ahead or rows_before is not None)
+        if rows_before is not None:
+            gather_next_ids(self.next_ids, self.step.ids, self.prev_ids, n)
+            self.step.ids[:n].copy_to_device(self.next_ids[:n], stream=self.stream)
 
     def _stage_decode(self, seqs, ahead: int, rows_before=None) -> tuple[int, int]:
         """Write a decode step's inputs for ``seqs`` into the pinned mirrors (``launch_decode``'s ``ahead`` and
@@ -454,6 +469,7 @@ class ModelRunner:
         """The forward pass of the decode step after the one last launched (``launch_decode(ahead=1)``'s inputs),
         without its mask and sampler: for steps with grammar-constrained rows, whose masks need the tokens of the
         step in flight.  ``launch_sample`` finishes it."""
+        self._prev_row_order = self._row_order
         B, Bp = self._stage_decode(seqs, ahead=1)
         with on_stream(self.stream):
             self._keep_logits_before(1, self._launched_rows)
@@ -511,15 +527,15 @@ class ModelRunner:
         while a step launched ahead is unread, these are the copy taken before it overwrote the model's logits.
         After a padded mixed step, row i is its i-th sequence's (decodes, then chunks: ``mixed``'s order)."""
         from pegainfer.kernels.primitives import from_bf16_bits
-        logits = self.model.logits
-        if self._row_order is not None:     # a padded mixed step: its sequences' rows, in step order
-            return from_bf16_bits(logits[:self._row_order[B - 1] + 1].copy_to_host()[self._row_order[:B]])
+        logits, order = self.model.logits, self._row_order
         if self._unread_ahead is not None:
             if not self._prev_logits_kept:
                 raise RuntimeError("the step whose logits were asked for was overwritten by a step launched ahead: "
                                    "set runner.keep_logits = True before decoding")
-            logits = self.prev_logits
+            logits, order = self.prev_logits, self._prev_row_order
             self._wait_inputs_free()    # the copy into prev_logits precedes the ahead step's upload on the stream
+        if order is not None:           # a padded mixed step: its sequences' rows, in step order
+            return from_bf16_bits(logits[:order[B - 1] + 1].copy_to_host()[order[:B]])
         return from_bf16_bits(logits[:B].copy_to_host())
 
 

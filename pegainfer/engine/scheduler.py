@@ -109,13 +109,24 @@ class Scheduler:
             if seq.num_uncomputed > 1:
                 budget -= self._add_chunk(step, seq, budget)
         # 3. admit waiting sequences
+        self._admit_into(step, budget)
+        if not step.decodes and not step.chunks:
+            return None
+        return step
+
+    def admit_beside(self, num_decodes: int) -> list[tuple[Sequence, int, int]]:
+        """Step 3 of ``schedule`` alone, for a step of ``num_decodes`` decodes the engine plans itself (launched
+        ahead of the step before's read): admit waiting sequences into what budget the decodes leave; their first
+        chunks."""
+        step = ScheduledStep()
+        self._admit_into(step, self.max_num_batched_tokens - num_decodes)
+        return step.chunks
+
+    def _admit_into(self, step: ScheduledStep, budget: int) -> None:
         while budget > 0 and len(step.chunks) < self.max_chunks and self.can_admit_waiting():
             seq = self.waiting.popleft()
             self._admit(seq)
             budget -= self._add_chunk(step, seq, budget)
-        if not step.decodes and not step.chunks:
-            return None
-        return step
 
     def _add_chunk(self, step: ScheduledStep, seq: Sequence, budget: int) -> int:
         """Schedule the next chunk of ``seq`` (at most ``budget`` tokens, as many as pages allow); returns its

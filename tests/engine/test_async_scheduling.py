@@ -13,9 +13,9 @@ from tests.engine.tiny_model import tiny_engine
 
 
 def counting(engine):
-    """Count the decode steps the runner launches ahead (ids taken from the device), those of them over fewer rows
-    than the step before (ids gathered from its rows), and the tokens discarded (computed ahead for a sequence that
-    had finished meanwhile)."""
+    """Count the decode steps the runner launches ahead (ids taken from the device), those of them over other rows
+    than the step before's (ids gathered from its rows), the mixed steps launched ahead (new prompts beside the
+    sequences going on) and the tokens discarded (computed ahead for a sequence that had finished meanwhile)."""
     engine.ahead_launches = 0
     engine.remapped_launches = 0
     launch = engine.runner.launch_decode
@@ -25,6 +25,13 @@ def counting(engine):
         engine.remapped_launches += rows_before is not None
         return launch(seqs, ahead=ahead, force_eager=force_eager, rows_before=rows_before)
     engine.runner.launch_decode = launch_decode
+    engine.mixed_ahead = 0
+    launch_mixed = engine.runner.launch_mixed
+
+    def counted_mixed(decodes, chunks, force_eager=False, rows_before=None):
+        engine.mixed_ahead += rows_before is not None
+        return launch_mixed(decodes, chunks, force_eager=force_eager, rows_before=rows_before)
+    engine.runner.launch_mixed = counted_mixed
     engine.discarded = 0
     read = engine._read
 
@@ -163,8 +170,10 @@ def test_request_arriving_mid_decode():
     reqs = [("a", [1, 2, 3], greedy(12, ignore_eos=True)), ("b", [9, 8], seeded(9, 11, ignore_eos=True))]
     events = [("a", 4, ("add", "late", [6, 5, 4], seeded(6, 2, ignore_eos=True))),
               ("b", 6, ("add", "later", [2], greedy(5, ignore_eos=True)))]
-    out, _ = same_both_ways(reqs, events)
+    out, engine = same_both_ways(reqs, events)
     assert len(out["late"][0]) == 6 and len(out["later"][0]) == 5
+    # each arrival's prompt rides in a mixed step launched ahead of the read of the decode step before it
+    assert engine.mixed_ahead == 2, engine.mixed_ahead
 
 
 def test_logprobs_request_runs_synchronously_and_matches():

@@ -497,7 +497,11 @@ class Engine:
                 seq.scheduled_time = now
             if start == 0:
                 self.model.reset_slot(seq.slot)
-        ahead = self.runner.launch_mixed(decodes, chunks, rows_before=rows)
+        if chunks:
+            ahead = self.runner.launch_mixed(decodes, chunks, rows_before=rows)
+        else:                           # admitted with no page for a chunk yet: the decodes alone
+            in_place = rows == list(range(len(decodes))) and pending.rows is None
+            ahead = self.runner.launch_decode(decodes, ahead=1, rows_before=None if in_place else rows)
         self._computed_short_chunks(chunks)
         self._keep_states()
         outputs = self._read(pending)

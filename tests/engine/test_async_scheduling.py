@@ -144,6 +144,35 @@ def test_streams_that_finish_leave_the_step_launched_ahead():
     assert engine.remapped_launches == 2, engine.remapped_launches
 
 
+@pytest.mark.parametrize("seed,cache", [(0, None), (1, None), (2, "prefix"), (3, "prefix+state")])
+def test_a_random_load_of_arrivals_stops_and_aborts_matches_the_synchronous_engine(seed, cache):
+    """Catches a step launched ahead over the wrong rows in any mix of batch changes: streams arriving while others
+    decode (some with prompts longer than a step's budget, some sharing a cached prefix), ending by max_tokens,
+    stop tokens or a full context, aborted, greedy and seeded, more of them than the slots; with the prefix cache
+    (and a hybrid model's kept states); every stream equals the synchronous engine's, and steps were launched ahead
+    across the changes."""
+    import random
+    rnd = random.Random(seed)
+    shared = [rnd.randrange(1, 96) for _ in range(40)]
+
+    def params():
+        kw = dict(ignore_eos=True)
+        if rnd.random() < 0.3:
+            kw["stop_token_ids"] = [rnd.randrange(96)]
+        n = rnd.randint(1, 14)
+        return greedy(n, **kw) if rnd.random() < 0.5 else seeded(n, rnd.randrange(100), **kw)
+
+    def prompt():
+        head = shared[:rnd.choice([0, 16, 17, 32])] if cache else []
+        return head + [rnd.randrange(1, 96) for _ in range(rnd.choice([1, 3, 6, 20]))]
+    reqs = [(f"r{i}", prompt(), params()) for i in range(4)]
+    events = [(f"r{rnd.randrange(4)}", 1, ("add", f"late{i}", prompt(), params())) for i in range(8)]
+    events.append((f"late{rnd.randrange(8)}", 1, ("abort",)))     # every stream gets a token: each event fires
+    kw = dict(prefix_caching=True, state_snapshots=4 if cache == "prefix+state" else 0) if cache else {}
+    out, engine = same_both_ways(reqs, events, max_batch=3, max_model_len=80, max_num_batched_tokens=24, **kw)
+    assert engine.mixed_ahead + engine.remapped_launches > 0
+
+
 def test_eos_min_tokens_and_stop_strings():
     ref, _ = run(False, MIXED)
     eos = ref["c"][0][4]

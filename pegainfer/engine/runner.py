@@ -115,7 +115,7 @@ class ModelRunner:
         self.prev_logits = None
         self._prev_logits_kept = False
         self._unread_ahead: "PendingStep | None" = None
-        self._launched_rows = 0         # sampled rows of the last decode step launched (``launch_decode``)
+        self._launched_rows = 0         # sampled rows of the last decode or mixed step launched
         self.sample_workspace = sampling.allocate_sample_workspace(R, model.V)
         # one-sequence steps: the LM head picks a greedy row's token itself (``LaunchPolicy.head_argmax``)
         self.head_argmax = (sampling.HeadArgmax(self.out_ids, self.sample_workspace) if model.policy.head_argmax

@@ -18,8 +18,8 @@ reads and processes N::
                     [step N in flight]  → read + append N → return (the next call schedules normally)
 
 Step N+1 is launched ahead whenever only sequences leaving and requests joining change the batch: no pending
-abort, every running sequence gets a token from N, no sequence wants logprobs (N+1 would overwrite the logits the
-host reads for N), no recurrent state is to be kept after N, and pages for position +1 are available.  N+1 leaves
+abort, every running sequence gets a token from N, no recurrent state is to be kept after N, and pages for
+position +1 are available (when a sequence wants logprobs, N+1 first copies N's logits, which it overwrites).  N+1 leaves
 out the sequences N surely finishes (max_tokens, context full) and those already finished (at N-1, read after N
 was launched); waiting requests join it with their first prompt chunks (a mixed step).  Its decode rows take
 their ids on the device from their rows of N (``runner.launch_decode`` / ``launch_mixed``'s ``rows_before``: a
@@ -464,12 +464,17 @@ class Engine:
             row_of = {id(seq): pending.row(i) for i, seq in enumerate(pending.seqs)}
             rows = [row_of[id(seq)] for seq in seqs]
         constrained = seqs is not None and any(seq.constraint is not None for seq in seqs)
+        # logprobs of ``pending``'s tokens read the logits the step ahead overwrites: it keeps a copy first
+        logprobs = any(seq.params.logprobs is not None and seq.status is Status.RUNNING for seq in pending.seqs)
+        if constrained and logprobs:
+            seqs = None                 # (the two-part launch keeps no copy)
+        self.runner.keep_logits_next = logprobs
         if seqs is not None and not constrained and self.scheduler.can_admit_waiting():
             return self._launch_mixed_ahead(pending, seqs, rows)
         if rows == list(range(len(seqs or ()))) and pending.rows is None:
             rows = None                 # the very rows of the step before: its ids are in place
         if seqs is None or (constrained and (rows is not None or self.scheduler.can_admit_waiting())):
-            self._inflight = None
+            self._inflight, self.runner.keep_logits_next = None, False
             return self._read(pending)
         if constrained:
             forward = self.runner.launch_forward_ahead(seqs)
@@ -520,7 +525,7 @@ class Engine:
         be launched now, before that step's tokens are read (with the pages it needs reserved): those of ``seqs``
         still running, less those the in-flight step surely finishes (max_tokens, a full context: no token past
         their end), in their order.  None when the batch may change otherwise (a pending abort, a running sequence
-        not in ``seqs``) or the step must wait (logprobs, a state to keep).  Waiting requests may join the step
+        not in ``seqs``) or the step must wait (a state to keep).  Waiting requests may join the step
         (``_launch_mixed_ahead``)."""
         live = [seq for seq in seqs if seq.status is Status.RUNNING]
         if self._aborted or self.scheduler.running != live:
@@ -528,8 +533,6 @@ class Engine:
         nxt = []
         for seq in live:
             p = seq.params
-            if p.logprobs is not None:
-                return None    # logprobs read the logits the step ahead overwrites
             if seq.snapshot_points and seq.snapshot_points[0] == seq.num_tokens:
                 return None    # its state after the in-flight step is kept: copied before the next step runs
             if len(seq.output_ids) + 1 < p.max_tokens and seq.num_tokens + 1 < self.max_model_len:

@@ -108,10 +108,12 @@ class ModelRunner:
         self.inputs_uploaded = UploadFence()
         self.masks_uploaded = UploadFence()
         # A step launched ahead overwrites the model's logits before the host has read the previous step's tokens.
-        # With ``keep_logits`` (tests, tools: the engine never launches ahead for a request that wants logprobs)
-        # the previous step's logits rows are first copied (on the device, in stream order) here, and logits_host
-        # reads them while that ahead step is unread.  Allocated at the first such copy.
+        # With ``keep_logits`` (tests, tools), or ``keep_logits_next`` for the next launch only (the engine, when a
+        # sequence of the step before wants logprobs), the previous step's logits rows are first copied (on the
+        # device, in stream order) here, and logits_host reads them while that ahead step is unread.  Allocated at
+        # the first such copy.
         self.keep_logits = False
+        self.keep_logits_next = False
         self.prev_logits = None
         self._prev_logits_kept = False
         self._unread_ahead: "PendingStep | None" = None
@@ -458,8 +460,10 @@ class ModelRunner:
         return B, Bp
 
     def _keep_logits_before(self, ahead: int, B: int) -> None:
-        """With ``keep_logits``, copy the logits of the step about to be overwritten by one launched ahead."""
-        self._prev_logits_kept = bool(ahead and self.keep_logits)
+        """With ``keep_logits`` (or ``keep_logits_next``, then cleared), copy the logits of the step about to be
+        overwritten by one launched ahead."""
+        self._prev_logits_kept = bool(ahead and (self.keep_logits or self.keep_logits_next))
+        self.keep_logits_next = False
         if self._prev_logits_kept:
             if self.prev_logits is None:
                 self.prev_logits = cuda.device_array(self.model.logits.shape, self.model.logits.dtype)

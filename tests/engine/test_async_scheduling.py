@@ -205,19 +205,23 @@ def test_request_arriving_mid_decode():
     assert engine.mixed_ahead == 2, engine.mixed_ahead
 
 
-def test_logprobs_request_runs_synchronously_and_matches():
+def test_logprobs_requests_launch_ahead_and_match():
+    """Catches logprobs read from the logits of the step launched ahead (which overwrote those of the step whose
+    tokens they describe): beside and after requests that want logprobs, steps are still launched ahead, and every
+    logprob and top list equals the synchronous engine's."""
     reqs = [("a", [1, 2, 3], greedy(8, ignore_eos=True, logprobs=3)),
             ("b", [9, 8], seeded(12, 11, ignore_eos=True)),
             ("c", [5], seeded(16, 4, ignore_eos=True))]
     events = [("b", 10, ("add", "late", [7, 7], greedy(4, ignore_eos=True, logprobs=1)))]
-    # steps are launched ahead only while no running request asks for logprobs (between "a" and "late")
-    out, _ = same_both_ways(reqs, events)
+    out, engine = same_both_ways(reqs, events)
     assert len(out["a"][3]) == 8 and len(out["late"][3]) == 4 and out["b"][3] == out["c"][3] == []
+    assert engine.mixed_ahead == 1      # "late" joined ahead of a read whose tokens had logprobs
 
 
-def test_logprobs_alone_never_launches_ahead():
-    out, engine = same_both_ways([("a", [1, 2], greedy(6, ignore_eos=True, logprobs=2))], expect_ahead=False)
-    assert engine.ahead_launches == 0 and len(out["a"][3]) == 6
+def test_logprobs_alone_launch_ahead():
+    out, engine = same_both_ways([("a", [1, 2], greedy(6, ignore_eos=True, logprobs=2))])
+    # the prefill's token, then 5 decode steps: all but the first launched ahead
+    assert engine.ahead_launches == 4 and len(out["a"][3]) == 6
 
 
 def test_short_of_pages_falls_back_and_frees_everything():

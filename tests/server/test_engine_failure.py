@@ -107,11 +107,11 @@ def test_every_request_in_flight_fails_running_waiting_and_queued(model_folder, 
 def test_a_failure_between_steps_is_handled_like_a_failed_step(model_folder, caplog):
     """Not only step(): any call into the engine on its thread (here stats()) that raises fails the requests and
     takes the engine out of service."""
-    engine = FakeEngine(model_folder, max_batch=1)
+    engine = FakeEngine(model_folder, max_batch=1, step_delay=0.002)   # the stream cannot end before stats fails
     ae = AsyncEngine(engine).start()
     try:
         async def main():
-            stream = await ae.add("a", [5, 6], SamplingParams(max_tokens=50, ignore_eos=True))
+            stream = await ae.add("a", [5, 6], SamplingParams(max_tokens=100_000, ignore_eos=True))
             await stream.__anext__()
             engine.stats = lambda: 1 / 0
             with pytest.raises(EngineStepError, match="ZeroDivisionError"):

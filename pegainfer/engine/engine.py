@@ -388,7 +388,7 @@ class Engine:
                     outputs.append(self._append(seq, token, 0))
             elif sched.kind == "mixed" and self.async_scheduling and not trace_kernels:
                 pending = self.runner.launch_mixed(sched.decodes, sched.chunks)
-                self._computed_short_chunks(sched.chunks)
+                self._computed_chunks(sched.chunks)
                 self._keep_states()
                 outputs += self._read_launching_ahead(pending)
             elif sched.kind == "mixed":
@@ -469,11 +469,12 @@ class Engine:
         if constrained and logprobs:
             seqs = None                 # (the two-part launch keeps no copy)
         self.runner.keep_logits_next = logprobs
-        if seqs is not None and not constrained and self.scheduler.can_admit_waiting():
+        joining = self.scheduler.can_admit_waiting() or bool(self.scheduler.prefilling())
+        if seqs is not None and not constrained and joining:
             return self._launch_mixed_ahead(pending, seqs, rows)
         if rows == list(range(len(seqs or ()))) and pending.rows is None:
             rows = None                 # the very rows of the step before: its ids are in place
-        if seqs is None or (constrained and (rows is not None or self.scheduler.can_admit_waiting())):
+        if seqs is None or (constrained and (rows is not None or joining)):
             self._inflight, self.runner.keep_logits_next = None, False
             return self._read(pending)
         if constrained:
@@ -491,9 +492,10 @@ class Engine:
         return outputs
 
     def _launch_mixed_ahead(self, pending: PendingStep, decodes: list[Sequence], rows: list[int]):
-        """Admit waiting requests beside ``decodes`` (``pending``'s sequences going on, at ``rows`` of it) and launch
-        that mixed step before reading ``pending`` (``runner.launch_mixed``'s ``rows_before``); then read."""
-        chunks = self.scheduler.admit_beside(len(decodes))
+        """Beside ``decodes`` (``pending``'s sequences going on, at ``rows`` of it), the next chunks of the prompts
+        being prefilled and of admitted waiting requests: launch that mixed step before reading ``pending``
+        (``runner.launch_mixed``'s ``rows_before``); then read."""
+        chunks = self.scheduler.chunks_beside(len(decodes))
         for row, slot in self.scheduler.take_restores():    # a hybrid model's state where its cached pages end
             self.model.copy_state(row, slot)
         now = time.perf_counter()
@@ -504,31 +506,31 @@ class Engine:
                 self.model.reset_slot(seq.slot)
         if chunks:
             ahead = self.runner.launch_mixed(decodes, chunks, rows_before=rows)
-        else:                           # admitted with no page for a chunk yet: the decodes alone
+        else:                           # no page for a chunk yet: the decodes alone
             in_place = rows == list(range(len(decodes))) and pending.rows is None
             ahead = self.runner.launch_decode(decodes, ahead=1, rows_before=None if in_place else rows)
-        self._computed_short_chunks(chunks)
+        self._computed_chunks(chunks)
         self._keep_states()
         outputs = self._read(pending)
         self._inflight = ahead
         return outputs
 
-    def _computed_short_chunks(self, chunks) -> None:
-        """A launched step's chunks that do not reach their sequence's end: their tokens are computed (no token to
-        read for them)."""
+    def _computed_chunks(self, chunks) -> None:
+        """A launched step's chunks: their tokens are computed (in stream order: what a later step reads, or a
+        state kept after this one, follows it), before the step is read."""
         for seq, start, length in chunks:
-            if start + length < seq.num_tokens:
-                self.scheduler.computed(seq, start + length)
+            self.scheduler.computed(seq, start + length)
 
     def _next_ahead(self, seqs: list[Sequence]) -> list[Sequence] | None:
         """The sequences the step after the in-flight step of ``seqs`` (those it gives a token) decodes when it can
         be launched now, before that step's tokens are read (with the pages it needs reserved): those of ``seqs``
         still running, less those the in-flight step surely finishes (max_tokens, a full context: no token past
         their end), in their order.  None when the batch may change otherwise (a pending abort, a running sequence
-        not in ``seqs``) or the step must wait (a state to keep).  Waiting requests may join the step
-        (``_launch_mixed_ahead``)."""
+        not in ``seqs`` but for prompts being prefilled) or the step must wait (a state to keep).  Prompt chunks
+        (of those prompts, and of waiting requests) may join the step (``_launch_mixed_ahead``)."""
         live = [seq for seq in seqs if seq.status is Status.RUNNING]
-        if self._aborted or self.scheduler.running != live:
+        prefilling = self.scheduler.prefilling()
+        if self._aborted or [seq for seq in self.scheduler.running if seq not in prefilling] != live:
             return None
         nxt = []
         for seq in live:

@@ -102,27 +102,31 @@ class Scheduler:
             if seq.status is Status.RUNNING:
                 step.decodes.append(seq)
         budget -= len(step.decodes)
-        # 2. chunks of the sequences being prefilled
+        # 2. and 3. chunks of the sequences being prefilled, then of admitted waiting sequences
+        self._chunks_into(step, budget)
+        if not step.decodes and not step.chunks:
+            return None
+        return step
+
+    def chunks_beside(self, num_decodes: int) -> list[tuple[Sequence, int, int]]:
+        """Steps 2 and 3 of ``schedule`` alone, for a step of ``num_decodes`` decodes the engine plans itself
+        (launched ahead of the step before's read): the next chunks of the sequences being prefilled, then waiting
+        sequences admitted, in what budget the decodes leave."""
+        step = ScheduledStep()
+        self._chunks_into(step, self.max_num_batched_tokens - num_decodes)
+        return step.chunks
+
+    def prefilling(self) -> list[Sequence]:
+        """The running sequences with more than one token to compute (a prompt, or a preempted sequence's prompt and
+        output, in chunks)."""
+        return [seq for seq in self.running if seq.num_uncomputed > 1]
+
+    def _chunks_into(self, step: ScheduledStep, budget: int) -> None:
         for seq in self.running:
             if budget <= 0 or len(step.chunks) >= self.max_chunks:
                 break
             if seq.num_uncomputed > 1:
                 budget -= self._add_chunk(step, seq, budget)
-        # 3. admit waiting sequences
-        self._admit_into(step, budget)
-        if not step.decodes and not step.chunks:
-            return None
-        return step
-
-    def admit_beside(self, num_decodes: int) -> list[tuple[Sequence, int, int]]:
-        """Step 3 of ``schedule`` alone, for a step of ``num_decodes`` decodes the engine plans itself (launched
-        ahead of the step before's read): admit waiting sequences into what budget the decodes leave; their first
-        chunks."""
-        step = ScheduledStep()
-        self._admit_into(step, self.max_num_batched_tokens - num_decodes)
-        return step.chunks
-
-    def _admit_into(self, step: ScheduledStep, budget: int) -> None:
         while budget > 0 and len(step.chunks) < self.max_chunks and self.can_admit_waiting():
             seq = self.waiting.popleft()
             self._admit(seq)

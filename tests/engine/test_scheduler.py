@@ -20,19 +20,19 @@ def greedy(n):
 def recording(engine):
     """Record every step the engine schedules: (kind, decode request ids, [(id, start, length)], tokens, running
     decoding request ids before the step).  A mixed step the engine launches ahead of the step before's read (its
-    decodes that step's sequences going on, beside newly admitted prompts) counts those sequences as decoding."""
+    decodes that step's sequences going on, beside prompt chunks) counts those sequences as decoding."""
     engine.steps = []
     schedule, launch_mixed_ahead = engine.scheduler.schedule, engine._launch_mixed_ahead
 
     def mixed_ahead(pending, decodes, rows):
-        admit, chunks = engine.scheduler.admit_beside, []
-        engine.scheduler.admit_beside = lambda n: chunks.extend(admit(n)) or chunks
+        admit, chunks = engine.scheduler.chunks_beside, []
+        engine.scheduler.chunks_beside = lambda n: chunks.extend(admit(n)) or chunks
         going_on = {s.request_id for s in pending.seqs
                     if s.status.value == "running" and len(s.output_ids) + 1 < s.params.max_tokens}
         try:
             return launch_mixed_ahead(pending, decodes, rows)
         finally:
-            del engine.scheduler.admit_beside
+            del engine.scheduler.chunks_beside
             engine.steps.append(("mixed", [s.request_id for s in decodes],
                                  [(s.request_id, a, n) for s, a, n in chunks],
                                  len(decodes) + sum(n for _, _, n in chunks), going_on))

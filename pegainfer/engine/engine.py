@@ -453,11 +453,12 @@ class Engine:
         return outputs
 
     def _read_launching_ahead(self, pending: PendingStep) -> list[RequestOutput]:
-        """Launch the step after ``pending`` if only sequences leaving and requests joining change its batch (its
-        sequences, less those that finished or surely finish with it, ids from the device; beside them the first
-        chunks of waiting requests, a mixed step), then read and append ``pending``'s tokens.  With
-        grammar-constrained rows (and the very same batch, nobody joining) the step ahead is launched in two
-        parts: its forward pass before the read, its masks and sampler after it (``runner.launch_forward_ahead``)."""
+        """Launch the step after ``pending`` if only sequences leaving and prompts joining change its batch (its
+        sequences, less those that finished or surely finish with it, ids from the device; beside them the next
+        chunks of prompts being prefilled and of waiting requests, a mixed step), then read and append
+        ``pending``'s tokens.  With grammar-constrained rows (and the very same batch, nobody joining) the step
+        ahead is launched in two parts: its forward pass before the read, its masks and sampler after it
+        (``runner.launch_forward_ahead``)."""
         seqs = self._next_ahead(pending.seqs)
         rows = None
         if seqs is not None:

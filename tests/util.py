@@ -98,18 +98,25 @@ def assert_pdl_contract(launched):
 def streams_with_a_late_arrival(engine, first, second, steps, after=2):
     """Greedy streams (``steps`` tokens each) of prompt ``first`` and prompt ``second``, the second added once the
     first has ``after`` tokens, so its prompt is prefilled in mixed steps beside the first's decodes.  Returns
-    ({"first": ids, "second": ids}, the kinds of the steps run)."""
+    ({"first": ids, "second": ids}, the kinds of the steps run: those the scheduler plans, and the mixed steps
+    the engine plans itself beside decodes launched ahead of a read, ``Scheduler.chunks_beside``)."""
     from pegainfer.engine.types import SamplingParams
 
     kinds = []
-    schedule = engine.scheduler.schedule
+    schedule, chunks_beside = engine.scheduler.schedule, engine.scheduler.chunks_beside
 
     def recording():
         sched = schedule()
         if sched is not None:
             kinds.append(sched.kind)
         return sched
-    engine.scheduler.schedule = recording
+
+    def recording_beside(num_decodes):
+        chunks = chunks_beside(num_decodes)
+        if chunks:
+            kinds.append("mixed")
+        return chunks
+    engine.scheduler.schedule, engine.scheduler.chunks_beside = recording, recording_beside
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     got = {"first": [], "second": []}
     try:
@@ -120,7 +127,7 @@ def streams_with_a_late_arrival(engine, first, second, steps, after=2):
             if len(got["first"]) == after and "second" not in engine._seqs and not got["second"]:
                 engine.add_request("second", second, params)
     finally:
-        engine.scheduler.schedule = schedule
+        del engine.scheduler.schedule, engine.scheduler.chunks_beside
     return got, kinds
 
 

@@ -17,11 +17,11 @@ reads and processes N::
                                           └ unless N+1 must wait for N's tokens, otherwise:
                     [step N in flight]  → read + append N → return (the next call schedules normally)
 
-Step N+1 is launched ahead whenever only sequences leaving and requests joining change the batch: no pending
-abort, every running sequence gets a token from N, no recurrent state is to be kept after N, and pages for
-position +1 are available (when a sequence wants logprobs, N+1 first copies N's logits, which it overwrites).  N+1 leaves
-out the sequences N surely finishes (max_tokens, context full) and those already finished (at N-1, read after N
-was launched); waiting requests join it with their first prompt chunks (a mixed step).  Its decode rows take
+Step N+1 is launched ahead whenever only sequences leaving and prompts joining change the batch: no pending
+abort, every running sequence gets a token from N or is a prompt in chunks, no recurrent state is to be kept after
+N, and pages for position +1 are available (when a sequence wants logprobs, N+1 first copies N's logits, which it
+overwrites).  N+1 leaves out the sequences N surely finishes (max_tokens, context full) and those already finished
+(at N-1, read after N was launched); the next chunks of prompts and of waiting requests join it (a mixed step).  Its decode rows take
 their ids on the device from their rows of N (``runner.launch_decode`` / ``launch_mixed``'s ``rows_before``: a
 copy of N's sampled ids, the row map uploaded as the ids, a gather), so neither a finishing stream nor an
 arriving one makes the GPU wait for the host; a mixed step is itself launched without waiting for it.  When a
@@ -373,13 +373,7 @@ class Engine:
         t_step = time.perf_counter()
         trace_kernels = tracer is not None and sched.kind not in self._kernel_traced
         with (traced(tracer.kernel) if trace_kernels else contextlib.nullcontext()):
-            for row, slot in self.scheduler.take_restores():   # a hybrid model's state where its cached pages end
-                self.model.copy_state(row, slot)
-            for seq, start, _ in sched.chunks:
-                if seq.scheduled_time is None:
-                    seq.scheduled_time = t_step
-                if start == 0:
-                    self.model.reset_slot(seq.slot)   # e.g. zero Qwen3.5's recurrent state for a new sequence
+            self._before_chunks(sched.chunks, t_step)
             if sched.kind == "prefill":
                 seq, start, length = sched.chunks[0]
                 token, _ = self.runner.prefill(seq, start, length, force_eager=trace_kernels)
@@ -459,7 +453,8 @@ class Engine:
         ``pending``'s tokens.  With grammar-constrained rows (and the very same batch, nobody joining) the step
         ahead is launched in two parts: its forward pass before the read, its masks and sampler after it
         (``runner.launch_forward_ahead``)."""
-        seqs = self._next_ahead(pending.seqs)
+        prefilling = self.scheduler.prefilling()
+        seqs = self._next_ahead(pending.seqs, prefilling)
         rows = None
         if seqs is not None:
             row_of = {id(seq): pending.row(i) for i, seq in enumerate(pending.seqs)}
@@ -470,7 +465,7 @@ class Engine:
         if constrained and logprobs:
             seqs = None                 # (the two-part launch keeps no copy)
         self.runner.keep_logits_next = logprobs
-        joining = self.scheduler.can_admit_waiting() or bool(self.scheduler.prefilling())
+        joining = bool(prefilling) or self.scheduler.can_admit_waiting()
         if seqs is not None and not constrained and joining:
             return self._launch_mixed_ahead(pending, seqs, rows)
         if rows == list(range(len(seqs or ()))) and pending.rows is None:
@@ -497,14 +492,7 @@ class Engine:
         being prefilled and of admitted waiting requests: launch that mixed step before reading ``pending``
         (``runner.launch_mixed``'s ``rows_before``); then read."""
         chunks = self.scheduler.chunks_beside(len(decodes))
-        for row, slot in self.scheduler.take_restores():    # a hybrid model's state where its cached pages end
-            self.model.copy_state(row, slot)
-        now = time.perf_counter()
-        for seq, start, _ in chunks:
-            if seq.scheduled_time is None:
-                seq.scheduled_time = now
-            if start == 0:
-                self.model.reset_slot(seq.slot)
+        self._before_chunks(chunks, time.perf_counter())
         if chunks:
             ahead = self.runner.launch_mixed(decodes, chunks, rows_before=rows)
         else:                           # no page for a chunk yet: the decodes alone
@@ -516,22 +504,35 @@ class Engine:
         self._inflight = ahead
         return outputs
 
+    def _before_chunks(self, chunks, now: float) -> None:
+        """What a step's prompt chunks need before it (in stream order): the states that admitted sequences of a
+        hybrid model restore where their cached pages end, a new sequence's state zeroed (e.g. Qwen3.5's recurrent
+        state); and each sequence's first scheduling time."""
+        for row, slot in self.scheduler.take_restores():
+            self.model.copy_state(row, slot)
+        for seq, start, _ in chunks:
+            if seq.scheduled_time is None:
+                seq.scheduled_time = now
+            if start == 0:
+                self.model.reset_slot(seq.slot)
+
     def _computed_chunks(self, chunks) -> None:
         """A launched step's chunks: their tokens are computed (in stream order: what a later step reads, or a
         state kept after this one, follows it), before the step is read."""
         for seq, start, length in chunks:
             self.scheduler.computed(seq, start + length)
 
-    def _next_ahead(self, seqs: list[Sequence]) -> list[Sequence] | None:
+    def _next_ahead(self, seqs: list[Sequence], prefilling: list[Sequence]) -> list[Sequence] | None:
         """The sequences the step after the in-flight step of ``seqs`` (those it gives a token) decodes when it can
         be launched now, before that step's tokens are read (with the pages it needs reserved): those of ``seqs``
         still running, less those the in-flight step surely finishes (max_tokens, a full context: no token past
         their end), in their order.  None when the batch may change otherwise (a pending abort, a running sequence
-        not in ``seqs`` but for prompts being prefilled) or the step must wait (a state to keep).  Prompt chunks
-        (of those prompts, and of waiting requests) may join the step (``_launch_mixed_ahead``)."""
+        not in ``seqs`` but for ``prefilling``, the scheduler's prompts in chunks) or the step must wait (a state to
+        keep).  Prompt chunks (of those prompts, and of waiting requests) may join the step
+        (``_launch_mixed_ahead``)."""
         live = [seq for seq in seqs if seq.status is Status.RUNNING]
-        prefilling = self.scheduler.prefilling()
-        if self._aborted or [seq for seq in self.scheduler.running if seq not in prefilling] != live:
+        chunked = {id(seq) for seq in prefilling}
+        if self._aborted or [seq for seq in self.scheduler.running if id(seq) not in chunked] != live:
             return None
         nxt = []
         for seq in live:

@@ -21,14 +21,14 @@ Step N+1 is launched ahead whenever only sequences leaving and prompts joining c
 abort, every running sequence gets a token from N or is a prompt in chunks, no recurrent state is to be kept after
 N, and pages for position +1 are available (when a sequence wants logprobs, N+1 first copies N's logits, which it
 overwrites).  N+1 leaves out the sequences N surely finishes (max_tokens, context full) and those already finished
-(at N-1, read after N was launched); the next chunks of prompts and of waiting requests join it (a mixed step).  Its decode rows take
-their ids on the device from their rows of N (``runner.launch_decode`` / ``launch_mixed``'s ``rows_before``: a
-copy of N's sampled ids, the row map uploaded as the ids, a gather), so neither a finishing stream nor an
-arriving one makes the GPU wait for the host; a mixed step is itself launched without waiting for it.  When a
-sequence follows a grammar, N+1's mask depends on N's token: then only N+1's forward pass goes ahead (for N's very
-batch, nobody joining), and its masks and sampler are launched once N's tokens are read (``runner.py``).  A
-sequence that turns out to stop at N (EOS, stop string, ...) is finished as usual; its N+1 token is discarded when
-read (a token for a finished sequence is never emitted), and N+2 leaves it out.  Every other token is the token
+(at N-1, read after N was launched); the next chunks of prompts and of waiting requests join it (a mixed step).
+Its decode rows take their ids on the device from their rows of N (``runner.launch_decode`` / ``launch_mixed``'s
+``rows_before``: a copy of N's sampled ids, the row map uploaded as the ids, a gather), so neither a finishing
+stream nor an arriving one makes the GPU wait for the host; a mixed step is itself launched without waiting for
+it.  When a sequence follows a grammar, N+1's mask depends on N's token: then only N+1's forward pass goes ahead
+(for N's very batch, nobody joining), and its masks and sampler are launched once N's tokens are read
+(``runner.py``).  A sequence that turns out to stop at N (EOS, stop string, ...) is finished as usual; its N+1
+token is discarded when read (a token for a finished sequence is never emitted), and N+2 leaves it out.  Every other token is the token
 the synchronous engine would produce: a greedy or seeded draw depends only on the sequence's history and its
 counter -- provided the model's per-row results do not depend on which other rows share the batch (step N+1 may
 still carry a row for a sequence that stopped at N, and a request that arrives after N+1 was launched joins N+2).

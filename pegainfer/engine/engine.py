@@ -28,10 +28,11 @@ stream nor an arriving one makes the GPU wait for the host; a mixed step is itse
 it.  When a sequence follows a grammar, N+1's mask depends on N's token: then only N+1's forward pass goes ahead
 (for N's very batch, nobody joining), and its masks and sampler are launched once N's tokens are read
 (``runner.py``).  A sequence that turns out to stop at N (EOS, stop string, ...) is finished as usual; its N+1
-token is discarded when read (a token for a finished sequence is never emitted), and N+2 leaves it out.  Every other token is the token
-the synchronous engine would produce: a greedy or seeded draw depends only on the sequence's history and its
-counter -- provided the model's per-row results do not depend on which other rows share the batch (step N+1 may
-still carry a row for a sequence that stopped at N, and a request that arrives after N+1 was launched joins N+2).
+token is discarded when read (a token for a finished sequence is never emitted), and N+2 leaves it out.  Every
+other token is the token the synchronous engine would produce: a greedy or seeded draw depends only on the
+sequence's history and its counter -- provided the model's per-row results do not depend on which other rows share
+the batch (step N+1 may still carry a row for a sequence that stopped at N, and a request that arrives after N+1
+was launched joins N+2).
 Pinned buffers: the runner alternates two output buffers and rewrites its input mirrors (and the pool its block
 table) only after the previous upload from them has executed."""
 from __future__ import annotations

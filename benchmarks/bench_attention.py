@@ -7,7 +7,7 @@
   its own cache, and a CUDA graph replays calls round-robin over enough layers (>= 256 MB of K/V) that the K/V
   comes from HBM, not from the 50 MB L2 -- as in a real decode step.
 * Batched decode (``--batch B``): one decode call of B sequences, each its newest token at ``--batch-context``
-  keys (default 256) on its own shuffled pages, Qwen3-4B's heads: µs per call and the bandwidth of its K/V reads,
+  keys (default 256) on its own shuffled pages, Qwen3-4B's heads (``--shapes``: others): µs per call and the bandwidth of its K/V reads,
   at the default geometry and at each ``--decode-geometry W,P`` (W warps a block, P = 1: in pairs over the head
   dims), with the output checked against the default geometry's.  As a 64-stream server's decode step runs it.
 * Prefill: one prompt of 2048, 8192 and 32768 tokens (positions 0 .. T-1, one slot, shuffled 16-token pages), the
@@ -191,7 +191,7 @@ def bench_batch_decode(rng, read_bw, rows, batch, ctx, geometries=(None,), model
         try:
             call(0)()
         except Exception as e:          # a forced block that does not compile or launch: say so, time the others
-            print(f"  batch {batch:4d} ctx {ctx:6d}  {describe_forced(geometry)} forced: failed: "
+            print(f"  {model:12s} batch {batch:4d} ctx {ctx:6d}  {describe_forced(geometry)} forced: failed: "
                   f"{type(e).__name__}: {e}".splitlines()[0], flush=True)
             rows.append(dict(kind="batch", model=model, batch=batch, ctx=ctx, geometry=list(geometry[0]),
                              splits=geometry[1], min_split_tokens=geometry[2], forced=True,
@@ -209,7 +209,8 @@ def bench_batch_decode(rng, read_bw, rows, batch, ctx, geometries=(None,), model
                    rel_l2_vs_default=bf16_rel_l2(bits, reference))
         rows.append(row)
         pct = f"{row['pct_of_read']:5.1f}%" if row["pct_of_read"] else "    - "
-        print(f"  batch {batch:4d} ctx {ctx:6d}  {describe_forced(geometry) if geometry else 'default':<34}"
+        label = describe_forced(geometry) if geometry else "default"
+        print(f"  {model:12s} batch {batch:4d} ctx {ctx:6d}  {label:<34}"
               f"  {row['us']:9.2f} us  {row['GBps']:7.0f} GB/s  {pct}  rel-L2 vs default "
               f"{row['rel_l2_vs_default']:.1e}{'' if SIM else kernel_resources(row['geometry'], D, nq // nkv)}",
               flush=True)
@@ -499,7 +500,8 @@ def main(argv=None) -> int:
                     ",".join(map(str, PREFILL_TOKENS)))
     ap.add_argument("--prefill-geometry", action="append", default=[], metavar="W,M,BK,S",
                     help="also time this prefill tile (warps, m16 tiles a warp, keys a K/V tile, ring stages)")
-    ap.add_argument("--shapes", help="prefill shapes, comma-separated (default: %s)" % ",".join(MODELS))
+    ap.add_argument("--shapes", help="head shapes, comma-separated, of the prefill (default: %s) and of the batched "
+                    "decode (default: the first)" % ",".join(MODELS))
     ap.add_argument("--no-torch", action="store_true", help="skip the torch SDPA peer")
     ap.add_argument("--sweep", action="store_true", help="also sweep geometries / splits / crossover (minutes)")
     args = ap.parse_args(argv)
@@ -519,6 +521,10 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     if args.only == "batch" and not args.batch:
         raise SystemExit("error: --only batch needs --batch B")
+    shapes = args.shapes.split(",") if args.shapes else None
+    if shapes and any(m not in MODELS for m in shapes):
+        raise SystemExit(f"error: --shapes: choose from {', '.join(MODELS)}")
+    batch_shapes = shapes or [next(iter(MODELS))]
     if args.only not in ("prefill", "batch"):
         print(f"\ndecode, batch 1 (split-K, combine fused; bytes = K + V of the context; page {PAGE}, "
               f"max_model_len {MAX_MODEL_LEN})", flush=True)
@@ -527,17 +533,15 @@ def main(argv=None) -> int:
         ctx = args.batch_context or (256 if not SIM else 9)
         print(f"\ndecode, batch {args.batch} at {ctx} keys each (split-K; bytes = K + V of every sequence)",
               flush=True)
-        bench_batch_decode(rng, read_bw, rows, args.batch, ctx,
-                           [None] + [parse_decode_geometry(g) for g in args.decode_geometry])
+        for model in batch_shapes:
+            bench_batch_decode(rng, read_bw, rows, args.batch, ctx,
+                               [None] + [parse_decode_geometry(g) for g in args.decode_geometry], model=model)
     if args.only not in ("decode", "batch"):
         torch = None if SIM or args.no_torch else TorchSDPA()
         print(f"\nprefill, one prompt of T tokens (causal TFLOP/s = 4·T²/2·D·nq / time; tile = warps, m16 tiles "
               f"a warp, keys a tile, stages){'; peer: torch SDPA' if torch else ''}", flush=True)
-        shapes = args.shapes.split(",") if args.shapes else list(MODELS)
-        if any(m not in MODELS for m in shapes):
-            raise SystemExit(f"error: --shapes: choose from {', '.join(MODELS)}")
         bench_prefill(rng, rows, tokens=tokens, geometries=geometries, torch=torch,
-                      models={m: MODELS[m] for m in shapes})
+                      models={m: MODELS[m] for m in shapes or MODELS})
         if torch is not None and torch.how:
             print(f"  (torch SDPA: {torch.how})", flush=True)
     if args.sweep:

@@ -15,6 +15,9 @@ engines:
   real detokenization and stop rules.  With ``--async-scheduling`` (the default, as in ``Engine``) a decode step
   launches the next one before it waits.  The in-process, HTTP and floor requests take turns, so a change in the
   machine's load affects them alike; the event-loop thread's CPU time per token comes from /proc.
+* ``--fake-gpu --streams N``: the server's cost per token under many streams -- ``bench-serve`` keeps N streams
+  going against the fake server (``--max-batch N``), and the event loop's and the whole server process's CPU time
+  per token (from /proc) print beside the throughput and inter-token latencies.
 
 TTFT = request sent on an open connection (connected beforehand, as keep-alive clients are) -> first SSE chunk
 carrying a token; TPOT = (last token chunk - first) / (completion tokens - 1), the count from the final usage
@@ -25,6 +28,7 @@ compare settings run against run rather than trusting one table.
 
     python benchmarks/bench_server.py --model-path DIR [--prompt-len 16] [--output-len 128] [--runs 5] [--json OUT]
     python benchmarks/bench_server.py --fake-gpu [--prefill-ms 5] [--decode-ms 4.5] [--host-us 300] [--runs 20]
+    python benchmarks/bench_server.py --fake-gpu --streams 64 [--decode-ms 5] [--output-len 256]
 """
 import argparse
 import hashlib
@@ -226,7 +230,8 @@ def make_engine(args) -> GpuLikeEngine:
     from tests.text.fixtures import make_model_folder
     folder = make_model_folder(Path(tempfile.mkdtemp(prefix="pegainfer-fake-gpu-")))
     return GpuLikeEngine(folder, args.prefill_ms / 1e3, args.decode_ms / 1e3, args.host_us / 1e6, args.wait,
-                         args.driver_calls, args.hook, args.async_scheduling)
+                         args.driver_calls, args.hook, args.async_scheduling, max_batch=args.streams or 1,
+                         record=not args.streams)
 
 
 def prompts(args):
@@ -241,7 +246,7 @@ def serve(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     p = argparse.ArgumentParser()
     add_serve_arguments(p)
-    sargs = p.parse_args(["--port", str(args.serve), "--max-batch", "1"])
+    sargs = p.parse_args(["--port", str(args.serve), "--max-batch", str(args.streams or 1), "--max-waiting", "65536"])
     sargs.model_path, sargs.max_model_len, sargs.cuda_graph, sargs.trace_output_path = None, None, True, None
     return run_server(sargs, engine_factory=lambda: make_engine(args))
 
@@ -267,18 +272,62 @@ def thread_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU time (user + system) of all threads of process ``pid``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_command(args, port: int) -> list[str]:
+    """The fake server's command line (``serve`` in a child process) for ``args``."""
+    return [sys.executable, __file__, "--fake-gpu", "--serve", str(port), "--wait", args.wait, "--prefill-ms",
+            str(args.prefill_ms), "--decode-ms", str(args.decode_ms), "--host-us", str(args.host_us),
+            "--driver-calls", str(args.driver_calls), "--hook" if args.hook else "--no-hook",
+            "--async-scheduling" if args.async_scheduling else "--no-async-scheduling"] + (
+        ["--streams", str(args.streams)] if args.streams else [])
+
+
+def measure_streams(args) -> dict:
+    """``--streams N``: ``bench-serve`` (its own processes) keeps N streams of ``--output-len`` tokens going
+    against the fake server, 4N requests; the server's event-loop thread's and whole process's CPU time, per
+    token, from /proc, beside bench-serve's throughput and inter-token latencies."""
+    port = free_port()
+    log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
+    server = subprocess.Popen(server_command(args, port), cwd=ROOT, stdout=log, stderr=log)
+    try:
+        wait_listening(port, server)
+        loop0, proc0 = thread_cpu_s(server.pid), process_cpu_s(server.pid)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "serve.json"
+            r = subprocess.run([sys.executable, "-m", "pegainfer", "bench-serve", "--base-url",
+                                f"http://127.0.0.1:{port}", "--max-concurrency", str(args.streams), "--num-prompts",
+                                str(4 * args.streams), "--input-len", str(args.prompt_len), "--output-len",
+                                str(args.output_len), "--prompt-format", "ids", "--json", str(out)],
+                               cwd=ROOT, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise SystemExit(f"error: bench-serve failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+            served = json.loads(out.read_text())
+        loop, proc = thread_cpu_s(server.pid) - loop0, process_cpu_s(server.pid) - proc0
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    tokens = 4 * args.streams * args.output_len
+    return {"streams": args.streams, "requests": 4 * args.streams, "output_len": args.output_len,
+            "decode_ms": args.decode_ms, "host_us": args.host_us, "output_tok_s": served["output_throughput"],
+            "itl_ms_p50": served["median_itl_ms"], "itl_ms_p99": served["p99_itl_ms"],
+            "failed": served["failed"], "event_loop_cpu_us_per_token": 1e6 * loop / tokens,
+            "process_cpu_us_per_token": 1e6 * proc / tokens,
+            "ideal_tok_s": args.streams / (args.decode_ms / 1e3)}
+
+
 def measure(args) -> dict:
     """Runs interleaved — one in-process generation, one streamed HTTP request, one floor request, in turn — so a
     change in the machine's load hits all three alike.  Returns lists of TTFT / TPOT seconds and the loop CPU."""
     from pegainfer.bench import time_generation
     engine = make_engine(args)
     port, floor_port = free_port(), free_port()
-    cmd = [sys.executable, __file__, "--fake-gpu", "--serve", str(port), "--wait", args.wait, "--prefill-ms", str(args.prefill_ms),
-           "--decode-ms", str(args.decode_ms), "--host-us", str(args.host_us), "--driver-calls", str(args.driver_calls),
-           "--hook" if args.hook else "--no-hook",
-           "--async-scheduling" if args.async_scheduling else "--no-async-scheduling"]
     log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL
-    server = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log)
+    server = subprocess.Popen(server_command(args, port), cwd=ROOT, stdout=log, stderr=log)
     floor_server = subprocess.Popen([sys.executable, "-c", FLOOR_SERVER, str(floor_port)])
     res = {k: [] for k in ("in_ttft", "in_tpot", "http_ttft", "http_tpot", "floor_ttft")}
     try:
@@ -361,8 +410,22 @@ def run_model(args) -> dict:
     return res
 
 
+def run_streams(args) -> dict:
+    """The ``--fake-gpu --streams N`` mode (module docstring)."""
+    res = measure_streams(args)
+    print(f"fake GPU step: decode {args.decode_ms} ms, host {args.host_us:.0f} µs; {args.streams} streams, "
+          f"{res['requests']} requests of {args.output_len} tokens through bench-serve")
+    print(f"{'output tok/s':<34}{res['output_tok_s']:>10.0f}  (the fake GPU's pace: {res['ideal_tok_s']:.0f})")
+    print(f"{'ITL p50 / p99 ms':<34}{res['itl_ms_p50']:>10.2f} / {res['itl_ms_p99']:.2f}")
+    print(f"{'event-loop CPU per token':<34}{res['event_loop_cpu_us_per_token']:>9.1f}µs")
+    print(f"{'server process CPU per token':<34}{res['process_cpu_us_per_token']:>9.1f}µs")
+    return res
+
+
 def run_fake(args) -> dict:
     """The ``--fake-gpu`` mode (module docstring)."""
+    if args.streams:
+        return run_streams(args)
     m = measure(args)
     med = lambda xs: 1e3 * float(np.median(xs))  # noqa: E731
     res = {"wait": args.wait, "hook": args.hook, "async_scheduling": args.async_scheduling,
@@ -409,6 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="offer the before_gpu_wait slot AsyncEngine uses (default on, as Engine)")
     fake.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                       help="launch the next decode step before reading the current one (default on, as Engine)")
+    fake.add_argument("--streams", type=int, default=None, metavar="N",
+                      help="instead of concurrency 1: N concurrent streams through bench-serve (4N requests); the "
+                           "server's CPU time per token")
     fake.add_argument("--server-log", default=None, help="write the fake server's log here")
     fake.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)  # internal: be the server on PORT
     return ap

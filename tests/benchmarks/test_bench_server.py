@@ -25,6 +25,19 @@ def test_fake_gpu_mode_runs(tmp_path):
     assert "HTTP + SSE" in r.stdout
 
 
+def test_fake_gpu_streams_mode_runs(tmp_path):
+    """``--streams N``: bench-serve keeps N streams going against the fake server; every request succeeds and the
+    server's CPU time per token is reported (the event loop's a part of the process's)."""
+    out = tmp_path / "streams.json"
+    r = run_script("bench_server.py", "--fake-gpu", "--streams", "4", "--output-len", "8", "--decode-ms", "2",
+                   "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["streams"] == 4 and res["requests"] == 16 and res["failed"] == 0 and res["output_tok_s"] > 0
+    assert 0 < res["event_loop_cpu_us_per_token"] < res["process_cpu_us_per_token"]
+    assert "event-loop CPU per token" in r.stdout
+
+
 def test_one_mode_at_a_time():
     r = run_script("bench_server.py")
     assert r.returncode == 2 and "give --model-path DIR (a GPU) or --fake-gpu" in one_line_error(r)

@@ -7,9 +7,10 @@
   its own cache, and a CUDA graph replays calls round-robin over enough layers (>= 256 MB of K/V) that the K/V
   comes from HBM, not from the 50 MB L2 -- as in a real decode step.
 * Batched decode (``--batch B``): one decode call of B sequences, each its newest token at ``--batch-context``
-  keys (default 256) on its own shuffled pages, Qwen3-4B's heads (``--shapes``: others): µs per call and the bandwidth of its K/V reads,
-  at the default geometry and at each ``--decode-geometry W,P`` (W warps a block, P = 1: in pairs over the head
-  dims), with the output checked against the default geometry's.  As a 64-stream server's decode step runs it.
+  keys (default 256) on its own shuffled pages, Qwen3-4B's heads (``--shapes``: others): µs per call and the
+  bandwidth of its K/V reads, at the default geometry and at each ``--decode-geometry W,P`` (W warps a block, P = 1:
+  in pairs over the head dims), with the output checked against the default geometry's.  As a 64-stream server's
+  decode step runs it.
 * Prefill: one prompt of 2048, 8192 and 32768 tokens (positions 0 .. T-1, one slot, shuffled 16-token pages), the
   tiled tensor-core kernel (``paged_attention(method="prefill")``) on both shapes: µs per call and causal TFLOP/s
   (``4 · T²/2 · D · nq``: QK^T and PV over the keys at or before each query), beside torch's

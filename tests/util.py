@@ -1,4 +1,6 @@
 """Helpers shared by tests: error metrics, bf16 rounding and random bf16 data."""
+import contextlib
+
 import numpy as np
 
 import pegainfer  # noqa: F401  (must come before numba)
@@ -95,13 +97,11 @@ def assert_pdl_contract(launched):
         assert "pdl_prologue()" in src or "grid_dependency_wait()" in src, f"{name} never waits for its inputs"
 
 
-def streams_with_a_late_arrival(engine, first, second, steps, after=2):
-    """Greedy streams (``steps`` tokens each) of prompt ``first`` and prompt ``second``, the second added once the
-    first has ``after`` tokens, so its prompt is prefilled in mixed steps beside the first's decodes.  Returns
-    ({"first": ids, "second": ids}, the kinds of the steps run: those the scheduler plans, and the mixed steps
-    the engine plans itself beside decodes launched ahead of a read, ``Scheduler.chunks_beside``)."""
-    from pegainfer.engine.types import SamplingParams
-
+@contextlib.contextmanager
+def recorded_step_kinds(engine):
+    """The kinds of the steps ``engine`` runs, appended to the yielded list as they are planned: those the scheduler
+    plans, and the mixed steps the engine plans itself beside decodes launched ahead of a read
+    (``Scheduler.chunks_beside``)."""
     kinds = []
     schedule, chunks_beside = engine.scheduler.schedule, engine.scheduler.chunks_beside
 
@@ -117,17 +117,28 @@ def streams_with_a_late_arrival(engine, first, second, steps, after=2):
             kinds.append("mixed")
         return chunks
     engine.scheduler.schedule, engine.scheduler.chunks_beside = recording, recording_beside
+    try:
+        yield kinds
+    finally:
+        del engine.scheduler.schedule, engine.scheduler.chunks_beside
+
+
+def streams_with_a_late_arrival(engine, first, second, steps, after=2):
+    """Greedy streams (``steps`` tokens each) of prompt ``first`` and prompt ``second``, the second added once the
+    first has ``after`` tokens, so its prompt is prefilled in mixed steps beside the first's decodes.  Returns
+    ({"first": ids, "second": ids}, the kinds of the steps run: those the scheduler plans, and the mixed steps
+    the engine plans itself beside decodes launched ahead of a read, ``Scheduler.chunks_beside``)."""
+    from pegainfer.engine.types import SamplingParams
+
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     got = {"first": [], "second": []}
-    try:
+    with recorded_step_kinds(engine) as kinds:
         engine.add_request("first", first, params)
         while engine.has_unfinished():
             for out in engine.step():
                 got[out.request_id].extend(out.new_token_ids)
             if len(got["first"]) == after and "second" not in engine._seqs and not got["second"]:
                 engine.add_request("second", second, params)
-    finally:
-        del engine.scheduler.schedule, engine.scheduler.chunks_beside
     return got, kinds
 
 

@@ -2,6 +2,8 @@
 import numpy as np
 import pytest
 
+from tests.util import recorded_step_kinds
+
 pytestmark = pytest.mark.gpu
 
 
@@ -115,19 +117,19 @@ def test_mixed_steps_replayed_from_graphs_give_the_eager_tokens(tmp_path, arch):
             assert eng.runner.graphs.has("mixed", 24, 128, 16)    # captured at warm-up
             replay = eng.runner.graphs.replay
             eng.runner.graphs.replay = lambda *key: (replayed.append(key), replay(*key))[1]
-        toks, kinds = {}, []
-        schedule = eng.scheduler.schedule
-        eng.scheduler.schedule = lambda: (lambda s: (kinds.append(s and s.kind), s)[1])(schedule())
-        for wave in range(3):
-            for i, n in enumerate(base):
-                rid = f"w{wave}r{i}"
-                prompt = np.random.default_rng(10 * wave + i).integers(0, 400, size=n + wave).tolist()
-                eng.add_request(rid, prompt, SamplingParams(max_tokens=10 + i, temperature=0.0 if i % 2 else 0.8,
-                                                            top_p=0.9, seed=i, ignore_eos=True))
-                toks[rid] = []
-                _step(eng, toks)
-            while eng.has_unfinished():
-                _step(eng, toks)
+        toks = {}
+        with recorded_step_kinds(eng) as kinds:   # (mixed steps planned beside decodes launched ahead included)
+            for wave in range(3):
+                for i, n in enumerate(base):
+                    rid = f"w{wave}r{i}"
+                    prompt = np.random.default_rng(10 * wave + i).integers(0, 400, size=n + wave).tolist()
+                    eng.add_request(rid, prompt, SamplingParams(max_tokens=10 + i,
+                                                                temperature=0.0 if i % 2 else 0.8, top_p=0.9, seed=i,
+                                                                ignore_eos=True))
+                    toks[rid] = []
+                    _step(eng, toks)
+                while eng.has_unfinished():
+                    _step(eng, toks)
         results[graphs] = toks
         assert kinds.count("mixed") >= 3 * 6, kinds
         assert eng.model.arch == arch and eng.stats()["kv_pages_used"] == 0 and eng.stats()["slots_used"] == 0

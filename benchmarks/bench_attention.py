@@ -8,9 +8,9 @@
   comes from HBM, not from the 50 MB L2 -- as in a real decode step.
 * Batched decode (``--batch B``): one decode call of B sequences, each its newest token at ``--batch-context``
   keys (default 256) on its own shuffled pages, Qwen3-4B's heads (``--shapes``: others): µs per call and the
-  bandwidth of its K/V reads, at the default geometry and at each ``--decode-geometry W,P`` (W warps a block, P = 1:
-  in pairs over the head dims), with the output checked against the default geometry's.  As a 64-stream server's
-  decode step runs it.
+  bandwidth of its K/V reads, at the default geometry and at each ``--decode-geometry W,P[,S,K,B]`` (W warps a
+  block, P = 1: in pairs over the head dims; B: blocks an SM of a grid that walks the items), with the output
+  checked against the default geometry's.  As a 64-stream server's decode step runs it.
 * Prefill: one prompt of 2048, 8192 and 32768 tokens (positions 0 .. T-1, one slot, shuffled 16-token pages), the
   tiled tensor-core kernel (``paged_attention(method="prefill")``) on both shapes: µs per call and causal TFLOP/s
   (``4 · T²/2 · D · nq``: QK^T and PV over the keys at or before each query), beside torch's
@@ -219,23 +219,28 @@ def bench_batch_decode(rng, read_bw, rows, batch, ctx, geometries=(None,), model
 
 
 def parse_decode_geometry(text: str):
-    """``W,P[,S[,K]]`` -> ``(SplitGeometry, splits, min_keys)``: W warps a block, in pairs over the head dims when
-    P = 1; S splits per (token, kv head) and splits of at least K keys (0 or left out: the engine's)."""
+    """``W,P[,S[,K[,B]]]`` -> ``(SplitGeometry, splits, min_keys)``: W warps a block, in pairs over the head dims when
+    P = 1; S splits per (token, kv head) and splits of at least K keys (0 or left out: the engine's); B blocks an SM
+    of a grid that walks the work items (0 or left out: a block per item)."""
     try:
         warps, pairs, *rest = (int(v) for v in text.split(","))
-        if len(rest) > 2 or any(v < 0 for v in rest) or warps < 1 or pairs not in (0, 1):
+        if len(rest) > 3 or any(v < 0 for v in rest) or warps < 1 or pairs not in (0, 1):
             raise ValueError
-        splits, least = (rest + [0, 0])[:2]
-        return A.split_geometry_type(warps, bool(pairs)), splits or None, least or None
+        splits, least, walk = (rest + [0, 0, 0])[:3]
+        block = A.split_geometry_type(warps, bool(pairs), walk) if walk else A.split_geometry_type(warps, bool(pairs))
+        return block, splits or None, least or None
     except (TypeError, ValueError):
-        raise SystemExit(f"error: --decode-geometry {text!r}: expected warps,pairs[,splits[,min_keys]] (pairs 0 or 1; "
-                         f"0 for the engine's splits / keys), e.g. 4,0 or 4,0,2,128")
+        raise SystemExit(f"error: --decode-geometry {text!r}: expected warps,pairs[,splits[,min_keys[,walk]]] (pairs "
+                         f"0 or 1; 0 for the engine's splits / keys / a block per item), e.g. 4,0 or 4,0,2,128 or "
+                         f"4,0,0,0,2")
 
 
 def describe_forced(geometry) -> str:
     block, splits, least = geometry
+    walk = block[2] if len(block) > 2 else 0
     return (f"{block[0]} warps{' in pairs' if block[1] else ''}"
-            + (f", {splits} splits" if splits else "") + (f" of >= {least} keys" if least else ""))
+            + (f", {splits} splits" if splits else "") + (f" of >= {least} keys" if least else "")
+            + (f", walking ({walk} blocks an SM)" if walk else ""))
 
 
 def kernel_resources(block, D, G) -> str:
@@ -494,9 +499,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=None, help="also time a decode call of this many sequences")
     ap.add_argument("--batch-context", type=int, default=None,
                     help="keys of each sequence in the batched decode (default 256)")
-    ap.add_argument("--decode-geometry", action="append", default=[], metavar="W,P[,S[,K]]",
+    ap.add_argument("--decode-geometry", action="append", default=[], metavar="W,P[,S[,K[,B]]]",
                     help="also time the batched decode with W warps a block, in pairs over the head dims when P=1, "
-                         "S splits per (token, kv head) of at least K keys each (0 or left out: the engine's)")
+                         "S splits per (token, kv head) of at least K keys each (0 or left out: the engine's), B "
+                         "blocks an SM of a grid walking the (token, kv head, split) items (0 or left out: a block "
+                         "per item)")
     ap.add_argument("--tokens", help="prefill chunk lengths, comma-separated (default: %s)" %
                     ",".join(map(str, PREFILL_TOKENS)))
     ap.add_argument("--prefill-geometry", action="append", default=[], metavar="W,M,BK,S",

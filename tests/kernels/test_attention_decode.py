@@ -140,6 +140,27 @@ def test_split_k_dim_split(rng, warps, head_dim):
     assert_gated_is_attention_then_gate(gated, fn=paged_attention_split, num_splits=1, geometry=pairs, decode=True)
 
 
+WALK_CASE = dict(slots=[1, 0, 2, -1, 3, 4], positions=[40, 15, 47, 0, 3, 33], num_slots=5, max_pages=4,
+                 num_pages=21, page_size=16)
+"""Six tokens (one padding) of 41, 16, 48, 4 and 34 keys: 12 (token, kv head) items, more than a walking grid's
+blocks in the simulator (its 4 SMs), most of them several 16-key rounds long."""
+
+
+@pytest.mark.parametrize("walk", [1, 2])
+def test_a_walking_grid_gives_the_bits_of_a_block_per_item(rng, walk):
+    """A grid of ``walk`` blocks an SM walking the (token, kv head, split) items, each block asking L2 for its next
+    item's first keys in its current item's last round (the simulator's ``prefetch_l2`` checks every address is
+    one the kernel may read), gives the very bits of a block per item: one split and two, decode mode and not, a
+    padding token among them."""
+    case = Case(rng, 4, 2, 16, **WALK_CASE)
+    for kwargs in (dict(), dict(num_splits=2, min_split_tokens=16), dict(decode=True)):
+        per_item = case.run(paged_attention_split, geometry=SplitGeometry(1, False), **kwargs)
+        walked = case.run(paged_attention_split, geometry=SplitGeometry(1, False, walk), **kwargs)
+        np.testing.assert_array_equal(walked, per_item)
+        assert not per_item[3].any()
+        assert_attention(case, per_item)
+
+
 def test_padding_tokens_dim_split(rng):
     """A padding token under the warp pairs and several splits: zeros, its neighbours unaffected."""
     case = Case(rng, 4, 2, 32, slots=[1, -1, 0], positions=[19, 0, 35], max_pages=10, num_pages=21)

@@ -12,7 +12,8 @@ splits with work come first).  A block serves all ``G = nq / nkv`` q heads of it
 to a multiple of ``min_chunk``), so how many splits do work is decided on the device and the launch is the same for
 every step (CUDA graphs).  Launch: ``num_splits · T · nkv`` blocks (``geometry.attention_num_splits``) of ``32 · W``
 threads (``geometry.split_geometry``: 8 warps, 4 in a batched step; for 256-dim heads 4 pairs; one warp or pair
-in the simulator).
+in the simulator); a batched step's launch is a grid of two blocks an SM that walks the items instead
+(``SplitGeometry.walk``), so each block knows its next item and asks L2 for its first keys ahead.
 
 A block's warps take 16-key steps ``w, w + W, ...`` of its split.  One step of a warp:
 
@@ -27,7 +28,8 @@ A block's warps take 16-key steps ``w, w + W, ...`` of its split.  One step of a
 4. **P V**: ``O += bf16(P) V`` as ``DH/8`` ``m16n8k16`` tiles (V's key pairs packed into B fragments).
 
 Once its step's loads are issued (after the wait, in decode mode), a warp asks L2 for the rows of its step of the
-next round (``prefetch_step``), so that round's loads wait on L2 rather than HBM (a 64-sequence decode step −1.3 %).
+next round (``prefetch_step``), so that round's loads wait on L2 rather than HBM (a 64-sequence decode step −1.3 %);
+in an item's last round, for its step of the first round of the block's next work item (``prefetch_next_item``).
 
 Heads wider than 128 dims (Qwen3.5's 256) run with ``dim_split``: warps in pairs, each warp of a pair on one half of
 every row's dims, so its registers and dependent chains are those of a 128-dim head; the pair's two partial S are
@@ -62,8 +64,8 @@ from pegainfer.kernels.launch import launch
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
 from pegainfer.kernels.primitives import (cuda, device_fn, float32, global_timer, grid, grid_dependency_wait, int32,
                                           kernel, lane_group_max, launch_dependents, load_u32x4, mma_bf16_m16n8k16,
-                                          pack_bf16x2, pdl_prologue, prefetch_l2, reads_before_wait, uint16,
-                                          uint32)
+                                          pack_bf16x2, pdl_prologue, prefetch_l2, reads_before_wait, sm_count,
+                                          uint16, uint32)
 
 uint64 = np.uint64
 
@@ -264,6 +266,23 @@ def split_kernel(head_dim: int, group: int, warps: int, decode: bool = False, ga
                     prefetch_l2(v32, row + c * LINE_WORDS)
 
     @device_fn
+    def prefetch_next_item(k32, v32, block_tables, token_slots, positions, work, per_split, num_splits,
+                           num_kv_heads, min_chunk, page_shift, sw, lane):
+        """``prefetch_step`` of this warp's step of the first round of work item ``work`` (the block's next one in
+        its grid-stride walk), if it is a real token's split with keys: its first rows then come from L2, not HBM,
+        while this item's last round and merge run.  Called after the block's PDL wait (in its last round)."""
+        if work < num_splits * per_split:
+            tk = uint32(work) % per_split
+            t = int32(tk // uint32(num_kv_heads))
+            slot = token_slots[t]
+            if slot >= 0:
+                k_lo, k_hi, n_active = split_range(positions[t] + 1, int32(uint32(work) // per_split), num_splits,
+                                                   min_chunk)
+                if int32(uint32(work) // per_split) < n_active:
+                    prefetch_step(k32, v32, block_tables, slot, k_lo + sw * DECODE_STEP_KEYS, k_hi, page_shift,
+                                  num_kv_heads, int32(tk % uint32(num_kv_heads)), lane)
+
+    @device_fn
     def step_scores(qa, kw, sm_s, st0, warp, lane, sw):
         """``S = Q K^T`` of the step: this lane's scores of head g, keys ``k0 + 2t, 2t+1, 2t+8, 2t+9``.  With
         ``dim_split`` each warp of a pair has the product over its half of the dims: the pair sums the two through
@@ -409,8 +428,12 @@ def split_kernel(head_dim: int, group: int, warps: int, decode: bool = False, ga
                     launch_dependents()                   # the o projection may launch and start its copies
                     load_newest(k32, v32, block_tables, slot, k0, k_hi, newest, page_shift, num_kv_heads, kvh,
                                 dim0, g, tq, kw, vw)
-                prefetch_step(k32, v32, block_tables, slot, k0 + SW * DECODE_STEP_KEYS, k_hi, page_shift,
-                              num_kv_heads, kvh, lane)           # the next round's rows, into L2
+                if st0 + SW < n_steps:                    # the next round's rows, into L2
+                    prefetch_step(k32, v32, block_tables, slot, k0 + SW * DECODE_STEP_KEYS, k_hi, page_shift,
+                                  num_kv_heads, kvh, lane)
+                else:                                     # the last round: the next item's first round instead
+                    prefetch_next_item(k32, v32, block_tables, token_slots, positions, work + cuda.gridDim.x,
+                                       per_split, num_splits, num_kv_heads, min_chunk, page_shift, sw, lane)
 
                 s0, s1, s2, s3 = step_scores(qa, kw, sm_s, st0, warp, lane, sw)
                 key = k0 + 2 * tq                         # base-2 units, masked past k_hi
@@ -455,10 +478,11 @@ def paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, positi
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits {num_splits} outside 1..{MAX_SPLITS}")
     ws_acc, ws_m, ws_l, counters = split_workspace(workspace, T, nq, nkv, D, num_splits, policy)
-    warps, dim_split = geometry or split_geometry(D, group, T * nkv)
+    warps, dim_split, walk = geometry or split_geometry(D, group, T * nkv)
     kern = split_kernel(D, group, warps, decode, gate is not None, dim_split, policy.timeline)
     stamps = timeline.buffer() if policy.timeline else timeline.unused()
-    launch(kern, grid(num_splits * T * nkv, sim_cap=64), 32 * warps,
+    items = num_splits * T * nkv
+    launch(kern, grid(min(items, walk * sm_count()) if walk else items, sim_cap=64), 32 * warps,
            flat_u32(q), flat_u32(k_cache), flat_u32(v_cache), block_tables, token_slots, positions,
            flat(out), ws_acc, ws_m, ws_l, counters, np.float32(scale * LOG2E), np.int32(nkv),
            np.int32(page_size.bit_length() - 1), np.int32(num_splits), np.int32(min_chunk(min_split_tokens, D)),

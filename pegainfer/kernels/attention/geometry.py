@@ -33,23 +33,34 @@ PREFILL_MIN_TOKENS = 128
 """``method="auto"`` takes the tiled prefill kernel from this many query tokens up."""
 
 
+WALK_BLOCKS_PER_SM = 2
+"""Blocks an SM of a batched decode launch's walking grid: two 4-warp blocks fit an SM (212 registers a thread)."""
+
+
 class SplitGeometry(NamedTuple):
     """Block shape of the split-K kernel: ``warps`` per block; ``dim_split``: the warps work in pairs, each on half
-    of every head's dims (``decode.split_kernel``)."""
+    of every head's dims (``decode.split_kernel``); ``walk``: 0 for a block per work item, else a grid of ``walk``
+    blocks an SM that walks the items, each block asking L2 for its next item's first keys while it finishes the
+    current one."""
     warps: int
     dim_split: bool
+    walk: int = 0
 
 
 def split_geometry(head_dim: int, group: int, items: int = 1) -> SplitGeometry:
     """The split-K kernel's block for heads of ``head_dim`` (``group`` q heads per kv head) in a launch of ``items``
     (token, kv head) pairs: 8 warps, each taking 16-key steps; 4 warps from ``BATCHED_SPLIT_ITEMS`` items on (a
-    batched decode step: each block is a chain of dependent loads, and two blocks an SM hide each other's); heads
+    batched decode step: each block is a chain of dependent loads, and two blocks an SM hide each other's), in a
+    grid of ``WALK_BLOCKS_PER_SM`` blocks an SM walking the items (each item's first keys asked of L2 before it
+    starts); heads
     wider than 128 dims (Qwen3.5's 256) in warp pairs, so that a warp's registers are those of a 128-dim head (one
     warp holding a whole 256-dim row of K and V would need more than 255 registers).  In the simulator one warp, or
     one pair."""
     if head_dim > 128:
         return SplitGeometry(threads(gpu=DIM_SPLIT_WARPS, sim=2), True)
-    return SplitGeometry(threads(gpu=4 if items >= BATCHED_SPLIT_ITEMS else 8, sim=1), False)
+    if items >= BATCHED_SPLIT_ITEMS:
+        return SplitGeometry(threads(gpu=4, sim=1), False, WALK_BLOCKS_PER_SM)
+    return SplitGeometry(threads(gpu=8, sim=1), False)
 
 
 def min_chunk(min_split_tokens: int | None = None, head_dim: int = 128) -> int:

@@ -23,16 +23,16 @@ def test_smoke_run(bench_modules, tmp_path):
 
 @pytest.mark.skipif(not SIMULATOR, reason="a smoke run of the simulator's tiny shapes")
 def test_batched_decode_smoke_run(bench_modules, tmp_path):
-    """``--batch`` times one decode call of B sequences at the default geometry and at forced ones (warps, pairs),
-    each forced output near the default's (a geometry flag not reaching the launch, or slots sharing pages, would
-    show here)."""
+    """``--batch`` times one decode call of B sequences at the default geometry and at forced ones (warps, pairs, a
+    walking grid), each forced output near the default's (a geometry flag not reaching the launch, or slots sharing
+    pages, would show here)."""
     import bench_attention
     out = tmp_path / "batch.json"
     assert bench_attention.main(["--json", str(out), "--only", "batch", "--batch", "3", "--decode-geometry", "2,1",
-                                 "--decode-geometry", "2,0"]) == 0
+                                 "--decode-geometry", "2,0", "--decode-geometry", "2,0,0,0,1"]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["kind"] for r in rows] == ["batch"] * 3
-    assert [r["geometry"] for r in rows if r["forced"]] == [[2, True], [2, False]]
+    assert [r["kind"] for r in rows] == ["batch"] * 4
+    assert [r["geometry"] for r in rows if r["forced"]] == [[2, True, 0], [2, False, 0], [2, False, 1]]
     assert all(r["us"] > 0 and r["batch"] == 3 and r["rel_l2_vs_default"] < 1e-2 for r in rows)
 
 
@@ -45,10 +45,10 @@ def test_batched_decode_with_forced_splits(bench_modules, tmp_path):
     assert bench_attention.main(["--json", str(out), "--only", "batch", "--batch", "2", "--batch-context", "40",
                                  "--decode-geometry", "1,0,3,16"]) == 0
     default, forced = json.loads(out.read_text())["rows"]
-    assert (forced["splits"], forced["min_split_tokens"], forced["geometry"]) == (3, 16, [1, False])
+    assert (forced["splits"], forced["min_split_tokens"], forced["geometry"]) == (3, 16, [1, False, 0])
     assert default["splits"] is None and forced["us"] > 0 and forced["rel_l2_vs_default"] < 1e-2
     with pytest.raises(SystemExit, match="warps,pairs"):
-        bench_attention.main(["--only", "batch", "--batch", "2", "--decode-geometry", "1,0,2,16,1"])
+        bench_attention.main(["--only", "batch", "--batch", "2", "--decode-geometry", "1,0,2,16,1,1"])
 
 
 def test_batch_part_needs_a_batch(bench_modules):
@@ -65,5 +65,5 @@ def test_a_forced_block_that_cannot_launch_is_reported(bench_modules, tmp_path):
     assert bench_attention.main(["--json", str(out), "--only", "batch", "--batch", "2", "--decode-geometry", "3,1",
                                  "--decode-geometry", "2,0"]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["geometry"] for r in rows if r["forced"]] == [[3, True], [2, False]]
+    assert [r["geometry"] for r in rows if r["forced"]] == [[3, True, 0], [2, False, 0]]
     assert "error" in rows[1] and rows[2]["us"] > 0

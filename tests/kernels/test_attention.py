@@ -319,6 +319,8 @@ def test_split_counts_fill_the_gpu_within_the_context():
     assert attention.attention_num_splits(1, 32, 32768, 16, 128) == 64            # 2048 rows / 32 heads
     assert attention.attention_num_splits(1, 32, 1024, 16, 128) == 4              # 1024 / 256 keys
     assert attention.attention_num_splits(1, 16, 1024, 16, 256) == 16             # 1024 / 64 keys
+    assert attention.attention_num_splits(1, 16, 32768, 16, 256) == 64            # 2048 rows / (16 heads x 2)
+    assert attention.attention_num_splits(64, 16, 32768, 16, 256) == 1            # a batched step of wide heads
     assert attention.attention_num_splits(64, 32, 32768, 16, 128) == 1
     assert attention.attention_num_splits(1, 1, 10 ** 6, 16, 16) == attention.MAX_SPLITS
     assert attention.min_chunk(None, 128) == 256 and attention.min_chunk(None, 256) == 64

@@ -73,11 +73,12 @@ def min_chunk(min_split_tokens: int | None = None, head_dim: int = 128) -> int:
 def attention_num_splits(num_tokens: int, nq: int, max_model_len: int, page_size: int = 16,
                          head_dim: int = 128) -> int:
     """Splits per (token, kv head) the split-K launch provides: enough (token, head, split) rows to fill the GPU
-    (``SPLIT_TARGET_ROWS``), but no more than one ``min_chunk(head_dim=)``-key split per ``max_model_len``.  How many
-    of them do work is decided on the device from each token's length, so short contexts use few blocks.
-    (``page_size`` is accepted for compatibility.)"""
+    (``SPLIT_TARGET_ROWS``; a head of more than 128 dims counts as ``head_dim / 128`` rows, the work of as many
+    128-dim heads), but no more than one ``min_chunk(head_dim=)``-key split per ``max_model_len``.  How many of them
+    do work is decided on the device from each token's length, so short contexts use few blocks.  (``page_size``
+    is accepted for compatibility.)"""
     max_splits = max(1, ceil_div(max_model_len, min_chunk(head_dim=head_dim)))
-    want = ceil_div(SPLIT_TARGET_ROWS, max(1, num_tokens * nq))
+    want = ceil_div(SPLIT_TARGET_ROWS, max(1, num_tokens * nq * max(1, head_dim // 128)))
     return max(1, min(want, max_splits, MAX_SPLITS))
 
 

@@ -53,8 +53,8 @@ def split_geometry(head_dim: int, group: int, items: int = 1) -> SplitGeometry:
     batched decode step: each block is a chain of dependent loads, and two blocks an SM hide each other's), in a
     grid of ``WALK_BLOCKS_PER_SM`` blocks an SM walking the items (each item's first keys asked of L2 before it
     starts); heads wider than 128 dims (Qwen3.5's 256) in warp pairs, so that a warp's registers are those of a
-    128-dim head (one warp holding a whole 256-dim row of K and V would need more than 255 registers).  In the simulator one warp, or
-    one pair."""
+    128-dim head (one warp holding a whole 256-dim row of K and V would need more than 255 registers).  In the
+    simulator one warp, or one pair."""
     if head_dim > 128:
         return SplitGeometry(threads(gpu=DIM_SPLIT_WARPS, sim=2), True)
     if items >= BATCHED_SPLIT_ITEMS:

@@ -287,13 +287,7 @@ class ModelRunner:
         ``logits_host`` gives the rows in that order.  ``launch_mixed`` without the wait."""
         pending = self.launch_mixed(decodes, chunks, force_eager)
         out = self._read_out(pending.buffer, pending.B)
-        return [int(out[r]) for r in self._row_order_of(len(decodes), len(chunks), pending)]
-
-    @staticmethod
-    def _row_order_of(nd: int, nc: int, pending: PendingStep) -> list[int]:
-        """The sampled rows of a mixed step's decodes and chunks, in that order."""
-        Dp = pending.padded_decodes
-        return list(range(nd)) + list(range(Dp, Dp + nc))
+        return [int(out[r]) for r in mixed_row_order(len(decodes), pending.padded_decodes, len(chunks))]
 
     def launch_mixed(self, decodes, chunks, force_eager: bool = False, rows_before=None) -> PendingStep:
         """Enqueue one step of decodes and prompt chunks (``scheduler.ScheduledStep``: the decode tokens first, then
@@ -347,8 +341,7 @@ class ModelRunner:
             self.h_rows[r] = t - 1
             self.sampling.set_row(r, 0.0, 0, 1.0, 0.0, 0, 0)
         self._fill_masks(sampled, B)
-        order = list(range(nd)) + list(range(Dp, Dp + nc))
-        self._row_order = order if shape is not None else None
+        self._row_order = mixed_row_order(nd, Dp, nc) if shape is not None else None
         with on_stream(self.stream):
             self._upload_ahead(ahead, rows_before, nd)
             run = lambda: self.forward_and_sample(T, B, num_decode=Dp, mixed=True)   # noqa: E731
@@ -541,6 +534,12 @@ class ModelRunner:
         if order is not None:           # a padded mixed step: its sequences' rows, in step order
             return from_bf16_bits(logits[:order[B - 1] + 1].copy_to_host()[order[:B]])
         return from_bf16_bits(logits[:B].copy_to_host())
+
+
+def mixed_row_order(nd: int, padded_decodes: int, nc: int) -> list[int]:
+    """The sampled rows of a mixed step's ``nd`` decodes and ``nc`` chunks, in that order (the chunks' rows follow
+    the ``padded_decodes`` decode rows)."""
+    return list(range(nd)) + list(range(padded_decodes, padded_decodes + nc))
 
 
 def _pinned(n: int) -> np.ndarray:

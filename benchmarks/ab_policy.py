@@ -6,7 +6,7 @@ A variant is ``LABEL:FIELD=VALUE[,FIELD=VALUE...]``, the default policy with tho
 (``dataclasses.replace``); a bare ``LABEL`` is the default policy itself:
 
     pdl=none | all | default | NAME[+NAME...] | default+NAME | default-NAME   (launch names that may overlap)
-    preload_o=true|false   head_argmax=true|false   timeline=true|false
+    preload_o=true|false   head_argmax=true|false   gemm_norm_prologue=true|false   timeline=true|false
     tuning=FILE (the JSON that ``bench_gemv.py --cold --tuning-out`` writes) | tuning=none
 
 Modes:

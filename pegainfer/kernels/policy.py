@@ -22,6 +22,9 @@ What the policy decides:
 * ``tuning`` -- measured projection geometries for this GPU, overriding the built-in tables
   (``linear.geometry``); read from a tuning file (``load_tuning``) that ``benchmarks/bench_gemv.py --cold
   --tuning-out`` writes.
+* ``gemm_norm_prologue`` -- the residual add + RMSNorm of a 17-64-token step (before qkv / in_proj and gate/up)
+  runs as the ring GEMM's prologue (``linear.gemm_wgmma_add_rms_norm``: one launch, bit-identical) instead of a
+  launch of its own before the GEMM.  Off by default until it measures faster (``docs/perf/launch.md``).
 * ``timeline`` -- the decode kernels stamp every block's entry, wait, ready and end (``kernels/timeline.py``,
   ``benchmarks/step_profile.py``); off for serving.
 
@@ -68,6 +71,7 @@ class LaunchPolicy:
     preload_o: bool = True
     head_argmax: bool = True
     tuning: tuple[TuningEntry, ...] = ()
+    gemm_norm_prologue: bool = False
     timeline: bool = False
 
     def overlaps(self, name: str | None) -> bool:

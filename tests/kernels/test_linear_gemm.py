@@ -12,7 +12,7 @@ from tests.util import bf16_randn, bf16_round, from_bf16_bits, rel_l2
 
 from pegainfer.kernels.linear import MmaGeometry, gemm_fma, gemm_mma, linear, linear_workspace_size, mma_geometry
 from pegainfer.kernels.linear.geometry import best_k_splits, mma_token_tile
-from pegainfer.kernels.linear.splitk import workspace_need
+from pegainfer.kernels.linear.splitk import HANDOFF_WORDS, workspace_need
 
 
 def G(warps_m, warps_n, mt, nt, stages=3, k_splits=1):
@@ -99,14 +99,15 @@ def test_gemm_mma_workspace_rules(rng):
 
 def test_linear_workspace_size_covers_every_launch():
     """The size is the largest need over T = 1 .. max_tokens and the given weights (gated ones by their own
-    geometries), counters included; weights whose K is too short to split need none."""
+    geometries), counters included, with the add + RMSNorm prologue's two handoff counters after them; weights
+    whose K is too short to split need those two alone."""
     shapes = [(24, 256, False), (40, 512, True)]
     size = linear_workspace_size(20, shapes)
     for rows, k, gated in shapes:
         for t in range(1, 21):
             part, counters = workspace_need(mma_geometry(rows, k, t, gated), t, rows)
-            assert part + counters <= size
-    assert linear_workspace_size(20, [(24, 64, False)]) == 1
+            assert part + counters + HANDOFF_WORDS <= size
+    assert linear_workspace_size(20, [(24, 64, False)]) == HANDOFF_WORDS == 2
 
 
 def test_geometry_helpers():

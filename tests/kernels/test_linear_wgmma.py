@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from tests.kernels.linear_util import assert_same_bits, exact_inputs, reference_bits, run, run_bits
+from tests.kernels.linear_util import NORM_FORMS, assert_same_bits, exact_inputs, reference_bits, run, run_bits
 from tests.util import bf16_randn, from_bf16_bits
 
 from pegainfer.kernels.linear.gemm_wgmma import gemm_wgmma
@@ -89,3 +89,47 @@ def test_tall_weights_of_a_batch_take_two_blocks_an_sm(monkeypatch, n_cols, k, g
         assert 132 < -(-n_cols // bn) <= 2 * 132
     qkv = geometry.wgmma_geometry(6144, 2560, 64, False)
     assert (qkv.bn, qkv.stages, qkv.warps_per_sm) == (48, 8, 4) and -(-6144 // qkv.bn) <= 132
+
+
+# ------------------------------------------------------------------------------------------------ add + RMSNorm prologue
+@pytest.mark.parametrize("form", list(NORM_FORMS))
+@pytest.mark.parametrize("T,N,K,gated,with_delta", [
+    (5, 320, 136, False, True),    # 5 column tiles on a grid of 4 blocks (the simulator's): a block's second unit
+    (20, 200, 264, True, True),    # SwiGLU pairs; K = 264 splits in two: split-K counters beside the handoff's
+    (9, 96, 136, False, False),    # no delta: the norm of the residual alone
+    pytest.param(64, 6144, 2560, False, True, marks=pytest.mark.gpu),    # Qwen3-4B qkv: 128 blocks, 64 write rows
+    pytest.param(40, 19456, 2560, True, True, marks=pytest.mark.gpu),    # its gate/up: 244 blocks, two an SM
+])
+def test_ring_gemm_with_the_add_rms_norm_prologue(T, N, K, gated, with_delta, form, rng):
+    """``linear_add_rms_norm`` of 17-64 tokens as one ring-GEMM launch (``policy.gemm_norm_prologue``) equals the
+    separate ``add_rms_norm_into`` + ring GEMM bit for bit -- residual, normed rows and output -- on arbitrary bf16
+    data, and leaves the workspace's counters at zero (a graph replays it without a reset).  On a GPU the rows are
+    written by several blocks and the others wait for them; in the simulator block 0 writes them all."""
+    from dataclasses import replace
+    from pegainfer.kernels.linear import linear_add_rms_norm
+    from pegainfer.kernels.linear.gemm_wgmma import fuses_ring_norm
+    from pegainfer.kernels.policy import DEFAULT_POLICY
+
+    fused_policy = replace(DEFAULT_POLICY, gemm_norm_prologue=True)
+    n_cols = N
+    assert fuses_ring_norm(T, n_cols, K, gated, fused_policy) and not fuses_ring_norm(T, n_cols, K, gated,
+                                                                                        DEFAULT_POLICY)
+    rb, _ = bf16_randn((T, K), rng)
+    db = bf16_randn((T, K), rng)[0] if with_delta else None
+    wnb, _ = bf16_randn((K,), rng, scale=0.2 if form == "qwen35" else 1.0)
+    wb, _ = bf16_randn((N, K), rng, scale=0.2)
+    n_out = N // 2 if gated else N
+    results = []
+    for policy in (DEFAULT_POLICY, fused_policy):
+        ws = workspace()
+        bufs = [cuda.to_device(np.full((T, K), 0x7FC1, np.uint16)) for _ in range(2)]   # residual_out, normed
+        out = cuda.to_device(np.zeros((T, n_out), np.uint16))
+        linear_add_rms_norm(cuda.to_device(rb), None if db is None else cuda.to_device(db), cuda.to_device(wnb),
+                            1e-6, bufs[0], cuda.to_device(wb), out, gated=gated, normed_out=bufs[1],
+                            impl="gemm_wgmma", workspace=ws, policy=policy, **NORM_FORMS[form])
+        results.append([b.copy_to_host() for b in bufs] + [out.copy_to_host()])
+        if policy is fused_policy:
+            tail = ws.copy_to_host().view(np.int32)[-2:]
+            assert np.all(tail == 0), f"the handoff counters must be back at zero, got {tail}"
+    for name, separate, fused in zip(("residual_out", "normed", "out"), *results):
+        assert np.array_equal(fused, separate), f"{name}: the prologue must give the separate launches' bits"

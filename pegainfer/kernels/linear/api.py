@@ -8,7 +8,7 @@ from pegainfer.device import SIMULATOR, has_wgmma
 from pegainfer.kernels.linear.common import is_contiguous
 from pegainfer.kernels.linear.gemm import gemm_mma
 from pegainfer.kernels.linear.gemm_fma import gemm_fma
-from pegainfer.kernels.linear.gemm_wgmma import gemm_wgmma
+from pegainfer.kernels.linear.gemm_wgmma import fuses_ring_norm, gemm_wgmma, gemm_wgmma_add_rms_norm
 from pegainfer.kernels.linear.gemv_multi import gemv
 from pegainfer.kernels.linear.gemv_decode import gemv_decode_add_rms_norm
 from pegainfer.kernels.linear.geometry import (GEMV_MAX_TOKENS, NORM_THREADS, SKINNY_MAX_TOKENS, GemvGeometry,
@@ -145,6 +145,8 @@ def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_ou
     ``residual_ready`` (one-token path): ``residual_in`` was written by a kernel that has completed by the time this
     launch starts (``LaunchPolicy.residual_ready``), so the prologue reads it before its PDL wait, leaving only
     ``delta`` for after it.
+    17-64 tokens on the ``wgmma`` GEMM with ``policy.gemm_norm_prologue`` (and a ``workspace``): one launch of the
+    ring GEMM whose blocks first write ``residual_out`` and ``normed_out`` (``gemm_wgmma_add_rms_norm``).
     Otherwise: ``add_rms_norm_into`` into ``normed_out`` (required then: a ``[T, H]`` scratch), then ``linear`` with
     ``impl`` and ``workspace``.  Nothing is allocated; every launch can be captured in a CUDA graph.
     """
@@ -181,6 +183,13 @@ def linear_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_ou
         raise ValueError(f"head: the one-token path only (fuses_add_rms_norm), got T = {T}")
     if normed_out is None:
         raise ValueError(f"normed_out (a [{T}, {k}] scratch) is needed: T = {T} takes the unfused path")
+    if (workspace is not None and (impl or default_impl(T)) == "gemm_wgmma" and out.shape[1] > 0
+            and fuses_ring_norm(T, w.shape[0], k, gated, policy)):
+        check_shapes(normed_out, w, out, gated, impl)
+        gemm_wgmma_add_rms_norm(residual_in, delta, norm_weight, eps, residual_out, normed_out, w, out, gated=gated,
+                                weight_offset=weight_offset, round_before_weight=round_before_weight,
+                                workspace=workspace, policy=policy)
+        return
     add_rms_norm_into(residual_in, delta, norm_weight, residual_out, normed_out, eps, weight_offset,
                       round_before_weight, policy=policy)
     run_linear(normed_out, w, out, gated, impl, policy, workspace)

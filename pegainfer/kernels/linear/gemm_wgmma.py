@@ -56,10 +56,11 @@ from pegainfer.kernels.linear.common import bounded_kernel, silu_mul_bf16, store
 from pegainfer.kernels.linear.gemm import store_mma_tiles
 from pegainfer.kernels.linear.gemm_wgmma_ring import ROW_WORDS, WGMMA_BK, gemm_wgmma_ring_kernel
 from pegainfer.kernels.linear.geometry import WgmmaGeometry, mma_units, wgmma_geometry
-from pegainfer.kernels.linear.splitk import build_finish_tile, split_workspace
+from pegainfer.kernels.linear.splitk import build_finish_tile, norm_handoff, split_workspace
+from pegainfer.kernels.norm import pairs_per_thread
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
-from pegainfer.kernels.primitives import (WARP, as_words, cuda, device_fn, float32, grid, grid_dependency_wait,
-                                          launch_dependents, uint32)
+from pegainfer.kernels.primitives import (SIMULATOR, WARP, as_words, cuda, device_fn, float32, grid,
+                                          grid_dependency_wait, launch_dependents, sm_count, uint32)
 from pegainfer.kernels.primitives.barriers import (mbar_arrive, mbar_arrive_expect_tx, mbar_fence_init, mbar_init,
                                                    mbar_wait, named_barrier)
 from pegainfer.kernels.primitives.tma import tensor_map, tma_load_2d, tma_prefetch_map
@@ -269,3 +270,47 @@ def gemm_wgmma(x, w, out, *, gated: bool = False, geometry: WgmmaGeometry | None
     launch(kern, grid(mma_units(geo, T, n_cols), sim_cap=4), geo.threads, x32, as_words(w), out, k,
            geo.k_splits, ws, counters, x_maps, x_slot, w_maps, w_slot, shared=geo.shared_bytes, name="gemm_wgmma",
            policy=policy)
+
+
+SM_SHARED_BYTES = 228 * 1024
+"""Shared memory of one Hopper SM (each resident block also holds 1 KB the system reserves)."""
+
+
+def resident_wave(geo: WgmmaGeometry) -> int:
+    """Blocks of ``geo`` that are resident at once on the GPU: per SM as many as its warps (``warps_per_sm``) and
+    shared memory allow, at least one."""
+    per_sm = min(max(1, geo.warps_per_sm * WARP // geo.threads),
+                 max(1, SM_SHARED_BYTES // (geo.shared_bytes + 1024 + 128)))
+    return sm_count() * per_sm
+
+
+def fuses_ring_norm(n_tokens: int, n_cols: int, k: int, gated: bool, policy: LaunchPolicy) -> bool:
+    """Whether ``linear_add_rms_norm`` of ``n_tokens`` tokens over a ``[n_cols, k]`` weight takes the ring GEMM with
+    the add + RMSNorm prologue (``policy.gemm_norm_prologue`` and the ring is the GEMM's geometry there)."""
+    return policy.gemm_norm_prologue and wgmma_geometry(n_cols, k, n_tokens, gated, policy).fill == "ring"
+
+
+def gemm_wgmma_add_rms_norm(residual_in, delta, norm_weight, eps: float, residual_out, normed_out, w, out, *,
+                            gated: bool, weight_offset: float, round_before_weight: bool, workspace,
+                            geometry: WgmmaGeometry | None = None, policy: LaunchPolicy = DEFAULT_POLICY) -> None:
+    """``norm.add_rms_norm_into(residual_in, delta, norm_weight, residual_out, normed_out, ...)`` then ``gemm_wgmma(
+    normed_out, w, out)`` in one launch of the ring GEMM with its add + RMSNorm prologue (``gemm_wgmma_ring``'s
+    docstring), bit for bit.  ``workspace`` (required): its last two words are the prologue's handoff counters.
+    The grid is at most one resident wave (blocks of the launch wait for each other)."""
+    T, k = residual_in.shape
+    n_cols = w.shape[0]
+    geo = geometry or wgmma_geometry(n_cols, k, T, gated, policy)
+    if geo.fill != "ring":
+        raise ValueError(f"the add + RMSNorm prologue is the ring GEMM's (fill 'ring'), got {geo}")
+    geo = dataclasses.replace(geo, k_splits=max(1, min(geo.k_splits, -(-k // WGMMA_BK))))
+    x32 = as_words(normed_out)
+    ws, counters = split_workspace(workspace, geo, T, n_cols, policy, stand_in=x32)
+    handoff = norm_handoff(workspace, policy)
+    blocks = min(grid(mma_units(geo, T, n_cols), sim_cap=4), resident_wave(geo))
+    owners = 1 if SIMULATOR else min(T, blocks)
+    r32 = as_words(residual_in)
+    kern = gemm_wgmma_ring_kernel(geo.warpgroups, geo.bn, geo.stages, gated, geo.warps_per_sm, pairs_per_thread(k))
+    launch(kern, blocks, geo.threads, r32, r32 if delta is None else as_words(delta), delta is not None,
+           as_words(norm_weight), np.float32(eps), np.float32(weight_offset), bool(round_before_weight),
+           as_words(residual_out), x32, as_words(w), out, k, geo.k_splits, ws, counters, handoff, owners,
+           shared=geo.shared_bytes, name="gemm_wgmma_add_rms_norm", policy=policy)

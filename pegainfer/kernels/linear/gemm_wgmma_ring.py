@@ -20,6 +20,16 @@ so the tensor cores work on tile i while tile i - 1's group drains and the next 
 
 Launch geometry: 1-D blocks of ``128 · warpgroups`` threads; units, split-K, dynamic shared memory and PDL as in
 ``gemm_wgmma`` (no mbarriers: the block barrier orders the ring).
+
+**The add + RMSNorm prologue** (``norm_pairs`` > 0: ``linear_add_rms_norm`` of 17-64 tokens in one launch, the
+decoder's residual add and norm before qkv / in_proj and gate/up): x is the normed rows, which this launch writes
+itself.  After its PDL wait, block b < ``owners`` computes rows b, b + owners, ... exactly as ``norm.add_rms_norm_into``
+does (``norm.build_row_norm``: the same sum order, so the same bits), writing ``residual_out`` and the normed rows,
+then counts them on the handoff counter; every block waits there until all T rows are counted before its first x
+copy, its first weight tiles already in flight.  The last block past the wait puts the counters back to 0 (zero at
+rest, as the split-K counters).  A block waits for other blocks of the launch, so the grid is at most one resident
+wave (``gemm_wgmma``'s launch caps it; blocks grid-stride over the units).  In the simulator, whose blocks run one
+after another, block 0 owns every row (``owners`` = 1).
 """
 from __future__ import annotations
 
@@ -31,8 +41,10 @@ from numba import types as nbtypes
 from pegainfer.kernels.linear.common import bounded_kernel
 from pegainfer.kernels.linear.gemm import _plan_rows, store_mma_tiles
 from pegainfer.kernels.linear.splitk import build_finish_tile
+from pegainfer.kernels.norm import build_row_norm
 from pegainfer.kernels.primitives import (cp_async_16, cp_async_commit, cp_async_wait_group, cuda, device_fn,
-                                          float32, grid_dependency_wait, int32, launch_dependents, uint32)
+                                          float32, grid_dependency_wait, int32, launch_dependents, load_u32_l2,
+                                          uint32)
 from pegainfer.kernels.primitives.wgmma import (WARPGROUP, fence_proxy_async, shared_address, smem_desc,
                                                 swizzled_word, wgmma_bf16_m64k16, wgmma_commit, wgmma_fence,
                                                 wgmma_wait)
@@ -55,9 +67,11 @@ def _copy_k_tile(src32, ring, dst, src, lim, per_thread, step, chunk, k0, k):
 
 
 @functools.cache
-def gemm_wgmma_ring_kernel(warpgroups: int, bn: int, stages: int, gated: bool, warps_per_sm: int):
+def gemm_wgmma_ring_kernel(warpgroups: int, bn: int, stages: int, gated: bool, warps_per_sm: int,
+                           norm_pairs: int = 0):
     """Build the ring GEMM for one tile shape and ring depth (module docstring; all compile-time: they size register
-    arrays and unroll loops).  The split count is a launch argument."""
+    arrays and unroll loops).  The split count is a launch argument.  ``norm_pairs`` > 0: the kernel with the add +
+    RMSNorm prologue, for rows of up to ``2 · norm_pairs · norm.BLOCK_THREADS`` elements."""
     bm = 64 * warpgroups
     nthreads = WARPGROUP * warpgroups
     step = nthreads // 8                                  # tile rows one round of the block's copies covers
@@ -79,16 +93,36 @@ def gemm_wgmma_ring_kernel(warpgroups: int, bn: int, stages: int, gated: bool, w
         store_mma_tiles(out, acc, packed, 1, bn // 8, tok0, col0, gated)
 
     finish_tile = build_finish_tile(n_acc, nthreads, store_tiles)
+    NORM = norm_pairs > 0
+    norm_row = build_row_norm(max(1, norm_pairs), nthreads)
 
-    @bounded_kernel(nthreads, warps_per_sm)
-    def gemm_wgmma_ring(x32, w32, out, k, k_splits, ws, counters):
-        """``out = x @ W.T`` (or SwiGLU of column pairs when gated) on Hopper tensor cores, f32 accumulation.
+    @device_fn
+    def add_rms_norm_prologue(residual_in32, delta32, has_delta, norm_weight32, eps, weight_offset,
+                              round_before_weight, residual_out32, x32, handoff, owners, T):
+        """This block's rows of the add + RMSNorm, then the wait until every block's are written (module
+        docstring).  ``handoff``: two uint32 counters, rows written and blocks past the wait."""
+        partial = cuda.shared.array(32, float32)
+        rows = 0
+        for row in range(cuda.blockIdx.x, T, owners):
+            norm_row(residual_in32, delta32, has_delta, norm_weight32, residual_out32, x32, row, eps, weight_offset,
+                     round_before_weight, partial)
+            rows += 1
+        cuda.threadfence()                               # publish the rows before counting them
+        cuda.syncthreads()
+        if cuda.threadIdx.x == 0:
+            if rows > 0:
+                cuda.atomic.add(handoff, 0, uint32(rows))
+            while load_u32_l2(handoff, 0) < uint32(T):
+                pass
+            cuda.threadfence()
+            if cuda.atomic.add(handoff, 1, uint32(1)) == uint32(cuda.gridDim.x - 1):
+                handoff[0] = uint32(0)                   # every block is past the wait: zero at rest
+                handoff[1] = uint32(0)
+        cuda.syncthreads()
 
-        x32 ``[T · K/2]``, w32 ``[rows · K/2]`` (flat uint32 views of the bf16 tensors), out ``[T, n_out]``;
-        ``k`` = K; ``k_splits`` K ranges per output tile, their partials in ``ws`` and ``counters`` (``splitk``;
-        stand-ins when ``k_splits`` = 1).  Tiles and pipeline: the module docstring.
-        """
-        launch_dependents()
+    @device_fn
+    def ring_gemm(x32, w32, out, k, k_splits, ws, counters, residual_in32, delta32, has_delta, norm_weight32, eps,
+                  weight_offset, round_before_weight, residual_out32, handoff, owners):
         ring = cuda.shared.array(0, nbtypes.uint32)      # dynamic: slack, then the stages, then the split-K flag
         acc = cuda.local.array(n_acc, float32)
         a_src = cuda.local.array(a_pt, int64)
@@ -129,6 +163,9 @@ def gemm_wgmma_ring_kernel(warpgroups: int, bn: int, stages: int, gated: bool, w
                 _copy_k_tile(w32, ring, b_dst0 + uint32(s * stage), b_src, b_lim, b_pt, step, chunk,
                              (kt0 + s) * WGMMA_BK, k)
             grid_dependency_wait()
+            if NORM and unit == cuda.blockIdx.x:
+                add_rms_norm_prologue(residual_in32, delta32, has_delta, norm_weight32, eps, weight_offset,
+                                      round_before_weight, residual_out32, x32, handoff, owners, T)
             for s in range(n_first):
                 _copy_k_tile(x32, ring, a_dst0 + uint32(s * stage), a_src, a_lim, a_pt, step, chunk,
                              (kt0 + s) * WGMMA_BK, k)
@@ -160,5 +197,32 @@ def gemm_wgmma_ring_kernel(warpgroups: int, bn: int, stages: int, gated: bool, w
             cuda.syncthreads()                      # every warpgroup is done with the ring before the next unit
             tok0 = m0 + wg * 64 + (tid % WARPGROUP) // 32 * 16
             finish_tile(out, acc, tok0, n0, ws, counters, ring, flag_at, m_tile + tiles_m * n_tile, split, k_splits)
+
+    if NORM:
+        @bounded_kernel(nthreads, warps_per_sm)
+        def gemm_wgmma_ring_add_rms_norm(residual_in32, delta32, has_delta, norm_weight32, eps, weight_offset,
+                                         round_before_weight, residual_out32, x32, w32, out, k, k_splits, ws,
+                                         counters, handoff, owners):
+            """``residual_out = s = bf16(residual_in + delta)`` (``s = residual_in`` without ``has_delta``), ``x =
+            rms_norm(s)`` (``norm``'s flags), ``out = x @ W.T`` (or its SwiGLU): ``gemm_wgmma_ring`` with the
+            prologue of the module docstring.  The word views of ``[T, H]`` / ``[H]`` bf16 tensors; ``handoff``
+            two zero-at-rest uint32 counters; ``owners`` the blocks that write rows."""
+            launch_dependents()
+            ring_gemm(x32, w32, out, k, k_splits, ws, counters, residual_in32, delta32, has_delta, norm_weight32,
+                      eps, weight_offset, round_before_weight, residual_out32, handoff, owners)
+
+        return gemm_wgmma_ring_add_rms_norm
+
+    @bounded_kernel(nthreads, warps_per_sm)
+    def gemm_wgmma_ring(x32, w32, out, k, k_splits, ws, counters):
+        """``out = x @ W.T`` (or SwiGLU of column pairs when gated) on Hopper tensor cores, f32 accumulation.
+
+        x32 ``[T · K/2]``, w32 ``[rows · K/2]`` (flat uint32 views of the bf16 tensors), out ``[T, n_out]``;
+        ``k`` = K; ``k_splits`` K ranges per output tile, their partials in ``ws`` and ``counters`` (``splitk``;
+        stand-ins when ``k_splits`` = 1).  Tiles and pipeline: the module docstring.
+        """
+        launch_dependents()
+        ring_gemm(x32, w32, out, k, k_splits, ws, counters, x32, x32, False, x32, float32(0.0), float32(0.0), False,
+                  x32, x32, 1)
 
     return gemm_wgmma_ring

@@ -16,7 +16,7 @@ How (``finish_tile``, called by every block of ``gemm.gemm_mma`` when its unit's
 Workspace (one f32 device array the caller allocates once, ``linear_workspace_size``)::
 
     partials [tiles · k_splits · bm · bn]   (tile, split): ((tile·k_splits + split)·n_acc + i)·threads + tid
-    ... counters [tiles] int32 at the very end of the array
+    ... counters [tiles] int32, then the add + RMSNorm prologue's two handoff counters at the very end of the array
 
 (``n_acc`` = the accumulator registers of a thread, ``i`` one of them: a block's 128 threads write 512 contiguous
 bytes per register, and the last block reads them back in the same pattern, each thread its own fragment values.)
@@ -59,12 +59,29 @@ def split_workspace(workspace, geo: MmaGeometry, n_tokens: int, n_cols: int, pol
     n_part, n_count = workspace_need(geo, n_tokens, n_cols)
     if n_count == 0:
         return stand_in, stand_in.view(np.int32)
-    if workspace is None or workspace.dtype != np.float32 or workspace.size < n_part + n_count:
+    _check_workspace(workspace, n_part + n_count + HANDOFF_WORDS)
+    ws32 = zeroed_counters(workspace, n_count + HANDOFF_WORDS, policy, "linear_zero_counters")
+    end = ws32.shape[0] - HANDOFF_WORDS
+    return workspace.reshape(-1).view(np.uint32), ws32[end - n_count:end]
+
+
+HANDOFF_WORDS = 2
+"""The add + RMSNorm prologue's counters (``gemm_wgmma_ring``: rows written, blocks past the wait), the last words
+of the workspace."""
+
+
+def _check_workspace(workspace, need: int) -> None:
+    if workspace is None or workspace.dtype != np.float32 or workspace.size < need:
         got = None if workspace is None else f"{workspace.size} {workspace.dtype}"
-        raise ValueError(f"workspace must be f32 with >= {n_part + n_count} elements (linear_workspace_size); "
-                         f"got {got}")
-    ws32 = zeroed_counters(workspace, n_count, policy, "linear_zero_counters")
-    return workspace.reshape(-1).view(np.uint32), ws32[ws32.shape[0] - n_count:]
+        raise ValueError(f"workspace must be f32 with >= {need} elements (linear_workspace_size); got {got}")
+
+
+def norm_handoff(workspace, policy: LaunchPolicy):
+    """The add + RMSNorm prologue's two handoff counters: the last ``HANDOFF_WORDS`` words of ``workspace`` as
+    uint32, zero at rest (zeroed the first time, as the split-K counters)."""
+    _check_workspace(workspace, HANDOFF_WORDS)
+    ws32 = zeroed_counters(workspace, HANDOFF_WORDS, policy, "linear_zero_counters")
+    return ws32[ws32.shape[0] - HANDOFF_WORDS:].view(np.uint32)
 
 
 @device_fn
@@ -120,13 +137,13 @@ def linear_workspace_size(max_tokens: int, weights, policy: LaunchPolicy = DEFAU
     """f32 elements of the ``workspace`` that ``linear`` / ``linear_silu_mul`` / ``linear_add_rms_norm`` need for
     any 1 <= T <= ``max_tokens`` (on any path: ``impl="gemm_mma"`` may force the GEMM on one token) on ``weights``:
     each a ``(rows, K, gated)`` tuple (gate/up: ``rows`` = 2I, gated True) or a ``[rows, K]`` weight array (not
-    gated).  The largest split-K need over those launches, counters included;
-    at least 1, so a model may allocate it unconditionally."""
-    need = 1
+    gated).  The largest split-K need over those launches, counters included, and the add + RMSNorm prologue's
+    handoff counters after them."""
+    need = 0
     for wt in weights:
         rows, k, gated = wt if isinstance(wt, tuple) else (wt.shape[0], wt.shape[1], False)
         for t in range(1, max_tokens + 1):
             for geo in (mma_geometry(rows, k, t, gated, policy), wgmma_geometry(rows, k, t, gated, policy)):
                 n_part, n_count = workspace_need(geo, t, rows)
                 need = max(need, n_part + n_count)
-    return need
+    return need + HANDOFF_WORDS

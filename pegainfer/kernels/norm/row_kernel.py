@@ -27,9 +27,9 @@ import numpy as np
 
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
-from pegainfer.kernels.primitives import (bf16_to_f32, bf16x2_hi, bf16x2_lo, block_sum, cuda, device_fn,
+from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, block_sum, cuda, device_fn,
                                           f32_to_bf16, float32, grid, kernel, math, pdl_prologue, threads, uint16,
-                                          uint32)
+                                          uint32, warp_sum)
 
 
 @device_fn
@@ -138,6 +138,73 @@ def _add_rms_norm_kernel(pairs: int):
                     out32[base + p] = normalize_pair(s_w[u], n_w[u], inv_rms, weight_offset, round_before_weight)
 
     return add_rms_norm_rows
+
+
+@functools.cache
+def build_row_norm(pairs: int, nthreads: int):
+    """``norm_row``: ``add_rms_norm_rows``'s work on one row, for a kernel of another block size ``nthreads`` (a
+    multiple of 32) that must be bit-identical to it: the tensor-core GEMM's add + RMSNorm prologue
+    (``linear.gemm_wgmma_ring``).
+
+    The sum order is the norm's (module docstring) whatever ``nthreads`` is: thread ``tid`` plays the norm block's
+    threads ``u = tid + j · nthreads`` (``j < ceil(BLOCK_THREADS / nthreads)``, ``u < BLOCK_THREADS``), sums each
+    one's elements in its order, and the warp sums of those stand-ins land in the slots the norm block's warps
+    would fill (stand-in u is lane ``u % 32`` of warp ``u // 32`` there and here), so ``block_sum``'s last step
+    adds the same values in the same lanes.  ``pairs``: ``pairs_per_thread(hidden)``.
+
+    ``norm_row(residual_in32, delta32, has_delta, weight32, residual_out32, out32, row, eps, weight_offset,
+    round_before_weight, partial)``: the word views of ``add_rms_norm_rows``; ``partial``: 32 f32 of shared
+    scratch.  Block-uniform: every thread calls it."""
+    B = BLOCK_THREADS
+    V = -(-B // nthreads)                  # norm-block threads a thread stands in for
+    U = pairs
+    VU = V * U                             # words a thread holds
+    warps = nthreads // WARP
+    norm_warps = B // WARP
+
+    @device_fn
+    def norm_row(residual_in32, delta32, has_delta, weight32, residual_out32, out32, row, eps, weight_offset,
+                 round_before_weight, partial):
+        s_w = cuda.local.array(VU, uint32)
+        n_w = cuda.local.array(VU, uint32)
+        words = weight32.shape[0]
+        base = row * words
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        for j in range(V):                      # every load of the row at once
+            for i in range(U):
+                p = min(tid + j * nthreads + i * B, words - 1)
+                s_w[j * U + i] = add_pair(residual_in32[base + p], delta32[base + p] if has_delta else uint32(0),
+                                          has_delta)
+                n_w[j * U + i] = weight32[p]
+        cuda.syncthreads()                      # the last call's readers of ``partial`` are done
+        for j in range(V):
+            u = tid + j * nthreads
+            ss = float32(0.0)
+            for i in range(U):
+                p = u + i * B
+                if u < B and p < words:
+                    residual_out32[base + p] = s_w[j * U + i]
+                    v0 = bf16x2_lo(s_w[j * U + i])
+                    v1 = bf16x2_hi(s_w[j * U + i])
+                    ss += v0 * v0
+                    ss += v1 * v1
+            ss = warp_sum(ss)
+            w = tid // WARP + j * warps
+            if lane == 0 and w < norm_warps:
+                partial[uint32(w)] = ss
+        cuda.syncthreads()
+        t = partial[uint32(lane)] if lane < norm_warps else float32(0.0)
+        inv_rms = inverse_rms(warp_sum(t), 2 * words, float32(eps))
+        for j in range(V):
+            u = tid + j * nthreads
+            for i in range(U):
+                p = u + i * B
+                if u < B and p < words:
+                    out32[base + p] = normalize_pair(s_w[j * U + i], n_w[j * U + i], inv_rms, float32(weight_offset),
+                                                     round_before_weight)
+
+    return norm_row
 
 
 def _check(x, weight, out):

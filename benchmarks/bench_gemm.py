@@ -73,11 +73,14 @@ SWEEP_WGMMA = {
     64: [(1, 48, 8), (1, 64, 8), (1, 80, 8), (1, 96, 8), (1, 128, 6), (1, 160, 6), (1, 192, 5), (1, 256, 5)],
     128: [(2, 64, 8), (2, 128, 5), (1, 96, 6), (1, 128, 6), (1, 160, 6), (2, 160, 4), (2, 256, 4)],
     256: [(2, 96, 5), (2, 128, 5), (2, 160, 4), (2, 256, 4), (2, 256, 3)],
-    512: [(2, 128, 5), (2, 256, 4), (2, 256, 3)],
-    2048: [(2, 128, 5), (2, 256, 4), (2, 256, 3)],
+    512: [(2, 128, 5), (2, 160, 5), (2, 256, 4), (2, 256, 3)],
+    1024: [(2, 128, 5), (2, 160, 5), (2, 160, 6), (2, 256, 4)],
+    2048: [(2, 128, 5), (2, 160, 5), (2, 160, 6), (2, 192, 4), (2, 256, 4), (2, 256, 3)],
 }
+"""160-column tiles at 512-2048 tokens: a 2560-column weight (o / down of the 4B models) is 320 tiles of 128 × 128 at
+2048 tokens, 2.4 waves on 132 SMs, and 256 tiles of 128 × 160, two."""
 SIM_SWEEP_WGMMA = [(1, 64, 3)]
-SWEEP_TOKENS = (16, 32, 64, 128, 256, 512, 2048)
+SWEEP_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 """The token counts the sweep tries geometries at: the largest of each token tile (whose kernel serves every T up
 to it); the other T take their tile's winner."""
 SPLITS = (1, 2, 4, 8, 16)
@@ -495,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", default=None, help=f"comma-separated token counts (default {TOKENS})")
     ap.add_argument("--impl", default=None, help="comma-separated paths to time side by side (default: the one "
                                                  "linear(impl=None) takes)")
-    ap.add_argument("--sweep", action="store_true", help="also time every tensor-core GEMM geometry for T <= 256")
+    ap.add_argument("--sweep", action="store_true", help="also time every tensor-core GEMM geometry")
     ap.add_argument("--check", action="store_true", help="first check real shapes against the reference kernel")
     ap.add_argument("--no-torch", action="store_true", help="skip torch.matmul")
     ap.add_argument("--hot", action="store_true", help="also time the default path with its weight hot in L2 (one "

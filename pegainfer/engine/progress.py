@@ -222,7 +222,7 @@ class WarmupProgress:
 
     def _first_compile(self) -> None:
         self.line.clear()
-        log.info("compiling the GPU kernels (first start only: about a minute); numba caches them in %s "
+        log.info("compiling the GPU kernels (first start only: two to three minutes); numba caches them in %s "
                  "(NUMBA_CACHE_DIR chooses another folder)", kernel_cache_folder())
 
     def _draw(self) -> None:

@@ -62,7 +62,7 @@ def test_tuning_file_becomes_the_policys_tuning(ab, tmp_path):
 
 @pytest.mark.parametrize("spec, needle", [
     ("x:foo=1", "LaunchPolicy has no field 'foo' (its fields: pdl, preload_o, head_argmax, tuning, "
-                "timeline)"),
+                "gemm_norm_prologue, timeline)"),
     ("x:preload_o=maybe", "preload_o: 'maybe' is not true or false"),
     ("x:pdl=gemv+no way", "is not a launch name"),
     ("x:preload_o", "expected FIELD=VALUE"),
@@ -79,7 +79,7 @@ def test_the_command_refuses_a_bad_field_in_one_line():
     r = run_script("ab_policy.py", "--model-path", "unused", "--variant", "base", "--variant", "x:foo=1")
     assert r.returncode == 2
     assert one_line_error(r) == ("error: --variant 'x:foo=1': LaunchPolicy has no field 'foo' "
-                                 "(its fields: pdl, preload_o, head_argmax, tuning, timeline)")
+                                 "(its fields: pdl, preload_o, head_argmax, tuning, gemm_norm_prologue, timeline)")
     r = run_script("ab_policy.py", "--model-path", "unused", "--variant", "a", "--variant", "a:pdl=none")
     assert r.returncode == 2 and "share a label" in one_line_error(r)
 
@@ -122,5 +122,5 @@ def test_bench_mode_runs_pegainfer_bench_with_the_variants_policy(tmp_path):
     (run,) = json.loads(out.read_text())["runs"]
     assert run["variant"] == "lean" and run["tpot_ms"] > 0 and run["ttft_ms"] > 0
     assert run["bench"]["policy"] == {"pdl": [], "preload_o": True, "head_argmax": False, "tuning": 0,
-                                      "timeline": False}
+                                      "gemm_norm_prologue": False, "timeline": False}
     assert "tpot vs first" in r.stdout

@@ -374,6 +374,8 @@ class WgmmaGeometry:
     warps_per_sm: occupancy the kernel is compiled for (launch bounds; 0: one block an SM).
     fill: how the ring is filled: "tma" (a producer warp's TMA copies, ``gemm_wgmma``) or "ring" (``cp.async`` from
       every thread, ``stages - 2`` K tiles ahead: ``gemm_wgmma_ring``, the faster at 17-64 tokens).
+    cluster: blocks a cluster (TMA only, unsplit): 2 = two blocks on neighbouring token tiles of one column tile,
+      each copying half of every W tile into both (``gemm_wgmma``'s "Clusters"); 1 = none.
     """
     warpgroups: int
     bn: int
@@ -381,10 +383,13 @@ class WgmmaGeometry:
     k_splits: int = 1
     warps_per_sm: int = 0
     fill: str = "tma"
+    cluster: int = 1
 
     def __post_init__(self):
         if (self.warpgroups not in (1, 2) or not 32 <= self.bn <= 256 or self.bn % (16 * self.warpgroups)
-                or self.stages < 3 or self.fill not in ("tma", "ring") or self.shared_bytes > WGMMA_SMEM_MAX):
+                or self.stages < 3 or self.fill not in ("tma", "ring") or self.shared_bytes > WGMMA_SMEM_MAX
+                or self.cluster not in (1, 2)
+                or self.cluster > 1 and (self.fill != "tma" or self.k_splits > 1)):
             raise ValueError(f"unsupported wgmma geometry {self}")
         if self.warps_per_sm == 0:
             object.__setattr__(self, "warps_per_sm", self.threads // 32)

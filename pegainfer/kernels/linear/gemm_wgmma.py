@@ -70,12 +70,12 @@ from pegainfer.kernels.launch import launch
 from pegainfer.kernels.linear.common import bounded_kernel, silu_mul_bf16, store_packed_pair
 from pegainfer.kernels.linear.gemm import store_mma_tiles
 from pegainfer.kernels.linear.gemm_wgmma_ring import ROW_WORDS, WGMMA_BK, gemm_wgmma_ring_kernel
-from pegainfer.kernels.linear.geometry import WgmmaGeometry, mma_units, wgmma_geometry
+from pegainfer.kernels.linear.geometry import WgmmaGeometry, mma_units, resident_wave, wgmma_geometry
 from pegainfer.kernels.linear.splitk import build_finish_tile, norm_handoff, split_workspace
 from pegainfer.kernels.norm import pairs_per_thread
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
 from pegainfer.kernels.primitives import (SIMULATOR, WARP, as_words, cuda, device_fn, float32, grid,
-                                          grid_dependency_wait, int32, launch_dependents, sm_count, uint32)
+                                          grid_dependency_wait, int32, launch_dependents, uint32)
 from pegainfer.kernels.primitives.cluster import (cluster_count, cluster_index, cluster_rank, cluster_size,
                                                   cluster_sync, mbar_arrive_in, tma_load_2d_multicast)
 from pegainfer.kernels.primitives.barriers import (mbar_arrive, mbar_arrive_expect_tx, mbar_fence_init, mbar_init,
@@ -369,18 +369,6 @@ def gemm_wgmma(x, w, out, *, gated: bool = False, geometry: WgmmaGeometry | None
     launch(kern, grid(mma_units(geo, T, n_cols), sim_cap=4), geo.threads, x32, as_words(w), out, k,
            geo.k_splits, ws, counters, x_maps, x_slot, w_maps, w_slot, shared=geo.shared_bytes, name="gemm_wgmma",
            policy=policy)
-
-
-SM_SHARED_BYTES = 228 * 1024
-"""Shared memory of one Hopper SM (each resident block also holds 1 KB the system reserves)."""
-
-
-def resident_wave(geo: WgmmaGeometry) -> int:
-    """Blocks of ``geo`` that are resident at once on the GPU: per SM as many as its warps (``warps_per_sm``) and
-    shared memory allow, at least one."""
-    per_sm = min(max(1, geo.warps_per_sm * WARP // geo.threads),
-                 max(1, SM_SHARED_BYTES // (geo.shared_bytes + 1024 + 128)))
-    return sm_count() * per_sm
 
 
 def fuses_ring_norm(n_tokens: int, n_cols: int, k: int, gated: bool, policy: LaunchPolicy) -> bool:

@@ -65,7 +65,7 @@ else:
     from numba.cuda.extending import intrinsic
 
     from pegainfer.kernels.primitives.ptx import _asm_statement, _element_pointer, _to_shared
-    from pegainfer.kernels.primitives.tma import MAP_WORDS
+    from pegainfer.kernels.primitives.tma import BOX_COPY, box_copy_operands
 
     def _special_register(register: str):
         @intrinsic
@@ -111,22 +111,12 @@ else:
         sig = types.void(smem, dst, table, slot, src32, row0, k0, n_rows, k, box_rows, bars, b, mask)
 
         def codegen(context, builder, sig, args):
-            d = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            slot_word = builder.mul(context.cast(builder, args[3], sig.args[3], types.intp),
-                                    context.get_constant(types.intp, MAP_WORDS))
-            m = _element_pointer(context, builder, sig.args[2], args[2], slot_word, types.intp)
-            bp = _element_pointer(context, builder, sig.args[10], args[10], args[11], sig.args[11])
-            r = context.cast(builder, args[5], sig.args[5], types.int32)
-            c = context.cast(builder, args[6], sig.args[6], types.int32)
-            mk = builder.trunc(context.cast(builder, args[12], sig.args[12], types.uint32), ir.IntType(16))
-            asm = ir.InlineAsm(
-                ir.FunctionType(ir.VoidType(), [d.type, m.type, ir.IntType(32), ir.IntType(32), bp.type,
-                                                ir.IntType(16)]),
-                "{ " + _to_shared("$0", "db") + " " + _to_shared("$4", "bb") +
-                " cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-                " [db], [$1, {$2, $3}], [bb], $5; }",
-                "l,l,r,r,l,h,~{memory}", side_effect=True)
-            builder.call(asm, [d, m, c, r, bp, mk])
+            ops = box_copy_operands(context, builder, sig, args)
+            ops.append(builder.trunc(context.cast(builder, args[12], sig.args[12], types.uint32), ir.IntType(16)))
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [o.type for o in ops]),
+                               BOX_COPY + ".multicast::cluster [db], [$1, {$2, $3}], [bb], $5; }",
+                               "l,l,r,r,l,h,~{memory}", side_effect=True)
+            builder.call(asm, ops)
             return context.get_dummy_value()
 
         return sig, codegen

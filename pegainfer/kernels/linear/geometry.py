@@ -374,8 +374,6 @@ class WgmmaGeometry:
     warps_per_sm: occupancy the kernel is compiled for (launch bounds; 0: one block an SM).
     fill: how the ring is filled: "tma" (a producer warp's TMA copies, ``gemm_wgmma``) or "ring" (``cp.async`` from
       every thread, ``stages - 2`` K tiles ahead: ``gemm_wgmma_ring``, the faster at 17-64 tokens).
-    cluster: blocks a cluster (TMA only, unsplit): 2 = two blocks on neighbouring token tiles of one column tile,
-      each copying half of every W tile into both (``gemm_wgmma``'s "Clusters"); 1 = none.
     """
     warpgroups: int
     bn: int
@@ -383,13 +381,10 @@ class WgmmaGeometry:
     k_splits: int = 1
     warps_per_sm: int = 0
     fill: str = "tma"
-    cluster: int = 1
 
     def __post_init__(self):
         if (self.warpgroups not in (1, 2) or not 32 <= self.bn <= 256 or self.bn % (16 * self.warpgroups)
-                or self.stages < 3 or self.fill not in ("tma", "ring") or self.shared_bytes > WGMMA_SMEM_MAX
-                or self.cluster not in (1, 2)
-                or self.cluster > 1 and (self.fill != "tma" or self.k_splits > 1)):
+                or self.stages < 3 or self.fill not in ("tma", "ring") or self.shared_bytes > WGMMA_SMEM_MAX):
             raise ValueError(f"unsupported wgmma geometry {self}")
         if self.warps_per_sm == 0:
             object.__setattr__(self, "warps_per_sm", self.threads // 32)
@@ -416,16 +411,6 @@ class WgmmaGeometry:
 
 
 WGMMA_SMEM_MAX = 227 * 1024
-SM_SHARED_BYTES = 228 * 1024
-"""Shared memory of one Hopper SM (each resident block also holds 1 KB the system reserves)."""
-
-
-def resident_wave(geo: WgmmaGeometry) -> int:
-    """Blocks of ``geo`` resident at once on the GPU (the ``wgmma`` GEMM's counterpart of ``resident_blocks``): per
-    SM as many as its warps (``warps_per_sm``) and shared memory allow, at least one."""
-    per_sm = min(max(1, geo.warps_per_sm * WARP // geo.threads),
-                 max(1, SM_SHARED_BYTES // (geo.shared_bytes + 1024 + 128)))
-    return sm_count() * per_sm
 
 
 def _wave_splits(tiles: int, k: int) -> int:
@@ -434,16 +419,23 @@ def _wave_splits(tiles: int, k: int) -> int:
     return max(1, min(sm_count() // tiles, -(-k // 64) // 4))
 
 
-def _gated_wave_geometry(n_cols: int, n_tokens: int, gated: bool) -> WgmmaGeometry:
-    """Two warpgroups × 128 columns in a ring of 5; for gate/up, 160-column tiles in a ring of 4 when their waves of
-    one tile an SM take less time, counted as waves × columns (Qwen3-4B's gate_up at 256 tokens: 304 tiles of 128
-    are 3 waves on 132 SMs, 244 of 160 are 2)."""
+def _wave_geometry(n_cols: int, n_tokens: int, wide_stages: int) -> WgmmaGeometry:
+    """Two warpgroups × 128 columns in a ring of 5, or 160-column tiles in a ring of ``wide_stages`` when their waves
+    of one tile an SM take less time, counted as waves × columns (Qwen3-4B's gate_up at 256 tokens: 304 tiles of
+    128 are 3 waves on 132 SMs, 244 of 160 are 2; its o at 2048 tokens: 320 tiles of 128 are 3 waves, 256 of 160
+    are 2)."""
     def cost(bn: int) -> int:
         tiles = -(-n_tokens // 128) * -(-n_cols // bn)
         return -(-tiles // sm_count()) * bn
-    if gated and cost(160) < cost(128):
-        return WgmmaGeometry(2, 160, stages=4)
+    if cost(160) < cost(128):
+        return WgmmaGeometry(2, 160, stages=wide_stages)
     return WgmmaGeometry(2, 128, stages=5)
+
+
+def _streamed_geometry(n_cols: int, n_tokens: int, gated: bool) -> WgmmaGeometry:
+    """64 < T <= 256 (the weight streamed, K split after): 128-column tiles in a ring of 5; gate/up's 160 columns in
+    a ring of 4 where they need fewer waves (``_wave_geometry``)."""
+    return _wave_geometry(n_cols, n_tokens, wide_stages=4) if gated else WgmmaGeometry(2, 128, stages=5)
 
 
 def wgmma_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False,
@@ -465,9 +457,10 @@ def wgmma_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False,
       a ring of 4;
     * gate/up at 64 < T <= 256: 160-column tiles in a ring of 4 where they need fewer waves × columns than 128
       (Qwen3-4B's and Qwen3.5-4B's: the 256-sequence step −2.6 %);
-    * prompts: two warpgroups; 256-column tiles in a ring of 4 for plain weights of 6144 columns and more, 128 in a
-      ring of 5 otherwise (short weights: more tiles to share the SMs; gate_up: the SwiGLU epilogue of 256 columns
-      spills).
+    * prompts: two warpgroups; 256-column tiles in a ring of 4 for plain weights of 6144 columns and more; otherwise
+      128 columns in a ring of 5, or 160 in a ring of 5 where they need fewer waves × columns (Qwen3-4B's o, down
+      and gate_up at 2048 tokens: −17 %, −19 %, −6 %; short weights: more tiles to share the SMs; gate_up: the
+      SwiGLU epilogue of 256 columns spills).
 
     * T > 64: TMA from a producer warp (``fill`` "tma": 5-17 % faster than the ring at 2048 tokens).
 
@@ -491,12 +484,12 @@ def wgmma_geometry(n_cols: int, k: int, n_tokens: int, gated: bool = False,
             bn = min(192, max(48, 16 * -(-n_cols // (16 * sm_count()))))
             return WgmmaGeometry(1, bn, stages=8 if bn <= 96 else 6 if bn <= 160 else 5, fill=fill)
     elif n_tokens <= 128:
-        geo = WgmmaGeometry(1, 128, stages=6) if n_cols < 16384 else _gated_wave_geometry(n_cols, n_tokens, gated)
+        geo = WgmmaGeometry(1, 128, stages=6) if n_cols < 16384 else _streamed_geometry(n_cols, n_tokens, gated)
     elif n_tokens <= MMA_SPLIT_MAX_TOKENS:
-        geo = _gated_wave_geometry(n_cols, n_tokens, gated) if n_cols < 65536 else WgmmaGeometry(2, 256, stages=4)
+        geo = _streamed_geometry(n_cols, n_tokens, gated) if n_cols < 65536 else WgmmaGeometry(2, 256, stages=4)
     elif n_cols >= 6144 and not gated:
         return WgmmaGeometry(2, 256, stages=4)
     else:
-        return WgmmaGeometry(2, 128, stages=5)
+        return _wave_geometry(n_cols, n_tokens, wide_stages=5)
     tiles = -(-n_tokens // geo.bm) * -(-n_cols // geo.bn)
     return dataclasses.replace(geo, k_splits=_wave_splits(tiles, k))

@@ -27,6 +27,7 @@ def workspace(n=1 << 16):
     (70, 72, 200, WgmmaGeometry(1, 64, stages=4, k_splits=2, fill="ring"), True),
     (20, 200, 136, WgmmaGeometry(1, 80, stages=5, warps_per_sm=8, fill="ring"), True),  # gate/up's 80-column tiles
     (70, 200, 136, WgmmaGeometry(2, 160, stages=4), True),           # gate/up's 160-column tiles at 65-256 tokens
+    (130, 200, 136, WgmmaGeometry(2, 160, stages=5), False),         # a prompt's 160-column tiles, plain weight
 ])
 def test_gemm_wgmma_matches_reference(T, N, K, geo, gated, rng):
     """Bit for bit on data whose sums are exact in f32: the swizzled ring, the descriptors of each k16 step, the
@@ -67,6 +68,26 @@ def test_gate_up_of_a_batch_takes_the_tiles_of_fewer_waves(monkeypatch, n_cols, 
     for tokens in (129, 256):
         assert geometry.wgmma_geometry(n_cols, k, tokens, False).bn == 128
 
+
+
+@pytest.mark.parametrize("n_cols,k,gated,tokens,bn", [
+    (2560, 4096, False, 2048, 160),     # Qwen3-4B o: 320 tiles of 128 columns are 3 waves on 132 SMs, 256 of 160 two
+    (2560, 9728, False, 1024, 160),     # its down at 1024 tokens: 160 tiles of 128 (2 waves), 128 of 160 (one)
+    (2560, 4096, False, 512, 128),      # 512 tokens: one wave either way, the narrower tiles
+    (2 * 9728, 2560, True, 2048, 160),  # gate_up: 19 waves × 128 columns against 15 × 160
+    (4096, 4096, False, 2048, 128),     # Qwen3-8B o: 4 waves either way
+    (6144, 2560, False, 2048, 256),     # plain weights of 6144 columns and more: 256 × 4
+])
+def test_prompt_tiles_of_fewer_waves(monkeypatch, n_cols, k, gated, tokens, bn):
+    """The prompt rule on a 132-SM H200: 160-column tiles in a ring of 5 where their waves × columns are fewer than
+    128-column tiles' (docs/perf/linear.md), 256 columns for wide plain weights, every ring within the SM."""
+    from pegainfer.kernels.linear import geometry
+    monkeypatch.setattr(geometry, "SIMULATOR", False)
+    monkeypatch.setattr(geometry, "sm_count", lambda: 132)
+    geo = geometry.wgmma_geometry(n_cols, k, tokens, gated)
+    assert (geo.warpgroups, geo.bn, geo.k_splits, geo.fill) == (2, bn, 1, "tma"), geo
+    assert geo.stages == {128: 5, 160: 5, 256: 4}[bn]
+    assert geo.shared_bytes + 1024 <= 228 * 1024
 
 @pytest.mark.parametrize("n_cols,k,gated,bn", [
     (2 * 9728, 2560, True, 80),      # Qwen3-4B gate_up

@@ -78,7 +78,8 @@ SWEEP_WGMMA = {
     2048: [(2, 128, 5), (2, 160, 5), (2, 160, 6), (2, 192, 4), (2, 256, 4), (2, 256, 3)],
 }
 """160-column tiles at 512-2048 tokens: a 2560-column weight (o / down of the 4B models) is 320 tiles of 128 × 128 at
-2048 tokens, 2.4 waves on 132 SMs, and 256 tiles of 128 × 160, two."""
+2048 tokens, 2.4 waves on 132 SMs, and 256 tiles of 128 × 160, two.  Above 256 tokens each tile is also tried
+persistent (``WgmmaGeometry.persistent``: one resident wave of blocks walking the tiles)."""
 SIM_SWEEP_WGMMA = [(1, 64, 3)]
 SWEEP_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 """The token counts the sweep tries geometries at: the largest of each token tile (whose kernel serves every T up
@@ -266,6 +267,8 @@ def sweep_candidates(L, s: Shape, T: int):
         for sp in sorted(splits):
             if sp == 1 or n_kt // sp >= 4:
                 out.append(dataclasses.replace(base, k_splits=sp))
+        if T > 256 and is_wgmma(L, base) and "persistent" in {f.name for f in dataclasses.fields(base)}:
+            out.append(dataclasses.replace(base, persistent=True))      # one resident wave walking the tiles
     out += [d for d in defaults if d not in out]
     return out
 

@@ -28,6 +28,8 @@ def workspace(n=1 << 16):
     (20, 200, 136, WgmmaGeometry(1, 80, stages=5, warps_per_sm=8, fill="ring"), True),  # gate/up's 80-column tiles
     (70, 200, 136, WgmmaGeometry(2, 160, stages=4), True),           # gate/up's 160-column tiles at 65-256 tokens
     (130, 200, 136, WgmmaGeometry(2, 160, stages=5), False),         # a prompt's 160-column tiles, plain weight
+    # one resident wave of blocks walking a prompt's tiles (on the GPU 132 blocks, 256 tiles)
+    pytest.param(2048, 2560, 4096, WgmmaGeometry(2, 160, stages=5, persistent=True), False, marks=pytest.mark.gpu),
 ])
 def test_gemm_wgmma_matches_reference(T, N, K, geo, gated, rng):
     """Bit for bit on data whose sums are exact in f32: the swizzled ring, the descriptors of each k16 step, the

@@ -34,7 +34,8 @@ the same launch (every SM streams when few tokens meet a short weight); its barr
 consumer warps.
 
 Launch geometry: 1-D blocks of ``128 · warpgroups + 32`` threads grid-stride over the units, token tiles fastest,
-then K splits, then column tiles.  Dynamic shared memory (``WgmmaGeometry.shared_bytes``): 1024 bytes of alignment
+then K splits, then column tiles: a block a unit, or (``WgmmaGeometry.persistent``) one resident wave of blocks
+walking them, each block's producer filling the ring for its next unit while the consumers store the last.  Dynamic shared memory (``WgmmaGeometry.shared_bytes``): 1024 bytes of alignment
 slack, the ring, the full and empty mbarriers, one word of split-K flag.  PDL: the block lets the next kernel launch
 at once; the producer starts the first unit's weight copies before waiting for the kernel before it (weights are
 never written), the x copies after.
@@ -261,15 +262,14 @@ def gemm_wgmma(x, w, out, *, gated: bool = False, geometry: WgmmaGeometry | None
     ws, counters = split_workspace(workspace, geo, T, n_cols, policy, stand_in=x32)
     if geo.fill == "ring":
         kern = gemm_wgmma_ring_kernel(geo.warpgroups, geo.bn, geo.stages, gated, geo.warps_per_sm)
-        launch(kern, grid(mma_units(geo, T, n_cols), sim_cap=4), geo.threads, x32, as_words(w), out, k,
-               geo.k_splits, ws, counters, shared=geo.shared_bytes, name="gemm_wgmma", policy=policy)
+        launch(kern, gemm_blocks(geo, T, n_cols), geo.threads, x32, as_words(w), out, k, geo.k_splits, ws,
+               counters, shared=geo.shared_bytes, name="gemm_wgmma", policy=policy)
         return
     kern = _gemm_wgmma_kernel(geo.warpgroups, geo.bn, geo.stages, gated, geo.warps_per_sm)
     x_maps, x_slot = tensor_map(x, geo.bm)
     w_maps, w_slot = tensor_map(w, geo.bn // 2 if gated else geo.bn)
-    launch(kern, grid(mma_units(geo, T, n_cols), sim_cap=4), geo.threads, x32, as_words(w), out, k,
-           geo.k_splits, ws, counters, x_maps, x_slot, w_maps, w_slot, shared=geo.shared_bytes, name="gemm_wgmma",
-           policy=policy)
+    launch(kern, gemm_blocks(geo, T, n_cols), geo.threads, x32, as_words(w), out, k, geo.k_splits, ws, counters,
+           x_maps, x_slot, w_maps, w_slot, shared=geo.shared_bytes, name="gemm_wgmma", policy=policy)
 
 
 SM_SHARED_BYTES = 228 * 1024
@@ -282,6 +282,12 @@ def resident_wave(geo: WgmmaGeometry) -> int:
     per_sm = min(max(1, geo.warps_per_sm * WARP // geo.threads),
                  max(1, SM_SHARED_BYTES // (geo.shared_bytes + 1024 + 128)))
     return sm_count() * per_sm
+
+
+def gemm_blocks(geo: WgmmaGeometry, n_tokens: int, n_cols: int) -> int:
+    """The grid of a launch: a block a unit, or (``geo.persistent``) at most one resident wave walking them."""
+    blocks = grid(mma_units(geo, n_tokens, n_cols), sim_cap=4)
+    return min(blocks, resident_wave(geo)) if geo.persistent else blocks
 
 
 def fuses_ring_norm(n_tokens: int, n_cols: int, k: int, gated: bool, policy: LaunchPolicy) -> bool:
@@ -306,7 +312,7 @@ def gemm_wgmma_add_rms_norm(residual_in, delta, norm_weight, eps: float, residua
     x32 = as_words(normed_out)
     ws, counters = split_workspace(workspace, geo, T, n_cols, policy, stand_in=x32)
     handoff = norm_handoff(workspace, policy)
-    blocks = min(grid(mma_units(geo, T, n_cols), sim_cap=4), resident_wave(geo))
+    blocks = gemm_blocks(dataclasses.replace(geo, persistent=True), T, n_cols)   # blocks wait for each other
     owners = 1 if SIMULATOR else min(T, blocks)
     r32 = as_words(residual_in)
     kern = gemm_wgmma_ring_kernel(geo.warpgroups, geo.bn, geo.stages, gated, geo.warps_per_sm, pairs_per_thread(k))

@@ -374,6 +374,8 @@ class WgmmaGeometry:
     warps_per_sm: occupancy the kernel is compiled for (launch bounds; 0: one block an SM).
     fill: how the ring is filled: "tma" (a producer warp's TMA copies, ``gemm_wgmma``) or "ring" (``cp.async`` from
       every thread, ``stages - 2`` K tiles ahead: ``gemm_wgmma_ring``, the faster at 17-64 tokens).
+    persistent: the grid is one resident wave of blocks that walk the units, so a block's next unit starts filling
+      the ring while its consumers store the last one (TMA: the producer runs ahead); False: a block a unit.
     """
     warpgroups: int
     bn: int
@@ -381,6 +383,7 @@ class WgmmaGeometry:
     k_splits: int = 1
     warps_per_sm: int = 0
     fill: str = "tma"
+    persistent: bool = False
 
     def __post_init__(self):
         if (self.warpgroups not in (1, 2) or not 32 <= self.bn <= 256 or self.bn % (16 * self.warpgroups)

@@ -10,7 +10,7 @@ from numba import cuda
 from pegainfer.kernels import sampling
 from pegainfer.kernels.primitives import from_bf16_bits, to_bf16_bits
 from pegainfer.kernels.token_mask import (NEG_INF_BF16, allocate_bitmask, apply_token_mask, mask_words,
-                                          reference_token_mask)
+                                          reference_token_mask, token_mask_kernel)
 
 V = 70   # not a multiple of 32: the last word is partial
 
@@ -58,10 +58,17 @@ def test_flagged_rows_masked_like_numpy(flags):
 
 
 def test_tokens_past_the_bitmask_are_disallowed():
+    """A bitmask one word short of the vocabulary (tokens 64.. not covered; ``apply_token_mask`` itself only takes
+    full-width masks): the kernel masks them, as the NumPy reference does."""
     logits = to_bf16_bits(np.ones((1, V), np.float32))
-    bitmask = np.full((1, mask_words(V) - 1), -1, np.int32)      # one word short: tokens 64.. not covered
+    bitmask = np.full((1, mask_words(V) - 1), -1, np.int32)
     want = reference_token_mask(logits, bitmask, np.ones(1, np.int32))
     assert (want[0, :64] == logits[0, :64]).all() and (want[0, 64:] == NEG_INF_BF16).all()
+    d_logits, flags, temperature = cuda.to_device(logits), cuda.to_device(np.ones(1, np.int32)), \
+        cuda.to_device(np.ones(1, np.float32))
+    token_mask_kernel[1, 32](d_logits, cuda.to_device(bitmask), flags, np.int32(1), temperature, np.int32(0), flags,
+                             temperature, flags)
+    np.testing.assert_array_equal(d_logits.copy_to_host(), want)
 
 
 def test_head_greedy_row_repicked_from_the_masked_row():

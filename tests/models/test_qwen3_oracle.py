@@ -190,9 +190,16 @@ def test_padded_decode_batch_gives_the_unpadded_tokens(tied):
     _, engine = tied
     rng = np.random.default_rng(5)
     prompts = {"a": rng.integers(0, VOCAB, size=3).tolist(), "b": rng.integers(0, VOCAB, size=4).tolist()}
-    runs = []
+    runner, runs, decodes = engine.runner, [], []
+    forward_and_sample = runner.forward_and_sample
+
+    def recording(T, B, decode=False, num_decode=0, mixed=False):
+        if decode:
+            decodes[-1].append((T, B))
+        return forward_and_sample(T, B, decode=decode, num_decode=num_decode, mixed=mixed)
     for sizes in (None, [1, 4]):
-        engine.runner.decode_sizes = sizes
+        runner.decode_sizes, runner.forward_and_sample = sizes, recording
+        decodes.append([])
         try:
             for k, p in prompts.items():
                 engine.add_request(k, p, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
@@ -201,9 +208,11 @@ def test_padded_decode_batch_gives_the_unpadded_tokens(tied):
                 for out in engine.step():
                     got[out.request_id].extend(out.new_token_ids)
         finally:
-            engine.runner.decode_sizes = None
+            runner.decode_sizes = None
+            del runner.forward_and_sample
         runs.append(got)
-    assert engine.runner.padded_batch(2) == 2
+    assert (2, 2) in decodes[0] and (4, 4) not in decodes[0], decodes[0]    # unpadded: the batch of two as it is
+    assert (4, 4) in decodes[1] and (2, 2) not in decodes[1], decodes[1]    # padded: the same steps as 4 rows
     assert runs[0] == runs[1] and all(len(t) == 3 for t in runs[0].values())
     assert engine.stats()["kv_pages_used"] == 0
 

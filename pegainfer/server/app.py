@@ -98,7 +98,8 @@ class OpenAIServer:
         self.api_key = api_key or None
         self.max_body_bytes = int(max_body_bytes)
         self.created = P.now()
-        self.metrics = ServerMetrics(async_engine, self.model_name)
+        self._engine_model_name: Optional[str] = None
+        self.metrics = ServerMetrics(async_engine, self.model_name, self.model_name_known)
 
     # ------------------------------------------------------------------------------------------------ helpers
     @property
@@ -108,10 +109,19 @@ class OpenAIServer:
         return self.async_engine.engine
 
     def model_name(self) -> str:
+        """The name the server answers and counts under: ``--served-model-name``, else the engine's model once it
+        is known (kept after an engine failure, so its 500s count under the model that served), else
+        "pegainfer" while it loads."""
         if self.served_model_name:
             return self.served_model_name
-        engine = self.async_engine.engine if self.async_engine.ready else None
-        return getattr(engine, "model_name", None) or "pegainfer"
+        if self.async_engine.ready:
+            self._engine_model_name = getattr(self.async_engine.engine, "model_name", None) or self._engine_model_name
+        return self._engine_model_name or "pegainfer"
+
+    def model_name_known(self) -> bool:
+        """Whether ``model_name`` is the served model's (given, or the engine has loaded), not the placeholder."""
+        self.model_name()                  # notes the engine's name once it is ready
+        return bool(self.served_model_name) or self._engine_model_name is not None or self.async_engine.ready
 
     def reasoning_parser_for(self, engine) -> Optional[str]:
         """The reasoning parser chat answers go through: "auto" picks ``qwen3`` for a folder whose chat template

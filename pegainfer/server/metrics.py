@@ -130,9 +130,10 @@ class ServerMetrics:
     """The metrics of one app.  ``request_finished`` is called once per request that reached the engine;
     ``render`` is the body of ``GET /metrics``.  Used on the event loop (prometheus-client is thread-safe anyway)."""
 
-    def __init__(self, async_engine, model_name: Callable[[], str]):
+    def __init__(self, async_engine, model_name: Callable[[], str], name_known: Callable[[], bool]):
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        self.name_known = name_known
         ProcessCollector(registry=self.registry)
         self.registry.register(_EngineCollector(async_engine, model_name))
         r = self.registry
@@ -177,4 +178,9 @@ class ServerMetrics:
                 tpot.observe((end - first_token) / (completion_tokens - 1))
 
     def render(self) -> bytes:
+        """The scrape's body.  The request series of the served model exist from the first scrape on, at 0 until a
+        request counts (as vLLM's: a series born at 1 hides that request from ``increase()`` and ``rate()``); while
+        the engine loads and no name was given, the name is not known yet and they wait."""
+        if self.name_known():
+            self._series(self.model_name())
         return generate_latest(self.registry)

@@ -21,9 +21,26 @@ def scrape(http: httpx.Client) -> dict[str, dict[tuple, float]]:
     return parse(r.text)
 
 
-def value(metrics: dict, name: str, **labels) -> float:
-    """The one sample of ``name`` whose labels include ``labels`` (0 when the series is absent)."""
+ABSENT = object()
+
+
+def samples(metrics: dict, name: str, **labels) -> list[float]:
+    """The samples of ``name`` whose labels include ``labels``."""
     want = set(labels.items())
-    found = [v for key, v in metrics.get(name, {}).items() if want <= set(key)]
+    return [v for key, v in metrics.get(name, {}).items() if want <= set(key)]
+
+
+def present(metrics: dict, name: str, **labels) -> bool:
+    """Whether ``/metrics`` exports a series of ``name`` with these labels."""
+    return bool(samples(metrics, name, **labels))
+
+
+def value(metrics: dict, name: str, default=ABSENT, **labels) -> float:
+    """The one sample of ``name`` whose labels include ``labels``.  A missing series fails the test, unless a
+    ``default`` is given for it."""
+    found = samples(metrics, name, **labels)
     assert len(found) <= 1, (name, labels, metrics.get(name))
-    return found[0] if found else 0.0
+    if found:
+        return found[0]
+    assert default is not ABSENT, f"/metrics has no series {name} with labels {labels}"
+    return default

@@ -77,9 +77,12 @@ def test_completion_with_logprobs_matches_the_engine(demo):
     got = r.choices[0].logprobs
     assert got.tokens == [engine.tokenizer.token_str(i) for i in ids]
     assert got.token_logprobs == pytest.approx([lp.logprob for lp in logprobs], abs=1e-4)
-    assert [len(top) for top in got.top_logprobs] == [len({engine.tokenizer.token_str(i) for i, _ in lp.top} |
-                                                          {engine.tokenizer.token_str(lp.token_id)})
-                                                      for lp in logprobs]
+    assert len(got.top_logprobs) == len(logprobs)
+    for top, lp in zip(got.top_logprobs, logprobs):   # the engine's top tokens, and the chosen one among them
+        assert len(lp.top) == 2
+        want = {engine.tokenizer.token_str(i): v for i, v in lp.top}
+        want.setdefault(engine.tokenizer.token_str(lp.token_id), lp.logprob)
+        assert top == pytest.approx(want, abs=1e-4)
     wait_until(lambda: engine_idle(ae))
 
 

@@ -51,6 +51,21 @@ def test_a_failed_step_answers_500_then_the_server_is_out_of_service(model_folde
     assert "failing 1 request(s) in flight" in record.getMessage()
 
 
+def test_the_requests_a_failure_ends_count_under_the_served_model_name(model_folder):
+    """The 500s of an engine failure are counted in ``vllm:request_success_total{finished_reason="error"}`` of the
+    model that was served, beside its earlier requests, and its gauges keep that name."""
+    engine = FakeEngine(model_folder)
+    with serve_engine(engine) as (url, ae), httpx.Client(base_url=url, timeout=TIMEOUT) as http:
+        assert http.post("/v1/completions", json={**COMPLETION, "max_tokens": 2}).status_code == 200
+        engine.fail_next_step = True
+        check_error(http.post("/v1/completions", json=COMPLETION), 500, code="engine_error")
+        m = scrape(http)
+    name = {"model_name": "fake-model"}
+    assert value(m, "vllm:request_success_total", finished_reason="length", **name) == 1
+    assert value(m, "vllm:request_success_total", finished_reason="error", **name) == 1
+    assert value(m, "vllm:num_requests_running", **name) == 0
+
+
 def test_a_failed_step_ends_a_stream_with_an_error_event_then_done(model_folder, caplog):
     engine = FakeEngine(model_folder, step_delay=0.005)   # 40 tokens: the stream is still running when it fails
     with caplog.at_level(logging.INFO), serve_engine(engine) as (url, ae), \
@@ -72,9 +87,18 @@ def test_a_failed_step_ends_a_stream_with_an_error_event_then_done(model_folder,
 
 
 def test_every_request_in_flight_fails_running_waiting_and_queued(model_folder, caplog):
-    """max_batch 2: with the engine held inside a step, one request is in that step, and four more are queued to
-    the engine thread; when the step raises, all five get the 500 — none hangs."""
-    engine = FakeEngine(model_folder, max_batch=2)
+    """max_batch 1, the engine run one step at a time: request 0 is admitted and running, 1 and 2 wait in the
+    engine for a place in the batch, 3 and 4 are still queued to the engine thread; when the next step raises, all
+    five get the 500 — none hangs."""
+    engine = FakeEngine(model_folder, max_batch=1)
+    step = engine.step
+
+    def one_step_then_hold():
+        outputs = step()
+        engine.gate.clear()
+        return outputs
+
+    engine.step = one_step_then_hold
     with caplog.at_level(logging.INFO), serve_engine(engine) as (url, ae):
         engine.gate.clear()
         results: dict[int, httpx.Response] = {}
@@ -83,14 +107,20 @@ def test_every_request_in_flight_fails_running_waiting_and_queued(model_folder, 
             with httpx.Client(base_url=url, timeout=TIMEOUT) as c:
                 results[i] = c.post("/v1/completions", json=COMPLETION)
 
-        threads = [threading.Thread(target=post, args=(0,))]
+        threads = [threading.Thread(target=post, args=(i,)) for i in range(5)]
         threads[0].start()
-        wait_until(engine.in_step.is_set, what="the first request's step")
-        threads += [threading.Thread(target=post, args=(i,)) for i in range(1, 5)]
-        for t in threads[1:]:
+        wait_until(engine.in_step.is_set, what="the step that will admit request 0")
+        for t in threads[1:3]:
             t.start()
-        wait_until(lambda: ae.stats()["streams"] == 5, what="five requests in flight")
-        assert ae.stats()["pending"] == 4   # queued to the (held) engine thread
+        wait_until(lambda: ae.stats()["pending"] == 2, what="requests 1 and 2 queued to the engine thread")
+        engine.gate.set()
+        wait_until(lambda: ae.stats()["running"] == 1 and ae.stats()["waiting"] == 2 and engine.in_step.is_set(),
+                   what="request 0 running, 1 and 2 waiting in the engine, the next step held")
+        for t in threads[3:]:
+            t.start()
+        wait_until(lambda: ae.stats()["pending"] == 2 and ae.stats()["streams"] == 5,
+                   what="requests 3 and 4 queued to the engine thread")
+        assert list(engine.generated.values()) == [1]   # request 0 ran one step; the others never ran
         engine.fail_next_step = True
         engine.gate.set()
         for t in threads:
@@ -101,7 +131,8 @@ def test_every_request_in_flight_fails_running_waiting_and_queued(model_folder, 
         with httpx.Client(base_url=url, timeout=TIMEOUT) as http:
             check_out_of_service(http)
             assert value(scrape(http), "vllm:request_success_total", finished_reason="error") == 5
-    assert len(tracebacks(caplog)) == 1
+    [record] = tracebacks(caplog)
+    assert "failing 5 request(s) in flight" in record.getMessage()
 
 
 def test_a_failure_between_steps_is_handled_like_a_failed_step(model_folder, caplog):

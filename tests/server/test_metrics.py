@@ -9,10 +9,10 @@ import httpx
 
 from pegainfer.engine.async_engine import AsyncEngine
 from pegainfer.server.app import build_app
-from pegainfer.server.metrics import finished_reason
+from pegainfer.server.metrics import FINISHED_REASONS, finished_reason
 from tests.server.conftest import idle, serve_app, serve_engine, wait_until
 from tests.server.fake_engine import FakeEngine
-from tests.server.metrics_text import scrape, value
+from tests.server.metrics_text import present, scrape, value
 from tests.server.test_errors import check_error
 
 
@@ -68,12 +68,21 @@ def test_engine_gauges_and_counters_come_from_stats(model_folder):
         assert value(m, "vllm:request_success_total", finished_reason="length", model_name="m") == 3
 
 
+def test_the_request_series_exist_at_0_before_the_first_request(fake_server):
+    """As in vLLM: a fresh server exports its token counters and every ``finished_reason`` at 0 (a series that
+    appears at 1 hides that first request from ``increase()`` and ``rate()``)."""
+    url, ae, engine = fake_server
+    with httpx.Client(base_url=url, timeout=30) as http:
+        m = scrape(http)
+    name = {"model_name": "fake-model"}
+    assert value(m, "vllm:prompt_tokens_total", **name) == value(m, "vllm:generation_tokens_total", **name) == 0
+    for reason in FINISHED_REASONS:
+        assert value(m, "vllm:request_success_total", finished_reason=reason, **name) == 0
+
+
 def test_counters_and_histograms_match_what_was_sent(fake_server):
     url, ae, engine = fake_server
     with httpx.Client(base_url=url, timeout=30) as http:
-        before = scrape(http)
-        assert value(before, "vllm:prompt_tokens_total") == 0
-        assert value(before, "vllm:request_success_total", finished_reason="stop") == 0   # the series exist at 0
         r = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True})
         assert r.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
                                      "prompt_tokens_details": {"cached_tokens": 0}}
@@ -124,9 +133,12 @@ def test_metrics_needs_no_api_key_and_each_app_has_its_own_registry(model_folder
             ok = a.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2},
                         headers={"Authorization": "Bearer secret"})
             assert ok.status_code == 200
+            assert b.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2}).status_code == 200
             ma, mb = scrape(a), scrape(b)     # no key needed
-            assert value(ma, "vllm:prompt_tokens_total", model_name="one") == 2
-            assert value(mb, "vllm:prompt_tokens_total") == 0      # the other app counted nothing
+            assert value(ma, "vllm:prompt_tokens_total", model_name="one") == 2   # each app counts its own
+            assert value(mb, "vllm:prompt_tokens_total", model_name="two") == 3
+            assert not present(ma, "vllm:prompt_tokens_total", model_name="two")
+            assert not present(mb, "vllm:prompt_tokens_total", model_name="one")
             assert value(mb, "vllm:num_requests_running", model_name="two") == 0
     finally:
         for ae in aes:

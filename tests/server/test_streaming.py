@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -12,6 +15,7 @@ import pytest
 
 from tests.server.conftest import idle, serve_engine, wait_until
 from tests.server.fake_engine import FakeEngine
+from tests.server.metrics_text import scrape, value
 
 LONG = {"model": "fake-model", "max_tokens": 200, "ignore_eos": True}  # ~200 steps: far longer than the test
 
@@ -77,17 +81,51 @@ def test_disconnect_while_waiting_in_the_queue(model_folder):
         assert set(engine.aborted) == {a_id, b_id}
 
 
+class WideTextEngine(FakeEngine):
+    """A FakeEngine whose every token comes out with 64 KiB of text."""
+
+    def _append(self, req, token):
+        out = super()._append(req, token)
+        out.delta_text += "x" * 65536
+        return out
+
+
+def finished_at_the_server(http: httpx.Client) -> float:
+    """Requests the server has finished answering (``/metrics``; none yet: no series)."""
+    return value(scrape(http), "vllm:request_success_total", finished_reason="length", default=0.0)
+
+
 def test_a_client_that_does_not_read_never_stalls_the_others(model_folder):
-    engine = FakeEngine(model_folder, step_delay=0.002)
-    with serve_engine(engine) as (url, ae), httpx.Client(base_url=url, timeout=30) as http:
-        with http.stream("POST", "/v1/completions", json={**LONG, "prompt": "slow reader", "stream": True}) as r:
-            # r is never read while others are served
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    """A stream of 24 MiB — six times the most a loopback socket's send buffer holds (``tcp_wmem``), with the
+    reader's receive buffer fixed at 64 KiB — whose client reads nothing: the engine finishes it, the server's send
+    to that client stays blocked, and other requests are still answered at once.  Once it reads, the slow client
+    gets its whole stream."""
+    send_buffer_max = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+    n_tokens = 384
+    assert n_tokens * 65536 >= 6 * send_buffer_max
+    engine = WideTextEngine(model_folder, max_model_len=1024)
+    small_receive_buffer = httpx.HTTPTransport(socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)])
+    with serve_engine(engine) as (url, ae), httpx.Client(base_url=url, timeout=30, transport=small_receive_buffer) \
+            as http:
+        body = {"model": "fake-model", "prompt": "slow reader", "max_tokens": n_tokens, "ignore_eos": True,
+                "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            wait_until(lambda: engine.finished, what="the unread stream to be generated")
+            [(rid, finish)] = engine.finished.items()
+            assert finish == "length" and engine.generated[rid] == n_tokens
+            assert finished_at_the_server(http) == 0   # its outputs are still waiting for the server to send them
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=5)
+            t0 = time.monotonic()
             for _ in range(3):
                 out = client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "x"}],
                                                      max_tokens=3)
                 assert out.usage.completion_tokens == 3
-            assert r.status_code == 200
+            assert time.monotonic() - t0 < 5
+            assert finished_at_the_server(http) == 3   # the three others; the unread stream is still being sent
+            received = b"".join(r.iter_bytes())
+        assert received.count(b"x" * 65536) == n_tokens and received.endswith(b"data: [DONE]\n\n")
+        wait_until(lambda: finished_at_the_server(http) == 4)
         wait_until(lambda: idle(ae))
 
 

@@ -15,7 +15,8 @@ from tests.engine.tiny_model import tiny_engine
 def counting(engine):
     """Count the decode steps the runner launches ahead (ids taken from the device), those of them over other rows
     than the step before's (ids gathered from its rows), the mixed steps launched ahead (new prompts beside the
-    sequences going on) and the tokens discarded (computed ahead for a sequence that had finished meanwhile)."""
+    sequences going on), the tokens discarded (computed ahead for a sequence that had finished meanwhile) and the
+    steps not launched ahead for want of pages (no page for a sequence's token in the step ahead)."""
     engine.ahead_launches = 0
     engine.remapped_launches = 0
     launch = engine.runner.launch_decode
@@ -39,6 +40,18 @@ def counting(engine):
         engine.discarded += sum(seq.finish_reason is not None for seq in pending.seqs)
         return read(pending)
     engine._read = _read
+    engine.short_of_pages = 0
+    next_ahead, ensure_capacity = engine._next_ahead, engine.pool.ensure_capacity
+
+    def _next_ahead(seqs, prefilling):
+        refused = []
+        engine.pool.ensure_capacity = lambda slot, n: ensure_capacity(slot, n) or refused.append(slot)
+        try:
+            return next_ahead(seqs, prefilling)
+        finally:
+            del engine.pool.ensure_capacity
+            engine.short_of_pages += bool(refused)
+    engine._next_ahead = _next_ahead
     return engine
 
 
@@ -75,13 +88,11 @@ def run(async_scheduling, requests, events=(), **engine_kw):
     return {k: (ids, "".join(t), r[0], lps) for k, (ids, t, r, lps) in got.items()}, engine
 
 
-def same_both_ways(requests, events=(), expect_ahead=True, **engine_kw):
+def same_both_ways(requests, events=(), **engine_kw):
     sync, e_sync = run(False, requests, events, **engine_kw)
     overlap, e_async = run(True, requests, events, **engine_kw)
     assert overlap == sync
-    assert e_sync.ahead_launches == 0
-    if expect_ahead:
-        assert e_async.ahead_launches > 0
+    assert e_sync.ahead_launches == 0 and e_async.ahead_launches > 0
     return sync, e_async
 
 
@@ -147,43 +158,61 @@ def test_streams_that_finish_leave_the_step_launched_ahead():
 @pytest.mark.parametrize("seed,cache", [(0, None), (1, None), (2, "prefix"), (3, "prefix+state")])
 def test_a_random_load_of_arrivals_stops_and_aborts_matches_the_synchronous_engine(seed, cache):
     """Catches a step launched ahead over the wrong rows in any mix of batch changes: streams arriving while others
-    decode (some with prompts longer than a step's budget, some sharing a cached prefix), ending by max_tokens,
-    stop tokens or a full context, aborted, greedy and seeded, more of them than the slots; with the prefix cache
-    (and a hybrid model's kept states); every stream equals the synchronous engine's, and steps were launched ahead
-    across the changes."""
+    decode (some sharing a cached prefix), ending by max_tokens, stop tokens or a full context (one at least, its
+    prompt longer than a step's budget), aborted, greedy and seeded, more of them than the slots; with the prefix
+    cache (and a hybrid model's kept states); every stream equals the synchronous engine's, and steps were launched
+    ahead across the changes."""
     import random
     rnd = random.Random(seed)
     shared = [rnd.randrange(1, 96) for _ in range(40)]
+    budget, max_model_len = 24, 64
 
-    def params():
+    def params(max_tokens=None):
         kw = dict(ignore_eos=True)
-        if rnd.random() < 0.3:
+        if max_tokens is None and rnd.random() < 0.3:
             kw["stop_token_ids"] = [rnd.randrange(96)]
-        n = rnd.randint(1, 14)
+        n = max_tokens or rnd.randint(1, 14)
         return greedy(n, **kw) if rnd.random() < 0.5 else seeded(n, rnd.randrange(100), **kw)
 
-    def prompt():
+    def prompt(tail=None):
         head = shared[:rnd.choice([0, 16, 17, 32])] if cache else []
-        return head + [rnd.randrange(1, 96) for _ in range(rnd.choice([1, 3, 6, 20]))]
-    reqs = [(f"r{i}", prompt(), params()) for i in range(4)]
+        return head + [rnd.randrange(1, 96) for _ in range(tail or rnd.choice([1, 3, 6, 20]))]
+    reqs = [("r0", prompt(budget + 2), params(max_model_len))]     # runs until its context is full
+    reqs += [(f"r{i}", prompt(), params()) for i in range(1, 4)]
     events = [(f"r{rnd.randrange(4)}", 1, ("add", f"late{i}", prompt(), params())) for i in range(8)]
     events.append((f"late{rnd.randrange(8)}", 1, ("abort",)))     # every stream gets a token: each event fires
     kw = dict(prefix_caching=True, state_snapshots=4 if cache == "prefix+state" else 0) if cache else {}
-    out, engine = same_both_ways(reqs, events, max_batch=3, max_model_len=80, max_num_batched_tokens=24, **kw)
+    out, engine = same_both_ways(reqs, events, max_batch=3, max_model_len=max_model_len,
+                                 max_num_batched_tokens=budget, **kw)
     assert engine.mixed_ahead + engine.remapped_launches > 0
+    added = [action[1:] for _, _, action in events if action[0] == "add"]
+    asked = {rid: (prompt_ids, sp) for rid, prompt_ids, sp in reqs + added}
+    assert any(len(prompt_ids) > budget for prompt_ids, _ in asked.values())
+    full_context = [rid for rid, (ids, _, reason, _) in out.items() if reason == "length"
+                    and len(asked[rid][0]) + len(ids) == max_model_len and len(ids) < asked[rid][1].max_tokens]
+    assert "r0" in full_context, {rid: (len(asked[rid][0]), len(v[0]), v[2]) for rid, v in out.items()}
 
 
 def test_eos_min_tokens_and_stop_strings():
+    """EOS and stop token ids end a request ("stop", its last token the one that ended it) once it has min_tokens
+    tokens, not before; a stop string ends it ("stop") with its text cut where the string starts; the same with
+    async scheduling."""
     ref, _ = run(False, MIXED)
-    eos = ref["c"][0][4]
+    eos_c = ref["c"][0][4]
+    early_eos_a, late_eos_a = ref["a"][0][1], ref["a"][0][4]     # an EOS inside a's min_tokens, one past it
     text_b = ref["b"][1]
-    stop_str = text_b[len(text_b) // 2: len(text_b) // 2 + 2] if len(text_b) >= 4 else "zz"
+    stop_str = text_b[len(text_b) // 2: len(text_b) // 2 + 2]
+    stop_d = ref["d"][0][2]
     reqs = [("a", [1, 2, 3], greedy(12, min_tokens=3)),
             ("b", [9, 8], seeded(7, 11, ignore_eos=True, stop=[stop_str])),
             ("c", [4, 4, 4, 4, 7], greedy(9)),
-            ("d", [3], seeded(14, 5, stop_token_ids=[ref["d"][0][2]], min_tokens=4))]
-    out, _ = same_both_ways(reqs, eos_token_ids=(eos,))
-    assert out["c"][2] == "stop" and out["c"][0][-1] == eos
+            ("d", [3], seeded(14, 5, stop_token_ids=[stop_d], min_tokens=4))]
+    out, _ = same_both_ways(reqs, eos_token_ids=(eos_c, early_eos_a, late_eos_a))
+    assert out["a"][0] == ref["a"][0][:5] and out["a"][2] == "stop"
+    assert len(stop_str) == 2 and out["b"][2] == "stop" and len(out["b"][0]) < len(ref["b"][0])
+    assert out["b"][1] == text_b[:text_b.index(stop_str)] and stop_str not in out["b"][1]
+    assert out["c"][0] == ref["c"][0][:5] and out["c"][0][-1] == eos_c and out["c"][2] == "stop"
+    assert out["d"][0] == ref["d"][0] and out["d"][0].index(stop_d) < 3 and out["d"][2] == "length"
 
 
 def test_abort_mid_generation():
@@ -225,9 +254,16 @@ def test_logprobs_alone_launch_ahead():
 
 
 def test_short_of_pages_falls_back_and_frees_everything():
-    # 5 pages of 16 tokens for 3 sequences of up to 40 tokens: the scheduler keeps running out of pages
+    """5 pages of 16 tokens for 3 sequences of up to 40 tokens: the async engine finds no page for a step it would
+    launch ahead and falls back to a step scheduled after the read, where the scheduler preempts a sequence; the
+    streams are the synchronous engine's and those computed by hand, and every page comes back."""
     reqs = [(f"r{i}", [1 + i] * (3 + i), greedy(24 + i, ignore_eos=True)) for i in range(3)]
-    same_both_ways(reqs, num_pages=5, expect_ahead=False)
+    out, engine = same_both_ways(reqs, num_pages=5)
+    s = engine.stats()
+    assert engine.short_of_pages > 0 and s["num_preemptions"] > 0, (engine.short_of_pages, s)
+    assert s["kv_pages_used"] == 0 and s["kv_pages_total"] == 5
+    for rid, prompt, params in reqs:
+        assert out[rid][0] == expected_greedy_stream(prompt, params.max_tokens) and out[rid][2] == "length", rid
 
 
 def test_context_full_finishes_with_length():

@@ -144,19 +144,17 @@ def test_prefix_cache_hit_skips_the_shared_pages_and_gives_the_same_tokens(async
     engine = recording(tiny_engine(async_scheduling, max_batch=2, max_model_len=96, prefix_caching=True))
     prefix = list(range(20, 60))
     first, second = prefix + [1, 2], prefix + [3]
-    finals = {}
-    engine.add_request("first", first, greedy(6))
-    while engine.has_unfinished():
-        engine.step()
-    engine.add_request("second", second, greedy(6))
-    got = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.finished:
-                finals[out.request_id] = out
+    got, finals = {}, {}
+    for rid, prompt in (("first", first), ("second", second)):
+        engine.add_request(rid, prompt, greedy(6))
+        while engine.has_unfinished():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.finished:
+                    finals[out.request_id] = out
+    assert got["first"] == expected_greedy_stream(first, 6)
     assert got["second"] == expected_greedy_stream(second, 6)
-    assert finals["second"].cached_tokens == 32
+    assert finals["first"].cached_tokens == 0 and finals["second"].cached_tokens == 32
     chunks = [c for _, _, cs, _, _ in engine.steps for c in cs if c[0] == "second"]
     assert chunks[0][1] == 32, chunks                          # its prefill starts after the cached pages
     s = engine.stats()
@@ -178,24 +176,29 @@ def test_prefix_cache_on_and_off_give_the_same_streams():
 
 
 def test_cached_pages_are_evicted_least_recently_used_first():
-    """Catches a pool that runs dry while cached pages sit unused, or evicts a page someone holds: cached pages
-    are handed out again when the free list is empty, oldest first, and held pages never."""
-    pool = PagePool(num_pages=4, page_size=2, num_slots=2, max_model_len=8, prefix_caching=True)
-    a = pool.acquire_slot()
-    assert pool.ensure_capacity(a, 4)                   # 2 pages
-    keys: list[bytes] = []
-    assert pool.cache_full_pages(a, [1, 2, 3, 4], 4, keys, 0) == 2
-    pool.release(a)
+    """Catches a pool that runs dry while cached pages sit unused, evicts a page someone holds, or evicts in another
+    order than least recently used: cached pages are handed out again when the free list is empty; of two, the one
+    used less recently goes first (the one cached first but taken back since stays), and held pages never go."""
+    pool = PagePool(num_pages=4, page_size=2, num_slots=3, max_model_len=8, prefix_caching=True)
+    for tokens in ([1, 2], [3, 4]):                     # a page each, cached in this order
+        slot = pool.acquire_slot()
+        assert pool.ensure_capacity(slot, 2)
+        assert pool.cache_full_pages(slot, tokens, 2, [], 0) == 1
+        pool.release(slot)
     assert pool.pages_used == 0 and pool.pages_available == 4
+    page_12, page_34 = pool.match_prefix([1, 2, 9], []), pool.match_prefix([3, 4, 9], [])
+    assert len(page_12) == len(page_34) == 1 and page_12 != page_34
     b = pool.acquire_slot()
-    hit = pool.match_prefix([1, 2, 3, 4, 5], [])
-    assert len(hit) == 2
-    pool.attach(b, hit[:1])                             # hold the first cached page
-    c = pool.acquire_slot()
-    assert pool.ensure_capacity(c, 6)                   # 3 pages: 2 free + the unheld cached page, evicted
-    assert pool.pages_used == 4
-    assert len(pool.match_prefix([1, 2, 3, 4, 5], [])) == 1   # the evicted page's key is gone, the held one stays
-    assert not pool.ensure_capacity(c, 8)               # nothing left to take
+    pool.attach(b, page_12)                             # [1, 2]'s page used again: now the more recently used
     pool.release(b)
+    c = pool.acquire_slot()
+    assert pool.ensure_capacity(c, 6)                   # 3 pages: 2 free + the least recently used cached page
+    assert pool.pages_used == 3 and page_34[0] in pool.block_tables_host[c, :3]
+    assert pool.match_prefix([3, 4, 9], []) == [] and pool.match_prefix([1, 2, 9], []) == page_12
+    held = pool.acquire_slot()
+    pool.attach(held, page_12)                          # hold the last cached page
+    assert not pool.ensure_capacity(c, 8)               # nothing left to take
+    assert pool.match_prefix([1, 2, 9], []) == page_12
+    pool.release(held)
     pool.release(c)
     assert pool.pages_used == 0

@@ -63,17 +63,19 @@ def test_a_shared_prefix_gets_a_snapshot_where_the_cached_pages_end():
 
 
 def test_the_least_recently_used_snapshot_makes_room():
-    """Prompts of whole pages keep their state at the end of their prefill.  With two snapshot rows, a prompt
-    extending the first starts from its state (48 cached); with one, the second prompt's state took its row, and
-    the same prompt recomputes from 0 (the same tokens either way)."""
-    a, b = PREFIX + [1] * 8, [7] * 48
-    requests = [("a", a, greedy(3)), ("b", b, greedy(3)), ("a2", a + [5, 6, 7], greedy(3))]
-    want = _run_in_turn(_engine(prefix_caching=False), requests)
-    for count, start in ((2, 48), (1, 0)):
-        on = _engine(snapshots=count)
-        assert _run_in_turn(on, requests) == want
-        chunks = [c for _, _, cs, _, _ in on.steps for c in cs]
-        assert [c[1] for c in chunks if c[0] == "a2"][0] == start, (count, chunks)
+    """Prompts of whole pages keep their state at the end of their prefill.  With two snapshot rows, "a" then "b"
+    keep theirs, a prompt extending "a" starts from a's state (making it the more recently used), and "c"'s state
+    takes b's row: a later prompt extending "a" starts from its state (48 cached), one extending "b" recomputes from
+    0; the same tokens as without the cache."""
+    a, b, c = PREFIX + [1] * 8, [7] * 48, [8] * 48
+    requests = [("a", a, greedy(3)), ("b", b, greedy(3)), ("a1", a + [5], greedy(3)), ("c", c, greedy(3)),
+                ("a2", a + [5, 6, 7], greedy(3)), ("b2", b + [5, 6, 7], greedy(3))]
+    on = _engine(snapshots=2)
+    assert _run_in_turn(on, requests) == _run_in_turn(_engine(prefix_caching=False), requests)
+    chunks = [chunk for _, _, cs, _, _ in on.steps for chunk in cs]
+    starts = {rid: [start for r, start, _ in chunks if r == rid][0] for rid, _, _ in requests}
+    assert starts == {"a": 0, "b": 0, "a1": 48, "c": 0, "a2": 48, "b2": 0}, chunks
+    assert on.stats()["prefix_state_snapshots"] == 2
 
 
 def test_concurrent_streams_with_and_without_the_cache_are_the_same():

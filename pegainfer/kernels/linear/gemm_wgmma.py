@@ -35,10 +35,11 @@ consumer warps.
 
 Launch geometry: 1-D blocks of ``128 · warpgroups + 32`` threads grid-stride over the units, token tiles fastest,
 then K splits, then column tiles: a block a unit, or (``WgmmaGeometry.persistent``) one resident wave of blocks
-walking them, each block's producer filling the ring for its next unit while the consumers store the last.  Dynamic shared memory (``WgmmaGeometry.shared_bytes``): 1024 bytes of alignment
-slack, the ring, the full and empty mbarriers, one word of split-K flag.  PDL: the block lets the next kernel launch
-at once; the producer starts the first unit's weight copies before waiting for the kernel before it (weights are
-never written), the x copies after.
+walking them, each block's producer filling the ring for its next unit while the consumers store the last.
+Dynamic shared memory (``WgmmaGeometry.shared_bytes``): 1024 bytes of alignment slack, the ring, the full and empty
+mbarriers, one word of split-K flag.  PDL: the block lets the next kernel launch at once; the producer starts the
+first unit's weight copies before waiting for the kernel before it (weights are never written), the x copies
+after.
 
 In the simulator TMA copies at once and ``wgmma`` is emulated from the descriptor and swizzle rules
 (``primitives.tma``, ``primitives.wgmma``), so the kernel's indexing is tested without a GPU (slowly: tests use

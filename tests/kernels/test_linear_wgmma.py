@@ -115,19 +115,14 @@ def test_tall_weights_of_a_batch_take_two_blocks_an_sm(monkeypatch, n_cols, k, g
 
 
 # ------------------------------------------------------------------------------------------------ add + RMSNorm prologue
-PROLOGUE_WRONG_ON_GPU = pytest.mark.xfail(strict=True, reason=(
-    "on an H100 (2026-12-05) the last output columns (blocks that write no rows) came out NaN, x's filler: the "
-    "prologue stays off (docs/perf/linear.md) until this passes"))
-
-
 @pytest.mark.parametrize("form", list(NORM_FORMS))
 @pytest.mark.parametrize("T,N,K,gated,with_delta", [
     (5, 320, 136, False, True),    # 5 column tiles on a grid of 4 blocks (the simulator's): a block's second unit
     (20, 200, 264, True, True),    # SwiGLU pairs; K = 264 splits in two: split-K counters beside the handoff's
     (9, 96, 136, False, False),    # no delta: the norm of the residual alone
     # Qwen3-4B's qkv (128 blocks, 64 write rows) and gate/up (244 blocks, two an SM)
-    pytest.param(64, 6144, 2560, False, True, marks=[pytest.mark.gpu, PROLOGUE_WRONG_ON_GPU]),
-    pytest.param(40, 19456, 2560, True, True, marks=[pytest.mark.gpu, PROLOGUE_WRONG_ON_GPU]),
+    pytest.param(64, 6144, 2560, False, True, marks=pytest.mark.gpu),
+    pytest.param(40, 19456, 2560, True, True, marks=pytest.mark.gpu),
 ])
 def test_ring_gemm_with_the_add_rms_norm_prologue(T, N, K, gated, with_delta, form, rng):
     """``linear_add_rms_norm`` of 17-64 tokens as one ring-GEMM launch (``policy.gemm_norm_prologue``) equals the

@@ -43,7 +43,7 @@ from pegainfer.kernels.linear.gemm import _plan_rows, store_mma_tiles
 from pegainfer.kernels.linear.splitk import build_finish_tile
 from pegainfer.kernels.norm import build_row_norm
 from pegainfer.kernels.primitives import (cp_async_16, cp_async_commit, cp_async_wait_group, cuda, device_fn,
-                                          float32, grid_dependency_wait, int32, launch_dependents, load_u32_l2,
+                                          float32, grid_dependency_wait, int32, launch_dependents, load_acquire_u32,
                                           uint32)
 from pegainfer.kernels.primitives.wgmma import (WARPGROUP, fence_proxy_async, shared_address, smem_desc,
                                                 swizzled_word, wgmma_bf16_m64k16, wgmma_commit, wgmma_fence,
@@ -112,9 +112,8 @@ def gemm_wgmma_ring_kernel(warpgroups: int, bn: int, stages: int, gated: bool, w
         if cuda.threadIdx.x == 0:
             if rows > 0:
                 cuda.atomic.add(handoff, 0, uint32(rows))
-            while load_u32_l2(handoff, 0) < uint32(T):
+            while load_acquire_u32(handoff, 0) < uint32(T):   # (a weak load here is a loop ptxas may delete)
                 pass
-            cuda.threadfence()
             if cuda.atomic.add(handoff, 1, uint32(1)) == uint32(cuda.gridDim.x - 1):
                 handoff[0] = uint32(0)                   # every block is past the wait: zero at rest
                 handoff[1] = uint32(0)

@@ -1,6 +1,7 @@
 """Wide loads and stores: ``load_u32x4(a, i)`` reads ``a[i:i+4]`` of a ``uint32`` array as one 16-byte read-only
 load (8 bf16 values; ``i`` an element index, a multiple of 4); ``load_u32_l2`` reads one word at L2;
-``prefetch_l2(a, i)`` asks L2 for the 128-byte line holding ``a[i]`` and returns at once (no register waits on it);
+``load_acquire_u32`` reads one word with acquire semantics at GPU scope (the load of a spin-wait on a counter
+other blocks of the launch raise); ``prefetch_l2(a, i)`` asks L2 for the 128-byte line holding ``a[i]`` and returns at once (no register waits on it);
 ``load_f32x2`` / ``load_f32x4`` and ``store_f32x2`` / ``store_f32x4`` move 8 / 16 bytes of f32 at once (global or
 shared memory); ``as_words`` views a tensor as the flat uint32 array they read."""
 from __future__ import annotations
@@ -17,6 +18,10 @@ if SIMULATOR:
 
     @device_fn
     def load_u32_l2(a, i):
+        return a[i]
+
+    @device_fn
+    def load_acquire_u32(a, i):
         return a[i]
 
     @device_fn
@@ -84,6 +89,24 @@ else:
             ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
             asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [ptr.type]), "ld.global.cg.u32 $0, [$1];", "=r,l",
                                side_effect=True)
+            return builder.call(asm, [ptr])
+
+        return sig, codegen
+
+    @intrinsic
+    def load_acquire_u32(typingctx, arr, idx):
+        """``ld.acquire.gpu.global.u32``: ``a[idx]`` as a GPU-scope acquire, for a loop that waits until another
+        block's release (its writes, a fence, then its atomic) shows.  A weak load such as ``load_u32_l2`` must not
+        be spun on: ptxas may assume its value never changes and delete the loop (it did: the ring GEMM's norm
+        prologue ran on before its rows were written)."""
+        if not (isinstance(arr, types.Array) and arr.dtype == types.uint32 and arr.ndim == 1):
+            return None
+        sig = types.uint32(arr, idx)
+
+        def codegen(context, builder, sig, args):
+            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [ptr.type]), "ld.acquire.gpu.global.u32 $0, [$1];",
+                               "=r,l,~{memory}", side_effect=True)
             return builder.call(asm, [ptr])
 
         return sig, codegen

@@ -532,8 +532,9 @@ def test_qwen35_4b_shapes_match_hf_bf16_on_gpu(tmp_path_factory):
 
 @pytest.mark.gpu
 def test_qwen35_graph_and_eager_decode_give_identical_tokens(tmp_path):
-    """CUDA-graph decode (B = 1..3, recurrent state in slots, sequence table built inside the graph) and eager
-    launches must produce identical tokens; prompts of 5, 70 and 300 tokens (shorter / longer than a chunk)."""
+    """CUDA-graph decode (B = 3, then 2, then 1 as the streams end after 8, 16 and 24 tokens; recurrent state in
+    slots, sequence table built inside the graph) and eager launches must produce identical tokens; prompts of 5,
+    70 and 300 tokens (shorter / longer than a chunk)."""
     from pegainfer.engine.engine import Engine
     from pegainfer.engine.types import SamplingParams
 
@@ -547,7 +548,7 @@ def test_qwen35_graph_and_eager_decode_give_identical_tokens(tmp_path):
         eng = Engine.from_folder(str(folder), max_model_len=1024, max_batch=3, use_cuda_graph=graphs)
         toks = {}
         for i, p in enumerate(prompts):
-            eng.add_request(f"r{i}", p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+            eng.add_request(f"r{i}", p, SamplingParams(max_tokens=8 * (i + 1), temperature=0.0, ignore_eos=True))
             toks[f"r{i}"] = []
         while eng.has_unfinished():
             for out in eng.step():
@@ -555,4 +556,5 @@ def test_qwen35_graph_and_eager_decode_give_identical_tokens(tmp_path):
         results[graphs] = toks
         assert eng.stats()["kv_pages_used"] == 0 and eng.stats()["slots_used"] == 0
         del eng
+    assert [len(results[True][f"r{i}"]) for i in range(3)] == [8, 16, 24]
     assert results[True] == results[False]

@@ -39,7 +39,9 @@ def assemblable(ptx: str) -> str:
     ptx = re.sub(r"SYM\?", lambda m: f"SYMQ{next(names)}", ptx)
     bounds = re.search(r"\('launch_bounds', \((\d+)(?:, (\d+))?\)\)", ptx)
     if bounds:
-        extra = f"\n.maxntid {bounds.group(1)}, 1, 1" + (f"\n.minnctapersm {bounds.group(2)}" if bounds.group(2) else "")
+        extra = f"\n.maxntid {bounds.group(1)}, 1, 1"
+        if bounds.group(2):
+            extra += f"\n.minnctapersm {bounds.group(2)}"
         ptx = re.sub(r"(\.visible \.entry [^(]+\([^)]*\))", lambda m: m.group(1) + extra, ptx, count=1)
     ptx = re.sub(r"\.version \d+\.\d+", ".version 8.5", ptx)
     return re.sub(r"\.target sm_90a?\b", ".target sm_90a", ptx)

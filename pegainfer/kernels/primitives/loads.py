@@ -1,9 +1,10 @@
 """Wide loads and stores: ``load_u32x4(a, i)`` reads ``a[i:i+4]`` of a ``uint32`` array as one 16-byte read-only
 load (8 bf16 values; ``i`` an element index, a multiple of 4); ``load_u32_l2`` reads one word at L2;
 ``load_acquire_u32`` reads one word with acquire semantics at GPU scope (the load of a spin-wait on a counter
-other blocks of the launch raise); ``prefetch_l2(a, i)`` asks L2 for the 128-byte line holding ``a[i]`` and returns at once (no register waits on it);
-``load_f32x2`` / ``load_f32x4`` and ``store_f32x2`` / ``store_f32x4`` move 8 / 16 bytes of f32 at once (global or
-shared memory); ``as_words`` views a tensor as the flat uint32 array they read."""
+other blocks of the launch raise); ``prefetch_l2(a, i)`` asks L2 for the 128-byte line holding ``a[i]`` and
+returns at once (no register waits on it); ``load_f32x2`` / ``load_f32x4`` and ``store_f32x2`` / ``store_f32x4``
+move 8 / 16 bytes of f32 at once (global or shared memory); ``as_words`` views a tensor as the flat uint32 array
+they read."""
 from __future__ import annotations
 
 import numpy as np

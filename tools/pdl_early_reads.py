@@ -213,7 +213,14 @@ def main(argv=None) -> int:
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated decodeB, prefillT, scoreT "
                    "(default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the result as a JSON list, one object a kernel")
+    p.add_argument("--launch-policy", metavar="FIELD=VALUE,...", default="",
+                   help="check the steps of this launch policy (e.g. pdl=default+gemm_wgmma: a launch to overlap "
+                        "before it becomes a default); default: the engine's")
     args = p.parse_args(argv)
+    if args.launch_policy:
+        from pegainfer.kernels.policy import LaunchPolicy
+        from pegainfer.kernels.policy_text import parse_fields, policy_with
+        snap.POLICY = policy_with(LaunchPolicy(), parse_fields(args.launch_policy))
     res = report(args.models.split(","), args.cases.split(","))
     if args.json:
         print(json.dumps([asdict(o) for o in res], indent=1))

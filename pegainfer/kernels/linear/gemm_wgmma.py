@@ -77,7 +77,8 @@ from pegainfer.kernels.linear.splitk import build_finish_tile, norm_handoff, spl
 from pegainfer.kernels.norm import pairs_per_thread
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
 from pegainfer.kernels.primitives import (SIMULATOR, WARP, as_words, cuda, device_fn, float32, grid,
-                                          grid_dependency_wait, int32, launch_dependents, sm_count, uint32)
+                                          grid_dependency_wait, int32, launch_dependents, reads_before_wait,
+                                          sm_count, uint32)
 from pegainfer.kernels.primitives.cluster import (cluster_count, cluster_index, cluster_rank, cluster_size,
                                                   cluster_sync, mbar_arrive_in, tma_load_2d_multicast)
 from pegainfer.kernels.primitives.barriers import (mbar_arrive, mbar_arrive_expect_tx, mbar_fence_init, mbar_init,
@@ -211,6 +212,7 @@ def _gemm_wgmma_kernel(warpgroups: int, bn: int, stages: int, gated: bool, warps
         else:
             mbar_arrive(ring, empty)
 
+    @reads_before_wait("x_maps", "w_maps")      # the tensor maps' prefetch and the weight boxes (through w_maps)
     @bounded_kernel(nthreads, warps_per_sm)
     def gemm_wgmma(x32, w32, out, k, k_splits, ws, counters, x_maps, x_slot, w_maps, w_slot):
         """``out = x @ W.T`` (or SwiGLU of gate/up row pairs when gated) on Hopper tensor cores, f32 accumulation.

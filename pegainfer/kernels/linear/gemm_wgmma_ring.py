@@ -44,7 +44,7 @@ from pegainfer.kernels.linear.splitk import build_finish_tile
 from pegainfer.kernels.norm import build_row_norm
 from pegainfer.kernels.primitives import (cp_async_16, cp_async_commit, cp_async_wait_group, cuda, device_fn,
                                           float32, grid_dependency_wait, int32, launch_dependents, load_acquire_u32,
-                                          uint32)
+                                          reads_before_wait, uint32)
 from pegainfer.kernels.primitives.wgmma import (WARPGROUP, fence_proxy_async, shared_address, smem_desc,
                                                 swizzled_word, wgmma_bf16_m64k16, wgmma_commit, wgmma_fence,
                                                 wgmma_wait)
@@ -198,6 +198,7 @@ def gemm_wgmma_ring_kernel(warpgroups: int, bn: int, stages: int, gated: bool, w
             finish_tile(out, acc, tok0, n0, ws, counters, ring, flag_at, m_tile + tiles_m * n_tile, split, k_splits)
 
     if NORM:
+        @reads_before_wait("w32")                   # the first weight tiles
         @bounded_kernel(nthreads, warps_per_sm)
         def gemm_wgmma_ring_add_rms_norm(residual_in32, delta32, has_delta, norm_weight32, eps, weight_offset,
                                          round_before_weight, residual_out32, x32, w32, out, k, k_splits, ws,
@@ -212,6 +213,7 @@ def gemm_wgmma_ring_kernel(warpgroups: int, bn: int, stages: int, gated: bool, w
 
         return gemm_wgmma_ring_add_rms_norm
 
+    @reads_before_wait("w32")                       # the first weight tiles
     @bounded_kernel(nthreads, warps_per_sm)
     def gemm_wgmma_ring(x32, w32, out, k, k_splits, ws, counters):
         """``out = x @ W.T`` (or SwiGLU of column pairs when gated) on Hopper tensor cores, f32 accumulation.

@@ -12,7 +12,7 @@ import pegainfer  # noqa: F401  (before numba)
 from numba import cuda
 from pegainfer.demo import qwen3_tensor_shapes, write_random_qwen3
 from pegainfer.errors import OutOfMemoryError, WeightError
-from pegainfer.kernels.primitives import from_bf16_bits, to_bf16_bits
+from pegainfer.kernels.primitives import from_bf16_bits
 from pegainfer.weights import (Progress, WeightReader, check_gpu_memory, list_tensor_names, prefix_for,
                                read_header)
 
@@ -180,7 +180,8 @@ def test_upload_new_array_and_into_slices(tmp_path, rng):
     r.upload("q", (4, 8), dest=qkv[0:4])
     r.upload("k", (2, 8), dest=qkv[4:6])
     r.upload("v", (2, 8), dest=qkv[6:8])
-    expect = np.concatenate([q.view(np.uint16), to_bf16_bits(k), to_bf16_bits(v.astype(np.float32))])
+    expect = np.concatenate([q.view(np.uint16), k.astype(ml_dtypes.bfloat16).view(np.uint16),
+                             v.astype(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)])
     np.testing.assert_array_equal(qkv.copy_to_host(), expect)
     np.testing.assert_allclose(from_bf16_bits(qkv.copy_to_host()[4:6]), k, rtol=1e-2)
     with pytest.raises(ValueError, match="destination"):

@@ -27,12 +27,18 @@ def test_ulp_mismatch_counts_outputs_more_than_one_ulp_apart(bg):
 
 def test_sweep_candidates_split_only_where_k_allows(bg):
     """Every candidate keeps at least 4 K tiles a split, and a weight whose tiles already fill the GPU is not
-    split."""
+    split further than the heuristic splits it (a one-tile weight of the same K is)."""
     L = bg.linear_api()
     short = bg.Shape.__new__(bg.Shape)
     short.n, short.k, short.gated = 64, 256, False
     cands = bg.sweep_candidates(L, short, 2)
     assert cands and all((256 // 32) // g.k_splits >= 4 or g.k_splits == 1 for g in cands)
+    for n, fills in ((65536, True), (64, False)):       # 1024 tiles of 64 columns and more, or one
+        shape = bg.Shape.__new__(bg.Shape)
+        shape.n, shape.k, shape.gated = n, 4096, False
+        heuristic = {1, L.mma_geometry(n, 4096, 2).k_splits, L.wgmma_geometry(n, 4096, 2).k_splits}
+        swept = {g.k_splits for g in bg.sweep_candidates(L, shape, 2)}
+        assert (swept <= heuristic) == fills, (n, swept, heuristic)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="a smoke run of the simulator's tiny shapes")

@@ -1,10 +1,11 @@
 """Embedding gather: the tuned gather against the reference kernel (bit for bit), the reference against NumPy."""
 import numpy as np
 
-from tests.util import bf16_randn  # (tests.util imports pegainfer before numba)
+from tests.util import bf16_randn, launches_during  # (tests.util imports pegainfer before numba)
 from numba import cuda
 
 from pegainfer.kernels.embedding import embedding, reference_embedding
+from pegainfer.kernels.embedding.gather import _embedding_rows_kernel, embedding_kernel
 
 
 def numpy_gather(table, ids):
@@ -37,3 +38,6 @@ def test_embedding_rows_not_sixteen_bytes_use_the_scalar_gather(rng):
     a row longer than one round of the block's 16-byte loads takes several rounds.  Both are exact copies."""
     assert_gathers(rng, 20, 70, [5, 19, -3, 0])
     assert_gathers(rng, 12, 8 * 32 * 3 + 16, [5, 11, -3, 0])   # 3 rounds + a partial one in the simulator
+    for hidden, kernel in ((70, embedding_kernel), (8 * 32 * 3 + 16, _embedding_rows_kernel(4))):
+        table, _ = bf16_randn((4, hidden), rng)
+        assert [k for k, _ in launches_during(lambda: gathered(embedding, table, [1]))] == [kernel], hidden

@@ -5,7 +5,7 @@ import pytest
 
 from tests.kernels.linear_util import (assert_same_bits, exact_inputs, reference_bits, run, run_bits,
                                        silu_mul_reference)
-from tests.util import SIMULATOR, bf16_randn, bf16_round, rel_l2
+from tests.util import SIMULATOR, bf16_randn, bf16_round, launches_during, rel_l2
 
 from pegainfer.kernels import linear as lin
 from pegainfer.kernels.linear import linear, linear_silu_mul
@@ -50,9 +50,15 @@ def test_paths_match_the_reference_kernel(impl, gated, T, rng):
 
 @pytest.mark.parametrize("T", [2, 9])
 def test_default_dispatch(T, rng):
-    """impl=None: the GEMV for T <= 8, the GEMM above, with the default geometries."""
+    """impl=None: the GEMV for T <= 8, the GEMM above (``gemm_fma`` in the simulator), with the default geometries,
+    giving the reference kernel's bits."""
     (xb, _), (wb, _) = exact_inputs(T, 33, 64, rng)
-    assert_same_bits(run_bits(linear, xb, wb, 33), reference_bits(xb, wb))
+    got = []
+    launched = launches_during(lambda: got.append(run_bits(linear, xb, wb, 33)))
+    assert_same_bits(got[0], reference_bits(xb, wb))
+    if SIMULATOR:
+        assert [(getattr(k, "py_func", None) or k.fn).__name__ for k, _ in launched] == [
+            "gemv" if T <= 8 else "gemm_fma"]
 
 
 def test_rejects_bad_shapes():

@@ -75,7 +75,8 @@ def test_split_counts_give_the_same_bits_and_leave_the_counters_at_zero(rng):
     results = [run_bits(gemm_mma, xb, wb, N, geometry=G(1, 1, 1, 2, k_splits=s), workspace=ws) for s in (1, 2, 5, 5)]
     for got in results[1:]:
         assert np.array_equal(got, results[0])
-    counters = ws.copy_to_host().view(np.int32)[-2:]
+    assert workspace_need(G(1, 1, 1, 2, k_splits=5), T, N)[1] == 2
+    counters = ws.copy_to_host().view(np.int32)[-(2 + HANDOFF_WORDS):]    # the split counters, then the handoff's
     assert np.all(counters == 0), counters
 
 

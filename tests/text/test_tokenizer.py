@@ -27,8 +27,10 @@ def test_round_trip_and_special_tokens(tok):
     assert ids[0] == tok.token_to_id("<|im_start|>") and ids[-1] == tok.token_to_id("<|im_end|>")
     assert tok.decode(ids) == "user\nHi"
     assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nHi<|im_end|>"
-    # <think> is an added but non-special token in Qwen3: it stays in the text
-    assert tok.decode(tok.encode("<think>x</think>")) == "<think>x</think>"
+    # <think> is an added but non-special token in Qwen3: one id each, and it stays in the text
+    ids = tok.encode("<think>x</think>")
+    assert ids[0] == tok.token_to_id("<think>") and ids[-1] == tok.token_to_id("</think>")
+    assert tok.decode(ids) == "<think>x</think>"
 
 
 def test_config_fields(tok):

@@ -99,7 +99,7 @@ class OpenAIServer:
         self.max_body_bytes = int(max_body_bytes)
         self.created = P.now()
         self._engine_model_name: Optional[str] = None
-        self.metrics = ServerMetrics(async_engine, self.model_name, self.model_name_known)
+        self.metrics = ServerMetrics(async_engine, self.model_name, self.known_model_name)
 
     # ------------------------------------------------------------------------------------------------ helpers
     @property
@@ -108,20 +108,19 @@ class OpenAIServer:
             raise EngineNotReadyError(self.async_engine._not_ready_message())
         return self.async_engine.engine
 
-    def model_name(self) -> str:
-        """The name the server answers and counts under: ``--served-model-name``, else the engine's model once it
-        is known (kept after an engine failure, so its 500s count under the model that served), else
-        "pegainfer" while it loads."""
+    def known_model_name(self) -> Optional[str]:
+        """``--served-model-name``, else the engine's model once it has loaded (kept after an engine failure, so
+        its 500s count under the model that served); None while it loads."""
         if self.served_model_name:
             return self.served_model_name
         if self.async_engine.ready:
-            self._engine_model_name = getattr(self.async_engine.engine, "model_name", None) or self._engine_model_name
-        return self._engine_model_name or "pegainfer"
+            self._engine_model_name = (getattr(self.async_engine.engine, "model_name", None)
+                                       or self._engine_model_name or "pegainfer")
+        return self._engine_model_name
 
-    def model_name_known(self) -> bool:
-        """Whether ``model_name`` is the served model's (given, or the engine has loaded), not the placeholder."""
-        self.model_name()                  # notes the engine's name once it is ready
-        return bool(self.served_model_name) or self._engine_model_name is not None or self.async_engine.ready
+    def model_name(self) -> str:
+        """The name the server answers and counts under: ``known_model_name``, "pegainfer" while the model loads."""
+        return self.known_model_name() or "pegainfer"
 
     def reasoning_parser_for(self, engine) -> Optional[str]:
         """The reasoning parser chat answers go through: "auto" picks ``qwen3`` for a folder whose chat template

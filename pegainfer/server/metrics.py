@@ -130,10 +130,10 @@ class ServerMetrics:
     """The metrics of one app.  ``request_finished`` is called once per request that reached the engine;
     ``render`` is the body of ``GET /metrics``.  Used on the event loop (prometheus-client is thread-safe anyway)."""
 
-    def __init__(self, async_engine, model_name: Callable[[], str], name_known: Callable[[], bool]):
+    def __init__(self, async_engine, model_name: Callable[[], str], known_model_name: Callable[[], Optional[str]]):
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        self.name_known = name_known
+        self.known_model_name = known_model_name
         ProcessCollector(registry=self.registry)
         self.registry.register(_EngineCollector(async_engine, model_name))
         r = self.registry
@@ -181,6 +181,7 @@ class ServerMetrics:
         """The scrape's body.  The request series of the served model exist from the first scrape on, at 0 until a
         request counts (as vLLM's: a series born at 1 hides that request from ``increase()`` and ``rate()``); while
         the engine loads and no name was given, the name is not known yet and they wait."""
-        if self.name_known():
-            self._series(self.model_name())
+        name = self.known_model_name()
+        if name is not None:
+            self._series(name)
         return generate_latest(self.registry)

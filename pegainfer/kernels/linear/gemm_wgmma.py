@@ -72,13 +72,12 @@ from pegainfer.kernels.launch import launch
 from pegainfer.kernels.linear.common import bounded_kernel, silu_mul_bf16, store_packed_pair
 from pegainfer.kernels.linear.gemm import store_mma_tiles
 from pegainfer.kernels.linear.gemm_wgmma_ring import ROW_WORDS, WGMMA_BK, gemm_wgmma_ring_kernel
-from pegainfer.kernels.linear.geometry import WgmmaGeometry, mma_units, wgmma_geometry
+from pegainfer.kernels.linear.geometry import WgmmaGeometry, mma_units, resident_wave, wgmma_geometry
 from pegainfer.kernels.linear.splitk import build_finish_tile, norm_handoff, split_workspace
 from pegainfer.kernels.norm import pairs_per_thread
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
 from pegainfer.kernels.primitives import (SIMULATOR, WARP, as_words, cuda, device_fn, float32, grid,
-                                          grid_dependency_wait, int32, launch_dependents, reads_before_wait,
-                                          sm_count, uint32)
+                                          grid_dependency_wait, int32, launch_dependents, reads_before_wait, uint32)
 from pegainfer.kernels.primitives.cluster import (cluster_count, cluster_index, cluster_rank, cluster_size,
                                                   cluster_sync, mbar_arrive_in, tma_load_2d_multicast)
 from pegainfer.kernels.primitives.barriers import (mbar_arrive, mbar_arrive_expect_tx, mbar_fence_init, mbar_init,
@@ -359,30 +358,17 @@ def gemm_wgmma(x, w, out, *, gated: bool = False, geometry: WgmmaGeometry | None
     kern = _gemm_wgmma_kernel(geo.warpgroups, geo.bn, geo.stages, gated, geo.warps_per_sm, geo.cluster)
     x_maps, x_slot = tensor_map(x, geo.bm)
     w_maps, w_slot = tensor_map(w, geo.bn // 2 if gated or geo.cluster > 1 else geo.bn)
-    if geo.cluster > 1 and not SIMULATOR:     # one cluster a group of token tiles (the simulator's: one block)
-        clusters = -(-T // (geo.bm * geo.cluster)) * -(-n_cols // geo.bn) * geo.k_splits
-        launch(kern, clusters * geo.cluster, geo.threads, x32, as_words(w), out, k, geo.k_splits, ws, counters,
-               x_maps, x_slot, w_maps, w_slot, shared=geo.shared_bytes, name="gemm_wgmma", policy=policy,
-               cluster=geo.cluster)
-        return
     launch(kern, gemm_blocks(geo, T, n_cols), geo.threads, x32, as_words(w), out, k, geo.k_splits, ws, counters,
-           x_maps, x_slot, w_maps, w_slot, shared=geo.shared_bytes, name="gemm_wgmma", policy=policy)
-
-
-SM_SHARED_BYTES = 228 * 1024
-"""Shared memory of one Hopper SM (each resident block also holds 1 KB the system reserves)."""
-
-
-def resident_wave(geo: WgmmaGeometry) -> int:
-    """Blocks of ``geo`` that are resident at once on the GPU: per SM as many as its warps (``warps_per_sm``) and
-    shared memory allow, at least one."""
-    per_sm = min(max(1, geo.warps_per_sm * WARP // geo.threads),
-                 max(1, SM_SHARED_BYTES // (geo.shared_bytes + 1024 + 128)))
-    return sm_count() * per_sm
+           x_maps, x_slot, w_maps, w_slot, shared=geo.shared_bytes, name="gemm_wgmma", policy=policy,
+           cluster=1 if SIMULATOR else geo.cluster)
 
 
 def gemm_blocks(geo: WgmmaGeometry, n_tokens: int, n_cols: int) -> int:
-    """The grid of a launch: a block a unit, or (``geo.persistent``) at most one resident wave walking them."""
+    """The grid of a launch: a block a unit, or (``geo.persistent``) at most one resident wave walking them, or
+    (clusters, on a GPU) a cluster of blocks a group of ``geo.cluster`` token tiles (in the simulator a cluster is
+    one block)."""
+    if geo.cluster > 1 and not SIMULATOR:
+        return -(-n_tokens // (geo.bm * geo.cluster)) * -(-n_cols // geo.bn) * geo.k_splits * geo.cluster
     blocks = grid(mma_units(geo, n_tokens, n_cols), sim_cap=4)
     return min(blocks, resident_wave(geo)) if geo.persistent else blocks
 

@@ -419,6 +419,16 @@ class WgmmaGeometry:
 
 
 WGMMA_SMEM_MAX = 227 * 1024
+SM_SHARED_BYTES = 228 * 1024
+"""Shared memory of one Hopper SM (each resident block also holds 1 KB the system reserves)."""
+
+
+def resident_wave(geo: WgmmaGeometry) -> int:
+    """Blocks of ``geo`` resident at once on the GPU (the ``wgmma`` GEMM's counterpart of ``resident_blocks``): per
+    SM as many as its warps (``warps_per_sm``) and shared memory allow, at least one."""
+    per_sm = min(max(1, geo.warps_per_sm * WARP // geo.threads),
+                 max(1, SM_SHARED_BYTES // (geo.shared_bytes + 1024 + 128)))
+    return sm_count() * per_sm
 
 
 def _wave_splits(tiles: int, k: int) -> int:

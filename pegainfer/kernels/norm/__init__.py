@@ -14,6 +14,5 @@ from pegainfer.kernels.norm.row_kernel import (BLOCK_THREADS, add_pair, add_resi
                                                normalize_element, normalize_pair, pairs_per_thread, rms_norm)
 
 __all__ = ["BLOCK_THREADS", "add_pair", "add_residual", "add_rms_norm", "add_rms_norm_into", "build_row_norm",
-           "check_residual_buffers",
-           "inverse_rms", "normalize_element", "normalize_pair", "pairs_per_thread", "reference_add_rms_norm",
-           "reference_add_rms_norm_kernel", "reference_rms_norm", "rms_norm"]
+           "check_residual_buffers", "inverse_rms", "normalize_element", "normalize_pair", "pairs_per_thread",
+           "reference_add_rms_norm", "reference_add_rms_norm_kernel", "reference_rms_norm", "rms_norm"]

@@ -79,6 +79,7 @@ __all__ = ["as_words", "bf16_to_f32", "bf16x2_hi", "bf16x2_lo", "bits_f32", "blo
            "FULL_MASK", "global_timer", "grid", "GRID_DEPENDENCY_CONTROL", "grid_dependency_wait", "int32", "kernel",
            "lane_group_max", "lane_group_sum", "launch_dependents", "ldmatrix_x4", "load_acquire_u32", "load_f32x2",
            "load_f32x4", "load_u32_l2", "load_u32x4", "math", "mma_bf16_m16n8k16", "NO_INDEX", "pack_bf16x2",
-           "pdl_prologue", "prefetch_l2", "SIMULATOR", "sm_id", "store_f32x2", "store_f32x4", "threads", "to_bf16_bits", "uint16", "uint32", "WARP",
+           "pdl_prologue", "prefetch_l2", "SIMULATOR", "sm_id", "store_f32x2", "store_f32x4", "threads",
+           "to_bf16_bits", "uint16", "uint32", "WARP",
            "warp_argmax", "warp_max", "warp_row_sums_to_shared", "warp_sum", "warp_sums_to_shared"]
 __all__ += ["exp2_approx", "launch_bounded", "ldmatrix_x4_trans", "reads_before_wait", "sm_count", "split_bf16x2", "warp_any"]

@@ -6,8 +6,8 @@ import pytest
 
 import pegainfer  # noqa: F401  (before numba)
 from pegainfer.config import load_generation_config, load_model_config
-from pegainfer.demo import (DEMO_CORPUS, DEMO_NAME, QUIET_ROW_SCALE, ensure_demo_model, prints_visibly,
-                            quiet_token_ids, train_tokenizer, write_random_qwen3)
+from pegainfer.demo import (DEMO_CORPUS, DEMO_NAME, DEMO_VERSION, QUIET_ROW_SCALE, ensure_demo_model,
+                            prints_visibly, quiet_token_ids, train_tokenizer, write_random_qwen3)
 from pegainfer.weights import WeightReader
 
 
@@ -26,25 +26,45 @@ def test_built_once(tmp_path):
 
 
 def test_cache_env_and_outdated_copy_rebuilt(tmp_path, monkeypatch):
+    """``$PEGAINFER_CACHE`` is where the demo lives; a copy there is rebuilt when it is of an older version (every
+    file present) or misses a file, and kept when current."""
     monkeypatch.setenv("PEGAINFER_CACHE", str(tmp_path))
     stale = tmp_path / DEMO_NAME
     stale.mkdir()
     (stale / "config.json").write_text(json.dumps({"pegainfer_demo": True, "pegainfer_demo_version": -1}))
     folder = ensure_demo_model()
     assert folder == stale and (folder / "model.safetensors").is_file()
-    assert json.loads((folder / "config.json").read_text())["pegainfer_demo_version"] >= 1
+    assert json.loads((folder / "config.json").read_text())["pegainfer_demo_version"] == DEMO_VERSION
+    assert sorted(p.name for p in tmp_path.iterdir()) == [DEMO_NAME]
+
+    def mark_and_set_version(version):
+        (folder / "marker").write_text("of the copy before")
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**cfg, "pegainfer_demo_version": version}))
+
+    mark_and_set_version(DEMO_VERSION)            # current: kept as it is
+    assert ensure_demo_model() == folder and (folder / "marker").is_file()
+    mark_and_set_version(DEMO_VERSION - 1)        # complete but older: rebuilt
+    assert ensure_demo_model() == folder and not (folder / "marker").exists()
+    assert json.loads((folder / "config.json").read_text())["pegainfer_demo_version"] == DEMO_VERSION
+    mark_and_set_version(DEMO_VERSION)
+    (folder / "generation_config.json").unlink()  # current but incomplete: rebuilt
+    assert ensure_demo_model() == folder and not (folder / "marker").exists()
+    assert (folder / "generation_config.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == [DEMO_NAME]
 
 
 def test_deterministic(tmp_path):
     a, b = ensure_demo_model(tmp_path / "a"), ensure_demo_model(tmp_path / "b")
-    for f in ("model.safetensors", "tokenizer.json", "config.json"):
+    for f in ("model.safetensors", "tokenizer.json", "config.json", "generation_config.json", "tokenizer_config.json",
+              "README.md"):
         assert (a / f).read_bytes() == (b / f).read_bytes(), f
 
 
 def test_config_and_readme(demo):
     raw = json.loads((demo / "config.json").read_text())
-    assert raw["pegainfer_demo"] is True and raw["torch_dtype"] == "bfloat16"
+    assert raw["pegainfer_demo"] is True and raw["pegainfer_demo_version"] == DEMO_VERSION
+    assert raw["torch_dtype"] == "bfloat16"
     assert "random" in (demo / "README.md").read_text().lower()
     cfg = load_model_config(demo)
     assert cfg.arch == "qwen3" and cfg.weight_prefix == "model."
@@ -56,7 +76,8 @@ def test_config_and_readme(demo):
     tok = Tokenizer.from_file(str(demo / "tokenizer.json"))
     im_end, eot = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
     assert cfg.eos_token_ids == (im_end,) and cfg.bos_token_id == eot
-    assert gen.eos_token_ids == (im_end, eot) and gen.temperature > 0
+    assert gen.eos_token_ids == (im_end, eot)
+    assert (gen.temperature, gen.top_k, gen.top_p) == (0.6, 20, 0.95)     # sampling, top 20 (the visible tokens)
 
 
 def test_tokenizer(demo):
@@ -123,6 +144,9 @@ def test_the_model_picks_visible_tokens(demo):
 
 
 def test_chat_template(demo):
+    """The ChatML template as transformers renders it: system, user and assistant turns, an earlier assistant turn
+    without its think block (the last one keeps it), a tool turn as a user's tool response, the generation prompt
+    with and without ``enable_thinking``."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(demo)
     assert tok.eos_token == "<|im_end|>"
@@ -136,6 +160,14 @@ def test_chat_template(demo):
     assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=False) == \
         head + "<|im_start|>assistant\n<think>\n\n</think>\n\n"
     assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False) == head
+    tool = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "<think>\nask\n</think>\n\nChecking."},
+            {"role": "tool", "content": "{\"sky\": \"blue\"}"},
+            {"role": "assistant", "content": "<think>\nok\n</think>\n\nBlue."}]
+    assert tok.apply_chat_template(tool, tokenize=False) == (     # the last turn keeps its think block
+        "<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\nChecking.<|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n{\"sky\": \"blue\"}\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n<think>\nok\n</think>\n\nBlue.<|im_end|>\n")
 
 
 def test_transformers_loads_the_same_weights(demo):

@@ -270,9 +270,10 @@ def run_in_processes(processes: int, base_url: str, model: str, requests: Sequen
                      ) -> tuple[list[RequestResult], float, list[float]]:
     """``run_requests`` spread over ``processes`` client processes (one Python process parses a few thousand
     stream events per second: more would make the client what is measured).  Process k sends requests k, k + P,
-    k + 2P, ... at their arrival times from one common start, and keeps its share of ``max_concurrency``.
-    Returns the results in request order, the wall time from the start until the last request ended, and each
-    process's CPU seconds."""
+    k + 2P, ... at their arrival times from one common start, and keeps its share of ``max_concurrency`` (so there
+    are at most ``max_concurrency`` processes: each holds at least one place).  Returns the results in request
+    order, the wall time from the start until the last request ended, and each process's CPU seconds."""
+    processes = min(processes, len(requests), max_concurrency or len(requests))
     if processes <= 1:
         cpu0 = time.process_time()
         results, duration = asyncio.run(run_requests(base_url, model, requests, arrivals, max_concurrency, api_key,
@@ -280,7 +281,6 @@ def run_in_processes(processes: int, base_url: str, model: str, requests: Sequen
         return results, duration, [time.process_time() - cpu0]
     import multiprocessing
     ctx = multiprocessing.get_context("spawn")    # a fresh interpreter: the caller may hold threads or a GPU
-    processes = min(processes, len(requests))
     workers = []
     for k in range(processes):
         share = None

@@ -59,6 +59,14 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=argtypes.min_p, default=None,
                    help="drop tokens below min_p × the top probability, in [0, 1], 0 = off; default: "
                         "generation_config.json, else 0")
+    p.add_argument("--repetition-penalty", type=argtypes.repetition_penalty, default=None,
+                   help="divide the positive logits of tokens already in the prompt or output by this (multiply the "
+                        "negative ones), in (0, 10], 1 = off; default: generation_config.json, else 1")
+    p.add_argument("--frequency-penalty", type=argtypes.penalty, default=0.0,
+                   help="subtract this from a token's logit per time it is in the output, in [-2, 2] (default 0)")
+    p.add_argument("--presence-penalty", type=argtypes.penalty, default=0.0,
+                   help="subtract this from the logit of every token already in the output, in [-2, 2] (default 0; "
+                        "Qwen3's model card suggests up to 1.5 against endless repetition)")
     p.add_argument("--seed", type=argtypes.seed, default=None,
                    help="random seed: the same seed gives the same tokens (default: a fresh one per run)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
@@ -131,6 +139,8 @@ def _sampling_params(args, engine):
         top_p=pick(args.top_p, getattr(d, "top_p", None), 1.0),
         top_k=pick(args.top_k, getattr(d, "top_k", None), 0),
         min_p=pick(args.min_p, getattr(d, "min_p", None), 0.0),
+        repetition_penalty=pick(args.repetition_penalty, getattr(d, "repetition_penalty", None), 1.0),
+        frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
         seed=args.seed, ignore_eos=args.ignore_eos)
 
 

@@ -65,6 +65,21 @@ def min_p(text: str) -> float:
     return value
 
 
+def penalty(text: str) -> float:
+    """A presence or frequency penalty: OpenAI's range."""
+    value = _float(text)
+    if not -2 <= value <= 2:
+        raise argparse.ArgumentTypeError(f"must be in [-2, 2] (0 = off), got {text}")
+    return value
+
+
+def repetition_penalty(text: str) -> float:
+    value = _float(text)
+    if not 0 < value <= 10:
+        raise argparse.ArgumentTypeError(f"must be in (0, 10] (1 = off), got {text}")
+    return value
+
+
 def memory_fraction(text: str) -> float:
     value = _float(text)
     if not 0 < value <= 1:

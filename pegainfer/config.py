@@ -92,13 +92,14 @@ class GenerationDefaults:
     """Sampling defaults from ``generation_config.json`` (used when a request does not set them).
 
     ``temperature == 0`` means greedy (the file said ``do_sample: false``).  ``top_k == 0`` and ``top_p == 1``
-    and ``min_p == 0`` disable those filters.  ``repetition_penalty`` and other fields are ignored.
+    and ``min_p == 0`` disable those filters; ``repetition_penalty == 1`` is off.  Other fields are ignored.
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
     eos_token_ids: tuple[int, ...] = ()
     max_new_tokens: int | None = None
 
@@ -364,9 +365,12 @@ def load_generation_config(folder) -> GenerationDefaults:
         temperature = 0.0
     top_p = g.float("top_p", default=1.0)
     min_p = g.float("min_p", default=0.0, positive=False)
-    if temperature < 0 or not 0 < top_p <= 1 or not 0 <= min_p <= 1:
-        raise ModelFolderError(f"{gen_path}: temperature must be >= 0, top_p in (0, 1], min_p in [0, 1]")
+    repetition_penalty = g.float("repetition_penalty", default=1.0)
+    if temperature < 0 or not 0 < top_p <= 1 or not 0 <= min_p <= 1 or not 0 < repetition_penalty <= 10:
+        raise ModelFolderError(f"{gen_path}: temperature must be >= 0, top_p in (0, 1], min_p in [0, 1], "
+                               f"repetition_penalty in (0, 10]")
     return GenerationDefaults(
         temperature=temperature, top_p=top_p, top_k=g.int("top_k", default=0, minimum=0), min_p=min_p,
+        repetition_penalty=repetition_penalty,
         eos_token_ids=_dedupe(eos),
         max_new_tokens=g.int("max_new_tokens", default=None) if gen.get("max_new_tokens") is not None else None)

@@ -25,7 +25,8 @@ def test_help_explains_commands():
     r = run_cli("generate", "--help")
     assert r.returncode == 0
     for flag in ("--model-path", "--prompt", "--max-tokens", "--temperature", "--top-p", "--top-k", "--min-p",
-                 "--seed", "--ignore-eos", "--max-model-len", "--cuda-graph", "--log-level"):
+                 "--seed", "--ignore-eos", "--max-model-len", "--cuda-graph", "--log-level", "--repetition-penalty",
+                 "--frequency-penalty", "--presence-penalty"):
         assert flag in r.stdout
     assert "default: 'Hello, my name is'" in " ".join(r.stdout.split())    # the default prompt is shown
     r = run_cli("serve", "--help")
@@ -115,6 +116,9 @@ BAD_VALUES = [
     (("generate", "--top-p", "2"), "(0, 1]"),
     (("generate", "--top-p", "0"), "(0, 1]"),
     (("generate", "--min-p", "5"), "[0, 1]"),
+    (("generate", "--presence-penalty", "3"), "[-2, 2]"),
+    (("generate", "--frequency-penalty", "-2.5"), "[-2, 2]"),
+    (("generate", "--repetition-penalty", "0"), "(0, 10]"),
     (("generate", "--top-k", "-1"), "at least 0"),
     (("generate", "--max-tokens", "0"), "at least 1"),
     (("generate", "--max-model-len", "1"), "at least 2"),
@@ -333,3 +337,18 @@ def test_bench_floor_counts_recurrent_state_and_untied_embedding_rows():
     assert batched["weights_read"] == 2 * (V * H + 3 * H + 500)
     assert batched["recurrent_state_rw"] == 3 * floor["recurrent_state_rw"]
     assert batched["kv_read"] == 3 * 672 and batched["batch"] == 3
+
+
+def test_generate_penalty_flags_reach_the_sampling_params():
+    """Catches a penalty flag parsed but not passed on, or the folder's repetition_penalty ignored: the defaults
+    come from generation_config.json (here 1.05), explicit flags win."""
+    from types import SimpleNamespace
+
+    from pegainfer.__main__ import _sampling_params, build_parser
+    engine = SimpleNamespace(generation_defaults=SimpleNamespace(temperature=0.6, repetition_penalty=1.05))
+    p = _sampling_params(build_parser().parse_args(["generate"]), engine)
+    assert (p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.temperature) == (1.05, 0.0, 0.0, 0.6)
+    args = build_parser().parse_args(["generate", "--repetition-penalty", "1.3", "--frequency-penalty", "0.5",
+                                      "--presence-penalty", "-1"])
+    p = _sampling_params(args, engine)
+    assert (p.repetition_penalty, p.frequency_penalty, p.presence_penalty) == (1.3, 0.5, -1.0) and p.penalized

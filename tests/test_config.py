@@ -260,7 +260,7 @@ def test_generation_config_merges_eos(tmp_path):
                                                "temperature": 0.6, "top_k": 20, "top_p": 0.95,
                                                "repetition_penalty": 1.05})
     g = load_generation_config(tmp_path)
-    assert (g.temperature, g.top_p, g.top_k, g.min_p) == (0.6, 0.95, 20, 0.0)
+    assert (g.temperature, g.top_p, g.top_k, g.min_p, g.repetition_penalty) == (0.6, 0.95, 20, 0.0, 1.05)
     assert g.eos_token_ids == (151645, 151643)  # config.json's 151645 deduplicated, order kept
 
 
@@ -273,7 +273,7 @@ def test_generation_config_eos_from_both_files_in_order(tmp_path):
 def test_generation_config_missing_gives_defaults(tmp_path):
     write(tmp_path, "config.json", QWEN3_4B)
     g = load_generation_config(tmp_path)
-    assert (g.temperature, g.top_p, g.top_k, g.min_p) == (1.0, 1.0, 0, 0.0)
+    assert (g.temperature, g.top_p, g.top_k, g.min_p, g.repetition_penalty) == (1.0, 1.0, 0, 0.0, 1.0)
     assert g.eos_token_ids == (151645,)
 
 
@@ -286,4 +286,7 @@ def test_generation_config_greedy_and_errors(tmp_path):
         load_generation_config(tmp_path)
     write(tmp_path, "generation_config.json", {"top_p": 1.5})
     with pytest.raises(ModelFolderError, match="top_p"):
+        load_generation_config(tmp_path)
+    write(tmp_path, "generation_config.json", {"repetition_penalty": 11})
+    with pytest.raises(ModelFolderError, match="repetition_penalty"):
         load_generation_config(tmp_path)

@@ -54,6 +54,7 @@ from pegainfer.engine.types import RequestOutput, SamplingParams, TokenLogprob
 from pegainfer.device import SIMULATOR, require_supported_gpu
 from pegainfer.errors import PegainferError, RequestError
 from pegainfer.kernels.launch import traced
+from pegainfer.kernels.penalties import penalty_state_bytes
 from pegainfer.kernels.policy import LaunchPolicy
 
 log = logging.getLogger("pegainfer.engine")
@@ -194,7 +195,8 @@ class Engine:
             """The model for context ``mml``, its KV pages and the bytes it needs besides them."""
             m = Model(cfg, mml, max_tokens=step_tokens + spare_tokens, max_rows=max(max_batch + spare_rows, SCORE_ROWS),
                       policy=policy)
-            fixed = m.weight_bytes() + m.scratch_bytes() + getattr(m, "state_bytes", lambda n: 0)(max_batch + snapshots)
+            fixed = (m.weight_bytes() + m.scratch_bytes() + getattr(m, "state_bytes", lambda n: 0)(max_batch + snapshots)
+                     + penalty_state_bytes(max_batch, m.V))
             page_bytes = PAGE_SIZE * m.kv_bytes_per_token()
             one_seq = -(-mml // PAGE_SIZE)
             if num_pages is not None:
@@ -301,6 +303,7 @@ class Engine:
         vocab = self.model.V
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
             raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
+        check_penalties(params, vocab)
         seq = Sequence(request_id, prompt_token_ids, params,
                        IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
                        StopStringMatcher(params.stop) if params.stop else None)
@@ -639,3 +642,23 @@ def _step_label(sched) -> str:
     if sched.kind == "mixed":
         return f"mixed: {len(sched.decodes)} decodes + {len(sched.chunks)} chunks ({sched.num_tokens} tokens)"
     return f"decode batch {len(sched.decodes)}"
+
+
+def check_penalties(params: SamplingParams, vocab: int) -> None:
+    """A ``RequestError`` naming the first penalty or logit bias outside what ``kernels/penalties.py`` applies."""
+    import math
+
+    from pegainfer.kernels.penalties import MAX_LOGIT_BIAS
+    if not (math.isfinite(params.repetition_penalty) and params.repetition_penalty > 0):
+        raise RequestError(f"repetition_penalty must be a finite number > 0 (1 = off), got {params.repetition_penalty}")
+    for name in ("frequency_penalty", "presence_penalty"):
+        v = getattr(params, name)
+        if not (math.isfinite(v) and -2.0 <= v <= 2.0):
+            raise RequestError(f"{name} must be in [-2, 2] (0 = off), got {v}")
+    if len(params.logit_bias) > MAX_LOGIT_BIAS:
+        raise RequestError(f"logit_bias has {len(params.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are accepted")
+    for t, b in params.logit_bias.items():
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+            raise RequestError(f"logit_bias token id {t!r} is outside the vocabulary [0, {vocab})")
+        if not (math.isfinite(b) and -100.0 <= b <= 100.0):
+            raise RequestError(f"logit_bias of token {t} must be in [-100, 100], got {b}")

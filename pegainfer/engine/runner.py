@@ -47,7 +47,8 @@ from pegainfer.engine.cuda_graph import mixed_decode_rows, mixed_shape, prefill_
 from pegainfer.kernels import sampling
 from pegainfer.kernels.launch import on_stream
 from pegainfer.kernels.next_ids import gather_next_ids
-from pegainfer.kernels.token_mask import apply_token_mask
+from pegainfer.kernels.penalties import PenaltyState, initialize_slot
+from pegainfer.kernels.token_mask import MASKED, PENALIZED, PenaltyInputs, apply_token_mask
 from pegainfer.engine.step_inputs import StepInputs, TokenMasks, UploadFence, wait_event
 
 
@@ -92,6 +93,11 @@ class ModelRunner:
         # uploaded only for steps that have such rows (``_fill_masks``).
         self.masks = TokenMasks(R, model.V)
         self._mask_rows = 0             # rows of masks to upload with this step's inputs
+        # Penalties and logit bias (``kernels/penalties.py``): a state per slot on the device, applied with the
+        # masks; ``_penalty_owner[slot]``: the sequence whose state the slot holds (set up by ``_start_penalties``).
+        self.penalties = PenaltyInputs(PenaltyState(pool.num_slots, model.V), self.sampling.step, self.step.ids,
+                                       self.step.logit_rows, self.step.token_slots)
+        self._penalty_owner: dict = {}
         self._mask_executor = None      # llguidance's thread pool, for steps with several constrained rows
         self.out_ids = self.step.ids[:R]    # the sampled ids (over the consumed input ids: ``forward_and_sample``)
         # a step's sampled ids kept for a step launched ahead over fewer rows, and that step's ids gathered from them
@@ -169,12 +175,18 @@ class ModelRunner:
             self.masks_uploaded.record(s)
 
     def _fill_masks(self, rows, B: int) -> None:
-        """Flag and fill the grammar bitmask of each ``(seq, row)`` whose next token a grammar constrains; clear the
-        flags of the step's other rows.  The mask depends on every token so far, so a step launched ahead gets its
-        masks after its forward pass is launched (``launch_sample``)."""
+        """Flag the step's rows ``(seq, row)`` that sample: ``PENALIZED`` for a sequence with penalties or a logit
+        bias (its slot's state set up first, ``_start_penalties``), ``MASKED`` with its grammar bitmask filled for
+        one whose next token a grammar constrains; clear the flags of the step's other rows.  The mask depends on
+        every token so far, so a step launched ahead gets its masks after its forward pass is launched
+        (``launch_sample``); the penalties count the newest token on the device and need no such wait."""
         from pegainfer.text.structured import fill_masks
         self.masks_uploaded.wait()
         self.step.h_masked[:B] = 0
+        for seq, row in rows:
+            if seq.params.penalized:
+                self._start_penalties(seq)
+                self.step.h_masked[row] = PENALIZED
         todo = [(seq.constraint, row) for seq, row in rows if seq.constraint is not None and seq.constraint.masks]
         self._mask_rows = max(row for _, row in todo) + 1 if todo else 0
         if not todo:
@@ -184,7 +196,21 @@ class ModelRunner:
             self._mask_executor = llguidance.LLExecutor()
         fill_masks(todo, self.masks.host, self._mask_executor)
         for _, row in todo:
-            self.step.h_masked[row] = 1
+            self.step.h_masked[row] |= MASKED
+
+    def _start_penalties(self, seq) -> None:
+        """Set up ``seq``'s penalty state in its slot (on the stream, before the step that needs it) unless the slot
+        holds it already: at its first sampled step, and after a preemption if another penalized sequence used
+        the slot meanwhile (then from its prompt and output so far)."""
+        if self._penalty_owner.get(seq.slot) is seq:
+            return
+        for slot in [slot for slot, owner in self._penalty_owner.items() if owner is seq]:
+            del self._penalty_owner[slot]       # its state in a slot it left is stale
+        p = seq.params
+        with on_stream(self.stream):
+            initialize_slot(self.penalties.state, seq.slot, seq.prompt_ids, seq.output_ids, p.repetition_penalty,
+                            p.frequency_penalty, p.presence_penalty, p.logit_bias, policy=self.model.policy)
+        self._penalty_owner[seq.slot] = seq
 
     def _set_sampling(self, row: int, seq, ahead: int = 0) -> None:
         p = seq.params
@@ -200,7 +226,7 @@ class ModelRunner:
         logits = self.model.forward(self.step, self.pool.block_tables, T, B, decode=decode, head=head,
                                     num_decode=num_decode, mixed=mixed)
         apply_token_mask(logits, self.masks.device, self.step.masked_rows, self.sampling.temperature, head=head,
-                         policy=self.model.policy)
+                         penalties=self.penalties, policy=self.model.policy)
         sampling.sample(logits, self.sampling, self.out_ids[:B], self.sample_workspace, head=head,
                         policy=self.model.policy)
         return logits
@@ -501,7 +527,7 @@ class ModelRunner:
         """The grammar mask and the sampler over ``model.logits[:B]`` (``forward_only``'s output)."""
         logits = self.model.logits[:B]
         apply_token_mask(logits, self.masks.device, self.step.masked_rows, self.sampling.temperature,
-                         policy=self.model.policy)
+                         penalties=self.penalties, policy=self.model.policy)
         sampling.sample(logits, self.sampling, self.out_ids[:B], self.sample_workspace, policy=self.model.policy)
 
     def _replay_or_run(self, key, run) -> None:

@@ -23,6 +23,16 @@ class SamplingParams:
     grammar: Optional[str] = None   # an llguidance grammar the output must follow (``text/structured.py``)
     grammar_after_think: str = "no"  # "no": from the first token; "yes": after </think>; "if_opened": after
     #                                  </think> if the output opens a <think> block first, else from the first token
+    repetition_penalty: float = 1.0   # > 1 discourages tokens of the prompt and the output (1 → off)
+    frequency_penalty: float = 0.0    # subtracted once per time a token is in the output (0 → off)
+    presence_penalty: float = 0.0     # subtracted once if a token is in the output at all (0 → off)
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id → added to its logit
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty or bias changes the logits (``kernels/penalties.py``)."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or bool(self.logit_bias))
 
 
 @dataclass

@@ -210,17 +210,20 @@ class OpenAIServer:
             raise P.bad(f"'min_tokens' ({s.min_tokens}) exceeds the {max_tokens} tokens this request may generate",
                         "min_tokens")
         vocab = int(getattr(engine, "vocab_size", 0) or engine.tokenizer.vocab_size)
-        bad_ids = [t for t in s.stop_token_ids if t >= vocab]
-        if bad_ids:
-            raise P.bad(f"'stop_token_ids' holds ids outside the vocabulary [0, {vocab}): {bad_ids[:5]}",
-                        "stop_token_ids")
+        for name, ids in (("stop_token_ids", s.stop_token_ids), ("logit_bias", s.logit_bias)):
+            bad_ids = [t for t in ids if t >= vocab]
+            if bad_ids:
+                raise P.bad(f"'{name}' holds ids outside the vocabulary [0, {vocab}): {bad_ids[:5]}", name)
         d = getattr(engine, "generation_defaults", None)
         pick = lambda v, name, fallback: v if v is not None else getattr(d, name, fallback)  # noqa: E731
         return SamplingParams(max_tokens=max_tokens, temperature=pick(s.temperature, "temperature", 1.0),
                               top_p=pick(s.top_p, "top_p", 1.0), top_k=pick(s.top_k, "top_k", 0),
                               min_p=pick(s.min_p, "min_p", 0.0), seed=s.seed, stop=list(s.stop),
                               stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
-                              min_tokens=s.min_tokens, logprobs=s.logprobs)
+                              min_tokens=s.min_tokens, logprobs=s.logprobs,
+                              repetition_penalty=pick(s.repetition_penalty, "repetition_penalty", 1.0),
+                              frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
+                              logit_bias=dict(s.logit_bias))
 
     async def output_grammar(self, req: P.ChatRequest, engine) -> Optional[str]:
         """The llguidance grammar a chat request's output must follow (None: free text): ``tool_choice`` "required"

@@ -154,6 +154,10 @@ class Sampling:
     ignore_eos: bool
     min_tokens: int
     logprobs: Optional[int]          # None → off; N → chosen token + top N
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: Optional[float] = None   # None → the model's generation_config.json, else 1
+    logit_bias: dict = field(default_factory=dict)   # token id → bias
 
 
 @dataclass
@@ -201,11 +205,7 @@ def _neutral_zero(v) -> bool:
 
 
 _UNSUPPORTED_COMMON = {
-    "presence_penalty": (_neutral_zero, "penalties are not implemented; leave it 0"),
-    "frequency_penalty": (_neutral_zero, "penalties are not implemented; leave it 0"),
-    "repetition_penalty": (lambda v: v == 1, "penalties are not implemented; leave it 1"),
     "length_penalty": (lambda v: v == 1, "beam search is not implemented; leave it 1"),
-    "logit_bias": (lambda v: v == {}, "logit_bias is not implemented"),
     "use_beam_search": (lambda v: v is False, "beam search is not implemented"),
     "guided_json": (lambda v: False, "send response_format {\"type\": \"json_schema\", ...} to "
                                      "/v1/chat/completions instead"),
@@ -293,9 +293,43 @@ def _parse_sampling(f: Fields, max_tokens: Optional[int], logprobs: Optional[int
     min_tokens = f.int("min_tokens", 0, lo=0)
     if max_tokens is not None and min_tokens > max_tokens:
         raise bad(f"'min_tokens' ({min_tokens}) must not exceed 'max_tokens' ({max_tokens})", "min_tokens")
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = f.number(name)
+        if v is not None and not -2 <= v <= 2:
+            raise bad(f"'{name}' must be in [-2, 2] (0 is off), got {v:g}", name)
+        penalties[name] = 0.0 if v is None else float(v)
+    repetition_penalty = f.number("repetition_penalty")
+    if repetition_penalty is not None and not 0 < repetition_penalty <= 10:
+        raise bad(f"'repetition_penalty' must be in (0, 10] (1 is off), got {repetition_penalty:g}",
+                  "repetition_penalty")
     return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                     seed=seed, stop=_parse_stop(f), stop_token_ids=f.int_list("stop_token_ids"),
-                    ignore_eos=f.bool("ignore_eos"), min_tokens=min_tokens, logprobs=logprobs)
+                    ignore_eos=f.bool("ignore_eos"), min_tokens=min_tokens, logprobs=logprobs,
+                    repetition_penalty=repetition_penalty, logit_bias=_parse_logit_bias(f), **penalties)
+
+
+def _parse_logit_bias(f: Fields) -> dict[int, float]:
+    """``logit_bias``: an object from token ids (as strings, as JSON has it) to biases in [-100, 100]."""
+    from pegainfer.kernels.penalties import MAX_LOGIT_BIAS
+    v = f.dict("logit_bias")
+    if not v:
+        return {}
+    if len(v) > MAX_LOGIT_BIAS:
+        raise bad(f"'logit_bias' has {len(v)} entries; at most {MAX_LOGIT_BIAS} are accepted", "logit_bias")
+    out = {}
+    for key, bias in v.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias") from None
+        if token < 0:
+            raise bad(f"'logit_bias' holds a negative token id {token}", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise bad(f"'logit_bias' values must be numbers in [-100, 100], got {bias!r} for token {token}",
+                      "logit_bias")
+        out[token] = float(bias)
+    return out
 
 
 def parse_completion_request(body: dict) -> CompletionRequest:

@@ -9,8 +9,8 @@ from numba import cuda
 
 from pegainfer.kernels import sampling
 from pegainfer.kernels.primitives import from_bf16_bits, to_bf16_bits
-from pegainfer.kernels.token_mask import (NEG_INF_BF16, allocate_bitmask, apply_token_mask, mask_words,
-                                          reference_token_mask, token_mask_kernel)
+from pegainfer.kernels.token_mask import (NEG_INF_BF16, PenaltyInputs, allocate_bitmask, apply_token_mask,
+                                          mask_words, reference_token_mask, token_mask_kernel)
 
 V = 70   # not a multiple of 32: the last word is partial
 
@@ -66,8 +66,11 @@ def test_tokens_past_the_bitmask_are_disallowed():
     assert (want[0, :64] == logits[0, :64]).all() and (want[0, 64:] == NEG_INF_BF16).all()
     d_logits, flags, temperature = cuda.to_device(logits), cuda.to_device(np.ones(1, np.int32)), \
         cuda.to_device(np.ones(1, np.float32))
+    pen = PenaltyInputs.unused()
+    st = pen.state
     token_mask_kernel[1, 32](d_logits, cuda.to_device(bitmask), flags, np.int32(1), temperature, np.int32(0), flags,
-                             temperature, flags)
+                             temperature, flags, st.counts, st.seen, st.counted, st.params, st.bias_tokens,
+                             st.bias_values, st.n_bias, pen.step, pen.ids, pen.logit_rows, pen.token_slots)
     np.testing.assert_array_equal(d_logits.copy_to_host(), want)
 
 

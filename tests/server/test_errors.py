@@ -93,9 +93,15 @@ COMPLETION_CASES = [
     ({"n": 0}, 400, "n", None, None),
     ({"best_of": 3}, 422, "best_of", "unsupported_parameter", None),
     ({"prompt": ["a", "b"]}, 422, "prompt", "unsupported_parameter", "one prompt per request"),
-    ({"presence_penalty": 0.5}, 422, "presence_penalty", "unsupported_parameter", "penalties"),
-    ({"frequency_penalty": 1}, 422, "frequency_penalty", "unsupported_parameter", None),
-    ({"logit_bias": {"5": 10}}, 422, "logit_bias", "unsupported_parameter", None),
+    ({"presence_penalty": 2.5}, 400, "presence_penalty", None, "[-2, 2]"),
+    ({"frequency_penalty": "1"}, 400, "frequency_penalty", "invalid_type", None),
+    ({"repetition_penalty": 0}, 400, "repetition_penalty", None, "(0, 10]"),
+    ({"logit_bias": {"x": 1}}, 400, "logit_bias", None, "token ids"),
+    ({"logit_bias": {"5": 101}}, 400, "logit_bias", None, "[-100, 100]"),
+    ({"logit_bias": {"5": "up"}}, 400, "logit_bias", None, "[-100, 100]"),
+    ({"logit_bias": {"-3": 1}}, 400, "logit_bias", None, "negative"),
+    ({"logit_bias": {"100000": 1}}, 400, "logit_bias", None, "outside the vocabulary"),
+    ({"logit_bias": [1, 2]}, 400, "logit_bias", "invalid_type", None),
     ({"suffix": "tail"}, 422, "suffix", "unsupported_parameter", None),
     ({"echo": True, "logprobs": 1}, 422, "echo", "unsupported_parameter", "prompt logprobs"),
     ({"response_format": {"type": "json_object"}}, 422, "response_format", "unsupported_parameter", None),
@@ -110,8 +116,7 @@ def test_bad_completion_requests(http, change, status, param, code, says):
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted(http):
-    body = {**GOOD_COMPLETION, "n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0,
-            "logit_bias": {}, "suffix": None, "user": "me", "response_format": {"type": "text"},
+    body = {**GOOD_COMPLETION, "n": 1, "best_of": 1, "suffix": None, "user": "me", "response_format": {"type": "text"},
             "some_future_field": [1, 2]}
     assert http.post("/v1/completions", json=body).status_code == 200
 

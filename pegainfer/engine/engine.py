@@ -195,8 +195,8 @@ class Engine:
             """The model for context ``mml``, its KV pages and the bytes it needs besides them."""
             m = Model(cfg, mml, max_tokens=step_tokens + spare_tokens, max_rows=max(max_batch + spare_rows, SCORE_ROWS),
                       policy=policy)
-            fixed = (m.weight_bytes() + m.scratch_bytes() + getattr(m, "state_bytes", lambda n: 0)(max_batch + snapshots)
-                     + penalty_state_bytes(max_batch, m.V))
+            state_bytes = getattr(m, "state_bytes", lambda n: 0)(max_batch + snapshots)
+            fixed = m.weight_bytes() + m.scratch_bytes() + state_bytes + penalty_state_bytes(max_batch, m.V)
             page_bytes = PAGE_SIZE * m.kv_bytes_per_token()
             one_seq = -(-mml // PAGE_SIZE)
             if num_pages is not None:

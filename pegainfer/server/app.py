@@ -15,7 +15,8 @@ A client that goes away cancels its request at once: from the moment the request
 (its pages and slot are freed at the next step) and ends whatever waits on it.  One log line per request goes to
 the ``pegainfer.server`` logger; every line logged while serving a request starts with its ``x-request-id``
 (``request_context.py``), and the engine's request id is ``cmpl-<x-request-id>`` / ``chatcmpl-<x-request-id>``
-(the response's ``id``), with a random suffix while that id is still in use.
+(the response's ``id``), with a random suffix while that id is still in use.  A request for ``n`` > 1 choices is
+``n`` engine requests, ``<id>-0`` .. ``<id>-<n-1>`` (a log line each), whose streams one response merges.
 
 Latency (what the HTTP layer adds to time-to-first-token and time-per-output-token; ``benchmarks/bench_server.py
 --fake-gpu`` measures it without a GPU): each streamed token costs the event loop one wake-up (one
@@ -26,6 +27,7 @@ background task (the disconnect watch), no thread hop for short prompts, and no 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -130,13 +132,14 @@ class OpenAIServer:
             return "qwen3" if template is not None and "<think>" in template.source else None
         return None if self.reasoning_parser == "none" else self.reasoning_parser
 
-    def request_log(self, request: Request, prefix: str, route: str) -> RequestLog:
+    def request_log(self, request: Request, prefix: str, route: str, n: int = 1) -> RequestLog:
         """The request's log (timed from its arrival) under its engine request id: ``<prefix>-<x-request-id>``, with
-        a random suffix while a request with that id is still in the engine (a client reusing its id)."""
+        a random suffix while a request with that id (or, for ``n`` > 1 choices, one of ``<id>-<i>``) is still in
+        the engine (a client reusing its id)."""
         state = request.scope.get("state", {})
         rid = f"{prefix}-{state.get('request_id') or request_id_from(request.headers.get('x-request-id'))}"
         note = ""
-        if self.async_engine.in_use(rid):
+        if self.async_engine.in_use(rid) or (n > 1 and any(self.async_engine.in_use(f"{rid}-{i}") for i in range(n))):
             rid = f"{rid}-{uuid.uuid4().hex[:8]}"
             note = f" id={rid}"
         return RequestLog(rid, route, state.get("arrival") or time.perf_counter(), self.metrics, note)
@@ -325,68 +328,76 @@ class OpenAIServer:
         if req.echo:
             echo_text = req.prompt_text if req.prompt_text is not None else \
                 await run_in_threadpool(tok.decode, ids, False)
-        rlog = self.request_log(request, "cmpl", "completions")
-        rid = rlog.request_id
-        rlog.prompt_tokens = len(ids)
+        rid, choices, watch = await self._submit(request, "cmpl", "completions", ids, params, req.n)
         name = self.model_name()
-        lp = P.CompletionLogprobs(tok, len(echo_text)) if params.logprobs is not None else None
-        stream, watch = await self._submit(request, rid, ids, params, rlog)
+        lps = [P.CompletionLogprobs(tok, len(echo_text)) if params.logprobs is not None else None for _ in choices]
 
-        def choice(text, logprobs, finish):
-            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        def choice(index, text, logprobs, finish):
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
         if not req.stream:
-            text = [echo_text]
+            texts = [[echo_text] for _ in choices]
 
-            def take(out):
-                text.append(out.delta_text)
-                if lp is not None:
-                    lp.add(out.logprobs)
+            def taker(i):
+                def take(out):
+                    texts[i].append(out.delta_text)
+                    if lps[i] is not None:
+                        lps[i].add(out.logprobs)
+                return take
 
-            finish = await self._collect(stream, watch, rlog, take)
+            finishes = await self._collect(choices, watch, [taker(i) for i in range(len(choices))])
             body = {"id": rid, "object": "text_completion", "created": P.now(), "model": name,
-                    "choices": [choice("".join(text), lp.to_json() if lp else None, finish)],
-                    "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens, rlog.cached_tokens), "system_fingerprint": None}
+                    "choices": [choice(i, "".join(texts[i]), lps[i].to_json() if lps[i] else None, finishes[i])
+                                for i in range(len(choices))],
+                    "usage": self._usage(choices), "system_fingerprint": None}
             return JSONResponse(body)
 
         created = P.now()
 
-        def chunk(text, logprobs, finish):
+        def chunk(index, text, logprobs, finish):
             c = {"id": rid, "object": "text_completion", "created": created, "model": name,
-                 "choices": [choice(text, logprobs, finish)]}
+                 "choices": [choice(index, text, logprobs, finish)]}
             if req.include_usage:
                 c["usage"] = None
             return c
 
-        text_chunk = ChunkTemplate(lambda text: chunk(text, None, None))  # the chunk of almost every token
+        # the chunk of almost every token, one per choice
+        text_chunks = [ChunkTemplate(lambda text, i=i: chunk(i, text, None, None)) for i in range(len(choices))]
 
         async def events():
-            tail = []
+            tail, running = [], len(choices)
             try:
                 if echo_text:
-                    yield text_chunk.fill(echo_text)
-                async for out in stream:
+                    for i in range(len(choices)):
+                        yield text_chunks[i].fill(echo_text)
+                async for c, out in self._outputs(choices):
+                    i, rlog = c.index, c.rlog
                     rlog.saw(out)
-                    part = lp.add(out.logprobs) if lp is not None else None
+                    part = lps[i].add(out.logprobs) if lps[i] is not None else None
                     if out.finished:
                         rlog.finish = self._finish_reason(out)
-                        if out.delta_text or part or rlog.finish:
-                            tail.append(sse(chunk(out.delta_text, part, rlog.finish)))
+                        running -= 1
+                        event = sse(chunk(i, out.delta_text, part, rlog.finish))
+                        if running:
+                            yield event
+                        else:
+                            tail.append(event)
                     elif part:
-                        yield sse(chunk(out.delta_text, part, None))
+                        yield sse(chunk(i, out.delta_text, part, None))
                     elif out.delta_text:
-                        yield text_chunk.fill(out.delta_text)
-                if req.include_usage and rlog.finish:
+                        yield text_chunks[i].fill(out.delta_text)
+                if req.include_usage and not running:
                     tail.append(sse({"id": rid, "object": "text_completion", "created": created, "model": name,
-                                     "choices": [], "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens, rlog.cached_tokens)}))
+                                     "choices": [], "usage": self._usage(choices)}))
             except Exception as e:  # noqa: BLE001 - reported in the stream: the status line is already sent
                 err = _api_error(e)
-                rlog.finish = f"error:{err.status}"
+                for c in choices:
+                    c.rlog.finish = c.rlog.finish or f"error:{err.status}"
                 tail.append(sse(err.body()))
             tail.append(SSE_DONE)
             yield "".join(tail)   # the last token, the usage and [DONE]: one write
 
-        return self._event_stream(events(), stream, watch, rlog)
+        return self._event_stream(events(), choices, watch)
 
     async def chat_completions(self, request: Request) -> Response:
         self.check_auth(request)
@@ -415,109 +426,122 @@ class OpenAIServer:
             params.grammar = grammar
             start = reasoning_start(prompt_text) if thinking else "content"
             params.grammar_after_think = {"content": "no", "reasoning": "yes", "detect": "if_opened"}[start]
-        parser = ChatOutputParser(ReasoningParser(reasoning_start(prompt_text)) if thinking else None,
-                                  ToolCallParser(req.tool_schemas()) if tools else None)
         top_n = params.logprobs or 0
-        rlog = self.request_log(request, "chatcmpl", "chat")
-        rid = rlog.request_id
-        rlog.prompt_tokens = len(ids)
+        rid, choices, watch = await self._submit(request, "chatcmpl", "chat", ids, params, req.n)
         name = self.model_name()
-        stream, watch = await self._submit(request, rid, ids, params, rlog)
+        parsers = [ChatOutputParser(ReasoningParser(reasoning_start(prompt_text)) if thinking else None,
+                                    ToolCallParser(req.tool_schemas()) if tools else None) for _ in choices]
 
-        def finish_reason(finish: str) -> str:
-            return "tool_calls" if parser.calls and finish == "stop" else finish
+        def finish_reason(i: int, finish: str) -> str:
+            return "tool_calls" if parsers[i].calls and finish == "stop" else finish
 
         if not req.stream:
-            answer, content_lp = ChatDelta(), []
+            answers, content_lps = [ChatDelta() for _ in choices], [[] for _ in choices]
 
-            def take(out):
-                answer.add(parser.push(out.delta_text))
-                if params.logprobs is not None:
-                    content_lp.extend(P.chat_logprobs(tok, out.logprobs, top_n))
+            def taker(i):
+                def take(out):
+                    answers[i].add(parsers[i].push(out.delta_text))
+                    if params.logprobs is not None:
+                        content_lps[i].extend(P.chat_logprobs(tok, out.logprobs, top_n))
+                return take
 
-            finish = await self._collect(stream, watch, rlog, take)
-            answer.add(parser.flush())
-            message = {"role": "assistant", "content": answer.content}
-            if thinking:
-                message["reasoning_content"] = answer.reasoning if parser.reasoning.thought else None
-            if answer.tool_calls:
-                message["content"] = answer.content or None
-                message["tool_calls"] = [c.to_openai() for c in answer.tool_calls]
-            logprobs = {"content": content_lp, "refusal": None} if params.logprobs is not None else None
+            finishes = await self._collect(choices, watch, [taker(i) for i in range(len(choices))])
+
+            def message(i):
+                answer = answers[i]
+                answer.add(parsers[i].flush())
+                m = {"role": "assistant", "content": answer.content}
+                if thinking:
+                    m["reasoning_content"] = answer.reasoning if parsers[i].reasoning.thought else None
+                if answer.tool_calls:
+                    m["content"] = answer.content or None
+                    m["tool_calls"] = [c.to_openai() for c in answer.tool_calls]
+                return m
+
             body = {"id": rid, "object": "chat.completion", "created": P.now(), "model": name,
-                    "choices": [{"index": 0, "message": message, "logprobs": logprobs,
-                                 "finish_reason": finish_reason(finish)}],
-                    "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens, rlog.cached_tokens), "system_fingerprint": None}
+                    "choices": [{"index": i, "message": message(i),
+                                 "logprobs": ({"content": content_lps[i], "refusal": None}
+                                              if params.logprobs is not None else None),
+                                 "finish_reason": finish_reason(i, finishes[i])} for i in range(len(choices))],
+                    "usage": self._usage(choices), "system_fingerprint": None}
             return JSONResponse(body)
 
         created = P.now()
 
-        def chunk(delta, logprobs, finish):
+        def chunk(index, delta, logprobs, finish):
             c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
-                 "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+                 "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
             if req.include_usage:
                 c["usage"] = None
             return c
 
-        text_chunk = ChunkTemplate(lambda text: chunk({"content": text}, None, None))
-        n_calls = 0
+        text_chunks = [ChunkTemplate(lambda text, i=i: chunk(i, {"content": text}, None, None))
+                       for i in range(len(choices))]
+        n_calls = [0] * len(choices)
 
-        def deltas(d: ChatDelta) -> list[dict]:
-            """The stream deltas of what one output settled; a call as OpenAI streams one: its id, type and name
-            with empty arguments, then the arguments."""
-            nonlocal n_calls
+        def deltas(i: int, d: ChatDelta) -> list[dict]:
+            """The stream deltas of what one output of choice ``i`` settled; a call as OpenAI streams one: its id,
+            type and name with empty arguments, then the arguments."""
             out = [{"reasoning_content": d.reasoning}] if d.reasoning else []
             if d.content:
                 out.append({"content": d.content})
             for call in d.tool_calls:
-                head = {"index": n_calls, "id": call.id, "type": "function",
+                head = {"index": n_calls[i], "id": call.id, "type": "function",
                         "function": {"name": call.name, "arguments": ""}}
                 out += [{"tool_calls": [head]},
-                        {"tool_calls": [{"index": n_calls, "function": {"arguments": call.arguments}}]}]
-                n_calls += 1
+                        {"tool_calls": [{"index": n_calls[i], "function": {"arguments": call.arguments}}]}]
+                n_calls[i] += 1
             return out
 
         async def events():
-            tail = []
+            tail, running = [], len(choices)
             try:
                 # with tools the answer may be calls only, whose content is null (as OpenAI streams them)
-                yield sse(chunk({"role": "assistant", "content": None if tools else ""}, None, None))
-                async for out in stream:
+                for i in range(len(choices)):
+                    yield sse(chunk(i, {"role": "assistant", "content": None if tools else ""}, None, None))
+                async for c, out in self._outputs(choices):
+                    i, rlog = c.index, c.rlog
                     rlog.saw(out)
                     lps = None
                     if params.logprobs is not None and out.logprobs:
                         lps = {"content": P.chat_logprobs(tok, out.logprobs, top_n), "refusal": None}
                     finish = self._finish_reason(out) if out.finished else None
-                    d = parser.push(out.delta_text)
+                    d = parsers[i].push(out.delta_text)
                     if finish:
-                        d.add(parser.flush())
-                    parts = deltas(d)
+                        d.add(parsers[i].flush())
+                        running -= 1
+                    last = finish and not running        # the events of the last output go out with [DONE]
+                    parts = deltas(i, d)
                     if lps is not None and not parts:
                         parts = [{"content": ""}]
                     for k, part in enumerate(parts):
                         if k == 0 and lps is None and len(part) == 1 and "content" in part:
-                            event = text_chunk.fill(part["content"])
+                            event = text_chunks[i].fill(part["content"])
                         else:
-                            event = sse(chunk(part, lps if k == 0 else None, None))
-                        if finish:
+                            event = sse(chunk(i, part, lps if k == 0 else None, None))
+                        if last:
                             tail.append(event)
                         else:
                             yield event
                     if finish:
-                        rlog.finish = finish_reason(finish)
-                        tail.append(sse(chunk({}, None, rlog.finish)))
-                if req.include_usage and rlog.finish:
+                        rlog.finish = finish_reason(i, finish)
+                        event = sse(chunk(i, {}, None, rlog.finish))
+                        if last:
+                            tail.append(event)
+                        else:
+                            yield event
+                if req.include_usage and not running:
                     tail.append(sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                     "model": name, "choices": [],
-                                     "usage": P.usage(rlog.prompt_tokens, rlog.completion_tokens, rlog.cached_tokens)}))
+                                     "model": name, "choices": [], "usage": self._usage(choices)}))
             except Exception as e:  # noqa: BLE001 - reported in the stream: the status line is already sent
                 err = _api_error(e)
-                rlog.finish = f"error:{err.status}"
+                for c in choices:
+                    c.rlog.finish = c.rlog.finish or f"error:{err.status}"
                 tail.append(sse(err.body()))
             tail.append(SSE_DONE)
             yield "".join(tail)   # the last token, the finish and usage chunks and [DONE]: one write
 
-        return self._event_stream(events(), stream, watch, rlog)
+        return self._event_stream(events(), choices, watch)
 
     # ------------------------------------------------------------------------------------------------ plumbing
     @staticmethod
@@ -529,59 +553,143 @@ class OpenAIServer:
         raise APIError(503, "the request was aborted by the server (shutting down?): retry", None, "aborted",
                        headers={"Retry-After": RETRY_AFTER_S})
 
-    async def _submit(self, request: Request, rid: str, ids: list[int], params: SamplingParams,
-                      rlog: RequestLog):
-        """Hand the request to the engine and wait until it is accepted; from here on a ClientWatch cancels the
-        request when the client goes away.  Returns (stream, watch); the caller's response closes the watch."""
-        stream = self.async_engine.submit(rid, ids, params)
-        watch = ClientWatch(request.receive)
-        watch.on_disconnect(stream.cancel)
+    @staticmethod
+    def _usage(choices: list["Choice"]) -> dict:
+        """The request's usage: its prompt once, the completions of every choice."""
+        first = choices[0].rlog
+        return P.usage(first.prompt_tokens, sum(c.rlog.completion_tokens for c in choices), first.cached_tokens)
+
+    async def _submit(self, request: Request, prefix: str, route: str, ids: list[int], params: SamplingParams,
+                      n: int) -> tuple[str, list["Choice"], ClientWatch]:
+        """Hand the request's ``n`` choices to the engine (each an engine request: ``<id>`` alone, else
+        ``<id>-<i>``, whose seed, when one is set, is the request's plus ``i``, as vLLM does) and wait until all are
+        accepted; from here on one ClientWatch cancels them all when the client goes away.  Returns (the response
+        id, the choices, the watch); the caller's response closes the watch."""
+        base = self.request_log(request, prefix, route, n)
+        rid = base.request_id
+        rlogs = [base] if n == 1 else [RequestLog(f"{rid}-{i}", route, base.t0, self.metrics, f" id={rid}-{i}")
+                                        for i in range(n)]
+        choices = []
         try:
-            await stream.accepted()
-        except asyncio.CancelledError:
-            watch.close()
-            if not watch.disconnected:
-                raise
-            rlog.write("cancelled")
-            raise ClientDisconnected() from None
+            for i, rlog in enumerate(rlogs):
+                rlog.prompt_tokens = len(ids)
+                p = params if i == 0 or params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+                choices.append(Choice(i, self.async_engine.submit(rlog.request_id, ids, p), rlog))
+        except BaseException:
+            for c in choices:
+                c.stream.cancel()
+            raise
+        watch = ClientWatch(request.receive)
+        for c in choices:
+            watch.on_disconnect(c.stream.cancel)
+        try:
+            for c in choices:
+                await c.stream.accepted()
         except BaseException as e:
             watch.close()
+            for c in choices:
+                c.stream.cancel()
+            if isinstance(e, asyncio.CancelledError):
+                if not watch.disconnected:
+                    raise
+                for c in choices:
+                    c.rlog.write("cancelled")
+                raise ClientDisconnected() from None
             if isinstance(e, Exception) and _api_error(e).status >= 500:   # (a refusal, 4xx, is not counted)
-                rlog.write(f"error:{_api_error(e).status}")
+                for c in choices:
+                    c.rlog.write(f"error:{_api_error(e).status}")
             raise
-        return stream, watch
+        return rid, choices, watch
 
-    async def _collect(self, stream, watch: ClientWatch, rlog: RequestLog, take: Callable) -> str:
-        """Feed every output of a non-streamed request to ``take``; return the finish reason.  Logs the request
-        either way; raises ClientDisconnected when the client left first."""
-        try:
-            async with stream:   # leaving early (an error) aborts the request
-                async for out in stream:
-                    rlog.saw(out)
+    async def _collect(self, choices: list["Choice"], watch: ClientWatch, takes: list[Callable]) -> list[str]:
+        """Feed every output of each choice of a non-streamed request to its ``take``; return their finish
+        reasons.  Logs each choice either way; raises ClientDisconnected when the client left first (every choice
+        is then aborted, as on any error)."""
+
+        async def collect(c: Choice, take: Callable) -> str:
+            async with c.stream:   # leaving early (an error, a cancelled sibling) aborts the request
+                async for out in c.stream:
+                    c.rlog.saw(out)
                     take(out)
                     if out.finished:
                         finish = self._finish_reason(out)
-                        rlog.write(finish)
+                        c.rlog.write(finish)
                         return finish
             if watch.disconnected:
                 raise ClientDisconnected()
             raise APIError(500, "the request ended without a result", None, "engine_error")
+
+        try:
+            if len(choices) == 1:
+                return [await collect(choices[0], takes[0])]
+            tasks = [asyncio.ensure_future(collect(c, take)) for c, take in zip(choices, takes)]
+            try:
+                return list(await asyncio.gather(*tasks))
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
         except ClientDisconnected:
-            rlog.write("cancelled")
+            for c in choices:
+                c.rlog.write("cancelled")
             raise
         except Exception as e:
-            rlog.write(f"error:{_api_error(e).status}")
+            for c in choices:
+                c.rlog.write(f"error:{_api_error(e).status}")
             raise
         finally:
             watch.close()
 
     @staticmethod
-    def _event_stream(events: AsyncIterator[str], stream, watch: ClientWatch,
-                      rlog: RequestLog) -> EventStreamResponse:
+    async def _outputs(choices: list["Choice"]) -> AsyncIterator[tuple["Choice", RequestOutput]]:
+        """(choice, output) as each choice's stream gives them; one choice's stream is read directly, several
+        through a queue that one reader task per stream fills (their tasks are cancelled when this ends)."""
+        if len(choices) == 1:
+            c = choices[0]
+            async for out in c.stream:
+                yield c, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def read(c: Choice) -> None:
+            try:
+                async for out in c.stream:
+                    queue.put_nowait((c, out, None))
+                queue.put_nowait((c, None, None))
+            except Exception as e:  # noqa: BLE001 - handed to the reader of the queue
+                queue.put_nowait((c, None, e))
+
+        tasks = [asyncio.ensure_future(read(c)) for c in choices]
+        try:
+            running = len(tasks)
+            while running:
+                c, out, err = await queue.get()
+                if err is not None:
+                    raise err
+                if out is None:
+                    running -= 1
+                else:
+                    yield c, out
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    @staticmethod
+    def _event_stream(events: AsyncIterator[str], choices: list["Choice"], watch: ClientWatch) -> EventStreamResponse:
         def on_close():
-            stream.cancel()  # a no-op when the request finished; aborts it when the client left early
-            rlog.write()     # finish reason, or "cancelled" when the stream was cut short
+            for c in choices:
+                c.stream.cancel()  # a no-op when the request finished; aborts it when the client left early
+                c.rlog.write()     # finish reason, or "cancelled" when the stream was cut short
         return EventStreamResponse(events, watch, on_close=on_close)
+
+
+@dataclasses.dataclass
+class Choice:
+    """One of a request's ``n`` choices: its index, its engine request's stream and its log."""
+    index: int
+    stream: object
+    rlog: RequestLog
 
 
 def build_app(async_engine: AsyncEngine, served_model_name: Optional[str] = None, api_key: Optional[str] = None,

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 MAX_LOGPROBS = 20
+MAX_CHOICES = 128                 # most choices (`n`) one request may ask for: each is a sequence in the batch
 NEG_INF_LOGPROB = -9999.0  # JSON has no -inf; OpenAI and vLLM clamp the same way
 
 
@@ -169,6 +170,7 @@ class CompletionRequest:
     echo: bool
     stream: bool
     include_usage: bool
+    n: int = 1
 
 
 @dataclass
@@ -193,6 +195,7 @@ class ChatRequest:
     tool_choice: Any = "none"                   # "none" | "auto" | "required" | {"name": ...} (one function)
     parallel_tool_calls: bool = True
     response_format: Optional[ResponseFormat] = None
+    n: int = 1
 
     def tool_schemas(self) -> dict[str, dict]:
         """Function name → its ``parameters`` schema, for the tools the model may call."""
@@ -243,13 +246,14 @@ def _check_unsupported(body: dict, table: dict) -> None:
             raise unsupported(name, why)
 
 
-def _parse_n(f: Fields) -> None:
-    n = f.int("n", 1, lo=1)
-    if n != 1:
-        raise unsupported("n", f"n={n}: one choice per request is supported (n=1); send {n} requests instead")
+def _parse_n(f: Fields) -> int:
+    """``n``: choices to generate (each a sequence of its own in the engine); ``best_of`` only as 1 or ``n``."""
+    n = f.int("n", 1, lo=1, hi=MAX_CHOICES)
     best_of = f.int("best_of", 1, lo=1)
-    if best_of != 1:
-        raise unsupported("best_of", "best_of > 1 is not implemented")
+    if best_of not in (1, n):
+        raise unsupported("best_of", f"best_of={best_of}: ranking more candidates than the {n} choices returned "
+                                     f"is not implemented; ask for n={best_of} and pick among them")
+    return n
 
 
 def _parse_stop(f: Fields) -> list[str]:
@@ -335,7 +339,7 @@ def _parse_logit_bias(f: Fields) -> dict[int, float]:
 def parse_completion_request(body: dict) -> CompletionRequest:
     f = Fields(body)
     model = f.str("model")
-    _parse_n(f)
+    n = _parse_n(f)
     _check_unsupported(body, _UNSUPPORTED_COMMON)
     _check_unsupported(body, _UNSUPPORTED_COMPLETION)
     if "prompt" not in body or body["prompt"] is None:
@@ -353,7 +357,7 @@ def parse_completion_request(body: dict) -> CompletionRequest:
     stream, include_usage = _parse_stream(f)
     f.str("user")
     return CompletionRequest(model, prompt_text, prompt_ids, _parse_sampling(f, max_tokens, logprobs), echo,
-                             stream, include_usage)
+                             stream, include_usage, n)
 
 
 def _is_id_list(v) -> bool:
@@ -566,7 +570,7 @@ def _parse_response_format(v) -> Optional[ResponseFormat]:
 def parse_chat_request(body: dict) -> ChatRequest:
     f = Fields(body)
     model = f.str("model")
-    _parse_n(f)
+    n = _parse_n(f)
     _check_unsupported(body, _UNSUPPORTED_COMMON)
     _check_unsupported(body, _UNSUPPORTED_CHAT)
     messages = _parse_messages(body.get("messages"))
@@ -589,7 +593,7 @@ def parse_chat_request(body: dict) -> ChatRequest:
     return ChatRequest(model, messages, _parse_sampling(f, max_tokens, logprobs), stream, include_usage,
                        f.bool("add_generation_prompt", True), dict(kwargs), tools,
                        _parse_tool_choice(body.get("tool_choice"), tools), f.bool("parallel_tool_calls", True),
-                       _parse_response_format(body.get("response_format")))
+                       _parse_response_format(body.get("response_format")), n)
 
 
 # ------------------------------------------------------------------------------------------------ responses

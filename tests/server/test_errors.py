@@ -89,9 +89,10 @@ COMPLETION_CASES = [
     ({"prompt": [1] * 256}, 400, "prompt", "context_length_exceeded", None),
     ({"prompt": [1, 10**6]}, 400, None, "invalid_request", "prompt token ids must be integers in [0, 434)"),
     # well-formed, but not something pegainfer can honour: 422 naming the field
-    ({"n": 2}, 422, "n", "unsupported_parameter", "n=2"),
+    ({"n": 129}, 400, "n", None, "at most 128"),
     ({"n": 0}, 400, "n", None, None),
-    ({"best_of": 3}, 422, "best_of", "unsupported_parameter", None),
+    ({"best_of": 3}, 422, "best_of", "unsupported_parameter", "n=3"),
+    ({"n": 2, "best_of": 4}, 422, "best_of", "unsupported_parameter", None),
     ({"prompt": ["a", "b"]}, 422, "prompt", "unsupported_parameter", "one prompt per request"),
     ({"presence_penalty": 2.5}, 400, "presence_penalty", None, "[-2, 2]"),
     ({"frequency_penalty": "1"}, 400, "frequency_penalty", "invalid_type", None),
@@ -140,7 +141,7 @@ CHAT_CASES = [
     ({"chat_template_kwargs": "nope"}, 400, "chat_template_kwargs", "invalid_type", None),
     ({"chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs", None, None),
     ({"model": "other"}, 404, "model", "model_not_found", None),
-    ({"n": 3}, 422, "n", "unsupported_parameter", None),
+    ({"n": 1.5}, 400, "n", "invalid_type", None),
     ({"functions": [{"name": "f"}]}, 422, "functions", "unsupported_parameter", "send 'tools'"),
     ({"reasoning_effort": "low"}, 422, "reasoning_effort", "unsupported_parameter", "enable_thinking"),
     ({"temperature": -1}, 400, "temperature", None, None),
@@ -247,8 +248,8 @@ def test_sdk_raises_typed_errors(fake_server):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.UnprocessableEntityError) as e:
-        client.completions.create(model="fake-model", prompt="Hi", n=2)
-    assert "n=2" in e.value.message
+        client.completions.create(model="fake-model", prompt="Hi", n=2, best_of=5)
+    assert "best_of=5" in e.value.message
     assert client.completions.create(model="fake-model", prompt="Hi", max_tokens=2).choices[0].text
 
 

@@ -32,7 +32,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for every interface)")
     p.add_argument("--port", type=argtypes.port, default=8000, help="TCP port (default 8000; 0: any free port)")
     p.add_argument("--api-key", default=os.environ.get("PEGAINFER_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PEGAINFER_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (default: "
+                        "$PEGAINFER_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send and see (default: the model folder's name)")
     p.add_argument("--max-waiting", type=argtypes.max_waiting, default=64,

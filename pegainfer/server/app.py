@@ -1,8 +1,10 @@
 """The Starlette app: OpenAI-compatible routes over an ``AsyncEngine``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (and ``/v1/models/{id}``),
+``POST /tokenize`` and ``POST /detokenize`` (vLLM's),
 ``GET /health`` (200 once the model is loaded and warmed up; 503 before, and for good once a step of the engine
-failed), ``GET /version``, ``GET /metrics`` (Prometheus, ``metrics.py``).  The API key guards ``/v1/*`` only.
+failed), ``GET /version``, ``GET /metrics`` (Prometheus, ``metrics.py``).  The API key guards ``/v1/*``,
+``/tokenize`` and ``/detokenize``.
 
 A request's way through a handler: API key → body (size limit, JSON) → ``protocol.parse_*`` → prompt text → token
 ids (a short prompt is tokenized on the event loop; a long one, and the chat template of a long conversation, in
@@ -228,48 +230,59 @@ class OpenAIServer:
                               frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
                               logit_bias=dict(s.logit_bias))
 
-    async def output_grammar(self, req: P.ChatRequest, engine) -> Optional[str]:
-        """The llguidance grammar a chat request's output must follow (None: free text): ``tool_choice`` "required"
-        or a named function forces calls with arguments valid for the tool's schema; ``response_format`` asks for
-        JSON (valid for its schema), or calls when ``tool_choice`` is "auto".  A schema the grammar engine cannot
-        follow is a 400 naming it.  Compiled in a worker thread (the first use builds the tokenizer's view)."""
-        forced = req.tool_choice == "required" or isinstance(req.tool_choice, dict)
-        fmt = req.response_format
+    async def output_grammar(self, engine, fmt: Optional[P.ResponseFormat], tools: Optional[list] = None,
+                             tool_choice="none", parallel_tool_calls: bool = True) -> Optional[str]:
+        """The llguidance grammar a request's output must follow (None: free text): ``tool_choice`` "required" or a
+        named function forces calls with arguments valid for the tool's schema; ``fmt`` asks for JSON (valid for
+        its schema), text matching a regex, one of a list of choices, or a Lark grammar -- or, for JSON, calls
+        when ``tool_choice`` is "auto".  What the grammar engine cannot follow is a 400 naming the field.
+        Compiled in a worker thread (the first use builds the tokenizer's view)."""
+        forced = tool_choice == "required" or isinstance(tool_choice, dict)
         if not forced and fmt is None:
             return None
         compiler = getattr(engine, "grammar_compiler", None)
         if compiler is None:
-            raise P.unsupported("tool_choice" if forced else "response_format",
+            raise P.unsupported("tool_choice" if forced else fmt.param,
                                 "this engine cannot constrain decoding (structured output)")
-        tools = None
-        if forced or (req.tools and req.tool_choice == "auto"):
-            only = req.tool_choice["name"] if isinstance(req.tool_choice, dict) else None
-            tools = {i: t["function"] for i, t in enumerate(req.tools) if only in (None, t["function"]["name"])}
-        parallel = req.parallel_tool_calls and req.tool_choice == "required"
+        call_tools = None
+        if forced or (tools and tool_choice == "auto"):
+            only = tool_choice["name"] if isinstance(tool_choice, dict) else None
+            call_tools = {i: t["function"] for i, t in enumerate(tools) if only in (None, t["function"]["name"])}
+        parallel = parallel_tool_calls and tool_choice == "required"
 
-        def schema_error(schema: dict) -> Optional[str]:
+        def checked(make, *args) -> Optional[str]:
+            """Why the grammar ``make(*args)`` cannot be followed, or None."""
             try:
-                return compiler.check(compiler.json_schema(schema))
-            except ValueError as e:       # llguidance refuses what it cannot read as a schema at all
+                return compiler.check(make(*args))
+            except ValueError as e:       # llguidance refuses what it cannot read at all
                 return str(e)
 
         def compile_grammar() -> str:
-            for i, fn in (tools or {}).items():
-                error = schema_error(fn.get("parameters") or {"type": "object"})
+            for i, fn in (call_tools or {}).items():
+                error = checked(compiler.json_schema, fn.get("parameters") or {"type": "object"})
                 if error:
                     raise P.bad(f"tools[{i}].function.parameters is not a JSON schema the output can be held to: "
                                 f"{error}", f"tools[{i}].function.parameters", "invalid_schema")
-            schemas = {fn["name"]: fn.get("parameters") for fn in (tools or {}).values()}
+            schemas = {fn["name"]: fn.get("parameters") for fn in (call_tools or {}).values()}
             if forced:
                 return compiler.tool_calls(schemas, parallel)
-            schema = fmt.schema if fmt.kind == "json_schema" else {"type": "object"}
-            error = schema_error(schema)
+            if fmt.kind in ("json_schema", "json_object"):
+                schema = fmt.schema if fmt.kind == "json_schema" else {"type": "object"}
+                error = checked(compiler.json_schema, schema)
+                if error:
+                    raise P.bad(f"{fmt.param} is not a JSON schema the output can be held to: {error}", fmt.param,
+                                "invalid_schema")
+                return compiler.json_or_tool_calls(schema, schemas, parallel_tool_calls) if call_tools else \
+                    compiler.json_schema(schema)
+            if call_tools:
+                raise P.unsupported(fmt.param, f"{fmt.param} beside tools with tool_choice \"auto\" is not offered "
+                                               f"(JSON is): set tool_choice \"none\" or ask for JSON")
+            make, arg = {"regex": (compiler.regex, fmt.pattern), "choice": (compiler.choice, fmt.choices),
+                         "grammar": (compiler.lark, fmt.grammar)}[fmt.kind]
+            error = checked(make, arg)
             if error:
-                where = "response_format.json_schema.schema"
-                raise P.bad(f"{where} is not a JSON schema the output can be held to: {error}", where,
-                            "invalid_schema")
-            return compiler.json_or_tool_calls(schema, schemas, req.parallel_tool_calls) if tools else \
-                compiler.json_schema(schema)
+                raise P.bad(f"{fmt.param} cannot be followed: {error}", fmt.param, "invalid_grammar")
+            return make(arg)
 
         return await run_in_threadpool(compile_grammar)
 
@@ -317,26 +330,29 @@ class OpenAIServer:
         engine = self.engine
         self.check_model(req.model)
         tok = engine.tokenizer
-        if req.prompt_ids is not None:
-            ids = req.prompt_ids
-        else:
-            ids = await self.off_loop_if_long(len(req.prompt_text), tok.encode, req.prompt_text, True)
-        if not ids:
-            raise P.bad("the prompt is empty after tokenization", "prompt", "empty_prompt")
-        params = self.sampling_params(req.sampling, len(ids), DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
-        echo_text = ""
-        if req.echo:
-            echo_text = req.prompt_text if req.prompt_text is not None else \
-                await run_in_threadpool(tok.decode, ids, False)
-        rid, choices, watch = await self._submit(request, "cmpl", "completions", ids, params, req.n)
+        grammar = await self.output_grammar(engine, req.response_format)
+        jobs, echoes = [], []
+        for text, ids in req.prompts:
+            if ids is None:
+                ids = await self.off_loop_if_long(len(text), tok.encode, text, True)
+            if not ids:
+                raise P.bad("the prompt is empty after tokenization", "prompt", "empty_prompt")
+            params = self.sampling_params(req.sampling, len(ids), DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
+            params.grammar = grammar
+            jobs.append((ids, params))
+            if req.echo:
+                echoes.append(text if text is not None else await run_in_threadpool(tok.decode, ids, False))
+        rid, choices, watch = await self._submit(request, "cmpl", "completions", jobs, req.n)
         name = self.model_name()
-        lps = [P.CompletionLogprobs(tok, len(echo_text)) if params.logprobs is not None else None for _ in choices]
+        echo = [echoes[c.prompt] if req.echo else "" for c in choices]    # each choice's echoed prompt
+        lps = [P.CompletionLogprobs(tok, len(echo[k])) if c.params.logprobs is not None else None
+               for k, c in enumerate(choices)]
 
         def choice(index, text, logprobs, finish):
             return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
         if not req.stream:
-            texts = [[echo_text] for _ in choices]
+            texts = [[e] for e in echo]
 
             def taker(i):
                 def take(out):
@@ -367,9 +383,9 @@ class OpenAIServer:
         async def events():
             tail, running = [], len(choices)
             try:
-                if echo_text:
-                    for i in range(len(choices)):
-                        yield text_chunks[i].fill(echo_text)
+                for i, e in enumerate(echo):
+                    if e:
+                        yield text_chunks[i].fill(e)
                 async for c, out in self._outputs(choices):
                     i, rlog = c.index, c.rlog
                     rlog.saw(out)
@@ -421,13 +437,14 @@ class OpenAIServer:
             raise P.bad("the chat template rendered these messages as an empty prompt", "messages", "empty_prompt")
         params = self.sampling_params(req.sampling, len(ids), None, "messages")
         thinking = self.reasoning_parser_for(engine)
-        grammar = await self.output_grammar(req, engine)
+        grammar = await self.output_grammar(engine, req.response_format, req.tools, req.tool_choice,
+                                            req.parallel_tool_calls)
         if grammar is not None:
             params.grammar = grammar
             start = reasoning_start(prompt_text) if thinking else "content"
             params.grammar_after_think = {"content": "no", "reasoning": "yes", "detect": "if_opened"}[start]
         top_n = params.logprobs or 0
-        rid, choices, watch = await self._submit(request, "chatcmpl", "chat", ids, params, req.n)
+        rid, choices, watch = await self._submit(request, "chatcmpl", "chat", [(ids, params)], req.n)
         name = self.model_name()
         parsers = [ChatOutputParser(ReasoningParser(reasoning_start(prompt_text)) if thinking else None,
                                     ToolCallParser(req.tool_schemas()) if tools else None) for _ in choices]
@@ -543,6 +560,44 @@ class OpenAIServer:
 
         return self._event_stream(events(), choices, watch)
 
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``/tokenize``: the token ids a prompt (as /v1/completions encodes it) or a chat (rendered as
+        /v1/chat/completions renders it) becomes, their count and the context limit."""
+        self.check_auth(request)
+        req = P.parse_tokenize_request(await self.read_json(request))
+        engine = self.engine
+        self.check_model(req.model)
+        tok = engine.tokenizer
+        if req.messages is not None:
+            if engine.chat_template is None:
+                raise P.bad("this model folder has no chat template: tokenize a 'prompt' instead", "messages",
+                            "no_chat_template")
+
+            def render_and_encode():
+                text = engine.chat_template.render(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                                   tools=req.tools, **req.template_kwargs)
+                return tok.encode(text, req.add_special_tokens)
+
+            ids = await self.off_loop_if_long(sum(len(m["content"]) for m in req.messages), render_and_encode)
+        else:
+            ids = await self.off_loop_if_long(len(req.prompt), tok.encode, req.prompt, req.add_special_tokens)
+        body = {"count": len(ids), "max_model_len": int(engine.max_model_len), "tokens": ids,
+                "token_strs": [tok.token_str(t) for t in ids] if req.return_token_strs else None}
+        return JSONResponse(body)
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``/detokenize``: the text of token ids (special tokens kept, as they would be in a prompt)."""
+        self.check_auth(request)
+        model, ids = P.parse_detokenize_request(await self.read_json(request))
+        engine = self.engine
+        self.check_model(model)
+        vocab = int(getattr(engine, "vocab_size", 0) or engine.tokenizer.vocab_size)
+        bad_ids = [t for t in ids if t >= vocab]
+        if bad_ids:
+            raise P.bad(f"'tokens' holds ids outside the vocabulary [0, {vocab}): {bad_ids[:5]}", "tokens")
+        text = await self.off_loop_if_long(len(ids), engine.tokenizer.decode, ids, False)
+        return JSONResponse({"prompt": text})
+
     # ------------------------------------------------------------------------------------------------ plumbing
     @staticmethod
     def _finish_reason(out: RequestOutput) -> str:
@@ -555,26 +610,30 @@ class OpenAIServer:
 
     @staticmethod
     def _usage(choices: list["Choice"]) -> dict:
-        """The request's usage: its prompt once, the completions of every choice."""
-        first = choices[0].rlog
-        return P.usage(first.prompt_tokens, sum(c.rlog.completion_tokens for c in choices), first.cached_tokens)
+        """The request's usage: each prompt once, the completions of every choice."""
+        firsts = [c.rlog for c in choices if c.first_of_prompt]
+        return P.usage(sum(r.prompt_tokens for r in firsts), sum(c.rlog.completion_tokens for c in choices),
+                       sum(r.cached_tokens for r in firsts))
 
-    async def _submit(self, request: Request, prefix: str, route: str, ids: list[int], params: SamplingParams,
+    async def _submit(self, request: Request, prefix: str, route: str, jobs: list[tuple[list[int], SamplingParams]],
                       n: int) -> tuple[str, list["Choice"], ClientWatch]:
-        """Hand the request's ``n`` choices to the engine (each an engine request: ``<id>`` alone, else
-        ``<id>-<i>``, whose seed, when one is set, is the request's plus ``i``, as vLLM does) and wait until all are
-        accepted; from here on one ClientWatch cancels them all when the client goes away.  Returns (the response
-        id, the choices, the watch); the caller's response closes the watch."""
-        base = self.request_log(request, prefix, route, n)
+        """Hand the request's choices to the engine -- ``n`` for each (prompt ids, params) of ``jobs``, choice ``k``
+        the ``k % n``-th of prompt ``k // n`` -- and wait until all are accepted; from here on one ClientWatch cancels
+        them all when the client goes away.  Each choice is an engine request: ``<id>`` when it is the only one,
+        else ``<id>-<k>``; with a seed, the ``i``-th choice of a prompt draws with the seed plus ``i`` (vLLM's
+        rule).  Returns (the response id, the choices, the watch); the caller's response closes the watch."""
+        total = len(jobs) * n
+        base = self.request_log(request, prefix, route, total)
         rid = base.request_id
-        rlogs = [base] if n == 1 else [RequestLog(f"{rid}-{i}", route, base.t0, self.metrics, f" id={rid}-{i}")
-                                        for i in range(n)]
         choices = []
         try:
-            for i, rlog in enumerate(rlogs):
+            for k in range(total):
+                ids, params = jobs[k // n]
+                i = k % n
+                rlog = base if total == 1 else RequestLog(f"{rid}-{k}", route, base.t0, self.metrics, f" id={rid}-{k}")
                 rlog.prompt_tokens = len(ids)
                 p = params if i == 0 or params.seed is None else dataclasses.replace(params, seed=params.seed + i)
-                choices.append(Choice(i, self.async_engine.submit(rlog.request_id, ids, p), rlog))
+                choices.append(Choice(k, self.async_engine.submit(rlog.request_id, ids, p), rlog, k // n, p, i == 0))
         except BaseException:
             for c in choices:
                 c.stream.cancel()
@@ -686,10 +745,14 @@ class OpenAIServer:
 
 @dataclasses.dataclass
 class Choice:
-    """One of a request's ``n`` choices: its index, its engine request's stream and its log."""
+    """One choice of a request: its index in the response, its engine request's stream and log, the prompt it
+    continues (its index in the request) and its sampling parameters."""
     index: int
     stream: object
     rlog: RequestLog
+    prompt: int
+    params: SamplingParams
+    first_of_prompt: bool       # the prompt's first choice (usage counts each prompt once)
 
 
 def build_app(async_engine: AsyncEngine, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
@@ -715,7 +778,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: Optional[str] = None
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         messages = {404: f"no route {request.method} {request.url.path}: see /v1/completions, "
-                         f"/v1/chat/completions, /v1/models, /health, /version, /metrics",
+                         f"/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /version, /metrics",
                     405: f"method {request.method} is not allowed on {request.url.path}"}
         err = APIError(exc.status_code, messages.get(exc.status_code, str(exc.detail)), None,
                        {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code),
@@ -726,6 +789,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: Optional[str] = None
         Route("/v1/completions", endpoint(server.completions), methods=["POST"]),
         Route("/v1/chat/completions", endpoint(server.chat_completions), methods=["POST"]),
         Route("/v1/models", endpoint(server.models), methods=["GET"]),
+        Route("/tokenize", endpoint(server.tokenize), methods=["POST"]),
+        Route("/detokenize", endpoint(server.detokenize), methods=["POST"]),
         Route("/v1/models/{model:path}", endpoint(server.model), methods=["GET"]),
         Route("/health", endpoint(server.health), methods=["GET"]),
         Route("/version", endpoint(server.version), methods=["GET"]),

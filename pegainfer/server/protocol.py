@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 MAX_LOGPROBS = 20
-MAX_CHOICES = 128                 # most choices (`n`) one request may ask for: each is a sequence in the batch
+MAX_CHOICES = 256                 # most choices (prompts × n) one request may ask for: each is a sequence in the batch
 NEG_INF_LOGPROB = -9999.0  # JSON has no -inf; OpenAI and vLLM clamp the same way
 
 
@@ -164,22 +164,28 @@ class Sampling:
 @dataclass
 class CompletionRequest:
     model: Optional[str]
-    prompt_text: Optional[str]       # the prompt as text, or None when given as token ids
-    prompt_ids: Optional[list[int]]
+    prompts: list[tuple[Optional[str], Optional[list[int]]]]   # each prompt: (text, None) or (None, token ids)
     sampling: Sampling
     echo: bool
     stream: bool
     include_usage: bool
     n: int = 1
+    response_format: Optional["ResponseFormat"] = None
 
 
 @dataclass
 class ResponseFormat:
-    """``response_format`` beyond plain text: ``kind`` "json_object" (any JSON object) or "json_schema"."""
+    """What the output must follow (beyond tool calls): ``kind`` "json_object" (any JSON object), "json_schema"
+    (``schema``), "regex" (``pattern``), "choice" (one of ``choices``) or "grammar" (a Lark ``grammar`` as
+    llguidance reads it); ``param``: the request field that asked for it (for error messages)."""
 
     kind: str
     schema: Optional[dict] = None
     name: Optional[str] = None
+    pattern: Optional[str] = None
+    choices: Optional[list] = None
+    grammar: Optional[str] = None
+    param: str = "response_format"
 
 
 @dataclass
@@ -210,19 +216,12 @@ def _neutral_zero(v) -> bool:
 _UNSUPPORTED_COMMON = {
     "length_penalty": (lambda v: v == 1, "beam search is not implemented; leave it 1"),
     "use_beam_search": (lambda v: v is False, "beam search is not implemented"),
-    "guided_json": (lambda v: False, "send response_format {\"type\": \"json_schema\", ...} to "
-                                     "/v1/chat/completions instead"),
-    "guided_regex": (lambda v: False, "regex-constrained output is not offered; response_format json_schema is"),
-    "guided_choice": (lambda v: False, "send response_format json_schema with an enum instead"),
-    "guided_grammar": (lambda v: False, "grammar-constrained output is not offered; response_format json_schema is"),
     "prompt_logprobs": (lambda v: False, "prompt logprobs are not computed by pegainfer"),
     "allowed_token_ids": (lambda v: False, "allowed_token_ids is not implemented"),
     "bad_words": (lambda v: v == [], "bad_words is not implemented"),
 }
 _UNSUPPORTED_COMPLETION = {
     "suffix": (lambda v: v == "", "insertion (suffix) is not supported by these models"),
-    "response_format": (lambda v: isinstance(v, dict) and v.get("type") == "text",
-                        "structured output is served by /v1/chat/completions; here only {\"type\": \"text\"}"),
 }
 _UNSUPPORTED_CHAT = {
     "functions": (lambda v: v == [], "the legacy 'functions' field is not supported: send 'tools'"),
@@ -344,7 +343,10 @@ def parse_completion_request(body: dict) -> CompletionRequest:
     _check_unsupported(body, _UNSUPPORTED_COMPLETION)
     if "prompt" not in body or body["prompt"] is None:
         raise bad("'prompt' is required", "prompt", "missing_required_parameter")
-    prompt_text, prompt_ids = _parse_prompt(body["prompt"])
+    prompts = _parse_prompts(body["prompt"])
+    if len(prompts) * n > MAX_CHOICES:
+        raise bad(f"{len(prompts)} prompts × n={n} is {len(prompts) * n} choices; at most {MAX_CHOICES} per request",
+                  "prompt")
     max_tokens = f.int("max_tokens", lo=1)
     if isinstance(body.get("logprobs"), bool):
         raise bad("'logprobs' must be an integer (the number of top tokens, 0-20) for /v1/completions",
@@ -356,8 +358,8 @@ def parse_completion_request(body: dict) -> CompletionRequest:
                                   "compute; drop one of them")
     stream, include_usage = _parse_stream(f)
     f.str("user")
-    return CompletionRequest(model, prompt_text, prompt_ids, _parse_sampling(f, max_tokens, logprobs), echo,
-                             stream, include_usage, n)
+    return CompletionRequest(model, prompts, _parse_sampling(f, max_tokens, logprobs), echo, stream, include_usage,
+                             n, _parse_output_format(body))
 
 
 def _is_id_list(v) -> bool:
@@ -365,26 +367,27 @@ def _is_id_list(v) -> bool:
 
 
 def _parse_prompt(p) -> tuple[Optional[str], Optional[list[int]]]:
+    """One prompt: a string, or an array of token ids."""
     if isinstance(p, str):
         if p == "":
             raise bad("'prompt' is empty: send some text or token ids", "prompt", "empty_prompt")
         return p, None
-    if not isinstance(p, list):
-        raise bad(f"'prompt' must be a string, an array of one string, or an array of token ids; "
-                  f"got {_type_name(p)}", "prompt", "invalid_type")
+    if not isinstance(p, list) or not _is_id_list(p):
+        raise bad(f"'prompt' must be a string, an array of token ids, or an array of either; got {_type_name(p)}",
+                  "prompt", "invalid_type")
     if len(p) == 0:
         raise bad("'prompt' is empty: send some text or token ids", "prompt", "empty_prompt")
-    if _is_id_list(p):
-        if any(x < 0 for x in p):
-            raise bad("'prompt' holds a negative token id", "prompt")
-        return None, list(p)
-    if all(isinstance(x, str) for x in p) or all(_is_id_list(x) for x in p):
-        if len(p) > 1:
-            raise unsupported("prompt", f"{len(p)} prompts in one request: batched prompts are not supported; "
-                                        f"send one prompt per request")
-        return _parse_prompt(p[0])
-    raise bad("'prompt' must be a string, an array of one string, or an array of token ids", "prompt",
-              "invalid_type")
+    if any(x < 0 for x in p):
+        raise bad("'prompt' holds a negative token id", "prompt")
+    return None, list(p)
+
+
+def _parse_prompts(p) -> list[tuple[Optional[str], Optional[list[int]]]]:
+    """``prompt``: one prompt (a string or token ids) or a batch of them (an array of strings or of token-id
+    arrays), as OpenAI's API has it."""
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        return [_parse_prompt(x) for x in p]
+    return [_parse_prompt(p)]
 
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -562,9 +565,69 @@ def _parse_response_format(v) -> Optional[ResponseFormat]:
         if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
             raise bad("'response_format.json_schema.strict' must be a boolean",
                       "response_format.json_schema.strict", "invalid_type")
-        return ResponseFormat("json_schema", schema, name)
+        return ResponseFormat("json_schema", schema, name, param="response_format.json_schema.schema")
     raise bad(f"'response_format.type' must be \"text\", \"json_object\" or \"json_schema\", got {kind!r}",
               "response_format.type")
+
+
+STRUCTURED_KINDS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice",
+                    "grammar": "grammar"}
+"""``structured_outputs``' fields (vLLM's) and the kind each asks for; the older ``guided_<field>`` names too."""
+STRUCTURED_IGNORED = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                      "whitespace_pattern", "backend")
+"""Fields that tune a backend's behaviour: accepted and ignored (JSON is always written compactly here)."""
+
+
+def _structured_value(kind: str, v, param: str) -> ResponseFormat:
+    """One ``structured_outputs`` / ``guided_*`` field as a ``ResponseFormat``."""
+    if kind == "json_schema":
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except ValueError as e:
+                raise bad(f"'{param}' is a string that is not JSON ({e})", param) from None
+        if not isinstance(v, dict):
+            raise bad(f"'{param}' must be a JSON schema object, got {_type_name(v)}", param, "invalid_type")
+        return ResponseFormat("json_schema", schema=v, param=param)
+    if kind == "json_object":
+        return ResponseFormat("json_object", param=param)
+    if kind in ("regex", "grammar"):
+        if not isinstance(v, str) or not v:
+            raise bad(f"'{param}' must be a non-empty string", param, "invalid_type")
+        return ResponseFormat(kind, param=param, **({"pattern": v} if kind == "regex" else {"grammar": v}))
+    if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
+        raise bad(f"'{param}' must be a non-empty array of non-empty strings", param, "invalid_type")
+    return ResponseFormat("choice", choices=list(v), param=param)
+
+
+def _parse_output_format(body: dict) -> Optional[ResponseFormat]:
+    """What the output must follow: ``response_format`` (OpenAI's), ``structured_outputs`` (vLLM's: one of
+    ``json``, ``json_object``, ``regex``, ``choice``, ``grammar``) or vLLM's older ``guided_json`` /
+    ``guided_regex`` / ``guided_choice`` / ``guided_grammar``; at most one of them."""
+    found = []
+    rf = _parse_response_format(body.get("response_format"))
+    if rf is not None:
+        found.append(rf)
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad(f"'structured_outputs' must be an object, got {_type_name(so)}", "structured_outputs",
+                      "invalid_type")
+        unknown = set(so) - set(STRUCTURED_KINDS) - set(STRUCTURED_IGNORED)
+        if unknown:
+            raise unsupported("structured_outputs", f"structured_outputs.{sorted(unknown)[0]} is not offered; "
+                                                    f"use one of {', '.join(STRUCTURED_KINDS)}")
+        for field_name, kind in STRUCTURED_KINDS.items():
+            v = so.get(field_name)
+            if v is not None and v is not False:
+                found.append(_structured_value(kind, v, f"structured_outputs.{field_name}"))
+    for field_name, kind in STRUCTURED_KINDS.items():
+        v = body.get(f"guided_{field_name}")
+        if v is not None and v is not False:
+            found.append(_structured_value(kind, v, f"guided_{field_name}"))
+    if len(found) > 1:
+        raise bad(f"ask for one output format, not several: {', '.join(f.param for f in found)}", found[1].param)
+    return found[0] if found else None
 
 
 def parse_chat_request(body: dict) -> ChatRequest:
@@ -593,7 +656,45 @@ def parse_chat_request(body: dict) -> ChatRequest:
     return ChatRequest(model, messages, _parse_sampling(f, max_tokens, logprobs), stream, include_usage,
                        f.bool("add_generation_prompt", True), dict(kwargs), tools,
                        _parse_tool_choice(body.get("tool_choice"), tools), f.bool("parallel_tool_calls", True),
-                       _parse_response_format(body.get("response_format")), n)
+                       _parse_output_format(body), n)
+
+
+@dataclass
+class TokenizeRequest:
+    """``POST /tokenize`` (vLLM's): a ``prompt`` as /v1/completions encodes it, or ``messages`` rendered with the
+    chat template as /v1/chat/completions does."""
+    model: Optional[str]
+    prompt: Optional[str]
+    messages: Optional[list[dict]]
+    add_special_tokens: bool
+    add_generation_prompt: bool
+    template_kwargs: dict
+    tools: Optional[list[dict]]
+    return_token_strs: bool
+
+
+def parse_tokenize_request(body: dict) -> TokenizeRequest:
+    f = Fields(body)
+    model = f.str("model")
+    has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
+    if has_prompt == has_messages:
+        raise bad("send either 'prompt' (text) or 'messages' (a chat)", "prompt" if has_prompt else "messages",
+                  None if has_prompt else "missing_required_parameter")
+    prompt = f.str("prompt") if has_prompt else None
+    messages = _parse_messages(body["messages"]) if has_messages else None
+    kwargs = f.dict("chat_template_kwargs") or {}
+    return TokenizeRequest(model, prompt, messages, f.bool("add_special_tokens", has_prompt),
+                           f.bool("add_generation_prompt", True), dict(kwargs), _parse_tools(body.get("tools")),
+                           f.bool("return_token_strs"))
+
+
+def parse_detokenize_request(body: dict) -> tuple[Optional[str], list[int]]:
+    """``POST /detokenize`` (vLLM's): (model, token ids)."""
+    f = Fields(body)
+    model = f.str("model")
+    if body.get("tokens") is None:
+        raise bad("'tokens' is required: an array of token ids", "tokens", "missing_required_parameter")
+    return model, f.int_list("tokens")
 
 
 # ------------------------------------------------------------------------------------------------ responses

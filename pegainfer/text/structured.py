@@ -11,8 +11,9 @@ The pieces:
 
 * ``GrammarCompiler`` -- one per tokenizer: llguidance's view of the vocabulary (``LLTokenizer``, built once from
   the folder's ``tokenizer.json``, sized to the model's embedding rows so the mask covers every id the model can
-  emit), and the grammars a chat request asks for: ``json_schema``, ``json_object``, ``tool_calls`` and
-  ``json_or_tool_calls``; ``check`` returns why a grammar cannot be followed (None when it can).
+  emit), and the grammars a request asks for: ``json_schema``, ``json_object``, ``regex``, ``choice``, ``lark``,
+  ``tool_calls`` and ``json_or_tool_calls``; ``check`` returns why a grammar cannot be followed (None when it
+  can).
 * ``TokenConstraint`` -- one request's matcher.  The engine asks it for the row's mask before each step that
   samples the request's next token (``fill``) and hands it each token drawn (``accept``); the request ends when the
   grammar is complete (``finished``: nothing but EOS may follow).
@@ -90,6 +91,24 @@ class GrammarCompiler:
 
     def json_object(self) -> str:
         return self.json_schema({"type": "object"})
+
+    @staticmethod
+    def regex(pattern: str) -> str:
+        """Text matching ``pattern`` (llguidance's regex syntax, Rust's ``regex`` crate: anchored at both ends)."""
+        from llguidance import LLMatcher
+        return LLMatcher.grammar_from_regex(pattern)
+
+    @staticmethod
+    def choice(choices: list[str]) -> str:
+        """Exactly one of ``choices``."""
+        from llguidance import LLMatcher
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
+
+    @staticmethod
+    def lark(grammar: str) -> str:
+        """A Lark grammar (llguidance's dialect: ``start`` is the top rule; ``%json`` embeds a JSON schema)."""
+        from llguidance import LLMatcher
+        return LLMatcher.grammar_from_lark(grammar)
 
     @staticmethod
     def _calls_rules(tools: dict[str, Optional[dict]], parallel: bool) -> str:

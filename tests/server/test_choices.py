@@ -95,6 +95,22 @@ def test_a_client_leaving_aborts_every_choice(server):
                what="every choice aborted and its pages freed")
 
 
+def test_a_batch_of_prompts_gets_each_prompts_answers_in_order(server):
+    """Catches prompts answered out of order or usage counting a prompt per choice: two prompts (token ids and
+    text) × two choices, choice 2j + i is prompt j's answer with seed + i, echo puts each choice's own prompt first,
+    and the prompt tokens are counted once per prompt."""
+    client, _, engine = server
+    text = "Once upon"
+    n_text = len(engine.tokenizer.encode(text))
+    r = client.completions.create(model=None, prompt=[PROMPT, text], n=2, seed=5, echo=True, **SAMPLED)
+    singles = [client.completions.create(model=None, prompt=p, seed=5 + i, **SAMPLED).choices[0].text
+               for p in (PROMPT, text) for i in range(2)]
+    echoes = [engine.tokenizer.decode(PROMPT)] * 2 + [text] * 2
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [e + s for e, s in zip(echoes, singles)]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(PROMPT) + n_text, 24)
+
+
 def test_best_of_other_than_n_is_refused(server):
     client, _, _ = server
     with pytest.raises(openai.UnprocessableEntityError, match="best_of=4"):

@@ -89,11 +89,13 @@ COMPLETION_CASES = [
     ({"prompt": [1] * 256}, 400, "prompt", "context_length_exceeded", None),
     ({"prompt": [1, 10**6]}, 400, None, "invalid_request", "prompt token ids must be integers in [0, 434)"),
     # well-formed, but not something pegainfer can honour: 422 naming the field
-    ({"n": 129}, 400, "n", None, "at most 128"),
+    ({"n": 257}, 400, "n", None, "at most 256"),
+    ({"prompt": ["a"] * 9, "n": 30}, 400, "prompt", None, "270 choices"),
+    ({"prompt": ["a", ""]}, 400, "prompt", "empty_prompt", None),
+    ({"prompt": [[1, 2], "a", 3]}, 400, "prompt", "invalid_type", None),
     ({"n": 0}, 400, "n", None, None),
     ({"best_of": 3}, 422, "best_of", "unsupported_parameter", "n=3"),
     ({"n": 2, "best_of": 4}, 422, "best_of", "unsupported_parameter", None),
-    ({"prompt": ["a", "b"]}, 422, "prompt", "unsupported_parameter", "one prompt per request"),
     ({"presence_penalty": 2.5}, 400, "presence_penalty", None, "[-2, 2]"),
     ({"frequency_penalty": "1"}, 400, "frequency_penalty", "invalid_type", None),
     ({"repetition_penalty": 0}, 400, "repetition_penalty", None, "(0, 10]"),
@@ -105,7 +107,7 @@ COMPLETION_CASES = [
     ({"logit_bias": [1, 2]}, 400, "logit_bias", "invalid_type", None),
     ({"suffix": "tail"}, 422, "suffix", "unsupported_parameter", None),
     ({"echo": True, "logprobs": 1}, 422, "echo", "unsupported_parameter", "prompt logprobs"),
-    ({"response_format": {"type": "json_object"}}, 422, "response_format", "unsupported_parameter", None),
+    ({"response_format": {"type": "json_object"}}, 422, "response_format", "unsupported_parameter", "cannot constrain"),
 ]
 
 
@@ -230,6 +232,10 @@ def test_api_key(model_folder):
             check_error(http.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
             check_error(http.post("/v1/chat/completions", json=GOOD_CHAT,
                                   headers={"Authorization": "Basic sekrit"}), 401)
+            check_error(http.post("/tokenize", json={"prompt": "Hi"}), 401)
+            check_error(http.post("/detokenize", json={"tokens": [1]}), 401)
+            assert http.post("/tokenize", json={"prompt": "Hi"},
+                             headers={"Authorization": "Bearer sekrit"}).json()["count"] > 0
             assert http.get("/health").status_code == 200  # health and version stay open
             assert http.get("/version").status_code == 200
         good = openai.OpenAI(base_url=f"{url}/v1", api_key="sekrit", max_retries=0)

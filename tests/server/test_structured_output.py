@@ -9,6 +9,7 @@ random weights) end to end."""
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -120,6 +121,52 @@ BAD_SCHEMAS = [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "a": {"$ref": "#/nowhere"}}}}}], "tool_choice": "required"}, "tools[0].function.parameters", "nowhere"),
 ]
+
+
+def test_completions_follow_each_kind_of_output_format(server):
+    """Catches a format parsed but not handed to the engine, or the wrong grammar built from it: over several seeds
+    at once, /v1/completions output matches a regex (structured_outputs), is one of the choices (the older
+    guided_choice), follows a Lark grammar, and is JSON valid for a schema (response_format, which completions
+    take too); each ends because its grammar is complete."""
+    client, _ = server
+    grammar = 'start: "id=" NUM ("," NUM)*\nNUM: /[1-9][0-9]?/'
+    pattern, choices = r"[a-c]{2,4}-[0-9]{1,2}", ["red pill", "blue pill", "née"]
+    formats = [({"structured_outputs": {"regex": pattern}}, lambda t: re.fullmatch(pattern, t)),
+               ({"guided_choice": choices}, lambda t: t in choices),
+               ({"structured_outputs": {"grammar": grammar}},
+                lambda t: re.fullmatch(r"id=[1-9][0-9]?(,[1-9][0-9]?)*", t)),
+               ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}}},
+                lambda t: errors(json.loads(t), ANSWER) == [])]
+
+    def one(job):
+        (fmt, _), seed = job
+        return client.completions.create(model="demo-qwen3", prompt="Answer:", seed=seed, temperature=1.0,
+                                         max_tokens=60, extra_body=fmt).choices[0]
+
+    jobs = [(f, seed) for f in formats for seed in (1, 2)]
+    for ((fmt, ok), seed), c in zip(jobs, all_at_once(one, jobs)):
+        assert c.finish_reason == "stop" and ok(c.text), (fmt, seed, c.text)
+
+
+BAD_FORMATS = [
+    ({"structured_outputs": {"regex": "(unclosed"}}, 400, "structured_outputs.regex", "unclosed"),
+    ({"guided_grammar": 'start: "a" missing'}, 400, "guided_grammar", "missing"),
+    ({"structured_outputs": {"choice": []}}, 400, "structured_outputs.choice", "non-empty"),
+    ({"guided_json": "{not json"}, 400, "guided_json", "not JSON"),
+    ({"structured_outputs": {"regex": "a+"}, "guided_choice": ["a"]}, 400, "guided_choice", "one output format"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, 422, "structured_outputs", "structural_tag"),
+    ({"structured_outputs": {"regex": "a+"}, "tools": [WEATHER], "tool_choice": "auto"}, 422,
+     "structured_outputs.regex", "tool_choice"),
+]
+
+
+@pytest.mark.parametrize("change,status,param,says", BAD_FORMATS, ids=[b[2] + "-" + b[3] for b in BAD_FORMATS])
+def test_formats_that_cannot_be_followed_are_refused(server, change, status, param, says):
+    _, url = server
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": ask(), **change}, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and says in err["message"], err
 
 
 @pytest.mark.parametrize("change,param,says", BAD_SCHEMAS, ids=[b[2] for b in BAD_SCHEMAS])

@@ -34,9 +34,15 @@ sequence's history and its counter -- provided the model's per-row results do no
 the batch (step N+1 may still carry a row for a sequence that stopped at N, and a request that arrives after N+1
 was launched joins N+2).
 Pinned buffers: the runner alternates two output buffers and rewrites its input mirrors (and the pool its block
-table) only after the previous upload from them has executed."""
+table) only after the previous upload from them has executed.
+
+A request for its prompt's logprobs (``SamplingParams.prompt_logprobs``: ``echo`` with ``logprobs``) waits outside
+the scheduler until no step is in flight and a slot and its pages are free (no step is launched ahead, and no
+waiting request admitted, meanwhile); then ``_score_prompt`` prefills it alone, in chunks whose every row keeps its
+logits, and it decodes like any other request from there."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import time
@@ -105,6 +111,8 @@ class Engine:
         self.runner = ModelRunner(model, self.pool, max_batch, use_cuda_graph)
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[str] = []
+        # requests that want their prompt's logprobs, prefilled one by one outside mixed steps (``_score_prompt``)
+        self._scoring: collections.deque[Sequence] = collections.deque()
         self.is_demo = bool(cfg.raw.get("pegainfer_demo", False))
         self.tracer = None                     # a pegainfer.trace.ChromeTracer while tracing
         self._kernel_traced: set[str] = set()  # step kinds already traced kernel by kernel
@@ -313,7 +321,10 @@ class Engine:
             except ValueError as e:
                 raise RequestError(f"the output grammar cannot be followed: {e}") from None
         self._seqs[request_id] = seq
-        self.scheduler.add(seq)
+        if params.prompt_logprobs is not None:
+            self._scoring.append(seq)
+        else:
+            self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its slot and pages are freed at the start of the next step."""
@@ -333,7 +344,7 @@ class Engine:
         ``gc_pause_seconds`` / ``gc_full_collections`` / ``gc_longest_pause_seconds``: the process's
         garbage-collection pauses since warm-up (``heap.py``)."""
         graphs, snaps = self.runner.graphs, self.scheduler.snapshots
-        return {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+        return {"waiting": len(self.scheduler.waiting) + len(self._scoring), "running": len(self.scheduler.running),
                 "kv_pages_used": self.pool.pages_used, "kv_pages_total": self.pool.num_pages,
                 "slots_used": self.pool.slots_used, "num_preemptions": self.scheduler.num_preemptions,
                 "prefix_cache_queries": self.pool.prefix_queries, "prefix_cache_hits": self.pool.prefix_hits,
@@ -370,6 +381,9 @@ class Engine:
         if self._inflight is not None:
             return self._step_inflight()
         outputs = self._finish_aborted()
+        if self._scoring and self._can_score(self._scoring[0]):
+            return outputs + self._score_prompt(self._scoring.popleft())
+        self.scheduler.hold_admissions = bool(self._scoring)    # its room comes from sequences that finish
         sched = self.scheduler.schedule()
         if sched is None:
             return outputs
@@ -536,6 +550,8 @@ class Engine:
         (``_launch_mixed_ahead``)."""
         live = [seq for seq in seqs if seq.status is Status.RUNNING]
         chunked = {id(seq) for seq in prefilling}
+        if self._scoring:
+            return None         # a prompt to score waits for the engine to be idle between two steps
         if self._aborted or [seq for seq in self.scheduler.running if id(seq) not in chunked] != live:
             return None
         nxt = []
@@ -617,8 +633,45 @@ class Engine:
             top = [(int(i), float(lp[i])) for i in idx]
         return TokenLogprob(token, float(lp[token]), top)
 
+    # ------------------------------------------------------------------------------------------------ prompt logprobs
+    def _can_score(self, seq: Sequence) -> bool:
+        """Whether ``seq`` (a request for its prompt's logprobs) can be prefilled now: a slot, and pages for its
+        prompt and first token beyond the scheduler's reserve."""
+        return (len(self.scheduler.running) < self.scheduler.max_batch and self.pool.has_free_slot and
+                self.pool.pages_needed(seq.num_tokens + 1) + self.scheduler.reserve_pages <= self.pool.pages_available)
+
+    def _score_prompt(self, seq: Sequence) -> list[RequestOutput]:
+        """Prefill ``seq``'s prompt in chunks whose every row keeps its logits (``runner.prefill(want_logits)``; the
+        engine is idle between two steps: no step in flight), each prompt token's logprob computed from the row
+        before it; then the sequence decodes like any other.  Other streams wait for it (a prompt-logprob request,
+        as an evaluation harness sends, is not prefilled beside decodes); the prefix cache is not used for it (every
+        position's logits are wanted)."""
+        import numpy as np
+        self.scheduler.admit_without_cache(seq)
+        self.pool.ensure_capacity(seq.slot, seq.num_tokens + 1)
+        self.model.reset_slot(seq.slot)
+        seq.scheduled_time = time.perf_counter()
+        n, top_n = len(seq.prompt_ids), seq.params.prompt_logprobs
+        prompt = np.asarray(seq.prompt_ids)
+        entries: list[Optional[TokenLogprob]] = [None]
+        step = min(self.model.max_rows, self.model.max_tokens)
+        token = None
+        for start in range(0, n, step):
+            length = min(step, n - start)
+            token, _ = self.runner.prefill(seq, start, length, want_logits=True)
+            self.scheduler.computed(seq, start + length)
+            rows = min(length, n - 1 - start)     # rows that predict a prompt token
+            if rows > 0:
+                logits = self.runner.logits_host(length)[:rows]
+                entries += token_logprobs(logits, prompt[start + 1:start + 1 + rows], top_n)
+        out = self._append(seq, token, length - 1)
+        out.prompt_logprobs = entries
+        return [out]
+
     def _finish(self, seq: Sequence, reason: str, text: str = "") -> RequestOutput:
         seq.finish_reason = reason
+        if seq in self._scoring:
+            self._scoring.remove(seq)
         if self.tracer is not None:
             now = time.perf_counter()
             rid = seq.request_id
@@ -642,6 +695,26 @@ def _step_label(sched) -> str:
     if sched.kind == "mixed":
         return f"mixed: {len(sched.decodes)} decodes + {len(sched.chunks)} chunks ({sched.num_tokens} tokens)"
     return f"decode batch {len(sched.decodes)}"
+
+
+def token_logprobs(logits, tokens, top_n: int) -> list[TokenLogprob]:
+    """Per row of host ``logits`` ``[rows, V]``: the logprob of ``tokens[row]`` under that row's softmax and the
+    ``top_n`` most likely tokens (in float64, as ``Engine._logprob``)."""
+    import numpy as np
+    x = np.asarray(logits, np.float64)
+    m = x.max(axis=1, keepdims=True)
+    lp = x - (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))
+    rows = np.arange(x.shape[0])
+    chosen = lp[rows, np.asarray(tokens)]
+    out = []
+    for r in rows:
+        top = []
+        if top_n > 0:
+            idx = np.argpartition(-lp[r], top_n - 1)[:top_n]
+            idx = idx[np.argsort(-lp[r, idx], kind="stable")]
+            top = [(int(i), float(lp[r, i])) for i in idx]
+        out.append(TokenLogprob(int(tokens[r]), float(chosen[r]), top))
+    return out
 
 
 def check_penalties(params: SamplingParams, vocab: int) -> None:

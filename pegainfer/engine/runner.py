@@ -275,7 +275,7 @@ class ModelRunner:
             self.h_rows[:B] = np.arange(T, dtype=np.int32)
             for r in range(B):
                 self._set_sampling(r, seq)
-            self._fill_masks((), B)
+            self._fill_masks([(seq, B - 1)] if last else (), B)
         else:
             B = 1
             self.h_rows[0] = T - 1

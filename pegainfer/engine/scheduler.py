@@ -74,6 +74,7 @@ class Scheduler:
             roomy = pool.num_pages >= max_batch * pool.max_pages_per_seq
             reserve_pages = 0 if roomy else max(1, pool.num_pages // 100)
         self.reserve_pages = reserve_pages
+        self.hold_admissions = False
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []       # in order of admission: the newest is preempted first
         self.num_preemptions = 0
@@ -149,8 +150,11 @@ class Scheduler:
 
     def can_admit_waiting(self) -> bool:
         """Whether a step could admit the first waiting sequence now: a slot is free and pages for its first chunk
-        (beyond the reserve) are available."""
-        if not self.waiting or len(self.running) >= self.max_batch or not self.pool.has_free_slot:
+        (beyond the reserve) are available, and admissions are not held (``hold_admissions``: the engine frees room
+        for a request it prefills itself)."""
+        if self.hold_admissions or not self.waiting or len(self.running) >= self.max_batch:
+            return False
+        if not self.pool.has_free_slot:
             return False
         seq = self.waiting[0]
         first = min(seq.num_tokens, self.max_num_batched_tokens)
@@ -168,6 +172,14 @@ class Scheduler:
             seq.pages_indexed = len(pages)
             if not seq.output_ids and seq.preemptions == 0:
                 seq.cached_tokens = seq.num_cached
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def admit_without_cache(self, seq: Sequence) -> None:
+        """Take ``seq`` (not in the waiting queue) into the running batch with a slot and no cached pages: its
+        whole prompt is computed (a request for its prompt's logprobs, which the engine prefills itself)."""
+        seq.slot = self.pool.acquire_slot()
+        seq.num_cached = 0
         seq.status = Status.RUNNING
         self.running.append(seq)
 

@@ -20,6 +20,8 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0           # EOS / stop ids / stop strings are ignored before this many tokens
     logprobs: Optional[int] = None  # None → off; N ≥ 0 → the chosen token's logprob plus the top N
+    prompt_logprobs: Optional[int] = None   # None → off; N ≥ 0 → each prompt token's logprob (given the tokens
+    #                                         before it) plus the top N, with the request's first output
     grammar: Optional[str] = None   # an llguidance grammar the output must follow (``text/structured.py``)
     grammar_after_think: str = "no"  # "no": from the first token; "yes": after </think>; "if_opened": after
     #                                  </think> if the output opens a <think> block first, else from the first token
@@ -56,3 +58,5 @@ class RequestOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0                # prompt tokens whose K/V came from the prefix cache (not recomputed)
     error: Optional[str] = None           # set with finish_reason "error"
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None   # with the first output when asked for:
+    #                                       one per prompt token, None for the first (nothing comes before it)

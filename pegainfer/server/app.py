@@ -228,7 +228,7 @@ class OpenAIServer:
                               min_tokens=s.min_tokens, logprobs=s.logprobs,
                               repetition_penalty=pick(s.repetition_penalty, "repetition_penalty", 1.0),
                               frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
-                              logit_bias=dict(s.logit_bias))
+                              logit_bias=dict(s.logit_bias), prompt_logprobs=s.prompt_logprobs)
 
     async def output_grammar(self, engine, fmt: Optional[P.ResponseFormat], tools: Optional[list] = None,
                              tool_choice="none", parallel_tool_calls: bool = True) -> Optional[str]:
@@ -345,8 +345,19 @@ class OpenAIServer:
         rid, choices, watch = await self._submit(request, "cmpl", "completions", jobs, req.n)
         name = self.model_name()
         echo = [echoes[c.prompt] if req.echo else "" for c in choices]    # each choice's echoed prompt
-        lps = [P.CompletionLogprobs(tok, len(echo[k])) if c.params.logprobs is not None else None
+        # with logprobs the echoed prompt's tokens come first in them (from the first output: prompt_logprobs)
+        scored = req.sampling.prompt_logprobs is not None
+        lps = [P.CompletionLogprobs(tok, 0 if scored else len(echo[k])) if c.params.logprobs is not None else None
                for k, c in enumerate(choices)]
+
+        def logprobs_part(i, out):
+            """Choice ``i``'s logprobs of ``out``: its prompt's first (the first output of an echo), then its
+            tokens'."""
+            part = lps[i].add_prompt(out.prompt_logprobs, jobs[choices[i].prompt][0]) if out.prompt_logprobs else None
+            more = lps[i].add(out.logprobs)
+            if part is None:
+                return more
+            return {key: part[key] + more[key] for key in part}
 
         def choice(index, text, logprobs, finish):
             return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
@@ -358,7 +369,7 @@ class OpenAIServer:
                 def take(out):
                     texts[i].append(out.delta_text)
                     if lps[i] is not None:
-                        lps[i].add(out.logprobs)
+                        logprobs_part(i, out)
                 return take
 
             finishes = await self._collect(choices, watch, [taker(i) for i in range(len(choices))])
@@ -382,26 +393,29 @@ class OpenAIServer:
 
         async def events():
             tail, running = [], len(choices)
+            pending_echo = list(echo) if scored else [""] * len(choices)   # sent with the prompt's logprobs
             try:
-                for i, e in enumerate(echo):
-                    if e:
-                        yield text_chunks[i].fill(e)
+                if not scored:
+                    for i, e in enumerate(echo):
+                        if e:
+                            yield text_chunks[i].fill(e)
                 async for c, out in self._outputs(choices):
                     i, rlog = c.index, c.rlog
                     rlog.saw(out)
-                    part = lps[i].add(out.logprobs) if lps[i] is not None else None
+                    part = logprobs_part(i, out) if lps[i] is not None else None
+                    text, pending_echo[i] = pending_echo[i] + out.delta_text, ""
                     if out.finished:
                         rlog.finish = self._finish_reason(out)
                         running -= 1
-                        event = sse(chunk(i, out.delta_text, part, rlog.finish))
+                        event = sse(chunk(i, text, part, rlog.finish))
                         if running:
                             yield event
                         else:
                             tail.append(event)
                     elif part:
-                        yield sse(chunk(i, out.delta_text, part, None))
-                    elif out.delta_text:
-                        yield text_chunks[i].fill(out.delta_text)
+                        yield sse(chunk(i, text, part, None))
+                    elif text:
+                        yield text_chunks[i].fill(text)
                 if req.include_usage and not running:
                     tail.append(sse({"id": rid, "object": "text_completion", "created": created, "model": name,
                                      "choices": [], "usage": self._usage(choices)}))

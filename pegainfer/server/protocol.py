@@ -159,6 +159,7 @@ class Sampling:
     frequency_penalty: float = 0.0
     repetition_penalty: Optional[float] = None   # None → the model's generation_config.json, else 1
     logit_bias: dict = field(default_factory=dict)   # token id → bias
+    prompt_logprobs: Optional[int] = None   # echo with logprobs: the prompt's tokens' logprobs, top N
 
 
 @dataclass
@@ -353,13 +354,12 @@ def parse_completion_request(body: dict) -> CompletionRequest:
                   "logprobs", "invalid_type")
     logprobs = f.int("logprobs", lo=0, hi=MAX_LOGPROBS)
     echo = f.bool("echo")
-    if echo and logprobs is not None:
-        raise unsupported("echo", "echo together with logprobs needs prompt logprobs, which pegainfer does not "
-                                  "compute; drop one of them")
     stream, include_usage = _parse_stream(f)
     f.str("user")
-    return CompletionRequest(model, prompts, _parse_sampling(f, max_tokens, logprobs), echo, stream, include_usage,
-                             n, _parse_output_format(body))
+    sampling = _parse_sampling(f, max_tokens, logprobs)
+    if echo and logprobs is not None:   # the echoed prompt's tokens come with their logprobs, as OpenAI's did
+        sampling.prompt_logprobs = logprobs
+    return CompletionRequest(model, prompts, sampling, echo, stream, include_usage, n, _parse_output_format(body))
 
 
 def _is_id_list(v) -> bool:
@@ -719,6 +719,21 @@ class CompletionLogprobs:
         self.token_logprobs: list[float] = []
         self.top_logprobs: list[dict] = []
         self.text_offset: list[int] = []
+
+    def add_prompt(self, entries, prompt_ids) -> dict:
+        """Append the echoed prompt's entries (``RequestOutput.prompt_logprobs``: None for its first token, which
+        has no logprob); return the object for just these."""
+        part = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        if entries:
+            s = self.tokenizer.token_str(prompt_ids[0])
+            for key, val in (("tokens", s), ("token_logprobs", None), ("top_logprobs", None),
+                             ("text_offset", self.offset)):
+                part[key].append(val)
+                getattr(self, key).append(val)
+            self.offset += len(s)
+            for key, val in self.add(entries[1:]).items():
+                part[key] += val
+        return part
 
     def add(self, entries) -> dict:
         """Append TokenLogprob entries; return the object for just these (for a stream chunk)."""

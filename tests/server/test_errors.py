@@ -106,7 +106,6 @@ COMPLETION_CASES = [
     ({"logit_bias": {"100000": 1}}, 400, "logit_bias", None, "outside the vocabulary"),
     ({"logit_bias": [1, 2]}, 400, "logit_bias", "invalid_type", None),
     ({"suffix": "tail"}, 422, "suffix", "unsupported_parameter", None),
-    ({"echo": True, "logprobs": 1}, 422, "echo", "unsupported_parameter", "prompt logprobs"),
     ({"response_format": {"type": "json_object"}}, 422, "response_format", "unsupported_parameter", "cannot constrain"),
 ]
 

@@ -1,5 +1,7 @@
 """Helpers shared by tests: error metrics, bf16 rounding and random bf16 data."""
 import contextlib
+import inspect
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -57,16 +59,38 @@ def hf_logits_on_gpu(model_class, folder, ids, attn: str, dtype=None):
     return out
 
 
-def launches_during(fn):
-    """Run ``fn()`` and return ``[(kernel, pdl), ...]``: every kernel it launched through ``launch`` and whether
-    the launch declared the PDL contract (launched with a policy, so it may overlap the kernel before it)."""
+class LaunchRecord(NamedTuple):
+    """One launch through ``launch``: the kernel, the launch's ``name``, its 1-D grid and block, its dynamic shared
+    bytes, the arguments passed to the kernel, and whether it declared the PDL contract (launched with a policy)."""
+    kernel: Any
+    name: Optional[str]
+    grid: int
+    block: int
+    shared: int
+    args: tuple
+    pdl: bool
+
+    def arg(self, param: str):
+        """The value passed for the kernel's parameter named ``param``."""
+        names = list(inspect.signature(kernel_function(self.kernel)).parameters)
+        return self.args[names.index(param)]
+
+
+def kernel_function(kernel):
+    """The Python function a numba kernel (or the simulator's stand-in) was built from."""
+    return getattr(kernel, "py_func", None) or getattr(kernel, "fn")
+
+
+def launch_records_during(fn) -> list[LaunchRecord]:
+    """Run ``fn()`` and return a ``LaunchRecord`` of every kernel it launched through ``launch``, in launch order
+    (a launch that raised included)."""
     from pegainfer.kernels import launch as launch_module
 
     seen, real = [], launch_module._launch
 
-    def record(kernel, grid, block, args, shared, policy, name):
-        seen.append((kernel, policy is not None))
-        real(kernel, grid, block, args, shared, policy, name)
+    def record(kernel, grid, block, args, shared, policy, name, **extra):
+        seen.append(LaunchRecord(kernel, name, grid, block, shared, tuple(args), policy is not None))
+        real(kernel, grid, block, args, shared, policy, name, **extra)
 
     launch_module._launch = record
     try:
@@ -76,16 +100,20 @@ def launches_during(fn):
     return seen
 
 
+def launches_during(fn):
+    """Run ``fn()`` and return ``[(kernel, pdl), ...]``: every kernel it launched through ``launch`` and whether
+    the launch declared the PDL contract (launched with a policy, so it may overlap the kernel before it)."""
+    return [(r.kernel, r.pdl) for r in launch_records_during(fn)]
+
+
 def assert_pdl_contract(launched):
     """Every launch of an engine step is a PDL launch (so no kernel boundary is left unoverlapped), and every
     PDL-launched kernel waits for the previous kernel (``pdl_prologue()`` or ``grid_dependency_wait()`` in its
     source): a kernel without the wait would race with the kernel before it on the GPU.  And every launched
     kernel's closure is complete: numba's disk cache (GPU only) pickles each cell, and an empty one fails there."""
-    import inspect
-
     assert launched, "nothing was launched"
     for kernel, pdl in launched:
-        fn = getattr(kernel, "py_func", None) or getattr(kernel, "fn")
+        fn = kernel_function(kernel)
         name = fn.__name__
         for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
             try:

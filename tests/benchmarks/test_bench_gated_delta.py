@@ -1,24 +1,44 @@
 """``benchmarks/bench_gated_delta.py`` as a smoke run in the simulator: the chunked kernels at their default and at a
-forced geometry are timed and agree with the reference kernel."""
+forced geometry are timed and agree with the reference kernel, the forced geometry reaching the launches."""
 import json
 import os
 
 import pytest
+
+from tests.util import launch_records_during
 
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="a smoke run of the simulator's tiny shapes")
 def test_smoke_run(bench_modules, tmp_path):
-    """The script runs end to end and its check sees both geometries at the reference's result (a broken import of a
-    kernel name, a geometry flag not reaching the launch, a check comparing the wrong arrays would show here)."""
+    """The script runs end to end, its check sees both geometries at the reference's result, and each geometry
+    reaches its launches: the default's scan kernel (1 warp, 2 stages in the simulator) and then the forced one's
+    (``--geometry 2,1,1``: the scan kernel built for 2 warps and 1 stage, launched with 2 warps a block and that
+    geometry's shared memory), and the prepare launch's ``head_parts`` at the default's 2 (the simulator's 4 SMs
+    outnumber the 3 chunks, so a key head's 2 value heads take 2 blocks) and then at the forced 1."""
     import bench_gated_delta
+    from pegainfer.kernels.gated_delta import ChunkGeometry
+    from pegainfer.kernels.gated_delta.chunked_mma import _scan_kernel
     out = tmp_path / "gdn.json"
-    assert bench_gated_delta.main(["--json", str(out), "--geometry", "2,1,2"]) == 0
+    codes = []
+    launched = launch_records_during(lambda: codes.append(bench_gated_delta.main(["--json", str(out), "--geometry",
+                                                                                  "2,1,1"])))
+    assert codes == [0]
     result = json.loads(out.read_text())
     rows = result["rows"]
-    assert [r["geometry"] for r in rows] == [f"{tuple(result['default_geometry'][1:])} default", "(2, 1, 2)"]
+    assert [r["geometry"] for r in rows] == [f"{tuple(result['default_geometry'][1:])} default", "(2, 1, 1)"]
     assert all(r["us"] > 0 and r["state_rel_l2"] < 1e-5 and r["out_bit_equal"] > 0.95 for r in rows)
+
+    kd, vd = bench_gated_delta.HEADS["key_dim"], bench_gated_delta.HEADS["value_dim"]
+    default, forced = ChunkGeometry(*result["default_geometry"]), ChunkGeometry(bench_gated_delta.CHUNK, 2, 1, 1)
+    assert (default.scan_warps, default.scan_stages, default.prepare_split) == (1, 2, 0)
+    prepares = [r for r in launched if r.name == "gated_delta_chunk_prepare"]
+    scans = [r for r in launched if r.name == "gated_delta_chunk_scan"]
+    calls = [(p.arg("head_parts"), s.kernel, s.block, s.shared) for p, s in zip(prepares, scans, strict=True)]
+    assert list(dict.fromkeys(calls)) == [
+        (parts, _scan_kernel(kd, vd, g.tiles, g.scan_warps, g.scan_stages), 32 * g.scan_warps,
+         4 * g.scan_shared_words(kd)) for parts, g in ((2, default), (1, forced))]
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="a smoke run of the simulator's tiny shapes")

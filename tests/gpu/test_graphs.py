@@ -185,3 +185,47 @@ def test_qwen35_prefix_cache_gives_the_uncached_results(tmp_path):
     assert len(common) >= 6, (on, off)
     assert max(abs(on[t] - off[t]) for t in common) < 0.04, (on, off)      # five bf16 steps near the logits' size
     assert abs(max(on.values()) - max(off.values())) < 0.04, (on, off)
+
+
+def test_penalties_and_prompt_logprobs_through_graphs_and_steps_ahead(tmp_path):
+    """Penalties and logit bias counted on the device while steps launch ahead of the host (graphs, async
+    scheduling) against eager synchronous steps: the same tokens, one greedy request alone (the LM head's argmax
+    re-picked from the penalized row) and four beside each other; the penalties change the greedy stream; a prompt's
+    logprobs equal those of ``score`` of the same ids."""
+    from pegainfer.engine.engine import Engine
+    from pegainfer.engine.types import SamplingParams
+
+    folder = _mid_qwen3(tmp_path)
+    prompts = [np.random.default_rng(10 + i).integers(0, 400, size=n).tolist() for i, n in enumerate((6, 33, 80, 17))]
+    pen = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.8, presence_penalty=0.4),
+           dict(logit_bias={7: 3.0, 11: -2.0}), dict(repetition_penalty=1.1, presence_penalty=1.5)]
+    results = {}
+    for fast in (True, False):
+        eng = Engine.from_folder(str(folder), max_model_len=1024, max_batch=4, use_cuda_graph=fast,
+                                 async_scheduling=fast)
+        runs = []
+        for batch in ([0], [0, 1, 2, 3]):
+            toks = {f"r{i}": [] for i in batch}
+            for i in batch:
+                eng.add_request(f"r{i}", prompts[i], SamplingParams(max_tokens=40, temperature=0.0 if i % 2 == 0
+                                                                     else 0.7, seed=i, ignore_eos=True, **pen[i]))
+            while eng.has_unfinished():
+                _step(eng, toks)
+            runs.append(toks)
+        eng.add_request("plain", prompts[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+        plain = []
+        while eng.has_unfinished():
+            plain += sum((o.new_token_ids for o in eng.step()), [])
+        assert plain != runs[0]["r0"]
+        eng.add_request("scored", prompts[2], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1))
+        outs = []
+        while eng.has_unfinished():
+            outs += eng.step()
+        got = [e.logprob for e in outs[0].prompt_logprobs[1:]]
+        x = eng.score(prompts[2]).astype(np.float64)
+        lse = x.max(1) + np.log(np.exp(x - x.max(1, keepdims=True)).sum(1))
+        np.testing.assert_allclose(got, [x[p, prompts[2][p + 1]] - lse[p] for p in range(len(prompts[2]) - 1)],
+                                   rtol=0, atol=1e-6)
+        assert eng.stats()["kv_pages_used"] == 0
+        results[fast] = runs
+    assert results[True] == results[False]

@@ -68,6 +68,8 @@ def test_rejects_bad_shapes():
     x = np.zeros((2, 16), np.uint16)
     with pytest.raises(ValueError, match="does not match"):
         linear(x, np.zeros((4, 8), np.uint16), np.zeros((2, 4), np.uint16))
+    with pytest.raises(ValueError, match="4-byte boundary"):     # pairs of outputs are written in one store
+        linear(x, np.zeros((4, 16), np.uint16), np.zeros(9, np.uint16)[1:].reshape(2, 4))
     with pytest.raises(ValueError, match="out"):
         linear_silu_mul(x, np.zeros((8, 16), np.uint16), np.zeros((2, 8), np.uint16))
     with pytest.raises(ValueError, match="even number of rows"):

@@ -12,8 +12,8 @@ import numpy as np
 
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
-from pegainfer.kernels.primitives import (as_words, cuda, grid, int32, kernel, load_u32x4, pdl_prologue, threads,
-                                          uint16, uint32)
+from pegainfer.kernels.primitives import (array_address, as_words, cuda, grid, int32, kernel, load_u32x4, pdl_prologue,
+                                          threads, uint16, uint32)
 
 uint64 = np.uint64
 EMBEDDING_THREADS = 256
@@ -96,8 +96,7 @@ def _sixteen_byte_rows(a) -> bool:
     """Every row of the C-contiguous 2-D ``a`` starts 16-byte aligned (so ``load_u32x4`` may read it)."""
     if not a.is_c_contiguous() or (a.shape[1] * 2) % 16:
         return False
-    ptr = a.__cuda_array_interface__["data"][0] if hasattr(a, "__cuda_array_interface__") else a.ctypes.data
-    return ptr % 16 == 0
+    return array_address(a) % 16 == 0
 
 
 def embedding(ids, table, out, *, policy: LaunchPolicy = DEFAULT_POLICY) -> None:

@@ -60,10 +60,10 @@ from pegainfer.kernels.gated_delta.geometry import MMA_TILE, ChunkGeometry, chun
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.linear.common import bounded_kernel, shared_optin
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
-from pegainfer.kernels.primitives import (WARP, as_words, bf16x2_hi, bf16x2_lo, bits_f32, cp_async_16,
-                                          cp_async_commit, cp_async_wait_group, cuda, device_fn, float32, grid,
-                                          kernel, ldmatrix_x4, ldmatrix_x4_trans, math, mma_bf16_m16n8k16,
-                                          pack_bf16x2, pdl_prologue, split_bf16x2, uint32)
+from pegainfer.kernels.primitives import (WARP, array_address, as_words, bf16x2_hi, bf16x2_lo, bits_f32, cp_async_16,
+                                          cp_async_commit, cp_async_wait_group, cuda, device_fn, float32, grid, kernel,
+                                          ldmatrix_x4, ldmatrix_x4_trans, math, mma_bf16_m16n8k16, pack_bf16x2,
+                                          pdl_prologue, split_bf16x2, uint32)
 
 SCALES = 4
 """Per-token factors the prepare kernel leaves for the scan (``ChunkScratch.scales``): ``beta_i``, the write factor
@@ -640,9 +640,7 @@ def _scan_kernel(key_dim: int, value_dim: int, tiles: int, warps: int, stages: i
 
 def _aligned_16(a) -> bool:
     """Whether the array's first byte sits on a 16-byte boundary (``cp.async``'s 16-byte copies need it)."""
-    cai = getattr(a, "__cuda_array_interface__", None)
-    addr = cai["data"][0] if cai is not None else a.__array_interface__["data"][0]
-    return addr % 16 == 0
+    return array_address(a) % 16 == 0
 
 
 def gated_delta_chunked(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids, token_offsets, out,

@@ -16,14 +16,15 @@ from pegainfer.kernels.linear.geometry import (GEMV_MAX_TOKENS, NORM_THREADS, SK
 from pegainfer.kernels.linear.skinny import linear_skinny
 from pegainfer.kernels.norm import add_rms_norm_into, check_residual_buffers
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
-from pegainfer.kernels.primitives import WARP
+from pegainfer.kernels.primitives import WARP, array_address
 
 IMPLS = ("gemv", "skinny", "gemm_fma", "gemm_mma", "gemm_wgmma")
 
 
 def check_shapes(x, w, out, gated: bool, impl) -> None:
     """Raise ``ValueError`` naming the problem unless x ``[T, K]``, w ``[N, K]`` (``[2I, K]`` gated) and out
-    ``[T, N]`` (``[T, I]``) are contiguous uint16 arrays, K a multiple of 8, and ``impl`` one of ``IMPLS`` or None."""
+    ``[T, N]`` (``[T, I]``) are contiguous uint16 arrays, out starting at a 4-byte boundary, K a multiple of 8, and
+    ``impl`` one of ``IMPLS`` or None."""
     for name, a in (("x", x), ("w", w), ("out", out)):
         if a.ndim != 2 or a.dtype != np.uint16:
             raise ValueError(f"{name} must be a 2-D uint16 (bf16 bits) array, got shape {a.shape} dtype {a.dtype}")
@@ -39,6 +40,8 @@ def check_shapes(x, w, out, gated: bool, impl) -> None:
         raise ValueError(f"w_gate_up {w.shape} must have an even number of rows (gate rows then up rows)")
     if out.shape != (T, n_out):
         raise ValueError(f"out {out.shape} must be {(T, n_out)} for x {x.shape} and weight {w.shape}")
+    if array_address(out) % 4:
+        raise ValueError("out must start at a 4-byte boundary (the GEMMs write two bf16 values in one store)")
     if impl is not None and impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
 

@@ -51,7 +51,7 @@ from pegainfer.kernels.linear.splitk import build_finish_tile, split_workspace
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
 from pegainfer.kernels.primitives import (WARP, as_words, cp_async_16, cp_async_commit, cp_async_wait_group, cuda,
                                           device_fn, float32, grid, grid_dependency_wait, int32, launch_dependents,
-                                          ldmatrix_x4, mma_bf16_m16n8k16, pack_bf16x2, uint32)
+                                          ldmatrix_x4, mma_bf16_m16n8k16, pack_bf16x2, store_bf16_pair, uint32)
 
 int64 = np.int64
 
@@ -102,7 +102,8 @@ def store_mma_tiles(out, acc, packed, mt, nt, tok0, col0, gated):
     tokens g, g + 8 × columns 2t, 2t + 1 of the lane (g = lane >> 2, t = lane & 3).  Tokens past ``out``'s T and
     columns past the end are dropped; gated, each column pair becomes one SwiGLU output (``store_packed_pair``).
     ``packed`` is ``2·mt·nt`` uint32 of scratch.  Two loops: the first (small body, fully unrolled, so acc stays in
-    registers) rounds the accumulators to bf16 pairs; the second writes them."""
+    registers) rounds the accumulators to bf16 pairs; the second writes them, a pair in one 4-byte store when the
+    rows have an even number of columns (half the epilogue's store instructions), else value by value."""
     lane = cuda.threadIdx.x % WARP
     g = lane >> 2
     t4 = lane & 3
@@ -110,6 +111,17 @@ def store_mma_tiles(out, acc, packed, mt, nt, tok0, col0, gated):
     for i in range(mt * nt):
         packed[2 * i] = pack_bf16x2(acc[4 * i], acc[4 * i + 1])
         packed[2 * i + 1] = pack_bf16x2(acc[4 * i + 2], acc[4 * i + 3])
+    n_out = out.shape[1]
+    if not gated and n_out % 2 == 0:     # every pair 4-byte aligned (``check_shapes``): one store a pair
+        for i in range(mt):
+            tok = tok0 + 16 * i + g
+            for j in range(nt):
+                col = col0 + 8 * j + 2 * t4
+                if tok < T and col < n_out:
+                    store_bf16_pair(out, tok, col, packed[2 * (i * nt + j)])
+                if tok + 8 < T and col < n_out:
+                    store_bf16_pair(out, tok + 8, col, packed[2 * (i * nt + j) + 1])
+        return
     for i in range(mt):
         tok = tok0 + 16 * i + g
         for j in range(nt):

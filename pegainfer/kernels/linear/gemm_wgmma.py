@@ -77,7 +77,8 @@ from pegainfer.kernels.linear.splitk import build_finish_tile, norm_handoff, spl
 from pegainfer.kernels.norm import pairs_per_thread
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
 from pegainfer.kernels.primitives import (SIMULATOR, WARP, as_words, cuda, device_fn, float32, grid,
-                                          grid_dependency_wait, int32, launch_dependents, reads_before_wait, uint32)
+                                          grid_dependency_wait, int32, launch_dependents, reads_before_wait,
+                                          store_bf16_pair, uint32)
 from pegainfer.kernels.primitives.cluster import (cluster_count, cluster_index, cluster_rank, cluster_size,
                                                   cluster_sync, mbar_arrive_in, tma_load_2d_multicast)
 from pegainfer.kernels.primitives.barriers import (mbar_arrive, mbar_arrive_expect_tx, mbar_fence_init, mbar_init,
@@ -103,6 +104,15 @@ def store_gated_halves(out, acc, packed, half_blocks, tok0, j0):
             lo = silu_mul_bf16(acc[4 * i + 2 * h], acc[4 * (i + half_blocks) + 2 * h])
             hi = silu_mul_bf16(acc[4 * i + 2 * h + 1], acc[4 * (i + half_blocks) + 2 * h + 1])
             packed[2 * i + h] = uint32(lo) | (uint32(hi) << uint32(16))
+    n_out = out.shape[1]
+    if n_out % 2 == 0:                   # every pair 4-byte aligned (``check_shapes``): one store a pair
+        for i in range(half_blocks):
+            j = j0 + 8 * i + 2 * t4
+            if tok0 + g < T and j < n_out:
+                store_bf16_pair(out, tok0 + g, j, packed[2 * i])
+            if tok0 + g + 8 < T and j < n_out:
+                store_bf16_pair(out, tok0 + g + 8, j, packed[2 * i + 1])
+        return
     for i in range(half_blocks):
         j = j0 + 8 * i + 2 * t4
         if tok0 + g < T:

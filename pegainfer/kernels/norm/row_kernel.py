@@ -27,9 +27,9 @@ import numpy as np
 
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
-from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, block_sum, cuda, device_fn,
-                                          f32_to_bf16, float32, grid, kernel, math, pdl_prologue, threads, uint16,
-                                          uint32, warp_sum)
+from pegainfer.kernels.primitives import (WARP, array_address, bf16_to_f32, bf16x2_hi, bf16x2_lo, block_sum, cuda,
+                                          device_fn, f32_to_bf16, float32, grid, kernel, math, pdl_prologue, threads,
+                                          uint16, uint32, warp_sum)
 
 
 @device_fn
@@ -260,8 +260,7 @@ def add_rms_norm(residual, delta, weight, out, eps: float, weight_offset: float 
 
 
 def _memory_range(a) -> tuple[int, int]:
-    iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
-    start = int(iface["data"][0])
+    start = array_address(a)
     return start, start + int(a.nbytes)
 
 

@@ -6,7 +6,7 @@ and never checks which world it runs in; this package is the only place that doe
 * ``launch_shape`` -- ``@kernel`` / ``@device_fn``, the scalar types, ``threads`` / ``grid`` (smaller in the simulator),
   ``sm_count``
 * ``bf16`` -- bf16 as raw bits: conversions, packed pairs, an f32 split into two bf16, host conversions
-* ``loads`` -- 16-byte and 8-byte loads and stores, ``as_words``
+* ``loads`` -- 16-byte and 8-byte loads and stores, a bf16 pair in one 4-byte store, ``as_words``
 * ``reductions`` -- warp and block reductions (sums, maxima, argmax)
 * ``mma`` -- the warp-wide bf16 tensor-core multiply-accumulate and ``ldmatrix``, which loads its fragments
 * ``ldmatrix_trans`` -- the transposing ``ldmatrix``: B fragments of ``P · V`` from a row-major V tile
@@ -63,8 +63,9 @@ from pegainfer.kernels.primitives.fast_exp2 import exp2_approx
 from pegainfer.kernels.primitives.launch_shape import (device_fn, float32, grid, int32, kernel, launch_bounded,
                                                        sm_count, threads, uint16, uint32)
 from pegainfer.kernels.primitives.ldmatrix_trans import ldmatrix_x4_trans
-from pegainfer.kernels.primitives.loads import (as_words, load_acquire_u32, load_f32x2, load_f32x4, load_u32_l2,
-                                                load_u32x4, prefetch_l2, store_f32x2, store_f32x4)
+from pegainfer.kernels.primitives.loads import (array_address, as_words, load_acquire_u32, load_f32x2, load_f32x4,
+                                                load_u32_l2, load_u32x4, prefetch_l2, store_bf16_pair, store_f32x2,
+                                                store_f32x4)
 from pegainfer.kernels.primitives.mma import ldmatrix_x4, mma_bf16_m16n8k16
 from pegainfer.kernels.primitives.pdl import (GRID_DEPENDENCY_CONTROL, global_timer, grid_dependency_wait,
                                               launch_dependents, pdl_prologue, reads_before_wait, sm_id)
@@ -79,7 +80,8 @@ __all__ = ["as_words", "bf16_to_f32", "bf16x2_hi", "bf16x2_lo", "bits_f32", "blo
            "FULL_MASK", "global_timer", "grid", "GRID_DEPENDENCY_CONTROL", "grid_dependency_wait", "int32", "kernel",
            "lane_group_max", "lane_group_sum", "launch_dependents", "ldmatrix_x4", "load_acquire_u32", "load_f32x2",
            "load_f32x4", "load_u32_l2", "load_u32x4", "math", "mma_bf16_m16n8k16", "NO_INDEX", "pack_bf16x2",
-           "pdl_prologue", "prefetch_l2", "SIMULATOR", "sm_id", "store_f32x2", "store_f32x4", "threads",
-           "to_bf16_bits", "uint16", "uint32", "WARP",
+           "pdl_prologue", "prefetch_l2", "SIMULATOR", "sm_id", "store_bf16_pair", "store_f32x2", "store_f32x4",
+           "threads", "to_bf16_bits", "uint16", "uint32", "WARP",
            "warp_argmax", "warp_max", "warp_row_sums_to_shared", "warp_sum", "warp_sums_to_shared"]
-__all__ += ["exp2_approx", "launch_bounded", "ldmatrix_x4_trans", "reads_before_wait", "sm_count", "split_bf16x2", "warp_any"]
+__all__ += ["array_address", "exp2_approx", "launch_bounded", "ldmatrix_x4_trans", "reads_before_wait", "sm_count",
+            "split_bf16x2", "warp_any"]

@@ -3,8 +3,9 @@ load (8 bf16 values; ``i`` an element index, a multiple of 4); ``load_u32_l2`` r
 ``load_acquire_u32`` reads one word with acquire semantics at GPU scope (the load of a spin-wait on a counter
 other blocks of the launch raise); ``prefetch_l2(a, i)`` asks L2 for the 128-byte line holding ``a[i]`` and
 returns at once (no register waits on it); ``load_f32x2`` / ``load_f32x4`` and ``store_f32x2`` / ``store_f32x4``
-move 8 / 16 bytes of f32 at once (global or shared memory); ``as_words`` views a tensor as the flat uint32 array
-they read."""
+move 8 / 16 bytes of f32 at once (global or shared memory); ``store_bf16_pair(out, t, j, word)`` writes two
+adjacent bf16 values of a 2-D uint16 array (at a 4-byte aligned ``out[t, j]``) in one 4-byte store; ``as_words``
+views a tensor as the flat uint32 array they read."""
 from __future__ import annotations
 
 import numpy as np
@@ -49,6 +50,11 @@ if SIMULATOR:
         a[i + 1] = y
         a[i + 2] = z
         a[i + 3] = w
+
+    @device_fn
+    def store_bf16_pair(out, t, j, word):
+        out[t, j] = np.uint16(word & 0xFFFF)
+        out[t, j + 1] = np.uint16(word >> 16)
 else:
     from llvmlite import ir
     from numba import types
@@ -201,6 +207,32 @@ else:
     @device_fn
     def store_f32x4(a, i, x, y, z, w):
         _st_f32x4(a, i, x, y, z, w)
+
+    @intrinsic
+    def store_bf16_pair(typingctx, out, t, j, word):
+        """``out[t, j], out[t, j + 1] = low, high half of word`` in one 4-byte store, for a 2-D uint16 array whose
+        ``out[t, j]`` is 4-byte aligned (an even column of a row that starts 4-byte aligned)."""
+        if not (isinstance(out, types.Array) and out.dtype == types.uint16 and out.ndim == 2):
+            return None
+        sig = types.void(out, t, j, word)
+
+        def codegen(context, builder, sig, args):
+            from numba.cuda import cgutils
+            ary = context.make_array(sig.args[0])(context, builder, value=args[0])
+            idx = [context.cast(builder, args[k], sig.args[k], types.intp) for k in (1, 2)]
+            ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, idx, wraparound=False)
+            value = context.cast(builder, args[3], sig.args[3], types.uint32)
+            builder.store(value, builder.bitcast(ptr, ir.IntType(32).as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+
+def array_address(a) -> int:
+    """The address of an array's first byte: a device array's (``__cuda_array_interface__``), else a host array's
+    (the simulator's arrays are host arrays)."""
+    iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+    return int(iface["data"][0])
 
 
 def as_words(a):

@@ -698,8 +698,8 @@ def _step_label(sched) -> str:
 
 
 def token_logprobs(logits, tokens, top_n: int) -> list[TokenLogprob]:
-    """Per row of host ``logits`` ``[rows, V]``: the logprob of ``tokens[row]`` under that row's softmax and the
-    ``top_n`` most likely tokens (in float64, as ``Engine._logprob``)."""
+    """Per row of host ``logits`` ``[rows, V]``: the logprob of ``tokens[row]`` under that row's softmax, its rank
+    and the ``top_n`` most likely tokens (in float64, as ``Engine._logprob``)."""
     import numpy as np
     x = np.asarray(logits, np.float64)
     m = x.max(axis=1, keepdims=True)
@@ -713,7 +713,7 @@ def token_logprobs(logits, tokens, top_n: int) -> list[TokenLogprob]:
             idx = np.argpartition(-lp[r], top_n - 1)[:top_n]
             idx = idx[np.argsort(-lp[r, idx], kind="stable")]
             top = [(int(i), float(lp[r, i])) for i in idx]
-        out.append(TokenLogprob(int(tokens[r]), float(chosen[r]), top))
+        out.append(TokenLogprob(int(tokens[r]), float(chosen[r]), top, int((lp[r] > chosen[r]).sum()) + 1))
     return out
 
 

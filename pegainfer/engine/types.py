@@ -42,6 +42,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob) of the top-N tokens, most likely first
+    rank: Optional[int] = None    # 1 + how many tokens are more likely (prompt logprobs)
 
 
 @dataclass

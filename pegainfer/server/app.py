@@ -346,14 +346,15 @@ class OpenAIServer:
         name = self.model_name()
         echo = [echoes[c.prompt] if req.echo else "" for c in choices]    # each choice's echoed prompt
         # with logprobs the echoed prompt's tokens come first in them (from the first output: prompt_logprobs)
-        scored = req.sampling.prompt_logprobs is not None
+        scored = req.echo and req.sampling.logprobs is not None
         lps = [P.CompletionLogprobs(tok, 0 if scored else len(echo[k])) if c.params.logprobs is not None else None
                for k, c in enumerate(choices)]
 
         def logprobs_part(i, out):
             """Choice ``i``'s logprobs of ``out``: its prompt's first (the first output of an echo), then its
             tokens'."""
-            part = lps[i].add_prompt(out.prompt_logprobs, jobs[choices[i].prompt][0]) if out.prompt_logprobs else None
+            part = lps[i].add_prompt(out.prompt_logprobs, jobs[choices[i].prompt][0]) \
+                if scored and out.prompt_logprobs else None
             more = lps[i].add(out.logprobs)
             if part is None:
                 return more
@@ -364,10 +365,13 @@ class OpenAIServer:
 
         if not req.stream:
             texts = [[e] for e in echo]
+            prompt_lps: list = [None] * len(choices)
 
             def taker(i):
                 def take(out):
                     texts[i].append(out.delta_text)
+                    if out.prompt_logprobs is not None:
+                        prompt_lps[i] = P.prompt_logprobs_json(tok, out.prompt_logprobs)
                     if lps[i] is not None:
                         logprobs_part(i, out)
                 return take
@@ -377,6 +381,9 @@ class OpenAIServer:
                     "choices": [choice(i, "".join(texts[i]), lps[i].to_json() if lps[i] else None, finishes[i])
                                 for i in range(len(choices))],
                     "usage": self._usage(choices), "system_fingerprint": None}
+            if req.sampling.return_prompt_logprobs:
+                for c, entries in zip(body["choices"], prompt_lps):
+                    c["prompt_logprobs"] = entries
             return JSONResponse(body)
 
         created = P.now()
@@ -469,11 +476,15 @@ class OpenAIServer:
         if not req.stream:
             answers, content_lps = [ChatDelta() for _ in choices], [[] for _ in choices]
 
+            prompt_lps = []
+
             def taker(i):
                 def take(out):
                     answers[i].add(parsers[i].push(out.delta_text))
                     if params.logprobs is not None:
                         content_lps[i].extend(P.chat_logprobs(tok, out.logprobs, top_n))
+                    if i == 0 and out.prompt_logprobs is not None:
+                        prompt_lps.extend(P.prompt_logprobs_json(tok, out.prompt_logprobs))
                 return take
 
             finishes = await self._collect(choices, watch, [taker(i) for i in range(len(choices))])
@@ -495,6 +506,8 @@ class OpenAIServer:
                                               if params.logprobs is not None else None),
                                  "finish_reason": finish_reason(i, finishes[i])} for i in range(len(choices))],
                     "usage": self._usage(choices), "system_fingerprint": None}
+            if req.sampling.return_prompt_logprobs:
+                body["prompt_logprobs"] = prompt_lps
             return JSONResponse(body)
 
         created = P.now()

@@ -159,7 +159,8 @@ class Sampling:
     frequency_penalty: float = 0.0
     repetition_penalty: Optional[float] = None   # None → the model's generation_config.json, else 1
     logit_bias: dict = field(default_factory=dict)   # token id → bias
-    prompt_logprobs: Optional[int] = None   # echo with logprobs: the prompt's tokens' logprobs, top N
+    prompt_logprobs: Optional[int] = None   # the prompt's tokens' logprobs, top N (echo with logprobs, or asked)
+    return_prompt_logprobs: bool = False    # vLLM's ``prompt_logprobs`` field: return them as its own field
 
 
 @dataclass
@@ -217,7 +218,6 @@ def _neutral_zero(v) -> bool:
 _UNSUPPORTED_COMMON = {
     "length_penalty": (lambda v: v == 1, "beam search is not implemented; leave it 1"),
     "use_beam_search": (lambda v: v is False, "beam search is not implemented"),
-    "prompt_logprobs": (lambda v: False, "prompt logprobs are not computed by pegainfer"),
     "allowed_token_ids": (lambda v: False, "allowed_token_ids is not implemented"),
     "bad_words": (lambda v: v == [], "bad_words is not implemented"),
 }
@@ -307,10 +307,14 @@ def _parse_sampling(f: Fields, max_tokens: Optional[int], logprobs: Optional[int
     if repetition_penalty is not None and not 0 < repetition_penalty <= 10:
         raise bad(f"'repetition_penalty' must be in (0, 10] (1 is off), got {repetition_penalty:g}",
                   "repetition_penalty")
+    prompt_logprobs = f.int("prompt_logprobs", lo=0, hi=MAX_LOGPROBS)
+    if prompt_logprobs is not None and f.bool("stream"):
+        raise unsupported("prompt_logprobs", "prompt_logprobs is returned with whole answers only: drop 'stream'")
     return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                     seed=seed, stop=_parse_stop(f), stop_token_ids=f.int_list("stop_token_ids"),
                     ignore_eos=f.bool("ignore_eos"), min_tokens=min_tokens, logprobs=logprobs,
-                    repetition_penalty=repetition_penalty, logit_bias=_parse_logit_bias(f), **penalties)
+                    repetition_penalty=repetition_penalty, logit_bias=_parse_logit_bias(f),
+                    prompt_logprobs=prompt_logprobs, return_prompt_logprobs=prompt_logprobs is not None, **penalties)
 
 
 def _parse_logit_bias(f: Fields) -> dict[int, float]:
@@ -358,7 +362,7 @@ def parse_completion_request(body: dict) -> CompletionRequest:
     f.str("user")
     sampling = _parse_sampling(f, max_tokens, logprobs)
     if echo and logprobs is not None:   # the echoed prompt's tokens come with their logprobs, as OpenAI's did
-        sampling.prompt_logprobs = logprobs
+        sampling.prompt_logprobs = max(logprobs, sampling.prompt_logprobs or 0)
     return CompletionRequest(model, prompts, sampling, echo, stream, include_usage, n, _parse_output_format(body))
 
 
@@ -753,6 +757,22 @@ class CompletionLogprobs:
     def to_json(self) -> dict:
         return {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,
                 "text_offset": self.text_offset}
+
+
+def prompt_logprobs_json(tokenizer, entries) -> list[Optional[dict]]:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or ``{token id: {"logprob", "rank",
+    "decoded_token"}}`` for the token itself and the top N (ranked 1 .. N)."""
+    out: list[Optional[dict]] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        d = {str(t): {"logprob": _lp(lp), "rank": k + 1, "decoded_token": tokenizer.token_str(t)}
+             for k, (t, lp) in enumerate(e.top)}
+        d[str(e.token_id)] = {"logprob": _lp(e.logprob), "rank": e.rank,
+                              "decoded_token": tokenizer.token_str(e.token_id)}
+        out.append(d)
+    return out
 
 
 def chat_logprobs(tokenizer, entries, top_n: int) -> list[dict]:

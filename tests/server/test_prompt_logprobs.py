@@ -22,6 +22,7 @@ def server():
     x = scorer.score(PROMPT).astype(np.float64)
     lp = x - (x.max(1, keepdims=True) + np.log(np.exp(x - x.max(1, keepdims=True)).sum(1, keepdims=True)))
     want = [lp[p, PROMPT[p + 1]] for p in range(len(PROMPT) - 1)]
+    scorer.log_softmax = lp
     ae = AsyncEngine(hash_engine(max_batch=4), max_waiting=16).start()
     assert ae.wait_ready(60)
     try:
@@ -61,3 +62,33 @@ def test_streamed_echo_with_logprobs_carries_the_same_entries(server):
                 values += c.logprobs.token_logprobs
     assert text == whole.text and tokens == whole.logprobs.tokens and values == whole.logprobs.token_logprobs
     assert len(tokens) == len(PROMPT) + 3
+
+
+def test_vllm_prompt_logprobs_field(server):
+    """vLLM's ``prompt_logprobs``: per choice on /v1/completions (no echo needed), top-level on chat; None for the
+    first token, then the token itself (its rank: 1 + how many tokens are likelier) and the top N (rank r: the r-th
+    largest logprob; the hash model's logits tie often, so which of equal tokens is listed is not checked);
+    streaming with it is refused."""
+    client, scorer, want = server
+    tok = scorer.tokenizer
+    r = client.completions.create(model=None, prompt=PROMPT, max_tokens=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    entries = r.choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(PROMPT)
+    for p, e in enumerate(entries[1:]):
+        row, token = scorer.log_softmax[p], PROMPT[p + 1]
+        own = e[str(token)]
+        assert abs(own["logprob"] - want[p]) < 1e-6 and own["decoded_token"] == tok.token_str(token)
+        assert own["rank"] == 1 + int((row > row[token]).sum())
+        ranked = np.sort(row)[::-1]                          # the r-th largest logprob (ties: the same value)
+        others = {k: v for k, v in e.items() if k != str(token)}
+        assert 1 <= len(others) <= 2 and {v["rank"] for v in others.values()} <= {1, 2}
+        assert all(abs(v["logprob"] - ranked[v["rank"] - 1]) < 1e-6 for v in others.values())
+    assert r.choices[0].logprobs is None and r.choices[0].text and "prompt_logprobs" not in r.model_extra
+    chat = client.chat.completions.create(model=None, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    chat_entries = chat.model_extra["prompt_logprobs"]
+    assert chat_entries[0] is None and all(len(e) == 1 for e in chat_entries[1:])
+    with pytest.raises(openai.UnprocessableEntityError, match="prompt_logprobs"):
+        list(client.completions.create(model=None, prompt=PROMPT, max_tokens=1, stream=True,
+                                       extra_body={"prompt_logprobs": 1}))

@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="pegainfer: Qwen3 / Qwen3.5 inference with readable Numba-CUDA kernels. Without a GPU every "
                     "kernel runs in Numba's CUDA simulator (slow: only the tiny demo model is practical).")
     parser.add_argument("--version", action="version", version=f"pegainfer {pegainfer.__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{generate,serve,bench,bench-serve}")
+    sub = parser.add_subparsers(dest="command", metavar="{generate,chat,serve,bench,bench-serve}")
 
     g = sub.add_parser("generate", help="stream a completion of one prompt to stdout",
                        description="Stream a completion of --prompt to stdout, then print one summary line "
@@ -88,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the prompt text (raw, no chat template; default: %(default)r)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as one user message with the chat template")
     _add_sampling_args(g)
+
+    c = sub.add_parser("chat", help="an interactive conversation on the terminal (the chat template, multi-turn)",
+                       description="Read messages from stdin, one per line, and stream each answer through the "
+                                   "model's chat template with the conversation so far (the oldest turns are left "
+                                   "out when the context is full). " + CHAT_HELP + ".")
+    _add_model_args(c)
+    c.add_argument("--system", default=None, help="a system message at the start of every conversation")
+    _add_sampling_args(c)
 
     try:
         from pegainfer.server import add_serve_arguments
@@ -144,9 +152,9 @@ def _sampling_params(args, engine):
         seed=args.seed, ignore_eos=args.ignore_eos)
 
 
-def cmd_generate(args) -> int:
+def _load_engine(args):
+    """The engine of ``--model-path`` for one stream, with the load lines on stderr."""
     from pegainfer.engine.engine import Engine, engine_policy
-    from pegainfer.errors import PegainferError
 
     print(f"[pegainfer] {pegainfer.device.describe()}", file=sys.stderr)
     t0 = time.perf_counter()
@@ -158,22 +166,20 @@ def cmd_generate(args) -> int:
               "pass --model-path DIR for a real model", file=sys.stderr)
     print(f"[pegainfer] loaded {engine.model_name} in {time.perf_counter() - t0:.1f} s "
           f"(max model len {engine.max_model_len})", file=sys.stderr)
-    params = _sampling_params(args, engine)
-    prompt = args.prompt
-    if args.chat:
-        if engine.chat_template is None:
-            raise PegainferError("--chat: this model folder has no chat template")
-        prompt = engine.chat_template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    ids = engine.tokenizer.encode(prompt)
-    if not ids:
-        raise PegainferError("the prompt is empty after tokenization: pass some text with --prompt")
+    return engine
+
+
+def _stream(engine, ids, params, request_id: str = "cli") -> str:
+    """Generate from ``ids``, writing the text to stdout as it comes, then the summary line on stderr; returns the
+    text."""
     from pegainfer.engine.progress import PrefillProgress
-    from pegainfer.trace import maybe_trace
+
     # in the simulator a prefill takes seconds: show it kernel by kernel on a terminal until the first token
     progress = PrefillProgress(len(ids), engine.prefill_launches) if pegainfer.SIMULATOR else contextlib.nullcontext()
-    with maybe_trace(args.trace_output_path, engine), progress as prefill:
+    text = []
+    with progress as prefill:
         t_start = time.perf_counter()
-        engine.add_request("cli", ids, params)
+        engine.add_request(request_id, ids, params)
         t_first = None
         n_out = 0
         reason = None
@@ -185,6 +191,7 @@ def cmd_generate(args) -> int:
                         prefill.close()
                 n_out = out.completion_tokens or n_out
                 if out.delta_text:
+                    text.append(out.delta_text)
                     sys.stdout.write(out.delta_text)
                     sys.stdout.flush()
                 if out.finished:
@@ -197,7 +204,94 @@ def cmd_generate(args) -> int:
     tps = (n_out - 1) / (t_end - t_first) if n_out > 1 and t_first else float("nan")
     print(f"[pegainfer] prompt tokens {len(ids)}, generated tokens {n_out} ({reason}), TTFT {ttft:.1f} ms, "
           f"TPOT {tpot:.2f} ms, {tps:.1f} tok/s", file=sys.stderr)
+    return "".join(text)
+
+
+def cmd_generate(args) -> int:
+    from pegainfer.errors import PegainferError
+    from pegainfer.trace import maybe_trace
+
+    engine = _load_engine(args)
+    params = _sampling_params(args, engine)
+    prompt = args.prompt
+    if args.chat:
+        if engine.chat_template is None:
+            raise PegainferError("--chat: this model folder has no chat template")
+        prompt = engine.chat_template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    ids = engine.tokenizer.encode(prompt)
+    if not ids:
+        raise PegainferError("the prompt is empty after tokenization: pass some text with --prompt")
+    with maybe_trace(args.trace_output_path, engine):
+        _stream(engine, ids, params)
     return 0
+
+
+CHAT_HELP = "type a message and Enter; /reset starts a new conversation, /exit (or Ctrl-D) leaves"
+
+
+def chat_prompt(engine, messages: list[dict], max_tokens: int) -> tuple[list[int], int]:
+    """The token ids of the conversation (the chat template, a generation prompt after it) with room for
+    ``max_tokens`` more in the context: the oldest turns (a question and its answer, after a system message) are
+    left out until it fits.  Returns (ids, how many messages were left out); ids are empty when even the last
+    message does not fit."""
+    system = 1 if messages and messages[0]["role"] == "system" else 0
+    dropped = 0
+    while True:
+        shown = messages[:system] + messages[system + dropped:]
+        ids = engine.tokenizer.encode(engine.chat_template.render(shown, add_generation_prompt=True))
+        if len(ids) + max_tokens <= engine.max_model_len or system + dropped >= len(messages) - 1:
+            break
+        dropped = min(dropped + 2, len(messages) - 1 - system)
+    if len(ids) + 1 > engine.max_model_len:
+        return [], dropped
+    return ids, dropped
+
+
+def cmd_chat(args) -> int:
+    """A conversation on the terminal: each line read is a user turn; the answer streams to stdout; the history
+    (the answers as the model wrote them) goes into the next turn's prompt through the chat template."""
+    import dataclasses
+
+    from pegainfer.errors import PegainferError
+
+    engine = _load_engine(args)
+    if engine.chat_template is None:
+        raise PegainferError("this model folder has no chat template (tokenizer_config.json chat_template or "
+                             "chat_template.jinja): use `generate` instead")
+    params = _sampling_params(args, engine)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
+    print(f"[pegainfer] {CHAT_HELP}", file=sys.stderr)
+    turn = 0
+    while True:
+        if sys.stdin.isatty():
+            sys.stderr.write("> ")
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+        if not line or line.strip() in ("/exit", "/quit"):
+            return 0
+        text = line.rstrip("\n")
+        if text.strip() == "/reset":
+            messages = list(system)
+            print("[pegainfer] new conversation", file=sys.stderr)
+            continue
+        if not text.strip():
+            continue
+        messages.append({"role": "user", "content": text})
+        ids, dropped = chat_prompt(engine, messages, params.max_tokens)
+        if not ids:
+            messages.pop()
+            print(f"[pegainfer] that message does not fit the context ({engine.max_model_len} tokens, "
+                  f"--max-model-len): send a shorter one", file=sys.stderr)
+            continue
+        if dropped:
+            print(f"[pegainfer] the {dropped} oldest messages no longer fit the context and are left out",
+                  file=sys.stderr)
+        room = engine.max_model_len - len(ids)
+        turn_params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+        answer = _stream(engine, ids, turn_params, request_id=f"chat-{turn}")
+        messages.append({"role": "assistant", "content": answer})
+        turn += 1
 
 
 def check_model_folder(args) -> None:
@@ -223,6 +317,8 @@ def main(argv=None) -> int:
         check_model_folder(args)
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "chat":
+            return cmd_chat(args)
         if args.command == "serve":
             from pegainfer.server import run_server
             return run_server(args) or 0

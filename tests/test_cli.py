@@ -352,3 +352,60 @@ def test_generate_penalty_flags_reach_the_sampling_params():
                                       "--presence-penalty", "-1"])
     p = _sampling_params(args, engine)
     assert (p.repetition_penalty, p.frequency_penalty, p.presence_penalty) == (1.3, 0.5, -1.0) and p.penalized
+
+
+def test_chat_keeps_the_conversation_and_resets_it():
+    """Catches a turn rendered without the history (or the answer left out of it), /reset not clearing it, or the
+    loop not ending at the end of input: two turns, /reset, one more; each turn's prompt is the chat template of
+    the system message and the conversation so far, with the previous answer as the model wrote it."""
+    from pegainfer.demo import ensure_demo_model
+    from pegainfer.text.chat import ChatTemplate
+    from pegainfer.text.tokenizer import Tokenizer
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    r = subprocess.run([sys.executable, "-m", "pegainfer", "chat", "--max-tokens", "2", "--temperature", "0",
+                        "--system", "Be brief."], input="hello there\nand again\n/reset\nthird\n",
+                       capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    answers = r.stdout.split("\n")[:3]
+    folder = ensure_demo_model()
+    tok, template = Tokenizer.from_folder(folder), ChatTemplate.from_folder(folder)
+    system = {"role": "system", "content": "Be brief."}
+    conversations = [[system, {"role": "user", "content": "hello there"}],
+                     [system, {"role": "user", "content": "hello there"}, {"role": "assistant", "content": answers[0]},
+                      {"role": "user", "content": "and again"}],
+                     [system, {"role": "user", "content": "third"}]]
+    want = [len(tok.encode(template.render(c, add_generation_prompt=True))) for c in conversations]
+    got = [int(n) for n in re.findall(r"prompt tokens (\d+), generated tokens 2 \(length\)", r.stderr)]
+    assert got == want and "new conversation" in r.stderr
+    assert r.stdout.count("\n") == 3
+
+
+def test_chat_prompt_leaves_out_the_oldest_turns_that_do_not_fit():
+    """The system message stays; the oldest turns go, a question with its answer, until the prompt and the answer's
+    room fit the context; a last message that cannot fit alone gives no ids."""
+    from types import SimpleNamespace
+
+    from pegainfer.__main__ import chat_prompt
+    from pegainfer.demo import ensure_demo_model
+    from pegainfer.text.chat import ChatTemplate
+    from pegainfer.text.tokenizer import Tokenizer
+
+    folder = ensure_demo_model()
+    tok, template = Tokenizer.from_folder(folder), ChatTemplate.from_folder(folder)
+    turns = [{"role": "system", "content": "Be brief."}]
+    for i in range(6):
+        turns += [{"role": "user", "content": f"question {i} " * 4}, {"role": "assistant", "content": f"answer {i}"}]
+    turns.append({"role": "user", "content": "last"})
+    full = len(tok.encode(template.render(turns, add_generation_prompt=True)))
+    engine = SimpleNamespace(tokenizer=tok, chat_template=template, max_model_len=full + 8)
+    ids, dropped = chat_prompt(engine, turns, 8)
+    assert dropped == 0 and len(ids) == full
+    engine.max_model_len = full - 10
+    ids, dropped = chat_prompt(engine, turns, 8)
+    kept = turns[:1] + turns[1 + dropped:]
+    assert dropped >= 2 and dropped % 2 == 0 and kept[1]["role"] == "user" and kept[0] == turns[0]
+    assert len(ids) + 8 <= engine.max_model_len
+    assert ids == tok.encode(template.render(kept, add_generation_prompt=True))
+    engine.max_model_len = 5
+    assert chat_prompt(engine, turns, 8)[0] == []

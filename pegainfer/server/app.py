@@ -392,11 +392,12 @@ class OpenAIServer:
             c = {"id": rid, "object": "text_completion", "created": created, "model": name,
                  "choices": [choice(index, text, logprobs, finish)]}
             if req.include_usage:
-                c["usage"] = None
+                c["usage"] = self._usage(choices) if req.continuous_usage else None
             return c
 
-        # the chunk of almost every token, one per choice
-        text_chunks = [ChunkTemplate(lambda text, i=i: chunk(i, text, None, None)) for i in range(len(choices))]
+        # the chunk of almost every token, one per choice (built per token when each carries the usage so far)
+        text_chunks = [(ChunkTemplate if not req.continuous_usage else _Rebuilt)(
+            lambda text, i=i: chunk(i, text, None, None)) for i in range(len(choices))]
 
         async def events():
             tail, running = [], len(choices)
@@ -516,11 +517,11 @@ class OpenAIServer:
             c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
                  "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
             if req.include_usage:
-                c["usage"] = None
+                c["usage"] = self._usage(choices) if req.continuous_usage else None
             return c
 
-        text_chunks = [ChunkTemplate(lambda text, i=i: chunk(i, {"content": text}, None, None))
-                       for i in range(len(choices))]
+        text_chunks = [(ChunkTemplate if not req.continuous_usage else _Rebuilt)(
+            lambda text, i=i: chunk(i, {"content": text}, None, None)) for i in range(len(choices))]
         n_calls = [0] * len(choices)
 
         def deltas(i: int, d: ChatDelta) -> list[dict]:
@@ -768,6 +769,17 @@ class OpenAIServer:
                 c.stream.cancel()  # a no-op when the request finished; aborts it when the client left early
                 c.rlog.write()     # finish reason, or "cancelled" when the stream was cut short
         return EventStreamResponse(events, watch, on_close=on_close)
+
+
+class _Rebuilt:
+    """``ChunkTemplate``'s interface for chunks that change beyond their text (the usage so far in each): the
+    chunk built and serialized for every token."""
+
+    def __init__(self, make_chunk: Callable[[str], dict]):
+        self.make_chunk = make_chunk
+
+    def fill(self, text: str) -> str:
+        return sse(self.make_chunk(text))
 
 
 @dataclasses.dataclass

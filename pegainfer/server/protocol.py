@@ -173,6 +173,7 @@ class CompletionRequest:
     include_usage: bool
     n: int = 1
     response_format: Optional["ResponseFormat"] = None
+    continuous_usage: bool = False   # stream_options.continuous_usage_stats: usage so far in every chunk
 
 
 @dataclass
@@ -204,6 +205,7 @@ class ChatRequest:
     parallel_tool_calls: bool = True
     response_format: Optional[ResponseFormat] = None
     n: int = 1
+    continuous_usage: bool = False   # stream_options.continuous_usage_stats: usage so far in every chunk
 
     def tool_schemas(self) -> dict[str, dict]:
         """Function name → its ``parameters`` schema, for the tools the model may call."""
@@ -268,18 +270,19 @@ def _parse_stop(f: Fields) -> list[str]:
     return [s for s in v if s]
 
 
-def _parse_stream(f: Fields) -> tuple[bool, bool]:
+def _parse_stream(f: Fields) -> tuple[bool, bool, bool]:
+    """(stream, include_usage: a usage chunk at the end, continuous_usage_stats: vLLM's usage so far in every
+    chunk too)."""
     stream = f.bool("stream")
     opts = f.dict("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if opts is not None:
         if not stream:
             raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
         o = Fields(opts)
         include_usage = o.bool("include_usage")
-        if "continuous_usage_stats" in opts:
-            o.bool("continuous_usage_stats")
-    return stream, include_usage
+        continuous = include_usage and o.bool("continuous_usage_stats")
+    return stream, include_usage, continuous
 
 
 def _parse_sampling(f: Fields, max_tokens: Optional[int], logprobs: Optional[int]) -> Sampling:
@@ -358,12 +361,13 @@ def parse_completion_request(body: dict) -> CompletionRequest:
                   "logprobs", "invalid_type")
     logprobs = f.int("logprobs", lo=0, hi=MAX_LOGPROBS)
     echo = f.bool("echo")
-    stream, include_usage = _parse_stream(f)
+    stream, include_usage, continuous_usage = _parse_stream(f)
     f.str("user")
     sampling = _parse_sampling(f, max_tokens, logprobs)
     if echo and logprobs is not None:   # the echoed prompt's tokens come with their logprobs, as OpenAI's did
         sampling.prompt_logprobs = max(logprobs, sampling.prompt_logprobs or 0)
-    return CompletionRequest(model, prompts, sampling, echo, stream, include_usage, n, _parse_output_format(body))
+    return CompletionRequest(model, prompts, sampling, echo, stream, include_usage, n, _parse_output_format(body),
+                             continuous_usage)
 
 
 def _is_id_list(v) -> bool:
@@ -649,7 +653,7 @@ def parse_chat_request(body: dict) -> ChatRequest:
     if top is not None and top > 0 and not want_logprobs:
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
-    stream, include_usage = _parse_stream(f)
+    stream, include_usage, continuous_usage = _parse_stream(f)
     kwargs = f.dict("chat_template_kwargs") or {}
     reserved = {"messages", "tools", "documents", "add_generation_prompt"} & set(kwargs)
     if reserved:
@@ -660,7 +664,7 @@ def parse_chat_request(body: dict) -> ChatRequest:
     return ChatRequest(model, messages, _parse_sampling(f, max_tokens, logprobs), stream, include_usage,
                        f.bool("add_generation_prompt", True), dict(kwargs), tools,
                        _parse_tool_choice(body.get("tool_choice"), tools), f.bool("parallel_tool_calls", True),
-                       _parse_output_format(body), n)
+                       _parse_output_format(body), n, continuous_usage)
 
 
 @dataclass

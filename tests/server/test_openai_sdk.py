@@ -66,6 +66,25 @@ def test_penalties_and_logit_bias_reach_the_engine(client):
     assert not plain.penalized
 
 
+def test_continuous_usage_stats_in_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far (completion tokens rising
+    by one a token, the prompt's count throughout), then the final usage chunk; without it the chunks say null."""
+    n_prompt = len(client.engine.tokenizer.encode("Once"))
+    for kind in ("completions", "chat"):
+        make = client.completions.create if kind == "completions" else client.chat.completions.create
+        ask = {"prompt": "Once"} if kind == "completions" else {"messages": [{"role": "user", "content": "Once"}]}
+        chunks = list(make(model="fake-model", max_tokens=4, stream=True, **ask,
+                           stream_options={"include_usage": True, "continuous_usage_stats": True}))
+        counts = [c.usage.completion_tokens for c in chunks[:-1]]
+        assert all(c.usage is not None for c in chunks) and chunks[-1].choices == []
+        assert counts == sorted(counts) and counts[-1] == 4 == chunks[-1].usage.completion_tokens
+        assert len({c.usage.prompt_tokens for c in chunks}) == 1
+        if kind == "completions":
+            assert chunks[0].usage.prompt_tokens == n_prompt
+        plain = list(make(model="fake-model", max_tokens=4, stream=True, **ask, stream_options={"include_usage": True}))
+        assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 4
+
+
 def test_completion_streaming_with_usage(client):
     n = len(client.engine.tokenizer.encode(DEFAULT_REPLY))  # the whole reply, without its EOS
     stream = client.completions.create(model="fake-model", prompt="Once", max_tokens=n, stream=True,

@@ -1,6 +1,7 @@
 """The Starlette app: OpenAI-compatible routes over an ``AsyncEngine``.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (and ``/v1/models/{id}``),
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` (``responses.py``),
+``GET /v1/models`` (and ``/v1/models/{id}``),
 ``POST /tokenize`` and ``POST /detokenize`` (vLLM's),
 ``GET /health`` (200 once the model is loaded and warmed up; 503 before, and for good once a step of the engine
 failed), ``GET /version``, ``GET /metrics`` (Prometheus, ``metrics.py``).  The API key guards ``/v1/*``,
@@ -50,6 +51,7 @@ from pegainfer.engine.async_engine import AsyncEngine, EngineNotReadyError, Engi
 from pegainfer.engine.types import RequestOutput, SamplingParams
 from pegainfer.errors import PegainferError, RequestError
 from pegainfer.server import protocol as P
+from pegainfer.server import responses as R
 from pegainfer.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from pegainfer.server.protocol import APIError
 from pegainfer.server.request_context import RequestIdMiddleware, RequestLog, install_log_filter, request_id_from
@@ -439,7 +441,39 @@ class OpenAIServer:
 
     async def chat_completions(self, request: Request) -> Response:
         self.check_auth(request)
-        req = P.parse_chat_request(await self.read_json(request))
+        return await self._chat(request, await self.read_json(request))
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API over the chat route (``responses.py``): the request translated into a chat
+        request, the answer (or its stream of chunks) translated back."""
+        self.check_auth(request)
+        body = await self.read_json(request)
+        try:
+            chat = R.to_chat_body(body)
+            answer = await self._chat(request, chat, prefix="resp", route="responses")
+        except APIError as e:
+            e.param = R.rename_param(e.param, body)
+            raise
+        if not chat.get("stream"):
+            return JSONResponse(R.response_body(body, chat, json.loads(answer.body)))
+        translator = R.StreamTranslator(body, {**chat, "model": self.model_name()}, P.now())
+        chunks = answer.events
+
+        async def events():
+            for event in translator.start():
+                yield event
+            async for text in chunks:
+                for line in text.split("\n\n"):
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        for event in translator.chunk(json.loads(line[6:])):
+                            yield event
+            yield "".join(translator.end())
+
+        return EventStreamResponse(events(), answer.watch, on_close=answer.on_close)
+
+    async def _chat(self, request: Request, body: dict, prefix: str = "chatcmpl", route: str = "chat") -> Response:
+        """A chat request's answer (``prefix`` / ``route``: its engine id's prefix and its log line's route)."""
+        req = P.parse_chat_request(body)
         engine = self.engine
         self.check_model(req.model)
         if engine.chat_template is None:
@@ -466,7 +500,7 @@ class OpenAIServer:
             start = reasoning_start(prompt_text) if thinking else "content"
             params.grammar_after_think = {"content": "no", "reasoning": "yes", "detect": "if_opened"}[start]
         top_n = params.logprobs or 0
-        rid, choices, watch = await self._submit(request, "chatcmpl", "chat", [(ids, params)], req.n)
+        rid, choices, watch = await self._submit(request, prefix, route, [(ids, params)], req.n)
         name = self.model_name()
         parsers = [ChatOutputParser(ReasoningParser(reasoning_start(prompt_text)) if thinking else None,
                                     ToolCallParser(req.tool_schemas()) if tools else None) for _ in choices]
@@ -817,7 +851,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: Optional[str] = None
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         messages = {404: f"no route {request.method} {request.url.path}: see /v1/completions, "
-                         f"/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /version, /metrics",
+                         f"/v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize, /health, /version, "
+                         f"/metrics",
                     405: f"method {request.method} is not allowed on {request.url.path}"}
         err = APIError(exc.status_code, messages.get(exc.status_code, str(exc.detail)), None,
                        {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code),
@@ -827,6 +862,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: Optional[str] = None
     routes = [
         Route("/v1/completions", endpoint(server.completions), methods=["POST"]),
         Route("/v1/chat/completions", endpoint(server.chat_completions), methods=["POST"]),
+        Route("/v1/responses", endpoint(server.responses), methods=["POST"]),
         Route("/v1/models", endpoint(server.models), methods=["GET"]),
         Route("/tokenize", endpoint(server.tokenize), methods=["POST"]),
         Route("/detokenize", endpoint(server.detokenize), methods=["POST"]),

@@ -89,3 +89,20 @@ def fake_server(model_folder):
     engine = FakeEngine(model_folder)
     with serve_engine(engine) as (url, ae):
         yield url, ae, engine
+
+
+@contextlib.contextmanager
+def serve_hash_engine(timeout: float = 900, **engine_kwargs):
+    """The real engine over the hash model (``tests/engine/hash_engine.py``) behind a live server: yields (an
+    openai client, the base url, the engine)."""
+    import openai
+
+    from tests.engine.hash_engine import hash_engine
+    engine = hash_engine(**engine_kwargs)
+    ae = AsyncEngine(engine, max_waiting=16).start()
+    assert ae.wait_ready(60)
+    try:
+        with serve_app(build_app(ae)) as url:
+            yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=timeout), url, engine
+    finally:
+        ae.shutdown()

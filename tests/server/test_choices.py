@@ -12,10 +12,7 @@ import httpx
 import openai
 import pytest
 
-from pegainfer.engine.async_engine import AsyncEngine
-from pegainfer.server.app import build_app
-from tests.engine.hash_engine import hash_engine
-from tests.server.conftest import serve_app, wait_until
+from tests.server.conftest import serve_hash_engine, wait_until
 
 TIMEOUT = 600
 PROMPT = [11, 12, 13, 14]
@@ -24,14 +21,8 @@ SAMPLED = dict(max_tokens=6, temperature=1.0, extra_body={"ignore_eos": True})
 
 @pytest.fixture(scope="module")
 def server():
-    engine = hash_engine(max_batch=4)
-    ae = AsyncEngine(engine, max_waiting=16).start()
-    assert ae.wait_ready(60)
-    try:
-        with serve_app(build_app(ae)) as url:
-            yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=TIMEOUT), url, engine
-    finally:
-        ae.shutdown()
+    with serve_hash_engine(TIMEOUT, max_batch=4) as served:
+        yield served
 
 
 def one_choice(client, seed):

@@ -18,8 +18,7 @@ import pytest
 
 from pegainfer.engine.async_engine import AsyncEngine
 from pegainfer.server.app import build_app
-from tests.engine.hash_engine import hash_engine
-from tests.server.conftest import serve_app
+from tests.server.conftest import serve_app, serve_hash_engine
 from tests.text.schema_check import errors
 
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -37,13 +36,8 @@ TIMEOUT = 900   # the simulator is slow, and slower on a busy machine
 
 @pytest.fixture(scope="module")
 def server():
-    ae = AsyncEngine(hash_engine(), max_waiting=16).start()
-    assert ae.wait_ready(60)
-    try:
-        with serve_app(build_app(ae)) as url:
-            yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=TIMEOUT), url
-    finally:
-        ae.shutdown()
+    with serve_hash_engine(TIMEOUT) as (client, url, _):
+        yield client, url
 
 
 def ask(text="Answer in JSON."):

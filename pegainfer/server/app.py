@@ -217,7 +217,8 @@ class OpenAIServer:
             raise P.bad(f"'min_tokens' ({s.min_tokens}) exceeds the {max_tokens} tokens this request may generate",
                         "min_tokens")
         vocab = int(getattr(engine, "vocab_size", 0) or engine.tokenizer.vocab_size)
-        for name, ids in (("stop_token_ids", s.stop_token_ids), ("logit_bias", s.logit_bias)):
+        for name, ids in (("stop_token_ids", s.stop_token_ids), ("logit_bias", s.logit_bias),
+                          ("allowed_token_ids", s.allowed_token_ids)):
             bad_ids = [t for t in ids if t >= vocab]
             if bad_ids:
                 raise P.bad(f"'{name}' holds ids outside the vocabulary [0, {vocab}): {bad_ids[:5]}", name)
@@ -233,19 +234,25 @@ class OpenAIServer:
                               logit_bias=dict(s.logit_bias), prompt_logprobs=s.prompt_logprobs)
 
     async def output_grammar(self, engine, fmt: Optional[P.ResponseFormat], tools: Optional[list] = None,
-                             tool_choice="none", parallel_tool_calls: bool = True) -> Optional[str]:
+                             tool_choice="none", parallel_tool_calls: bool = True,
+                             allowed: Optional[list[int]] = None) -> Optional[str]:
         """The llguidance grammar a request's output must follow (None: free text): ``tool_choice`` "required" or a
         named function forces calls with arguments valid for the tool's schema; ``fmt`` asks for JSON (valid for
         its schema), text matching a regex, one of a list of choices, or a Lark grammar -- or, for JSON, calls
-        when ``tool_choice`` is "auto".  What the grammar engine cannot follow is a 400 naming the field.
+        when ``tool_choice`` is "auto"; ``allowed``: only these token ids (vLLM's ``allowed_token_ids``).  What the grammar engine cannot follow is a 400 naming the field.
         Compiled in a worker thread (the first use builds the tokenizer's view)."""
         forced = tool_choice == "required" or isinstance(tool_choice, dict)
-        if not forced and fmt is None:
+        if not forced and fmt is None and not allowed:
             return None
         compiler = getattr(engine, "grammar_compiler", None)
         if compiler is None:
-            raise P.unsupported("tool_choice" if forced else fmt.param,
+            raise P.unsupported("tool_choice" if forced else fmt.param if fmt is not None else "allowed_token_ids",
                                 "this engine cannot constrain decoding (structured output)")
+        if allowed:
+            if forced or fmt is not None:
+                raise P.bad("'allowed_token_ids' cannot be combined with an output format or a forced tool call",
+                            "allowed_token_ids")
+            return await run_in_threadpool(compiler.allowed_tokens, allowed)
         call_tools = None
         if forced or (tools and tool_choice == "auto"):
             only = tool_choice["name"] if isinstance(tool_choice, dict) else None
@@ -332,18 +339,18 @@ class OpenAIServer:
         engine = self.engine
         self.check_model(req.model)
         tok = engine.tokenizer
-        grammar = await self.output_grammar(engine, req.response_format)
         jobs, echoes = [], []
         for text, ids in req.prompts:
             if ids is None:
                 ids = await self.off_loop_if_long(len(text), tok.encode, text, True)
             if not ids:
                 raise P.bad("the prompt is empty after tokenization", "prompt", "empty_prompt")
-            params = self.sampling_params(req.sampling, len(ids), DEFAULT_COMPLETION_MAX_TOKENS, "prompt")
-            params.grammar = grammar
-            jobs.append((ids, params))
+            jobs.append((ids, self.sampling_params(req.sampling, len(ids), DEFAULT_COMPLETION_MAX_TOKENS, "prompt")))
             if req.echo:
                 echoes.append(text if text is not None else await run_in_threadpool(tok.decode, ids, False))
+        grammar = await self.output_grammar(engine, req.response_format, allowed=req.sampling.allowed_token_ids)
+        for _, params in jobs:
+            params.grammar = grammar
         rid, choices, watch = await self._submit(request, "cmpl", "completions", jobs, req.n)
         name = self.model_name()
         echo = [echoes[c.prompt] if req.echo else "" for c in choices]    # each choice's echoed prompt
@@ -494,7 +501,7 @@ class OpenAIServer:
         params = self.sampling_params(req.sampling, len(ids), None, "messages")
         thinking = self.reasoning_parser_for(engine)
         grammar = await self.output_grammar(engine, req.response_format, req.tools, req.tool_choice,
-                                            req.parallel_tool_calls)
+                                            req.parallel_tool_calls, req.sampling.allowed_token_ids)
         if grammar is not None:
             params.grammar = grammar
             start = reasoning_start(prompt_text) if thinking else "content"

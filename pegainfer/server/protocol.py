@@ -161,6 +161,7 @@ class Sampling:
     logit_bias: dict = field(default_factory=dict)   # token id → bias
     prompt_logprobs: Optional[int] = None   # the prompt's tokens' logprobs, top N (echo with logprobs, or asked)
     return_prompt_logprobs: bool = False    # vLLM's ``prompt_logprobs`` field: return them as its own field
+    allowed_token_ids: list[int] = field(default_factory=list)   # vLLM's: only these tokens may be drawn
 
 
 @dataclass
@@ -220,7 +221,6 @@ def _neutral_zero(v) -> bool:
 _UNSUPPORTED_COMMON = {
     "length_penalty": (lambda v: v == 1, "beam search is not implemented; leave it 1"),
     "use_beam_search": (lambda v: v is False, "beam search is not implemented"),
-    "allowed_token_ids": (lambda v: False, "allowed_token_ids is not implemented"),
     "bad_words": (lambda v: v == [], "bad_words is not implemented"),
 }
 _UNSUPPORTED_COMPLETION = {
@@ -317,7 +317,8 @@ def _parse_sampling(f: Fields, max_tokens: Optional[int], logprobs: Optional[int
                     seed=seed, stop=_parse_stop(f), stop_token_ids=f.int_list("stop_token_ids"),
                     ignore_eos=f.bool("ignore_eos"), min_tokens=min_tokens, logprobs=logprobs,
                     repetition_penalty=repetition_penalty, logit_bias=_parse_logit_bias(f),
-                    prompt_logprobs=prompt_logprobs, return_prompt_logprobs=prompt_logprobs is not None, **penalties)
+                    prompt_logprobs=prompt_logprobs, return_prompt_logprobs=prompt_logprobs is not None,
+                    allowed_token_ids=f.int_list("allowed_token_ids"), **penalties)
 
 
 def _parse_logit_bias(f: Fields) -> dict[int, float]:

@@ -12,7 +12,7 @@ The pieces:
 * ``GrammarCompiler`` -- one per tokenizer: llguidance's view of the vocabulary (``LLTokenizer``, built once from
   the folder's ``tokenizer.json``, sized to the model's embedding rows so the mask covers every id the model can
   emit), and the grammars a request asks for: ``json_schema``, ``json_object``, ``regex``, ``choice``, ``lark``,
-  ``tool_calls`` and ``json_or_tool_calls``; ``check`` returns why a grammar cannot be followed (None when it
+  ``allowed_tokens``, ``tool_calls`` and ``json_or_tool_calls``; ``check`` returns why a grammar cannot be followed (None when it
   can).
 * ``TokenConstraint`` -- one request's matcher.  The engine asks it for the row's mask before each step that
   samples the request's next token (``fill``) and hands it each token drawn (``accept``); the request ends when the
@@ -103,6 +103,14 @@ class GrammarCompiler:
         """Exactly one of ``choices``."""
         from llguidance import LLMatcher
         return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices))
+
+    def allowed_tokens(self, token_ids: list[int]) -> str:
+        """Any sequence of ``token_ids`` (vLLM's ``allowed_token_ids``): the end of the sequence only when one of
+        them is an end-of-sequence id (else it never completes: the request runs to max_tokens or a stop)."""
+        from llguidance import LLMatcher
+        ids = "<[" + ",".join(str(t) for t in sorted(set(token_ids))) + "]>"
+        ends = bool(set(token_ids) & set(self.eos_token_ids))
+        return LLMatcher.grammar_from_lark(f"start: {ids}*" if ends else f"start: t\nt: {ids} t")
 
     @staticmethod
     def lark(grammar: str) -> str:

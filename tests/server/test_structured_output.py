@@ -189,3 +189,27 @@ def test_demo_model_json_schema():
             assert errors(json.loads(r.choices[0].message.content), schema) == []
     finally:
         ae.shutdown()
+
+
+
+def test_allowed_token_ids(server):
+    """vLLM's allowed_token_ids: every token drawn is one of them (over seeds at once); without an end-of-sequence id
+    among them the answer runs to max_tokens; combined with an output format, a 400."""
+    from pegainfer.demo import ensure_demo_model
+    from pegainfer.text.tokenizer import Tokenizer
+
+    client, url = server
+    tok = Tokenizer.from_folder(ensure_demo_model())
+    allowed = [40, 41, 77]
+    strings = {tok.token_str(t) for t in allowed}
+
+    def one(seed):
+        return client.completions.create(model="demo-qwen3", prompt="Pick:", seed=seed, temperature=1.0, max_tokens=12,
+                                         logprobs=0, extra_body={"allowed_token_ids": allowed}).choices[0]
+
+    for c in all_at_once(one, [1, 2, 3]):
+        assert c.finish_reason == "length" and len(c.logprobs.tokens) == 12
+        assert set(c.logprobs.tokens) <= strings, c.logprobs.tokens
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "messages": ask(), "allowed_token_ids": [1], "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids"

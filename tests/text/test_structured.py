@@ -169,3 +169,20 @@ def test_an_llguidance_that_takes_one_eos_id(compiler, monkeypatch):
     old = GrammarCompiler(tok, tok.vocab_size, [tok.eos_token_id])
     text, complete = walk(old, GrammarCompiler.json_schema(NOTE), seed=2)
     assert complete and not errors(json.loads(text), NOTE)
+
+
+def allowed_now(compiler, c) -> set[int]:
+    bitmask = np.zeros((1, -(-compiler.vocab_size // 32)), np.int32)
+    fill_masks([(c, 0)], bitmask)
+    return set(np.flatnonzero(np.unpackbits(bitmask[0].view(np.uint8), bitorder="little")[:compiler.vocab_size]))
+
+
+@pytest.mark.parametrize("with_eos", [False, True])
+def test_allowed_tokens_mask_only_them_and_end_only_with_an_eos_among_them(compiler, with_eos):
+    """``allowed_tokens``: at every step the mask is exactly the ids (the end-of-sequence id only when listed), and
+    the grammar never completes on its own."""
+    ids = [7, 11, 12] + ([compiler.eos_token_ids[0]] if with_eos else [])
+    c = compiler.constraint(compiler.allowed_tokens(ids))
+    for token in (7, 12, 11, 7):
+        assert allowed_now(compiler, c) == set(ids)
+        assert c.accept(token) and not c.finished

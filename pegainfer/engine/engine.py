@@ -313,8 +313,8 @@ class Engine:
             raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
         check_penalties(params, vocab)
         seq = Sequence(request_id, prompt_token_ids, params,
-                       IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
-                       StopStringMatcher(params.stop) if params.stop else None)
+                       IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
+                       StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None)
         if params.grammar is not None:
             try:
                 seq.constraint = self.grammar_compiler.constraint(params.grammar, params.grammar_after_think)

@@ -29,6 +29,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0    # subtracted once per time a token is in the output (0 → off)
     presence_penalty: float = 0.0     # subtracted once if a token is in the output at all (0 → off)
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id → added to its logit
+    skip_special_tokens: bool = True        # False: special tokens (``<|im_start|>``) are written in the text
+    include_stop_str_in_output: bool = False   # True: the stop string that ended the text is kept at its end
 
     @property
     def penalized(self) -> bool:

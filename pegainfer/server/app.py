@@ -231,7 +231,9 @@ class OpenAIServer:
                               min_tokens=s.min_tokens, logprobs=s.logprobs,
                               repetition_penalty=pick(s.repetition_penalty, "repetition_penalty", 1.0),
                               frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
-                              logit_bias=dict(s.logit_bias), prompt_logprobs=s.prompt_logprobs)
+                              logit_bias=dict(s.logit_bias), prompt_logprobs=s.prompt_logprobs,
+                              skip_special_tokens=s.skip_special_tokens,
+                              include_stop_str_in_output=s.include_stop_str_in_output)
 
     async def output_grammar(self, engine, fmt: Optional[P.ResponseFormat], tools: Optional[list] = None,
                              tool_choice="none", parallel_tool_calls: bool = True,

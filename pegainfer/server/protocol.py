@@ -162,6 +162,8 @@ class Sampling:
     prompt_logprobs: Optional[int] = None   # the prompt's tokens' logprobs, top N (echo with logprobs, or asked)
     return_prompt_logprobs: bool = False    # vLLM's ``prompt_logprobs`` field: return them as its own field
     allowed_token_ids: list[int] = field(default_factory=list)   # vLLM's: only these tokens may be drawn
+    skip_special_tokens: bool = True       # vLLM's: False writes special tokens in the text
+    include_stop_str_in_output: bool = False   # vLLM's: keep the stop string that ended the text
 
 
 @dataclass
@@ -318,7 +320,9 @@ def _parse_sampling(f: Fields, max_tokens: Optional[int], logprobs: Optional[int
                     ignore_eos=f.bool("ignore_eos"), min_tokens=min_tokens, logprobs=logprobs,
                     repetition_penalty=repetition_penalty, logit_bias=_parse_logit_bias(f),
                     prompt_logprobs=prompt_logprobs, return_prompt_logprobs=prompt_logprobs is not None,
-                    allowed_token_ids=f.int_list("allowed_token_ids"), **penalties)
+                    allowed_token_ids=f.int_list("allowed_token_ids"),
+                    skip_special_tokens=f.bool("skip_special_tokens", True),
+                    include_stop_str_in_output=f.bool("include_stop_str_in_output"), **penalties)
 
 
 def _parse_logit_bias(f: Fields) -> dict[int, float]:

@@ -12,10 +12,12 @@ from typing import Iterable, Optional
 
 
 class StopStringMatcher:
-    """``push(text) -> (safe_text, matched)``; after a match every push returns ``("", True)``."""
+    """``push(text) -> (safe_text, matched)``; after a match every push returns ``("", True)``.  The text ends before
+    the stop string, or with it when ``include_stop`` (vLLM's ``include_stop_str_in_output``)."""
 
-    def __init__(self, stops: Iterable[str]):
+    def __init__(self, stops: Iterable[str], include_stop: bool = False):
         self.stops = [s for s in dict.fromkeys(stops) if s]  # drop empty strings and duplicates, keep order
+        self.include_stop = include_stop
         self._held = ""
         self.matched: Optional[str] = None  # the stop string that ended the text
 
@@ -43,7 +45,7 @@ class StopStringMatcher:
         if found is not None:
             self.matched = found
             self._held = ""
-            return buf[:first], True
+            return buf[:first + (len(found) if self.include_stop else 0)], True
         hold = self._held_back_length(buf)
         self._held = buf[len(buf) - hold:] if hold else ""
         return buf[:len(buf) - hold], False

@@ -89,8 +89,8 @@ class FakeEngine:
                 self._reply_ids = self.tokenizer.encode(self.reply)
             reply_ids = self._reply_ids
         req = _Req(request_id, list(prompt_token_ids), params, self.script_prefix + reply_ids,
-                   IncrementalDetokenizer(self.tokenizer, prompt_token_ids),
-                   StopStringMatcher(params.stop) if params.stop else None)
+                   IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
+                   StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None)
         self._reqs[request_id] = req
         self._waiting.append(req)
         if self.record:

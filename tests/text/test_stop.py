@@ -4,8 +4,8 @@ import pytest
 from pegainfer.text.stop import StopStringMatcher
 
 
-def run(stops, pieces):
-    m = StopStringMatcher(stops)
+def run(stops, pieces, include_stop=False):
+    m = StopStringMatcher(stops, include_stop)
     out, matched = [], False
     for p in pieces:
         safe, matched = m.push(p)
@@ -69,3 +69,17 @@ def test_random_splits_agree_with_one_shot(rng):
         for piece in out:  # no prefix of what was sent ever ends with a fragment that later became a stop
             sent += piece
             assert "mat;" not in sent and "STOP" not in sent
+
+
+def test_include_stop_keeps_the_earliest_stop_string_and_nothing_after_it(rng):
+    """``include_stop`` (vLLM's include_stop_str_in_output): the text ends with the stop string that matched first,
+    over random splits; a stop split across pieces still never leaks early (its held part comes out with the
+    match)."""
+    out, matched, m = run(["END"], ["Hello E", "N", "D and more"], include_stop=True)
+    assert matched and out == ["Hello ", "", "END"]
+    text = "the cat sat on the mat; STOP here"
+    for _ in range(50):
+        cuts = sorted(set(int(c) for c in rng.integers(0, len(text), size=int(rng.integers(1, 8)))))
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        out, matched, _ = run(["STOP", "mat;"], pieces, include_stop=True)
+        assert matched and "".join(out) == "the cat sat on the mat;"

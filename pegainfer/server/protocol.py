@@ -236,8 +236,6 @@ _UNSUPPORTED_CHAT = {
     "modalities": (lambda v: v == ["text"], "only text output is supported"),
     "prediction": (lambda v: False, "predicted outputs are not supported"),
     "web_search_options": (lambda v: False, "web search is not supported"),
-    "reasoning_effort": (lambda v: False, "reasoning_effort is not supported; for Qwen3 use "
-                                          "chat_template_kwargs {\"enable_thinking\": false}"),
     "continue_final_message": (lambda v: v is False, "continue_final_message is not implemented"),
     "echo": (lambda v: v is False, "echo is not supported for chat completions"),
 }
@@ -643,6 +641,21 @@ def _parse_output_format(body: dict) -> Optional[ResponseFormat]:
     return found[0] if found else None
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+def _reasoning_kwargs(effort: Optional[str]) -> dict:
+    """OpenAI's ``reasoning_effort`` as chat-template arguments: passed on as ``reasoning_effort`` (as vLLM does, for
+    templates that read it), and "none" / "minimal" also turn Qwen3's thinking off (``enable_thinking``: false),
+    unless ``chat_template_kwargs`` says otherwise."""
+    if effort is None:
+        return {}
+    if effort not in REASONING_EFFORTS:
+        raise bad(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                  "reasoning_effort")
+    return {"reasoning_effort": effort, **({"enable_thinking": False} if effort in ("none", "minimal") else {})}
+
+
 def parse_chat_request(body: dict) -> ChatRequest:
     f = Fields(body)
     model = f.str("model")
@@ -664,6 +677,7 @@ def parse_chat_request(body: dict) -> ChatRequest:
     if reserved:
         raise bad(f"'chat_template_kwargs' must not set {sorted(reserved)}: use the request fields",
                   "chat_template_kwargs")
+    kwargs = {**_reasoning_kwargs(f.str("reasoning_effort")), **kwargs}
     f.str("user")
     tools = _parse_tools(body.get("tools"))
     return ChatRequest(model, messages, _parse_sampling(f, max_tokens, logprobs), stream, include_usage,

@@ -12,8 +12,9 @@ was cut.  Streamed, the chat chunks become the Responses events in their order (
 ``response.function_call_arguments.delta``), their ``.done`` events and ``response.output_item.done``, and last
 ``response.completed`` (or ``response.incomplete``) with the whole response; an error is an ``error`` event.
 
-Not offered (a 422 naming the field): stored responses (``previous_response_id``, ``conversation``,
-``background``), built-in tools (web search, file search, ...), non-text input parts, ``reasoning.effort``.
+``reasoning.effort`` is the chat route's ``reasoning_effort``.  Not offered (a 422 naming the field): stored
+responses (``previous_response_id``, ``conversation``, ``background``), built-in tools (web search, file search,
+...), non-text input parts.
 """
 from __future__ import annotations
 
@@ -140,10 +141,13 @@ def to_chat_body(body: dict) -> dict:
     for name, why in UNSUPPORTED.items():
         if body.get(name) is not None:
             raise P.unsupported(name, why)
-    if body.get("reasoning") is not None and (body["reasoning"] or {}).get("effort") is not None:
-        raise P.unsupported("reasoning.effort", "reasoning effort is not adjustable; for Qwen3 send "
-                                                "chat_template_kwargs {\"enable_thinking\": false}")
     chat = {k: body[k] for k in PASSED_ON if k in body}
+    reasoning = body.get("reasoning")
+    if reasoning is not None:
+        if not isinstance(reasoning, dict):
+            raise P.bad("'reasoning' must be an object", "reasoning", "invalid_type")
+        if reasoning.get("effort") is not None:
+            chat["reasoning_effort"] = reasoning["effort"]
     chat["messages"] = _messages(body)
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
@@ -160,7 +164,8 @@ def to_chat_body(body: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ the answer
-CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
+CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
+               "reasoning_effort": "reasoning.effort"}
 """The chat route's field names an error may name, as the Responses request calls them."""
 
 

@@ -144,7 +144,7 @@ CHAT_CASES = [
     ({"model": "other"}, 404, "model", "model_not_found", None),
     ({"n": 1.5}, 400, "n", "invalid_type", None),
     ({"functions": [{"name": "f"}]}, 422, "functions", "unsupported_parameter", "send 'tools'"),
-    ({"reasoning_effort": "low"}, 422, "reasoning_effort", "unsupported_parameter", "enable_thinking"),
+    ({"reasoning_effort": "extreme"}, 400, "reasoning_effort", None, "one of none, minimal"),
     ({"temperature": -1}, 400, "temperature", None, None),
 ]
 

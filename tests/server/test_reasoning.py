@@ -79,6 +79,26 @@ def test_enable_thinking_false_keeps_everything_in_content(make_client):
     assert r.choices[0].message.reasoning_content is None and r.choices[0].message.content == THOUGHT
 
 
+def test_reasoning_effort_none_turns_thinking_off_and_others_leave_it_on(make_client):
+    """OpenAI's reasoning_effort: "none" (and "minimal") close the think block in the prompt as enable_thinking
+    false does; "high" leaves the prompt as without it; chat_template_kwargs still wins; the Responses API's
+    reasoning.effort does the same."""
+    client, engine = make_client()
+
+    def prompt_after(**extra):
+        client.chat.completions.create(model="fake-model", messages=ask("think"), max_tokens=2, extra_body=extra)
+        return engine.tokenizer.decode(list(engine.prompts.values())[-1], skip_special_tokens=False)
+
+    plain = prompt_after()
+    assert prompt_after(reasoning_effort="none").endswith("<think>\n\n</think>\n\n")
+    assert prompt_after(reasoning_effort="minimal").endswith("<think>\n\n</think>\n\n")
+    assert prompt_after(reasoning_effort="high") == plain and not plain.endswith("</think>\n\n")
+    assert prompt_after(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}) == plain
+    client.responses.create(model="fake-model", input="say:think", max_output_tokens=2, reasoning={"effort": "none"})
+    assert engine.tokenizer.decode(list(engine.prompts.values())[-1], skip_special_tokens=False).endswith(
+        "<think>\n\n</think>\n\n")
+
+
 def test_stop_strings_and_max_tokens_inside_the_thinking(make_client):
     client, engine = make_client()
     r = client.chat.completions.create(model="fake-model", messages=ask("think"), stop=["greet back"])

@@ -31,6 +31,7 @@ def test_help_explains_commands():
     assert "default: 'Hello, my name is'" in " ".join(r.stdout.split())    # the default prompt is shown
     r = run_cli("serve", "--help")
     assert r.returncode == 0
+    assert "--scheduling-policy" in r.stdout
     serve_help = " ".join(r.stdout.split())
     assert "Serve the model over HTTP with the OpenAI API" in serve_help          # a description line
     for flag in ("--port", "--max-waiting", "--max-batch", "--max-body-bytes", "--served-model-name", "--api-key",

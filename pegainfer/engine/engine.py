@@ -65,6 +65,10 @@ from pegainfer.kernels.policy import LaunchPolicy
 
 log = logging.getLogger("pegainfer.engine")
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+"""How waiting requests are ordered (and which running one a short pool preempts): by arrival, or by
+``SamplingParams.priority`` then arrival (``scheduler.py``)."""
+
 PAGE_SIZE = 16
 SCORE_ROWS = 16   # logits rows per step: ≥ the decode batch, and the chunk size of score()
 PREFIX_STATE_SNAPSHOTS = 16
@@ -93,7 +97,8 @@ def _gpu_memory() -> tuple[int, int]:
 class Engine:
     def __init__(self, folder: Path, model, cfg, gen, tokenizer, chat_template, max_model_len: int,
                  max_batch: int, max_num_batched_tokens: int, num_pages: int, use_cuda_graph: bool,
-                 async_scheduling: bool = True, prefix_caching: bool = False, state_snapshots: int = 0):
+                 async_scheduling: bool = True, prefix_caching: bool = False, state_snapshots: int = 0,
+                 scheduling_policy: str = "fcfs"):
         self.folder = folder
         self.model = model
         self.model_config = cfg
@@ -106,8 +111,11 @@ class Engine:
         self.pool = PagePool(num_pages, PAGE_SIZE, max_batch, max_model_len, prefix_caching=prefix_caching)
         # a hybrid model's state copies at page boundaries live in its state rows after the max_batch slots
         snapshots = StateSnapshots(state_snapshots, max_batch) if prefix_caching and state_snapshots else None
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}")
+        self.scheduling_policy = scheduling_policy
         self.scheduler = Scheduler(self.pool, max_batch, max_num_batched_tokens, max_chunks=MIXED_MIN_ROWS,
-                                   snapshots=snapshots)
+                                   snapshots=snapshots, priority=scheduling_policy == "priority")
         self.runner = ModelRunner(model, self.pool, max_batch, use_cuda_graph)
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[str] = []
@@ -148,7 +156,7 @@ class Engine:
                     verbose: bool = False, async_scheduling: bool = True,
                     policy: "LaunchPolicy | None" = None, gpu_memory_utilization: float = 0.9,
                     enable_prefix_caching: Optional[bool] = None, num_pages: Optional[int] = None,
-                    prefix_state_snapshots: Optional[int] = None) -> "Engine":
+                    prefix_state_snapshots: Optional[int] = None, scheduling_policy: str = "fcfs") -> "Engine":
         """Load a model folder (the demo model when ``model_path`` is None) and build the engine around it.
 
         ``max_batch``: most sequences running at once (slots); ``max_num_batched_tokens``: most tokens in one step
@@ -236,7 +244,7 @@ class Engine:
         weights_s = time.perf_counter() - t_load
         model.allocate(pages, PAGE_SIZE, num_slots=max_batch, **({"num_snapshots": snapshots} if snapshots else {}))
         eng = cls(folder, model, cfg, gen, tokenizer, chat_template, mml, max_batch, step_tokens, pages,
-                  use_cuda_graph, async_scheduling, prefix_caching, snapshots)
+                  use_cuda_graph, async_scheduling, prefix_caching, snapshots, scheduling_policy)
         log.info("KV cache: %d pages of %d tokens (%d tokens, %.2f GiB); prefix caching %s", pages, PAGE_SIZE,
                  pages * PAGE_SIZE, pages * PAGE_SIZE * model.kv_bytes_per_token() / 2 ** 30,
                  "on" if prefix_caching else "off")
@@ -312,6 +320,9 @@ class Engine:
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
             raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
         check_penalties(params, vocab)
+        if params.priority != 0 and self.scheduling_policy != "priority":
+            raise RequestError(f"priority {params.priority}: requests are served first come, first served; start "
+                               f"the server with --scheduling-policy priority to order them by priority")
         seq = Sequence(request_id, prompt_token_ids, params,
                        IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
                        StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None)

@@ -30,9 +30,14 @@ every mixed-step graph holds): a burst of short or mostly cached prompts then sp
 captured at warm-up instead of one step of a shape that would be captured while every stream waits.
 
 A step's flat token batch puts the decode tokens first, then each chunk's tokens in order (``ScheduledStep``).
+
+With ``priority`` (vLLM's priority scheduling policy) the waiting queue is ordered by (``SamplingParams.priority``,
+arrival) instead of arrival alone -- lower values first, a preempted sequence back in its place -- and pages run
+out by preempting the running sequence of the highest value (the newest of those).
 """
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -60,8 +65,9 @@ class ScheduledStep:
 class Scheduler:
     def __init__(self, pool: PagePool, max_batch: int, max_num_batched_tokens: int,
                  reserve_pages: int | None = None, max_chunks: int | None = None,
-                 snapshots: StateSnapshots | None = None):
+                 snapshots: StateSnapshots | None = None, priority: bool = False):
         self.pool = pool
+        self.priority = priority         # order by (params.priority, arrival), not arrival alone (module docstring)
         self.snapshots = snapshots       # a hybrid model's state snapshots (prefix caching on), else None
         self.restores: list[tuple[int, int]] = []          # (row, slot) to copy before the step being scheduled
         self.snapshot_copies: list[tuple[int, int]] = []   # (slot, row) to copy after it
@@ -80,7 +86,22 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.priority:
+            self._insert_waiting(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _insert_waiting(self, seq: Sequence) -> None:
+        """Into the waiting queue at its place by (priority, arrival)."""
+        keys = [(s.params.priority, s.arrival) for s in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, (seq.params.priority, seq.arrival)), seq)
+
+    def _victim(self) -> Sequence:
+        """The running sequence a short pool preempts: the newest, or with ``priority`` the newest of the highest
+        priority value."""
+        if not self.priority:
+            return self.running[-1]
+        return self.running[max(range(len(self.running)), key=lambda i: (self.running[i].params.priority, i))]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -94,7 +115,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING or seq.num_uncomputed != 1:
                 continue
             while not self.pool.ensure_capacity(seq.slot, seq.num_tokens):
-                victim = self.running[-1]
+                victim = self._victim()
                 self.preempt(victim)
                 if victim is seq:
                     break
@@ -219,7 +240,10 @@ class Scheduler:
         seq.snapshot_points = []
         seq.preemptions += 1
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        if self.priority:
+            self._insert_waiting(seq)
+        else:
+            self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def computed(self, seq: Sequence, num_cached: int) -> None:

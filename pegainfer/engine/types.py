@@ -31,6 +31,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id → added to its logit
     skip_special_tokens: bool = True        # False: special tokens (``<|im_start|>``) are written in the text
     include_stop_str_in_output: bool = False   # True: the stop string that ended the text is kept at its end
+    priority: int = 0                       # with the priority scheduling policy: lower runs first (vLLM's)
 
     @property
     def penalized(self) -> bool:

@@ -48,6 +48,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="most tokens in one step: every running decode plus chunks of at most 16 prompts being "
                         "prefilled (default 2048; at least --max-batch). Smaller: shorter pauses between tokens while "
                         "prompts arrive; larger: faster prompts")
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="fcfs: requests are admitted in arrival order (default); priority: by the request's "
+                        "'priority' field (lower first, then arrival), and a full KV cache pauses the running "
+                        "request of the highest value first")
     p.add_argument("--gpu-memory-utilization", type=argtypes.memory_fraction, default=0.9,
                    help="fraction of the GPU's memory pegainfer may use (default 0.9); the KV cache gets what the "
                         "weights and buffers leave")
@@ -99,6 +103,7 @@ def engine_from_args(args: argparse.Namespace):
                               gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
                               enable_prefix_caching=getattr(args, "enable_prefix_caching", None),
                               prefix_state_snapshots=getattr(args, "prefix_state_snapshots", None),
+                              scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
                               policy=engine_policy(getattr(args, "launch_policy", None)))
 
 

@@ -164,6 +164,7 @@ class Sampling:
     allowed_token_ids: list[int] = field(default_factory=list)   # vLLM's: only these tokens may be drawn
     skip_special_tokens: bool = True       # vLLM's: False writes special tokens in the text
     include_stop_str_in_output: bool = False   # vLLM's: keep the stop string that ended the text
+    priority: int = 0                      # vLLM's: with --scheduling-policy priority, lower runs first
 
 
 @dataclass
@@ -320,7 +321,8 @@ def _parse_sampling(f: Fields, max_tokens: Optional[int], logprobs: Optional[int
                     prompt_logprobs=prompt_logprobs, return_prompt_logprobs=prompt_logprobs is not None,
                     allowed_token_ids=f.int_list("allowed_token_ids"),
                     skip_special_tokens=f.bool("skip_special_tokens", True),
-                    include_stop_str_in_output=f.bool("include_stop_str_in_output"), **penalties)
+                    include_stop_str_in_output=f.bool("include_stop_str_in_output"),
+                    priority=f.int("priority", 0, lo=-(1 << 31), hi=(1 << 31) - 1), **penalties)
 
 
 def _parse_logit_bias(f: Fields) -> dict[int, float]:

@@ -145,7 +145,7 @@ class TinyRecurrentModel(TinyHistoryModel):
 
 def tiny_engine(async_scheduling: bool, max_batch: int = 3, max_model_len: int = 64, vocab: int = 96,
                 num_pages: int | None = None, eos_token_ids=(5,), max_num_batched_tokens: int = 32,
-                prefix_caching: bool = False, state_snapshots: int = 0):
+                prefix_caching: bool = False, state_snapshots: int = 0, scheduling_policy: str = "fcfs"):
     """A real ``Engine`` (scheduler, page pool, runner, sampler, detokenizer and stop rules) over the tiny model,
     with the demo model's tokenizer; with ``state_snapshots``, over ``TinyRecurrentModel`` (a hybrid stand-in) with
     that many state snapshots for the prefix cache (an off cache still runs the recurrent model)."""
@@ -165,4 +165,4 @@ def tiny_engine(async_scheduling: bool, max_batch: int = 3, max_model_len: int =
     return Engine(folder, model, cfg, gen, Tokenizer.from_folder(folder), ChatTemplate.from_folder(folder),
                   max_model_len, max_batch, max(max_num_batched_tokens, max_batch), pages, use_cuda_graph=False,
                   async_scheduling=async_scheduling, prefix_caching=prefix_caching,
-                  state_snapshots=state_snapshots if prefix_caching else 0)
+                  state_snapshots=state_snapshots if prefix_caching else 0, scheduling_policy=scheduling_policy)

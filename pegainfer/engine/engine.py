@@ -694,8 +694,10 @@ class Engine:
                                  now, "requests")
         self.scheduler.remove(seq)
         self._seqs.pop(seq.request_id, None)
-        return RequestOutput(seq.request_id, [], text, None, True, reason, len(seq.prompt_ids),
-                             len(seq.output_ids), seq.cached_tokens)
+        out = RequestOutput(seq.request_id, [], text, None, True, reason, len(seq.prompt_ids), len(seq.output_ids),
+                            seq.cached_tokens)
+        out.scheduled_time = seq.scheduled_time
+        return out
 
 
 def _step_label(sched) -> str:

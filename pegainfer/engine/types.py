@@ -64,3 +64,5 @@ class RequestOutput:
     error: Optional[str] = None           # set with finish_reason "error"
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None   # with the first output when asked for:
     #                                       one per prompt token, None for the first (nothing comes before it)
+    scheduled_time: Optional[float] = None  # ``time.perf_counter()`` when its first step was scheduled (the
+    #                                       finishing output of a request that ran; for the queue-time metric)

@@ -14,7 +14,10 @@ Where the numbers come from:
   scrape never calls into the engine or waits for a step;
 * token counters, finished requests and the latency histograms are observed by the server, once per request,
   when it ends: TTFT from the request's arrival at the server to its first token; e2e to its last output; TPOT
-  (per request, vLLM's ``request_time_per_output_token``) = (e2e − TTFT) / (completion tokens − 1).  Nothing is
+  (per request, vLLM's ``request_time_per_output_token``) = (e2e − TTFT) / (completion tokens − 1); queue time
+  from arrival to the request's first step (the engine reports when that was), prefill to the first token, decode
+  from there to the last, inference from the first step to the last token; and each request's prompt and
+  generation token counts.  Nothing is
   observed per token: the streaming path stays as cheap as it was.  Latencies are observed for requests that ended
   with ``stop`` / ``length`` (an aborted stream's e2e says nothing about the server); TTFT for every request that
   got a first token.
@@ -42,6 +45,8 @@ TPOT_BUCKETS = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.
                 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5) + E2E_BUCKETS[4:]   # queue, prefill, decode, ...
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
 def finished_reason(finish: str) -> str:
@@ -150,6 +155,19 @@ class ServerMetrics:
                               buckets=TPOT_BUCKETS, registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              LABELS, buckets=E2E_BUCKETS, registry=r)
+        phase = lambda name, doc: Histogram(name, doc, LABELS, buckets=PHASE_BUCKETS, registry=r)  # noqa: E731
+        self.queue = phase("vllm:request_queue_time_seconds",
+                           "Histogram of time spent waiting before the request's first step, in seconds.")
+        self.prefill = phase("vllm:request_prefill_time_seconds",
+                             "Histogram of time from the request's first step to its first token, in seconds.")
+        self.decode = phase("vllm:request_decode_time_seconds",
+                            "Histogram of time from the request's first token to its last, in seconds.")
+        self.inference = phase("vllm:request_inference_time_seconds",
+                               "Histogram of time from the request's first step to its last token, in seconds.")
+        self.prompt_hist = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", LABELS,
+                                     buckets=TOKEN_BUCKETS, registry=r)
+        self.generation_hist = Histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                                         LABELS, buckets=TOKEN_BUCKETS, registry=r)
         self._children: dict[str, tuple] = {}   # model name → its labelled series (``labels()`` costs a lookup)
 
     def _series(self, name: str) -> tuple:
@@ -158,14 +176,19 @@ class ServerMetrics:
             reasons = {reason: self.request_success.labels(name, reason) for reason in FINISHED_REASONS}
             series = self._children[name] = (self.prompt_tokens.labels(name), self.generation_tokens.labels(name),
                                              reasons, self.ttft.labels(name), self.tpot.labels(name),
-                                             self.e2e.labels(name))
+                                             self.e2e.labels(name),
+                                             tuple(h.labels(name) for h in (self.queue, self.prefill, self.decode,
+                                                                            self.inference, self.prompt_hist,
+                                                                            self.generation_hist)))
         return series
 
     def request_finished(self, finish: str, prompt_tokens: int, completion_tokens: int, arrival: float,
-                         first_token: Optional[float], end: float) -> None:
+                         first_token: Optional[float], end: float, scheduled: Optional[float] = None) -> None:
         """Count one request that ended with ``finish`` (the server's log word: ``stop``, ``tool_calls``,
-        ``length``, ``cancelled``, ``error:<status>``); times from ``time.perf_counter()``."""
-        prompt, generation, reasons, ttft, tpot, e2e = self._series(self.model_name())
+        ``length``, ``cancelled``, ``error:<status>``); times from ``time.perf_counter()`` (``scheduled``: its
+        first step, None when it never ran)."""
+        prompt, generation, reasons, ttft, tpot, e2e, phases = self._series(self.model_name())
+        queue, prefill, decode, inference, prompt_hist, generation_hist = phases
         reason = finished_reason(finish)
         prompt.inc(prompt_tokens)
         generation.inc(completion_tokens)
@@ -174,8 +197,16 @@ class ServerMetrics:
             ttft.observe(first_token - arrival)
         if reason in ("stop", "length"):
             e2e.observe(end - arrival)
+            prompt_hist.observe(prompt_tokens)
+            generation_hist.observe(completion_tokens)
             if first_token is not None and completion_tokens > 1:
                 tpot.observe((end - first_token) / (completion_tokens - 1))
+            if scheduled is not None:
+                queue.observe(max(scheduled - arrival, 0.0))
+                inference.observe(end - scheduled)
+                if first_token is not None:
+                    prefill.observe(max(first_token - scheduled, 0.0))
+                    decode.observe(end - first_token)
 
     def render(self) -> bytes:
         """The scrape's body.  The request series of the served model exist from the first scrape on, at 0 until a

@@ -105,6 +105,7 @@ class RequestLog:
         self.t0 = arrival
         self.metrics = metrics
         self.t_first: Optional[float] = None
+        self.t_scheduled: Optional[float] = None   # when the engine first scheduled it (its finishing output says)
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0   # prompt tokens the prefix cache served
@@ -117,6 +118,8 @@ class RequestLog:
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.completion_tokens = out.completion_tokens or self.completion_tokens
         self.cached_tokens = getattr(out, "cached_tokens", 0) or self.cached_tokens
+        if getattr(out, "scheduled_time", None) is not None:
+            self.t_scheduled = out.scheduled_time
 
     def write(self, finish: Optional[str] = None) -> None:
         if self.written:
@@ -128,4 +131,5 @@ class RequestLog:
         log.info("%s%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d ttft=%s total=%.1fms finish=%s",
                  self.route, self.id_note, self.prompt_tokens, self.cached_tokens, self.completion_tokens, ttft,
                  (end - self.t0) * 1e3, finish)
-        self.metrics.request_finished(finish, self.prompt_tokens, self.completion_tokens, self.t0, self.t_first, end)
+        self.metrics.request_finished(finish, self.prompt_tokens, self.completion_tokens, self.t0, self.t_first, end,
+                                      self.t_scheduled)

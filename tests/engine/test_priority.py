@@ -71,3 +71,21 @@ def test_priority_without_the_policy_is_refused():
     assert not engine.has_unfinished()
     with pytest.raises(ValueError, match="scheduling_policy"):
         tiny_engine(False, scheduling_policy="lottery")
+
+
+def test_a_finished_request_says_when_it_was_first_scheduled():
+    """The finishing output carries the time of the request's first step (the server's queue-time metric): after
+    its arrival, and for a request that waited behind another, after that one's first token."""
+    import time
+    engine = tiny_engine(False, max_batch=1, max_model_len=64)
+    t0 = time.perf_counter()
+    engine.add_request("a", [3, 4], greedy(4))
+    engine.add_request("b", [5, 6], greedy(2))
+    ends, first_a = {}, None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == "a" and out.new_token_ids and first_a is None:
+                first_a = time.perf_counter()
+            if out.finished:
+                ends[out.request_id] = out.scheduled_time
+    assert t0 <= ends["a"] <= first_a <= ends["b"] <= time.perf_counter()

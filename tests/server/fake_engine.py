@@ -126,6 +126,7 @@ class FakeEngine:
         self._to_abort.clear()
         while self._waiting and len(self._running) < self.max_batch:
             self._running.append(self._waiting.popleft())
+            self._running[-1].scheduled = time.perf_counter()
         self.max_running_seen = max(self.max_running_seen, len(self._running))
         for req in list(self._running):
             req.pages = -(-(len(req.prompt_ids) + len(req.out_ids) + 1) // self.page_size)
@@ -164,4 +165,6 @@ class FakeEngine:
         req.pages = 0
         if self.record:
             self.finished[req.rid] = reason
-        return RequestOutput(req.rid, [], text, None, True, reason, len(req.prompt_ids), len(req.out_ids))
+        out = RequestOutput(req.rid, [], text, None, True, reason, len(req.prompt_ids), len(req.out_ids))
+        out.scheduled_time = getattr(req, "scheduled", None)
+        return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import httpx
+import pytest
 
 from pegainfer.engine.async_engine import AsyncEngine
 from pegainfer.server.app import build_app
@@ -119,6 +120,16 @@ def test_counters_and_histograms_match_what_was_sent(fake_server):
     ttft_sum = value(m, "vllm:time_to_first_token_seconds_sum", **name)
     assert 0 < ttft_sum < value(m, "vllm:e2e_request_latency_seconds_sum", **name) + 5
     assert value(m, "vllm:e2e_request_latency_seconds_bucket", le="+Inf", **name) == 2
+    # the phases of the two requests that ended (stop, length): they add up to e2e, queue + prefill to TTFT
+    phases = {p: value(m, f"vllm:request_{p}_time_seconds_sum", **name) for p in ("queue", "prefill", "decode",
+                                                                                   "inference")}
+    assert all(value(m, f"vllm:request_{p}_time_seconds_count", **name) == 2 for p in phases)
+    assert phases["inference"] == pytest.approx(phases["prefill"] + phases["decode"], abs=1e-6)
+    ended_e2e = value(m, "vllm:e2e_request_latency_seconds_sum", **name)
+    assert phases["queue"] + phases["inference"] == pytest.approx(ended_e2e, abs=1e-6)
+    assert value(m, "vllm:request_prompt_tokens_sum", **name) == 3 + chat_usage["prompt_tokens"]
+    assert value(m, "vllm:request_generation_tokens_sum", **name) == 4 + chat_usage["completion_tokens"]
+    assert value(m, "vllm:request_generation_tokens_bucket", le="5.0", **name) == 1       # the 4-token one
 
 
 def test_metrics_needs_no_api_key_and_each_app_has_its_own_registry(model_folder):

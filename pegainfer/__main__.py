@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="pegainfer: Qwen3 / Qwen3.5 inference with readable Numba-CUDA kernels. Without a GPU every "
                     "kernel runs in Numba's CUDA simulator (slow: only the tiny demo model is practical).")
     parser.add_argument("--version", action="version", version=f"pegainfer {pegainfer.__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{generate,chat,serve,bench,bench-serve}")
+    sub = parser.add_subparsers(dest="command", metavar="{generate,chat,serve,run-batch,bench,bench-serve}")
 
     g = sub.add_parser("generate", help="stream a completion of one prompt to stdout",
                        description="Stream a completion of --prompt to stdout, then print one summary line "
@@ -96,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(c)
     c.add_argument("--system", default=None, help="a system message at the start of every conversation")
     _add_sampling_args(c)
+
+    rb = sub.add_parser("run-batch", help="answer a JSONL file of requests (OpenAI's Batch API format) offline",
+                        description="Read requests from --input-file (one JSON object a line: custom_id, method POST, "
+                                    "url /v1/chat/completions, /v1/completions or /v1/responses, body) and write "
+                                    "their answers, in order, to --output-file (OpenAI's batch output format). The "
+                                    "server's routes answer them in this process, all in flight at once.")
+    _add_model_args(rb)
+    from pegainfer.batch import add_batch_arguments
+    add_batch_arguments(rb)
 
     try:
         from pegainfer.server import add_serve_arguments
@@ -319,6 +328,9 @@ def main(argv=None) -> int:
             return cmd_generate(args)
         if args.command == "chat":
             return cmd_chat(args)
+        if args.command == "run-batch":
+            from pegainfer.batch import run_batch
+            return run_batch(args)
         if args.command == "serve":
             from pegainfer.server import run_server
             return run_server(args) or 0

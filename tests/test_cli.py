@@ -410,3 +410,31 @@ def test_chat_prompt_leaves_out_the_oldest_turns_that_do_not_fit():
     assert ids == tok.encode(template.render(kept, add_generation_prompt=True))
     engine.max_model_len = 5
     assert chat_prompt(engine, turns, 8)[0] == []
+
+
+def test_run_batch_answers_each_line_in_order(tmp_path):
+    """OpenAI's batch format through the server's routes in process: each line's answer in the input's order, a
+    bad body as its route's 400, a line that is not a request as an error entry; greedy duplicates agree."""
+    lines = [{"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}},
+             {"custom_id": "cmpl", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "Once upon", "max_tokens": 3, "temperature": 0, "ignore_eos": True}},
+             "not json",
+             {"custom_id": "bad", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": -1}},
+             {"custom_id": "get", "method": "GET", "url": "/v1/models", "body": {}},
+             {"custom_id": "cmpl-again", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "Once upon", "max_tokens": 3, "temperature": 0, "ignore_eos": True}}]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    r = run_cli("run-batch", "-i", str(src), "-o", str(dst), "--max-batch", "4")
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = [json.loads(x) for x in dst.read_text().splitlines()]
+    assert [o["custom_id"] for o in out] == ["chat", "cmpl", None, "bad", "get", "cmpl-again"]
+    status = [o["response"]["status_code"] if o["response"] else None for o in out]
+    assert status == [200, 200, None, 400, None, 200]
+    assert out[0]["response"]["body"]["object"] == "chat.completion"
+    assert out[1]["response"]["body"]["choices"][0]["text"] == out[5]["response"]["body"]["choices"][0]["text"]
+    assert out[1]["response"]["body"]["usage"]["completion_tokens"] == 3
+    assert out[3]["response"]["body"]["error"]["param"] == "max_tokens"
+    assert "not JSON" in out[2]["error"]["message"] and "must be POST" in out[4]["error"]["message"]
+    assert re.search(r"6 requests: 3 answered, 3 failed", r.stderr)

@@ -106,6 +106,7 @@ class OpenAIServer:
         self.created = P.now()
         self._engine_model_name: Optional[str] = None
         self.metrics = ServerMetrics(async_engine, self.model_name, self.known_model_name)
+        self.responses_store = R.ResponseStore()     # /v1/responses' conversations, for previous_response_id
 
     # ------------------------------------------------------------------------------------------------ helpers
     @property
@@ -458,13 +459,20 @@ class OpenAIServer:
         self.check_auth(request)
         body = await self.read_json(request)
         try:
-            chat = R.to_chat_body(body)
-            answer = await self._chat(request, chat, prefix="resp", route="responses")
+            chat = R.to_chat_body(body, self.responses_store)
+            answer = await self._chat(request, R.strip_marks(chat), prefix="resp", route="responses")
         except APIError as e:
             e.param = R.rename_param(e.param, body)
             raise
+        keep = body.get("store", True) is not False
+
+        def stored(response: dict) -> dict:
+            if keep and response["status"] in ("completed", "incomplete"):
+                self.responses_store.put(response["id"], R.conversation(chat, response["output"]))
+            return response
+
         if not chat.get("stream"):
-            return JSONResponse(R.response_body(body, chat, json.loads(answer.body)))
+            return JSONResponse(stored(R.response_body(body, chat, json.loads(answer.body))))
         translator = R.StreamTranslator(body, {**chat, "model": self.model_name()}, P.now())
         chunks = answer.events
 
@@ -476,7 +484,9 @@ class OpenAIServer:
                     if line.startswith("data: ") and line != "data: [DONE]":
                         for event in translator.chunk(json.loads(line[6:])):
                             yield event
-            yield "".join(translator.end())
+            end = translator.end()
+            stored(translator.response)
+            yield "".join(end)
 
         return EventStreamResponse(events(), answer.watch, on_close=answer.on_close)
 

@@ -12,21 +12,25 @@ was cut.  Streamed, the chat chunks become the Responses events in their order (
 ``response.function_call_arguments.delta``), their ``.done`` events and ``response.output_item.done``, and last
 ``response.completed`` (or ``response.incomplete``) with the whole response; an error is an ``error`` event.
 
-``reasoning.effort`` is the chat route's ``reasoning_effort``.  Not offered (a 422 naming the field): stored
-responses (``previous_response_id``, ``conversation``, ``background``), built-in tools (web search, file search,
-...), non-text input parts.
+``reasoning.effort`` is the chat route's ``reasoning_effort``.  A response (``store``, true by default) is kept
+in memory (``ResponseStore``: the most recent ``RESPONSES_KEPT``, a restart forgets them) as its conversation --
+the input and the answer, not the instructions -- so a request naming it in ``previous_response_id`` continues it.
+Not offered (a 422 naming the field): stored conversations (``conversation``), ``background``, built-in tools (web
+search, file search, ...), non-text input parts.
 """
 from __future__ import annotations
 
 import json
 import re
 import uuid
+from collections import OrderedDict
 from typing import Optional
 
 from pegainfer.server import protocol as P
 
+RESPONSES_KEPT = 1024
+"""Responses the server keeps for ``previous_response_id`` (least recently used out first)."""
 UNSUPPORTED = {
-    "previous_response_id": "stored responses are not kept: send the whole conversation in 'input'",
     "conversation": "stored conversations are not kept: send the whole conversation in 'input'",
     "background": "background responses are not offered",
     "prompt": "stored prompts are not offered",
@@ -54,14 +58,50 @@ def _text_of(content, at: str) -> str:
     return "\n".join(texts)
 
 
-def _messages(body: dict) -> list[dict]:
-    """``instructions`` and ``input`` as chat messages."""
+class ResponseStore:
+    """The conversations of recent responses (chat messages: input and answer), for ``previous_response_id``."""
+
+    def __init__(self, capacity: int = RESPONSES_KEPT):
+        self.capacity = capacity
+        self._items: OrderedDict[str, list[dict]] = OrderedDict()
+
+    def put(self, response_id: str, messages: list[dict]) -> None:
+        self._items[response_id] = messages
+        self._items.move_to_end(response_id)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str) -> Optional[list[dict]]:
+        messages = self._items.get(response_id)
+        if messages is not None:
+            self._items.move_to_end(response_id)
+        return messages
+
+
+def conversation(chat: dict, output: list[dict]) -> list[dict]:
+    """What a stored response continues from: the chat request's messages less its system message (the
+    instructions, which a follow-up does not inherit), then the answer as an assistant message."""
+    messages = [m for m in chat["messages"] if m.get("_from") != "instructions"]
+    text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    answer = {"role": "assistant", "content": text or None}
+    if calls:
+        answer["tool_calls"] = calls
+    return [{k: v for k, v in m.items() if k != "_from"} for m in messages] + [answer]
+
+
+def _messages(body: dict, previous: Optional[list[dict]] = None) -> list[dict]:
+    """``instructions``, the stored conversation of ``previous_response_id`` and ``input`` as chat messages (the
+    system message marked as the instructions)."""
     out = []
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
             raise P.bad("'instructions' must be a string", "instructions", "invalid_type")
-        out.append({"role": "system", "content": instructions})
+        out.append({"role": "system", "content": instructions, "_from": "instructions"})
+    out += [dict(m) for m in previous or ()]
     items = body.get("input")
     if items is None:
         raise P.bad("'input' is required: a string or an array of input items", "input", "missing_required_parameter")
@@ -135,12 +175,21 @@ def _format(text) -> Optional[dict]:
     return fmt
 
 
-def to_chat_body(body: dict) -> dict:
-    """The chat request a Responses request asks for (module docstring); raises an ``APIError`` for what is not
-    offered."""
+def to_chat_body(body: dict, store: Optional[ResponseStore] = None) -> dict:
+    """The chat request a Responses request asks for (module docstring), the conversation of its
+    ``previous_response_id`` first (from ``store``); raises an ``APIError`` for what is not offered or not found.
+    Its messages' system message, if any, is marked ``_from: instructions`` (``strip_marks`` before the chat route)."""
     for name, why in UNSUPPORTED.items():
         if body.get(name) is not None:
             raise P.unsupported(name, why)
+    previous = None
+    if body.get("previous_response_id") is not None:
+        rid = body["previous_response_id"]
+        previous = store.get(rid) if store is not None and isinstance(rid, str) else None
+        if previous is None:
+            raise P.APIError(404, f"no stored response {rid!r} (the server keeps the {RESPONSES_KEPT} most recent, "
+                                  f"in memory): send the whole conversation in 'input'", "previous_response_id",
+                             "response_not_found")
     chat = {k: body[k] for k in PASSED_ON if k in body}
     reasoning = body.get("reasoning")
     if reasoning is not None:
@@ -148,7 +197,7 @@ def to_chat_body(body: dict) -> dict:
             raise P.bad("'reasoning' must be an object", "reasoning", "invalid_type")
         if reasoning.get("effort") is not None:
             chat["reasoning_effort"] = reasoning["effort"]
-    chat["messages"] = _messages(body)
+    chat["messages"] = _messages(body, previous)
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
     if body.get("tools") is not None:
@@ -183,6 +232,11 @@ def rename_param(param: Optional[str], body: dict) -> Optional[str]:
                 rest = f"[{max(int(m.group(1)) - 1, 0)}]{m.group(2)}"
             return name + rest
     return param
+
+
+def strip_marks(chat: dict) -> dict:
+    """The chat request without ``to_chat_body``'s marks on its messages."""
+    return {**chat, "messages": [{k: v for k, v in m.items() if k != "_from"} for m in chat["messages"]]}
 
 
 def new_id(prefix: str) -> str:

@@ -3,7 +3,8 @@ and the hash model: an answer is the chat route's answer for the same conversati
 ``message`` item; cut by ``max_output_tokens`` it is "incomplete"; streamed, the events come in the API's order and
 their deltas rebuild the answer; a forced function call is a ``function_call`` item with arguments valid for the
 tool, streamed or not; earlier calls and their outputs in ``input`` render as the chat route renders them;
-``text.format`` holds the output to a schema; what is not offered is a 422 naming the field."""
+``text.format`` holds the output to a schema; ``previous_response_id`` continues a stored response; what is not
+offered is a 422 naming the field."""
 from __future__ import annotations
 
 import json
@@ -92,6 +93,29 @@ def test_earlier_calls_and_outputs_render_as_the_chat_route_renders_them(server)
     assert r.usage.input_tokens == chat.usage.prompt_tokens > 20
 
 
+def test_previous_response_id_continues_the_stored_conversation(server):
+    """Catches a follow-up that forgets the previous turn (or its answer), or inherits its instructions: the
+    follow-up's prompt is the chat route's prompt of [question, answer, follow-up]; streamed responses are kept
+    too; a response asked not to be stored cannot be continued."""
+    client, url = server
+    kw = dict(model="demo-qwen3", max_output_tokens=4, temperature=0, extra_body=NO_THINKING)
+    first = client.responses.create(input="Say hi", instructions="Be brief.", **kw)
+    with client.responses.stream(previous_response_id=first.id, input="Again", **kw) as s:
+        events = list(s)
+    second = events[-1].response
+    third = client.responses.create(previous_response_id=second.id, input="Once more", **kw)
+    chat = client.chat.completions.create(model="demo-qwen3", max_tokens=4, temperature=0, extra_body=NO_THINKING,
+                                          messages=[{"role": "user", "content": "Say hi"},
+                                                    {"role": "assistant", "content": first.output_text},
+                                                    {"role": "user", "content": "Again"},
+                                                    {"role": "assistant", "content": second.output_text},
+                                                    {"role": "user", "content": "Once more"}])
+    assert third.usage.input_tokens == chat.usage.prompt_tokens and third.output_text == chat.choices[0].message.content
+    unstored = client.responses.create(input="Say hi", store=False, **kw)
+    r = httpx.post(f"{url}/v1/responses", json={"input": "x", "previous_response_id": unstored.id}, timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+
+
 def test_text_format_json_schema(server):
     client, _ = server
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
@@ -102,7 +126,7 @@ def test_text_format_json_schema(server):
 
 
 @pytest.mark.parametrize("body, status, param", [
-    ({"input": "x", "previous_response_id": "resp_1"}, 422, "previous_response_id"),
+    ({"input": "x", "previous_response_id": "resp_1"}, 404, "previous_response_id"),
     ({"max_output_tokens": 4}, 400, "input"),
     ({"input": [{"role": "wizard", "content": "x"}]}, 400, "input[0].role"),
     ({"input": [{"role": "user", "content": "x"}, {"role": "wizard", "content": "x"}], "instructions": "s"}, 400,

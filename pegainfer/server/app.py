@@ -348,6 +348,9 @@ class OpenAIServer:
                 ids = await self.off_loop_if_long(len(text), tok.encode, text, True)
             if not ids:
                 raise P.bad("the prompt is empty after tokenization", "prompt", "empty_prompt")
+            keep = req.sampling.truncate_prompt_tokens
+            if keep is not None and len(ids) > keep:
+                ids, text = ids[-keep:], None           # (an echo shows what was kept)
             jobs.append((ids, self.sampling_params(req.sampling, len(ids), DEFAULT_COMPLETION_MAX_TOKENS, "prompt")))
             if req.echo:
                 echoes.append(text if text is not None else await run_in_threadpool(tok.decode, ids, False))
@@ -508,6 +511,9 @@ class OpenAIServer:
 
         size = sum(len(m["content"]) for m in req.messages) + (len(json.dumps(tools)) if tools else 0)
         prompt_text, ids = await self.off_loop_if_long(size, render_and_encode)
+        keep = req.sampling.truncate_prompt_tokens
+        if keep is not None and len(ids) > keep:
+            ids = ids[-keep:]
         if not ids:
             raise P.bad("the chat template rendered these messages as an empty prompt", "messages", "empty_prompt")
         params = self.sampling_params(req.sampling, len(ids), None, "messages")

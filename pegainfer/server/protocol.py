@@ -165,6 +165,7 @@ class Sampling:
     skip_special_tokens: bool = True       # vLLM's: False writes special tokens in the text
     include_stop_str_in_output: bool = False   # vLLM's: keep the stop string that ended the text
     priority: int = 0                      # vLLM's: with --scheduling-policy priority, lower runs first
+    truncate_prompt_tokens: Optional[int] = None   # vLLM's: keep only the prompt's last k tokens
 
 
 @dataclass
@@ -322,7 +323,8 @@ def _parse_sampling(f: Fields, max_tokens: Optional[int], logprobs: Optional[int
                     allowed_token_ids=f.int_list("allowed_token_ids"),
                     skip_special_tokens=f.bool("skip_special_tokens", True),
                     include_stop_str_in_output=f.bool("include_stop_str_in_output"),
-                    priority=f.int("priority", 0, lo=-(1 << 31), hi=(1 << 31) - 1), **penalties)
+                    priority=f.int("priority", 0, lo=-(1 << 31), hi=(1 << 31) - 1),
+                    truncate_prompt_tokens=f.int("truncate_prompt_tokens", lo=1), **penalties)
 
 
 def _parse_logit_bias(f: Fields) -> dict[int, float]:

@@ -85,6 +85,23 @@ def test_continuous_usage_stats_in_every_chunk(client):
         assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 4
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client):
+    """vLLM's truncate_prompt_tokens: the engine gets the prompt's last k tokens (and an echo shows them); a
+    shorter prompt is left whole."""
+    tok = client.engine.tokenizer
+    ids = tok.encode("one two three four five six seven")
+    r = client.completions.create(model="fake-model", prompt=ids, max_tokens=1, echo=True,
+                                  extra_body={"truncate_prompt_tokens": 3})
+    assert list(client.engine.prompts.values())[-1] == ids[-3:] and r.usage.prompt_tokens == 3
+    assert r.choices[0].text.startswith(tok.decode(ids[-3:], skip_special_tokens=False))
+    client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                   extra_body={"truncate_prompt_tokens": 2})
+    assert len(list(client.engine.prompts.values())[-1]) == 2
+    client.completions.create(model="fake-model", prompt=ids[:2], max_tokens=1,
+                              extra_body={"truncate_prompt_tokens": 3})
+    assert list(client.engine.prompts.values())[-1] == ids[:2]
+
+
 def test_completion_streaming_with_usage(client):
     n = len(client.engine.tokenizer.encode(DEFAULT_REPLY))  # the whole reply, without its EOS
     stream = client.completions.create(model="fake-model", prompt="Once", max_tokens=n, stream=True,

@@ -506,7 +506,8 @@ class OpenAIServer:
 
         def render_and_encode():
             text = engine.chat_template.render(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                               tools=tools, **req.template_kwargs)
+                                               tools=tools, continue_final_message=req.continue_final_message,
+                                               **req.template_kwargs)
             return text, tok.encode(text, False)
 
         size = sum(len(m["content"]) for m in req.messages) + (len(json.dumps(tools)) if tools else 0)

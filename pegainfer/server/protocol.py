@@ -211,6 +211,7 @@ class ChatRequest:
     response_format: Optional[ResponseFormat] = None
     n: int = 1
     continuous_usage: bool = False   # stream_options.continuous_usage_stats: usage so far in every chunk
+    continue_final_message: bool = False   # vLLM's: the last (assistant) message is continued, not answered
 
     def tool_schemas(self) -> dict[str, dict]:
         """Function name → its ``parameters`` schema, for the tools the model may call."""
@@ -238,7 +239,6 @@ _UNSUPPORTED_CHAT = {
     "modalities": (lambda v: v == ["text"], "only text output is supported"),
     "prediction": (lambda v: False, "predicted outputs are not supported"),
     "web_search_options": (lambda v: False, "web search is not supported"),
-    "continue_final_message": (lambda v: v is False, "continue_final_message is not implemented"),
     "echo": (lambda v: v is False, "echo is not supported for chat completions"),
 }
 
@@ -684,10 +684,18 @@ def parse_chat_request(body: dict) -> ChatRequest:
     kwargs = {**_reasoning_kwargs(f.str("reasoning_effort")), **kwargs}
     f.str("user")
     tools = _parse_tools(body.get("tools"))
+    continue_final = f.bool("continue_final_message")
+    if continue_final:
+        if messages[-1].get("role") != "assistant":
+            raise bad("'continue_final_message' needs the last message to be the assistant's (the text to continue)",
+                      "continue_final_message")
+        if body.get("add_generation_prompt") is True:
+            raise bad("'continue_final_message' and 'add_generation_prompt' cannot both be true: a continued message "
+                      "has no new turn", "continue_final_message")
     return ChatRequest(model, messages, _parse_sampling(f, max_tokens, logprobs), stream, include_usage,
-                       f.bool("add_generation_prompt", True), dict(kwargs), tools,
+                       f.bool("add_generation_prompt", not continue_final), dict(kwargs), tools,
                        _parse_tool_choice(body.get("tool_choice"), tools), f.bool("parallel_tool_calls", True),
-                       _parse_output_format(body), n, continuous_usage)
+                       _parse_output_format(body), n, continuous_usage, continue_final)
 
 
 @dataclass

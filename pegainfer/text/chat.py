@@ -74,12 +74,25 @@ class ChatTemplate:
         return cls(source, special_tokens(config))
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: Optional[list] = None, documents: Optional[list] = None, **template_kwargs) -> str:
-        """The prompt text for ``messages``.  A template that rejects them raises ``RequestError`` (HTTP 400)."""
+               tools: Optional[list] = None, documents: Optional[list] = None, continue_final_message: bool = False,
+               **template_kwargs) -> str:
+        """The prompt text for ``messages``.  ``continue_final_message``: the last message (the assistant's) left
+        open -- the text ends with its content, the end of its turn cut off -- so the model continues it (as
+        transformers' ``apply_chat_template`` does).  A template that rejects them raises ``RequestError`` (HTTP
+        400)."""
         variables = {**self.special_tokens, **template_kwargs}
         try:
-            return self._template.render(messages=messages, tools=tools, documents=documents,
-                                         add_generation_prompt=add_generation_prompt, **variables)
+            text = self._template.render(messages=messages, tools=tools, documents=documents,
+                                         add_generation_prompt=add_generation_prompt and not continue_final_message,
+                                         **variables)
+            if continue_final_message:
+                final = messages[-1].get("content") or ""
+                at = text.rfind(final.strip()) if final.strip() else -1
+                if at < 0:
+                    raise RequestError("continue_final_message: the chat template does not write the last "
+                                       "message's content as given, so it cannot be continued")
+                text = text[:at + len(final.strip())]
+            return text
         except jinja2.exceptions.SecurityError as e:
             raise RequestError(f"the chat template refused an unsafe operation: {e}") from None
         except jinja2.exceptions.TemplateError as e:

@@ -102,6 +102,25 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client):
     assert list(client.engine.prompts.values())[-1] == ids[:2]
 
 
+def test_continue_final_message_leaves_the_assistant_turn_open(client):
+    """vLLM's continue_final_message: the prompt ends with the last (assistant) message's text, its end-of-turn cut
+    off, no new turn after it; without it the same messages close that turn; misuse is a 400."""
+    tok = client.engine.tokenizer
+    messages = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is"}]
+    client.chat.completions.create(model="fake-model", messages=messages, max_tokens=1,
+                                   extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    continued = tok.decode(list(client.engine.prompts.values())[-1], skip_special_tokens=False)
+    client.chat.completions.create(model="fake-model", messages=messages, max_tokens=1)
+    closed = tok.decode(list(client.engine.prompts.values())[-1], skip_special_tokens=False)
+    assert continued.endswith("The color is") and closed.startswith(continued) and len(closed) > len(continued)
+    with pytest.raises(openai.BadRequestError, match="assistant"):
+        client.chat.completions.create(model="fake-model", messages=messages[:1], max_tokens=1,
+                                       extra_body={"continue_final_message": True})
+    with pytest.raises(openai.BadRequestError, match="cannot both be true"):
+        client.chat.completions.create(model="fake-model", messages=messages, max_tokens=1,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": True})
+
+
 def test_completion_streaming_with_usage(client):
     n = len(client.engine.tokenizer.encode(DEFAULT_REPLY))  # the whole reply, without its EOS
     stream = client.completions.create(model="fake-model", prompt="Once", max_tokens=n, stream=True,

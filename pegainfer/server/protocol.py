@@ -219,10 +219,6 @@ class ChatRequest:
 
 
 # value-neutral settings of fields pegainfer does not implement: anything else is a 422 naming the field
-def _neutral_zero(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0
-
-
 _UNSUPPORTED_COMMON = {
     "length_penalty": (lambda v: v == 1, "beam search is not implemented; leave it 1"),
     "use_beam_search": (lambda v: v is False, "beam search is not implemented"),

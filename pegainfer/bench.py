@@ -61,6 +61,9 @@ def add_bench_arguments(p) -> None:
     p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=False,
                    help="also time Hugging Face transformers on the same weights and prompt length (needs torch + "
                         "a GPU); with --batch: its forward loop over a batch of B at the same context")
+    p.add_argument("--penalties", action="store_true",
+                   help="every request with presence 0.5, frequency 0.5 and repetition 1.1 penalties (greedy still):"
+                        " what the penalties cost a token or a step, against a run without")
     p.add_argument("--json", type=output_file, default=None, help="write the results as JSON to this path")
 
 
@@ -68,10 +71,15 @@ def _pct(xs, q):
     return float(np.percentile(np.asarray(xs, dtype=np.float64), q)) if len(xs) else float("nan")
 
 
-def time_generation(engine, prompt_ids, output_len):
-    """One greedy request: returns (ttft_s, [inter-token seconds])."""
+BENCH_PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}
+"""The penalties of ``--penalties``."""
+
+
+def time_generation(engine, prompt_ids, output_len, penalties: bool = False):
+    """One greedy request (``penalties``: with ``BENCH_PENALTIES``): returns (ttft_s, [inter-token seconds])."""
     from pegainfer.engine.types import SamplingParams
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True,
+                            **(BENCH_PENALTIES if penalties else {}))
     t0 = time.perf_counter()
     engine.add_request("bench", list(prompt_ids), params)
     stamps = []
@@ -83,7 +91,7 @@ def time_generation(engine, prompt_ids, output_len):
     return ttft, list(np.diff(stamps))
 
 
-def time_batch_decode(engine, prompts, steps: int, run: int = 0) -> dict:
+def time_batch_decode(engine, prompts, steps: int, run: int = 0, penalties: bool = False) -> dict:
     """Add one greedy request per prompt, step until each has its first token and ``BATCH_WARM_STEPS`` more, then
     time ``steps`` step() calls (the module docstring); the requests are aborted afterwards.  Returns
     ``step_s`` (the timed periods), ``tokens`` (tokens returned by each timed step) and ``context`` (the mean
@@ -92,7 +100,8 @@ def time_batch_decode(engine, prompts, steps: int, run: int = 0) -> dict:
     batch = len(prompts)
     ids = [f"batch{run}-{i}" for i in range(batch)]
     # room for a prefill phase that interleaves decodes (at most one per prefill), the warm-up and timed steps
-    params = SamplingParams(max_tokens=batch + BATCH_WARM_STEPS + steps + 2, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=batch + BATCH_WARM_STEPS + steps + 2, temperature=0.0, ignore_eos=True,
+                            **(BENCH_PENALTIES if penalties else {}))
     for rid, prompt in zip(ids, prompts):
         engine.add_request(rid, list(prompt), params)
     generated = dict.fromkeys(ids, 0)
@@ -322,7 +331,7 @@ def run_bench(args, policy=None) -> int:
     ttfts, tpots = [], []
     for run in range(args.runs + 1):
         prompt = rng.integers(0, vocab, size=args.prompt_len).tolist()
-        ttft, gaps = time_generation(engine, prompt, args.output_len)
+        ttft, gaps = time_generation(engine, prompt, args.output_len, getattr(args, "penalties", False))
         if run > 0:       # run 0 warms up
             ttfts.append(ttft)
             tpots.extend(gaps)
@@ -334,7 +343,8 @@ def run_bench(args, policy=None) -> int:
         "model": engine.model_name, "arch": engine.model_config.arch, "simulator": SIMULATOR,
         "prompt_len": args.prompt_len, "output_len": args.output_len, "runs": args.runs,
         "cuda_graph": bool(args.cuda_graph), "async_scheduling": bool(getattr(args, "async_scheduling", True)),
-        "load_s": load_s, "weights_load_s": engine.weights_load_s, "warmup_s": engine.warmup_s,
+        "penalties": bool(getattr(args, "penalties", False)), "load_s": load_s,
+        "weights_load_s": engine.weights_load_s, "warmup_s": engine.warmup_s,
         "ttft_ms": {f"p{q}": 1e3 * _pct(ttfts, q) for q in (50, 90, 99)},
         "tpot_ms": {f"p{q}": 1e3 * _pct(tpots, q) for q in (50, 90, 99)},
         "policy": policy_summary(engine.model.policy),
@@ -387,7 +397,7 @@ def run_batch_bench(args, policy=None) -> int:
     steps, tokens, contexts = [], [], []
     for run in range(args.runs):
         prompts = rng.integers(0, vocab, size=(B, prompt_len)).tolist()
-        got = time_batch_decode(engine, prompts, args.output_len, run)
+        got = time_batch_decode(engine, prompts, args.output_len, run, getattr(args, "penalties", False))
         steps += got["step_s"]
         tokens += got["tokens"]
         contexts.append(got["context"])
@@ -401,7 +411,8 @@ def run_batch_bench(args, policy=None) -> int:
         "model": engine.model_name, "arch": engine.model_config.arch, "simulator": SIMULATOR, "batch": B,
         "prompt_len": args.prompt_len, "output_len": args.output_len, "runs": args.runs,
         "cuda_graph": bool(args.cuda_graph), "async_scheduling": bool(getattr(args, "async_scheduling", True)),
-        "max_model_len": engine.max_model_len, "load_s": load_s,
+        "penalties": bool(getattr(args, "penalties", False)), "max_model_len": engine.max_model_len,
+        "load_s": load_s,
         "step_ms": {f"p{q}": 1e3 * _pct(steps, q) for q in (50, 90, 99)},
         "mean_context_tokens": context,
         "short_steps": sum(1 for n in tokens if n != B),

@@ -295,13 +295,14 @@ def test_bench_runs_end_to_end(tmp_path):
 
 
 def test_bench_batch_times_decode_steps_of_the_whole_batch(tmp_path):
-    """``bench --batch 2`` on the demo model: every timed step decodes both sequences, at the context asked for,
-    and the floor counts the KV of both."""
+    """``bench --batch 2 --penalties`` on the demo model: every timed step decodes both (penalized) sequences, at the
+    context asked for, and the floor counts the KV of both."""
     out = tmp_path / "batch.json"
-    r = run_cli("bench", "--batch", "2", "--prompt-len", "4", "--output-len", "2", "--runs", "1", "--json", str(out))
+    r = run_cli("bench", "--batch", "2", "--prompt-len", "4", "--output-len", "2", "--runs", "1", "--json", str(out),
+                "--penalties")
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
-    assert res["batch"] == 2 and res["output_len"] == 2 and res["short_steps"] == 0
+    assert res["batch"] == 2 and res["output_len"] == 2 and res["short_steps"] == 0 and res["penalties"] is True
     assert 0 < res["step_ms"]["p50"] <= res["step_ms"]["p90"] <= res["step_ms"]["p99"]
     assert res["tok_s"] == pytest.approx(2e3 / res["step_ms"]["p50"])
     # the prompt is 4 - 1 - 2 tokens; the timed steps read 4 and 5 tokens of context per sequence

@@ -331,6 +331,12 @@ class Engine:
                 seq.constraint = self.grammar_compiler.constraint(params.grammar, params.grammar_after_think)
             except ValueError as e:
                 raise RequestError(f"the output grammar cannot be followed: {e}") from None
+        if params.bad_words:
+            if params.grammar is not None:
+                raise RequestError("bad_words cannot be combined with an output grammar (structured output, forced "
+                                   "tool calls, allowed_token_ids): drop one of them")
+            from pegainfer.text.bad_words import BadWordsConstraint, word_token_sequences
+            seq.constraint = BadWordsConstraint(word_token_sequences(self.tokenizer, params.bad_words), self.model.V)
         self._seqs[request_id] = seq
         if params.prompt_logprobs is not None:
             self._scoring.append(seq)

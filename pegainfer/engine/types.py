@@ -32,6 +32,7 @@ class SamplingParams:
     skip_special_tokens: bool = True        # False: special tokens (``<|im_start|>``) are written in the text
     include_stop_str_in_output: bool = False   # True: the stop string that ended the text is kept at its end
     priority: int = 0                       # with the priority scheduling policy: lower runs first (vLLM's)
+    bad_words: list[str] = field(default_factory=list)   # words the output must not contain (``text/bad_words.py``)
 
     @property
     def penalized(self) -> bool:

@@ -234,7 +234,8 @@ class OpenAIServer:
                               frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
                               logit_bias=dict(s.logit_bias), prompt_logprobs=s.prompt_logprobs,
                               skip_special_tokens=s.skip_special_tokens,
-                              include_stop_str_in_output=s.include_stop_str_in_output, priority=s.priority)
+                              include_stop_str_in_output=s.include_stop_str_in_output, priority=s.priority,
+                              bad_words=list(s.bad_words))
 
     async def output_grammar(self, engine, fmt: Optional[P.ResponseFormat], tools: Optional[list] = None,
                              tool_choice="none", parallel_tool_calls: bool = True,

@@ -166,6 +166,7 @@ class Sampling:
     include_stop_str_in_output: bool = False   # vLLM's: keep the stop string that ended the text
     priority: int = 0                      # vLLM's: with --scheduling-policy priority, lower runs first
     truncate_prompt_tokens: Optional[int] = None   # vLLM's: keep only the prompt's last k tokens
+    bad_words: list[str] = field(default_factory=list)   # vLLM's: words the output must not contain
 
 
 @dataclass
@@ -222,7 +223,6 @@ class ChatRequest:
 _UNSUPPORTED_COMMON = {
     "length_penalty": (lambda v: v == 1, "beam search is not implemented; leave it 1"),
     "use_beam_search": (lambda v: v is False, "beam search is not implemented"),
-    "bad_words": (lambda v: v == [], "bad_words is not implemented"),
 }
 _UNSUPPORTED_COMPLETION = {
     "suffix": (lambda v: v == "", "insertion (suffix) is not supported by these models"),
@@ -320,7 +320,17 @@ def _parse_sampling(f: Fields, max_tokens: Optional[int], logprobs: Optional[int
                     skip_special_tokens=f.bool("skip_special_tokens", True),
                     include_stop_str_in_output=f.bool("include_stop_str_in_output"),
                     priority=f.int("priority", 0, lo=-(1 << 31), hi=(1 << 31) - 1),
-                    truncate_prompt_tokens=f.int("truncate_prompt_tokens", lo=1), **penalties)
+                    truncate_prompt_tokens=f.int("truncate_prompt_tokens", lo=1), bad_words=_parse_bad_words(f),
+                    **penalties)
+
+
+def _parse_bad_words(f: Fields) -> list[str]:
+    v = f.body.get("bad_words")
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(isinstance(w, str) and w.strip() for w in v):
+        raise bad("'bad_words' must be an array of non-empty strings", "bad_words", "invalid_type")
+    return list(v)
 
 
 def _parse_logit_bias(f: Fields) -> dict[int, float]:

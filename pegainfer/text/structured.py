@@ -223,11 +223,12 @@ def fill_masks(constraints: list[tuple["TokenConstraint", int]], bitmask: np.nda
     """Fill the bitmask rows of several constraints ``[(constraint, row)]``: on llguidance's thread pool
     (``executor``, an ``llguidance.LLExecutor``) when there are several, which computes them in parallel without
     the GIL."""
-    if len(constraints) == 1 or executor is None:
-        for c, row in constraints:
-            c.fill(bitmask, row)
-        return
-    from llguidance.numpy import fill_next_token_bitmask_par
-    fill_next_token_bitmask_par(executor, [(c.matcher, row) for c, row in constraints], bitmask)
+    grammars = [(c, row) for c, row in constraints if isinstance(c, TokenConstraint)]
     for c, row in constraints:
-        allow_bit(bitmask, row, c.extra_token)
+        if len(grammars) == 1 or executor is None or not isinstance(c, TokenConstraint):
+            c.fill(bitmask, row)           # one grammar, or another kind of constraint (``text/bad_words.py``)
+    if len(grammars) > 1 and executor is not None:
+        from llguidance.numpy import fill_next_token_bitmask_par
+        fill_next_token_bitmask_par(executor, [(c.matcher, row) for c, row in grammars], bitmask)
+        for c, row in grammars:
+            allow_bit(bitmask, row, c.extra_token)

@@ -105,6 +105,7 @@ COMPLETION_CASES = [
     ({"logit_bias": {"-3": 1}}, 400, "logit_bias", None, "negative"),
     ({"logit_bias": {"100000": 1}}, 400, "logit_bias", None, "outside the vocabulary"),
     ({"logit_bias": [1, 2]}, 400, "logit_bias", "invalid_type", None),
+    ({"bad_words": ["ok", ""]}, 400, "bad_words", "invalid_type", None),
     ({"suffix": "tail"}, 422, "suffix", "unsupported_parameter", None),
     ({"response_format": {"type": "json_object"}}, 422, "response_format", "unsupported_parameter", "cannot constrain"),
 ]

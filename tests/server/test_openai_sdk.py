@@ -55,13 +55,14 @@ def test_penalties_and_logit_bias_reach_the_engine(client):
     (the fake model folder's generation_config.json sets no repetition penalty)."""
     client.completions.create(model="fake-model", prompt="Hi", max_tokens=3, presence_penalty=1.5,
                               frequency_penalty=-0.5, logit_bias={"7": 4.5, "12": -100},
-                              extra_body={"repetition_penalty": 1.2, "priority": -3})
+                              extra_body={"repetition_penalty": 1.2, "priority": -3, "bad_words": ["x y"]})
     client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
                                    presence_penalty=0.25, logit_bias={"3": 1})
     client.completions.create(model="fake-model", prompt="Hi", max_tokens=3)
     completion, chat, plain = list(client.engine.params.values())[-3:]
     assert (completion.presence_penalty, completion.frequency_penalty, completion.repetition_penalty,
-            completion.logit_bias, completion.priority) == (1.5, -0.5, 1.2, {7: 4.5, 12: -100.0}, -3)
+            completion.logit_bias, completion.priority, completion.bad_words) == (1.5, -0.5, 1.2,
+                                                                                {7: 4.5, 12: -100.0}, -3, ["x y"])
     assert (chat.presence_penalty, chat.logit_bias, chat.repetition_penalty) == (0.25, {3: 1.0}, 1.0)
     assert not plain.penalized
 

@@ -653,9 +653,11 @@ class Engine:
     # ------------------------------------------------------------------------------------------------ prompt logprobs
     def _can_score(self, seq: Sequence) -> bool:
         """Whether ``seq`` (a request for its prompt's logprobs) can be prefilled now: a slot, and pages for its
-        prompt and first token beyond the scheduler's reserve."""
+        prompt and first token beyond the scheduler's reserve (no reserve when nothing runs: a pool of one
+        full-length sequence then still takes a full-length prompt)."""
+        reserve = self.scheduler.reserve_pages if self.scheduler.running else 0
         return (len(self.scheduler.running) < self.scheduler.max_batch and self.pool.has_free_slot and
-                self.pool.pages_needed(seq.num_tokens + 1) + self.scheduler.reserve_pages <= self.pool.pages_available)
+                self.pool.pages_needed(seq.num_tokens + 1) + reserve <= self.pool.pages_available)
 
     def _score_prompt(self, seq: Sequence) -> list[RequestOutput]:
         """Prefill ``seq``'s prompt in chunks whose every row keeps its logits (``runner.prefill(want_logits)``; the

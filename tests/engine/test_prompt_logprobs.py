@@ -27,6 +27,7 @@ def run(engine, requests, abort_after=None):
         engine.add_request(rid, prompt, params)
     outs, k = [], 0
     while engine.has_unfinished():
+        assert k < 2000, "the engine made no progress"
         outs += engine.step()
         k += 1
         if abort_after is not None and k == abort_after[0]:
@@ -77,3 +78,13 @@ def test_abort_while_waiting_to_be_scored():
     ends = {o.request_id: o.finish_reason for o in outs if o.finished}
     assert ends == {"busy": "length", "scored": "abort"}
     assert engine.stats()["waiting"] == 0
+
+
+def test_a_prompt_as_long_as_the_pool_is_scored():
+    """Catches a request waiting forever: a pool of exactly one full-length sequence (its admission reserve
+    included) still scores a prompt of the whole context but one token."""
+    engine = tiny_engine(False, max_batch=2, max_model_len=48, num_pages=3)
+    assert engine.scheduler.reserve_pages == 1
+    prompt = list(range(3, 50))                       # 47 tokens: the 48th is the one generated
+    outs = run(engine, [("long", prompt, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))])
+    assert len(outs[0].prompt_logprobs) == 47 and outs[-1].finish_reason == "length"

@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", default="Hello, my name is",
                    help="the prompt text (raw, no chat template; default: %(default)r)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as one user message with the chat template")
+    fmt = g.add_mutually_exclusive_group()
+    fmt.add_argument("--json-schema", metavar="FILE", default=None,
+                     help="hold the output to the JSON schema in FILE (structured output: it stops when complete)")
+    fmt.add_argument("--regex", default=None, help="hold the output to match this regular expression")
+    fmt.add_argument("--choice", default=None, help="the output is one of these comma-separated strings")
     _add_sampling_args(g)
 
     c = sub.add_parser("chat", help="an interactive conversation on the terminal (the chat template, multi-turn)",
@@ -227,12 +232,49 @@ def cmd_generate(args) -> int:
         if engine.chat_template is None:
             raise PegainferError("--chat: this model folder has no chat template")
         prompt = engine.chat_template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    params.grammar = _output_grammar(args, engine)
+    if params.grammar is not None and args.chat and "<think>" in engine.chat_template.source:
+        from pegainfer.text.reasoning import reasoning_start   # the grammar applies after the thinking
+        params.grammar_after_think = {"content": "no", "reasoning": "yes", "detect": "if_opened"}[
+            reasoning_start(prompt)]
     ids = engine.tokenizer.encode(prompt)
     if not ids:
         raise PegainferError("the prompt is empty after tokenization: pass some text with --prompt")
     with maybe_trace(args.trace_output_path, engine):
         _stream(engine, ids, params)
     return 0
+
+
+def _output_grammar(args, engine):
+    """The grammar of ``--json-schema`` / ``--regex`` / ``--choice`` (None without), with a one-line error for one
+    the grammar engine cannot follow."""
+    from pegainfer.errors import PegainferError
+    compiler = engine.grammar_compiler
+    if args.json_schema is not None:
+        from pathlib import Path
+
+        from pegainfer.jsonfile import read_json
+        schema = read_json(Path(args.json_schema).expanduser())      # a one-line error naming the file
+        if not isinstance(schema, dict):
+            raise PegainferError(f"--json-schema {args.json_schema}: the file must hold a JSON schema object")
+        flag, make = "--json-schema", lambda: compiler.json_schema(schema)
+    elif args.regex is not None:
+        flag, make = "--regex", lambda: compiler.regex(args.regex)
+    elif args.choice is not None:
+        choices = [c for c in args.choice.split(",") if c]
+        if not choices:
+            raise PegainferError("--choice needs at least one non-empty string")
+        flag, make = "--choice", lambda: compiler.choice(choices)
+    else:
+        return None
+    try:
+        grammar = make()
+        error = compiler.check(grammar)
+    except ValueError as e:
+        error = str(e)
+    if error:
+        raise PegainferError(f"{flag} cannot be followed: {error}")
+    return grammar
 
 
 CHAT_HELP = "type a message and Enter; /reset starts a new conversation, /exit (or Ctrl-D) leaves"

@@ -439,3 +439,19 @@ def test_run_batch_answers_each_line_in_order(tmp_path):
     assert out[3]["response"]["body"]["error"]["param"] == "max_tokens"
     assert "not JSON" in out[2]["error"]["message"] and "must be POST" in out[4]["error"]["message"]
     assert re.search(r"6 requests: 3 answered, 3 failed", r.stderr)
+
+
+def test_generate_holds_the_output_to_a_schema_or_a_regex(tmp_path):
+    """--json-schema: the text is JSON valid for the schema and ends there ("stop"); --choice: one of the choices;
+    a pattern the grammar engine cannot read is a one-line error (exit status 2)."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    r = run_cli("generate", "--json-schema", str(path), "--max-tokens", "20", "--temperature", "1", "--seed", "3")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout) in ({"ok": True}, {"ok": False}) and "(stop)" in r.stderr
+    r = run_cli("generate", "--choice", "yes,no,maybe", "--max-tokens", "8", "--temperature", "1", "--seed", "4")
+    assert r.returncode == 0 and r.stdout.strip() in ("yes", "no", "maybe"), r.stdout
+    r = run_cli("generate", "--regex", "(unclosed", "--max-tokens", "2")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: --regex cannot be followed")

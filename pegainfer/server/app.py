@@ -241,7 +241,8 @@ class OpenAIServer:
                              tool_choice="none", parallel_tool_calls: bool = True,
                              allowed: Optional[list[int]] = None) -> Optional[str]:
         """The llguidance grammar a request's output must follow (None: free text): ``tool_choice`` "required" or a
-        named function forces calls with arguments valid for the tool's schema; ``fmt`` asks for JSON (valid for
+        named function forces calls with arguments valid for the tool's schema (in the form the chat template
+        teaches); ``fmt`` asks for JSON (valid for
         its schema), text matching a regex, one of a list of choices, or a Lark grammar -- or, for JSON, calls
         when ``tool_choice`` is "auto"; ``allowed``: only these token ids (vLLM's ``allowed_token_ids``).  What the grammar engine cannot follow is a 400 naming the field.
         Compiled in a worker thread (the first use builds the tokenizer's view)."""
@@ -262,6 +263,8 @@ class OpenAIServer:
             only = tool_choice["name"] if isinstance(tool_choice, dict) else None
             call_tools = {i: t["function"] for i, t in enumerate(tools) if only in (None, t["function"]["name"])}
         parallel = parallel_tool_calls and tool_choice == "required"
+        # calls in the form the chat template teaches: Qwen3.5's XML elements, else Qwen3's JSON
+        xml = engine.chat_template is not None and "<function=" in engine.chat_template.source
 
         def checked(make, *args) -> Optional[str]:
             """Why the grammar ``make(*args)`` cannot be followed, or None."""
@@ -278,14 +281,14 @@ class OpenAIServer:
                                 f"{error}", f"tools[{i}].function.parameters", "invalid_schema")
             schemas = {fn["name"]: fn.get("parameters") for fn in (call_tools or {}).values()}
             if forced:
-                return compiler.tool_calls(schemas, parallel)
+                return compiler.tool_calls(schemas, parallel, xml)
             if fmt.kind in ("json_schema", "json_object"):
                 schema = fmt.schema if fmt.kind == "json_schema" else {"type": "object"}
                 error = checked(compiler.json_schema, schema)
                 if error:
                     raise P.bad(f"{fmt.param} is not a JSON schema the output can be held to: {error}", fmt.param,
                                 "invalid_schema")
-                return compiler.json_or_tool_calls(schema, schemas, parallel_tool_calls) if call_tools else \
+                return compiler.json_or_tool_calls(schema, schemas, parallel_tool_calls, xml) if call_tools else \
                     compiler.json_schema(schema)
             if call_tools:
                 raise P.unsupported(fmt.param, f"{fmt.param} beside tools with tool_choice \"auto\" is not offered "

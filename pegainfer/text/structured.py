@@ -19,9 +19,12 @@ The pieces:
   grammar is complete (``finished``: nothing but EOS may follow).
 
 JSON is written compactly on one line, ``{"a": 1, "b": [2, 3]}`` (the separators of Python's ``json.dumps``):
-flexible whitespace would let a model pad forever.  A tool call is forced in the JSON form Qwen3's template
-teaches, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, with the arguments checked against
-the tool's schema (Qwen3.5's XML form has untyped values a schema cannot check; the tool-call parser reads both).
+flexible whitespace would let a model pad forever.  A tool call is forced in the form the chat template teaches:
+Qwen3's JSON, ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, its arguments checked against the
+tool's schema; or, for a template that writes ``<function=`` (Qwen3.5), the XML form, one ``<parameter=KEY>``
+element an argument in the schema's order (the required ones always): a string argument raw text on one line
+without ``<`` (of its ``minLength`` .. ``maxLength``), an enum of strings one of them, anything else one-line JSON
+valid for its schema.  The tool-call parser reads both forms.
 
 Thinking first: with a reasoning parser on, the grammar applies after the model's ``</think>`` -- from the first
 token when the prompt closed the think block itself; after ``</think>`` when the prompt opened it; and when the
@@ -50,6 +53,41 @@ def _arguments_schema(parameters: Optional[dict]) -> dict:
     if "type" not in params and not any(k in params for k in ("$ref", "anyOf", "oneOf", "allOf")):
         params["type"] = "object"
     return params
+
+
+def _xml_value_rule(name: str, schema: dict) -> str:
+    """Lark rule ``name`` for one argument's value in Qwen3.5's form: a string as raw text on one line without
+    ``<``, of its ``minLength`` .. ``maxLength`` characters (an ``enum`` of strings as its choices), anything else as
+    one-line JSON valid for its schema."""
+    enum = schema.get("enum")
+    if enum and all(isinstance(v, str) for v in enum):
+        return f"{name}: " + " | ".join(json.dumps(v, ensure_ascii=False) for v in enum) + "\n"
+    if schema.get("type") == "string" and not any(k in schema for k in ("anyOf", "oneOf", "allOf", "$ref")):
+        low, high = max(1, int(schema.get("minLength", 1))), schema.get("maxLength")
+        count = "+" if high is None and low == 1 else f"{{{low},{'' if high is None else int(high)}}}"
+        return f"{name}: /[^<\\n]{count}/\n"
+    return f"{name}: %json {json.dumps(_styled(schema), ensure_ascii=False)}\n"
+
+
+def _xml_body_rules(tools: dict[str, Optional[dict]]) -> str:
+    """Lark rule ``body`` of a call in Qwen3.5's form (``tool_calls.py``'s docstring): one function of ``tools``,
+    its arguments as ``<parameter=KEY>`` elements in the schema's order, the required ones always, the others
+    optionally."""
+    rules, bodies = [], []
+    for i, (name, params) in enumerate(tools.items()):
+        schema = _arguments_schema(params)
+        required = set(schema.get("required") or ())
+        parts = []
+        for k, (key, sub) in enumerate((schema.get("properties") or {}).items()):
+            value = f"v{i}_{k}"
+            rules.append(_xml_value_rule(value, sub if isinstance(sub, dict) else {}))
+            element = (f'"<parameter=" {json.dumps(key, ensure_ascii=False)} ">\\n" {value} '
+                       f'"\\n</parameter>\\n"')
+            parts.append(element if key in required else f"({element})?")
+        rules.append(f'f{i}: "<function=" {json.dumps(name, ensure_ascii=False)} ">\\n" '
+                     f'{" ".join(parts)} "</function>"\n')
+        bodies.append(f"f{i}")
+    return f"body: {' | '.join(bodies)}\n" + "".join(rules)
 
 
 class GrammarCompiler:
@@ -119,27 +157,32 @@ class GrammarCompiler:
         return LLMatcher.grammar_from_lark(grammar)
 
     @staticmethod
-    def _calls_rules(tools: dict[str, Optional[dict]], parallel: bool) -> str:
-        """Lark rules ``calls`` (one call, or several on their own lines with ``parallel``) of the tools given."""
+    def _calls_rules(tools: dict[str, Optional[dict]], parallel: bool, xml: bool = False) -> str:
+        """Lark rules ``calls`` (one call, or several on their own lines with ``parallel``) of the tools given, in
+        Qwen3's JSON form, or with ``xml`` in Qwen3.5's (``_xml_body_rules``)."""
+        repeat = ' ("\\n" call)*' if parallel else ""
+        head = (f"calls: call{repeat}\n"
+                f'call: "<tool_call>\\n" body "\\n</tool_call>"\n')
+        if xml:
+            return head + _xml_body_rules(tools)
         choices = [{"type": "object", "properties": {"name": {"const": name}, "arguments": _arguments_schema(p)},
                     "required": ["name", "arguments"], "additionalProperties": False} for name, p in tools.items()]
         body = _styled({"anyOf": choices} if len(choices) > 1 else choices[0])
-        repeat = ' ("\\n" call)*' if parallel else ""
-        return (f"calls: call{repeat}\n"
-                f'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
-                f"body: %json {json.dumps(body, ensure_ascii=False)}\n")
+        return head + f"body: %json {json.dumps(body, ensure_ascii=False)}\n"
 
-    def tool_calls(self, tools: dict[str, Optional[dict]], parallel: bool = True) -> str:
-        """Calls (at least one) of ``tools`` (name → ``parameters`` schema), arguments valid for each tool."""
+    def tool_calls(self, tools: dict[str, Optional[dict]], parallel: bool = True, xml: bool = False) -> str:
+        """Calls (at least one) of ``tools`` (name → ``parameters`` schema), arguments valid for each tool; ``xml``:
+        in Qwen3.5's form (for a chat template that teaches it)."""
         from llguidance import LLMatcher
-        return LLMatcher.grammar_from_lark("start: calls\n" + self._calls_rules(tools, parallel))
+        return LLMatcher.grammar_from_lark("start: calls\n" + self._calls_rules(tools, parallel, xml))
 
-    def json_or_tool_calls(self, schema: dict, tools: dict[str, Optional[dict]], parallel: bool = True) -> str:
+    def json_or_tool_calls(self, schema: dict, tools: dict[str, Optional[dict]], parallel: bool = True,
+                           xml: bool = False) -> str:
         """Either JSON valid for ``schema`` or calls of ``tools``: a ``response_format`` with ``tool_choice`` auto."""
         from llguidance import LLMatcher
         return LLMatcher.grammar_from_lark(f"start: answer | calls\nanswer: %json "
                                            f"{json.dumps(_styled(schema), ensure_ascii=False)}\n" +
-                                           self._calls_rules(tools, parallel))
+                                           self._calls_rules(tools, parallel, xml))
 
     def check(self, grammar: str) -> Optional[str]:
         """Why llguidance cannot follow ``grammar`` (a one-line message), or None when it can."""

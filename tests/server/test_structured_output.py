@@ -213,3 +213,21 @@ def test_allowed_token_ids(server):
     r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
         "messages": ask(), "allowed_token_ids": [1], "response_format": {"type": "json_object"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids"
+
+
+def test_forced_calls_take_the_xml_form_a_template_teaches():
+    """A chat template that writes ``<function=`` (Qwen3.5's) gets its calls forced in that form: the raw output
+    (the logprobs' tokens) holds ``<function=get_weather>`` and ``<parameter=...>`` elements, and the answer's
+    tool_calls parse with arguments valid for the tool."""
+    with serve_hash_engine(TIMEOUT) as (client, _, engine):
+        engine.chat_template.source += "\n{# calls: <function=name> #}"
+        for seed in (1, 2):
+            r = client.chat.completions.create(model="demo-qwen3", messages=ask("Weather?"), tools=[WEATHER],
+                                               tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                               seed=seed, max_tokens=160, logprobs=True, extra_body=NO_THINKING)
+            c = r.choices[0]
+            raw = "".join(t.token for t in c.logprobs.content)
+            assert "<function=get_weather>" in raw and "<parameter=city>" in raw, raw
+            (call,) = c.message.tool_calls
+            assert c.finish_reason == "tool_calls" and call.function.name == "get_weather"
+            assert errors(json.loads(call.function.arguments), WEATHER["function"]["parameters"]) == []

@@ -92,6 +92,35 @@ def test_forced_tool_calls_parse_with_valid_arguments(compiler, parallel):
     assert several > 0 or not parallel
 
 
+WRITE = {"type": "object", "properties": {"path": {"type": "string", "maxLength": 6}, "lines": {"type": "array", "items":
+                                                                               {"type": "integer"}, "maxItems": 3},
+                                         "append": {"type": "boolean"}},
+         "required": ["path"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_forced_tool_calls_in_the_xml_form_parse_with_valid_arguments(compiler, parallel):
+    """Qwen3.5's form (``xml``): random walks give calls the parser reads back (``<function=...>`` with
+    ``<parameter=...>`` elements), each of a known tool with arguments valid for its schema -- enum strings,
+    integers in range, free one-line strings, arrays and booleans as JSON, optional arguments sometimes left out."""
+    tools = {"get_weather": WEATHER, "write": WRITE}
+    grammar = compiler.tool_calls(tools, parallel, xml=True)
+    names, optional_seen, several = set(), 0, 0
+    for seed in range(SEEDS):
+        text, complete = walk(compiler, grammar, seed)
+        assert "<function=" in text, text
+        content, calls = parse_tool_calls(text, tools)
+        assert calls, text
+        assert content is None or (parallel and not complete and content.startswith("<tool_call")), text
+        several += len(calls) > 1
+        for call in calls:
+            args = json.loads(call.arguments)
+            assert errors(args, tools[call.name]) == [], (text, args)
+            names.add(call.name)
+            optional_seen += call.name == "write" and "lines" in args
+    assert names == {"get_weather", "write"} and optional_seen > 0 and (several > 0 or not parallel)
+
+
 def test_json_or_tool_calls(compiler):
     grammar = compiler.json_or_tool_calls(NOTE, {"get_weather": WEATHER})
     kinds = set()

@@ -21,7 +21,7 @@
   keys a K/V tile, ring stages: ``attention.PrefillGeometry``) beside the default, every shape and length.
 * ``--sweep`` (minutes: each geometry is a compile): decode geometries (warps per block, warp pairs over the head
   dims), split counts and minimum split sizes, prefill tiles, and the split-vs-tiled crossover
-  for chunks of T tokens after a 4096-token prefix -- the numbers behind the split geometry, ``SPLIT_TARGET_ROWS``
+  for chunks of T tokens after a 4096-token prefix -- the numbers behind the split geometry, ``attention_num_splits``
   / ``MIN_SPLIT_TOKENS``, the prefill geometry and ``PREFILL_MIN_TOKENS``.
 
 Times come from CUDA-graph replays (an eager numba launch costs ~20 us of host time, more than the kernels); torch's
@@ -129,7 +129,7 @@ def bench_decode(rng, read_bw, rows, geometry=None, num_splits=None, min_split_t
                  contexts=CONTEXTS, label="decode", quiet=False):
     from numba import cuda
     for model, (nq, nkv, D) in (models or MODELS).items():
-        ws = cuda.device_array(A.workspace_size(1, nq, D, MAX_MODEL_LEN, PAGE, num_splits=num_splits), np.float32)
+        ws = cuda.device_array(A.workspace_size(1, nq, D, MAX_MODEL_LEN, nkv=nkv, num_splits=num_splits), np.float32)
         q = random_bf16((1, nq, D), rng)
         out = cuda.device_array((1, nq, D), np.uint16)
         slots = cuda.to_device(np.zeros(1, np.int32))
@@ -149,7 +149,7 @@ def bench_decode(rng, read_bw, rows, geometry=None, num_splits=None, min_split_t
             calls = [call(i % L.n) for i in range(max(L.n, 1 if SIM else 64))]
             sec = time_calls(calls)
             kv_bytes = 2 * ctx * nkv * D * 2
-            splits = num_splits or A.num_splits(1, nq, MAX_MODEL_LEN, PAGE, D)
+            splits = num_splits or A.num_splits(1, nkv, MAX_MODEL_LEN, D)
             least = min_chunk(min_split_tokens, D)
             chunk = -(-(-(-ctx // splits)) // least) * least
             row = dict(kind=label, model=model, nq=nq, nkv=nkv, D=D, ctx=ctx, splits=splits,
@@ -175,8 +175,8 @@ def bench_batch_decode(rng, read_bw, rows, batch, ctx, geometries=(None,), model
     slots = cuda.to_device(np.arange(batch, dtype=np.int32))
     pos = cuda.to_device(np.full(batch, ctx - 1, np.int32))
     most = max([g[1] for g in geometries if g is not None and g[1]] or [1])
-    ws = cuda.device_array(max(A.workspace_size(batch, nq, D, MAX_MODEL_LEN, PAGE),
-                               A.workspace_size(batch, nq, D, MAX_MODEL_LEN, PAGE, num_splits=most)), np.float32)
+    ws = cuda.device_array(max(A.workspace_size(batch, nq, D, MAX_MODEL_LEN, nkv=nkv),
+                               A.workspace_size(batch, nq, D, MAX_MODEL_LEN, nkv=nkv, num_splits=most)), np.float32)
     reference = None
     for geometry in geometries:
         out = cuda.device_array((batch, nq, D), np.uint16)
@@ -287,12 +287,12 @@ class PrefillInputs:
         self.q = random_bf16((T, nq, D), rng)
         self.pos = cuda.to_device(np.arange(prefix, ctx, dtype=np.int32))
         self.slots = cuda.to_device(np.zeros(T, np.int32))
-        self.shape, self.prefix, self.scale = (T, nq, D), prefix, 1 / math.sqrt(D)
+        self.shape, self.nkv, self.prefix, self.scale = (T, nq, D), nkv, prefix, 1 / math.sqrt(D)
 
     def workspace(self):
         from numba import cuda
         T, nq, D = self.shape
-        return cuda.device_array(A.workspace_size(T, nq, D, MAX_MODEL_LEN, PAGE), np.float32)
+        return cuda.device_array(A.workspace_size(T, nq, D, MAX_MODEL_LEN, nkv=self.nkv), np.float32)
 
     def call(self, out, method="prefill", geometry=None, ws=None):
         """A function that runs the attention of the chunk into ``out``: ``paged_attention(method=)`` as a prompt

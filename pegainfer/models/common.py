@@ -62,7 +62,7 @@ class DecoderModel:
         self.act = e(T, self.I)
         self.last_hidden = e(self.max_rows, H)
         self.logits = e(self.max_rows, self.V)
-        ws = attention.attention_workspace_size(T, self.nq, self.D, self.max_model_len, page_size)
+        ws = attention.attention_workspace_size(T, self.nq, self.D, self.max_model_len, nkv=self.nkv)
         self.attn_workspace = cuda.device_array(max(int(ws), 1), dtype=np.float32)
         self.linear_workspace = cuda.device_array(self.linear_workspace_size(), dtype=np.float32)
 

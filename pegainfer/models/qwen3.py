@@ -62,7 +62,7 @@ class Qwen3Model(DecoderModel):
     def scratch_bytes(self) -> int:
         T, H = self.max_tokens, self.H
         elems = T * (4 * H + self.qkv_rows + 2 * self.nq * self.D + 2 * self.I) + self.max_rows * (H + self.V)
-        return 2 * elems + 4 * attention.attention_workspace_size(T, self.nq, self.D, self.max_model_len, 16) + \
+        return 2 * elems + 4 * attention.attention_workspace_size(T, self.nq, self.D, self.max_model_len, nkv=self.nkv) + \
             4 * self.linear_workspace_size()
 
     # ------------------------------------------------------------------------------------------------ weights

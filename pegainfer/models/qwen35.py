@@ -125,7 +125,7 @@ class Qwen35Model(DecoderModel):
         elems = T * (3 * H + self.qkv_rows + 2 * self.nq * self.D + self.I + self.proj_rows + self.conv_dim
                      + self.value_dim) + R * (H + self.V)
         chunk = T * gated_delta.ChunkScratch.bytes_per_token(self.Hk, self.Hv, self.chunk_size)
-        ws = attention.attention_workspace_size(T, self.nq, self.D, self.max_model_len, 16)
+        ws = attention.attention_workspace_size(T, self.nq, self.D, self.max_model_len, nkv=self.nkv)
         return 2 * elems + chunk + 4 * (ws + self.linear_workspace_size())
 
     def projection_shapes(self) -> list[tuple[int, int, bool]]:

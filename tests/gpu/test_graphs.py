@@ -197,7 +197,7 @@ def test_penalties_and_prompt_logprobs_through_graphs_and_steps_ahead(tmp_path):
 
     folder = _mid_qwen3(tmp_path)
     prompts = [np.random.default_rng(10 + i).integers(0, 400, size=n).tolist() for i, n in enumerate((6, 33, 80, 17))]
-    pen = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.8, presence_penalty=0.4),
+    pen = [dict(repetition_penalty=1.3, frequency_penalty=1.0), dict(frequency_penalty=0.8, presence_penalty=0.4),
            dict(logit_bias={7: 3.0, 11: -2.0}), dict(repetition_penalty=1.1, presence_penalty=1.5)]
     results = {}
     for fast in (True, False):

@@ -73,7 +73,7 @@ class Case:
 
     def workspace(self, num_splits=None):
         T, nq, D = self.shape
-        return cuda.device_array(attention_workspace_size(T, nq, D, self.max_len, self.page_size,
+        return cuda.device_array(attention_workspace_size(T, nq, D, self.max_len, nkv=self.k_bits.shape[2],
                                                           num_splits=num_splits), np.float32)
 
     def run(self, fn=paged_attention, with_workspace=True, **kwargs):
@@ -307,22 +307,29 @@ def test_workspace_holds_every_launch_and_the_counters():
 
     assert workspace_parts(3, 4, 16, 1) == (0, 0)
     assert workspace_parts(3, 4, 16, 5) == (3 * 4 * 5 * 16, 3 * 4 * 5)
-    assert attention_workspace_size(3, 4, 16, 64, PAGE, num_splits=5) == 3 * 4 * 5 * (16 + 2) + 3 * 4
-    split_counts = [attention.attention_num_splits(t, 4, 1024, 16, 128) for t in (1, 2, 3)]
+    assert attention_workspace_size(3, 4, 16, 64, nkv=2, num_splits=5) == 3 * 4 * 5 * (16 + 2) + 3 * 4
+    split_counts = [attention.attention_num_splits(t, 1, 1024, 128) for t in (1, 2, 3)]
     want = max(t * 4 * s * (128 + 2) for t, s in zip((1, 2, 3), split_counts))
-    assert attention_workspace_size(3, 4, 128, 1024, 16) == want + 3 * 4
+    assert attention_workspace_size(3, 4, 128, 1024, nkv=1) == want + 3 * 4
 
 
-def test_split_counts_fill_the_gpu_within_the_context():
-    """``attention_num_splits``: about ``SPLIT_TARGET_ROWS`` (token, head, split) rows, at most one
-    ``min_chunk``-key split per ``max_model_len`` and ``MAX_SPLITS``; 256-dim heads split every 64 keys."""
-    assert attention.attention_num_splits(1, 32, 32768, 16, 128) == 64            # 2048 rows / 32 heads
-    assert attention.attention_num_splits(1, 32, 1024, 16, 128) == 4              # 1024 / 256 keys
-    assert attention.attention_num_splits(1, 16, 1024, 16, 256) == 16             # 1024 / 64 keys
-    assert attention.attention_num_splits(1, 16, 32768, 16, 256) == 64            # 2048 rows / (16 heads x 2)
-    assert attention.attention_num_splits(64, 16, 32768, 16, 256) == 1            # a batched step of wide heads
-    assert attention.attention_num_splits(64, 32, 32768, 16, 128) == 1
-    assert attention.attention_num_splits(1, 1, 10 ** 6, 16, 16) == attention.MAX_SPLITS
+def test_split_counts_fill_the_gpu_within_the_context(monkeypatch):
+    """``attention_num_splits``: blocks within one wave (one a block an SM, or the walking grid's), at most one
+    ``min_chunk``-key split per ``max_model_len`` and ``MAX_SPLITS``; 256-dim heads split every 64 keys.  Counted
+    for an H200's 132 SMs."""
+    import pegainfer.kernels.attention.geometry as geometry
+    monkeypatch.setattr(geometry, "sm_count", lambda: 132)
+    splits = attention.attention_num_splits
+    assert splits(1, 8, 32768, 128) == 16               # Qwen3-4B, one sequence: 128 blocks of 8 warps
+    assert splits(1, 8, 1024, 128) == 4                 # 1024 / 256 keys
+    assert splits(1, 4, 1024, 256) == 16                # 1024 / 64 keys
+    assert splits(1, 4, 32768, 256) == 33               # Qwen3.5-4B's full attention, one sequence
+    assert splits(4, 8, 32768, 128) == 4                # four sequences: 128 blocks
+    assert splits(16, 8, 32768, 128) == 2               # 128 items walked by two blocks an SM
+    assert splits(64, 4, 32768, 256) == 1               # a batched step of wide heads
+    assert splits(64, 8, 32768, 128) == 1
+    monkeypatch.setattr(geometry, "sm_count", lambda: 1024)
+    assert splits(1, 1, 10 ** 6, 16) == attention.MAX_SPLITS
     assert attention.min_chunk(None, 128) == 256 and attention.min_chunk(None, 256) == 64
     assert attention.min_chunk(0, 128) == 1 and attention.min_chunk(4, 256) == 4
 

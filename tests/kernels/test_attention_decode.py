@@ -283,7 +283,7 @@ def test_gpu_cuda_graph_replay():
     pos = cuda.to_device(np.array([5, 700], np.int32))
     out = cuda.device_array((2, nq, D), np.uint16)
     from pegainfer.kernels.attention import attention_workspace_size
-    ws = cuda.device_array(attention_workspace_size(2, nq, D, max_pages * page_size, page_size), np.float32)
+    ws = cuda.device_array(attention_workspace_size(2, nq, D, max_pages * page_size, nkv=nkv), np.float32)
     scale = 1 / math.sqrt(D)
     stream = cuda.stream()
     call = lambda: paged_attention(*args, slots, pos, out, scale, ws)  # noqa: E731

@@ -88,12 +88,14 @@ def test_gate_up_of_a_batch_takes_the_tiles_of_fewer_waves(monkeypatch, n_cols, 
 ])
 def test_prompt_tiles_of_fewer_waves(monkeypatch, n_cols, k, gated, tokens, bn):
     """The prompt rule on a 132-SM H200: 160-column tiles in a ring of 5 where their waves × columns are fewer than
-    128-column tiles' (docs/perf/linear.md), 256 columns for wide plain weights, every ring within the SM."""
+    128-column tiles' (docs/perf/linear.md), 256 columns for wide plain weights, every ring within the SM, one
+    resident wave of blocks walking the tiles."""
     from pegainfer.kernels.linear import geometry
     monkeypatch.setattr(geometry, "SIMULATOR", False)
     monkeypatch.setattr(geometry, "sm_count", lambda: 132)
     geo = geometry.wgmma_geometry(n_cols, k, tokens, gated)
-    assert (geo.warpgroups, geo.bn, geo.k_splits, geo.fill) == (2, bn, 1, "tma"), geo
+    assert (geo.warpgroups, geo.bn, geo.k_splits, geo.fill, geo.persistent) == (2, bn, 1, "tma", True), geo
+    assert not geometry.wgmma_geometry(n_cols, k, 256, gated).persistent      # a batch: split K, a block a unit
     assert geo.stages == {128: 5, 160: 5, 256: 4}[bn]
     assert geo.shared_bytes + 1024 <= 228 * 1024
 

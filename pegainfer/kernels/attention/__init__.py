@@ -40,7 +40,7 @@ import numpy as np
 from pegainfer.kernels.attention.decode import paged_attention_split, split_kernel
 from pegainfer.kernels.attention.geometry import (BATCHED_SPLIT_ITEMS, DECODE_STEP_KEYS, DIM_SPLIT_WARPS,
                                                   MAX_SPLITS, MIN_SPLIT_TOKENS, MIN_SPLIT_TOKENS_WIDE,
-                                                  PREFILL_MIN_TOKENS, SPLIT_TARGET_ROWS, SUPPORTED_HEAD_DIMS,
+                                                  PREFILL_MIN_TOKENS, SUPPORTED_HEAD_DIMS,
                                                   PrefillGeometry, SplitGeometry,
                                                   attention_num_splits, min_chunk, prefill_geometry,
                                                   prefill_supported, split_geometry)
@@ -53,7 +53,7 @@ from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
 __all__ = ["paged_attention", "attention_workspace_size", "attention_num_splits", "paged_attention_split",
            "paged_attention_prefill", "reference_paged_attention", "split_geometry", "prefill_geometry", "min_chunk",
            "SplitGeometry", "PrefillGeometry", "split_kernel", "prefill_kernel", "SUPPORTED_HEAD_DIMS",
-           "SPLIT_TARGET_ROWS", "MIN_SPLIT_TOKENS", "MIN_SPLIT_TOKENS_WIDE", "MAX_SPLITS", "DECODE_STEP_KEYS",
+           "MIN_SPLIT_TOKENS", "MIN_SPLIT_TOKENS_WIDE", "MAX_SPLITS", "DECODE_STEP_KEYS",
            "DIM_SPLIT_WARPS", "PREFILL_MIN_TOKENS", "prefill_supported", "BATCHED_SPLIT_ITEMS"]
 
 

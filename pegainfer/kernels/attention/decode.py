@@ -474,7 +474,7 @@ def paged_attention_split(q, k_cache, v_cache, block_tables, token_slots, positi
     if group > 8:
         raise ValueError(f"the split-K kernel serves at most 8 q heads per kv head, got {group}")
     if num_splits is None:
-        num_splits = attention_num_splits(T, nq, block_tables.shape[1] * page_size, page_size, D)
+        num_splits = attention_num_splits(T, nkv, block_tables.shape[1] * page_size, D)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits {num_splits} outside 1..{MAX_SPLITS}")
     ws_acc, ws_m, ws_l, counters = split_workspace(workspace, T, nq, nkv, D, num_splits, policy)

@@ -9,12 +9,10 @@ from typing import NamedTuple
 
 from pegainfer.device import SIMULATOR
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
-from pegainfer.kernels.primitives import threads
+from pegainfer.kernels.primitives import sm_count, threads
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 
-SPLIT_TARGET_ROWS = 2048
-"""Aim for about this many (token, q head, split) rows per split-K launch: ~512 blocks at G = 4."""
 MIN_SPLIT_TOKENS = 256
 """Split lengths are multiples of this many keys for heads of up to 128 dims (two passes of 8 warps x 16 keys)."""
 MIN_SPLIT_TOKENS_WIDE = 64
@@ -70,16 +68,18 @@ def min_chunk(min_split_tokens: int | None = None, head_dim: int = 128) -> int:
     return max(1, min_split_tokens)
 
 
-def attention_num_splits(num_tokens: int, nq: int, max_model_len: int, page_size: int = 16,
-                         head_dim: int = 128) -> int:
-    """Splits per (token, kv head) the split-K launch provides: enough (token, head, split) rows to fill the GPU
-    (``SPLIT_TARGET_ROWS``; a head of more than 128 dims counts as ``head_dim / 128`` rows, the work of as many
-    128-dim heads), but no more than one ``min_chunk(head_dim=)``-key split per ``max_model_len``.  How many of them
-    do work is decided on the device from each token's length, so short contexts use few blocks.  (``page_size``
-    is accepted for compatibility.)"""
+def attention_num_splits(num_tokens: int, nkv: int, max_model_len: int, head_dim: int = 128) -> int:
+    """Splits per (token, kv head) the split-K launch provides: as many as keep its blocks within one wave of the
+    GPU (``sm_count()`` SMs, each holding one block of ``split_geometry``, or ``walk`` blocks of a walking grid),
+    but no more than one ``min_chunk(head_dim=)``-key split per ``max_model_len``.  A block then walks a long split
+    with the next round's K/V asked of L2, where more, shorter splits would run in waves, each a fresh chain of
+    dependent loads, and merge more partials (one sequence at 32,768 keys: 16 splits of Qwen3-4B's 8 kv heads
+    41.9 µs, 64 splits 65.5 µs; docs/perf/attention.md).  How many of them do work is decided on the device from
+    each token's length, so short contexts use few blocks."""
+    items = max(1, num_tokens * nkv)
+    resident = sm_count() * (split_geometry(head_dim, 1, items).walk or 1)
     max_splits = max(1, ceil_div(max_model_len, min_chunk(head_dim=head_dim)))
-    want = ceil_div(SPLIT_TARGET_ROWS, max(1, num_tokens * nq * max(1, head_dim // 128)))
-    return max(1, min(want, max_splits, MAX_SPLITS))
+    return max(1, min(resident // items, max_splits, MAX_SPLITS))
 
 
 class PrefillGeometry(NamedTuple):

@@ -33,14 +33,14 @@ def workspace_parts(num_tokens: int, nq: int, head_dim: int, num_splits: int) ->
     return rows * head_dim, rows
 
 
-def attention_workspace_size(max_tokens: int, nq: int, head_dim: int, max_model_len: int, page_size: int,
+def attention_workspace_size(max_tokens: int, nq: int, head_dim: int, max_model_len: int, *, nkv: int,
                              num_splits: int | None = None) -> int:
-    """f32 elements of the workspace ``paged_attention`` needs for any ``T <= max_tokens`` (``num_splits``: the
-    forced value if the caller forces one): the split partials at the front and ``max_tokens * nq`` int32 counters
-    at the very end (more than the ``T * nkv`` a launch uses)."""
+    """f32 elements of the workspace ``paged_attention`` needs for any ``T <= max_tokens`` over ``nq`` q heads in
+    ``nkv`` groups (``num_splits``: the forced value if the caller forces one): the split partials at the front and
+    ``max_tokens * nq`` int32 counters at the very end (more than the ``T * nkv`` a launch uses)."""
     need = 0
     for t in range(1, max_tokens + 1):
-        s = num_splits if num_splits is not None else attention_num_splits(t, nq, max_model_len, page_size, head_dim)
+        s = num_splits if num_splits is not None else attention_num_splits(t, nkv, max_model_len, head_dim)
         a, mm = workspace_parts(t, nq, head_dim, s)
         need = max(need, a + 2 * mm)
     return need + max_tokens * nq

@@ -72,17 +72,14 @@ SWEEP_WGMMA = {
     32: [(1, 48, 8), (1, 64, 8), (1, 96, 8), (1, 128, 6), (1, 160, 6), (1, 192, 5)],
     64: [(1, 48, 8), (1, 64, 8), (1, 80, 8), (1, 96, 8), (1, 128, 6), (1, 160, 6), (1, 192, 5), (1, 256, 5)],
     128: [(2, 64, 8), (2, 128, 5), (1, 96, 6), (1, 128, 6), (1, 160, 6), (2, 160, 4), (2, 256, 4)],
-    256: [(2, 96, 5), (2, 128, 5), (2, 160, 4), (2, 256, 4), (2, 256, 3), (2, 128, 5, 2), (2, 160, 4, 2)],
+    256: [(2, 96, 5), (2, 128, 5), (2, 160, 4), (2, 256, 4), (2, 256, 3)],
     512: [(2, 128, 5), (2, 160, 5), (2, 256, 4), (2, 256, 3)],
-    1024: [(2, 128, 5), (2, 160, 5), (2, 160, 6), (2, 256, 4), (2, 160, 5, 2), (2, 256, 4, 2)],
-    2048: [(2, 128, 5), (2, 160, 5), (2, 160, 6), (2, 192, 4), (2, 256, 4), (2, 256, 3), (2, 128, 5, 2),
-           (2, 160, 5, 2), (2, 256, 4, 2)],
+    1024: [(2, 128, 5), (2, 160, 5), (2, 160, 6), (2, 256, 4)],
+    2048: [(2, 128, 5), (2, 160, 5), (2, 160, 6), (2, 192, 4), (2, 256, 4), (2, 256, 3)],
 }
-"""(warpgroups, bn, stages[, cluster]).  160-column tiles at 512-2048 tokens: a 2560-column weight (o / down of the 4B
-models) is 320 tiles of 128 × 128 at 2048 tokens, 2.4 waves on 132 SMs, and 256 tiles of 128 × 160, two.  Above 256
-tokens each tile is also tried persistent (``WgmmaGeometry.persistent``: one resident wave of blocks walking the
-tiles).  Clusters of two blocks sharing each W tile (``WgmmaGeometry.cluster``): half the W bytes a block pulls
-from L2."""
+"""160-column tiles at 512-2048 tokens: a 2560-column weight (o / down of the 4B models) is 320 tiles of 128 × 128 at
+2048 tokens, 2.4 waves on 132 SMs, and 256 tiles of 128 × 160, two.  Above 256 tokens each tile is also tried
+persistent (``WgmmaGeometry.persistent``: one resident wave of blocks walking the tiles)."""
 SIM_SWEEP_WGMMA = [(1, 64, 3)]
 SWEEP_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 """The token counts the sweep tries geometries at: the largest of each token tile (whose kernel serves every T up
@@ -258,9 +255,7 @@ def sweep_candidates(L, s: Shape, T: int):
         fills = [{}]
         if "fill" in {f.name for f in dataclasses.fields(L.WgmmaGeometry)} and T <= 64:
             fills = [{"fill": "tma"}, {"fill": "ring"}]          # the two ways of filling the ring
-        has_cluster = "cluster" in {f.name for f in dataclasses.fields(L.WgmmaGeometry)}
-        bases += [L.WgmmaGeometry(warpgroups=g, bn=bn, stages=st, **f, **({"cluster": cl[0]} if cl else {}))
-                  for g, bn, st, *cl in wtiles for f in fills if has_cluster or not cl]
+        bases += [L.WgmmaGeometry(warpgroups=g, bn=bn, stages=st, **f) for g, bn, st in wtiles for f in fills]
         defaults.append(L.wgmma_geometry(s.n, s.k, T, s.gated))
     out = []
     for base in bases:
@@ -269,12 +264,10 @@ def sweep_candidates(L, s: Shape, T: int):
         n_tiles = -(-T // base.bm) * -(-s.n // base.bn)
         splits = {1} | (default_splits if T <= 256 else set()) | (
             {sp for sp in SPLITS + (3, 5, 6) if n_tiles * sp <= 4 * 132} if n_tiles < 2 * 132 and T <= 256 else set())
-        clustered = getattr(base, "cluster", 1) > 1
         for sp in sorted(splits):
-            if sp == 1 or (n_kt // sp >= 4 and not clustered):
+            if sp == 1 or n_kt // sp >= 4:
                 out.append(dataclasses.replace(base, k_splits=sp))
-        persistent_field = "persistent" in {f.name for f in dataclasses.fields(base)}
-        if T > 256 and is_wgmma(L, base) and not clustered and persistent_field:
+        if T > 256 and is_wgmma(L, base) and "persistent" in {f.name for f in dataclasses.fields(base)}:
             out.append(dataclasses.replace(base, persistent=True))      # one resident wave walking the tiles
     out += [d for d in defaults if d not in out]
     return out

@@ -88,9 +88,9 @@ def launch_records_during(fn) -> list[LaunchRecord]:
 
     seen, real = [], launch_module._launch
 
-    def record(kernel, grid, block, args, shared, policy, name, **extra):
+    def record(kernel, grid, block, args, shared, policy, name):
         seen.append(LaunchRecord(kernel, name, grid, block, shared, tuple(args), policy is not None))
-        real(kernel, grid, block, args, shared, policy, name, **extra)
+        real(kernel, grid, block, args, shared, policy, name)
 
     launch_module._launch = record
     try:

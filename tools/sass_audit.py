@@ -14,8 +14,8 @@ Columns: registers, spill bytes (stores), ``LDL`` / ``STL`` (local memory: spill
 written for, both found in this code by reading its ``--sass-dir`` output: a spin loop on a *weak* load
 (``ld.global.cg``) that ptxas deleted, since nothing says the value can change (the loop must load with
 ``ld.acquire`` / ``ld.relaxed``: its SASS then loops on the load, with ``CCTL.IVALL`` and ``YIELD``), and
-``mbarrier.arrive.release.cluster``, which puts ``MEMBAR.ALL.GPU`` before every arrival (in a GEMM's K loop, every
-stage).
+``mbarrier.arrive.release.cluster``, which puts ``MEMBAR.ALL.GPU`` before every arrival (in the K loop of the GEMM
+clusters, since deleted: every stage).
 """
 from __future__ import annotations
 

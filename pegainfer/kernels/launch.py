@@ -33,21 +33,18 @@ _tracer: Optional[Callable] = None
 
 
 def _programmatic_launcher() -> Optional[Callable]:
-    """``launch_pdl(kernel, grid, block, stream, shared, args, pdl=True, cluster=1)`` when the GPU can overlap
-    launches (sm_90, which also launches clusters), else None."""
+    """``launch_pdl(kernel, grid, block, stream, shared, args)`` when the GPU can overlap launches, else None."""
     if not GRID_DEPENDENCY_CONTROL:
         return None
     from cuda.core import LaunchConfig, launch as core_launch
     numba_internals.check()
     LaunchConfig(grid=1, block=32, programmatic_stream_serialization=True)
 
-    def launch_pdl(kernel, grid, block, stream, shared, args, pdl=True, cluster=1):
+    def launch_pdl(kernel, grid, block, stream, shared, args):
         # what numba's own launch does (compiled overload, arguments marshalled by numba), plus the PDL attribute
-        # and the cluster shape (the grid then counts clusters)
         compiled = numba_internals.compiled(kernel, args)
         core_stream, kernel_args = numba_internals.marshal(compiled, args, stream)
-        shape = {"grid": grid // cluster, "cluster": cluster} if cluster > 1 else {"grid": grid}
-        config = LaunchConfig(block=block, shmem_size=shared, programmatic_stream_serialization=pdl, **shape)
+        config = LaunchConfig(grid=grid, block=block, shmem_size=shared, programmatic_stream_serialization=True)
         core_launch(core_stream, config, numba_internals.cu_function(compiled).kernel, *kernel_args)
 
     return launch_pdl
@@ -57,18 +54,16 @@ _launch_pdl = _programmatic_launcher()
 
 
 def launch(kernel, grid: int, block: int, *args, shared: int = 0, name: str | None = None,
-           policy: LaunchPolicy | None = None, cluster: int = 1) -> None:
+           policy: LaunchPolicy | None = None) -> None:
     """Launch ``kernel[grid, block, stream, shared](*args)`` on the current stream (1-D grids and blocks).
 
     ``policy``: the kernel follows the PDL contract (module docstring); it overlaps the kernel before it when
-    ``policy.overlaps(name)`` and the GPU can.  Without one it never overlaps (a kernel outside the contract).
-    ``cluster``: blocks a thread block cluster (sm_90; ``grid`` a multiple of it; ``primitives.cluster``)."""
-    extra = {"cluster": cluster} if cluster > 1 else {}
+    ``policy.overlaps(name)`` and the GPU can.  Without one it never overlaps (a kernel outside the contract)."""
     if _tracer is not None:
         with _tracer(name or getattr(kernel, "__name__", None) or getattr(getattr(kernel, "py_func", None), "__name__", "kernel")):
-            _launch(kernel, grid, block, args, shared, policy, name, **extra)
+            _launch(kernel, grid, block, args, shared, policy, name)
     else:
-        _launch(kernel, grid, block, args, shared, policy, name, **extra)
+        _launch(kernel, grid, block, args, shared, policy, name)
 
 
 STATIC_SHARED_LIMIT = 48 * 1024   # shared memory a block may have without opting in
@@ -99,17 +94,11 @@ def can_overlap() -> bool:
     return _launch_pdl is not None
 
 
-def _launch(kernel, grid, block, args, shared, policy, name, cluster=1):
+def _launch(kernel, grid, block, args, shared, policy, name):
     """The launch itself; ``policy`` is None for a kernel that does not follow the PDL contract."""
     if shared > STATIC_SHARED_LIMIT and not SIMULATOR:
         _allow_shared(kernel, args, shared)
-    pdl = policy is not None and _launch_pdl is not None and policy.overlaps(name)
-    if cluster > 1:
-        if _launch_pdl is None or grid % cluster:
-            raise ValueError(f"{name}: a cluster launch needs sm_90 and a grid that is a multiple of {cluster} "
-                             f"(grid {grid})")
-        _launch_pdl(kernel, grid, block, _stream, shared, args, pdl, cluster)
-    elif pdl:
+    if policy is not None and _launch_pdl is not None and policy.overlaps(name):
         _launch_pdl(kernel, grid, block, _stream, shared, args)
     else:
         kernel[grid, block, _stream, shared](*args)

@@ -30,16 +30,10 @@ def workspace(n=1 << 16):
     (130, 200, 136, WgmmaGeometry(2, 160, stages=5), False),         # a prompt's 160-column tiles, plain weight
     # one resident wave of blocks walking a prompt's tiles (on the GPU 132 blocks, 256 tiles)
     pytest.param(2048, 2560, 4096, WgmmaGeometry(2, 160, stages=5, persistent=True), False, marks=pytest.mark.gpu),
-    (150, 72, 200, WgmmaGeometry(1, 64, stages=4, cluster=2), True),  # clusters: 3 token tiles, the last pair half
-    (130, 96, 136, WgmmaGeometry(2, 64, stages=3, cluster=2), False),  # ... empty; W halves of plain weights
-    pytest.param(2048, 2560, 4096, WgmmaGeometry(2, 256, stages=4, cluster=2), False, marks=pytest.mark.gpu),
-    pytest.param(256, 19456, 2560, WgmmaGeometry(2, 160, stages=4, cluster=2), True, marks=pytest.mark.gpu),
 ])
 def test_gemm_wgmma_matches_reference(T, N, K, geo, gated, rng):
     """Bit for bit on data whose sums are exact in f32: the swizzled ring, the descriptors of each k16 step, the
-    accumulator layout in the epilogue, the split partials, the clusters' shared W tiles (on a GPU two blocks a
-    cluster, each copying half of every W tile into both; in the simulator a cluster is one block, copying both
-    halves)."""
+    accumulator layout in the epilogue, the split partials."""
     (xb, _), (wb, _) = exact_inputs(T, N, K, rng)
     got = run_bits(gemm_wgmma, xb, wb, N // 2 if gated else N, gated=gated, geometry=geo, workspace=workspace())
     assert_same_bits(got, reference_bits(xb, wb, gated))

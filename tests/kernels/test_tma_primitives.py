@@ -13,8 +13,6 @@ from pegainfer.kernels.primitives import as_words, kernel, uint32
 from pegainfer.kernels.primitives import cuda as kcuda
 from pegainfer.kernels.primitives.barriers import (mbar_arrive, mbar_arrive_expect_tx, mbar_fence_init, mbar_init,
                                                    mbar_wait, named_barrier)
-from pegainfer.kernels.primitives.cluster import (cluster_rank, cluster_size, cluster_sync, mbar_arrive_in,
-                                                  tma_load_2d_multicast)
 from pegainfer.kernels.primitives.tma import tensor_map, tma_load_2d
 from pegainfer.kernels.primitives.wgmma import shared_address
 
@@ -147,53 +145,3 @@ def test_ring_of_full_and_empty_barriers_over_several_phases(rng):
            shared=1024 + 4 * stages * TILE_WORDS + 32 * stages)
     want = np.bitwise_xor.reduce(a.view(np.uint32).reshape(8, -1), axis=1)
     np.testing.assert_array_equal(out.copy_to_host(), want)
-
-
-@kernel
-def multicast_boxes(a32, maps, slot, n_rows, k, out):
-    """Block r of a cluster of n copies box r (rows ``r · BOX ..``) into tile r of every block's shared memory with
-    one multicast; every block waits for all n boxes on its own barrier, and its thread 0 arrives once on every
-    block's second barrier, which each block then waits on for n arrivals.  Each block writes its n tiles to
-    ``out[block]``."""
-    smem = kcuda.shared.array(0, nbtypes.uint32)
-    base = ((uint32(1024) - (shared_address(smem, 0) & uint32(1023))) & uint32(1023)) >> uint32(2)
-    n = cluster_size()
-    rank = cluster_rank()
-    bar = base + uint32(2 * TILE_WORDS)
-    tid = kcuda.threadIdx.x
-    if tid == 0:
-        mbar_init(smem, bar, 1)
-        mbar_init(smem, bar + uint32(2), n)
-        mbar_fence_init()
-    kcuda.syncthreads()
-    cluster_sync()                       # every block's barriers exist before a copy or an arrival reaches it
-    if tid == 0:
-        mbar_arrive_expect_tx(smem, bar, 128 * BOX * n)
-        tma_load_2d_multicast(smem, base + rank * uint32(TILE_WORDS), maps, slot, a32, rank * uint32(BOX), 0, n_rows,
-                              k, BOX, smem, bar, (uint32(1) << n) - uint32(1))
-        for r in range(n):
-            mbar_arrive_in(smem, bar + uint32(2), r)
-    mbar_wait(smem, bar, 0)
-    mbar_wait(smem, bar + uint32(2), 0)
-    block = kcuda.blockIdx.x
-    for i in range(tid, n * TILE_WORDS, kcuda.blockDim.x):
-        out[block, i] = smem[base + uint32(i)]
-    cluster_sync()                       # no block leaves while another may still arrive on its barriers
-
-
-def test_multicast_copies_land_in_every_block_of_the_cluster(rng):
-    """``primitives.cluster``: on a GPU a cluster of two blocks, each multicasting one box to both and arriving on
-    both blocks' barriers: every block ends with both boxes, swizzled as a plain copy lands them (a copy or an
-    arrival that missed a block would leave it waiting).  In the simulator a cluster is one block, which gets its
-    own box."""
-    rows, k = 40, 64
-    n = 1 if SIMULATOR else 2
-    a = rng.integers(0, 1 << 16, (rows, k), dtype=np.uint16)
-    d = cuda.to_device(a)
-    maps, slot = tensor_map(d, BOX)
-    out = cuda.to_device(np.zeros((n, 2 * TILE_WORDS), np.uint32))
-    launch(multicast_boxes, n, 64, as_words(d), maps, slot, rows, k, out, shared=1024 + 8 * TILE_WORDS + 32,
-           cluster=n)
-    expected = np.concatenate([swizzled_box(a, r * BOX, 0) for r in range(n)])
-    for block in range(n):
-        np.testing.assert_array_equal(out.copy_to_host()[block, :n * TILE_WORDS], expected, err_msg=f"block {block}")

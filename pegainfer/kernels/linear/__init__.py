@@ -24,7 +24,7 @@ Modules:
 * ``gemm``: the ``mma.sync`` GEMM (``gemm_mma``, GPUs without ``wgmma``): a ``cp.async`` shared-memory ring,
   ``ldmatrix`` fragments; tiles from all tokens of a decode batch × 64 columns to 128 × 128 for prompts.
 * ``gemm_wgmma``: the Hopper GEMM (``wgmma`` from 128-byte-swizzled shared-memory tiles that a producer warp fills
-  with TMA copies; optionally in clusters of two blocks that share each W tile through TMA multicast).
+  with TMA copies).
 * ``gemm_wgmma_ring``: the same GEMM with the ring filled by every thread's ``cp.async`` (17-64 tokens), and its
   form with the add + RMSNorm as a prologue (``gemm_wgmma_add_rms_norm``, ``LaunchPolicy.gemm_norm_prologue``).
 * ``splitk``: split-K for both GEMMs (blocks sharing a tile's K, the last one summing their partials in a fixed

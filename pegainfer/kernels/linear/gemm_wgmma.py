@@ -41,21 +41,6 @@ mbarriers, one word of split-K flag.  PDL: the block lets the next kernel launch
 first unit's weight copies before waiting for the kernel before it (weights are never written), the x copies
 after.
 
-**Clusters** (``WgmmaGeometry.cluster`` = 2; TMA, unsplit).  Why: at 128 tokens and more a block streams 128 bytes of
-x and W per 64 columns of K for every ``bm · bn · 64`` multiply-adds, ``(bm + bn) / (bm · bn)`` bytes a flop from L2:
-at a 128 × 256 tile and the tensor cores' 989 TFLOP/s, ~11.6 TB/s, twice what the H200's L2 delivers to the SMs,
-which would cap the GEMM near half its peak (the 2048-token projections measure 423-505 TFLOP/s).  Two blocks on
-neighbouring token tiles of one column tile (a cluster, launched together on one GPC) need the same W tile: each
-copies one half of it (``bn / 2`` rows; gated, the gate or the up rows) with one TMA multicast into the same stage
-of both blocks, so a block pulls ``bm + bn / 2`` rows a K tile from L2.  Each block's full barrier expects the whole
-stage (its x box and both halves, whichever block copied them); a stage is free when the consumers of *both* blocks
-are done with it, so its empty barrier counts one arrival per consumer warpgroup of each block (thread r of a
-warpgroup arrives on block r's barrier, ``mbar_arrive_in``).  The blocks walk the same units (a unit: a pair of
-token tiles, the block's rank picking one; past the last token tile a box arrives as zeros and stores nothing), meet
-at a cluster barrier after initializing their barriers (no copy into a block before its barriers exist) and before
-they exit (no block leaves while the other may still copy into it or arrive on its barriers).
-``primitives.cluster`` has the instructions; in the simulator a cluster is one block that copies both halves itself.
-
 In the simulator TMA copies at once and ``wgmma`` is emulated from the descriptor and swizzle rules
 (``primitives.tma``, ``primitives.wgmma``), so the kernel's indexing is tested without a GPU (slowly: tests use
 tiny shapes and one warpgroup).
@@ -77,10 +62,8 @@ from pegainfer.kernels.linear.splitk import build_finish_tile, norm_handoff, spl
 from pegainfer.kernels.norm import pairs_per_thread
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
 from pegainfer.kernels.primitives import (SIMULATOR, WARP, as_words, cuda, device_fn, float32, grid,
-                                          grid_dependency_wait, int32, launch_dependents, reads_before_wait,
+                                          grid_dependency_wait, launch_dependents, reads_before_wait,
                                           store_bf16_pair, uint32)
-from pegainfer.kernels.primitives.cluster import (cluster_count, cluster_index, cluster_rank, cluster_size,
-                                                  cluster_sync, mbar_arrive_in, tma_load_2d_multicast)
 from pegainfer.kernels.primitives.barriers import (mbar_arrive, mbar_arrive_expect_tx, mbar_fence_init, mbar_init,
                                                    mbar_wait, named_barrier)
 from pegainfer.kernels.primitives.tma import tensor_map, tma_load_2d, tma_prefetch_map
@@ -122,11 +105,9 @@ def store_gated_halves(out, acc, packed, half_blocks, tok0, j0):
 
 
 @functools.cache
-def _gemm_wgmma_kernel(warpgroups: int, bn: int, stages: int, gated: bool, warps_per_sm: int, cluster: int = 1):
+def _gemm_wgmma_kernel(warpgroups: int, bn: int, stages: int, gated: bool, warps_per_sm: int):
     """Build the wgmma GEMM for one tile shape and ring depth (module docstring; all compile-time: they size
-    register arrays and unroll loops).  The split count is a launch argument.  ``cluster`` = 2: the kernel of
-    clusters of two blocks sharing each W tile (module docstring, "Clusters")."""
-    CL = cluster > 1
+    register arrays and unroll loops).  The split count is a launch argument."""
     bm = 64 * warpgroups
     consumers = WARPGROUP * warpgroups                    # threads 0 .. consumers - 1; the producer warp follows
     nthreads = consumers + WARP
@@ -158,17 +139,6 @@ def _gemm_wgmma_kernel(warpgroups: int, bn: int, stages: int, gated: bool, warps
     finish_tile = build_finish_tile(n_acc, consumers, store_tiles, consumers_sync)
 
     @device_fn
-    def load_w_shared(ring, dst, maps, w_slot, w32, n0, n_out, n_cols, k0, k, bar, rank, ncta):
-        """The W tile as two boxes of ``bn / 2`` rows (gated: the gate rows, the up rows), box h copied by block
-        ``h mod ncta`` of the cluster into every block's stage."""
-        mask = (uint32(1) << ncta) - uint32(1)
-        for h in range(2):
-            if uint32(h) % ncta == rank:
-                row0 = ((n0 >> 1) + (n_out if h == 1 else 0)) if gated else n0 + h * (bn // 2)
-                tma_load_2d_multicast(ring, dst + uint32(h * (bn // 2) * ROW_WORDS), maps, w_slot, w32, row0, k0,
-                                      n_cols, k, bn // 2, ring, bar, mask)
-
-    @device_fn
     def load_w(ring, dst, maps, w_slot, w32, n0, n_out, n_cols, k0, k, bar):
         if gated:
             tma_load_2d(ring, dst, maps, w_slot, w32, n0 >> 1, k0, n_cols, k, w_box, ring, bar)
@@ -176,50 +146,6 @@ def _gemm_wgmma_kernel(warpgroups: int, bn: int, stages: int, gated: bool, warps
                         w_box, ring, bar)
         else:
             tma_load_2d(ring, dst, maps, w_slot, w32, n0, k0, n_cols, k, w_box, ring, bar)
-
-    @device_fn
-    def first_unit():
-        """The block's first unit: its own index, or (clusters) its cluster's."""
-        if CL:
-            return int32(cluster_index())
-        return cuda.blockIdx.x
-
-    @device_fn
-    def unit_stride():
-        if CL:
-            return int32(cluster_count())
-        return cuda.gridDim.x
-
-    @device_fn
-    def last_unit(tiles_m, tiles_n, k_splits):
-        """Units of the launch: tiles × splits, or (clusters) groups of ``cluster_size()`` token tiles × column
-        tiles × splits."""
-        if CL:
-            ncta = int32(cluster_size())
-            return (tiles_m + ncta - 1) // ncta * tiles_n * k_splits
-        return tiles_m * tiles_n * k_splits
-
-    @device_fn
-    def unit_tiles(unit, tiles_m, k_splits):
-        """(token tile, split, column tile) of a unit: token tiles fastest (clusters: the block's rank picks one of
-        the unit's token tiles, so a cluster's blocks share the column tile and K range)."""
-        if CL:
-            ncta = int32(cluster_size())
-            tiles_mc = (tiles_m + ncta - 1) // ncta
-            return (unit % tiles_mc) * ncta + int32(cluster_rank()), (unit // tiles_mc) % k_splits, \
-                unit // (tiles_mc * k_splits)
-        return unit % tiles_m, (unit // tiles_m) % k_splits, unit // (tiles_m * k_splits)
-
-    @device_fn
-    def release(ring, empty, ncta):
-        """A consumer's stage is free: every consumer arrives (one block), or (clusters) thread r of each warpgroup
-        arrives on block r's barrier, once the warpgroup's group reading the stage has finished."""
-        if CL:
-            r = uint32(cuda.threadIdx.x % WARPGROUP)
-            if r < ncta:
-                mbar_arrive_in(ring, empty, r)
-        else:
-            mbar_arrive(ring, empty)
 
     @reads_before_wait("x_maps", "w_maps")      # the tensor maps' prefetch and the weight boxes (through w_maps)
     @bounded_kernel(nthreads, warps_per_sm)
@@ -245,14 +171,9 @@ def _gemm_wgmma_kernel(warpgroups: int, bn: int, stages: int, gated: bool, warps
             tma_prefetch_map(w_maps, w_slot)
             for s in range(stages):
                 mbar_init(ring, base + uint32(full_at + 2 * s), 1)
-                # clusters: one arrival a consumer warpgroup from each block whose copies land in this stage
-                mbar_init(ring, base + uint32(empty_at + 2 * s), warpgroups * cluster_size() if CL else consumers)
+                mbar_init(ring, base + uint32(empty_at + 2 * s), consumers)
             mbar_fence_init()
         cuda.syncthreads()
-        rank = cluster_rank()
-        ncta = cluster_size()
-        if CL:
-            cluster_sync()                               # every block's mbarriers exist before any copy
         tiles_m = (T + bm - 1) // bm
         tiles_n = (n_cols + bn - 1) // bn
         n_kt = (k + WGMMA_BK - 1) // WGMMA_BK
@@ -261,9 +182,10 @@ def _gemm_wgmma_kernel(warpgroups: int, bn: int, stages: int, gated: bool, warps
         if tid >= consumers:
             if tid == consumers:                         # the producer
                 first = True
-                for unit in range(first_unit(), last_unit(tiles_m, tiles_n, k_splits), unit_stride()):
-                    m_tile, split, n_tile = unit_tiles(unit, tiles_m, k_splits)
-                    n0 = n_tile * bn
+                for unit in range(cuda.blockIdx.x, tiles_m * tiles_n * k_splits, cuda.gridDim.x):
+                    m_tile = unit % tiles_m
+                    split = (unit // tiles_m) % k_splits
+                    n0 = (unit // (tiles_m * k_splits)) * bn
                     m0 = m_tile * bm
                     kt0 = split * n_kt // k_splits
                     nk = (split + 1) * n_kt // k_splits - kt0
@@ -273,12 +195,8 @@ def _gemm_wgmma_kernel(warpgroups: int, bn: int, stages: int, gated: bool, warps
                         for i in range(i0):
                             full = base + uint32(full_at + 2 * i)
                             mbar_arrive_expect_tx(ring, full, stage_bytes)
-                            if CL:
-                                load_w_shared(ring, base + uint32(i * stage + a_stage), w_maps, w_slot, w32, n0, n_out,
-                                              n_cols, (kt0 + i) * WGMMA_BK, k, full, rank, ncta)
-                            else:
-                                load_w(ring, base + uint32(i * stage + a_stage), w_maps, w_slot, w32, n0, n_out,
-                                       n_cols, (kt0 + i) * WGMMA_BK, k, full)
+                            load_w(ring, base + uint32(i * stage + a_stage), w_maps, w_slot, w32, n0, n_out, n_cols,
+                                   (kt0 + i) * WGMMA_BK, k, full)
                         grid_dependency_wait()
                         for i in range(i0):
                             tma_load_2d(ring, base + uint32(i * stage), x_maps, x_slot, x32, m0, (kt0 + i) * WGMMA_BK,
@@ -292,25 +210,21 @@ def _gemm_wgmma_kernel(warpgroups: int, bn: int, stages: int, gated: bool, warps
                         mbar_arrive_expect_tx(ring, full, stage_bytes)
                         k0 = (kt0 + i) * WGMMA_BK
                         tma_load_2d(ring, base + s * uint32(stage), x_maps, x_slot, x32, m0, k0, T, k, bm, ring, full)
-                        if CL:
-                            load_w_shared(ring, base + s * uint32(stage) + uint32(a_stage), w_maps, w_slot, w32, n0,
-                                          n_out, n_cols, k0, k, full, rank, ncta)
-                        else:
-                            load_w(ring, base + s * uint32(stage) + uint32(a_stage), w_maps, w_slot, w32, n0, n_out,
-                                   n_cols, k0, k, full)
+                        load_w(ring, base + s * uint32(stage) + uint32(a_stage), w_maps, w_slot, w32, n0, n_out, n_cols,
+                               k0, k, full)
                         s += uint32(1)
                         if s == uint32(stages):
                             s = uint32(0)
                             phase ^= uint32(1)
-            if CL:
-                cluster_sync()                           # no block leaves while the other may copy or arrive here
             return
         grid_dependency_wait()
         acc = cuda.local.array(n_acc, float32)
         wg = tid // WARPGROUP
         a_off = uint32(wg * 64 * ROW_WORDS)
-        for unit in range(first_unit(), last_unit(tiles_m, tiles_n, k_splits), unit_stride()):
-            m_tile, split, n_tile = unit_tiles(unit, tiles_m, k_splits)
+        for unit in range(cuda.blockIdx.x, tiles_m * tiles_n * k_splits, cuda.gridDim.x):
+            m_tile = unit % tiles_m
+            split = (unit // tiles_m) % k_splits
+            n_tile = unit // (tiles_m * k_splits)
             kt0 = split * n_kt // k_splits
             nk = (split + 1) * n_kt // k_splits - kt0
             for i in range(n_acc):
@@ -327,7 +241,7 @@ def _gemm_wgmma_kernel(warpgroups: int, bn: int, stages: int, gated: bool, warps
                 wgmma_commit()
                 wgmma_keep_one(acc)
                 if i > 0:                                # the group before has finished reading its stage
-                    release(ring, base + uint32(empty_at) + uint32(2) * prev, ncta)
+                    mbar_arrive(ring, base + uint32(empty_at) + uint32(2) * prev)
                 prev = s
                 s += uint32(1)
                 if s == uint32(stages):
@@ -335,12 +249,10 @@ def _gemm_wgmma_kernel(warpgroups: int, bn: int, stages: int, gated: bool, warps
                     phase ^= uint32(1)
             wgmma_drain(acc)
             if nk > 0:
-                release(ring, base + uint32(empty_at) + uint32(2) * prev, ncta)
+                mbar_arrive(ring, base + uint32(empty_at) + uint32(2) * prev)
             tok0 = m_tile * bm + wg * 64 + (tid % WARPGROUP) // 32 * 16
             finish_tile(out, acc, tok0, n_tile * bn, ws, counters, ring, base + uint32(flag_at),
                         m_tile + tiles_m * n_tile, split, k_splits)
-        if CL:
-            cluster_sync()
 
     return gemm_wgmma
 
@@ -365,20 +277,15 @@ def gemm_wgmma(x, w, out, *, gated: bool = False, geometry: WgmmaGeometry | None
         launch(kern, gemm_blocks(geo, T, n_cols), geo.threads, x32, as_words(w), out, k, geo.k_splits, ws,
                counters, shared=geo.shared_bytes, name="gemm_wgmma", policy=policy)
         return
-    kern = _gemm_wgmma_kernel(geo.warpgroups, geo.bn, geo.stages, gated, geo.warps_per_sm, geo.cluster)
+    kern = _gemm_wgmma_kernel(geo.warpgroups, geo.bn, geo.stages, gated, geo.warps_per_sm)
     x_maps, x_slot = tensor_map(x, geo.bm)
-    w_maps, w_slot = tensor_map(w, geo.bn // 2 if gated or geo.cluster > 1 else geo.bn)
+    w_maps, w_slot = tensor_map(w, geo.bn // 2 if gated else geo.bn)
     launch(kern, gemm_blocks(geo, T, n_cols), geo.threads, x32, as_words(w), out, k, geo.k_splits, ws, counters,
-           x_maps, x_slot, w_maps, w_slot, shared=geo.shared_bytes, name="gemm_wgmma", policy=policy,
-           cluster=1 if SIMULATOR else geo.cluster)
+           x_maps, x_slot, w_maps, w_slot, shared=geo.shared_bytes, name="gemm_wgmma", policy=policy)
 
 
 def gemm_blocks(geo: WgmmaGeometry, n_tokens: int, n_cols: int) -> int:
-    """The grid of a launch: a block a unit, or (``geo.persistent``) at most one resident wave walking them, or
-    (clusters, on a GPU) a cluster of blocks a group of ``geo.cluster`` token tiles (in the simulator a cluster is
-    one block)."""
-    if geo.cluster > 1 and not SIMULATOR:
-        return -(-n_tokens // (geo.bm * geo.cluster)) * -(-n_cols // geo.bn) * geo.k_splits * geo.cluster
+    """The grid of a launch: a block a unit, or (``geo.persistent``) at most one resident wave walking them."""
     blocks = grid(mma_units(geo, n_tokens, n_cols), sim_cap=4)
     return min(blocks, resident_wave(geo)) if geo.persistent else blocks
 

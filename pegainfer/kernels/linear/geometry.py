@@ -376,8 +376,6 @@ class WgmmaGeometry:
       every thread, ``stages - 2`` K tiles ahead: ``gemm_wgmma_ring``, the faster at 17-64 tokens).
     persistent: the grid is one resident wave of blocks that walk the units, so a block's next unit starts filling
       the ring while its consumers store the last one (TMA: the producer runs ahead); False: a block a unit.
-    cluster: blocks a cluster (TMA only, unsplit, not persistent): 2 = two blocks on neighbouring token tiles of one
-      column tile, each copying half of every W tile into both (``gemm_wgmma``'s "Clusters"); 1 = none.
     """
     warpgroups: int
     bn: int
@@ -386,13 +384,10 @@ class WgmmaGeometry:
     warps_per_sm: int = 0
     fill: str = "tma"
     persistent: bool = False
-    cluster: int = 1
 
     def __post_init__(self):
         if (self.warpgroups not in (1, 2) or not 32 <= self.bn <= 256 or self.bn % (16 * self.warpgroups)
-                or self.stages < 3 or self.fill not in ("tma", "ring") or self.shared_bytes > WGMMA_SMEM_MAX
-                or self.cluster not in (1, 2)
-                or self.cluster > 1 and (self.fill != "tma" or self.k_splits > 1 or self.persistent)):
+                or self.stages < 3 or self.fill not in ("tma", "ring") or self.shared_bytes > WGMMA_SMEM_MAX):
             raise ValueError(f"unsupported wgmma geometry {self}")
         if self.warps_per_sm == 0:
             object.__setattr__(self, "warps_per_sm", self.threads // 32)

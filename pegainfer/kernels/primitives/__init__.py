@@ -15,8 +15,6 @@ and never checks which world it runs in; this package is the only place that doe
 * ``async_copy`` -- ``cp.async`` and the sm_90 bulk copies
 * ``barriers`` -- mbarriers (arrivals and copied bytes, phases: the rings of TMA and bulk copies), named barriers
 * ``tma`` -- tensor maps and TMA tile copies
-* ``cluster`` -- thread block clusters: rank and size, the cluster barrier, arrivals on another block's mbarrier,
-  TMA copies multicast to several blocks (a cluster is one block in the simulator)
 * ``wgmma`` -- Hopper's warpgroup MMA from shared-memory descriptors
 * ``pdl`` -- programmatic dependent launch (``grid_dependency_wait``, ``launch_dependents``, ``pdl_prologue``, the
   ``reads_before_wait`` declaration) and the clock registers of the timeline stamps

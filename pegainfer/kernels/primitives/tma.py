@@ -159,33 +159,26 @@ else:
 
         return sig, codegen
 
-    BOX_COPY = ("{ " + _to_shared("$0", "db") + " " + _to_shared("$4", "bb") +
-                " cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes")
-    """The PTX of a box copy up to its operands: ``$0`` the shared destination, ``$1`` the map, ``$2`` / ``$3`` K
-    and the row, ``$4`` the mbarrier (``box_copy_operands``)."""
-
-    def box_copy_operands(context, builder, sig, args):
-        """The first five operands of a box copy from the intrinsic arguments ``(smem, dst, table, slot, src32,
-        row0, k0, n_rows, k, box_rows, bars, b, ...)``: destination pointer, map pointer, K, row, mbarrier pointer."""
-        d = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        slot_word = builder.mul(context.cast(builder, args[3], sig.args[3], types.intp),
-                                context.get_constant(types.intp, MAP_WORDS))
-        m = _element_pointer(context, builder, sig.args[2], args[2], slot_word, types.intp)
-        bp = _element_pointer(context, builder, sig.args[10], args[10], args[11], sig.args[11])
-        r = context.cast(builder, args[5], sig.args[5], types.int32)
-        c = context.cast(builder, args[6], sig.args[6], types.int32)
-        return [d, m, c, r, bp]
-
     @intrinsic
     def tma_load_2d(typingctx, smem, dst, table, slot, src32, row0, k0, n_rows, k, box_rows, bars, b):
         """``cp.async.bulk.tensor.2d`` of one box (module docstring)."""
         sig = types.void(smem, dst, table, slot, src32, row0, k0, n_rows, k, box_rows, bars, b)
 
         def codegen(context, builder, sig, args):
-            ops = box_copy_operands(context, builder, sig, args)
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [o.type for o in ops]),
-                               BOX_COPY + " [db], [$1, {$2, $3}], [bb]; }", "l,l,r,r,l,~{memory}", side_effect=True)
-            builder.call(asm, ops)
+            d = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            slot_word = builder.mul(context.cast(builder, args[3], sig.args[3], types.intp),
+                                    context.get_constant(types.intp, MAP_WORDS))
+            m = _element_pointer(context, builder, sig.args[2], args[2], slot_word, types.intp)
+            bp = _element_pointer(context, builder, sig.args[10], args[10], args[11], sig.args[11])
+            r = context.cast(builder, args[5], sig.args[5], types.int32)
+            c = context.cast(builder, args[6], sig.args[6], types.int32)
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.VoidType(), [d.type, m.type, ir.IntType(32), ir.IntType(32), bp.type]),
+                "{ " + _to_shared("$0", "db") + " " + _to_shared("$4", "bb") +
+                " cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                " [db], [$1, {$2, $3}], [bb]; }",
+                "l,l,r,r,l,~{memory}", side_effect=True)
+            builder.call(asm, [d, m, c, r, bp])
             return context.get_dummy_value()
 
         return sig, codegen

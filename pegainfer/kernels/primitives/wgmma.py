@@ -29,9 +29,7 @@ Ordering (all warpgroup-wide, every thread calls them equally often):
   flight and passes the ``m`` accumulators ``acc`` through (the registers a later instruction reads are the waited-for ones).
 
 In the simulator the multiply happens at once, in float64 per k16 step, rounded to f32 when added (the twin reads
-the tile back through the same descriptor and swizzle rules); the fences and commits do nothing, and a wait is a
-barrier of the warpgroup's threads (on the GPU the warpgroup's groups are complete for all its threads when one
-thread's wait returns, so one thread may free the stage they read: the clusters' ``gemm_wgmma`` relies on it).
+the tile back through the same descriptor and swizzle rules); the fences, commits and waits do nothing.
 """
 from __future__ import annotations
 
@@ -107,14 +105,8 @@ if SIMULATOR:
     def wgmma_wait(n_pending: int, m: int):
         @device_fn
         def wait(acc):
-            # the warpgroup's groups are complete for all of its threads (the emulation computes each thread's part
-            # when it issues): one thread may then free the shared memory they read for the warpgroup
-            from pegainfer.kernels.primitives.barriers import named_barrier
-            named_barrier(WAIT_BARRIER + int(cuda.threadIdx.x) // WARPGROUP, WARPGROUP)
+            pass
         return wait
-
-    WAIT_BARRIER = 1000
-    """Simulator-only barrier ids of ``wgmma_wait`` (one a warpgroup), away from the kernels' named barriers."""
 else:
     from llvmlite import ir
     from numba import types

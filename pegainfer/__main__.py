@@ -19,6 +19,7 @@ if getattr(pegainfer, "__file__", None) is None:
              f"run python -m pegainfer from another folder (e.g. cd into the clone)")
 
 from pegainfer import argtypes  # noqa: E402
+from pegainfer.text.chat import add_chat_template_argument  # noqa: E402
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", default="Hello, my name is",
                    help="the prompt text (raw, no chat template; default: %(default)r)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as one user message with the chat template")
+    add_chat_template_argument(g)
     fmt = g.add_mutually_exclusive_group()
     fmt.add_argument("--json-schema", metavar="FILE", default=None,
                      help="hold the output to the JSON schema in FILE (structured output: it stops when complete)")
@@ -100,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "out when the context is full). " + CHAT_HELP + ".")
     _add_model_args(c)
     c.add_argument("--system", default=None, help="a system message at the start of every conversation")
+    add_chat_template_argument(c)
     _add_sampling_args(c)
 
     rb = sub.add_parser("run-batch", help="answer a JSONL file of requests (OpenAI's Batch API format) offline",
@@ -110,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(rb)
     from pegainfer.batch import add_batch_arguments
     add_batch_arguments(rb)
+    add_chat_template_argument(rb)
 
     try:
         from pegainfer.server import add_serve_arguments
@@ -174,7 +178,8 @@ def _load_engine(args):
     t0 = time.perf_counter()
     engine = Engine.from_folder(args.model_path, args.max_model_len, max_batch=1,
                                 use_cuda_graph=args.cuda_graph, async_scheduling=args.async_scheduling,
-                                verbose=True, policy=engine_policy(args.launch_policy))
+                                verbose=True, policy=engine_policy(args.launch_policy),
+                                chat_template=getattr(args, "chat_template", None))
     if engine.is_demo:
         print("[pegainfer] using the built-in demo model (tiny Qwen3 with RANDOM weights: the text is gibberish); "
               "pass --model-path DIR for a real model", file=sys.stderr)

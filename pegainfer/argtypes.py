@@ -176,3 +176,55 @@ def launch_policy(text: str) -> dict:
     if not fields:
         raise argparse.ArgumentTypeError("expected FIELD=VALUE[,FIELD=VALUE...]")
     return fields
+
+
+def chat_template(text: str) -> str:
+    """``--chat-template``: the text of a chat template, read from a file (a Jinja file, or a JSON file with a
+    ``chat_template`` string as model folders keep it), or given as the template's text itself (as vLLM takes it)."""
+    path = os.path.expanduser(text)
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                source = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise argparse.ArgumentTypeError(f"cannot read {path} ({e})") from None
+        if path.endswith(".json"):
+            import json
+            try:
+                source = json.loads(source)["chat_template"]
+            except (ValueError, KeyError, TypeError):
+                raise argparse.ArgumentTypeError(f"{path} is not a JSON object with a 'chat_template' string") \
+                    from None
+            if not isinstance(source, str):
+                raise argparse.ArgumentTypeError(f"{path}: 'chat_template' must be a string")
+    elif "{{" in text or "{%" in text:
+        source = text
+    else:
+        raise argparse.ArgumentTypeError(f"{text!r} is no file and no Jinja template (no '{{{{' or '{{%'): give the "
+                                         f"path of a .jinja file or the template's text")
+    from pegainfer.errors import PegainferError
+    from pegainfer.text.chat import ChatTemplate
+    try:
+        ChatTemplate(source, origin="it")     # compiled now: a syntax error stops the command before anything loads
+    except PegainferError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return source
+
+
+def origins(text: str) -> list[str]:
+    """``--allowed-origins`` and the like: a JSON list of strings (vLLM's form, ``'["https://a.example"]'``) or
+    comma-separated values (``*`` for any)."""
+    text = text.strip()
+    if text.startswith("["):
+        import json
+        try:
+            values = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list ({e})") from None
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return values
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one value")
+    return values

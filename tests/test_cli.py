@@ -141,6 +141,10 @@ BAD_VALUES = [
     (("serve", "--prefix-state-snapshots", "0"), "at least 1"),
     (("bench", "--launch-policy", "preload_o=maybe"), "preload_o: 'maybe' is not true or false"),
     (("bench", "--launch-policy", ","), "expected FIELD=VALUE"),
+    (("serve", "--chat-template", "/no/such/template.jinja"), "is no file and no Jinja template"),
+    (("chat", "--chat-template", "{{ unclosed"), "the chat template does not compile (line 1"),
+    (("serve", "--allowed-origins", "[1, 2]"), "JSON list of strings"),
+    (("serve", "--allowed-origins", " , "), "at least one value"),
 ]
 
 
@@ -192,6 +196,56 @@ def test_launch_policy_reaches_every_commands_engine(monkeypatch):
             with pytest.raises(Stop):
                 run(args)
             assert seen.pop() == policy, (argv, extra)
+
+
+def test_chat_template_flag_reaches_every_commands_engine(monkeypatch, tmp_path):
+    """``--chat-template``: generate, chat, serve and run-batch build their engine with the template's text, read
+    from a Jinja file, from a JSON file's ``chat_template`` or given inline; without the flag, None (the folder's)."""
+    import json
+
+    from pegainfer.__main__ import _load_engine, build_parser
+    from pegainfer.engine.engine import Engine
+    from pegainfer.server import engine_from_args
+
+    text = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    (tmp_path / "t.jinja").write_text(text)
+    (tmp_path / "t.json").write_text(json.dumps({"chat_template": text}))
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def recording(cls, *a, **kw):
+        seen.append(kw.get("chat_template"))
+        raise Stop
+    monkeypatch.setattr(Engine, "from_folder", classmethod(recording))
+    batch = ["-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")]
+    for argv, run in ((["generate", "--chat"], _load_engine), (["chat"], _load_engine), (["serve"], engine_from_args),
+                      (["run-batch"] + batch, engine_from_args)):
+        for extra, want in (([], None), (["--chat-template", str(tmp_path / "t.jinja")], text),
+                            (["--chat-template", str(tmp_path / "t.json")], text), (["--chat-template", text], text)):
+            with pytest.raises(Stop):
+                run(build_parser().parse_args(argv + extra))
+            assert seen.pop() == want, (argv, extra)
+
+
+def test_generate_renders_the_prompt_with_the_given_chat_template(tmp_path):
+    """``generate --chat --chat-template FILE`` on the demo model: the prompt is the given template's rendering
+    (its token count), not the folder's; a template that does not compile stops it while parsing, in one line."""
+    from pegainfer.demo import ensure_demo_model
+    from pegainfer.text.tokenizer import Tokenizer
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<<{{ m.content }}>> and more words{% endfor %}")
+    r = run_cli("generate", "--chat", "--chat-template", str(template), "--prompt", "hello", "--max-tokens", "1",
+                "--temperature", "0", timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    want = len(Tokenizer.from_folder(ensure_demo_model()).encode("<<hello>> and more words"))
+    assert f"prompt tokens {want}," in r.stderr, r.stderr[-2000:]
+    template.write_text("{% for m in messages %}")
+    r = run_cli("generate", "--chat", "--chat-template", str(template), "--max-tokens", "1", timeout=900)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "[pegainfer]" not in r.stderr, r.stderr[-2000:]
+    assert "error: argument --chat-template: the chat template does not compile (line 1" in r.stderr, r.stderr
 
 
 def test_serve_passes_the_prefix_cache_flags_to_the_engine(monkeypatch):

@@ -156,7 +156,8 @@ class Engine:
                     verbose: bool = False, async_scheduling: bool = True,
                     policy: "LaunchPolicy | None" = None, gpu_memory_utilization: float = 0.9,
                     enable_prefix_caching: Optional[bool] = None, num_pages: Optional[int] = None,
-                    prefix_state_snapshots: Optional[int] = None, scheduling_policy: str = "fcfs") -> "Engine":
+                    prefix_state_snapshots: Optional[int] = None, scheduling_policy: str = "fcfs",
+                    chat_template: Optional[str] = None) -> "Engine":
         """Load a model folder (the demo model when ``model_path`` is None) and build the engine around it.
 
         ``max_batch``: most sequences running at once (slots); ``max_num_batched_tokens``: most tokens in one step
@@ -166,7 +167,8 @@ class Engine:
         ``enable_prefix_caching``: None = on for Qwen3, off for Qwen3.5 (on, it keeps ``prefix_state_snapshots``
         copies of the recurrent state at page boundaries, default ``PREFIX_STATE_SNAPSHOTS``: ``scheduler``'s
         docstring says which).
-        ``policy``: how the kernels launch (``kernels/policy.py``); None: the defaults (``engine_policy()``)."""
+        ``policy``: how the kernels launch (``kernels/policy.py``); None: the defaults (``engine_policy()``).
+        ``chat_template``: the text of a chat template that replaces the folder's (``--chat-template``)."""
         from pegainfer.config import load_generation_config, load_model_config
         from pegainfer.models import model_class
         from pegainfer.text.chat import ChatTemplate
@@ -186,7 +188,7 @@ class Engine:
         cfg = load_model_config(folder)
         gen = load_generation_config(folder)
         tokenizer = Tokenizer.from_folder(folder)
-        chat_template = ChatTemplate.from_folder(folder)
+        chat_template = ChatTemplate.from_folder(folder, chat_template)
 
         limit = int(cfg.max_position_embeddings)
         if max_model_len is not None and max_model_len > limit:

@@ -20,6 +20,7 @@ from typing import Callable, Optional
 from pegainfer import argtypes
 from pegainfer.errors import PegainferError
 from pegainfer.server.app import DEFAULT_MAX_BODY_BYTES, build_app
+from pegainfer.text.chat import add_chat_template_argument
 
 __all__ = ["add_serve_arguments", "build_app", "run_server"]
 
@@ -70,6 +71,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--access-log", action="store_true",
                    help="also log one line per HTTP request in uvicorn's access-log format (pegainfer logs one "
                         "line per completion either way)")
+    add_chat_template_argument(p)
+    p.add_argument("--allowed-origins", type=argtypes.origins, default=None, metavar="ORIGINS",
+                   help="let web pages of these origins call the API from a browser (CORS): a JSON list "
+                        "'[\"https://a.example\"]' or comma-separated, * for any (default: none, so a page of "
+                        "another origin cannot read the answers)")
+    p.add_argument("--allowed-methods", type=argtypes.origins, default=["*"], metavar="METHODS",
+                   help="with --allowed-origins: the HTTP methods allowed across origins (default *)")
+    p.add_argument("--allowed-headers", type=argtypes.origins, default=["*"], metavar="HEADERS",
+                   help="with --allowed-origins: the request headers allowed across origins (default *)")
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="with --allowed-origins: let browsers send cookies and HTTP authentication across origins")
+    p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key file (PEM; with "
+                                                       "--ssl-certfile)")
+    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate file (PEM; with "
+                                                        "--ssl-keyfile)")
     p.add_argument("--reasoning-parser", default="auto", choices=["auto", "qwen3", "none"],
                    help="split the model's <think>...</think> from its answer into message.reasoning_content "
                         "(delta.reasoning_content when streamed). Default auto: on (qwen3) for Qwen3 / Qwen3.5 "
@@ -93,6 +109,34 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def cors_options(args: argparse.Namespace) -> Optional[dict]:
+    """``CORSMiddleware``'s arguments from ``--allowed-origins`` and its companions; None without origins."""
+    origins = getattr(args, "allowed_origins", None)
+    if not origins:
+        return None
+    return dict(allow_origins=origins, allow_methods=getattr(args, "allowed_methods", ["*"]),
+                allow_headers=getattr(args, "allowed_headers", ["*"]),
+                allow_credentials=getattr(args, "allow_credentials", False))
+
+
+def tls_files(args: argparse.Namespace) -> tuple[Optional[str], Optional[str]]:
+    """(key file, certificate file) of ``--ssl-keyfile`` / ``--ssl-certfile``: both or neither, each readable."""
+    key, cert = getattr(args, "ssl_keyfile", None), getattr(args, "ssl_certfile", None)
+    if bool(key) != bool(cert):
+        raise PegainferError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    for flag, path in (("--ssl-keyfile", key), ("--ssl-certfile", cert)):
+        if path and not os.path.isfile(path):
+            raise PegainferError(f"{flag} {path}: no such file")
+    if key:   # read now, as uvicorn will: a bad pair is a one-line error before the port is bound
+        import ssl
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as e:
+            raise PegainferError(f"cannot serve HTTPS with --ssl-certfile {cert} and --ssl-keyfile {key} ({e}): "
+                                 f"give a PEM certificate and its private key") from None
+    return key, cert
+
+
 def engine_from_args(args: argparse.Namespace):
     """The engine ``serve`` loads: the model folder, limits, scheduling and launch policy of its arguments."""
     from pegainfer.engine.engine import Engine, engine_policy
@@ -104,6 +148,7 @@ def engine_from_args(args: argparse.Namespace):
                               enable_prefix_caching=getattr(args, "enable_prefix_caching", None),
                               prefix_state_snapshots=getattr(args, "prefix_state_snapshots", None),
                               scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
+                              chat_template=getattr(args, "chat_template", None),
                               policy=engine_policy(getattr(args, "launch_policy", None)))
 
 
@@ -120,6 +165,7 @@ def run_server(args: argparse.Namespace, engine_factory: Optional[Callable[[], o
         raise PegainferError("--max-waiting must be >= 0")
     if getattr(args, "max_batch", 1) < 1:
         raise PegainferError("--max-batch must be at least 1")
+    ssl_files = tls_files(args)
     own_socket = sock is None
     if own_socket:   # bind before anything loads: a port in use fails here, at once
         sock = bind(args.host, args.port)
@@ -145,9 +191,10 @@ def run_server(args: argparse.Namespace, engine_factory: Optional[Callable[[], o
     async_engine = AsyncEngine(engine_factory=engine_factory, max_waiting=args.max_waiting)
     app = build_app(async_engine, args.served_model_name, api_key=args.api_key,
                     max_body_bytes=getattr(args, "max_body_bytes", DEFAULT_MAX_BODY_BYTES),
-                    reasoning_parser=getattr(args, "reasoning_parser", "auto"))
+                    reasoning_parser=getattr(args, "reasoning_parser", "auto"), cors=cors_options(args))
     config = uvicorn.Config(app, access_log=getattr(args, "access_log", False),
-                            log_level=getattr(args, "log_level", "info"), timeout_graceful_shutdown=5)
+                            log_level=getattr(args, "log_level", "info"), timeout_graceful_shutdown=5,
+                            ssl_keyfile=ssl_files[0], ssl_certfile=ssl_files[1])
     server = uvicorn.Server(config)
 
     def report_when_loaded():
@@ -163,7 +210,8 @@ def run_server(args: argparse.Namespace, engine_factory: Optional[Callable[[], o
     bound = sock.getsockname()
     where = f"[{bound[0]}]:{bound[1]}" if sock.family == socket.AF_INET6 else f"{bound[0]}:{bound[1]}"
     log.info("%s", pegainfer.device.describe())
-    log.info("listening on http://%s (loading %s; GET /health answers 200 when ready)", where,
+    log.info("listening on %s://%s (loading %s; GET /health answers 200 when ready)",
+             "https" if ssl_files[0] else "http", where,
              getattr(args, "model_path", None) or "the built-in demo model")
     async_engine.start()
     threading.Thread(target=report_when_loaded, name="pegainfer-load-watch", daemon=True).start()

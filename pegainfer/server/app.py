@@ -42,6 +42,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -859,9 +860,12 @@ class Choice:
 
 
 def build_app(async_engine: AsyncEngine, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, reasoning_parser: str = "auto") -> Starlette:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, reasoning_parser: str = "auto",
+              cors: Optional[dict] = None) -> Starlette:
     """The ASGI app.  ``served_model_name`` None → the engine's ``model_name``; ``api_key`` guards ``/v1/*``;
-    ``reasoning_parser``: "auto" (``qwen3`` for templates with ``<think>`` blocks), "none", or a parser name."""
+    ``reasoning_parser``: "auto" (``qwen3`` for templates with ``<think>`` blocks), "none", or a parser name;
+    ``cors``: Starlette ``CORSMiddleware``'s arguments (``allow_origins``, ...) to let browser pages of other
+    origins call the API, outermost, so that a preflight ``OPTIONS`` is answered before the API key is asked for."""
     server = OpenAIServer(async_engine, served_model_name, api_key, max_body_bytes, reasoning_parser)
 
     def endpoint(handler):
@@ -901,8 +905,9 @@ def build_app(async_engine: AsyncEngine, served_model_name: Optional[str] = None
         Route("/version", endpoint(server.version), methods=["GET"]),
         Route("/metrics", endpoint(server.prometheus), methods=["GET"]),
     ]
+    middleware = [Middleware(CORSMiddleware, **cors)] if cors else []
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error},
-                    middleware=[Middleware(RequestIdMiddleware)])
+                    middleware=middleware + [Middleware(RequestIdMiddleware)])
     app.state.server = server
     install_log_filter(log)
     return app

@@ -51,23 +51,35 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
+def add_chat_template_argument(p) -> None:
+    """``--chat-template`` on an ``argparse`` parser, for every command that renders chat messages."""
+    from pegainfer import argtypes
+    p.add_argument("--chat-template", type=argtypes.chat_template, default=None, metavar="FILE_OR_TEXT",
+                   help="a chat template that replaces the model folder's: the path of a Jinja file (or of a JSON "
+                        "file with a 'chat_template' string), or the template's text")
+
+
 class ChatTemplate:
     """A compiled chat template.  ``render`` is safe to call from many threads (Jinja templates are reentrant)."""
 
-    def __init__(self, source: str, special_tokens: Optional[dict[str, str]] = None):
+    def __init__(self, source: str, special_tokens: Optional[dict[str, str]] = None,
+                 origin: str = "chat_template in the model folder"):
         self.source = source
         self.special_tokens = dict(special_tokens or {})
         try:
             self._template = _environment().from_string(source)
         except jinja2.TemplateSyntaxError as e:
             raise ModelFolderError(f"the chat template does not compile (line {e.lineno}: {e.message}): "
-                                   f"fix chat_template in the model folder") from None
+                                   f"fix {origin}") from None
 
     @classmethod
-    def from_folder(cls, folder: Union[str, Path]) -> Optional["ChatTemplate"]:
-        """The folder's template with its special-token strings, or None when the folder has no template."""
+    def from_folder(cls, folder: Union[str, Path], source: Optional[str] = None) -> Optional["ChatTemplate"]:
+        """The folder's template with its special-token strings, or None when the folder has no template.
+        ``source``: a template that replaces the folder's (``--chat-template``), with the folder's special tokens."""
         folder = Path(folder)
         config = read_tokenizer_config(folder)
+        if source is not None:
+            return cls(source, special_tokens(config), origin="the template given to --chat-template")
         source = read_chat_template_source(folder, config)
         if source is None:
             return None

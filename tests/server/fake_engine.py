@@ -37,9 +37,9 @@ class _Req:
 class FakeEngine:
     def __init__(self, folder, reply: Callable[[str], str] | str = DEFAULT_REPLY, max_model_len: int = 256,
                  max_batch: int = 2, page_size: int = 4, step_delay: float = 0.0, script_prefix=(),
-                 record: bool = True):
+                 record: bool = True, chat_template: Optional[str] = None):
         self.tokenizer = Tokenizer.from_folder(folder)
-        self.chat_template = ChatTemplate.from_folder(folder)
+        self.chat_template = ChatTemplate.from_folder(folder, chat_template)
         self.model_name = "fake-model"
         self.max_model_len = max_model_len
         self.eos_token_ids = [self.tokenizer.eos_token_id]

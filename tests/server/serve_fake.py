@@ -24,7 +24,7 @@ def main() -> int:
         if args.folder == "broken":
             from pegainfer.errors import ModelFolderError
             raise ModelFolderError("/nowhere has no config.json: download the model into it")
-        return FakeEngine(args.folder, step_delay=0.005)
+        return FakeEngine(args.folder, step_delay=0.005, chat_template=args.chat_template)
 
     import logging
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)

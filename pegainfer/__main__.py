@@ -19,7 +19,7 @@ if getattr(pegainfer, "__file__", None) is None:
              f"run python -m pegainfer from another folder (e.g. cd into the clone)")
 
 from pegainfer import argtypes  # noqa: E402
-from pegainfer.text.chat import add_chat_template_argument  # noqa: E402
+from pegainfer.argtypes import add_chat_template_argument  # noqa: E402
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 

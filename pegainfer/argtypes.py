@@ -211,6 +211,13 @@ def chat_template(text: str) -> str:
     return source
 
 
+def add_chat_template_argument(p: argparse.ArgumentParser) -> None:
+    """``--chat-template`` on an ``argparse`` parser, for every command that renders chat messages."""
+    p.add_argument("--chat-template", type=chat_template, default=None, metavar="FILE_OR_TEXT",
+                   help="a chat template that replaces the model folder's: the path of a Jinja file (or of a JSON "
+                        "file with a 'chat_template' string), or the template's text")
+
+
 def origins(text: str) -> list[str]:
     """``--allowed-origins`` and the like: a JSON list of strings (vLLM's form, ``'["https://a.example"]'``) or
     comma-separated values (``*`` for any)."""

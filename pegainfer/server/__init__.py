@@ -20,7 +20,7 @@ from typing import Callable, Optional
 from pegainfer import argtypes
 from pegainfer.errors import PegainferError
 from pegainfer.server.app import DEFAULT_MAX_BODY_BYTES, build_app
-from pegainfer.text.chat import add_chat_template_argument
+from pegainfer.argtypes import add_chat_template_argument
 
 __all__ = ["add_serve_arguments", "build_app", "run_server"]
 

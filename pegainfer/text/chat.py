@@ -51,14 +51,6 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
-def add_chat_template_argument(p) -> None:
-    """``--chat-template`` on an ``argparse`` parser, for every command that renders chat messages."""
-    from pegainfer import argtypes
-    p.add_argument("--chat-template", type=argtypes.chat_template, default=None, metavar="FILE_OR_TEXT",
-                   help="a chat template that replaces the model folder's: the path of a Jinja file (or of a JSON "
-                        "file with a 'chat_template' string), or the template's text")
-
-
 class ChatTemplate:
     """A compiled chat template.  ``render`` is safe to call from many threads (Jinja templates are reentrant)."""
 

@@ -19,15 +19,17 @@ if getattr(pegainfer, "__file__", None) is None:
              f"run python -m pegainfer from another folder (e.g. cd into the clone)")
 
 from pegainfer import argtypes  # noqa: E402
-from pegainfer.argtypes import add_chat_template_argument  # noqa: E402
+from pegainfer.argtypes import add_chat_template_argument, add_hub_arguments  # noqa: E402
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-path", default=None,
-                   help="Hugging Face model folder (config.json, *.safetensors, tokenizer.json). "
+                   help="Hugging Face model folder (config.json, *.safetensors, tokenizer.json), or a Hub id "
+                        "(Qwen/Qwen3-4B) fetched into the Hugging Face cache on first use. "
                         "Default: a built-in tiny demo Qwen3 with RANDOM weights (gibberish output), made on first use")
+    add_hub_arguments(p)
     p.add_argument("--max-model-len", type=argtypes.max_model_len, default=None,
                    help="context length (prompt + output) to reserve KV cache for; default: the model's limit, "
                         "halved until it fits in GPU memory")
@@ -353,11 +355,14 @@ def cmd_chat(args) -> int:
 def check_model_folder(args) -> None:
     """Read ``--model-path``'s config.json before the engine is imported (importing it imports numba and builds the
     kernels: seconds, ten in the simulator), so a missing folder or an unsupported model is a one-line error at
-    once.  The engine reads the folder again, in full, when it loads."""
+    once.  A Hub id is fetched first (``hub.py``) and ``args.model_path`` becomes its local folder.  The engine
+    reads the folder again, in full, when it loads."""
     if args.model_path is not None:
-        from pathlib import Path
         from pegainfer.config import load_model_config
-        load_model_config(Path(args.model_path).expanduser())
+        from pegainfer.hub import local_folder
+        folder = local_folder(args.model_path, getattr(args, "revision", None), getattr(args, "download_dir", None))
+        load_model_config(folder)
+        args.model_path = str(folder)
 
 
 def main(argv=None) -> int:

@@ -218,6 +218,15 @@ def add_chat_template_argument(p: argparse.ArgumentParser) -> None:
                         "file with a 'chat_template' string), or the template's text")
 
 
+def add_hub_arguments(p: argparse.ArgumentParser) -> None:
+    """``--revision`` / ``--download-dir``: how a ``--model-path`` that is a Hub id is fetched (``hub.py``)."""
+    p.add_argument("--revision", default=None,
+                   help="with a Hub id: the branch, tag or commit to fetch (default: main)")
+    p.add_argument("--download-dir", default=None, metavar="DIR",
+                   help="with a Hub id: the Hugging Face cache to fetch into and read from (default: HF_HUB_CACHE, "
+                        "~/.cache/huggingface/hub)")
+
+
 def origins(text: str) -> list[str]:
     """``--allowed-origins`` and the like: a JSON list of strings (vLLM's form, ``'["https://a.example"]'``) or
     comma-separated values (``*`` for any)."""

@@ -60,7 +60,8 @@ def add_bench_serve_arguments(p) -> None:
     srv.add_argument("--model-path", default=None,
                      help="model folder: the server started here serves it (default: the built-in demo model); "
                           "with --base-url, where the tokenizer (for --prompt-format text) and the weights (for "
-                          "--hf) come from")
+                          "--hf) come from; a Hub id (Qwen/Qwen3-4B) is fetched into the Hugging Face cache")
+    argtypes.add_hub_arguments(srv)
     srv.add_argument("--max-model-len", type=argtypes.max_model_len, default=None,
                      help="the started server's --max-model-len (default: its own)")
     srv.add_argument("--max-batch", type=argtypes.positive, default=None,

@@ -111,8 +111,8 @@ def _check_folder(folder) -> Path:
         hint = ""
         text = str(folder)
         if text.count("/") == 1 and not text.startswith((".", "/", "~")):
-            hint = (f" (pegainfer reads local folders only: download it first, e.g. "
-                    f"`huggingface-cli download {text} --local-dir ./{text.split('/')[1]}`)")
+            hint = (f" (a Hugging Face Hub id is fetched by --model-path and Engine.from_folder, not by the "
+                    f"config reader: pass {text} there)")
         raise ModelFolderError(f"model folder {path} does not exist{hint}")
     if not path.is_dir():
         raise ModelFolderError(f"{path} is not a directory: pass the folder that holds config.json and the "

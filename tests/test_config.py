@@ -183,7 +183,7 @@ def test_unsupported_features(tmp_path):
 def test_missing_folder(tmp_path):
     with pytest.raises(ModelFolderError, match="does not exist"):
         load_model_config(tmp_path / "nope")
-    with pytest.raises(ModelFolderError, match="huggingface-cli download Qwen/Qwen3-4B"):
+    with pytest.raises(ModelFolderError, match="fetched by --model-path and Engine.from_folder"):
         load_model_config("Qwen/Qwen3-4B")
 
 

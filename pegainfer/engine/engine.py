@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from pegainfer import hub
 from pegainfer.engine import heap
 from pegainfer.engine.cuda_graph import MIXED_MIN_ROWS, MIXED_SPARE_ROWS
 from pegainfer.engine.kv_cache import PagePool, StateSnapshots
@@ -106,7 +107,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.max_model_len = max_model_len
-        self.model_name = folder.name
+        self.model_name = hub.model_name(folder)   # the Hub id of a cached snapshot, else the folder's name
         self.eos_token_ids = list(gen.eos_token_ids or cfg.eos_token_ids or [])
         self.pool = PagePool(num_pages, PAGE_SIZE, max_batch, max_model_len, prefix_caching=prefix_caching)
         # a hybrid model's state copies at page boundaries live in its state rows after the max_batch slots
@@ -157,7 +158,8 @@ class Engine:
                     policy: "LaunchPolicy | None" = None, gpu_memory_utilization: float = 0.9,
                     enable_prefix_caching: Optional[bool] = None, num_pages: Optional[int] = None,
                     prefix_state_snapshots: Optional[int] = None, scheduling_policy: str = "fcfs",
-                    chat_template: Optional[str] = None) -> "Engine":
+                    chat_template: Optional[str] = None, revision: Optional[str] = None,
+                    download_dir: Optional[str] = None) -> "Engine":
         """Load a model folder (the demo model when ``model_path`` is None) and build the engine around it.
 
         ``max_batch``: most sequences running at once (slots); ``max_num_batched_tokens``: most tokens in one step
@@ -168,7 +170,9 @@ class Engine:
         copies of the recurrent state at page boundaries, default ``PREFIX_STATE_SNAPSHOTS``: ``scheduler``'s
         docstring says which).
         ``policy``: how the kernels launch (``kernels/policy.py``); None: the defaults (``engine_policy()``).
-        ``chat_template``: the text of a chat template that replaces the folder's (``--chat-template``)."""
+        ``chat_template``: the text of a chat template that replaces the folder's (``--chat-template``).
+        ``model_path`` may be a Hugging Face Hub id (``Qwen/Qwen3-4B``), fetched into the Hugging Face cache (or
+        ``download_dir``) at ``revision`` unless there already (``hub.py``)."""
         from pegainfer.config import load_generation_config, load_model_config
         from pegainfer.models import model_class
         from pegainfer.text.chat import ChatTemplate
@@ -184,7 +188,7 @@ class Engine:
             from pegainfer.demo import ensure_demo_model
             folder = Path(ensure_demo_model())
         else:
-            folder = Path(model_path).expanduser()
+            folder = hub.local_folder(model_path, revision, download_dir)
         cfg = load_model_config(folder)
         gen = load_generation_config(folder)
         tokenizer = Tokenizer.from_folder(folder)

@@ -129,6 +129,8 @@ class Engine:
         self._inflight: Optional[PendingStep] = None   # a launched decode step whose tokens the host has not read
         self.prefill_launches: Optional[int] = None     # kernel launches of a one-chunk prefill (set by warmup)
         self.gc_pauses: Optional[heap.GcPauses] = None  # the process's collection timer (set by load)
+        self.prompt_tokens_computed = 0        # prompt tokens prefilled (cached ones not; recomputed ones again)
+        self.generation_tokens = 0             # tokens sampled
         self._grammar_compiler = None
 
     @property
@@ -300,6 +302,7 @@ class Engine:
                     with progress.step():
                         self.step()
             self.pool.prefix_queries = self.pool.prefix_hits = 0
+            self.prompt_tokens_computed = self.generation_tokens = 0   # the counters count what serving computes
             if graphs is not None:
                 progress.phase("capturing the CUDA graphs")
                 if mixed and self.runner.pad_mixed:   # every decode-row size beside every chunk bucket
@@ -365,7 +368,8 @@ class Engine:
         (instantiated step graphs), cumulative ``eager_mixed_steps`` (mixed steps no graph replayed) and
         ``cuda_graph_capture_seconds`` (host time spent capturing graphs of shapes met while serving);
         ``gc_pause_seconds`` / ``gc_full_collections`` / ``gc_longest_pause_seconds``: the process's
-        garbage-collection pauses since warm-up (``heap.py``)."""
+        garbage-collection pauses since warm-up (``heap.py``); cumulative ``prompt_tokens_computed`` (prefilled:
+        cached tokens not counted, a preempted sequence's again) and ``generation_tokens`` (sampled)."""
         graphs, snaps = self.runner.graphs, self.scheduler.snapshots
         return {"waiting": len(self.scheduler.waiting) + len(self._scoring), "running": len(self.scheduler.running),
                 "kv_pages_used": self.pool.pages_used, "kv_pages_total": self.pool.num_pages,
@@ -376,6 +380,7 @@ class Engine:
                 "cuda_graphs": len(graphs.execs) if graphs is not None else 0,
                 "eager_mixed_steps": graphs.eager_steps if graphs is not None else 0,
                 "cuda_graph_capture_seconds": graphs.capture_seconds if graphs is not None else 0.0,
+                "prompt_tokens_computed": self.prompt_tokens_computed, "generation_tokens": self.generation_tokens,
                 **heap.pause_stats(self.gc_pauses)}
 
     def score(self, token_ids: list[int]):
@@ -418,7 +423,7 @@ class Engine:
             if sched.kind == "prefill":
                 seq, start, length = sched.chunks[0]
                 token, _ = self.runner.prefill(seq, start, length, force_eager=trace_kernels)
-                self.scheduler.computed(seq, start + length)
+                self._chunk_computed(seq, start, length)
                 if token is not None:
                     outputs.append(self._append(seq, token, 0))
             elif sched.kind == "mixed" and self.async_scheduling and not trace_kernels:
@@ -433,7 +438,7 @@ class Engine:
             else:
                 tokens = self.runner.decode(sched.decodes, force_eager=trace_kernels)
                 for row, (seq, token) in enumerate(zip(sched.decodes, tokens)):
-                    self.scheduler.computed(seq, seq.num_tokens)
+                    self._decode_computed(seq)
                     outputs.append(self._append(seq, token, row))
             self._keep_states()
         if tracer is not None:
@@ -454,11 +459,11 @@ class Engine:
         tokens = self.runner.mixed(sched.decodes, sched.chunks, force_eager=trace_kernels)
         outputs = []
         for row, seq in enumerate(sched.decodes):
-            self.scheduler.computed(seq, seq.num_tokens)
+            self._decode_computed(seq)
             outputs.append(self._append(seq, tokens[row], row))
         for j, (seq, start, length) in enumerate(sched.chunks):
             row = len(sched.decodes) + j
-            self.scheduler.computed(seq, start + length)
+            self._chunk_computed(seq, start, length)
             if start + length >= seq.num_tokens:
                 outputs.append(self._append(seq, tokens[row], row))
         return outputs
@@ -561,7 +566,20 @@ class Engine:
         """A launched step's chunks: their tokens are computed (in stream order: what a later step reads, or a
         state kept after this one, follows it), before the step is read."""
         for seq, start, length in chunks:
-            self.scheduler.computed(seq, start + length)
+            self._chunk_computed(seq, start, length)
+
+    def _decode_computed(self, seq: Sequence) -> None:
+        """A step computed ``seq``'s last token (a decode row; or a chunk's last row, already counted): the
+        scheduler's account, and ``prompt_tokens_computed`` when a decode row computed the prompt's last token."""
+        if seq.num_cached < seq.num_tokens and not seq.output_ids:
+            self.prompt_tokens_computed += 1
+        self.scheduler.computed(seq, seq.num_tokens)
+
+    def _chunk_computed(self, seq: Sequence, start: int, length: int) -> None:
+        """Prompt tokens ``start .. start + length`` of ``seq`` are computed (the scheduler's account; counted in
+        ``prompt_tokens_computed``)."""
+        self.scheduler.computed(seq, start + length)
+        self.prompt_tokens_computed += length
 
     def _next_ahead(self, seqs: list[Sequence], prefilling: list[Sequence]) -> list[Sequence] | None:
         """The sequences the step after the in-flight step of ``seqs`` (those it gives a token) decodes when it can
@@ -597,7 +615,7 @@ class Engine:
         for i, seq in enumerate(pending.seqs):
             if seq.status is Status.FINISHED:
                 continue
-            self.scheduler.computed(seq, seq.num_tokens)
+            self._decode_computed(seq)
             logit_row = i if pending.logit_rows is None else pending.logit_rows[i]
             outputs.append(self._append(seq, tokens[pending.row(i)], logit_row))
         return outputs
@@ -607,6 +625,7 @@ class Engine:
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.append_token(token)
+        self.generation_tokens += 1
         p = seq.params
         n_out = len(seq.output_ids)
         logprobs = None
@@ -684,7 +703,7 @@ class Engine:
         for start in range(0, n, step):
             length = min(step, n - start)
             token, _ = self.runner.prefill(seq, start, length, want_logits=True)
-            self.scheduler.computed(seq, start + length)
+            self._chunk_computed(seq, start, length)
             rows = min(length, n - 1 - start)     # rows that predict a prompt token
             if rows > 0:
                 logits = self.runner.logits_host(length)[:rows]

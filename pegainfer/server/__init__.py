@@ -68,6 +68,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "the KV cache). More: more conversations find the state of their last turn")
     p.add_argument("--max-body-bytes", type=argtypes.positive, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"largest request body accepted, in bytes (default {DEFAULT_MAX_BODY_BYTES}); bigger → 413")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="do not log the engine's figures every 10 s while it works (prompt and generation "
+                        "throughput, requests running and waiting, KV cache usage, prefix cache hit rate)")
     p.add_argument("--access-log", action="store_true",
                    help="also log one line per HTTP request in uvicorn's access-log format (pegainfer logs one "
                         "line per completion either way)")
@@ -160,6 +163,7 @@ def run_server(args: argparse.Namespace, engine_factory: Optional[Callable[[], o
 
     import pegainfer
     from pegainfer.engine.async_engine import AsyncEngine
+    from pegainfer.engine.stats_log import StatsLogger
 
     if args.max_waiting is not None and args.max_waiting < 0:
         raise PegainferError("--max-waiting must be >= 0")
@@ -215,11 +219,14 @@ def run_server(args: argparse.Namespace, engine_factory: Optional[Callable[[], o
              getattr(args, "model_path", None) or "the built-in demo model")
     async_engine.start()
     threading.Thread(target=report_when_loaded, name="pegainfer-load-watch", daemon=True).start()
+    stats_log = None if getattr(args, "disable_log_stats", False) else StatsLogger(async_engine.stats).start()
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: a normal way to stop
         pass
     finally:
+        if stats_log is not None:
+            stats_log.stop()
         async_engine.shutdown()
         tracing.close()
         if own_socket:

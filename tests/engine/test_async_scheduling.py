@@ -62,7 +62,7 @@ def run(async_scheduling, requests, events=(), **engine_kw):
     engine = counting(tiny_engine(async_scheduling, **engine_kw))
     for rid, prompt, params in requests:
         engine.add_request(rid, prompt, params)
-    got = {}
+    got, prompts = {}, {}
     pending = list(events)
     while engine.has_unfinished():
         for out in engine.step():
@@ -73,6 +73,7 @@ def run(async_scheduling, requests, events=(), **engine_kw):
             lps += [(lp.token_id, round(lp.logprob, 6), lp.top) for lp in (out.logprobs or [])]
             if out.finished:
                 reason[0] = out.finish_reason
+                prompts[out.request_id] = (out.prompt_tokens, out.cached_tokens)
         for ev in list(pending):
             rid, n, action = ev
             if len(got.get(rid, ([],))[0]) >= n:
@@ -85,6 +86,11 @@ def run(async_scheduling, requests, events=(), **engine_kw):
     assert engine._inflight is None
     s = engine.stats()
     assert (s["waiting"], s["running"], s["kv_pages_used"], s["slots_used"]) == (0, 0, 0, 0), s
+    # the counters of the stats log: every token a client got, every prompt token not found in the prefix cache
+    assert s["generation_tokens"] == sum(len(ids) for ids, _, _, _ in got.values()), s
+    fresh = sum(n - cached for n, cached in prompts.values())
+    assert s["prompt_tokens_computed"] == fresh if s["num_preemptions"] == 0 else \
+        s["prompt_tokens_computed"] > fresh, (s, prompts)      # (a preempted sequence is computed again)
     return {k: (ids, "".join(t), r[0], lps) for k, (ids, t, r, lps) in got.items()}, engine
 
 

@@ -69,6 +69,7 @@ class FakeEngine:
         self.finished: dict[str, str] = {}
         self.generated: dict[str, int] = {}  # tokens generated per request
         self.max_running_seen = 0
+        self.prompt_tokens_computed = self.generation_tokens = 0   # Engine.stats' cumulative counters
 
     # ------------------------------------------------------------------------------------------------ interface
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -106,7 +107,8 @@ class FakeEngine:
 
     def stats(self) -> dict:
         return {"waiting": len(self._waiting), "running": len(self._running),
-                "kv_pages_used": sum(r.pages for r in self._running), "slots_used": len(self._running)}
+                "kv_pages_used": sum(r.pages for r in self._running), "slots_used": len(self._running),
+                "prompt_tokens_computed": self.prompt_tokens_computed, "generation_tokens": self.generation_tokens}
 
     def step(self) -> list[RequestOutput]:
         self.in_step.set()
@@ -127,6 +129,7 @@ class FakeEngine:
         while self._waiting and len(self._running) < self.max_batch:
             self._running.append(self._waiting.popleft())
             self._running[-1].scheduled = time.perf_counter()
+            self.prompt_tokens_computed += len(self._running[-1].prompt_ids)
         self.max_running_seen = max(self.max_running_seen, len(self._running))
         for req in list(self._running):
             req.pages = -(-(len(req.prompt_ids) + len(req.out_ids) + 1) // self.page_size)
@@ -139,6 +142,7 @@ class FakeEngine:
     def _append(self, req: _Req, token: int) -> RequestOutput:
         """The same stop / detokenization rules as ``Engine._append``."""
         req.out_ids.append(token)
+        self.generation_tokens += 1
         if self.record:
             self.generated[req.rid] = len(req.out_ids)
         p = req.params

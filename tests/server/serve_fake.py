@@ -16,6 +16,7 @@ def main() -> int:
     p.add_argument("--model-path", default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--log-level", default="info")   # (the CLI's flag, applied the way the CLI applies it)
+    p.add_argument("--stats-interval", type=float, default=None)   # the stats lines' interval, shortened
     add_serve_arguments(p)
     args = p.parse_args()
 
@@ -26,6 +27,9 @@ def main() -> int:
             raise ModelFolderError("/nowhere has no config.json: download the model into it")
         return FakeEngine(args.folder, step_delay=0.005, chat_template=args.chat_template)
 
+    if args.stats_interval is not None:
+        from pegainfer.engine import stats_log
+        stats_log.INTERVAL_S = args.stats_interval
     import logging
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:

@@ -112,3 +112,50 @@ def test_log_level_warning_keeps_only_warnings_and_errors():
     assert "INFO" not in out and "listening on" not in out, out      # neither pegainfer's nor uvicorn's info lines
     assert "ERROR pegainfer.engine: the model failed to load: /nowhere has no config.json" in out
     assert "error: /nowhere has no config.json: download the model into it" in out
+
+
+def _serve_one_completion(model_folder, *flags) -> str:
+    """Start the server with ``flags``, send one 5-token completion, wait 0.5 s idle, stop it; its log."""
+    port = free_port()
+    proc = start(str(model_folder), "--port", str(port), "--load-seconds", "0.2", *flags)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def health():
+            try:
+                return httpx.get(f"{url}/health", timeout=2).status_code
+            except httpx.TransportError:
+                return None
+        wait_until(lambda: health() == 200, timeout=30, what="the model to load")
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 5, "ignore_eos": True},
+                       timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        import time
+        time.sleep(0.5)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    return out
+
+
+def test_the_engines_figures_are_logged_while_it_works(model_folder):
+    """The stats line (every 10 s; 0.1 s here): the completion's tokens in a line's generation throughput, then
+    silence once idle (one line of zeros, then none)."""
+    out = _serve_one_completion(model_folder, "--stats-interval", "0.1")
+    lines = [line.split("pegainfer.stats: ", 1)[1] for line in out.splitlines() if "pegainfer.stats: " in line]
+    assert lines, out
+    for line in lines:
+        assert re.fullmatch(r"Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput: [\d.]+ tokens/s, "
+                            r"Running: \d+ reqs, Waiting: \d+ reqs, GPU KV cache usage: [\d.]+%, Prefix cache hit "
+                            r"rate: [\d.]+%", line), line
+    rates = [float(re.search(r"generation throughput: ([\d.]+)", line).group(1)) for line in lines]
+    assert any(rate > 0 for rate in rates), lines
+    assert lines[-1].startswith("Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0 tokens/s, "
+                                "Running: 0 reqs"), lines
+    assert len(lines) < 10, lines                # 0.5 s idle at 0.1 s intervals: not a line each
+
+
+def test_disable_log_stats_turns_the_line_off(model_folder):
+    out = _serve_one_completion(model_folder, "--stats-interval", "0.1", "--disable-log-stats")
+    assert "pegainfer.stats" not in out and "Avg generation throughput" not in out, out

@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "POST /v1/chat/completions (SSE streaming with \"stream\": true), GET /v1/models, "
                                    "GET /health (503 while the model loads, 200 when ready), GET /version. The port is "
                                    "bound before the model loads; Ctrl-C stops the server.")
+    s.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="the model folder or Hub id, as `vllm serve MODEL` takes it (the same as --model-path)")
     _add_model_args(s)
     if add_serve_arguments is not None:
         add_serve_arguments(s)
@@ -374,6 +376,10 @@ def main(argv=None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("numba").setLevel(logging.WARNING)   # numba logs every device free at INFO
     from pegainfer.errors import PegainferError
+    if getattr(args, "model", None) is not None:          # serve MODEL
+        if args.model_path is not None and args.model_path != args.model:
+            parser.error(f"serve got two models: {args.model!r} and --model-path {args.model_path!r}: give one")
+        args.model_path = args.model
     try:
         check_model_folder(args)
         if args.command == "generate":

@@ -263,6 +263,25 @@ def test_serve_passes_the_prefix_cache_flags_to_the_engine(monkeypatch):
     assert [(kw["enable_prefix_caching"], kw["prefix_state_snapshots"]) for kw in seen] == [(True, 40), (None, None)]
 
 
+def test_serve_takes_the_model_as_vllm_serve_does(monkeypatch):
+    """``serve MODEL`` is ``serve --model-path MODEL`` (the folder checked, then run_server given it); two
+    different models are refused while the flags are read."""
+    import pegainfer.server
+    from pegainfer.__main__ import main
+    from pegainfer.demo import ensure_demo_model
+
+    seen = []
+    monkeypatch.setattr(pegainfer.server, "run_server", lambda args: seen.append(args.model_path))
+    folder = str(ensure_demo_model())
+    assert main(["serve", folder, "--port", "0"]) == 0 and seen == [folder]
+    assert main(["serve", folder, "--model-path", folder]) == 0 and seen == [folder, folder]
+    r = run_cli("serve", "/nonexistent/model", "--port", "0")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == ["error: model folder /nonexistent/model does "
+                                                                   "not exist"], r.stderr
+    r = run_cli("serve", "a", "--model-path", "b")
+    assert r.returncode == 2 and "serve got two models: 'a' and --model-path 'b': give one" in r.stderr
+
+
 def test_serve_on_a_port_in_use_fails_at_once():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -100,7 +100,7 @@ class DecodeBatch:
     POSITION = 100
     TAPS = 4
 
-    def __init__(self, rng, B):
+    def __init__(self, rng, B, state_dtype: str = "float32"):
         from numba import cuda
         hk, hv, kd, vd = (HEADS[k] for k in ("num_k_heads", "num_v_heads", "key_dim", "value_dim"))
         self.B, self.hv, self.kd, self.vd = B, hv, kd, vd
@@ -116,6 +116,8 @@ class DecodeBatch:
         self.a_log = cuda.to_device(np.log(rng.uniform(0.05, 2.0, hv)).astype(np.float32))
         self.dt_bias = cuda.to_device(rng.uniform(-1.0, 1.0, hv).astype(np.float32))
         self.state0 = (rng.standard_normal((B, hv, kd, vd)) * 0.05).astype(np.float32)
+        if state_dtype == "bfloat16":      # the state kept as bf16 bits (--mamba-ssm-cache-dtype bfloat16)
+            self.state0 = (self.state0.view(np.uint32) >> 16).astype(np.uint16)
         self.state = cuda.to_device(self.state0)
         self.slots = cuda.to_device(np.arange(B, dtype=np.int32))
         self.offsets = cuda.to_device(np.arange(B + 1, dtype=np.int32))
@@ -149,30 +151,31 @@ class DecodeBatch:
         return self.out.copy_to_host(), self.state.copy_to_host()
 
 
-def run_decode(batches, calls: int) -> list[dict]:
-    """Time the fused decode step at each batch size against its state floor (module docstring)."""
+def run_decode(batches, calls: int, state_dtypes=("float32",)) -> list[dict]:
+    """Time the fused decode step at each batch size and state dtype against its state floor (module
+    docstring)."""
     read_bw = float("nan")
     if not SIM:
         from pegainfer.kernels.memory import measure_read_bandwidth
         read_bw = measure_read_bandwidth(2 << 30)
     print(f"heads {HEADS}; the fused decode step alone, per layer "
           f"({'simulator: wall clock' if SIM else 'CUDA-graph replays'}); read bandwidth {read_bw / 1e9:.0f} GB/s")
-    print(f"{'B':>5s} {'us/layer':>10s} {'x24 ms':>8s} {'state MB':>9s} {'GB/s':>8s} {'% read':>7s}  "
+    print(f"{'B':>5s} {'state':>8s} {'us/layer':>10s} {'x24 ms':>8s} {'state MB':>9s} {'GB/s':>8s} {'% read':>7s}  "
           f"{'out bit-eq':>10s} {'state bit-eq':>12s}")
     rng = np.random.default_rng(0)
     rows = []
-    for B in batches:
-        layer = DecodeBatch(rng, B)
+    for B, dtype in [(B, d) for B in batches for d in state_dtypes]:
+        layer = DecodeBatch(rng, B, dtype)
         general_out, general_state = layer.result(layer.step(decode=False))
         fn = layer.step(decode=True)
         out, state = layer.result(fn)
         sec = time_calls([fn] * (1 if SIM else calls))
-        row = dict(B=B, us=sec * 1e6, state_bytes=layer.state_bytes, GBps=layer.state_bytes / sec / 1e9,
-                   pct_read=100 * layer.state_bytes / sec / read_bw, out_bit_equal=float(np.mean(out == general_out)),
+        row = dict(B=B, state_dtype=dtype, us=sec * 1e6, state_bytes=layer.state_bytes,
+                   GBps=layer.state_bytes / sec / 1e9, pct_read=100 * layer.state_bytes / sec / read_bw, out_bit_equal=float(np.mean(out == general_out)),
                    state_bit_equal=float(np.mean(state == general_state)))
         rows.append(row)
         pct = f"{row['pct_read']:6.1f}%" if row["pct_read"] == row["pct_read"] else "      -"
-        print(f"{B:5d} {row['us']:10.1f} {sec * 1e3 * LAYERS:8.2f} {layer.state_bytes / 1e6:9.1f} "
+        print(f"{B:5d} {dtype:>8s} {row['us']:10.1f} {sec * 1e3 * LAYERS:8.2f} {layer.state_bytes / 1e6:9.1f} "
               f"{row['GBps']:8.0f} {pct}  {row['out_bit_equal']:10.4f} {row['state_bit_equal']:12.4f}", flush=True)
         del layer
     return rows
@@ -221,10 +224,15 @@ def main(argv=None) -> int:
                     help="print each kernel's time of one eager call of each geometry")
     ap.add_argument("--decode-batch", metavar="B[,B...]",
                     help="time the fused decode step at these batch sizes instead (e.g. 1,64,256)")
+    ap.add_argument("--state-dtype", default="float32", metavar="D[,D...]",
+                    help="with --decode-batch: the state's dtypes, float32 and/or bfloat16 (default float32)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     if args.decode_batch:
-        rows = run_decode([int(b) for b in args.decode_batch.split(",")], args.calls)
+        dtypes = args.state_dtype.split(",")
+        if not set(dtypes) <= {"float32", "bfloat16"}:
+            ap.error(f"--state-dtype {args.state_dtype}: float32 and/or bfloat16")
+        rows = run_decode([int(b) for b in args.decode_batch.split(",")], args.calls, dtypes)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(heads=HEADS, decode_rows=rows), f, indent=1)

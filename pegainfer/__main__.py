@@ -42,6 +42,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-output-path", type=argtypes.output_folder, default=None,
                    help="write a Chrome trace (open in https://ui.perfetto.dev) of per-kernel GPU times and "
                         "per-request spans into this folder")
+    p.add_argument("--mamba-ssm-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="Qwen3.5: the Gated DeltaNet state in memory (vLLM's flag). auto: the folder's "
+                        "mamba_ssm_dtype (float32); bfloat16 halves the state a decode step reads and writes, "
+                        "rounding it as stored (faster batches, slightly different tokens). No effect on Qwen3")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="least severe log messages shown on stderr (default info)")
     p.add_argument("--launch-policy", type=argtypes.launch_policy, default=None, metavar="FIELD=VALUE,...",
@@ -183,7 +187,8 @@ def _load_engine(args):
     engine = Engine.from_folder(args.model_path, args.max_model_len, max_batch=1,
                                 use_cuda_graph=args.cuda_graph, async_scheduling=args.async_scheduling,
                                 verbose=True, policy=engine_policy(args.launch_policy),
-                                chat_template=getattr(args, "chat_template", None))
+                                chat_template=getattr(args, "chat_template", None),
+                                mamba_ssm_cache_dtype=getattr(args, "mamba_ssm_cache_dtype", "auto"))
     if engine.is_demo:
         print("[pegainfer] using the built-in demo model (tiny Qwen3 with RANDOM weights: the text is gibberish); "
               "pass --model-path DIR for a real model", file=sys.stderr)

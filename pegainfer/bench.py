@@ -324,7 +324,8 @@ def run_bench(args, policy=None) -> int:
     from pegainfer.engine.engine import Engine
     t0 = time.perf_counter()
     engine = Engine.from_folder(args.model_path, args.max_model_len, max_batch=1, use_cuda_graph=args.cuda_graph,
-                                async_scheduling=getattr(args, "async_scheduling", True), policy=policy)
+                                async_scheduling=getattr(args, "async_scheduling", True), policy=policy,
+                                mamba_ssm_cache_dtype=getattr(args, "mamba_ssm_cache_dtype", "auto"))
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     vocab = min(engine.model.V, engine.tokenizer.vocab_size)
@@ -390,7 +391,8 @@ def run_batch_bench(args, policy=None) -> int:
                              f"with --output-len {args.output_len}: give at least {needed}, or leave it out")
     t0 = time.perf_counter()
     engine = Engine.from_folder(args.model_path, mml, max_batch=B, use_cuda_graph=args.cuda_graph,
-                                async_scheduling=getattr(args, "async_scheduling", True), policy=policy)
+                                async_scheduling=getattr(args, "async_scheduling", True), policy=policy,
+                                mamba_ssm_cache_dtype=getattr(args, "mamba_ssm_cache_dtype", "auto"))
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     vocab = min(engine.model.V, engine.tokenizer.vocab_size)

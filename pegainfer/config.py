@@ -63,6 +63,8 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
     attn_output_gate: bool = False   # qwen3_5 full attention: q_proj also yields a sigmoid gate on the output
+    ssm_state_dtype: str = "float32"  # the Gated DeltaNet state in memory: config.json's mamba_ssm_dtype, or
+    #                                   "bfloat16" (``Engine.from_folder(mamba_ssm_cache_dtype=)``)
     raw: dict = field(default_factory=dict, repr=False, compare=False)  # the (text) config dict as read
 
     @property
@@ -260,6 +262,17 @@ def _guess_prefix(folder: Path, architecture: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------- public API
+SSM_STATE_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+def ssm_state_dtype(value, what: str) -> str:
+    """``float32`` or ``bfloat16`` for a state dtype name (the two the Gated DeltaNet kernels keep their state in),
+    or a one-line error naming ``what``."""
+    if isinstance(value, str) and value.lower() in SSM_STATE_DTYPES:
+        return SSM_STATE_DTYPES[value.lower()]
+    raise ModelFolderError(f"{what} is {value!r}: the Gated DeltaNet state is kept in float32 or bfloat16")
+
+
 def load_model_config(folder) -> ModelConfig:
     """Read and validate ``folder/config.json``.  Raises ``ModelFolderError`` / ``UnsupportedModelError``."""
     path = _check_folder(folder)
@@ -322,6 +335,7 @@ def load_model_config(folder) -> ModelConfig:
             linear_value_head_dim=f.int("linear_value_head_dim", default=128),
             linear_conv_kernel_dim=f.int("linear_conv_kernel_dim", default=4),
             attn_output_gate=f.bool("attn_output_gate", True),  # Qwen3.5 always gates full attention
+            ssm_state_dtype=ssm_state_dtype(text.get("mamba_ssm_dtype", "float32"), f"{where}: mamba_ssm_dtype"),
         )
         if kwargs["linear_num_value_heads"] % kwargs["linear_num_key_heads"]:
             raise ModelFolderError(f"{where}: linear_num_value_heads must be a multiple of linear_num_key_heads")

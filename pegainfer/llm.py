@@ -77,14 +77,14 @@ class LLM:
     weights).  The rest are the server's settings: ``max_batch`` sequences at once (graphs captured for them),
     ``max_num_batched_tokens`` a step, the KV cache from ``gpu_memory_utilization`` of the GPU's memory,
     ``enable_prefix_caching`` (None: the model's default), ``launch_policy`` fields as ``--launch-policy`` takes
-    them (a dict)."""
+    them (a dict), ``mamba_ssm_cache_dtype`` Qwen3.5's state in memory (``Engine.from_folder``)."""
 
     def __init__(self, model: Optional[str] = None, *, max_model_len: Optional[int] = None, max_batch: int = 256,
                  max_num_batched_tokens: int = 2048, gpu_memory_utilization: float = 0.9,
                  enable_prefix_caching: Optional[bool] = None, cuda_graph: bool = True, async_scheduling: bool = True,
                  chat_template: Optional[str] = None, revision: Optional[str] = None,
                  download_dir: Optional[str] = None, scheduling_policy: str = "fcfs",
-                 launch_policy: Optional[dict] = None):
+                 launch_policy: Optional[dict] = None, mamba_ssm_cache_dtype: str = "auto"):
         from pegainfer.engine.engine import Engine, engine_policy
         self.engine = Engine.from_folder(model, max_model_len, max_batch=max_batch,
                                          max_num_batched_tokens=max_num_batched_tokens,
@@ -92,7 +92,8 @@ class LLM:
                                          enable_prefix_caching=enable_prefix_caching, use_cuda_graph=cuda_graph,
                                          async_scheduling=async_scheduling, chat_template=chat_template,
                                          revision=revision, download_dir=download_dir,
-                                         scheduling_policy=scheduling_policy, policy=engine_policy(launch_policy))
+                                         scheduling_policy=scheduling_policy, policy=engine_policy(launch_policy),
+                                         mamba_ssm_cache_dtype=mamba_ssm_cache_dtype)
         self._ids = itertools.count()
 
     @property

@@ -229,6 +229,35 @@ def test_chat_template_flag_reaches_every_commands_engine(monkeypatch, tmp_path)
             assert seen.pop() == want, (argv, extra)
 
 
+def test_mamba_ssm_cache_dtype_reaches_every_commands_engine(monkeypatch, tmp_path):
+    """``--mamba-ssm-cache-dtype``: generate, chat, serve, run-batch and bench (both modes) build their engine with
+    it; ``auto`` without the flag; a value other than auto / float32 / bfloat16 is refused while parsing."""
+    from pegainfer.__main__ import _load_engine, build_parser
+    from pegainfer.bench import run_bench
+    from pegainfer.engine.engine import Engine
+    from pegainfer.server import engine_from_args
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def recording(cls, *a, **kw):
+        seen.append(kw.get("mamba_ssm_cache_dtype"))
+        raise Stop
+    monkeypatch.setattr(Engine, "from_folder", classmethod(recording))
+    batch = ["-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")]
+    for argv, run in ((["generate"], _load_engine), (["chat"], _load_engine), (["serve"], engine_from_args),
+                      (["run-batch"] + batch, engine_from_args), (["bench"], run_bench),
+                      (["bench", "--batch", "2"], run_bench)):
+        for extra, want in (([], "auto"), (["--mamba-ssm-cache-dtype", "bfloat16"], "bfloat16")):
+            with pytest.raises(Stop):
+                run(build_parser().parse_args(argv + extra))
+            assert seen.pop() == want, (argv, extra)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--mamba-ssm-cache-dtype", "float16"])
+
+
 def test_generate_renders_the_prompt_with_the_given_chat_template(tmp_path):
     """``generate --chat --chat-template FILE`` on the demo model: the prompt is the given template's rendering
     (its token count), not the folder's; a template that does not compile stops it while parsing, in one line."""

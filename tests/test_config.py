@@ -105,6 +105,23 @@ def test_qwen3_5_causal_lm_layout(tmp_path):
     assert cfg.attn_output_gate and cfg.eos_token_ids == (248044,) and cfg.tie_word_embeddings
 
 
+def test_qwen3_5_state_dtype_comes_from_mamba_ssm_dtype(tmp_path):
+    """``mamba_ssm_dtype`` (Qwen3.5's config says float32) sets the Gated DeltaNet state's dtype; bf16 is the other
+    one the kernels keep; anything else is a one-line error naming the field."""
+    for value, want in ((None, "float32"), ("float32", "float32"), ("bfloat16", "bfloat16"), ("BF16", "bfloat16")):
+        extra = {} if value is None else {"mamba_ssm_dtype": value}
+        folder = write(tmp_path / str(value), "config.json",
+                       {**QWEN3_5_TEXT, "architectures": ["Qwen3_5ForCausalLM"], **extra})
+        write_embedding(folder, "model.")
+        assert load_model_config(folder).ssm_state_dtype == want, value
+    folder = write(tmp_path / "f16", "config.json",
+                   {**QWEN3_5_TEXT, "architectures": ["Qwen3_5ForCausalLM"], "mamba_ssm_dtype": "float16"})
+    write_embedding(folder, "model.")
+    with pytest.raises(ModelFolderError, match="mamba_ssm_dtype is 'float16': the Gated DeltaNet state is kept in "
+                                               "float32 or bfloat16"):
+        load_model_config(folder)
+
+
 def test_qwen3_5_multimodal_layout(tmp_path):
     text = {k: v for k, v in QWEN3_5_TEXT.items() if k not in ("layer_types", "tie_word_embeddings")}
     text["full_attention_interval"] = 4

@@ -68,6 +68,7 @@ MODELS = {
                                                                     "rope_theta": 10000000,
                                                                     "partial_rotary_factor": 0.25}),
 }
+MODELS["3.5-4b-bf16-state"] = {**MODELS["3.5-4b"], "mamba_ssm_dtype": "bfloat16"}   # --mamba-ssm-cache-dtype bfloat16
 # between them these launch every distinct kernel that ``--cases all`` does (57 when written)
 DEFAULT_CASES = ("decode1", "decode4", "decode32", "decode48", "decode64", "prefill16", "prefill128", "prefill512",
                  "prefill2048", "score1", "score16")

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -161,7 +162,7 @@ class Engine:
                     enable_prefix_caching: Optional[bool] = None, num_pages: Optional[int] = None,
                     prefix_state_snapshots: Optional[int] = None, scheduling_policy: str = "fcfs",
                     chat_template: Optional[str] = None, revision: Optional[str] = None,
-                    download_dir: Optional[str] = None) -> "Engine":
+                    download_dir: Optional[str] = None, mamba_ssm_cache_dtype: str = "auto") -> "Engine":
         """Load a model folder (the demo model when ``model_path`` is None) and build the engine around it.
 
         ``max_batch``: most sequences running at once (slots); ``max_num_batched_tokens``: most tokens in one step
@@ -174,8 +175,11 @@ class Engine:
         ``policy``: how the kernels launch (``kernels/policy.py``); None: the defaults (``engine_policy()``).
         ``chat_template``: the text of a chat template that replaces the folder's (``--chat-template``).
         ``model_path`` may be a Hugging Face Hub id (``Qwen/Qwen3-4B``), fetched into the Hugging Face cache (or
-        ``download_dir``) at ``revision`` unless there already (``hub.py``)."""
-        from pegainfer.config import load_generation_config, load_model_config
+        ``download_dir``) at ``revision`` unless there already (``hub.py``).
+        ``mamba_ssm_cache_dtype`` (vLLM's name): a hybrid model's Gated DeltaNet state in memory, ``"auto"`` (the
+        folder's ``mamba_ssm_dtype``: float32 for Qwen3.5), ``"float32"`` or ``"bfloat16"`` (half the state bytes
+        a decode step moves; rounded as stored); no effect on other models."""
+        from pegainfer.config import load_generation_config, load_model_config, ssm_state_dtype
         from pegainfer.models import model_class
         from pegainfer.text.chat import ChatTemplate
         from pegainfer.text.tokenizer import Tokenizer
@@ -192,6 +196,9 @@ class Engine:
         else:
             folder = hub.local_folder(model_path, revision, download_dir)
         cfg = load_model_config(folder)
+        if mamba_ssm_cache_dtype != "auto":
+            cfg = dataclasses.replace(cfg, ssm_state_dtype=ssm_state_dtype(mamba_ssm_cache_dtype,
+                                                                           "--mamba-ssm-cache-dtype"))
         gen = load_generation_config(folder)
         tokenizer = Tokenizer.from_folder(folder)
         chat_template = ChatTemplate.from_folder(folder, chat_template)
@@ -253,9 +260,10 @@ class Engine:
         model.allocate(pages, PAGE_SIZE, num_slots=max_batch, **({"num_snapshots": snapshots} if snapshots else {}))
         eng = cls(folder, model, cfg, gen, tokenizer, chat_template, mml, max_batch, step_tokens, pages,
                   use_cuda_graph, async_scheduling, prefix_caching, snapshots, scheduling_policy)
-        log.info("KV cache: %d pages of %d tokens (%d tokens, %.2f GiB); prefix caching %s", pages, PAGE_SIZE,
+        log.info("KV cache: %d pages of %d tokens (%d tokens, %.2f GiB); prefix caching %s%s", pages, PAGE_SIZE,
                  pages * PAGE_SIZE, pages * PAGE_SIZE * model.kv_bytes_per_token() / 2 ** 30,
-                 "on" if prefix_caching else "off")
+                 "on" if prefix_caching else "off",
+                 f"; Gated DeltaNet state in {cfg.ssm_state_dtype}" if hybrid else "")
         eng.weights_load_s = weights_s
         t_warm = time.perf_counter()
         eng.warmup()

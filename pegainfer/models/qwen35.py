@@ -91,6 +91,8 @@ class Qwen35Model(DecoderModel):
         self.Dk = cfg.linear_key_head_dim
         self.Dv = cfg.linear_value_head_dim
         self.conv_kernel = cfg.linear_conv_kernel_dim
+        # the delta-rule state in memory: f32, or bf16 bits (half the bytes; kernels/gated_delta/common.py)
+        self.ssm_dtype = np.uint16 if cfg.ssm_state_dtype == "bfloat16" else np.float32
         self.key_dim = self.Hk * self.Dk
         self.value_dim = self.Hv * self.Dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
@@ -117,7 +119,8 @@ class Qwen35Model(DecoderModel):
     def state_bytes(self, num_slots: int) -> int:
         """Bytes of recurrent state (conv window + delta-rule state of every linear-attention layer) for
         ``num_slots`` sequences."""
-        per_slot = self.conv_dim * self.conv_kernel * 2 + self.Hv * self.Dk * self.Dv * 4
+        ssm = self.Hv * self.Dk * self.Dv * np.dtype(self.ssm_dtype).itemsize
+        per_slot = self.conv_dim * self.conv_kernel * 2 + ssm
         return len(self.linear_layers) * num_slots * per_slot
 
     def scratch_bytes(self) -> int:
@@ -190,7 +193,7 @@ class Qwen35Model(DecoderModel):
         self.num_slots = num_slots
         n_lin = len(self.linear_layers)
         self.conv_state = cuda.device_array((n_lin, num_slots, self.conv_dim, self.conv_kernel), BF16)  # a ring
-        self.ssm_state = cuda.device_array((n_lin, num_slots, self.Hv, self.Dk, self.Dv), np.float32)
+        self.ssm_state = cuda.device_array((n_lin, num_slots, self.Hv, self.Dk, self.Dv), self.ssm_dtype)
         if n_lin:
             every_slot = cuda.to_device(np.arange(n_lin * num_slots, dtype=np.int32))
             gated_delta.clear_state_slots(*self._states_by_layer_slot(), every_slot, policy=self.policy)

@@ -152,6 +152,7 @@ def engine_from_args(args: argparse.Namespace):
                               prefix_state_snapshots=getattr(args, "prefix_state_snapshots", None),
                               scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
                               chat_template=getattr(args, "chat_template", None),
+                              mamba_ssm_cache_dtype=getattr(args, "mamba_ssm_cache_dtype", "auto"),
                               policy=engine_policy(getattr(args, "launch_policy", None)))
 
 

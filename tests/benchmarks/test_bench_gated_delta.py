@@ -37,20 +37,23 @@ def test_smoke_run(bench_modules, tmp_path):
     scans = [r for r in launched if r.name == "gated_delta_chunk_scan"]
     calls = [(p.arg("head_parts"), s.kernel, s.block, s.shared) for p, s in zip(prepares, scans, strict=True)]
     assert list(dict.fromkeys(calls)) == [
-        (parts, _scan_kernel(kd, vd, g.tiles, g.scan_warps, g.scan_stages), 32 * g.scan_warps,
+        (parts, _scan_kernel(kd, vd, g.tiles, g.scan_warps, g.scan_stages, False), 32 * g.scan_warps,
          4 * g.scan_shared_words(kd)) for parts, g in ((2, default), (1, forced))]
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="a smoke run of the simulator's tiny shapes")
 def test_decode_batch_times_the_fused_step_against_the_general_path(bench_modules, tmp_path):
-    """``--decode-batch``: the decode launch is timed per batch size with its state bytes, and its outputs and states
-    equal the general path's bit for bit."""
+    """``--decode-batch``: the decode launch is timed per batch size and state dtype with its state bytes, and its
+    outputs and states equal the general path's bit for bit."""
     import bench_gated_delta
     out = tmp_path / "decode.json"
-    assert bench_gated_delta.main(["--decode-batch", "1,3", "--json", str(out)]) == 0
+    assert bench_gated_delta.main(["--decode-batch", "1,3", "--state-dtype", "float32,bfloat16", "--json",
+                                   str(out)]) == 0
     rows = json.loads(out.read_text())["decode_rows"]
     h = bench_gated_delta.HEADS
-    assert [r["B"] for r in rows] == [1, 3]
+    assert [(r["B"], r["state_dtype"]) for r in rows] == [(1, "float32"), (1, "bfloat16"), (3, "float32"),
+                                                         (3, "bfloat16")]
     for r in rows:
-        assert r["state_bytes"] == 2 * r["B"] * h["num_v_heads"] * h["key_dim"] * h["value_dim"] * 4
+        width = 4 if r["state_dtype"] == "float32" else 2
+        assert r["state_bytes"] == 2 * r["B"] * h["num_v_heads"] * h["key_dim"] * h["value_dim"] * width
         assert r["us"] > 0 and r["out_bit_equal"] == 1.0 and r["state_bit_equal"] == 1.0

@@ -36,7 +36,9 @@ rows there as they were.
 State buffers::
 
     conv_state [slots, conv_dim, K]    bf16   ring of the conv's inputs by position (``conv.py``)
-    ssm_state  [slots, Hv, Dk, Dv]     f32    S per value head, HF's layout (``recurrent_states``)
+    ssm_state  [slots, Hv, Dk, Dv]     f32    S per value head, HF's layout (``recurrent_states``); or bf16 bits
+                                              (``--mamba-ssm-cache-dtype bfloat16``: widened on load, rounded on
+                                              store, ``common.state_codec``)
 
 **bf16 rounding** follows HF's bf16 forward: conv output rounded, then SiLU rounded; ``beta = bf16(sigmoid(b))``;
 ``g`` in f32 from bf16 ``a``; the rule runs in f32 and its output is rounded to bf16; the gated norm rounds

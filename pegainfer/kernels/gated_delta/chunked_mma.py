@@ -42,7 +42,8 @@ each accumulator feed the next product as its A operand straight from registers 
 warp's columns never meet another warp's: no reduction across warps.
 
 Shapes: qkv ``[T, 2·Hk·Dk + Hv·Dv]`` bf16 (q | k | v; value head h reads key head ``h // (Hv/Hk)``), a, b ``[T, Hv]``
-bf16, a_log, dt_bias ``[Hv]`` f32, ssm_state ``[slots, Hv, Dk, Dv]`` f32 (in place), slot_ids ``[B]``,
+bf16, a_log, dt_bias ``[Hv]`` f32, ssm_state ``[slots, Hv, Dk, Dv]`` f32 or bf16 bits (in place, rounded once a
+launch), slot_ids ``[B]``,
 token_offsets ``[B+1]`` int32, out ``[T, Hv·Dv]`` bf16; Dk a multiple of 16 (≤ 128), Dv of 8.  Geometry:
 ``geometry.ChunkGeometry``.
 """
@@ -55,7 +56,8 @@ import numpy as np
 from numba import types as nbtypes
 
 from pegainfer.kernels.gated_delta.common import (MAX_CHUNK, check_rule_args, inverse_l2_norm, log_decay,
-                                                  num_k_heads_of, write_strength, zero_rows_from)
+                                                  num_k_heads_of, state_codec, state_is_bf16, write_strength,
+                                                  zero_rows_from)
 from pegainfer.kernels.gated_delta.geometry import MMA_TILE, ChunkGeometry, chunk_geometry
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.linear.common import bounded_kernel, shared_optin
@@ -358,10 +360,11 @@ def _prepare_kernel(key_dim: int, tiles: int):
 
 
 @functools.cache
-def _scan_kernel(key_dim: int, value_dim: int, tiles: int, warps: int, stages: int):
+def _scan_kernel(key_dim: int, value_dim: int, tiles: int, warps: int, stages: int, state_bf16: bool = False):
     """Build the state-carrying kernel for one head shape and geometry (closure constants: the register tiles and
-    every loop over them unroll)."""
+    every loop over them unroll), for a state of f32 or (``state_bf16``) bf16 bits (``common.state_codec``)."""
     KD, DV, CT, STAGES = key_dim, value_dim, tiles, stages
+    load_state, store_state = state_codec(state_bf16)
     CP = MMA_TILE * CT                  # padded chunk rows
     NC = 16 * warps                     # value columns of a block
     NTHREADS = WARP * warps
@@ -549,7 +552,7 @@ def _scan_kernel(key_dim: int, value_dim: int, tiles: int, warps: int, stages: i
                 for e in range(4):
                     d = 8 * jd + 2 * tq + (e & 1)
                     j = col0 + col_w + g + 8 * (e >> 1)
-                    st[4 * jd + e] = ssm_state[slot, h, d, j] if j < DV else float32(0.0)
+                    st[4 * jd + e] = load_state(ssm_state[slot, h, d, j]) if j < DV else float32(0.0)
             n_chunks = (seq_end - seq_start + chunk_size - 1) // chunk_size
             stage_chunk(smem, uint32(0), qkv32, seq_start, min(chunk_size, seq_end - seq_start), token_words, q_word,
                         k_word, v_word, v_cols, tinv32, intra32, scales32, h, num_v_heads, tid)
@@ -632,7 +635,7 @@ def _scan_kernel(key_dim: int, value_dim: int, tiles: int, warps: int, stages: i
                     d = 8 * jd + 2 * tq + (e & 1)
                     j = col0 + col_w + g + 8 * (e >> 1)
                     if j < DV:
-                        ssm_state[slot, h, d, j] = st[4 * jd + e]
+                        ssm_state[slot, h, d, j] = store_state(st[4 * jd + e])
             cuda.syncthreads()                         # the output tile is rewritten by the next item
 
     return gated_delta_chunk_scan_mma_kernel
@@ -683,7 +686,8 @@ def gated_delta_chunked(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids, token_of
            np.int32(max_chunks), np.int32(parts), as_words(s.tinv), as_words(s.intra), s.scales.reshape(-1), s.gcum,
            shared=4 * geo.prepare_shared_words(key_dim), name="gated_delta_chunk_prepare", policy=policy)
     items = num_seqs * num_v_heads * -(-value_dim // geo.scan_columns)
-    launch(_scan_kernel(key_dim, value_dim, geo.tiles, geo.scan_warps, geo.scan_stages), grid(items, sim_cap=8),
+    launch(_scan_kernel(key_dim, value_dim, geo.tiles, geo.scan_warps, geo.scan_stages, state_is_bf16(ssm_state)),
+           grid(items, sim_cap=8),
            WARP * geo.scan_warps, qkv32, ssm_state, slot_ids, token_offsets, np.int32(num_k_heads),
            np.int32(geo.chunk), as_words(s.tinv), as_words(s.intra), as_words(s.scales), s.gcum, out, as_words(out),
            shared=4 * geo.scan_shared_words(key_dim), name="gated_delta_chunk_scan", policy=policy)

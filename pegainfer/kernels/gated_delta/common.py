@@ -93,6 +93,29 @@ def zero_rows_from(out, first):
         out[first + idx // width, idx % width] = 0
 
 
+# ------------------------------------------------------------------------------------------------ the state in memory
+# The delta-rule state ``S [slots, Hv, Dk, Dv]`` is kept in f32 (HF's ``mamba_ssm_dtype``) or as bf16 bits (uint16:
+# half the bytes a decode step moves, vLLM's ``--mamba-ssm-cache-dtype bfloat16``).  Every kernel computes in f32:
+# it widens what it loads and rounds (to nearest even) what it stores, so a bf16 state is rounded once per launch
+# (the token-by-token reference: once per token).  A kernel builder picks the pair for its state's dtype.
+@device_fn
+def f32_state(x):
+    """An f32 state's element as it is computed with, and an f32 value as such a state stores it: itself."""
+    return float32(x)
+
+
+def state_codec(bf16: bool):
+    """``(load, store)``: the device functions that turn an element of the state (f32, or bf16 bits when ``bf16``)
+    into the f32 the kernels compute with, and an f32 into what is stored."""
+    return (bf16_to_f32, f32_to_bf16) if bf16 else (f32_state, f32_state)
+
+
+def state_is_bf16(ssm_state) -> bool:
+    """Whether ``ssm_state`` holds bf16 bits (uint16) rather than f32; anything else is refused."""
+    assert ssm_state.dtype in (np.float32, np.uint16), (ssm_state.dtype, "the state is f32 or bf16 bits")
+    return ssm_state.dtype == np.uint16
+
+
 # ------------------------------------------------------------------------------------------------ argument checks
 def check_bf16(arr, ndim):
     assert arr.ndim == ndim and arr.dtype == np.uint16, (arr.shape, arr.dtype, "expected bf16 bits", ndim)
@@ -121,7 +144,8 @@ def check_rule_args(qkv, a, b, a_log, dt_bias, ssm_state, slot_ids, token_offset
     check_bf16(a, 2)
     check_bf16(b, 2)
     check_bf16(out, 2)
-    assert ssm_state.ndim == 4 and ssm_state.dtype == np.float32, (ssm_state.shape, ssm_state.dtype)
+    assert ssm_state.ndim == 4, ssm_state.shape
+    state_is_bf16(ssm_state)
     num_v_heads, key_dim, value_dim = ssm_state.shape[1:]
     num_k_heads = num_k_heads_of(qkv, ssm_state)
     assert num_k_heads >= 1 and qkv.shape[1] == 2 * num_k_heads * key_dim + num_v_heads * value_dim, \

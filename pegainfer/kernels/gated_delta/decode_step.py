@@ -18,14 +18,16 @@ from numba import types as nbtypes
 from pegainfer.device import SIMULATOR
 from pegainfer.kernels import timeline
 from pegainfer.kernels.gated_delta.common import (COL_TILE, MAX_WARPS, check_bf16, check_positions, check_rule_args,
-                                                  gated_norm_value, token_decay_beta, token_gates, token_qk_scales)
+                                                  gated_norm_value, state_is_bf16, token_decay_beta, token_gates,
+                                                  token_qk_scales)
 from pegainfer.kernels.gated_delta.conv import conv_output, conv_ring_store, conv_silu
 from pegainfer.kernels.gated_delta.reference import RULE_WARPS
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.norm import inverse_rms
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
-from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bulk_barrier_init, bulk_copy, bulk_expect_bytes,
-                                          cuda, device_fn, f32_to_bf16, float32, global_timer, grid,
+from pegainfer.kernels.primitives import (WARP, bf16_to_f32, bf16x2_hi, bf16x2_lo, bits_f32, bulk_barrier_init,
+                                          bulk_copy, bulk_expect_bytes, cuda, device_fn, f32_bits, f32_to_bf16,
+                                          float32, global_timer, grid, pack_bf16x2,
                                           grid_dependency_wait, int32, launch_bounded, launch_dependents, load_f32x2,
                                           load_f32x4, math, pdl_prologue, reads_before_wait, sm_count, store_f32x2,
                                           store_f32x4, uint16, uint32, warp_sum)
@@ -43,15 +45,21 @@ STATE_COPY_BYTES = 16384
 """Bytes per ``cp.async.bulk`` instruction when a decode block copies its next item's state into shared memory."""
 
 
-def next_state_prefetch(key_dim: int, value_dim: int) -> bool:
+def state_bytes_per_head(key_dim: int, value_dim: int, state_bf16: bool = False) -> int:
+    """Bytes of one value head's state ``[Dk, Dv]``: f32, or bf16 bits."""
+    return key_dim * value_dim * (2 if state_bf16 else 4)
+
+
+def next_state_prefetch(key_dim: int, value_dim: int, state_bf16: bool = False) -> bool:
     """Whether a decode block copies its next item's state into shared memory while it works on the current one
     (heads of ``key_dim × value_dim``): the bulk copy moves whole 16-byte runs."""
-    return (key_dim * value_dim) % 4 == 0
+    return state_bytes_per_head(key_dim, value_dim, state_bf16) % 16 == 0
 
 
-def next_state_shared_bytes(key_dim: int, value_dim: int) -> int:
-    """Dynamic shared memory of the decode kernel: one item's f32 state ``[Dk, Dv]`` and its mbarrier (8 bytes)."""
-    return (key_dim * value_dim + 2) * 4 if next_state_prefetch(key_dim, value_dim) else 0
+def next_state_shared_bytes(key_dim: int, value_dim: int, state_bf16: bool = False) -> int:
+    """Dynamic shared memory of the decode kernel: one item's state ``[Dk, Dv]`` and its mbarrier (8 bytes)."""
+    prefetch = next_state_prefetch(key_dim, value_dim, state_bf16)
+    return state_bytes_per_head(key_dim, value_dim, state_bf16) + 8 if prefetch else 0
 
 
 if SIMULATOR:
@@ -97,7 +105,7 @@ def _head_channel(c, hk, h, key_dim, value_dim, k_base, v_base):
 
 @functools.cache
 def _decode_step_kernel(key_dim: int, value_dim: int, heads_per_key: int, row_groups: int, tiles_per_thread: int,
-                        decode: bool = False, taps: int = 4, stamps: bool = False):
+                        decode: bool = False, taps: int = 4, stamps: bool = False, state_bf16: bool = False):
     """Build the fused decode step for heads of ``key_dim × value_dim``, ``heads_per_key`` value heads a key head,
     ``row_groups`` key-row classes (the summation order of ``reference_gated_delta`` with that many warps) and
     ``tiles_per_thread`` 32-column tiles per thread.  All are compile-time constants: the per-thread state is a
@@ -108,8 +116,13 @@ def _decode_step_kernel(key_dim: int, value_dim: int, heads_per_key: int, row_gr
     re-reads after it), and computes the token's decay and write strength as soon as ``a`` and ``b`` arrive, while
     the conv runs (the same operations: the same bits);
     ``taps``: the conv's kernel size (decode mode holds a thread's conv weights and older inputs in registers);
-    ``stamps``: each block appends its ``timeline`` record (ready: its first item's outputs written)."""
+    ``stamps``: each block appends its ``timeline`` record (ready: its first item's outputs written);
+    ``state_bf16``: the state is kept as bf16 bits, and the kernel takes it as f32 *words* (each the bits of two bf16
+    columns ``2w, 2w+1``, ``state_words``), widens what it loads and rounds what it stores; a thread's columns come in
+    pairs (``tiles_per_thread`` even), so every word it stores is its own."""
     STAMPS = stamps
+    BF16_STATE = state_bf16
+    assert not state_bf16 or (tiles_per_thread % 2 == 0 and value_dim % 2 == 0), (tiles_per_thread, value_dim)
     DECODE = decode
     KD = key_dim
     VD = value_dim
@@ -130,9 +143,9 @@ def _decode_step_kernel(key_dim: int, value_dim: int, heads_per_key: int, row_gr
     OUT_ROUNDS = -(-VD // NT)               # output columns per thread (block-strided)
     VEC = TPT if TPT in (2, 4) and ALL_COLS else 1   # a thread's columns moved by one 8- / 16-byte access
     PARTIAL = R * VD                        # the per-row-class column sums in shared memory, [R, Dv]
-    PREFETCH = DECODE and next_state_prefetch(KD, VD)   # a block's next item's state copied into shared memory
-    STATE_WORDS = KD * VD
-    BAR = STATE_WORDS                       # the copy's mbarrier: the two words after the state (Dk·Dv is even)
+    PREFETCH = DECODE and next_state_prefetch(KD, VD, state_bf16)   # the next item's state into shared memory
+    STATE_WORDS = state_bytes_per_head(KD, VD, state_bf16) // 4
+    BAR = STATE_WORDS                       # the copy's mbarrier: the two words after the state (8-byte aligned)
     COPY_WORDS = STATE_COPY_BYTES // 4
     COPIES = -(-STATE_WORDS // COPY_WORDS)
 
@@ -151,7 +164,11 @@ def _decode_step_kernel(key_dim: int, value_dim: int, heads_per_key: int, row_gr
     @device_fn
     def state_rows(ssm_state, base, state, row_class, first_col, store):
         """Load (``store`` False) or store this thread's state ``state[m·ROWS + i] = S[row_class + R·i,
-        first_col + m]``, which sits at ``base + R·i·Dv + m``: one ``VEC``-wide access per row."""
+        first_col + m]``, which sits at element ``base + R·i·Dv + m``: one ``VEC``-wide access per row (a bf16
+        state: ``state_pairs``)."""
+        if BF16_STATE:
+            state_pairs(ssm_state, base, state, row_class, first_col, store)
+            return
         for i in range(ROWS):
             if ALL_ROWS or row_class + R * i < KD:
                 at = base + uint64(R * i * VD)
@@ -174,6 +191,33 @@ def _decode_step_kernel(key_dim: int, value_dim: int, heads_per_key: int, row_gr
                                 ssm_state[at + uint64(m)] = state[m * ROWS + i]
                             else:
                                 state[m * ROWS + i] = ssm_state[at + uint64(m)]
+
+    @device_fn
+    def state_pairs(state_words, base, state, row_class, first_col, store):
+        """``state_rows`` of a bf16 state seen as words: element ``e`` is half ``e % 2`` of word ``e // 2``.  A
+        thread's ``TPT`` columns are ``TPT / 2`` whole words from an even column: 8 bytes at once for 4 columns."""
+        for i in range(ROWS):
+            if ALL_ROWS or row_class + R * i < KD:
+                at = (base + uint64(R * i * VD)) >> uint64(1)
+                if VEC == 4:
+                    if store:
+                        store_f32x2(state_words, at, bits_f32(pack_bf16x2(state[i], state[ROWS + i])),
+                                    bits_f32(pack_bf16x2(state[2 * ROWS + i], state[3 * ROWS + i])))
+                    else:
+                        w0, w1 = load_f32x2(state_words, at)
+                        u0, u1 = f32_bits(w0), f32_bits(w1)
+                        state[i], state[ROWS + i] = bf16x2_lo(u0), bf16x2_hi(u0)
+                        state[2 * ROWS + i], state[3 * ROWS + i] = bf16x2_lo(u1), bf16x2_hi(u1)
+                else:
+                    for p in range(TPT // 2):
+                        if ALL_COLS or first_col + 2 * p < VD:       # (Dv even: the pair's second column too)
+                            if store:
+                                state_words[at + uint64(p)] = bits_f32(pack_bf16x2(state[2 * p * ROWS + i],
+                                                                                   state[(2 * p + 1) * ROWS + i]))
+                            else:
+                                u = f32_bits(state_words[at + uint64(p)])
+                                state[2 * p * ROWS + i] = bf16x2_lo(u)
+                                state[(2 * p + 1) * ROWS + i] = bf16x2_hi(u)
 
     @device_fn
     def store_cols(dst, at, vals, first_col):
@@ -240,8 +284,9 @@ def _decode_step_kernel(key_dim: int, value_dim: int, heads_per_key: int, row_gr
 
     @device_fn
     def copy_next_state(next_state, bars, ssm_state, token_slots, seq, head, num_seqs, num_v_heads):
-        """Thread 0 of a decode block: start copying the f32 state ``S [Dk, Dv]`` (contiguous) of item (``seq``,
-        ``head``) into ``next_state`` with the copy engine, counted on the mbarrier at ``bars[BAR]``.  Nothing past
+        """Thread 0 of a decode block: start copying the state ``S [Dk, Dv]`` (contiguous: ``STATE_WORDS`` words) of
+        item (``seq``, ``head``) into ``next_state`` with the copy engine, counted on the mbarrier at ``bars[BAR]``.
+        Nothing past
         the last sequence or for a padding token (padding is last: no later item of the block has a state then
         either)."""
         if seq < num_seqs:
@@ -268,7 +313,8 @@ def _decode_step_kernel(key_dim: int, value_dim: int, heads_per_key: int, row_gr
         x ``[tokens, 2·Hk·Dk + Hv·Dv]`` bf16 (in_proj_qkv output: q | k | v before the conv), conv_weight
         ``[2·Hk·Dk + Hv·Dv, K]`` bf16, conv_state ``[slots, 2·Hk·Dk + Hv·Dv, K]`` bf16 (the ring, ``conv.py``),
         z ``[tokens, Hv·Dv]``, a, b ``[tokens, Hv]`` bf16, a_log, dt_bias ``[Hv]`` f32, norm_weight
-        ``[Dv]`` bf16, eps f32, ssm_state ``[slots · Hv · Dk · Dv]`` f32 (``[slots, Hv, Dk, Dv]`` seen flat),
+        ``[Dv]`` bf16, eps f32, ssm_state ``[slots · Hv · Dk · Dv]`` f32 (``[slots, Hv, Dk, Dv]`` seen flat; a
+        bf16 state: its words, ``state_pairs``),
         slot_ids ``[B]``, token_offsets ``[B+1]``, positions ``[tokens]`` int32, out ``[tokens, Hv·Dv]`` bf16.
         Per token and value head ``h`` (key head ``hk = h // (Hv/Hk)``)::
 
@@ -636,15 +682,21 @@ def gated_delta_decode_step(x, conv_weight, conv_state, z, a, b, a_log, dt_bias,
         assert slot_ids.shape[0] == num_tokens, "a decode step has one sequence per token"
     stamps = timeline.buffer() if policy.timeline else timeline.unused()
     items = slot_ids.shape[0] * num_v_heads
-    if decode and next_state_prefetch(key_dim, value_dim):   # one block per SM, each streaming its next item
-        blocks, shared = min(items, sm_count()), next_state_shared_bytes(key_dim, value_dim)
+    bf16 = state_is_bf16(ssm_state)
+    if bf16 and (tiles_per_thread % 2 or value_dim % 2):
+        raise ValueError(f"a bf16 state needs an even tiles_per_thread and value dim, got {tiles_per_thread} and "
+                         f"{value_dim}")
+    # a bf16 state as the f32 words that hold its column pairs (the kernel's vector accesses and copies are of f32)
+    state = ssm_state.reshape(ssm_state.size).view(np.float32) if bf16 else ssm_state.reshape(ssm_state.size)
+    if decode and next_state_prefetch(key_dim, value_dim, bf16):   # one block per SM, each streaming its next item
+        blocks, shared = min(items, sm_count()), next_state_shared_bytes(key_dim, value_dim, bf16)
     else:
         blocks, shared = grid(max(1, items), sim_cap=8), 0
     num_k_heads = (channels - num_v_heads * value_dim) // (2 * key_dim)
     assert num_k_heads > 0 and num_v_heads % num_k_heads == 0, (channels, num_v_heads, key_dim, value_dim)
     launch(_decode_step_kernel(key_dim, value_dim, num_v_heads // num_k_heads, row_groups, tiles_per_thread, decode,
-                               taps, policy.timeline),
+                               taps, policy.timeline, bf16),
            blocks, warps * WARP, x, conv_weight, conv_state, z, a, b, a_log, dt_bias, norm_weight, np.float32(eps),
-           ssm_state.reshape(ssm_state.size), slot_ids, token_offsets, positions,
+           state, slot_ids, token_offsets, positions,
            decode_token_slots if decode else slot_ids, out, stamps, shared=shared,
            name="gated_delta_decode_step" if decode else None, policy=policy)

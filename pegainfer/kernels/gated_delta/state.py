@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from pegainfer.kernels.gated_delta.common import check_bf16
+from pegainfer.kernels.gated_delta.common import check_bf16, state_is_bf16
 from pegainfer.kernels.launch import launch
 from pegainfer.kernels.policy import DEFAULT_POLICY, LaunchPolicy
-from pegainfer.kernels.primitives import cuda, float32, grid, int32, kernel, pdl_prologue, threads
+from pegainfer.kernels.primitives import cuda, grid, int32, kernel, pdl_prologue, threads
 
 
 @kernel
 def state_slots_kernel(conv_state, ssm_state, src_ids, dst_ids, zero):
     """For each i: ``conv_state[dst_ids[i]]`` ``[conv_dim, K]`` (bf16) and ``ssm_state[dst_ids[i]]`` ``[Hv, Dk, Dv]``
-    (f32) become zeros (``zero`` = 1: a new sequence starts from an empty state) or a copy of row ``src_ids[i]``
+    (f32 or bf16 bits) become zeros (``zero`` = 1: a new sequence starts from an empty state) or a copy of row ``src_ids[i]``
     (``zero`` = 0: a state kept for the prefix cache, or one restored from it).  Geometry: grid-stride over every
     element of the written rows (flattened per row)."""
     pdl_prologue()
@@ -41,12 +41,16 @@ def state_slots_kernel(conv_state, ssm_state, src_ids, dst_ids, zero):
         else:
             r -= conv_per_slot
             h, i, j = r // plane, (r % plane) // ssm_state.shape[3], r % ssm_state.shape[3]
-            ssm_state[dst, h, i, j] = float32(0.0) if zero else ssm_state[src, h, i, j]
+            if zero:
+                ssm_state[dst, h, i, j] = 0       # +0.0 as f32 and as bf16 bits
+            else:
+                ssm_state[dst, h, i, j] = ssm_state[src, h, i, j]
 
 
 def _state_rows(conv_state, ssm_state, src_ids, dst_ids, zero: int, policy: LaunchPolicy) -> None:
     check_bf16(conv_state, 3)
-    assert ssm_state.ndim == 4 and ssm_state.dtype == np.float32, (ssm_state.shape, ssm_state.dtype)
+    assert ssm_state.ndim == 4, ssm_state.shape
+    state_is_bf16(ssm_state)
     assert conv_state.shape[0] == ssm_state.shape[0], (conv_state.shape, ssm_state.shape)
     for ids in (src_ids, dst_ids):
         assert ids.ndim == 1 and ids.dtype == np.int32 and ids.shape == dst_ids.shape, (ids.shape, ids.dtype)

@@ -112,24 +112,27 @@ class LLM:
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *, n: int = 1,
                  json_schema: Optional[dict] = None, regex: Optional[str] = None,
-                 choice: Optional[Sequence[str]] = None, grammar: Optional[str] = None) -> list[Generation]:
+                 choice: Optional[Sequence[str]] = None, grammar: Optional[str] = None,
+                 use_tqdm: bool = True) -> list[Generation]:
         """Complete each prompt (a text, or token ids; or a list of them) as written, no chat template.  One
         ``sampling_params`` for all or one a prompt (None: ``default_sampling_params()``); ``n`` choices a
-        prompt; at most one of the structured-output arguments."""
+        prompt; at most one of the structured-output arguments; ``use_tqdm``: a progress bar on stderr (completions
+        done, output tokens a second)."""
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
                                         and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
         texts = [p if isinstance(p, str) else None for p in prompts]
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
         return self._run(texts, ids, self._params(sampling_params, len(ids)), n,
-                         self._grammar(json_schema, regex, choice, grammar), chat=False)
+                         self._grammar(json_schema, regex, choice, grammar), chat=False, use_tqdm=use_tqdm)
 
     def chat(self, messages: Union[Messages, Sequence[Messages]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None, *, n: int = 1,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: Optional[list[dict]] = None, chat_template_kwargs: Optional[dict] = None,
              json_schema: Optional[dict] = None, regex: Optional[str] = None,
-             choice: Optional[Sequence[str]] = None, grammar: Optional[str] = None) -> list[Generation]:
+             choice: Optional[Sequence[str]] = None, grammar: Optional[str] = None,
+             use_tqdm: bool = True) -> list[Generation]:
         """Answer a conversation (a list of ``{"role", "content"}`` messages) or a list of them through the chat
         template; the rest as ``generate``.  Structured output applies to the answer after any thinking."""
         template = self.engine.chat_template
@@ -142,7 +145,7 @@ class LLM:
                  for c in conversations]
         ids = [self.tokenizer.encode(t) for t in texts]
         return self._run(texts, ids, self._params(sampling_params, len(ids)), n,
-                         self._grammar(json_schema, regex, choice, grammar), chat=True)
+                         self._grammar(json_schema, regex, choice, grammar), chat=True, use_tqdm=use_tqdm)
 
     # ------------------------------------------------------------------------------------------------ internals
     def _params(self, sampling_params, count: int) -> list[SamplingParams]:
@@ -176,7 +179,7 @@ class LLM:
         return text
 
     def _run(self, texts: list[Optional[str]], ids: list[list[int]], params: list[SamplingParams], n: int,
-             grammar: Optional[str], chat: bool) -> list[Generation]:
+             grammar: Optional[str], chat: bool, use_tqdm: bool = False) -> list[Generation]:
         from pegainfer.text.reasoning import THINK_OPEN, ReasoningParser, reasoning_start
 
         if n < 1:
@@ -200,7 +203,7 @@ class LLM:
                     choice = Completion(j, "", [], None, [] if p.logprobs is not None else None)
                     results[k].outputs.append(choice)
                     state[rid] = (k, choice, ReasoningParser(start) if thinks else None, [])
-            self._drain(state, results, chat)
+            self._drain(state, results, chat, use_tqdm)
         except BaseException:
             for rid in state:
                 self.engine.abort(rid)
@@ -209,23 +212,33 @@ class LLM:
             raise
         return results
 
-    def _drain(self, state, results: list[Generation], chat: bool) -> None:
+    def _drain(self, state, results: list[Generation], chat: bool, use_tqdm: bool) -> None:
         """Step the engine until every request of ``state`` finished, collecting its outputs."""
-        pending = set(state)
-        while pending:
-            for out in self.engine.step():
-                entry = state.get(out.request_id)
-                if entry is None:
-                    continue
-                k, choice, parser, pieces = entry
-                choice.token_ids += out.new_token_ids
-                pieces.append(out.delta_text)
-                if out.logprobs and choice.logprobs is not None:
-                    choice.logprobs += out.logprobs
-                if out.prompt_logprobs is not None and choice.index == 0:
-                    results[k].prompt_logprobs = out.prompt_logprobs
-                if out.finished:
+        import time
+
+        from tqdm import tqdm
+        pending, generated, t0 = set(state), 0, time.perf_counter()
+        with tqdm(total=len(state), desc="Completions", unit="seq", dynamic_ncols=True,
+                  disable=not use_tqdm) as bar:
+            while pending:
+                for out in self.engine.step():
+                    entry = state.get(out.request_id)
+                    if entry is None:
+                        continue
+                    k, choice, parser, pieces = entry
+                    choice.token_ids += out.new_token_ids
+                    generated += len(out.new_token_ids)
+                    pieces.append(out.delta_text)
+                    if out.logprobs and choice.logprobs is not None:
+                        choice.logprobs += out.logprobs
+                    if out.prompt_logprobs is not None and choice.index == 0:
+                        results[k].prompt_logprobs = out.prompt_logprobs
+                    if not out.finished:
+                        continue
                     pending.discard(out.request_id)
+                    bar.update(1)
+                    bar.set_postfix_str(f"output {generated / max(time.perf_counter() - t0, 1e-9):.1f} tok/s",
+                                        refresh=False)
                     choice.text, choice.finish_reason, choice.error = "".join(pieces), out.finish_reason, out.error
                     if choice.index == 0:
                         results[k].num_cached_tokens = out.cached_tokens

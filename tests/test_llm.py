@@ -140,6 +140,14 @@ def test_an_interrupted_call_aborts_its_requests_and_the_next_call_works(llm, mo
     assert len(g.outputs[0].token_ids) == 4
 
 
+def test_a_progress_bar_counts_the_requests_on_stderr(llm, capsys):
+    llm.generate(["Hello", "World"], GREEDY, n=2)
+    err = capsys.readouterr().err
+    assert "Completions" in err and "4/4" in err and "tok/s" in err, err      # 2 prompts × n = 2
+    llm.generate(["Hello"], GREEDY, use_tqdm=False)
+    assert capsys.readouterr().err == ""
+
+
 def test_defaults_come_from_the_generation_config(llm):
     d = llm.default_sampling_params()
     assert (d.temperature, d.top_k, d.top_p, d.max_tokens) == (0.6, 20, 0.95, 16)   # the demo's generation_config

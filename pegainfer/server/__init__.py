@@ -64,8 +64,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "shared prefix's cached pages end)")
     p.add_argument("--prefix-state-snapshots", type=argtypes.positive, default=None,
                    help="Qwen3.5 with --enable-prefix-caching: copies of the recurrent state kept for the prefix "
-                        "cache, least recently used out first (default 16; ~50 MB each for Qwen3.5-4B, taken from "
-                        "the KV cache). More: more conversations find the state of their last turn")
+                        "cache, least recently used out first (default 16; ~50 MB each for Qwen3.5-4B, ~26 MB with a "
+                        "bf16 state; taken from the KV cache). More: more conversations find the state of their last "
+                        "turn")
     p.add_argument("--max-body-bytes", type=argtypes.positive, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"largest request body accepted, in bytes (default {DEFAULT_MAX_BODY_BYTES}); bigger → 413")
     p.add_argument("--disable-log-stats", action="store_true",

@@ -31,6 +31,7 @@ from typing import Any, Optional, Sequence, Union
 
 from pegainfer.engine.types import SamplingParams, TokenLogprob
 from pegainfer.errors import PegainferError
+from pegainfer.text.tool_calls import ToolCall
 
 Prompt = Union[str, Sequence[int]]
 Messages = list[dict[str, Any]]
@@ -46,7 +47,8 @@ class Completion:
     finish_reason: Optional[str]                     # "stop", "length", "abort" or "error"
     logprobs: Optional[list[TokenLogprob]] = None    # one per token, with ``SamplingParams.logprobs``
     reasoning_content: Optional[str] = None          # chat with a thinking template: the text inside <think>
-    content: Optional[str] = None                    # ... and the answer after it
+    content: Optional[str] = None                    # chat: the answer after it (less any tool calls)
+    tool_calls: Optional[list[ToolCall]] = None      # chat with tools: the calls the answer makes
     error: Optional[str] = None                      # why it ended with "error"
 
     @property
@@ -134,18 +136,28 @@ class LLM:
              choice: Optional[Sequence[str]] = None, grammar: Optional[str] = None,
              use_tqdm: bool = True) -> list[Generation]:
         """Answer a conversation (a list of ``{"role", "content"}`` messages) or a list of them through the chat
-        template; the rest as ``generate``.  Structured output applies to the answer after any thinking."""
+        template; the rest as ``generate``.  Structured output applies to the answer after any thinking.  ``tools``
+        (OpenAI's form, ``{"type": "function", "function": {"name", "description", "parameters"}}``) go to the
+        template, and the calls the answer makes come back in ``Completion.tool_calls``."""
         template = self.engine.chat_template
         if template is None:
             raise PegainferError("this model folder has no chat template: use generate(), or pass chat_template= "
                                  "to LLM()")
+        schemas = None
+        if tools:
+            try:
+                schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
+            except (TypeError, KeyError):
+                raise PegainferError('each tool must be {"type": "function", "function": {"name": ..., '
+                                     '"parameters": {...}}}') from None
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         texts = [template.render(list(c), add_generation_prompt=add_generation_prompt, tools=tools,
                                  continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
                  for c in conversations]
         ids = [self.tokenizer.encode(t) for t in texts]
         return self._run(texts, ids, self._params(sampling_params, len(ids)), n,
-                         self._grammar(json_schema, regex, choice, grammar), chat=True, use_tqdm=use_tqdm)
+                         self._grammar(json_schema, regex, choice, grammar), chat=True, use_tqdm=use_tqdm,
+                         tools=schemas)
 
     # ------------------------------------------------------------------------------------------------ internals
     def _params(self, sampling_params, count: int) -> list[SamplingParams]:
@@ -179,15 +191,18 @@ class LLM:
         return text
 
     def _run(self, texts: list[Optional[str]], ids: list[list[int]], params: list[SamplingParams], n: int,
-             grammar: Optional[str], chat: bool, use_tqdm: bool = False) -> list[Generation]:
+             grammar: Optional[str], chat: bool, use_tqdm: bool = False,
+             tools: Optional[dict[str, dict]] = None) -> list[Generation]:
+        from pegainfer.text.chat_output import ChatOutputParser
         from pegainfer.text.reasoning import THINK_OPEN, ReasoningParser, reasoning_start
+        from pegainfer.text.tool_calls import ToolCallParser
 
         if n < 1:
             raise PegainferError(f"n must be at least 1, got {n}")
         thinks = chat and THINK_OPEN in (self.engine.chat_template.source or "")
         call = next(self._ids)
         results = [Generation(t, i) for t, i in zip(texts, ids)]
-        state: dict[str, tuple[int, Completion, Optional[ReasoningParser], list[str]]] = {}
+        state: dict[str, tuple[int, Completion, Optional[ChatOutputParser], list[str]]] = {}
         try:
             for k, (text, prompt_ids, p) in enumerate(zip(texts, ids, params)):
                 start = reasoning_start(text) if thinks else None
@@ -202,8 +217,10 @@ class LLM:
                     self.engine.add_request(rid, prompt_ids, pj)
                     choice = Completion(j, "", [], None, [] if p.logprobs is not None else None)
                     results[k].outputs.append(choice)
-                    state[rid] = (k, choice, ReasoningParser(start) if thinks else None, [])
-            self._drain(state, results, chat, use_tqdm)
+                    parser = ChatOutputParser(ReasoningParser(start) if thinks else None,
+                                              ToolCallParser(tools) if tools else None) if chat else None
+                    state[rid] = (k, choice, parser, [])
+            self._drain(state, results, use_tqdm, bool(tools))
         except BaseException:
             for rid in state:
                 self.engine.abort(rid)
@@ -212,7 +229,7 @@ class LLM:
             raise
         return results
 
-    def _drain(self, state, results: list[Generation], chat: bool, use_tqdm: bool) -> None:
+    def _drain(self, state, results: list[Generation], use_tqdm: bool, chat_tools: bool) -> None:
         """Step the engine until every request of ``state`` finished, collecting its outputs."""
         import time
 
@@ -242,9 +259,11 @@ class LLM:
                     choice.text, choice.finish_reason, choice.error = "".join(pieces), out.finish_reason, out.error
                     if choice.index == 0:
                         results[k].num_cached_tokens = out.cached_tokens
-                    if parser is not None:
-                        reasoning, content = parser.push(choice.text)
-                        r2, c2 = parser.flush()
-                        choice.reasoning_content, choice.content = reasoning + r2, content + c2
-                    elif chat:
-                        choice.content = choice.text
+                    if parser is not None:      # a chat: the thinking, the answer and its calls apart
+                        answer = parser.push(choice.text)
+                        answer.add(parser.flush())
+                        choice.reasoning_content = answer.reasoning if parser.reasoning is not None else None
+                        choice.content = answer.content
+                        if chat_tools:
+                            choice.tool_calls = answer.tool_calls
+                            choice.content = (answer.content or None) if answer.tool_calls else answer.content

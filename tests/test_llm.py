@@ -3,6 +3,7 @@ it gives alone (transformers' greedy tokens for one), n choices seeded seed + i,
 template with the thinking split, logprobs against the engine's own scoring, one-line errors, and an interrupted
 call that leaves the engine ready."""
 import json
+import re
 import subprocess
 import sys
 
@@ -91,6 +92,27 @@ def test_chat_with_a_template_that_opens_the_thinking():
     g, = llm.chat([{"role": "user", "content": "Hi"}], GREEDY)
     c = g.outputs[0]
     assert g.prompt.endswith("<think>\n") and c.content == "" and c.reasoning_content == c.text.strip("\n"), c
+
+
+def test_chat_with_tools_returns_the_calls(llm, monkeypatch):
+    """``tools`` reach the template, and a call in the answer (forced here by a regex) comes back parsed: its name
+    and JSON arguments in ``tool_calls``, no content left (without tools a chat's text is all content: above)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                         "properties": {"a": {"type": "integer"}}}}}]
+    call = '<tool_call>{"name":"f","arguments":{"a":1}}</tool_call>'
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    params = SamplingParams(max_tokens=64, temperature=0.0)
+    template, given = llm.engine.chat_template, []
+    render = template.render
+    monkeypatch.setattr(template, "render", lambda *a, **kw: given.append(kw.get("tools")) or render(*a, **kw))
+    g, = llm.chat(messages, params, tools=tools, regex=re.escape(call),
+                  chat_template_kwargs={"enable_thinking": False})
+    assert given == [tools]                     # the template was given the tools (the demo's does not show them)
+    c = g.outputs[0]
+    assert c.text == call and c.content is None, c
+    assert [(t.name, json.loads(t.arguments)) for t in c.tool_calls] == [("f", {"a": 1})]
+    with pytest.raises(PegainferError, match="each tool must be"):
+        llm.chat(messages, params, tools=[{"name": "x"}])
 
 
 def test_logprobs_and_prompt_logprobs_match_the_engines_scoring(llm):

@@ -522,9 +522,11 @@ def _write_random_qwen35_gpu(folder, shape, seed=0):
 
 
 @pytest.mark.gpu
-def test_qwen35_4b_shapes_match_hf_bf16_on_gpu(tmp_path_factory):
+@pytest.mark.parametrize("state_dtype", ["auto", "bfloat16"])
+def test_qwen35_4b_shapes_match_hf_bf16_on_gpu(tmp_path_factory, state_dtype):
     """Qwen3.5-4B shapes (random weights): logits at every position of a 256-token prompt and over 64 greedy decode
-    steps (CUDA graphs) against Hugging Face on the same GPU.
+    steps (CUDA graphs) against Hugging Face on the same GPU; with the checkpoint's f32 Gated DeltaNet state and with
+    it kept in bf16 (``--mamba-ssm-cache-dtype bfloat16``: the same bounds, HF's state being f32 in both).
 
     On random 32-layer weights bf16 noise is large: HF bf16 itself is ~6% relative L2 from HF fp32 (measured, see
     docs/perf/accuracy.md), and HF's two bf16 attention backends share the linear-attention path, so their mutual
@@ -539,7 +541,8 @@ def test_qwen35_4b_shapes_match_hf_bf16_on_gpu(tmp_path_factory):
     root = Path(os.environ.get("PEGAINFER_GPU_MODELS") or tmp_path_factory.mktemp("gpu_models"))
     folder = _write_random_qwen35_gpu(root / "qwen3.5-4b-random", QWEN35_4B)
     prompt = np.random.default_rng(0).integers(0, 150000, size=GPU_PROMPT_LEN).tolist()
-    engine = Engine.from_folder(str(folder), max_model_len=4096, use_cuda_graph=True)
+    engine = Engine.from_folder(str(folder), max_model_len=4096, use_cuda_graph=True,
+                                mamba_ssm_cache_dtype=state_dtype)
     ours_prompt = engine.score(prompt)
     tokens, step_logits = greedy_decode(engine, prompt, GPU_DECODE_STEPS, "gpu")
     assert engine.stats()["slots_used"] == 0
@@ -553,7 +556,8 @@ def test_qwen35_4b_shapes_match_hf_bf16_on_gpu(tmp_path_factory):
         ours_sdpa = float(np.mean([rel_l2(ours[i], sdpa[r]) for i, r in enumerate(rows)]))
         ours_fp32 = float(np.mean([rel_l2(ours[i], fp32[r]) for i, r in enumerate(rows)]))
         hf_fp32 = float(np.mean([rel_l2(sdpa[r], fp32[r]) for r in rows]))
-        print(part, f"ours-vs-hf_bf16 {ours_sdpa:.4f} ours-vs-hf_fp32 {ours_fp32:.4f} hf_bf16-vs-hf_fp32 {hf_fp32:.4f}")
+        print(state_dtype, part, f"ours-vs-hf_bf16 {ours_sdpa:.4f} ours-vs-hf_fp32 {ours_fp32:.4f} "
+              f"hf_bf16-vs-hf_fp32 {hf_fp32:.4f}")
         assert ours_fp32 <= 1.1 * hf_fp32, (part, ours_fp32, hf_fp32)
         assert ours_sdpa < max(2e-2, 1.1 * hf_fp32), (part, ours_sdpa, hf_fp32)
     d_rows = range(n - 1, n - 1 + len(tokens))

@@ -25,7 +25,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-path", default=None,
+    p.add_argument("--model-path", "--model", default=None,
                    help="Hugging Face model folder (config.json, *.safetensors, tokenizer.json), or a Hub id "
                         "(Qwen/Qwen3-4B) fetched into the Hugging Face cache on first use. "
                         "Default: a built-in tiny demo Qwen3 with RANDOM weights (gibberish output), made on first use")

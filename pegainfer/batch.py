@@ -28,7 +28,7 @@ ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 def add_batch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-i", "--input-file", required=True, help="JSONL of requests (OpenAI's Batch API input format)")
     p.add_argument("-o", "--output-file", required=True, help="JSONL of answers, one a request, in the input's order")
-    p.add_argument("--max-batch", type=argtypes.positive, default=64,
+    p.add_argument("--max-batch", "--max-num-seqs", type=argtypes.positive, default=64,
                    help="most requests decoded together in one step (default 64)")
     p.add_argument("--max-num-batched-tokens", type=argtypes.positive, default=2048,
                    help="most tokens in one step (default 2048; at least --max-batch)")

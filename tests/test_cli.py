@@ -309,6 +309,9 @@ def test_serve_takes_the_model_as_vllm_serve_does(monkeypatch):
                                                                    "not exist"], r.stderr
     r = run_cli("serve", "a", "--model-path", "b")
     assert r.returncode == 2 and "serve got two models: 'a' and --model-path 'b': give one" in r.stderr
+    from pegainfer.__main__ import build_parser      # vLLM's flag names as aliases
+    args = build_parser().parse_args(["serve", "--model", "m", "--max-num-seqs", "8"])
+    assert (args.model_path, args.max_batch) == ("m", 8)
 
 
 def test_serve_on_a_port_in_use_fails_at_once():

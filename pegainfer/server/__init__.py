@@ -41,8 +41,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="most requests waiting for a place in the batch (not yet admitted: a request being "
                         "prefilled or decoded counts as running, up to --max-batch of them); beyond that new ones "
                         "get 503 + Retry-After (default 64)")
-    p.add_argument("--max-batch", type=argtypes.positive, default=256,
-                   help="most requests running at once, decoded together in one step (default 256); KV cache pages "
+    p.add_argument("--max-batch", "--max-num-seqs", type=argtypes.positive, default=256,
+                   help="most requests running at once, decoded together in one step (default 256; --max-num-seqs is "
+                        "vLLM's name); KV cache pages "
                         "are taken as sequences grow, and when they run out the newest request is paused and "
                         "recomputed later (preemption)")
     p.add_argument("--max-num-batched-tokens", type=argtypes.positive, default=2048,

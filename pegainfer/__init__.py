@@ -8,7 +8,7 @@ SIMULATOR = _device.SIMULATOR
 def __getattr__(name):
     """``from pegainfer import LLM, SamplingParams``: the offline API (``llm.py``), imported on first use (it
     imports numba and the kernels; ``import pegainfer`` alone stays light for the command line)."""
-    if name in ("LLM", "Generation", "Completion"):
+    if name in ("LLM", "AsyncLLM", "Generation", "Completion", "StreamDelta"):
         from pegainfer import llm
         return getattr(llm, name)
     if name == "SamplingParams":

@@ -21,6 +21,10 @@ of the call.  Chat: the model's chat template (or ``chat_template=`` at construc
 ``chat_template_kwargs`` passed to it; a template that thinks gets ``reasoning_content`` and ``content`` split as
 the server splits them.  One ``LLM`` serves one thread at a time.  Ctrl-C aborts the call's requests and leaves the
 engine ready for the next call.
+
+``AsyncLLM`` is the same model for asyncio programs: the engine on a thread of its own (``engine/async_engine.py``,
+the server's), ``generate`` / ``chat`` async iterators of one request's ``StreamDelta``s, concurrent requests
+batched.
 """
 from __future__ import annotations
 
@@ -120,11 +124,7 @@ class LLM:
         ``sampling_params`` for all or one a prompt (None: ``default_sampling_params()``); ``n`` choices a
         prompt; at most one of the structured-output arguments; ``use_tqdm``: a progress bar on stderr (completions
         done, output tokens a second)."""
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
-                                        and all(isinstance(t, int) for t in prompts)):
-            prompts = [prompts]
-        texts = [p if isinstance(p, str) else None for p in prompts]
-        ids = [self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+        texts, ids = self._prompt_inputs(prompts)
         return self._run(texts, ids, self._params(sampling_params, len(ids)), n,
                          self._grammar(json_schema, regex, choice, grammar), chat=False, use_tqdm=use_tqdm)
 
@@ -139,6 +139,24 @@ class LLM:
         template; the rest as ``generate``.  Structured output applies to the answer after any thinking.  ``tools``
         (OpenAI's form, ``{"type": "function", "function": {"name", "description", "parameters"}}``) go to the
         template, and the calls the answer makes come back in ``Completion.tool_calls``."""
+        texts, ids, schemas = self._chat_inputs(messages, add_generation_prompt, continue_final_message, tools,
+                                                chat_template_kwargs)
+        return self._run(texts, ids, self._params(sampling_params, len(ids)), n,
+                         self._grammar(json_schema, regex, choice, grammar), chat=True, use_tqdm=use_tqdm,
+                         tools=schemas)
+
+    # ------------------------------------------------------------------------------------------------ internals
+    def _prompt_inputs(self, prompts) -> tuple[list[Optional[str]], list[list[int]]]:
+        """(texts, token ids) of a prompt (text or ids) or a list of them."""
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts
+                                        and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        return texts, [self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+
+    def _chat_inputs(self, messages, add_generation_prompt: bool, continue_final_message: bool,
+                     tools: Optional[list[dict]], chat_template_kwargs: Optional[dict]):
+        """(rendered texts, token ids, the tools' schemas by name or None) of a conversation or a list of them."""
         template = self.engine.chat_template
         if template is None:
             raise PegainferError("this model folder has no chat template: use generate(), or pass chat_template= "
@@ -154,12 +172,32 @@ class LLM:
         texts = [template.render(list(c), add_generation_prompt=add_generation_prompt, tools=tools,
                                  continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
                  for c in conversations]
-        ids = [self.tokenizer.encode(t) for t in texts]
-        return self._run(texts, ids, self._params(sampling_params, len(ids)), n,
-                         self._grammar(json_schema, regex, choice, grammar), chat=True, use_tqdm=use_tqdm,
-                         tools=schemas)
+        return texts, [self.tokenizer.encode(t) for t in texts], schemas
 
-    # ------------------------------------------------------------------------------------------------ internals
+    def _thinks(self, chat: bool) -> bool:
+        """Whether a chat's output may start with thinking (the template writes ``<think>``)."""
+        from pegainfer.text.reasoning import THINK_OPEN
+        return chat and THINK_OPEN in (self.engine.chat_template.source or "")
+
+    def _request(self, p: SamplingParams, j: int, grammar: Optional[str], start: Optional[str]) -> SamplingParams:
+        """Choice ``j``'s parameters: seed ``seed + j``; the output grammar, after the thinking when the output
+        starts thinking (``start``: ``reasoning_start`` of the prompt, None without a thinking template)."""
+        pj = dataclasses.replace(p, seed=None if p.seed is None else p.seed + j)
+        if grammar is not None:
+            pj.grammar = grammar
+            if start is not None:
+                pj.grammar_after_think = {"content": "no", "reasoning": "yes", "detect": "if_opened"}[start]
+        return pj
+
+    @staticmethod
+    def _chat_parser(start: Optional[str], tools: Optional[dict[str, dict]]):
+        """The parser that splits a chat answer into thinking, content and tool calls (the server's)."""
+        from pegainfer.text.chat_output import ChatOutputParser
+        from pegainfer.text.reasoning import ReasoningParser
+        from pegainfer.text.tool_calls import ToolCallParser
+        return ChatOutputParser(ReasoningParser(start) if start is not None else None,
+                                ToolCallParser(tools) if tools else None)
+
     def _params(self, sampling_params, count: int) -> list[SamplingParams]:
         if sampling_params is None:
             return [self.default_sampling_params()] * count
@@ -194,12 +232,11 @@ class LLM:
              grammar: Optional[str], chat: bool, use_tqdm: bool = False,
              tools: Optional[dict[str, dict]] = None) -> list[Generation]:
         from pegainfer.text.chat_output import ChatOutputParser
-        from pegainfer.text.reasoning import THINK_OPEN, ReasoningParser, reasoning_start
-        from pegainfer.text.tool_calls import ToolCallParser
+        from pegainfer.text.reasoning import reasoning_start
 
         if n < 1:
             raise PegainferError(f"n must be at least 1, got {n}")
-        thinks = chat and THINK_OPEN in (self.engine.chat_template.source or "")
+        thinks = self._thinks(chat)
         call = next(self._ids)
         results = [Generation(t, i) for t, i in zip(texts, ids)]
         state: dict[str, tuple[int, Completion, Optional[ChatOutputParser], list[str]]] = {}
@@ -207,19 +244,11 @@ class LLM:
             for k, (text, prompt_ids, p) in enumerate(zip(texts, ids, params)):
                 start = reasoning_start(text) if thinks else None
                 for j in range(n):
-                    pj = dataclasses.replace(p, seed=None if p.seed is None else p.seed + j)
-                    if grammar is not None:
-                        pj.grammar = grammar
-                        if thinks:   # the grammar holds the answer, after the thinking
-                            pj.grammar_after_think = {"content": "no", "reasoning": "yes",
-                                                      "detect": "if_opened"}[start]
                     rid = f"llm-{call}-{k}-{j}"
-                    self.engine.add_request(rid, prompt_ids, pj)
+                    self.engine.add_request(rid, prompt_ids, self._request(p, j, grammar, start))
                     choice = Completion(j, "", [], None, [] if p.logprobs is not None else None)
                     results[k].outputs.append(choice)
-                    parser = ChatOutputParser(ReasoningParser(start) if thinks else None,
-                                              ToolCallParser(tools) if tools else None) if chat else None
-                    state[rid] = (k, choice, parser, [])
+                    state[rid] = (k, choice, self._chat_parser(start, tools) if chat else None, [])
             self._drain(state, results, use_tqdm, bool(tools))
         except BaseException:
             for rid in state:
@@ -267,3 +296,97 @@ class LLM:
                         if chat_tools:
                             choice.tool_calls = answer.tool_calls
                             choice.content = (answer.content or None) if answer.tool_calls else answer.content
+
+
+@dataclass
+class StreamDelta:
+    """What one engine step added to a streamed request (``AsyncLLM``)."""
+
+    text: str                                        # the new text (whole UTF-8 characters; stop strings held back)
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: Optional[str] = None              # with the last delta
+    logprobs: Optional[list[TokenLogprob]] = None    # one per new token, with ``SamplingParams.logprobs``
+    reasoning_content: Optional[str] = None          # chat with a thinking template: new thinking text
+    content: Optional[str] = None                    # chat: new answer text
+    tool_calls: Optional[list[ToolCall]] = None      # chat with tools: calls this delta completed
+    error: Optional[str] = None                      # why it ended with "error"
+
+
+class AsyncLLM:
+    """The engine on a thread of its own, for asyncio programs (a web app, a bot): ``generate`` and ``chat`` are
+    async iterators of one request's ``StreamDelta``s as its tokens come, and requests started concurrently (tasks,
+    ``asyncio.gather``) run batched, as the server runs them (``engine/async_engine.py``, without HTTP).  Leaving an
+    iteration early, or cancelling its task, aborts the request.  Built like ``LLM`` (the model loads on the calling
+    thread); ``close()`` (or ``async with``) stops the thread.  Errors: ``PegainferError`` for a bad request, as
+    ``LLM``'s; an engine failure ends every stream with ``EngineStepError``."""
+
+    def __init__(self, model: Optional[str] = None, **options):
+        from pegainfer.engine.async_engine import AsyncEngine
+        self._llm = LLM(model, **options)
+        self.engine = self._llm.engine
+        self._async = AsyncEngine(self.engine).start()
+        self._async.wait_ready()
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def default_sampling_params(self) -> SamplingParams:
+        return self._llm.default_sampling_params()
+
+    async def generate(self, prompt: Prompt, sampling_params: Optional[SamplingParams] = None, *,
+                       json_schema: Optional[dict] = None, regex: Optional[str] = None,
+                       choice: Optional[Sequence[str]] = None, grammar: Optional[str] = None):
+        """Stream the completion of one prompt (a text or token ids), as ``LLM.generate``."""
+        texts, ids = self._llm._prompt_inputs(prompt)
+        if len(ids) != 1:
+            raise PegainferError("AsyncLLM.generate takes one prompt: start a task a prompt to run several at once")
+        p = self._llm._params(sampling_params, 1)[0]
+        request = self._llm._request(p, 0, self._llm._grammar(json_schema, regex, choice, grammar), None)
+        async for delta in self._stream(ids[0], request, None):
+            yield delta
+
+    async def chat(self, messages: Messages, sampling_params: Optional[SamplingParams] = None, *,
+                   add_generation_prompt: bool = True, continue_final_message: bool = False,
+                   tools: Optional[list[dict]] = None, chat_template_kwargs: Optional[dict] = None,
+                   json_schema: Optional[dict] = None, regex: Optional[str] = None,
+                   choice: Optional[Sequence[str]] = None, grammar: Optional[str] = None):
+        """Stream the answer to one conversation, as ``LLM.chat``: each delta's new text also split into
+        ``reasoning_content`` and ``content``, and the tool calls it completed."""
+        from pegainfer.text.reasoning import reasoning_start
+        texts, ids, schemas = self._llm._chat_inputs(messages, add_generation_prompt, continue_final_message, tools,
+                                                     chat_template_kwargs)
+        if len(ids) != 1:
+            raise PegainferError("AsyncLLM.chat takes one conversation: start a task a conversation to run several")
+        start = reasoning_start(texts[0]) if self._llm._thinks(True) else None
+        p = self._llm._params(sampling_params, 1)[0]
+        request = self._llm._request(p, 0, self._llm._grammar(json_schema, regex, choice, grammar), start)
+        async for delta in self._stream(ids[0], request, self._llm._chat_parser(start, schemas)):
+            yield delta
+
+    async def _stream(self, prompt_ids: list[int], params: SamplingParams, parser):
+        async for out in self._async.generate(f"async-{next(self._ids)}", prompt_ids, params):
+            delta = StreamDelta(out.delta_text, list(out.new_token_ids), out.finished, out.finish_reason,
+                                out.logprobs, error=out.error)
+            if parser is not None:
+                chunk = parser.push(out.delta_text)
+                if out.finished:
+                    chunk.add(parser.flush())
+                delta.content = chunk.content
+                if parser.reasoning is not None:
+                    delta.reasoning_content = chunk.reasoning
+                if parser.tool_parser is not None:
+                    delta.tool_calls = chunk.tool_calls
+            yield delta
+
+    def close(self) -> None:
+        """Stop the engine thread (requests still running are dropped)."""
+        self._async.shutdown()
+
+    async def __aenter__(self) -> "AsyncLLM":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()

@@ -45,7 +45,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mamba-ssm-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="Qwen3.5: the Gated DeltaNet state in memory (vLLM's flag). auto: the folder's "
                         "mamba_ssm_dtype (float32); bfloat16 halves the state a decode step reads and writes, "
-                        "rounding it as stored (faster batches, slightly different tokens). No effect on Qwen3")
+                        "rounding it as stored (slightly different tokens). No effect on Qwen3")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="least severe log messages shown on stderr (default info)")
     p.add_argument("--launch-policy", type=argtypes.launch_policy, default=None, metavar="FIELD=VALUE,...",

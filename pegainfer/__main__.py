@@ -91,8 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Stream a completion of --prompt to stdout, then print one summary line "
                                    "(prompt tokens, generated tokens, TTFT ms, TPOT ms, tok/s) on stderr.")
     _add_model_args(g)
-    g.add_argument("--prompt", default="Hello, my name is",
-                   help="the prompt text (raw, no chat template; default: %(default)r)")
+    source = g.add_mutually_exclusive_group()
+    source.add_argument("--prompt", default="Hello, my name is",
+                        help="the prompt text (raw, no chat template; default: %(default)r)")
+    source.add_argument("--prompt-file", type=argtypes.text_file, default=None, metavar="FILE",
+                        help="read the prompt from FILE (UTF-8; - for stdin) instead of --prompt")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as one user message with the chat template")
     add_chat_template_argument(g)
     fmt = g.add_mutually_exclusive_group()
@@ -241,7 +244,7 @@ def cmd_generate(args) -> int:
 
     engine = _load_engine(args)
     params = _sampling_params(args, engine)
-    prompt = args.prompt
+    prompt = args.prompt if args.prompt_file is None else args.prompt_file
     if args.chat:
         if engine.chat_template is None:
             raise PegainferError("--chat: this model folder has no chat template")

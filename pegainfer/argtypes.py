@@ -227,6 +227,24 @@ def add_hub_arguments(p: argparse.ArgumentParser) -> None:
                         "~/.cache/huggingface/hub)")
 
 
+def text_file(path: str) -> str:
+    """``--prompt-file``: the UTF-8 text of a file, or of stdin for ``-``, read while the flags are read."""
+    import sys
+    try:
+        if path == "-":
+            return sys.stdin.read()
+        with open(os.path.expanduser(path), encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise argparse.ArgumentTypeError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise argparse.ArgumentTypeError(f"{path} is a folder, not a file") from None
+    except UnicodeDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path} ({e.strerror})") from None
+
+
 def origins(text: str) -> list[str]:
     """``--allowed-origins`` and the like: a JSON list of strings (vLLM's form, ``'["https://a.example"]'``) or
     comma-separated values (``*`` for any)."""

@@ -145,6 +145,8 @@ BAD_VALUES = [
     (("chat", "--chat-template", "{{ unclosed"), "the chat template does not compile (line 1"),
     (("serve", "--allowed-origins", "[1, 2]"), "JSON list of strings"),
     (("serve", "--allowed-origins", " , "), "at least one value"),
+    (("generate", "--prompt-file", "/nonexistent/prompt.txt"), "no such file"),
+    (("generate", "--prompt-file", "/"), "is a folder"),
 ]
 
 
@@ -257,6 +259,26 @@ def test_mamba_ssm_cache_dtype_reaches_every_commands_engine(monkeypatch, tmp_pa
             assert seen.pop() == want, (argv, extra)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--mamba-ssm-cache-dtype", "float16"])
+
+
+def test_generate_reads_the_prompt_from_a_file_or_stdin(tmp_path):
+    """``--prompt-file FILE`` and ``--prompt-file -`` (stdin) give the prompt's tokens (the summary counts them) and
+    the same greedy text."""
+    from pegainfer.demo import ensure_demo_model
+    from pegainfer.text.tokenizer import Tokenizer
+    text = "The capital of France is\nParis, and"
+    (tmp_path / "p.txt").write_text(text, encoding="utf-8")
+    args = ("generate", "--max-tokens", "2", "--temperature", "0", "--ignore-eos")
+    from_file = run_cli(*args, "--prompt-file", str(tmp_path / "p.txt"))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    from_stdin = subprocess.run([sys.executable, "-m", "pegainfer", *args, "--prompt-file", "-"], input=text,
+                                capture_output=True, text=True, timeout=900, env=env)
+    assert from_file.returncode == from_stdin.returncode == 0, from_file.stderr + from_stdin.stderr
+    assert from_file.stdout == from_stdin.stdout and from_file.stdout.strip()
+    n = len(Tokenizer.from_folder(ensure_demo_model()).encode(text))
+    for r in (from_file, from_stdin):
+        summary = [m for m in map(SUMMARY.fullmatch, r.stderr.splitlines()) if m]
+        assert len(summary) == 1 and int(summary[0].group(1)) == n, r.stderr
 
 
 def test_generate_renders_the_prompt_with_the_given_chat_template(tmp_path):

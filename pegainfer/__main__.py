@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="pegainfer: Qwen3 / Qwen3.5 inference with readable Numba-CUDA kernels. Without a GPU every "
                     "kernel runs in Numba's CUDA simulator (slow: only the tiny demo model is practical).")
     parser.add_argument("--version", action="version", version=f"pegainfer {pegainfer.__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{generate,chat,serve,run-batch,bench,bench-serve}")
+    sub = parser.add_subparsers(dest="command", metavar="{generate,chat,serve,run-batch,bench,bench-serve,env}")
 
     g = sub.add_parser("generate", help="stream a completion of one prompt to stdout",
                        description="Stream a completion of --prompt to stdout, then print one summary line "
@@ -163,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
                                     "Hugging Face transformers' continuous batching for a side-by-side.")
     from pegainfer.bench_serve import add_bench_serve_arguments
     add_bench_serve_arguments(bs)
+
+    e = sub.add_parser("env", help="what this machine has, for a bug report (no model is loaded)",
+                       description="Print pegainfer's and Python's versions, where kernels run (the GPU or the "
+                                   "simulator) and why, the GPU, its memory and which projection kernels it takes, "
+                                   "whether the CUDA compiler libraries load, the packages' versions and the caches.")
+    e.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     return parser
 
 
@@ -367,7 +373,7 @@ def check_model_folder(args) -> None:
     kernels: seconds, ten in the simulator), so a missing folder or an unsupported model is a one-line error at
     once.  A Hub id is fetched first (``hub.py``) and ``args.model_path`` becomes its local folder.  The engine
     reads the folder again, in full, when it loads."""
-    if args.model_path is not None:
+    if getattr(args, "model_path", None) is not None:
         from pegainfer.config import load_model_config
         from pegainfer.hub import local_folder
         folder = local_folder(args.model_path, getattr(args, "revision", None), getattr(args, "download_dir", None))
@@ -381,7 +387,8 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("numba").setLevel(logging.WARNING)   # numba logs every device free at INFO
     from pegainfer.errors import PegainferError
     if getattr(args, "model", None) is not None:          # serve MODEL
@@ -406,6 +413,9 @@ def main(argv=None) -> int:
         if args.command == "bench-serve":
             from pegainfer.bench_serve import run_bench_serve
             return run_bench_serve(args) or 0
+        if args.command == "env":
+            from pegainfer.env_report import run_env
+            return run_env(args)
     except PegainferError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

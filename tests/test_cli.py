@@ -20,7 +20,7 @@ def run_cli(*args, timeout=900, cwd=None):
 def test_help_explains_commands():
     r = run_cli("--help")
     assert r.returncode == 0
-    for word in ("generate", "serve", "bench", "bench-serve"):
+    for word in ("generate", "serve", "bench", "bench-serve", "env"):
         assert word in r.stdout
     r = run_cli("generate", "--help")
     assert r.returncode == 0
@@ -259,6 +259,25 @@ def test_mamba_ssm_cache_dtype_reaches_every_commands_engine(monkeypatch, tmp_pa
             assert seen.pop() == want, (argv, extra)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--mamba-ssm-cache-dtype", "float16"])
+
+
+def test_env_reports_where_kernels_run_and_the_versions():
+    """``env`` (no model loaded): where kernels run and why, pegainfer's and the packages' versions, as lines or as
+    one JSON object."""
+    import importlib.metadata
+
+    import pegainfer
+    r = run_cli("env")
+    assert r.returncode == 0, r.stderr
+    assert re.search(rf"^pegainfer +{re.escape(pegainfer.__version__)} \(", r.stdout, re.M), r.stdout
+    assert re.search(r"^kernels run on +(Numba's CUDA simulator|the GPU)$", r.stdout, re.M), r.stdout
+    r = run_cli("env", "--json")
+    got = json.loads(r.stdout)
+    assert got["numba-cuda"] == importlib.metadata.version("numba-cuda")
+    assert got["kernels run on"] == ("Numba's CUDA simulator" if pegainfer.SIMULATOR else "the GPU")
+    assert got["because"] and got["hugging face cache"]
+    if not pegainfer.SIMULATOR:
+        assert got["gpu"] and "compute capability" in got and "could not" not in got["gpu"]
 
 
 def test_generate_reads_the_prompt_from_a_file_or_stdin(tmp_path):

@@ -43,10 +43,11 @@ import tools.ptx_snapshot as snap  # noqa: E402  (sets the stand-in H200 up befo
 _PARAM = re.compile(r"ld\.param\.\w+\s+(%\w+),\s*\[(\w+)\]")
 _REG = re.compile(r"%\w+")
 _WAIT = "griddepcontrol.wait"
-MODELS = ("4b", "3.5-4b")
+MODELS = ("4b", "3.5-4b", "3.5-4b-bf16-state")
 CASES = ("decode1", "decode8", "prefill16", "prefill512", "score1")
-"""Between them these launch every overlapped kernel variant that the two models' every engine step shape
-(``ptx_snapshot.every_engine_case``) does (25 kernels with the default launch policy when written)."""
+"""Between them these launch every overlapped kernel variant that the models' every engine step shape
+(``ptx_snapshot.every_engine_case``) does (25 kernels with the default launch policy when written; 26 with Qwen3.5's
+decode step on a bf16 state)."""
 
 
 def param_owner(kernel, types) -> dict[int, str]:

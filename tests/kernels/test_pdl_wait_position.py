@@ -1,6 +1,7 @@
 """Every overlapped (PDL) launch of the engine's steps waits before its first global write and reads before its wait
 only what its kernel declares (``reads_before_wait``): ``tools/pdl_early_reads.py`` over the sm_90a code of the
-kernels the real steps launch (Qwen3-4B and Qwen3.5-4B shapes, the default launch policy).
+kernels the real steps launch (Qwen3-4B and Qwen3.5-4B shapes, the latter also with its state in bf16; the default
+launch policy).
 
 The tool compiles with NVVM (``numba-cuda[cu13]``, in the ``test`` extra) and stands a fake H200 in for numba's GPU,
 so it runs in a process of its own (this one runs the simulator): about 45 s on one core.

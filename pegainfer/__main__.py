@@ -9,6 +9,7 @@ import contextlib
 import logging
 import sys
 import time
+from typing import Optional
 
 import pegainfer
 
@@ -97,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt-file", type=argtypes.text_file, default=None, metavar="FILE",
                         help="read the prompt from FILE (UTF-8; - for stdin) instead of --prompt")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as one user message with the chat template")
-    add_chat_template_argument(g)
+    add_chat_template_argument(g, kwargs=True)
     fmt = g.add_mutually_exclusive_group()
     fmt.add_argument("--json-schema", metavar="FILE", default=None,
                      help="hold the output to the JSON schema in FILE (structured output: it stops when complete)")
@@ -111,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "out when the context is full). " + CHAT_HELP + ".")
     _add_model_args(c)
     c.add_argument("--system", default=None, help="a system message at the start of every conversation")
-    add_chat_template_argument(c)
+    add_chat_template_argument(c, kwargs=True)
     _add_sampling_args(c)
 
     rb = sub.add_parser("run-batch", help="answer a JSONL file of requests (OpenAI's Batch API format) offline",
@@ -206,14 +207,42 @@ def _load_engine(args):
     return engine
 
 
-def _stream(engine, ids, params, request_id: str = "cli") -> str:
-    """Generate from ``ids``, writing the text to stdout as it comes, then the summary line on stderr; returns the
-    text."""
+DIM, RESET = "\x1b[2m", "\x1b[0m"
+
+
+class _Writer:
+    """Writes a chat answer to stdout as it comes: on a terminal, given how the output starts (``reasoning_start``
+    of the prompt), the model's thinking dimmed and its tags dropped (``text/reasoning.py``); else the text as is."""
+
+    def __init__(self, thinking: Optional[str]):
+        from pegainfer.text.reasoning import ReasoningParser
+        self.parser = ReasoningParser(thinking) if thinking is not None and sys.stdout.isatty() else None
+
+    def _out(self, reasoning: str, content: str) -> None:
+        if reasoning:
+            sys.stdout.write(DIM + reasoning + RESET)
+        sys.stdout.write(content)
+        sys.stdout.flush()
+
+    def write(self, text: str) -> None:
+        if self.parser is None:
+            self._out("", text)
+        else:
+            self._out(*self.parser.push(text))
+
+    def close(self) -> None:
+        if self.parser is not None:
+            self._out(*self.parser.flush())
+
+
+def _stream(engine, ids, params, request_id: str = "cli", thinking: Optional[str] = None) -> str:
+    """Generate from ``ids``, writing the text to stdout as it comes (``thinking``: see ``_Writer``), then the
+    summary line on stderr; returns the text."""
     from pegainfer.engine.progress import PrefillProgress
 
     # in the simulator a prefill takes seconds: show it kernel by kernel on a terminal until the first token
     progress = PrefillProgress(len(ids), engine.prefill_launches) if pegainfer.SIMULATOR else contextlib.nullcontext()
-    text = []
+    text, writer = [], _Writer(thinking)
     with progress as prefill:
         t_start = time.perf_counter()
         engine.add_request(request_id, ids, params)
@@ -229,11 +258,11 @@ def _stream(engine, ids, params, request_id: str = "cli") -> str:
                 n_out = out.completion_tokens or n_out
                 if out.delta_text:
                     text.append(out.delta_text)
-                    sys.stdout.write(out.delta_text)
-                    sys.stdout.flush()
+                    writer.write(out.delta_text)
                 if out.finished:
                     reason = out.finish_reason
         t_end = time.perf_counter()
+    writer.close()
     sys.stdout.write("\n")
     sys.stdout.flush()
     ttft = ((t_first or t_end) - t_start) * 1e3
@@ -254,7 +283,8 @@ def cmd_generate(args) -> int:
     if args.chat:
         if engine.chat_template is None:
             raise PegainferError("--chat: this model folder has no chat template")
-        prompt = engine.chat_template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        prompt = engine.chat_template.render([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             **args.chat_template_kwargs)
     params.grammar = _output_grammar(args, engine)
     if params.grammar is not None and args.chat and "<think>" in engine.chat_template.source:
         from pegainfer.text.reasoning import reasoning_start   # the grammar applies after the thinking
@@ -264,8 +294,16 @@ def cmd_generate(args) -> int:
     if not ids:
         raise PegainferError("the prompt is empty after tokenization: pass some text with --prompt")
     with maybe_trace(args.trace_output_path, engine):
-        _stream(engine, ids, params)
+        _stream(engine, ids, params, thinking=_thinking(engine, prompt) if args.chat else None)
     return 0
+
+
+def _thinking(engine, prompt_text: str) -> Optional[str]:
+    """How a chat answer to ``prompt_text`` starts (``reasoning_start``) when the template thinks, else None."""
+    from pegainfer.text.reasoning import THINK_OPEN, reasoning_start
+    if engine.chat_template is None or THINK_OPEN not in (engine.chat_template.source or ""):
+        return None
+    return reasoning_start(prompt_text)
 
 
 def _output_grammar(args, engine):
@@ -303,7 +341,8 @@ def _output_grammar(args, engine):
 CHAT_HELP = "type a message and Enter; /reset starts a new conversation, /exit (or Ctrl-D) leaves"
 
 
-def chat_prompt(engine, messages: list[dict], max_tokens: int) -> tuple[list[int], int]:
+def chat_prompt(engine, messages: list[dict], max_tokens: int, template_kwargs: Optional[dict] = None
+                ) -> tuple[list[int], int]:
     """The token ids of the conversation (the chat template, a generation prompt after it) with room for
     ``max_tokens`` more in the context: the oldest turns (a question and its answer, after a system message) are
     left out until it fits.  Returns (ids, how many messages were left out); ids are empty when even the last
@@ -312,7 +351,8 @@ def chat_prompt(engine, messages: list[dict], max_tokens: int) -> tuple[list[int
     dropped = 0
     while True:
         shown = messages[:system] + messages[system + dropped:]
-        ids = engine.tokenizer.encode(engine.chat_template.render(shown, add_generation_prompt=True))
+        ids = engine.tokenizer.encode(engine.chat_template.render(shown, add_generation_prompt=True,
+                                                                  **(template_kwargs or {})))
         if len(ids) + max_tokens <= engine.max_model_len or system + dropped >= len(messages) - 1:
             break
         dropped = min(dropped + 2, len(messages) - 1 - system)
@@ -352,7 +392,7 @@ def cmd_chat(args) -> int:
         if not text.strip():
             continue
         messages.append({"role": "user", "content": text})
-        ids, dropped = chat_prompt(engine, messages, params.max_tokens)
+        ids, dropped = chat_prompt(engine, messages, params.max_tokens, args.chat_template_kwargs)
         if not ids:
             messages.pop()
             print(f"[pegainfer] that message does not fit the context ({engine.max_model_len} tokens, "
@@ -363,7 +403,8 @@ def cmd_chat(args) -> int:
                   file=sys.stderr)
         room = engine.max_model_len - len(ids)
         turn_params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
-        answer = _stream(engine, ids, turn_params, request_id=f"chat-{turn}")
+        answer = _stream(engine, ids, turn_params, request_id=f"chat-{turn}",
+                         thinking=_thinking(engine, engine.tokenizer.decode(ids[-16:])))
         messages.append({"role": "assistant", "content": answer})
         turn += 1
 

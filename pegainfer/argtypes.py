@@ -211,11 +211,16 @@ def chat_template(text: str) -> str:
     return source
 
 
-def add_chat_template_argument(p: argparse.ArgumentParser) -> None:
-    """``--chat-template`` on an ``argparse`` parser, for every command that renders chat messages."""
+def add_chat_template_argument(p: argparse.ArgumentParser, kwargs: bool = False) -> None:
+    """``--chat-template`` on an ``argparse`` parser, for every command that renders chat messages; with
+    ``kwargs``, ``--chat-template-kwargs`` too (commands that render the messages they read themselves)."""
     p.add_argument("--chat-template", type=chat_template, default=None, metavar="FILE_OR_TEXT",
                    help="a chat template that replaces the model folder's: the path of a Jinja file (or of a JSON "
                         "file with a 'chat_template' string), or the template's text")
+    if kwargs:
+        p.add_argument("--chat-template-kwargs", type=json_object, default={}, metavar="JSON",
+                       help="more variables for the chat template, as a JSON object (e.g. "
+                            "'{\"enable_thinking\": false}': Qwen3 answers without thinking first)")
 
 
 def add_hub_arguments(p: argparse.ArgumentParser) -> None:
@@ -225,6 +230,18 @@ def add_hub_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--download-dir", default=None, metavar="DIR",
                    help="with a Hub id: the Hugging Face cache to fetch into and read from (default: HF_HUB_CACHE, "
                         "~/.cache/huggingface/hub)")
+
+
+def json_object(text: str) -> dict:
+    """``--chat-template-kwargs``: a JSON object, e.g. ``'{"enable_thinking": false}'``."""
+    import json
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return value
 
 
 def text_file(path: str) -> str:

@@ -146,6 +146,8 @@ BAD_VALUES = [
     (("serve", "--allowed-origins", "[1, 2]"), "JSON list of strings"),
     (("serve", "--allowed-origins", " , "), "at least one value"),
     (("generate", "--prompt-file", "/nonexistent/prompt.txt"), "no such file"),
+    (("chat", "--chat-template-kwargs", "[1]"), "expected a JSON object"),
+    (("generate", "--chat-template-kwargs", "{"), "not JSON"),
     (("generate", "--prompt-file", "/"), "is a folder"),
 ]
 
@@ -278,6 +280,47 @@ def test_env_reports_where_kernels_run_and_the_versions():
     assert got["because"] and got["hugging face cache"]
     if not pegainfer.SIMULATOR:
         assert got["gpu"] and "compute capability" in got and "could not" not in got["gpu"]
+
+
+def test_chat_template_kwargs_reach_the_template():
+    """``generate --chat --chat-template-kwargs '{"enable_thinking": false}'``: the prompt is the template rendered
+    with the variable (the summary counts its tokens: the closed think block Qwen3's template then writes)."""
+    from pegainfer.demo import ensure_demo_model
+    from pegainfer.text.chat import ChatTemplate
+    from pegainfer.text.tokenizer import Tokenizer
+    folder = ensure_demo_model()
+    messages = [{"role": "user", "content": "Hi"}]
+    template = ChatTemplate.from_folder(folder)
+    off = template.render(messages, add_generation_prompt=True, enable_thinking=False)
+    assert off != template.render(messages, add_generation_prompt=True)       # the variable matters to it
+    r = run_cli("generate", "--chat", "--prompt", "Hi", "--max-tokens", "2", "--chat-template-kwargs",
+                '{"enable_thinking": false}')
+    assert r.returncode == 0, r.stderr
+    summary = [m for m in map(SUMMARY.fullmatch, r.stderr.splitlines()) if m]
+    assert int(summary[0].group(1)) == len(Tokenizer.from_folder(folder).encode(off))
+
+
+def test_a_terminal_sees_the_thinking_dimmed(monkeypatch):
+    """On a terminal a chat answer's thinking is dimmed and its tags dropped; piped, the text is written as is."""
+    import io
+
+    from pegainfer.__main__ import DIM, RESET, _Writer
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    for stdout, want in ((Terminal(), DIM + "Let me see." + RESET + "Blue."),
+                         (io.StringIO(), "<think>\nLet me see.\n</think>\n\nBlue.")):
+        monkeypatch.setattr(sys, "stdout", stdout)
+        writer = _Writer("detect")
+        for piece in ("<thi", "nk>\nLet me", " see.\n</th", "ink>\n\nBlue."):
+            writer.write(piece)
+        writer.close()
+        assert stdout.getvalue().replace(RESET + DIM, "") == want, stdout.getvalue()    # (dimmed piece by piece)
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    writer = _Writer(None)                      # a template that does not think: as is, on a terminal too
+    writer.write("<think>x</think>y")
+    assert sys.stdout.getvalue() == "<think>x</think>y"
 
 
 def test_generate_reads_the_prompt_from_a_file_or_stdin(tmp_path):

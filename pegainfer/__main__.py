@@ -286,22 +286,22 @@ def cmd_generate(args) -> int:
         prompt = engine.chat_template.render([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                              **args.chat_template_kwargs)
     params.grammar = _output_grammar(args, engine)
-    if params.grammar is not None and args.chat and "<think>" in engine.chat_template.source:
-        from pegainfer.text.reasoning import reasoning_start   # the grammar applies after the thinking
-        params.grammar_after_think = {"content": "no", "reasoning": "yes", "detect": "if_opened"}[
-            reasoning_start(prompt)]
+    thinking = _thinking(engine, prompt) if args.chat else None
+    if params.grammar is not None and thinking is not None:    # the grammar applies after the thinking
+        from pegainfer.text.structured import grammar_after_think
+        params.grammar_after_think = grammar_after_think(thinking)
     ids = engine.tokenizer.encode(prompt)
     if not ids:
         raise PegainferError("the prompt is empty after tokenization: pass some text with --prompt")
     with maybe_trace(args.trace_output_path, engine):
-        _stream(engine, ids, params, thinking=_thinking(engine, prompt) if args.chat else None)
+        _stream(engine, ids, params, thinking=thinking)
     return 0
 
 
 def _thinking(engine, prompt_text: str) -> Optional[str]:
     """How a chat answer to ``prompt_text`` starts (``reasoning_start``) when the template thinks, else None."""
-    from pegainfer.text.reasoning import THINK_OPEN, reasoning_start
-    if engine.chat_template is None or THINK_OPEN not in (engine.chat_template.source or ""):
+    from pegainfer.text.reasoning import reasoning_start
+    if engine.chat_template is None or not engine.chat_template.writes_thinking:
         return None
     return reasoning_start(prompt_text)
 
@@ -328,14 +328,7 @@ def _output_grammar(args, engine):
         flag, make = "--choice", lambda: compiler.choice(choices)
     else:
         return None
-    try:
-        grammar = make()
-        error = compiler.check(grammar)
-    except ValueError as e:
-        error = str(e)
-    if error:
-        raise PegainferError(f"{flag} cannot be followed: {error}")
-    return grammar
+    return compiler.followable(flag, make)
 
 
 CHAT_HELP = "type a message and Enter; /reset starts a new conversation, /exit (or Ctrl-D) leaves"

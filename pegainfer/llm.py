@@ -176,8 +176,7 @@ class LLM:
 
     def _thinks(self, chat: bool) -> bool:
         """Whether a chat's output may start with thinking (the template writes ``<think>``)."""
-        from pegainfer.text.reasoning import THINK_OPEN
-        return chat and THINK_OPEN in (self.engine.chat_template.source or "")
+        return chat and self.engine.chat_template.writes_thinking
 
     def _request(self, p: SamplingParams, j: int, grammar: Optional[str], start: Optional[str]) -> SamplingParams:
         """Choice ``j``'s parameters: seed ``seed + j``; the output grammar, after the thinking when the output
@@ -186,7 +185,8 @@ class LLM:
         if grammar is not None:
             pj.grammar = grammar
             if start is not None:
-                pj.grammar_after_think = {"content": "no", "reasoning": "yes", "detect": "if_opened"}[start]
+                from pegainfer.text.structured import grammar_after_think
+                pj.grammar_after_think = grammar_after_think(start)
         return pj
 
     @staticmethod
@@ -218,15 +218,9 @@ class LLM:
                                  f"{given[1][0]}")
         compiler = self.engine.grammar_compiler
         name, value = given[0]
-        try:
-            text = {"json_schema": compiler.json_schema, "regex": compiler.regex,
-                    "choice": lambda v: compiler.choice(list(v)), "grammar": compiler.lark}[name](value)
-            error = compiler.check(text)
-        except ValueError as e:
-            error = str(e)
-        if error:
-            raise PegainferError(f"{name} cannot be followed: {error}")
-        return text
+        make = {"json_schema": compiler.json_schema, "regex": compiler.regex,
+                "choice": lambda v: compiler.choice(list(v)), "grammar": compiler.lark}[name]
+        return compiler.followable(name, lambda: make(value))
 
     def _run(self, texts: list[Optional[str]], ids: list[list[int]], params: list[SamplingParams], n: int,
              grammar: Optional[str], chat: bool, use_tqdm: bool = False,

@@ -59,6 +59,7 @@ from pegainfer.server.request_context import RequestIdMiddleware, RequestLog, in
 from pegainfer.server.sse import SSE_DONE, ChunkTemplate, ClientDisconnected, ClientWatch, EventStreamResponse, sse
 from pegainfer.text.chat_output import ChatDelta, ChatOutputParser
 from pegainfer.text.reasoning import REASONING_PARSERS, ReasoningParser, reasoning_start
+from pegainfer.text.structured import grammar_after_think
 from pegainfer.text.tool_calls import ToolCallParser
 
 log = logging.getLogger("pegainfer.server")
@@ -135,7 +136,7 @@ class OpenAIServer:
         writes ``<think>`` blocks (Qwen3, Qwen3.5), none otherwise."""
         if self.reasoning_parser == "auto":
             template = engine.chat_template
-            return "qwen3" if template is not None and "<think>" in template.source else None
+            return "qwen3" if template is not None and template.writes_thinking else None
         return None if self.reasoning_parser == "none" else self.reasoning_parser
 
     def request_log(self, request: Request, prefix: str, route: str, n: int = 1) -> RequestLog:
@@ -529,7 +530,7 @@ class OpenAIServer:
         if grammar is not None:
             params.grammar = grammar
             start = reasoning_start(prompt_text) if thinking else "content"
-            params.grammar_after_think = {"content": "no", "reasoning": "yes", "detect": "if_opened"}[start]
+            params.grammar_after_think = grammar_after_think(start)
         top_n = params.logprobs or 0
         rid, choices, watch = await self._submit(request, prefix, route, [(ids, params)], req.n)
         name = self.model_name()

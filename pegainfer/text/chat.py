@@ -64,6 +64,11 @@ class ChatTemplate:
             raise ModelFolderError(f"the chat template does not compile (line {e.lineno}: {e.message}): "
                                    f"fix {origin}") from None
 
+    @property
+    def writes_thinking(self) -> bool:
+        """Whether the template writes ``<think>`` blocks (Qwen3, Qwen3.5): a chat answer may start with thinking."""
+        return "<think>" in self.source
+
     @classmethod
     def from_folder(cls, folder: Union[str, Path], source: Optional[str] = None) -> Optional["ChatTemplate"]:
         """The folder's template with its special-token strings, or None when the folder has no template.

@@ -34,12 +34,20 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 THINK_NO, THINK_YES, THINK_IF_OPENED = "no", "yes", "if_opened"   # SamplingParams.grammar_after_think
+
+
+def grammar_after_think(start: str) -> str:
+    """``SamplingParams.grammar_after_think`` of a chat answer that starts as ``start`` (``reasoning_start``):
+    from the first token when it starts with the answer, after ``</think>`` when it starts thinking, after a
+    ``</think>`` if it opens a ``<think>`` when either may come."""
+    from pegainfer.text.reasoning import CONTENT, REASONING
+    return {CONTENT: THINK_NO, REASONING: THINK_YES}.get(start, THINK_IF_OPENED)
 
 
 def _styled(schema: dict) -> dict:
@@ -189,6 +197,19 @@ class GrammarCompiler:
         from llguidance import LLMatcher
         error = LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
         return " ".join(error.split()) or None
+
+    def followable(self, what: str, make: Callable[[], str]) -> str:
+        """The grammar ``make()`` builds, checked: a ``PegainferError`` "``what`` cannot be followed: why" when it
+        cannot be built or followed (the command line's and the Python API's output formats)."""
+        from pegainfer.errors import PegainferError
+        try:
+            grammar = make()
+            error = self.check(grammar)
+        except ValueError as e:
+            error = str(e)
+        if error:
+            raise PegainferError(f"{what} cannot be followed: {error}")
+        return grammar
 
     def constraint(self, grammar: str, after_think: str = THINK_NO) -> "TokenConstraint":
         """A fresh matcher for one request (raises ``ValueError`` when the grammar cannot be followed)."""

@@ -175,14 +175,11 @@ def test_a_bad_value_stops_the_command_before_anything_loads(args):
     assert "[pegainfer]" not in r.stderr and not r.stdout    # the device line and the model load come later
 
 
-def test_launch_policy_reaches_every_commands_engine(monkeypatch):
-    """``--launch-policy``: generate, serve and bench build their engine with the default policy changed by those
-    fields (and without it, with the default itself)."""
-    from pegainfer.__main__ import build_parser, cmd_generate
-    from pegainfer.bench import run_bench
+def engine_option_of_each_command(monkeypatch, option, commands, cases):
+    """For each command line ``argv + extra`` (``commands``: (argv, the function that builds its engine); ``cases``:
+    (extra, want)), the ``option`` keyword its ``Engine.from_folder`` gets must be ``want`` (the build stops there)."""
+    from pegainfer.__main__ import build_parser
     from pegainfer.engine.engine import Engine
-    from pegainfer.kernels.policy import LaunchPolicy
-    from pegainfer.server import engine_from_args
 
     seen = []
 
@@ -190,17 +187,34 @@ def test_launch_policy_reaches_every_commands_engine(monkeypatch):
         pass
 
     def recording(cls, *a, **kw):
-        seen.append(kw.get("policy"))
+        seen.append(kw.get(option))
         raise Stop
     monkeypatch.setattr(Engine, "from_folder", classmethod(recording))
-    want = LaunchPolicy(pdl=frozenset(), head_argmax=False)
-    for argv, run in ((["generate"], cmd_generate), (["serve"], engine_from_args), (["bench"], run_bench),
-                      (["bench", "--batch", "2"], run_bench)):
-        for extra, policy in (([], LaunchPolicy()), (["--launch-policy", "pdl=none,head_argmax=off"], want)):
-            args = build_parser().parse_args(argv + extra)
+    for argv, run in commands:
+        for extra, want in cases:
             with pytest.raises(Stop):
-                run(args)
-            assert seen.pop() == policy, (argv, extra)
+                run(build_parser().parse_args(argv + extra))
+            assert seen.pop() == want, (argv, extra)
+
+
+def batch_files(tmp_path) -> list[str]:
+    return ["-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")]
+
+
+def test_launch_policy_reaches_every_commands_engine(monkeypatch):
+    """``--launch-policy``: generate, serve and bench build their engine with the default policy changed by those
+    fields (and without it, with the default itself)."""
+    from pegainfer.__main__ import cmd_generate
+    from pegainfer.bench import run_bench
+    from pegainfer.kernels.policy import LaunchPolicy
+    from pegainfer.server import engine_from_args
+
+    engine_option_of_each_command(
+        monkeypatch, "policy",
+        [(["generate"], cmd_generate), (["serve"], engine_from_args), (["bench"], run_bench),
+         (["bench", "--batch", "2"], run_bench)],
+        [([], LaunchPolicy()), (["--launch-policy", "pdl=none,head_argmax=off"],
+                                LaunchPolicy(pdl=frozenset(), head_argmax=False))])
 
 
 def test_chat_template_flag_reaches_every_commands_engine(monkeypatch, tmp_path):
@@ -208,30 +222,18 @@ def test_chat_template_flag_reaches_every_commands_engine(monkeypatch, tmp_path)
     from a Jinja file, from a JSON file's ``chat_template`` or given inline; without the flag, None (the folder's)."""
     import json
 
-    from pegainfer.__main__ import _load_engine, build_parser
-    from pegainfer.engine.engine import Engine
+    from pegainfer.__main__ import _load_engine
     from pegainfer.server import engine_from_args
 
     text = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
     (tmp_path / "t.jinja").write_text(text)
     (tmp_path / "t.json").write_text(json.dumps({"chat_template": text}))
-    seen = []
-
-    class Stop(Exception):
-        pass
-
-    def recording(cls, *a, **kw):
-        seen.append(kw.get("chat_template"))
-        raise Stop
-    monkeypatch.setattr(Engine, "from_folder", classmethod(recording))
-    batch = ["-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")]
-    for argv, run in ((["generate", "--chat"], _load_engine), (["chat"], _load_engine), (["serve"], engine_from_args),
-                      (["run-batch"] + batch, engine_from_args)):
-        for extra, want in (([], None), (["--chat-template", str(tmp_path / "t.jinja")], text),
-                            (["--chat-template", str(tmp_path / "t.json")], text), (["--chat-template", text], text)):
-            with pytest.raises(Stop):
-                run(build_parser().parse_args(argv + extra))
-            assert seen.pop() == want, (argv, extra)
+    engine_option_of_each_command(
+        monkeypatch, "chat_template",
+        [(["generate", "--chat"], _load_engine), (["chat"], _load_engine), (["serve"], engine_from_args),
+         (["run-batch"] + batch_files(tmp_path), engine_from_args)],
+        [([], None), (["--chat-template", str(tmp_path / "t.jinja")], text),
+         (["--chat-template", str(tmp_path / "t.json")], text), (["--chat-template", text], text)])
 
 
 def test_mamba_ssm_cache_dtype_reaches_every_commands_engine(monkeypatch, tmp_path):
@@ -239,26 +241,14 @@ def test_mamba_ssm_cache_dtype_reaches_every_commands_engine(monkeypatch, tmp_pa
     it; ``auto`` without the flag; a value other than auto / float32 / bfloat16 is refused while parsing."""
     from pegainfer.__main__ import _load_engine, build_parser
     from pegainfer.bench import run_bench
-    from pegainfer.engine.engine import Engine
     from pegainfer.server import engine_from_args
 
-    seen = []
-
-    class Stop(Exception):
-        pass
-
-    def recording(cls, *a, **kw):
-        seen.append(kw.get("mamba_ssm_cache_dtype"))
-        raise Stop
-    monkeypatch.setattr(Engine, "from_folder", classmethod(recording))
-    batch = ["-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")]
-    for argv, run in ((["generate"], _load_engine), (["chat"], _load_engine), (["serve"], engine_from_args),
-                      (["run-batch"] + batch, engine_from_args), (["bench"], run_bench),
-                      (["bench", "--batch", "2"], run_bench)):
-        for extra, want in (([], "auto"), (["--mamba-ssm-cache-dtype", "bfloat16"], "bfloat16")):
-            with pytest.raises(Stop):
-                run(build_parser().parse_args(argv + extra))
-            assert seen.pop() == want, (argv, extra)
+    engine_option_of_each_command(
+        monkeypatch, "mamba_ssm_cache_dtype",
+        [(["generate"], _load_engine), (["chat"], _load_engine), (["serve"], engine_from_args),
+         (["run-batch"] + batch_files(tmp_path), engine_from_args), (["bench"], run_bench),
+         (["bench", "--batch", "2"], run_bench)],
+        [([], "auto"), (["--mamba-ssm-cache-dtype", "bfloat16"], "bfloat16")])
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--mamba-ssm-cache-dtype", "float16"])
 

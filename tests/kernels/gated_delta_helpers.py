@@ -179,9 +179,10 @@ def decode_inputs(rng, layer, num_tokens):
 def run_rule(form, layer, qkv_bits, a_bits, b_bits, state, slots, lengths, chunk=4, geometry=None):
     """Run the reference kernel (``form="reference"``) or the chunked one on tensor cores (``"mma"``, chunks of
     ``chunk`` tokens, at ``geometry`` if given) on ``lengths`` tokens of sequences in ``slots`` (rows of ``qkv_bits``
-    past them: padding); returns (out as float64, final state)."""
+    past them: padding); returns (out as float64, final state).  A state of bf16 bits (uint16) stays one, any other
+    becomes f32."""
     slot_ids, token_offsets, _ = sequences(lengths, slots)
-    d_state = cuda.to_device(state.astype(np.float32))
+    d_state = cuda.to_device(state if state.dtype == np.uint16 else state.astype(np.float32))
     out = cuda.to_device(np.zeros((qkv_bits.shape[0], layer["num_v_heads"] * layer["value_dim"]), np.uint16))
     args = (cuda.to_device(qkv_bits), cuda.to_device(a_bits), cuda.to_device(b_bits),
             cuda.to_device(layer["a_log"]), cuda.to_device(layer["dt_bias"]), d_state, slot_ids, token_offsets, out)

@@ -9,12 +9,11 @@ import pytest
 from numba import cuda
 
 from tests.kernels.gated_delta_helpers import (QWEN35_4B, assert_fused_equals_three_kernels, decode_inputs,
-                                               make_decode_layer, make_layer, make_tokens, run_linear_step,
-                                               sequences, table_of)
+                                               make_decode_layer, make_layer, make_tokens, run_linear_step, run_rule,
+                                               table_of)
 from tests.util import bf16_randn, from_bf16_bits, to_bf16_bits
 
-from pegainfer.kernels.gated_delta import (allocate_chunk_scratch, clear_state_slots, copy_state_slots,
-                                           gated_delta_chunked, reference_gated_delta)
+from pegainfer.kernels.gated_delta import clear_state_slots, copy_state_slots
 from pegainfer.kernels.primitives import sm_count
 
 
@@ -71,19 +70,10 @@ def test_an_odd_tile_count_is_refused_for_a_bf16_state(rng):
                         cuda.to_device(np.array([3], np.int32)), tiles_per_thread=1)
 
 
-def _rule(form, layer, tokens, state, slots, lengths, chunk=4):
+def _rule(form, layer, tokens, state, slots, lengths):
+    """``run_rule`` of ``tokens`` (``make_tokens``' bits) from ``state``."""
     qkv_bits, _, a_bits, _, b_bits, _ = tokens
-    slot_ids, token_offsets, _ = sequences(lengths, slots)
-    d_state = cuda.to_device(state)
-    out = cuda.to_device(np.zeros((qkv_bits.shape[0], layer["num_v_heads"] * layer["value_dim"]), np.uint16))
-    args = (cuda.to_device(qkv_bits), cuda.to_device(a_bits), cuda.to_device(b_bits),
-            cuda.to_device(layer["a_log"]), cuda.to_device(layer["dt_bias"]), d_state, slot_ids, token_offsets, out)
-    if form == "reference":
-        reference_gated_delta(*args)
-    else:
-        scratch = allocate_chunk_scratch(qkv_bits.shape[0], layer["num_k_heads"], layer["num_v_heads"], chunk)
-        gated_delta_chunked(*args, scratch, max_seq_tokens=max(lengths))
-    return out.copy_to_host(), d_state.copy_to_host()
+    return run_rule(form, layer, qkv_bits, a_bits, b_bits, state, slots, lengths)
 
 
 def test_chunked_prefill_on_a_bf16_state(rng):

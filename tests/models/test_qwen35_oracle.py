@@ -161,14 +161,11 @@ def test_every_step_launch_keeps_the_pdl_contract(tiny):
     assert_pdl_contract(launches_during(lambda: greedy_decode(engine, _prompt(11), 2, "pdl")))
 
 
-def test_greedy_decode_matches_hf(tiny):
-    """Two requests under a 9-token step budget: a 5-token prompt (one chunk) and a 13-token prompt (chunks of 4
-    and 9 tokens, the first beside the other prompt, the second beside its first decode), both through the chunked
-    form, then 8 greedy tokens each, decoded together in one step per token.  Each must follow its own HF greedy
-    continuation, with HF's logits."""
+def _decode_two_prompts(engine):
+    """``PROMPT_LENGTHS``' two prompts added together under the step budget, ``DECODE_STEPS`` greedy tokens each:
+    (prompts, each one's tokens, each one's logits rows); every page and slot back after."""
     from pegainfer.engine.types import SamplingParams
 
-    ref, engine = tiny
     engine.runner.keep_logits = True
     prompts = [_prompt(PROMPT_LENGTHS[0], seed=1), _prompt(PROMPT_LENGTHS[1], seed=2)]
     for k, p in enumerate(prompts):
@@ -182,6 +179,16 @@ def test_greedy_decode_matches_hf(tiny):
             tokens[k].extend(out.new_token_ids)
             logits[k].append(rows[row].copy())
     assert engine.stats()["kv_pages_used"] == 0 and engine.stats()["slots_used"] == 0
+    return prompts, tokens, logits
+
+
+def test_greedy_decode_matches_hf(tiny):
+    """Two requests under a 9-token step budget: a 5-token prompt (one chunk) and a 13-token prompt (chunks of 4
+    and 9 tokens, the first beside the other prompt, the second beside its first decode), both through the chunked
+    form, then 8 greedy tokens each, decoded together in one step per token.  Each must follow its own HF greedy
+    continuation, with HF's logits."""
+    ref, engine = tiny
+    prompts, tokens, logits = _decode_two_prompts(engine)
     for k, p in enumerate(prompts):
         hf_tokens = _hf_greedy(ref, p)
         theirs = _hf_logits(ref, p + hf_tokens[:-1])[len(p) - 1:]
@@ -197,27 +204,13 @@ def test_a_bf16_state_follows_hf(tiny):
     """``mamba_ssm_cache_dtype="bfloat16"`` (the state kept as bf16 bits, half its bytes): the same two prompts as
     ``test_greedy_decode_matches_hf`` give HF's greedy tokens (whose state stays f32), their logits within 4e-2
     (measured: up to 0.024; 0.02 is the f32 state's bound), every page and slot back."""
-    from pegainfer.engine.types import SamplingParams
-
     ref, f32 = tiny
     engine = _engine(f32.folder, mamba_ssm_cache_dtype="bfloat16")
     m = engine.model
     assert m.ssm_state.dtype == np.uint16 and f32.model.ssm_state.dtype == np.float32
     conv = m.conv_dim * m.conv_kernel * 2 * len(m.linear_layers)
     assert m.state_bytes(1) - conv == (f32.model.state_bytes(1) - conv) // 2
-    engine.runner.keep_logits = True
-    prompts = [_prompt(PROMPT_LENGTHS[0], seed=1), _prompt(PROMPT_LENGTHS[1], seed=2)]
-    for k, p in enumerate(prompts):
-        engine.add_request(f"seq{k}", p, SamplingParams(max_tokens=DECODE_STEPS, temperature=0.0, ignore_eos=True))
-    tokens, logits = ([], []), ([], [])
-    while engine.has_unfinished():
-        outs = [o for o in engine.step() if o.new_token_ids]
-        rows = engine.runner.logits_host(len(outs)) if outs else None
-        for row, out in enumerate(outs):
-            k = int(out.request_id[3:])
-            tokens[k].extend(out.new_token_ids)
-            logits[k].append(rows[row].copy())
-    assert engine.stats()["kv_pages_used"] == 0 and engine.stats()["slots_used"] == 0
+    prompts, tokens, logits = _decode_two_prompts(engine)
     for k, p in enumerate(prompts):
         hf_tokens = _hf_greedy(ref, p)
         theirs = _hf_logits(ref, p + hf_tokens[:-1])[len(p) - 1:]

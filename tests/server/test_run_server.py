@@ -31,6 +31,14 @@ def start(*args) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def health(url: str):
+    """``/health``'s status code, or None while nothing listens."""
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code
+    except httpx.TransportError:
+        return None
+
+
 def test_serve_lifecycle_and_request_log(model_folder):
     port = free_port()
     proc = start(str(model_folder), "--port", str(port), "--served-model-name", "tiny", "--api-key", "k",
@@ -38,13 +46,8 @@ def test_serve_lifecycle_and_request_log(model_folder):
     try:
         url = f"http://127.0.0.1:{port}"
 
-        def health():
-            try:
-                return httpx.get(f"{url}/health", timeout=2).status_code
-            except httpx.TransportError:
-                return None
-        assert wait_until(health, timeout=30, what="the server to listen") == 503  # listening, still loading
-        wait_until(lambda: health() == 200, timeout=30, what="the model to load")
+        assert wait_until(lambda: health(url), timeout=30, what="the server to listen") == 503   # still loading
+        wait_until(lambda: health(url) == 200, timeout=30, what="the model to load")
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
         r = client.completions.create(model="tiny", prompt="Hello", max_tokens=3,
                                       extra_headers={"x-request-id": "lifecycle-1"})
@@ -90,12 +93,7 @@ def test_port_zero_serves_on_a_free_port(model_folder):
         url = f"http://127.0.0.1:{found.group(1)}"
         assert int(found.group(1)) > 0
 
-        def health():
-            try:
-                return httpx.get(f"{url}/health", timeout=2).status_code
-            except httpx.TransportError:
-                return None
-        wait_until(lambda: health() == 200, timeout=30, what="the model to load")
+        wait_until(lambda: health(url) == 200, timeout=30, what="the model to load")
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     finally:
@@ -121,12 +119,7 @@ def _serve_one_completion(model_folder, *flags) -> str:
     try:
         url = f"http://127.0.0.1:{port}"
 
-        def health():
-            try:
-                return httpx.get(f"{url}/health", timeout=2).status_code
-            except httpx.TransportError:
-                return None
-        wait_until(lambda: health() == 200, timeout=30, what="the model to load")
+        wait_until(lambda: health(url) == 200, timeout=30, what="the model to load")
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 5, "ignore_eos": True},
                        timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5

@@ -93,8 +93,9 @@ class Scheduler:
 
     def _insert_waiting(self, seq: Sequence) -> None:
         """Into the waiting queue at its place by (priority, arrival)."""
-        keys = [(s.params.priority, s.arrival) for s in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, (seq.params.priority, seq.arrival)), seq)
+        at = bisect.bisect_right(self.waiting, (seq.params.priority, seq.arrival),
+                                 key=lambda s: (s.params.priority, s.arrival))
+        self.waiting.insert(at, seq)
 
     def _victim(self) -> Sequence:
         """The running sequence a short pool preempts: the newest, or with ``priority`` the newest of the highest

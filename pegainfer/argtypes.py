@@ -183,11 +183,7 @@ def chat_template(text: str) -> str:
     ``chat_template`` string as model folders keep it), or given as the template's text itself (as vLLM takes it)."""
     path = os.path.expanduser(text)
     if os.path.isfile(path):
-        try:
-            with open(path, encoding="utf-8") as f:
-                source = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise argparse.ArgumentTypeError(f"cannot read {path} ({e})") from None
+        source = text_file(path)
         if path.endswith(".json"):
             import json
             try:
